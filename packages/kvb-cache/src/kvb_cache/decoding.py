@@ -1,0 +1,69 @@
+"""Contracts between the engine's decode loop and pluggable decoders (e.g. speculative decoding).
+
+kvb_cache defines these protocols because it consumes them; providers such as ``kvb_speculative`` satisfy
+them structurally and import nothing from kvb_cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+
+@runtime_checkable
+class TokenProcessor(Protocol):
+    """One request's sampling rule, exactly as the engine's own decode loop applies it."""
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of :meth:`process` (temperature 0)."""
+        ...
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The request's seeded RNG (None: torch's global RNG). Draw every random number from it."""
+        ...
+
+    def process(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Apply penalties, temperature, top-k and top-p.
+
+        Args:
+            history: ``[S]`` int64 token ids seen so far (prompt + committed output).
+            logits: ``[V]`` raw next-token logits that follow ``history``.
+
+        Returns:
+            ``[V]`` float32 processed logits; excluded tokens are ``-inf``. Sampling draws from their
+            softmax; greedy takes their argmax.
+        """
+        ...
+
+
+@runtime_checkable
+class SpeculativeDecoder(Protocol):
+    """Produces the tokens that follow a prefilled prompt, in place of the engine's one-token loop."""
+
+    def decode(
+        self,
+        model: PreTrainedModel,
+        cache: Cache,
+        input_ids: torch.Tensor,
+        next_logits: torch.Tensor,
+        processor: TokenProcessor,
+    ) -> Iterator[int]:
+        """Yield committed tokens one at a time, indefinitely; the engine closes the iterator when done.
+
+        Args:
+            model: the target causal LM.
+            cache: holds KV for every token of ``input_ids`` (``cache.get_seq_length() == S``).
+            input_ids: ``[1, S]`` prompt token ids.
+            next_logits: ``[V]`` raw target logits at position ``S - 1``.
+            processor: the request's sampling rule; the output distribution must be the one obtained by
+                sampling ``softmax(processor.process(...))`` token by token (argmax when greedy).
+
+        When the i-th token is yielded, ``cache`` must hold KV for at least ``input_ids`` and the ``i - 1``
+        tokens yielded before it (possibly more, from rejected drafts); the engine crops it afterwards.
+        """
+        ...

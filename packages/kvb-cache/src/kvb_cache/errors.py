@@ -1,0 +1,50 @@
+"""The exceptions kvb-cache raises. Every one derives from :class:`KVBoostError`.
+
+User mistakes subclass ``ValueError``/``TypeError`` as well, so callers that only know the builtins still
+catch them; each message says what to change.
+"""
+
+from __future__ import annotations
+
+
+class KVBoostError(Exception):
+    """Base class of every error raised by KVBoost."""
+
+
+class InvalidRequestError(KVBoostError, ValueError):
+    """A request argument is out of range or malformed (empty prompt, ``max_new_tokens <= 0``, ...)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        #: Name of the offending argument, for API layers that report it (OpenAI's ``param`` field).
+        self.param = param
+
+
+class PromptTypeError(KVBoostError, TypeError):
+    """The prompt is not a string (or a list of token ids)."""
+
+    def __init__(self, message: str, *, param: str | None = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt tokens plus ``max_new_tokens`` exceed the model's context window."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+        super().__init__(message, param="max_new_tokens")
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+
+
+class ModelLoadError(KVBoostError, OSError):
+    """A model or tokenizer could not be loaded (unknown path, missing optional package, ...)."""
+
+
+class UnsupportedModelError(KVBoostError):
+    """The model's architecture cannot be served by the engine (the message names why)."""
+
+
+class ConfigError(KVBoostError, ValueError):
+    """An engine configuration value is invalid."""
