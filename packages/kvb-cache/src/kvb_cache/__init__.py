@@ -1,0 +1,39 @@
+"""kvb-cache: content-addressed, chunk-level KV reuse for Hugging Face causal LMs."""
+
+from kvb_cache._version import __version__
+from kvb_cache.config import EngineConfig
+from kvb_cache.decoding import SpeculativeDecoder, TokenProcessor
+from kvb_cache.engine import KVBoost
+from kvb_cache.errors import (
+    ConfigError,
+    ContextLengthError,
+    InvalidRequestError,
+    KVBoostError,
+    ModelLoadError,
+    PromptTypeError,
+    UnsupportedModelError,
+)
+from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
+from kvb_cache.sampling import SamplingParams
+
+__all__ = [
+    "ChunkHit",
+    "ConfigError",
+    "ContextLengthError",
+    "EngineConfig",
+    "GenerationResult",
+    "HitKind",
+    "InvalidRequestError",
+    "KVBoost",
+    "KVBoostError",
+    "ModelLoadError",
+    "PromptTypeError",
+    "SamplingParams",
+    "SpeculativeDecoder",
+    "StreamEvent",
+    "TokenLogprob",
+    "TokenProcessor",
+    "UnsupportedModelError",
+    "WarmResult",
+    "__version__",
+]

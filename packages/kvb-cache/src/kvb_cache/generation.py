@@ -1,0 +1,165 @@
+"""One request from prepared prompt ids to streamed tokens: prefill, decode loop, stop handling, store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvb_cache.detokenize import IncrementalDetokenizer
+from kvb_cache.forward import decode_step, prefill
+from kvb_cache.results import ChunkHit, FinishReason, GenerationResult, StreamEvent, TokenLogprob
+from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.stopping import StopStrings
+
+if TYPE_CHECKING:
+    from kvb_cache.engine import KVBoost, PreparedPrompt
+
+
+@dataclass(slots=True)
+class _Emitter:
+    """Turns chosen tokens into text deltas, applying stop strings and end-of-sequence."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    eos: frozenset[int]
+    max_new: int
+    text: str = ""
+    sent: int = 0
+    finish: FinishReason | None = None
+    stop_reason: str | None = None
+
+    def push(self, token: int, produced: int) -> str:
+        """Account for one generated token; return the text now safe to stream."""
+        if token in self.eos:
+            self.text += self.detok.flush()
+            return self._finish("stop", len(self.text))
+        before = len(self.text)
+        self.text += self.detok.push(token)
+        match = self.stops.find(self.text, before)
+        if match is not None:
+            self.stop_reason = match.stop
+            return self._finish("stop", match.index)
+        if produced >= self.max_new:
+            self.text += self.detok.flush()
+            match = self.stops.find(self.text, before)
+            if match is not None:
+                self.stop_reason = match.stop
+                return self._finish("stop", match.index)
+            return self._finish("length", len(self.text))
+        safe = len(self.text) - self.stops.holdback(self.text)
+        delta, self.sent = self.text[self.sent : safe], max(self.sent, safe)
+        return delta
+
+    def _finish(self, reason: FinishReason, end: int) -> str:
+        self.finish = reason
+        self.text = self.text[:end]
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta
+
+
+def token_logprob(engine: KVBoost, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Log-probability of ``token`` under the model's raw next-token distribution ``logits`` ``[V]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: tuple[tuple[int, str, float], ...] = ()
+    if top:
+        values, indices = torch.topk(logp, top)
+        alternatives = tuple((int(i), engine.token_text(int(i)), float(v)) for v, i in zip(values, indices))
+    return TokenLogprob(token_id=token, token=engine.token_text(token), logprob=float(logp[token]), top=alternatives)
+
+
+def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: float) -> Iterator[StreamEvent]:
+    """Generate for one prompt; yields text deltas, then a final event carrying the result."""
+    ids = prepared.ids
+    n = len(ids)
+    device = engine.device
+    cache = prepared.cache
+    hist = torch.empty(n + params.max_new_tokens, dtype=torch.long, device=device)
+    hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
+    processor = RequestProcessor(params, prompt_len=n, device=device)
+    emitter = _Emitter(
+        detok=IncrementalDetokenizer(engine.tokenizer), stops=StopStrings(params.stop),
+        eos=frozenset() if params.ignore_eos else engine.eos_token_ids, max_new=params.max_new_tokens,
+    )
+    out: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    ttft_ms = 0.0
+    stored = False
+    try:
+        with torch.inference_mode():
+            suffix = hist[prepared.cached_tokens : n].unsqueeze(0)
+            positions = torch.arange(prepared.cached_tokens, n, device=device).unsqueeze(0)
+            logits = prefill(
+                engine.model, engine.traits, cache, suffix, positions, slice_size=prepared.prefill_chunk_size
+            )[0]
+            speculative = engine.drafter is not None and params.logprobs is None
+            tokens = (
+                engine.drafter.decode(engine.model, cache, hist[:n].unsqueeze(0), logits, processor)
+                if speculative
+                else None
+            )
+            while True:
+                if tokens is not None:
+                    token = next(tokens)
+                else:
+                    token = processor.choose(hist[: n + len(out)], logits)
+                if params.logprobs is not None:
+                    logprobs.append(token_logprob(engine, logits, token, params.logprobs))
+                hist[n + len(out)] = token
+                out.append(token)
+                if len(out) == 1:
+                    ttft_ms = (time.perf_counter() - t0) * 1e3
+                delta = emitter.push(token, len(out))
+                if delta or emitter.finish:
+                    yield StreamEvent(
+                        delta_text=delta, token_ids=(token,), logprobs=tuple(logprobs[-1:]) if logprobs else ()
+                    )
+                elif params.logprobs is not None:
+                    yield StreamEvent(delta_text="", token_ids=(token,), logprobs=(logprobs[-1],))
+                if emitter.finish:
+                    break
+                if tokens is None:
+                    pos = torch.tensor([[n + len(out) - 1]], device=device)
+                    logits = decode_step(engine.model, cache, hist[n + len(out) - 1 : n + len(out)].unsqueeze(0), pos)[0]
+            if tokens is not None:
+                tokens.close()
+        stored = True
+        engine.store_sequence(ids + out[:-1] if engine.config.store_outputs else ids, cache)
+    finally:
+        if not stored:
+            # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
+            engine.store_sequence(ids + out[:-1] if engine.config.store_outputs else ids, cache)
+    result = GenerationResult(
+        output_text=emitter.text,
+        output_ids=out,
+        prompt_tokens=n,
+        cached_tokens=prepared.cached_tokens,
+        ttft_ms=ttft_ms,
+        total_ms=(time.perf_counter() - t0) * 1e3,
+        finish_reason=emitter.finish or "length",
+        chunks=prepared.chunks,
+        logprobs=tuple(logprobs) if params.logprobs is not None else None,
+        stop_reason=emitter.stop_reason,
+    )
+    engine.record_request(result)
+    yield StreamEvent(delta_text="", result=result)
+
+
+def chunk_hits(prepared_spans, cached_tokens: int) -> tuple[ChunkHit, ...]:
+    """Describe each prompt span as exact / partial / miss given how many leading tokens were cached."""
+    from kvb_cache.results import HitKind
+
+    hits = []
+    for span in prepared_spans:
+        cached = max(0, min(span.end, cached_tokens) - span.start)
+        if cached == span.length:
+            kind = HitKind.EXACT
+        elif cached > 0:
+            kind = HitKind.PARTIAL
+        else:
+            kind = HitKind.MISS
+        hits.append(ChunkHit(start=span.start, end=span.end, kind=kind, cached_tokens=cached))
+    return tuple(hits)

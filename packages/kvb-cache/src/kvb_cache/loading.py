@@ -1,0 +1,75 @@
+"""Loading a model and tokenizer by name, with errors that say what to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvb_cache.embedded import is_embedded_name, resolve_model_path
+from kvb_cache.errors import ConfigError, ModelLoadError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    #: The name users gave (the embedded short name stays as given).
+    name: str
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or a torch dtype, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device must look like 'cpu', 'cuda' or 'cuda:0', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was requested but CUDA is not available; use device='cpu'")
+    return resolved
+
+
+def load_model_and_tokenizer(
+    name_or_path: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer; the embedded model's short names are accepted."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise ModelLoadError(f"model must be a non-empty path or name, got {name_or_path!r}")
+    path = resolve_model_path(name_or_path)
+    torch_device = resolve_device(device)
+    kwargs = {"dtype": resolve_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        hint = "" if is_embedded_name(name_or_path) else (
+            " Pass a local folder with config.json and weights, a hub id already in your local Hugging Face "
+            "cache, or 'smollm2-135m' for the embedded model."
+        )
+        raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}.{hint}") from exc
+    model.to(torch_device)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name_or_path)

@@ -1,0 +1,155 @@
+"""Per-request sampling parameters and the token processor that applies them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from kvb_cache.errors import InvalidRequestError, PromptTypeError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How one request decodes.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``repetition_penalty`` follows Hugging Face (divides positive logits of every token seen, prompt
+    included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
+    tokens already generated). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
+    most likely alternatives (None: off).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {why}, got {getattr(self, param)!r}", param=param)
+
+        def number(param: str) -> float:
+            value = getattr(self, param)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(param, "must be a finite number")
+            return value
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise bad("max_new_tokens", "must be an int")
+        if self.max_new_tokens <= 0:
+            raise bad("max_new_tokens", "must be >= 1")
+        if number("temperature") < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < number("top_p") <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an int >= 0 (0 disables it)")
+        if number("repetition_penalty") <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
+        for param in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(param) <= 2:
+                raise bad(param, "must be in [-2, 2]")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a tuple of non-empty strings")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", "must be an int or None")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
+            raise bad("logprobs", "must be None or an int in [0, 20]")
+
+    @classmethod
+    def build(cls, *, stop: str | list[str] | tuple[str, ...] | None = None, **fields) -> SamplingParams:
+        """Accept ``stop`` as a string, a list or None (as the public API does)."""
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stops = tuple(stop)
+        else:
+            raise PromptTypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop")
+        return cls(stop=stops, **fields)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestProcessor:
+    """Applies a request's :class:`SamplingParams` to raw logits (satisfies ``decoding.TokenProcessor``).
+
+    Repetition penalty, temperature, top-k and top-p are transformers' own logits processors; only the
+    OpenAI presence/frequency penalties, which transformers lacks, are done here.
+    """
+
+    def __init__(self, params: SamplingParams, *, prompt_len: int, device: torch.device) -> None:
+        self.params = params
+        self.prompt_len = prompt_len
+        processors = LogitsProcessorList()
+        if params.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+        if not params.greedy:
+            if params.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+        self._processors = processors
+        self._penalized = bool(params.presence_penalty or params.frequency_penalty)
+        self._generator: torch.Generator | None = None
+        if params.seed is not None:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(params.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self._generator
+
+    @property
+    def is_identity(self) -> bool:
+        """True when processing cannot change the argmax (greedy without penalties): skip it."""
+        return self.greedy and not self._processors and not self._penalized
+
+    def process(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``history`` ``[S]`` int64, ``logits`` ``[V]`` -> processed ``[V]`` float32."""
+        scores = logits.float().unsqueeze(0)
+        if self._penalized:
+            generated = history[self.prompt_len :]
+            if generated.numel():
+                counts = torch.bincount(generated, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores)
+                scores = scores - self.params.frequency_penalty * counts - self.params.presence_penalty * (counts > 0)
+        if self._processors:
+            scores = self._processors(history.unsqueeze(0), scores)
+        return scores[0]
+
+    def choose(self, history: torch.Tensor, logits: torch.Tensor) -> int:
+        """Pick the next token from raw ``logits`` ``[V]``."""
+        if self.is_identity:
+            return int(torch.argmax(logits))
+        scores = self.process(history, logits)
+        if self.greedy:
+            return int(torch.argmax(scores))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self._generator))

@@ -1,0 +1,159 @@
+"""Byte-budgeted, thread-safe in-memory chunk store keyed by prefix hash."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.store.entry import ChunkEntry
+from kvb_cache.store.eviction import EvictionPolicy, FrequencyRecencyPolicy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    inserts: int
+    evictions: int
+    rejected: int
+
+
+class ChunkStore:
+    """Chunks by prefix hash, with a parent -> children index and a content-hash index.
+
+    Invariants (kept under one lock): every stored chunk's parent is the root or a stored chunk; total
+    bytes never exceed ``max_bytes``; only leaves (chunks without stored children) are evicted, so no chain
+    is ever left with a gap.
+    """
+
+    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.policy = policy or FrequencyRecencyPolicy()
+        self._entries: dict[ChunkHash, ChunkEntry] = {}
+        self._children: dict[ChunkHash, set[ChunkHash]] = defaultdict(set)
+        self._by_content: dict[ChunkHash, set[ChunkHash]] = defaultdict(set)
+        self._bytes = 0
+        self._clock = 0
+        self._inserts = 0
+        self._evictions = 0
+        self._rejected = 0
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: ChunkHash) -> bool:
+        return key in self._entries
+
+    def get(self, key: ChunkHash) -> ChunkEntry | None:
+        """The entry for ``key`` (counted as a use), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._touch(entry)
+            return entry
+
+    def peek(self, key: ChunkHash) -> ChunkEntry | None:
+        """Like :meth:`get` without counting a use."""
+        return self._entries.get(key)
+
+    def children(self, parent: ChunkHash) -> list[ChunkEntry]:
+        """Stored chunks that directly follow ``parent``."""
+        with self._lock:
+            return [self._entries[k] for k in self._children.get(parent, ())]
+
+    def by_content(self, content: ChunkHash) -> list[ChunkEntry]:
+        """Stored chunks with these tokens, after any history."""
+        with self._lock:
+            return [self._entries[k] for k in self._by_content.get(content, ())]
+
+    def touch(self, entry: ChunkEntry) -> None:
+        with self._lock:
+            if entry.key in self._entries:
+                self._touch(entry)
+
+    def put(self, entry: ChunkEntry, *, root: ChunkHash) -> bool:
+        """Insert ``entry`` unless present; evict leaves to make room. Returns whether it is now stored.
+
+        Refused when its parent is neither ``root`` nor stored (the chain was evicted meanwhile), or when
+        it alone exceeds the budget.
+        """
+        with self._lock:
+            if entry.key in self._entries:
+                return True
+            parent = self._entries.get(entry.parent)
+            if entry.parent != root and (parent is None or not parent.complete):
+                self._rejected += 1
+                return False
+            if entry.nbytes > self.max_bytes:
+                self._rejected += 1
+                return False
+            if entry.complete:
+                # A complete chunk subsumes partial tails of its own prefix stored under the same parent.
+                for sibling in self.children(entry.parent):
+                    if not sibling.complete and entry.token_ids[: sibling.num_tokens] == sibling.token_ids:
+                        self._remove(sibling)
+            protected = {entry.parent}
+            while self._bytes + entry.nbytes > self.max_bytes:
+                if not self._evict_one(protected):
+                    self._rejected += 1
+                    return False
+            self._entries[entry.key] = entry
+            self._children[entry.parent].add(entry.key)
+            self._by_content[entry.content].add(entry.key)
+            self._bytes += entry.nbytes
+            self._inserts += 1
+            self._clock += 1
+            entry.last_used = self._clock
+            self.policy.on_insert(self._entries.values())
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._children.clear()
+            self._by_content.clear()
+            self._bytes = 0
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                entries=len(self._entries),
+                bytes=self._bytes,
+                max_bytes=self.max_bytes,
+                inserts=self._inserts,
+                evictions=self._evictions,
+                rejected=self._rejected,
+            )
+
+    def _touch(self, entry: ChunkEntry) -> None:
+        self._clock += 1
+        entry.hits += 1
+        entry.last_used = self._clock
+
+    def _evict_one(self, protected: set[ChunkHash]) -> bool:
+        leaves = [e for k, e in self._entries.items() if k not in protected and not self._children.get(k)]
+        if not leaves:
+            return False
+        self._remove(self.policy.victim(leaves))
+        self._evictions += 1
+        return True
+
+    def _remove(self, entry: ChunkEntry) -> None:
+        assert not self._children.get(entry.key), "only leaves are removed"
+        del self._entries[entry.key]
+        self._children.pop(entry.key, None)
+        siblings = self._children.get(entry.parent)
+        if siblings is not None:
+            siblings.discard(entry.key)
+            if not siblings:
+                del self._children[entry.parent]
+        same = self._by_content.get(entry.content)
+        if same is not None:
+            same.discard(entry.key)
+            if not same:
+                del self._by_content[entry.content]
+        self._bytes -= entry.nbytes

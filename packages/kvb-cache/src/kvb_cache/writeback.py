@@ -1,0 +1,72 @@
+"""Store the chunks of a finished forward, sliced out of the cache it filled."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import DynamicCache
+
+from kvb_cache.chunking import Chunker
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.kv import slice_kv
+from kvb_cache.lookup import chunk_keys
+from kvb_cache.store import ChunkEntry, ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WritebackResult:
+    #: Complete chunks covering the sequence that are now stored (new or already present).
+    stored_chunks: int
+    new_chunks: int
+    partial_tail: bool
+
+
+def write_back(
+    store: ChunkStore,
+    chunker: Chunker,
+    root: ChunkHash,
+    ids: Sequence[int],
+    cache: DynamicCache,
+    *,
+    row: int = 0,
+    offset: int = 0,
+    store_partial_tail: bool = True,
+) -> WritebackResult:
+    """Store every chunk of ``ids`` not yet cached, using the KV already in ``cache``.
+
+    Args:
+        ids: the token sequence whose KV occupies ``cache`` positions ``[offset, offset + len(ids))`` of
+            batch row ``row`` (offset > 0 when the row is left-padded).
+
+    Nothing is recomputed: KV is copied out of the cache the request's own forward filled. A cache whose
+    layers disagree on length (a forward that failed midway) is not trusted and nothing is stored.
+    """
+    lengths = {layer.keys.shape[2] for layer in cache.layers}
+    if len(lengths) != 1 or lengths.pop() < offset + len(ids):
+        logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
+        return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+    spans = chunker.split(ids)
+    keys = chunk_keys(root, ids, spans)
+    stored = new = 0
+    partial = False
+    parent = root
+    for span, key, content in zip(keys.spans, keys.prefix, keys.content):
+        if not span.complete and not store_partial_tail:
+            break
+        if key not in store:
+            entry = ChunkEntry(
+                key=key, parent=parent, content=content, token_ids=tuple(ids[span.start : span.end]),
+                kv=slice_kv(cache, offset + span.start, offset + span.end, row=row), start=span.start,
+                complete=span.complete,
+            )
+            if not store.put(entry, root=root):
+                break
+            new += span.complete
+            partial = not span.complete
+        stored += span.complete
+        parent = key
+    return WritebackResult(stored_chunks=stored, new_chunks=new, partial_tail=partial)
