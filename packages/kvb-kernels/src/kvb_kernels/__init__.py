@@ -1,0 +1,35 @@
+"""kvb-kernels: FA2-style Triton attention for Hugging Face transformers.
+
+``attn_implementation="kvb_attention"`` after :func:`register_kvb_attention` (or :func:`install_flash_attention`
+on a loaded model); direct entry points for dense, block-table (paged) and int8 KIVI K/V.
+"""
+
+from kvb_kernels._version import __version__
+from kvb_kernels.attention import flash_attention
+from kvb_kernels.errors import DeviceError, DTypeError, KernelError, KernelUnavailableError, ShapeError
+from kvb_kernels.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    install_flash_attention,
+    kvb_attention_forward,
+    register_kvb_attention,
+    uninstall_flash_attention,
+)
+from kvb_kernels.tier import FlashAttnTier, flash_attention_available, get_flash_attn_tier
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DTypeError",
+    "DeviceError",
+    "FlashAttnTier",
+    "KernelError",
+    "KernelUnavailableError",
+    "ShapeError",
+    "__version__",
+    "flash_attention",
+    "flash_attention_available",
+    "get_flash_attn_tier",
+    "install_flash_attention",
+    "kvb_attention_forward",
+    "register_kvb_attention",
+    "uninstall_flash_attention",
+]

@@ -1,0 +1,52 @@
+"""Where the Triton kernels can run: a CUDA device, or the CPU through Triton's interpreter.
+
+``TRITON_INTERPRET=1`` makes Triton execute kernels in NumPy on CPU tensors. It is slow and only meant for
+tests; its bf16 ``tl.dot`` is known to be wrong, so bf16 is never served there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from kvb_kernels.errors import KernelUnavailableError
+
+TRITON_EXTRA_HINT = 'install the Triton extra: pip install "kvb-kernels[triton]"'
+
+
+def triton_installed() -> bool:
+    """True when the ``triton`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_triton() -> ModuleType:
+    """Import and return ``triton``, or raise :class:`KernelUnavailableError` naming the extra."""
+    if not triton_installed():
+        raise KernelUnavailableError(f"the kvb_flash Triton kernels need Triton; {TRITON_EXTRA_HINT}")
+    import triton
+
+    return triton
+
+
+def device_supported(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on ``device`` in this process."""
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreter_enabled()
+
+
+def dtype_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """fp16/bf16 (and fp32, computed in IEEE fp32) on CUDA; fp16/fp32 under the interpreter."""
+    if device.type == "cuda":
+        return dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return dtype in (torch.float16, torch.float32)

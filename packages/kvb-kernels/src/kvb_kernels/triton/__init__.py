@@ -1,0 +1,1 @@
+"""Triton kernels. Importing this subpackage requires Triton (``pip install "kvb-kernels[triton]"``)."""
