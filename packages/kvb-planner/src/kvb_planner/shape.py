@@ -1,0 +1,133 @@
+"""The memory-relevant dimensions of a decoder-only model, read from a Hugging Face config or model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kvb_planner.errors import PlannerConfigError
+
+#: Attention implementation assumed when a config does not name one (transformers' own default).
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    if dtype is None:
+        return 4  # transformers builds fp32 weights when a config names no dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise PlannerConfigError(f"unknown dtype {dtype!r}; pass a torch.dtype such as torch.bfloat16")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise PlannerConfigError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _require(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int):
+        raise PlannerConfigError(
+            f"config has no integer {name!r}; ModelShape.from_config expects a decoder-only transformers config "
+            "(Llama/Mistral/Qwen-style). Build a ModelShape(...) by hand for other architectures."
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    """Dimensions that drive memory use. Build with :meth:`from_config` or :meth:`from_model`.
+
+    Attributes:
+        num_layers: Decoder layers, each holding its own K and V.
+        hidden_size: Residual stream width ``H``.
+        num_attention_heads: Query heads ``Hq``.
+        num_kv_heads: Key/value heads ``Hkv`` (``< Hq`` under grouped-query attention).
+        head_dim: Per-head width ``d``; K and V per token and layer are ``[Hkv, d]`` each.
+        intermediate_size: MLP width ``I`` (gate/up projections).
+        vocab_size: Logit width ``V``.
+        dtype_bytes: Bytes per weight/activation element (4 fp32, 2 bf16/fp16).
+        weight_bytes: Parameter bytes (tied weights counted once).
+        attn_implementation: transformers' attention backend name (``"sdpa"``, ``"eager"``, ...); decides
+            whether attention scores are materialised.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    weight_bytes: int
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise PlannerConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise PlannerConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            raise PlannerConfigError(f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes})")
+        if self.weight_bytes < 0:
+            raise PlannerConfigError(f"weight_bytes must be >= 0 (got {self.weight_bytes})")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Unquantized K+V bytes for one token across all layers: ``2 * L * Hkv * d * dtype_bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None
+    ) -> ModelShape:
+        """Read a transformers decoder config (``LlamaConfig``, ``MistralConfig``, ...).
+
+        ``weight_bytes`` is computed from the Llama layout (embeddings, q/k/v/o, gated MLP, two norms per
+        layer, untied ``lm_head`` when ``tie_word_embeddings`` is false); biases are ignored. Use
+        :meth:`from_model` for an exact count.
+
+        Args:
+            config: A transformers ``PretrainedConfig`` (any object with the same attributes).
+            dtype: Element type the model runs in; defaults to ``config.dtype``, else fp32.
+            attn_implementation: Overrides ``config._attn_implementation`` (default ``"sdpa"``).
+        """
+        hidden = _require(config, "hidden_size")
+        heads = _require(config, "num_attention_heads")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        layers = _require(config, "num_hidden_layers")
+        inter = _require(config, "intermediate_size")
+        vocab = _require(config, "vocab_size")
+        elem = _dtype_bytes(dtype if dtype is not None else getattr(config, "dtype", None))
+        per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
+        embeddings = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+        params = embeddings + layers * per_layer + hidden
+        impl = attn_implementation or getattr(config, "_attn_implementation", None) or DEFAULT_ATTN_IMPLEMENTATION
+        return cls(
+            num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, dtype_bytes=elem,
+            weight_bytes=params * elem, attn_implementation=impl,
+        )
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        """Read ``model.config`` and count the actual parameter bytes (tied tensors once) and dtype."""
+        seen: set[int] = set()
+        weight_bytes = 0
+        dtype = None
+        for param in model.parameters():  # parameters() already skips tied duplicates; the set guards views
+            if param.data_ptr() in seen:
+                continue
+            seen.add(param.data_ptr())
+            weight_bytes += param.numel() * param.element_size()
+            dtype = dtype or param.dtype
+        return replace(cls.from_config(model.config, dtype=dtype), weight_bytes=weight_bytes)
