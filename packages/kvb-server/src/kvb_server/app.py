@@ -1,0 +1,143 @@
+"""``create_app``: the FastAPI application serving one engine."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvb_server._version import __version__
+from kvb_server.config import ServerConfig
+from kvb_server.engine import ServingEngine
+from kvb_server.errors import AuthenticationError, InvalidParameterError, ServerError
+from kvb_server.gate import AdmitAll, RequestGate
+from kvb_server.metrics import ServerMetrics
+from kvb_server.routes import admin_router, openai_router
+from kvb_server.service import GenerationService
+from kvb_server.stats import ThroughputMeter
+from kvb_server.worker import EngineWorker
+
+logger = logging.getLogger(__name__)
+
+#: Routes whose latency is a generation's latency (the histogram is per route).
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+KNOWN_ROUTES = GENERATION_ROUTES | {"/health", "/metrics", "/v1/models", "/v1/stats", "/v1/warm"}
+
+
+class _RequestMetrics:
+    """ASGI middleware counting responses by route and status, and timing generations to their last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        # Bounded label values: unknown paths (scanners, typos) share one label.
+        route = path if path in KNOWN_ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        try:
+            await self._app(scope, receive, send_wrapper)
+        finally:
+            self._metrics.requests.labels(route=route, status=str(status["code"])).inc()
+            if route in GENERATION_ROUTES and status["code"] == 200:
+                self._metrics.latency.labels(route=route).observe(time.monotonic() - started)
+
+
+def _error_response(exc: ServerError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthenticationError) else None
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+
+def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate | None = None) -> FastAPI:
+    """Build the server application for ``engine``.
+
+    Args:
+        engine: what generates (``kvb_server.adapter.KVBoostEngine`` wraps ``kvb_cache.KVBoost``).
+        config: queueing, batching, caps and the API key.
+        gate: admission hook consulted before a request is queued (e.g. the planner's); default admits all.
+    """
+    worker = EngineWorker(engine, config)
+    metrics = ServerMetrics(queue_depth=lambda: worker.depth)
+    throughput = ThroughputMeter()
+    service = GenerationService(config=config, worker=worker, metrics=metrics, gate=gate or AdmitAll(),
+                                throughput=throughput)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        logger.info("serving %s (queue %d, batch %d)", ", ".join(config.model_names), config.max_queue_size,
+                    config.max_batch_size)
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    async def require_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise AuthenticationError(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (the key given to "
+                "--api-key)."
+            )
+        if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise AuthenticationError("Incorrect API key provided. Use the key given to the server's --api-key.")
+
+    app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.add_middleware(_RequestMetrics, metrics=metrics)
+    open_routes, admin_v1 = admin_router(engine=engine, config=config, worker=worker, metrics=metrics,
+                                         throughput=throughput)
+    app.include_router(open_routes)
+    auth = [Depends(require_api_key)]
+    app.include_router(admin_v1, dependencies=auth)
+    app.include_router(openai_router(engine=engine, config=config, service=service, created=int(time.time())),
+                       dependencies=auth)
+
+    @app.exception_handler(ServerError)
+    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        loc = [p for p in first.get("loc", ()) if p != "body"]
+        return _error_response(InvalidParameterError(str(first.get("msg", "invalid request")),
+                                                     param=str(loc[0]) if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ServerError(str(exc.detail), code=None)
+        body = err.body()
+        body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        if exc.status_code == 404:
+            body["error"]["message"] = f"Unknown route {request.method} {request.url.path}."
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(ServerError(f"Internal server error: {type(exc).__name__}").body(), status_code=500)
+
+    return app

@@ -1,0 +1,116 @@
+"""The exceptions kvb-server raises, each mapped to an HTTP status and OpenAI's error body.
+
+OpenAI clients read ``{"error": {"message", "type", "param", "code"}}`` and pick the exception class from
+the status code (400 ``BadRequestError``, 401 ``AuthenticationError``, 404 ``NotFoundError``, ...), so
+every error here carries both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ServerError(Exception):
+    """Base class of every error raised by kvb-server; renders as an OpenAI-style error response."""
+
+    status_code: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: The request parameter at fault (OpenAI's ``param``), when there is one.
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI returns for this error."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class InvalidParameterError(ServerError):
+    """A request parameter is missing, of the wrong type or out of range (400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class UnsupportedFeatureError(InvalidParameterError):
+    """The request asks for a feature this server does not implement (tools, response_format, ...)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message, param=param, code="unsupported_parameter")
+
+
+class AuthenticationError(ServerError):
+    """``--api-key`` is set and the request's Bearer token is missing or wrong (401)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class ModelNotFoundError(ServerError):
+    """The request names a model this server does not serve (404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, model: str, served: tuple[str, ...]) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or you do not have access to it. "
+            f"This server serves: {', '.join(served)}.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class RequestTooLargeError(ServerError):
+    """An admission gate (e.g. the memory planner) refused the request before it was queued (413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, code="request_too_large")
+        self.details = dict(details or {})
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.details:
+            body["error"]["details"] = self.details
+        return body
+
+
+class QueueFullError(ServerError):
+    """The request queue is full (503); the client should retry later."""
+
+    status_code = 503
+    error_type = "server_overloaded"
+
+    def __init__(self, max_queue_size: int) -> None:
+        super().__init__(
+            f"The server is overloaded: {max_queue_size} requests are already queued. Retry shortly, "
+            "or start the server with a larger --max-queue-size.",
+            code="queue_full",
+        )
+
+
+class RequestTimeoutError(ServerError):
+    """The request did not finish within ``--request-timeout`` seconds (504)."""
+
+    status_code = 504
+    error_type = "timeout_error"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"The request did not complete within {timeout_s:g} s (--request-timeout). Ask for fewer "
+            "tokens, retry when the server is less busy, or raise --request-timeout.",
+            code="timeout",
+        )
+
+
+class EngineError(ServerError):
+    """The engine failed while serving the request (500); the message is the engine's."""

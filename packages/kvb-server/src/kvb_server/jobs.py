@@ -1,0 +1,97 @@
+"""Units of work for the engine worker, and the updates it sends back to the waiting request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+from kvb_cache.results import GenerationResult, StreamEvent
+from kvb_server.sampling import SamplingParams
+
+JobId = NewType("JobId", int)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobUpdate:
+    """One message from the worker thread to a request handler.
+
+    Exactly one of ``event``, ``result`` and ``error`` is set. Streaming jobs send every engine event
+    (the last one carries the result); other jobs send only the result, or the error that ended them.
+    """
+
+    choice: int
+    event: StreamEvent | None = None
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    #: Seconds from the request's arrival to the engine starting this job (queueing + batching delay).
+    queue_s: float = 0.0
+
+
+class Inbox:
+    """The asyncio queue a request handler reads its :class:`JobUpdate` s from, fed from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[JobUpdate] = asyncio.Queue()
+
+    def put_threadsafe(self, update: JobUpdate) -> None:
+        # The loop may already be closed when a job finishes after server shutdown: nobody is waiting then.
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+
+    async def get(self, timeout: float) -> JobUpdate:
+        """Next update; raises ``TimeoutError`` after ``timeout`` seconds."""
+        return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class GenerationJob:
+    """One choice of one request: a prompt, its sampling settings and where to report."""
+
+    id: JobId
+    prompt: list[int]
+    sampling: SamplingParams
+    stream: bool
+    choice: int
+    inbox: Inbox
+    #: ``time.monotonic()`` after which the job is abandoned (504).
+    deadline: float
+    enqueued_at: float = field(default_factory=time.monotonic)
+    #: Set by the handler when the client went away or timed out; the worker stops the job.
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def expired(self) -> bool:
+        return self.cancelled.is_set() or time.monotonic() > self.deadline
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class CallJob:
+    """Run ``fn`` on the engine thread (e.g. ``warm``): engine calls are never concurrent."""
+
+    id: JobId
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    deadline: float
+    enqueued_at: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def expired(self) -> bool:
+        return self.cancelled.is_set() or time.monotonic() > self.deadline
+
+
+Job = GenerationJob | CallJob
+
+
+class JobIds:
+    """Hands out increasing job ids (one counter per worker, so nothing is global)."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+
+    def next(self) -> JobId:
+        return JobId(next(self._counter))

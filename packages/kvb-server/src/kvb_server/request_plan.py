@@ -1,0 +1,222 @@
+"""From a raw request body to a :class:`GenerationPlan`: parse, refuse what is unsupported, tokenize, cap."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from kvb_server.config import ServerConfig
+from kvb_server.engine import ServingEngine, encode_text
+from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
+from kvb_server.sampling import SamplingParams
+from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+Endpoint = Literal["completions", "chat.completions"]
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationPlan:
+    """A validated generation request, ready to become engine jobs.
+
+    Attributes:
+        prompts: token ids of each prompt (chat: exactly one).
+        n: choices per prompt; choice ``i`` of prompt ``p`` gets index ``p * n + i`` (OpenAI's order).
+        chat_logprobs: chat-style logprobs (``content`` list) rather than completions-style arrays.
+    """
+
+    endpoint: Endpoint
+    model: str
+    prompts: tuple[list[int], ...]
+    n: int
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat_logprobs: bool
+
+
+def parse_body(raw: bytes, schema: type[ModelT]) -> ModelT:
+    """Decode JSON and validate it against ``schema``, mapping every failure to a 400 naming the parameter."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidParameterError(
+            f"We could not parse the JSON body of your request ({exc}). Send a valid JSON object with "
+            "Content-Type: application/json."
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidParameterError("The request body must be a JSON object.")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = first.get("loc", ())
+        param = str(loc[0]) if loc else None
+        if first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif first.get("type") == "missing":
+            message = f"Missing required parameter: '{param}'."
+        else:
+            where = ".".join(str(p) for p in loc)
+            message = f"Invalid value for '{param}': {first.get('msg')} (at {where}, got {first.get('input')!r})."
+        raise InvalidParameterError(message, param=param) from None
+
+
+def check_model(model: str, config: ServerConfig) -> None:
+    if model not in config.model_names:
+        raise ModelNotFoundError(model, config.model_names)
+
+
+def _reject_common(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise UnsupportedFeatureError("logit_bias is not supported by this server; remove it.", param="logit_bias")
+
+
+def _reject_completion(req: CompletionRequest) -> None:
+    _reject_common(req)
+    if req.echo:
+        raise UnsupportedFeatureError("echo=true is not supported by this server; remove it.", param="echo")
+    if req.suffix:
+        raise UnsupportedFeatureError("suffix (insertion) is not supported by this server.", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise UnsupportedFeatureError("best_of is not supported; use n to get several choices.", param="best_of")
+
+
+def _reject_chat(req: ChatCompletionRequest) -> None:
+    _reject_common(req)
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if getattr(req, name) not in (None, [], "none"):
+            raise UnsupportedFeatureError(
+                f"{name}: tool and function calling are not supported by this server; remove {name}.", param=name
+            )
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise UnsupportedFeatureError(
+            "response_format: only {'type': 'text'} is supported (no JSON mode or structured outputs).",
+            param="response_format",
+        )
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise UnsupportedFeatureError("modalities: only ['text'] is supported.", param="modalities")
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise UnsupportedFeatureError(f"{name} is not supported by this server; remove it.", param=name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the tokenizer's chat template expects them: ``role`` and plain-text ``content``."""
+    out = []
+    for i, msg in enumerate(req.messages):
+        if msg.role in ("tool", "function") or (msg.model_extra or {}).get("tool_calls"):
+            raise UnsupportedFeatureError(
+                f"messages[{i}]: tool and function messages are not supported by this server.", param="messages"
+            )
+        if isinstance(msg.content, list):
+            texts = []
+            for part in msg.content:
+                if part.type != "text" or part.text is None:
+                    raise UnsupportedFeatureError(
+                        f"messages[{i}].content: only text parts are supported, got type '{part.type}'.",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = msg.content or ""
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.
+        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
+    return out
+
+
+def _stop(req: SamplingFields) -> tuple[str, ...]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise InvalidParameterError("stop strings must be non-empty.", param="stop")
+    return tuple(stop)
+
+
+def _max_new_tokens(requested: int | None, default: int, prompts: tuple[list[int], ...],
+                    engine: ServingEngine, config: ServerConfig, *, prompt_param: str) -> int:
+    """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks."""
+    longest = max(len(p) for p in prompts)
+    context = engine.context_length
+    room = config.max_tokens if context is None else context - longest
+    if room < 1:
+        raise InvalidParameterError(
+            f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
+            f"{longest} tokens. Shorten the prompt.", param=prompt_param,
+        )
+    if requested is None:
+        return min(default, config.max_tokens, room)
+    capped = min(requested, config.max_tokens)
+    if capped > room:
+        raise InvalidParameterError(
+            f"This model's maximum context length is {engine.context_length} tokens. However, you requested "
+            f"{longest + capped} tokens ({longest} in the prompt, {capped} for the completion). Reduce the "
+            "prompt or max_tokens.", param="max_tokens",
+        )
+    return capped
+
+
+def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        stop=_stop(req),
+        seed=req.seed,
+        logprobs=logprobs,
+    )
+
+
+def _n(req: SamplingFields, config: ServerConfig) -> int:
+    n = req.n or 1
+    if n > config.max_n:
+        raise InvalidParameterError(f"n must be at most {config.max_n} on this server, got {n}.", param="n")
+    return n
+
+
+def completion_plan(req: CompletionRequest, engine: ServingEngine, config: ServerConfig) -> GenerationPlan:
+    check_model(req.model, config)
+    _reject_completion(req)
+    raw = req.prompt
+    if isinstance(raw, str):
+        prompts = (encode_text(engine, raw),)
+    elif raw and all(isinstance(p, str) for p in raw):
+        prompts = tuple(encode_text(engine, p) for p in raw)  # type: ignore[arg-type]
+    elif raw and all(isinstance(p, int) for p in raw):
+        prompts = (list(raw),)  # type: ignore[arg-type]
+    else:
+        prompts = tuple(list(p) for p in raw)  # type: ignore[union-attr]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidParameterError("prompt must not be empty.", param="prompt")
+    max_new = _max_new_tokens(req.max_tokens, config.default_completion_max_tokens, prompts, engine, config,
+                              prompt_param="prompt")
+    return GenerationPlan(
+        endpoint="completions", model=req.model, prompts=prompts, n=_n(req, config),
+        sampling=_sampling(req, max_new, req.logprobs), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), chat_logprobs=False,
+    )
+
+
+def chat_plan(req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig) -> GenerationPlan:
+    check_model(req.model, config)
+    _reject_chat(req)
+    prompts = (engine.chat_prompt(chat_messages(req)),)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_new = _max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return GenerationPlan(
+        endpoint="chat.completions", model=req.model, prompts=prompts, n=_n(req, config),
+        sampling=_sampling(req, max_new, logprobs), stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), chat_logprobs=True,
+    )

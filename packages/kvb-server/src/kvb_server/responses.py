@@ -1,0 +1,142 @@
+"""OpenAI response and stream-chunk objects, built from engine results."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvb_cache.results import GenerationResult, TokenLogprob
+from kvb_server.request_plan import GenerationPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseIds:
+    """The id and creation time every object of one response shares."""
+
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, plan: GenerationPlan) -> ResponseIds:
+        prefix = "chatcmpl" if plan.endpoint == "chat.completions" else "cmpl"
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()))
+
+
+def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """Token accounting: each prompt counts once however many choices it has (as OpenAI bills ``n``).
+
+    ``results`` are indexed by choice (``prompt_index * n + i``).
+    """
+    prompt_tokens = cached = 0
+    for p in range(len(plan.prompts)):
+        choices = results[p * plan.n:(p + 1) * plan.n]
+        prompt_tokens += choices[0].prompt_tokens
+        # Choices of one prompt may be served in one batch (no hit) or one after another (later ones hit).
+        cached += max(r.cached_tokens for r in choices)
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    text_offset = []
+    for e in entries:
+        text_offset.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text: lp for _, text, lp in e.top} for e in entries],
+        "text_offset": text_offset,
+    }
+
+
+def _chat_logprob_entry(e: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": e.token,
+        "logprob": e.logprob,
+        "bytes": list(e.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))} for _, text, lp in e.top
+        ],
+    }
+
+
+def _chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [_chat_logprob_entry(e) for e in entries], "refusal": None}
+
+
+def _logprobs(plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    if plan.sampling.logprobs is None or entries is None:
+        return None
+    return _chat_logprobs(entries) if plan.chat_logprobs else _completion_logprobs(entries, offset)
+
+
+def final_response(plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """The non-streamed ``text_completion`` or ``chat.completion`` object."""
+    choices = []
+    for index, r in enumerate(results):
+        choice: dict[str, Any] = {"index": index, "finish_reason": r.finish_reason,
+                                  "logprobs": _logprobs(plan, r.logprobs)}
+        if plan.chat_logprobs:
+            choice["message"] = {"role": "assistant", "content": r.output_text, "refusal": None}
+        else:
+            choice["text"] = r.output_text
+        choices.append(choice)
+    return {
+        "id": ids.id,
+        "object": "chat.completion" if plan.chat_logprobs else "text_completion",
+        "created": ids.created,
+        "model": plan.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage(plan, results),
+    }
+
+
+def chunk(plan: GenerationPlan, ids: ResponseIds, *, index: int, text: str | None = None,
+          role: bool = False, finish_reason: str | None = None,
+          logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict[str, Any]:
+    """One streamed chunk for choice ``index``: a text delta, the opening role delta or the finish marker."""
+    lp = _logprobs(plan, logprobs, offset) if logprobs else None
+    if plan.chat_logprobs:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+            delta["content"] = ""
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+    out: dict[str, Any] = {
+        "id": ids.id,
+        "object": "chat.completion.chunk" if plan.chat_logprobs else "text_completion",
+        "created": ids.created,
+        "model": plan.model,
+        "system_fingerprint": None,
+        "choices": [choice],
+    }
+    if plan.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage`` is set: no choices, the request's usage."""
+    return {
+        "id": ids.id,
+        "object": "chat.completion.chunk" if plan.chat_logprobs else "text_completion",
+        "created": ids.created,
+        "model": plan.model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage(plan, results),
+    }
