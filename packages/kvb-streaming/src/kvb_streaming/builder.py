@@ -1,0 +1,183 @@
+"""Build a Hugging Face causal LM from an AWQ checkpoint with int4 linears, resident or streamed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from kvb_streaming.binding import LayerBinding
+from kvb_streaming.config import StreamingConfig
+from kvb_streaming.errors import AWQFormatError
+from kvb_streaming.kernels import KernelContext, LinearShape, QuantKernel, resolve_kernel
+from kvb_streaming.loader import AWQLoader
+from kvb_streaming.qlinear import StreamingQLinear
+from kvb_streaming.residency import LayerIndex, ResidencyPlan, plan_residency
+from kvb_streaming.scheduler import StreamingScheduler
+from kvb_streaming.staging import make_transfer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BuiltModel:
+    """What :func:`build_model` returns.
+
+    Attributes:
+        model: the Hugging Face model, with ``StreamingQLinear`` in its decoder layers and hooks installed.
+        scheduler: drives the staging slots (has no streamed layer when everything is resident).
+        plan: which linears are streamed.
+        kernel: the int4 GEMM backend in use.
+        resident_bytes: device bytes of resident int4 payloads (staging slots not included).
+    """
+
+    model: PreTrainedModel
+    scheduler: StreamingScheduler
+    plan: ResidencyPlan
+    kernel: QuantKernel
+    resident_bytes: int
+
+
+def build_model(
+    loader: AWQLoader,
+    config: StreamingConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel_device: torch.device | None = None,
+) -> BuiltModel:
+    """Loads ``loader``'s checkpoint into a model skeleton built on the meta device.
+
+    Args:
+        loader: the indexed AWQ checkpoint.
+        config: streaming configuration, already adjusted for the device (see ``StreamingCausalLM``).
+        device: where resident tensors and staging slots live.
+        dtype: dtype of the non-quantized weights and of activations.
+        kernel_device: device the int4 kernel computes on, if not ``device`` (e.g. a model kept on the
+            host and dispatched to a GPU later by accelerate).
+    """
+    hf_config = AutoConfig.from_pretrained(loader.path)
+    # The skeleton is plain fp: transformers must not try to apply its own AWQ integration.
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    layers = model.get_decoder().layers
+    layer_prefixes = _module_names(model, layers)
+
+    linears = [_quantized_linears(layer, prefix, loader) for layer, prefix in zip(layers, layer_prefixes)]
+    shapes = {LinearShape(m.in_features, m.out_features) for per_layer in linears for m in per_layer.values()}
+    context = KernelContext(
+        device=kernel_device or device,
+        dtype=dtype,
+        group_size=loader.quant.group_size,
+        dequant_chunk_bytes=config.dequant_chunk_bytes,
+    )
+    kernel = resolve_kernel(config.quant_kernel, context, sorted(shapes))
+    plan = plan_residency(config, [list(per_layer) for per_layer in linears])
+
+    bindings: dict[LayerIndex, LayerBinding] = {}
+    resident_bytes = 0
+    for index, (layer, prefix, per_layer) in enumerate(zip(layers, layer_prefixes, linears)):
+        streamed_payload: dict[str, torch.Tensor] = {}
+        streamed_modules: dict[str, StreamingQLinear] = {}
+        for name, linear in per_layer.items():
+            qlinear = StreamingQLinear(
+                linear.in_features, linear.out_features, kernel=kernel, bias=linear.bias is not None
+            )
+            layer.set_submodule(name, qlinear)
+            payload = kernel.prepare(loader.read_awq(f"{prefix}.{name}"))
+            if plan.is_streamed(LayerIndex(index), name):
+                streamed_payload.update({f"{name}.{p}": t for p, t in payload.items()})
+                streamed_modules[name] = qlinear
+            else:
+                qlinear.bind({p: t.to(device) for p, t in payload.items()})
+                resident_bytes += sum(t.numel() * t.element_size() for t in payload.values())
+        if streamed_modules:
+            bindings[LayerIndex(index)] = LayerBinding(loader.pack_layer(streamed_payload), streamed_modules)
+
+    _load_plain_tensors(model, loader, device=device, dtype=dtype)
+    model.to(device)  # non-persistent buffers (rotary tables) were built on the host
+    model.eval()
+    scheduler = StreamingScheduler(
+        layers=bindings, n_slots=config.n_staging_slots, transfer=make_transfer(device)
+    )
+    _install_hooks(model, layers, scheduler)
+    return BuiltModel(
+        model=model, scheduler=scheduler, plan=plan, kernel=kernel, resident_bytes=resident_bytes
+    )
+
+
+def _module_names(model: nn.Module, modules: nn.ModuleList) -> list[str]:
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(module)] for module in modules]
+
+
+def _quantized_linears(layer: nn.Module, prefix: str, loader: AWQLoader) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` modules of a decoder layer that the checkpoint stores as AWQ, by relative name."""
+    found = {
+        name: module
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear) and loader.is_quantized(f"{prefix}.{name}")
+    }
+    if not found:
+        raise AWQFormatError(f"decoder layer {prefix} has no AWQ-quantized linear in {loader.path}")
+    return found
+
+
+def _load_plain_tensors(
+    model: PreTrainedModel, loader: AWQLoader, *, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Fills every still-meta parameter/buffer (embeddings, norms, biases, LM head) from the checkpoint."""
+    missing = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_meta:
+            continue
+        if name not in loader:
+            missing.append(name)
+            continue
+        value = loader.read(name)
+        set_module_tensor_to_device(
+            model, name, device, value=value, dtype=dtype if value.is_floating_point() else None
+        )
+    tied: Mapping[str, str] = getattr(model, "_tied_weights_keys", None) or {}
+    if missing and getattr(model.config, "tie_word_embeddings", False) and set(missing) <= set(tied):
+        model.tie_weights()
+        missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise AWQFormatError(f"the checkpoint at {loader.path} lacks tensors the model needs: {missing[:5]}")
+
+
+def _install_hooks(model: nn.Module, layers: nn.ModuleList, scheduler: StreamingScheduler) -> None:
+    model.register_forward_pre_hook(partial(_begin_forward, scheduler))
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(partial(_before_layer, scheduler, LayerIndex(index)))
+        # always_call: a layer that raises must still release its slot.
+        layer.register_forward_hook(partial(_after_layer, scheduler, LayerIndex(index)), always_call=True)
+
+
+def _begin_forward(scheduler: StreamingScheduler, module: nn.Module, args: tuple[object, ...]) -> None:
+    scheduler.begin_forward()
+
+
+def _before_layer(
+    scheduler: StreamingScheduler, index: LayerIndex, module: nn.Module, args: tuple[object, ...]
+) -> None:
+    scheduler.before_layer(index)
+
+
+def _after_layer(
+    scheduler: StreamingScheduler,
+    index: LayerIndex,
+    module: nn.Module,
+    args: tuple[object, ...],
+    output: object,
+) -> None:
+    scheduler.after_layer(index)

@@ -1,0 +1,89 @@
+"""Backend on the Triton AWQ GEMM of the optional ``kvb-kernels`` distribution.
+
+kvb-kernels is a sibling leaf package; it is used only when installed (``pip install kvb-streaming[kernels]``)
+and only if it exports the function this module expects (:class:`AWQGemm`): the contract is defined here,
+by the consumer, and satisfied structurally.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from kvb_streaming.awq_format import AWQTensors
+from kvb_streaming.errors import KernelUnavailableError
+from kvb_streaming.kernels.base import KernelContext, KernelSpec, LinearShape
+
+MODULE = "kvb_kernels"
+FUNCTION = "awq_gemm"
+INSTALL_HINT = "pip install 'kvb-streaming[kernels]' (installs kvb-kernels with its Triton extra)"
+
+
+class AWQGemm(Protocol):
+    """``kvb_kernels.awq_gemm``: int4 GEMM straight from AWQ GEMM tensors.
+
+    Args:
+        x: ``[tokens, in]`` fp16/bf16 on CUDA.
+        qweight: int32 ``[in, out / 8]``; qzeros: int32 ``[in / g, out / 8]``; scales: ``[in / g, out]``.
+        group_size: ``g``.
+
+    Returns:
+        ``[tokens, out]`` in ``x``'s dtype.
+    """
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        qzeros: torch.Tensor,
+        scales: torch.Tensor,
+        group_size: int,
+    ) -> torch.Tensor: ...
+
+
+def find_awq_gemm() -> AWQGemm | None:
+    """``kvb_kernels.awq_gemm`` if the package is installed and provides it, else None."""
+    try:
+        module = importlib.import_module(MODULE)
+    except ImportError:
+        return None
+    return getattr(module, FUNCTION, None)
+
+
+class KvbKernelsKernel:
+    """Calls ``kvb_kernels.awq_gemm`` on the AWQ tensors as stored (no conversion)."""
+
+    name = "kvb_kernels"
+    payload_names = ("qweight", "qzeros", "scales")
+
+    def __init__(self, context: KernelContext) -> None:
+        gemm = find_awq_gemm()
+        if gemm is None:
+            raise KernelUnavailableError(f"{MODULE}.{FUNCTION} is not available; {INSTALL_HINT}")
+        self._gemm = gemm
+        self._group_size = context.group_size
+
+    def prepare(self, awq: AWQTensors) -> dict[str, torch.Tensor]:
+        return {"qweight": awq.qweight, "qzeros": awq.qzeros, "scales": awq.scales}
+
+    def linear(self, x: torch.Tensor, payload: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        out_features = payload["scales"].shape[1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self._gemm(x2, payload["qweight"], payload["qzeros"], payload["scales"], self._group_size)
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -> str | None:
+    if find_awq_gemm() is None:
+        return f"{MODULE}.{FUNCTION} is not installed; {INSTALL_HINT}"
+    if context.device.type != "cuda":
+        return "the Triton kernel runs on CUDA only"
+    if context.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton kernel takes fp16/bf16 activations, not {context.dtype}"
+    return None
+
+
+SPEC = KernelSpec(name="kvb_kernels", unavailable_reason=_unavailable_reason, build=KvbKernelsKernel)

@@ -1,0 +1,111 @@
+"""Read AWQ GEMM checkpoints lazily: index the shards, read single tensors or whole layers on demand."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvb_streaming.awq_format import AWQTensors
+from kvb_streaming.errors import AWQFormatError
+from kvb_streaming.host_memory import HostAllocator, PackedLayer, pack_layer
+from kvb_streaming.safetensors_index import TensorInfo, index_folder, read_tensor
+
+AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AWQQuantConfig:
+    """The ``quantization_config`` of an AWQ GEMM checkpoint (only the variant this package reads)."""
+
+    group_size: int
+    bits: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise AWQFormatError(f"only 4-bit AWQ is supported, the checkpoint says bits={self.bits}")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise AWQFormatError(f"group_size must be a positive int, got {self.group_size!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object]) -> AWQQuantConfig:
+        """Validates a ``config.json`` ``quantization_config`` entry."""
+        method = str(raw.get("quant_method", "")).lower()
+        if method != "awq":
+            raise AWQFormatError(f"quant_method is {method!r}; this loader reads AWQ checkpoints only")
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise AWQFormatError(
+                f"AWQ version {version!r} is not supported; re-export the model as AWQ 'gemm'"
+            )
+        if raw.get("zero_point", True) is not True:
+            raise AWQFormatError("AWQ without zero points is not supported; export with zero_point=True")
+        return cls(group_size=int(raw["group_size"]), bits=int(raw.get("bits", 4)))  # type: ignore[arg-type]
+
+
+class AWQLoader:
+    """Lazy reader of an AWQ GEMM checkpoint folder (``config.json`` + ``*.safetensors`` shards).
+
+    Construction reads only the JSON config and the shard headers; tensor data is read on demand.
+
+    Args:
+        path: checkpoint folder.
+        pin_memory: pin the buffers built by :meth:`pack_layer` (falls back to pageable with a warning).
+    """
+
+    def __init__(self, path: str | Path, *, pin_memory: bool = True) -> None:
+        self.path = Path(path)
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise AWQFormatError(f"{config_file} not found; pass a Hugging Face checkpoint folder")
+        raw_config = json.loads(config_file.read_text())
+        if "quantization_config" not in raw_config:
+            raise AWQFormatError(
+                f"{config_file} has no quantization_config; quantize the model first "
+                "(kvb_streaming.packer.save_awq_checkpoint)"
+            )
+        self.quant = AWQQuantConfig.from_dict(raw_config["quantization_config"])
+        self.index: dict[str, TensorInfo] = index_folder(self.path)
+        self.allocator = HostAllocator(pin=pin_memory)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.index[name]
+        except KeyError:
+            raise AWQFormatError(f"tensor {name!r} is not in the checkpoint at {self.path}") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Reads one tensor into pageable CPU memory."""
+        return read_tensor(self.info(name))
+
+    def is_quantized(self, module_prefix: str) -> bool:
+        """Whether ``<module_prefix>.qweight`` exists (the module is an AWQ linear)."""
+        return f"{module_prefix}.qweight" in self.index
+
+    def read_awq(self, module_prefix: str) -> AWQTensors:
+        """Reads one AWQ linear's ``qweight`` / ``qzeros`` / ``scales`` and checks their dtypes and shapes."""
+        qweight, qzeros, scales = (self.read(f"{module_prefix}.{suffix}") for suffix in AWQ_SUFFIXES)
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise AWQFormatError(f"{module_prefix}: qweight/qzeros must be int32 (AWQ GEMM)")
+        in_features, words = qweight.shape
+        g = self.quant.group_size
+        if (
+            in_features % g
+            or qzeros.shape != (in_features // g, words)
+            or scales.shape != (in_features // g, words * 8)
+        ):
+            raise AWQFormatError(
+                f"{module_prefix}: shapes qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                f"scales {tuple(scales.shape)} do not match AWQ GEMM with group_size={g}"
+            )
+        return AWQTensors(qweight=qweight, qzeros=qzeros, scales=scales)
+
+    def pack_layer(self, tensors: Mapping[str, torch.Tensor]) -> PackedLayer:
+        """Packs already-prepared tensors of one layer into one host (pinned if possible) buffer."""
+        return pack_layer(tensors, self.allocator)

@@ -1,0 +1,132 @@
+"""``StreamingCausalLM.from_pretrained``: an AWQ checkpoint as a plain Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from kvb_streaming.builder import build_model
+from kvb_streaming.config import StreamingConfig
+from kvb_streaming.errors import NotAStreamingModelError
+from kvb_streaming.loader import AWQLoader
+from kvb_streaming.residency import ResidencyPlan
+from kvb_streaming.scheduler import StreamingScheduler, StreamingStats
+
+logger = logging.getLogger(__name__)
+
+_RUNTIME_ATTR = "kvb_streaming"
+# Devices whose memory is host memory (CPU) or shares it (Apple unified memory): streaming cannot help.
+_HOST_MEMORY_DEVICES = ("cpu", "mps")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamingRuntime:
+    """The streaming state attached to a model loaded by :class:`StreamingCausalLM`.
+
+    Attributes:
+        requested: the configuration asked for.
+        effective: the configuration in force (``full_resident`` when streaming was disabled on the device).
+        streaming_enabled: whether any layer is streamed.
+        device: compute device.
+        plan: streamed linears per decoder layer.
+        scheduler: the staging-slot scheduler (stats, slot state).
+        kernel_name: the int4 GEMM backend in use.
+        resident_int4_bytes: device bytes of resident int4 payloads.
+        pinned: whether every streamed layer's host buffer is pinned.
+    """
+
+    requested: StreamingConfig
+    effective: StreamingConfig
+    streaming_enabled: bool
+    device: torch.device
+    plan: ResidencyPlan
+    scheduler: StreamingScheduler
+    kernel_name: str
+    resident_int4_bytes: int
+    pinned: bool
+
+    def stats(self) -> StreamingStats:
+        return self.scheduler.stats()
+
+
+class StreamingCausalLM:
+    """Factory, like ``transformers.AutoModelForCausalLM``: returns the architecture's own model class.
+
+    The result is a regular ``PreTrainedModel`` (``model(input_ids=...)``, ``generate``, ``DynamicCache`` all
+    work unchanged) whose decoder-layer linears are ``StreamingQLinear``; forward hooks on the decoder layers
+    stage streamed weights. Its streaming state is ``get_runtime(model)``.
+    """
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        streaming_config: StreamingConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PreTrainedModel:
+        """Loads an AWQ GEMM checkpoint folder.
+
+        Args:
+            path: local checkpoint folder (``config.json`` with an AWQ ``quantization_config`` +
+                ``*.safetensors``).
+            streaming_config: what to stream; default :class:`StreamingConfig()` (stream every layer
+                through 2 slots). On CPU/MPS streaming is disabled (logged) unless ``simulate_on_host``.
+            device: compute device; default ``cuda`` when available, else ``cpu``.
+            dtype: activation / non-quantized weight dtype; default fp16 on CUDA, fp32 elsewhere.
+        """
+        requested = streaming_config or StreamingConfig()
+        target = torch.device(device) if device is not None else _default_device()
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        dtype = dtype or (torch.float16 if target.type == "cuda" else torch.float32)
+        effective = requested
+        if target.type in _HOST_MEMORY_DEVICES and not requested.simulate_on_host:
+            if requested.residency_mode != "full_resident":
+                logger.info(
+                    "streaming disabled on %s: its memory is host memory, so every layer is loaded resident "
+                    "(set simulate_on_host=True to run the streaming machinery anyway)",
+                    target.type,
+                )
+            effective = dataclasses.replace(
+                requested, residency_mode="full_resident", keep_first_k=0, keep_last_k=0
+            )
+        loader = AWQLoader(path, pin_memory=effective.pin_memory and target.type == "cuda")
+        built = build_model(loader, effective, device=target, dtype=dtype)
+        runtime = StreamingRuntime(
+            requested=requested,
+            effective=effective,
+            streaming_enabled=bool(built.plan.streamed),
+            device=target,
+            plan=built.plan,
+            scheduler=built.scheduler,
+            kernel_name=built.kernel.name,
+            resident_int4_bytes=built.resident_bytes,
+            pinned=loader.allocator.pin_failures == 0 and loader.allocator.pin_requested,
+        )
+        setattr(built.model, _RUNTIME_ATTR, runtime)
+        return built.model
+
+
+def get_runtime(model: torch.nn.Module) -> StreamingRuntime:
+    """The :class:`StreamingRuntime` of a model loaded by :meth:`StreamingCausalLM.from_pretrained`."""
+    runtime = getattr(model, _RUNTIME_ATTR, None)
+    if not isinstance(runtime, StreamingRuntime):
+        raise NotAStreamingModelError(
+            f"{type(model).__name__} was not loaded by kvb_streaming.StreamingCausalLM.from_pretrained"
+        )
+    return runtime
+
+
+def _default_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )

@@ -1,0 +1,66 @@
+"""Which decoder-layer linears stay on the device and which are streamed, per residency mode."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from kvb_streaming.config import StreamingConfig
+from kvb_streaming.errors import StreamingConfigError
+
+LayerIndex = NewType("LayerIndex", int)
+
+# Module-name prefix of the feed-forward block in Llama-family decoder layers (Llama, Mistral, Qwen2, ...).
+FFN_PREFIX = "mlp."
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResidencyPlan:
+    """The streamed linears of each decoder layer; everything not listed is resident.
+
+    Attributes:
+        streamed: layer index -> names (relative to the layer, e.g. ``"mlp.up_proj"``) of its streamed linears,
+            for layers that stream anything, in execution order.
+    """
+
+    streamed: Mapping[LayerIndex, tuple[str, ...]]
+
+    @property
+    def streamed_layers(self) -> tuple[LayerIndex, ...]:
+        return tuple(self.streamed)
+
+    def is_streamed(self, layer: LayerIndex, linear: str) -> bool:
+        return linear in self.streamed.get(layer, ())
+
+
+def plan_residency(config: StreamingConfig, linears_per_layer: Sequence[Sequence[str]]) -> ResidencyPlan:
+    """Applies ``config.residency_mode`` to a model.
+
+    Args:
+        config: the streaming configuration.
+        linears_per_layer: for each decoder layer in execution order, the names of its quantized linears.
+
+    Raises:
+        StreamingConfigError: ``keep_first_k + keep_last_k`` exceeds the number of layers.
+    """
+    n_layers = len(linears_per_layer)
+    if config.keep_first_k + config.keep_last_k > n_layers:
+        raise StreamingConfigError(
+            f"keep_first_k + keep_last_k = {config.keep_first_k + config.keep_last_k} exceeds the model's "
+            f"{n_layers} decoder layers; lower them, or use residency_mode='full_resident'"
+        )
+    if config.residency_mode == "full_resident":
+        return ResidencyPlan(streamed={})
+    kept = set(range(config.keep_first_k)) | set(range(n_layers - config.keep_last_k, n_layers))
+    streamed: dict[LayerIndex, tuple[str, ...]] = {}
+    for index, names in enumerate(linears_per_layer):
+        if index in kept:
+            continue
+        if config.residency_mode == "ffn_only_stream":
+            chosen = tuple(name for name in names if name.startswith(FFN_PREFIX))
+        else:
+            chosen = tuple(names)
+        if chosen:
+            streamed[LayerIndex(index)] = chosen
+    return ResidencyPlan(streamed=streamed)
