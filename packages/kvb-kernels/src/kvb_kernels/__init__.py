@@ -14,6 +14,8 @@ from kvb_kernels.hf_attention import (
     register_kvb_attention,
     uninstall_flash_attention,
 )
+from kvb_kernels.kivi import KiviKV, kivi_attention, kivi_quantize
+from kvb_kernels.paged import PagedKV, paged_attention
 from kvb_kernels.tier import FlashAttnTier, flash_attention_available, get_flash_attn_tier
 
 __all__ = [
@@ -23,13 +25,18 @@ __all__ = [
     "FlashAttnTier",
     "KernelError",
     "KernelUnavailableError",
+    "KiviKV",
+    "PagedKV",
     "ShapeError",
     "__version__",
     "flash_attention",
     "flash_attention_available",
     "get_flash_attn_tier",
     "install_flash_attention",
+    "kivi_attention",
+    "kivi_quantize",
     "kvb_attention_forward",
+    "paged_attention",
     "register_kvb_attention",
     "uninstall_flash_attention",
 ]

@@ -1,0 +1,164 @@
+"""int8 asymmetric (KIVI-style) K/V: the coded layout, a reference codec, and attention that reads the codes.
+
+Layout contract (per attention layer; KIVI, Liu et al. 2024: keys per channel, values per token):
+
+- ``key_codes``: ``[batch, kv_heads, kv_len, head_dim]`` uint8. ``key = code * key_scale + key_zero`` with
+  ``key_scale``/``key_zero``: ``[batch, kv_heads, ceil(kv_len / group_size), head_dim]``, one pair per channel per
+  group of ``group_size`` consecutive tokens (outlier channels get their own range).
+- ``value_codes``: ``[batch, kv_heads, kv_len, head_dim]`` uint8. ``value = code * value_scale + value_zero`` with
+  ``value_scale``/``value_zero``: ``[batch, kv_heads, kv_len, 1]``, one pair per token.
+- Scales and zeros are any float dtype (fp16 halves their overhead; fp32 here by default for accuracy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvb_kernels import launch
+from kvb_kernels.checks import check_group, check_query, check_same, check_window, softmax_scale
+from kvb_kernels.errors import DTypeError, ShapeError
+
+_LEVELS = 255
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KiviKV:
+    """KIVI-coded K/V of one layer (see the module docstring for shapes)."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ShapeError(f"group_size must be >= 1 tokens, got {self.group_size}")
+        for name in ("key_codes", "value_codes"):
+            codes = getattr(self, name)
+            if codes.dtype != torch.uint8 or codes.dim() != 4:
+                raise DTypeError(f"{name} must be uint8 [batch, kv_heads, kv_len, head_dim], got {codes.dtype} "
+                                 f"{tuple(codes.shape)}")
+        if self.key_codes.shape != self.value_codes.shape:
+            raise ShapeError(f"key_codes {tuple(self.key_codes.shape)} and value_codes "
+                             f"{tuple(self.value_codes.shape)} must have one shape")
+        batch, heads, length, dim = self.key_codes.shape
+        groups = -(-length // self.group_size)
+        want = {"key_scale": (batch, heads, groups, dim), "key_zero": (batch, heads, groups, dim),
+                "value_scale": (batch, heads, length, 1), "value_zero": (batch, heads, length, 1)}
+        for name, shape in want.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ShapeError(f"{name} must have shape {shape} for group_size={self.group_size}, got {got}")
+
+    def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full ``[batch, kv_heads, kv_len, head_dim]`` K and V in ``dtype`` (the unfused path)."""
+        length = self.key_codes.shape[2]
+        k_scale = self.key_scale.repeat_interleave(self.group_size, dim=2)[:, :, :length].float()
+        k_zero = self.key_zero.repeat_interleave(self.group_size, dim=2)[:, :, :length].float()
+        key = self.key_codes.float() * k_scale + k_zero
+        value = self.value_codes.float() * self.value_scale.float() + self.value_zero.float()
+        return key.to(dtype), value.to(dtype)
+
+
+def kivi_quantize(
+    key: torch.Tensor, value: torch.Tensor, *, group_size: int = 32, scale_dtype: torch.dtype = torch.float32
+) -> KiviKV:
+    """Code K per channel (groups of ``group_size`` tokens) and V per token into uint8, min/max asymmetric.
+
+    Args:
+        key: ``[batch, kv_heads, kv_len, head_dim]``.
+        value: Same shape as ``key``.
+        group_size: Tokens sharing one key scale/zero per channel.
+        scale_dtype: dtype of the stored scales and zeros.
+
+    Returns:
+        The coded K/V; ``dequantize`` reconstructs them within half a quantisation step.
+    """
+    if key.shape != value.shape or key.dim() != 4:
+        raise ShapeError(f"key and value must share one [batch, kv_heads, kv_len, head_dim] shape, got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if group_size < 1:
+        raise ShapeError(f"group_size must be >= 1 tokens, got {group_size}")
+    batch, heads, length, dim = key.shape
+    groups = -(-length // group_size)
+    pad = groups * group_size - length
+    # Pad with copies of the last token so the tail group's min/max are its own tokens'.
+    padded = torch.cat([key, key[:, :, -1:].expand(batch, heads, pad, dim)], dim=2) if pad else key
+    grouped = padded.float().view(batch, heads, groups, group_size, dim)
+    k_lo, k_hi = grouped.amin(dim=3), grouped.amax(dim=3)  # [B, H, G, D]
+    k_scale = torch.where(k_hi > k_lo, (k_hi - k_lo) / _LEVELS, torch.ones_like(k_hi))
+    k_scale_tok = k_scale.repeat_interleave(group_size, dim=2)[:, :, :length]
+    k_lo_tok = k_lo.repeat_interleave(group_size, dim=2)[:, :, :length]
+    key_codes = ((key.float() - k_lo_tok) / k_scale_tok).round().clamp(0, _LEVELS).to(torch.uint8)
+
+    v = value.float()
+    v_lo, v_hi = v.amin(dim=3, keepdim=True), v.amax(dim=3, keepdim=True)  # [B, H, L, 1]
+    v_scale = torch.where(v_hi > v_lo, (v_hi - v_lo) / _LEVELS, torch.ones_like(v_hi))
+    value_codes = ((v - v_lo) / v_scale).round().clamp(0, _LEVELS).to(torch.uint8)
+    return KiviKV(
+        key_codes=key_codes, key_scale=k_scale.to(scale_dtype), key_zero=k_lo.to(scale_dtype),
+        value_codes=value_codes, value_scale=v_scale.to(scale_dtype), value_zero=v_lo.to(scale_dtype),
+        group_size=group_size,
+    )
+
+
+def kivi_attention(
+    query: torch.Tensor,
+    kv: KiviKV,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over KIVI-coded K/V, dequantising tile by tile inside the kernel.
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]``; positions bottom-right aligned as in
+            :func:`kvb_kernels.flash_attention`.
+        kv: The coded K/V (see :class:`KiviKV`).
+        causal: Mask keys after each query's position.
+        window: Sliding window (keys visible per query, itself included); None: unbounded.
+        scale: Softmax scale; default ``1/sqrt(head_dim)``.
+        num_splits: Key slices per program; None picks from the SM count.
+
+    Returns:
+        ``[batch, heads, q_len, head_dim]`` in ``query``'s dtype (transposed view of ``[batch, q_len, heads, D]``).
+    """
+    check_query(query)
+    check_window(window)
+    batch, heads, q_len, head_dim = query.shape
+    _, kv_heads, kv_len, kv_dim = kv.key_codes.shape
+    if kv.key_codes.shape[0] != batch or kv_dim != head_dim:
+        raise ShapeError(f"coded K/V {tuple(kv.key_codes.shape)} must share batch ({batch}) and head_dim "
+                         f"({head_dim}) with query")
+    for name in ("key_codes", "value_codes"):
+        check_same(query, name, getattr(kv, name), dtype=torch.uint8)
+    group = check_group(heads, kv_heads)
+    # Scales/zeros are small next to the codes; one layout lets both share a stride set.
+    k_scale, k_zero = kv.key_scale.contiguous(), kv.key_zero.contiguous()
+    v_scale, v_zero = kv.value_scale.contiguous(), kv.value_zero.contiguous()
+    qk_scale = softmax_scale(scale, head_dim) * launch.LOG2E
+    out = torch.empty(batch, q_len, heads, head_dim, device=query.device, dtype=query.dtype)
+
+    def call(kernel, grid, parts, splits):
+        kernel[grid](
+            query, kv.key_codes, k_scale, k_zero, kv.value_codes, v_scale, v_zero, out,
+            parts.out if parts else out, parts.lse if parts else out,
+            *query.stride(), *kv.key_codes.stride(), *k_scale.stride(), *kv.value_codes.stride(),
+            *v_scale.stride()[:3],
+            out.stride(0), out.stride(2), out.stride(1), out.stride(3),
+            qk_scale, kv_heads, q_len, kv_len, window or 0, splits,
+            launch.bucket(q_len * group), launch.bucket(kv_len),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=launch.block_d(head_dim), K_GROUP=kv.group_size,
+            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_MASK=False, SPLIT=parts is not None,
+            INPUT_PRECISION=launch.input_precision(query.dtype),
+        )
+
+    launch.run("kivi", call, out=out, kv_heads=kv_heads, group=group, kv_len=kv_len, num_splits=num_splits)
+    return out.transpose(1, 2)

@@ -1,0 +1,146 @@
+"""Attention over K/V held as pages of a shared pool and a block table (no ``torch.cat`` of a stitched prefix).
+
+Layout contract (what a cache layer must hand over, per attention layer):
+
+- ``key_pages``, ``value_pages``: ``[num_pages, kv_heads, page_size, head_dim]``, any strides. One page is
+  exactly a cached chunk's KV as transformers stores it (``[1, kv_heads, chunk_len, head_dim]``) without the
+  batch dim, so a chunk is written into the pool once and then referenced by index.
+- ``block_table``: ``[batch, max_pages]`` int32; entry ``p`` of row ``b`` is the pool page holding that sequence's
+  tokens ``p * page_size ... (p + 1) * page_size - 1``. Entries past a sequence's last page are ignored.
+- ``kv_lens``: ``[batch]`` int32, tokens per sequence. Every page but the last must be full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvb_kernels import launch
+from kvb_kernels.checks import check_group, check_query, check_same, check_window, softmax_scale
+from kvb_kernels.errors import DeviceError, ShapeError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedKV:
+    """K/V of a batch of sequences stored as pool pages (see the module docstring for the contract).
+
+    Attributes:
+        key_pages: ``[num_pages, kv_heads, page_size, head_dim]``.
+        value_pages: Same shape as ``key_pages``.
+        block_table: ``[batch, max_pages]`` int32 page indices.
+        kv_lens: ``[batch]`` int32 token counts, each ``<= max_pages * page_size``.
+    """
+
+    key_pages: torch.Tensor
+    value_pages: torch.Tensor
+    block_table: torch.Tensor
+    kv_lens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.key_pages.dim() != 4 or self.key_pages.shape != self.value_pages.shape:
+            raise ShapeError(
+                "key_pages and value_pages must both be [num_pages, kv_heads, page_size, head_dim]; got "
+                f"{tuple(self.key_pages.shape)} and {tuple(self.value_pages.shape)}"
+            )
+        if self.block_table.dim() != 2 or self.block_table.dtype != torch.int32:
+            raise ShapeError(
+                f"block_table must be [batch, max_pages] int32, got {tuple(self.block_table.shape)} "
+                f"{self.block_table.dtype}; build it with torch.tensor(..., dtype=torch.int32)"
+            )
+        if self.kv_lens.shape != (self.block_table.shape[0],) or self.kv_lens.dtype != torch.int32:
+            raise ShapeError(
+                f"kv_lens must be [batch] = [{self.block_table.shape[0]}] int32, got {tuple(self.kv_lens.shape)} "
+                f"{self.kv_lens.dtype}"
+            )
+
+    @property
+    def page_size(self) -> int:
+        return self.key_pages.shape[2]
+
+    @property
+    def max_kv_len(self) -> int:
+        """Longest sequence, read from ``kv_lens`` (one host sync)."""
+        return int(self.kv_lens.max().item())
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``[batch, kv_heads, max_kv_len, head_dim]`` copies of K and V, zero past each ``kv_lens``.
+
+        This is the unfused equivalent (the ``torch.cat`` the kernel avoids): used by tests and benchmarks.
+        """
+        batch = self.block_table.shape[0]
+        pages = self.block_table.long()
+        lens = self.kv_lens.long()
+        out = []
+        for pool in (self.key_pages, self.value_pages):
+            # [batch, max_pages, kv_heads, page, D] -> [batch, kv_heads, max_pages * page, D]
+            dense = pool[pages].permute(0, 2, 1, 3, 4).reshape(batch, pool.shape[1], -1, pool.shape[3])
+            dense = dense[:, :, : self.max_kv_len]
+            valid = torch.arange(dense.shape[2], device=dense.device)[None, :] < lens[:, None]
+            out.append(dense * valid[:, None, :, None].to(dense.dtype))
+        return out[0], out[1]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv: PagedKV,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over the paged K/V in ``kv``.
+
+    Query ``i`` of sequence ``b`` sits at absolute position ``kv_lens[b] - q_len + i`` (its own token must
+    already be in the pages), so the same call serves decode (``q_len == 1``) and a chunk of new tokens.
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]``; ``heads`` a multiple of the pool's ``kv_heads``.
+        kv: Pages, block table and lengths (see :class:`PagedKV`).
+        causal: Mask keys after each query's position.
+        window: Sliding window (keys visible per query, itself included); None: unbounded.
+        scale: Softmax scale; default ``1/sqrt(head_dim)``.
+        num_splits: Key slices per (batch, head) program; None picks from the SM count.
+
+    Returns:
+        ``[batch, heads, q_len, head_dim]`` (a transposed view of a contiguous ``[batch, q_len, heads, D]``).
+    """
+    check_query(query)
+    check_window(window)
+    check_same(query, "key_pages", kv.key_pages)
+    check_same(query, "value_pages", kv.value_pages)
+    if kv.block_table.device != query.device or kv.kv_lens.device != query.device:
+        raise DeviceError("block_table and kv_lens must live on the query's device; move them with .to(device)")
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = kv.key_pages.shape[1]
+    if kv.block_table.shape[0] != batch or kv.key_pages.shape[3] != head_dim:
+        raise ShapeError(
+            f"block_table batch ({kv.block_table.shape[0]}) and page head_dim ({kv.key_pages.shape[3]}) must "
+            f"match query batch ({batch}) and head_dim ({head_dim})"
+        )
+    group = check_group(heads, kv_heads)
+    max_kv_len = kv.max_kv_len
+    if max_kv_len > kv.block_table.shape[1] * kv.page_size:
+        raise ShapeError(
+            f"kv_lens reaches {max_kv_len} tokens but block_table holds only {kv.block_table.shape[1]} pages of "
+            f"{kv.page_size}; add pages to the table"
+        )
+    qk_scale = softmax_scale(scale, head_dim) * launch.LOG2E
+    out = torch.empty(batch, q_len, heads, head_dim, device=query.device, dtype=query.dtype)
+
+    def call(kernel, grid, parts, splits):
+        kernel[grid](
+            query, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens, out,
+            parts.out if parts else out, parts.lse if parts else out,
+            *query.stride(), *kv.key_pages.stride(), *kv.value_pages.stride(), *kv.block_table.stride(),
+            out.stride(0), out.stride(2), out.stride(1), out.stride(3),
+            qk_scale, kv_heads, q_len, max_kv_len, window or 0, splits,
+            launch.bucket(q_len * group), launch.bucket(max_kv_len),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=launch.block_d(head_dim), PAGE_SIZE=kv.page_size,
+            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_MASK=False, SPLIT=parts is not None,
+            INPUT_PRECISION=launch.input_precision(query.dtype),
+        )
+
+    launch.run("paged", call, out=out, kv_heads=kv_heads, group=group, kv_len=max_kv_len, num_splits=num_splits)
+    return out.transpose(1, 2)
