@@ -6,7 +6,8 @@ Row layout inside the batch (``C`` = longest cached prefix, ``S`` = longest unca
       <------- C ------->  <-------- S -------->
 
 Pads are masked out of attention and positions come from ``position_ids``, so every row attends to exactly
-its own tokens at their own positions, as it would alone. A finished row is stored and dropped from the
+its own tokens at their own positions, as it would alone. Sliding-window models get no pads between the
+two parts (see :func:`_make_contiguous`). A finished row is stored and dropped from the
 batch so it costs nothing afterwards.
 """
 
@@ -20,7 +21,7 @@ from transformers import DynamicCache
 
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.forward import decode_step, prefill
-from kvb_cache.generation import _Emitter, token_logprob
+from kvb_cache.generation import _Emitter, chunk_hits, token_logprob
 from kvb_cache.kv import batch_cache
 from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
@@ -37,11 +38,30 @@ def _row_cache(cache: DynamicCache, row: int, index: torch.Tensor) -> DynamicCac
     )
 
 
+def _make_contiguous(engine: KVBoost, prepared: list[PreparedPrompt]) -> None:
+    """Trim cached prefixes so that no row has padding between its cached part and its suffix.
+
+    Sliding-window masks count the window in cache-index space, not in positions, so a gap of pads inside
+    a row would shrink that row's window. With every row's cached part cut to ``n_i - S`` tokens
+    (``S`` = longest suffix) each row is one contiguous run of tokens, left-padded: exact again, at the
+    price of recomputing a few cached tokens.
+    """
+    longest_suffix = max(len(p.ids) - p.cached_tokens for p in prepared)
+    for p in prepared:
+        keep = max(0, min(p.cached_tokens, len(p.ids) - longest_suffix))
+        if keep < p.cached_tokens:
+            p.cache.crop(keep - p.cached_tokens)
+            p.cached_tokens = keep
+            p.chunks = chunk_hits(p.spans, keep)
+
+
 def run_batch(
     engine: KVBoost, prepared: list[PreparedPrompt], params: list[SamplingParams], t0: float
 ) -> list[GenerationResult]:
     device = engine.device
     rows = len(prepared)
+    if engine.traits.sliding_window is not None:
+        _make_contiguous(engine, prepared)
     cached = [p.cached_tokens for p in prepared]
     suffix = [len(p.ids) - p.cached_tokens for p in prepared]
     width_c, width_s = max(cached), max(suffix)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from kvb_cache.errors import ConfigError
 
 GiB = 1 << 30
+#: Default byte budget of the in-memory chunk store.
+DEFAULT_MAX_CACHE_BYTES = 2 * GiB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,7 +30,7 @@ class EngineConfig:
 
     chunk_size: int = 128
     boundary_window: int = 0
-    max_cache_bytes: int = 2 * GiB
+    max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
     store_outputs: bool = True
     store_partial_tail: bool = True
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation
 from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
-from kvb_cache.config import EngineConfig
+from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fingerprint import model_fingerprint
@@ -44,6 +44,15 @@ class PreparedPrompt:
     cached_tokens: int
     chunks: tuple[ChunkHit, ...]
     prefill_chunk_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NextTokenLogits:
+    """``logits`` ``[V]`` for the token after a prompt, and how much of the prompt came from cache."""
+
+    logits: torch.Tensor
+    cached_tokens: int
+    prompt_tokens: int
 
 
 class KVBoost:
@@ -92,7 +101,7 @@ class KVBoost:
         *,
         chunk_size: int = 128,
         boundary_window: int = 0,
-        max_cache_bytes: int = EngineConfig.max_cache_bytes,
+        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
@@ -160,6 +169,20 @@ class KVBoost:
             tokens=len(ids), chunks=stored.stored_chunks, new_chunks=stored.new_chunks,
             already_cached_tokens=prepared.cached_tokens, elapsed_ms=(time.perf_counter() - t0) * 1e3,
         )
+
+    def next_token_logits(self, prompt: Prompt) -> NextTokenLogits:
+        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt stored.
+
+        The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
+        """
+        ids = self._tokenize(prompt)
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1)
+        with torch.inference_mode():
+            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
+            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
+            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
+        self.store_sequence(ids, prepared.cache)
+        return NextTokenLogits(logits=logits, cached_tokens=prepared.cached_tokens, prompt_tokens=len(ids))
 
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
@@ -293,7 +316,7 @@ class KVBoost:
     def store_sequence(self, ids: Sequence[int], cache: DynamicCache, *, row: int = 0, offset: int = 0):
         """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`)."""
         return write_back(
-            self.store, self.chunker, self.root, ids, cache, row=row, offset=offset,
+            self.store, self.chunker, self.root, ids, cache, num_layers=self.traits.num_layers, row=row, offset=offset,
             store_partial_tail=self.config.store_partial_tail,
         )
 

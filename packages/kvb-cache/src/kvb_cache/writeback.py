@@ -32,6 +32,7 @@ def write_back(
     ids: Sequence[int],
     cache: DynamicCache,
     *,
+    num_layers: int,
     row: int = 0,
     offset: int = 0,
     store_partial_tail: bool = True,
@@ -43,10 +44,11 @@ def write_back(
             batch row ``row`` (offset > 0 when the row is left-padded).
 
     Nothing is recomputed: KV is copied out of the cache the request's own forward filled. A cache whose
-    layers disagree on length (a forward that failed midway) is not trusted and nothing is stored.
+    layers disagree on length or that lacks layers (a forward that failed midway) is not trusted and nothing is
+    stored.
     """
-    lengths = {layer.keys.shape[2] for layer in cache.layers}
-    if len(lengths) != 1 or lengths.pop() < offset + len(ids):
+    lengths = {layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers}
+    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < offset + len(ids):
         logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
         return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
     spans = chunker.split(ids)

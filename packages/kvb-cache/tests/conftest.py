@@ -1,0 +1,66 @@
+"""Tiny random models and a local tokenizer: no hub, no embedded model, seconds per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 300
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+_COMMON = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
+)
+ARCHITECTURES = {
+    "llama": lambda: T.LlamaConfig(**_COMMON),
+    "qwen2": lambda: T.Qwen2Config(**_COMMON),
+    "mistral": lambda: T.MistralConfig(**_COMMON, sliding_window=24),
+    "gemma2": lambda: T.Gemma2Config(**_COMMON, head_dim=16, sliding_window=24),
+    "gemma3": lambda: T.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=24),
+    "gpt2": lambda: T.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=512, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=1,
+    ),
+}
+
+
+def make_tokenizer() -> T.PreTrainedTokenizerFast:
+    """Word-level tokenizer: ``w0 .. w{N}`` plus a few specials; decodes with spaces."""
+    specials = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = [f"w{i}" for i in range(VOCAB - len(specials))]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tok.add_special_tokens({"additional_special_tokens": specials[2:]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(arch: str, seed: int = 0) -> T.PreTrainedModel:
+    torch.manual_seed(seed)
+    config = ARCHITECTURES[arch]()
+    config.eos_token_id = 1
+    config.pad_token_id = 0
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if arch != "gemma2" else "eager")
+    return model.eval()
+
+
+def words(n: int, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 10, (n,), generator=g))
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> T.PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def llama() -> T.PreTrainedModel:
+    return make_model("llama")

@@ -1,0 +1,81 @@
+"""generate_batch rows equal single requests; stream deltas equal generate; cancellation is safe."""
+
+from __future__ import annotations
+
+from conftest import make_model, words
+
+from kvb_cache import EngineConfig, KVBoost
+
+
+def test_batch_rows_equal_single_greedy(tokenizer):
+    for arch in ("llama", "gpt2", "mistral"):
+        model = make_model(arch)
+        prompts = [words(50, seed=1), words(21, seed=2), words(50, seed=1) + " " + words(9, seed=3), words(3)]
+        single = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+        expected = [single.generate(p, max_new_tokens=12, ignore_eos=True).output_ids for p in prompts]
+        batched = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+        batched.warm(words(50, seed=1))  # rows 0 and 2 start with cached chunks, rows 1 and 3 do not
+        results = batched.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        assert [r.output_ids for r in results] == expected, arch
+        cached = [r.cached_tokens for r in results]
+        if arch == "mistral":
+            # Sliding window: cached parts are trimmed so rows stay contiguous (n_i - longest suffix).
+            assert cached == [50 - 21, 0, 59 - 21, 0]
+        else:
+            assert cached == [49, 0, 50, 0]
+
+
+def test_batch_per_row_sampling_and_lengths(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompts = [words(20, seed=4), words(33, seed=5)]
+    results = engine.generate_batch(
+        prompts, sampling=[{"max_new_tokens": 3}, {"max_new_tokens": 9, "temperature": 0.8, "seed": 1}], ignore_eos=True
+    )
+    assert [len(r.output_ids) for r in results] == [3, 9]
+    alone = engine.generate(prompts[1], max_new_tokens=9, temperature=0.8, seed=1, ignore_eos=True)
+    assert results[1].output_ids == alone.output_ids
+
+
+def test_batch_stores_chunks_for_next_request(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompts = [words(40, seed=6), words(25, seed=7)]
+    first = engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+    follow = tokenizer(prompts[0])["input_ids"] + first[0].output_ids
+    assert engine.generate(follow, max_new_tokens=2).cached_tokens == len(follow) - 1
+
+
+def test_stream_concatenates_to_generate(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompt = words(37)
+    events = list(engine.stream(prompt, max_new_tokens=15, ignore_eos=True))
+    final = events[-1].result
+    assert final is not None and all(e.result is None for e in events[:-1])
+    assert "".join(e.delta_text for e in events) == final.output_text
+    assert final.output_ids == engine.generate(prompt, max_new_tokens=15, ignore_eos=True).output_ids
+    assert 0 < final.ttft_ms <= final.total_ms
+
+
+def test_closing_a_stream_early_keeps_the_cache_consistent(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompt = words(45)
+    stream = engine.stream(prompt, max_new_tokens=50, ignore_eos=True)
+    for _ in range(5):
+        next(stream)
+    stream.close()
+    reference = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16)).generate(prompt, max_new_tokens=10, ignore_eos=True)
+    after = engine.generate(prompt, max_new_tokens=10, ignore_eos=True)
+    assert after.cached_tokens == len(tokenizer(prompt)["input_ids"]) - 1
+    assert after.output_ids == reference.output_ids
+
+
+def test_two_interleaved_streams(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    a, b = words(30, seed=1), words(30, seed=2)
+    expected = [engine.generate(p, max_new_tokens=8, ignore_eos=True).output_ids for p in (a, b)]
+    engine.clear_cache()
+    sa, sb = (engine.stream(p, max_new_tokens=8, ignore_eos=True) for p in (a, b))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for ea, eb in zip(sa, sb):
+        got["a"] += ea.token_ids
+        got["b"] += eb.token_ids
+    assert [got["a"], got["b"]] == expected

@@ -1,0 +1,104 @@
+"""Bad input raises typed errors that say what to change; a failed request leaves the cache usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, words
+
+from kvb_cache import (
+    ConfigError,
+    ContextLengthError,
+    EngineConfig,
+    InvalidRequestError,
+    KVBoost,
+    KVBoostError,
+    ModelLoadError,
+    PromptTypeError,
+    UnsupportedModelError,
+)
+
+
+@pytest.fixture()
+def engine(llama, tokenizer):
+    return KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate("")
+    with pytest.raises(InvalidRequestError):
+        engine.generate([])
+
+
+@pytest.mark.parametrize("prompt", [None, 42, {"text": "w1"}, [1, "2"], [True]])
+def test_non_string_prompt(engine, prompt):
+    with pytest.raises(PromptTypeError, match="prompt must be"):
+        engine.generate(prompt)
+
+
+def test_out_of_vocabulary_token_ids(engine):
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.generate([1, 2, 10_000])
+
+
+def test_context_overflow_says_how_much_fits(engine, tokenizer):
+    prompt = words(500)
+    with pytest.raises(ContextLengthError) as info:
+        engine.generate(prompt, max_new_tokens=100)
+    assert info.value.context_length == 512 and info.value.prompt_tokens == 500
+    assert "lower max_new_tokens to 12" in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, KVBoostError)
+
+
+def test_stop_must_be_strings(engine):
+    with pytest.raises(PromptTypeError):
+        engine.generate("w1 w2", stop=3)
+    with pytest.raises(InvalidRequestError):
+        engine.generate("w1 w2", stop=[""])
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        KVBoost.from_pretrained(str(tmp_path / "no-such-model"), device="cpu")
+
+
+def test_bad_config_values():
+    with pytest.raises(ConfigError, match="chunk_size"):
+        EngineConfig(chunk_size=0)
+    with pytest.raises(ConfigError, match="boundary_window"):
+        EngineConfig(chunk_size=16, boundary_window=12)
+    with pytest.raises(ConfigError, match="dtype"):
+        KVBoost.from_pretrained("/nonexistent", dtype="float8")
+
+
+def test_encoder_decoder_is_declined(tokenizer):
+    import transformers as T
+
+    model = T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=300))
+    with pytest.raises(UnsupportedModelError, match="decoder-only"):
+        KVBoost(model, tokenizer)
+
+
+def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):
+    model = make_model("llama")
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    prompt = words(40)
+    calls = {"n": 0}
+    original = model.model.layers[1].forward
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated out of memory in layer 1")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model.model.layers[1], "forward", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(prompt, max_new_tokens=4)
+    assert len(engine.store) == 0  # layer 0 had new KV, layer 1 did not: nothing was trusted
+    monkeypatch.undo()
+    reference = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16)).generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).output_ids == reference.output_ids
+    with torch.no_grad():
+        assert engine.next_token_logits(prompt).cached_tokens == 39

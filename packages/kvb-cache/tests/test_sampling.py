@@ -1,0 +1,121 @@
+"""Sampler: temperature 0, seeds, top-k/top-p masks, penalties, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import words
+
+from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, SamplingParams
+from kvb_cache.sampling import RequestProcessor
+
+
+@pytest.fixture()
+def engine(llama, tokenizer):
+    return KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+
+
+PROMPT = words(30)
+
+
+def test_temperature_zero_is_greedy_and_not_empty(engine, llama, tokenizer):
+    result = engine.generate(PROMPT, max_new_tokens=10, temperature=0, ignore_eos=True)
+    ids = tokenizer(PROMPT)["input_ids"]
+    expected = llama.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert result.output_ids == expected[0, len(ids):].tolist()
+    assert result.output_text.strip() and result.finish_reason == "length"
+
+
+def test_seed_reproducible_and_seed_matters(engine):
+    runs = [engine.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=s, ignore_eos=True).output_ids
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    history = torch.tensor([0])
+    top_k = RequestProcessor(SamplingParams(temperature=1.0, top_k=2), prompt_len=1, device=torch.device("cpu"))
+    assert torch.isfinite(top_k.process(history, logits)).tolist() == [True, True, False, False, False]
+    # softmax of logits: [0.636, 0.234, 0.086, ...]; top_p=0.8 keeps the smallest set reaching 0.8: two tokens.
+    top_p = RequestProcessor(SamplingParams(temperature=1.0, top_p=0.8), prompt_len=1, device=torch.device("cpu"))
+    assert torch.isfinite(top_p.process(history, logits)).tolist() == [True, True, False, False, False]
+
+
+def test_sampling_respects_top_k(engine):
+    """With top_k=1 sampling at any temperature must equal greedy."""
+    greedy = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).output_ids
+    sampled = engine.generate(PROMPT, max_new_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True).output_ids
+    assert sampled == greedy
+
+
+def test_presence_and_frequency_penalties():
+    processor = RequestProcessor(
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_len=2, device=torch.device("cpu")
+    )
+    history = torch.tensor([3, 3, 1, 1, 2])  # prompt [3, 3] is not penalised; output [1, 1, 2]
+    out = processor.process(history, torch.zeros(5))
+    assert out.tolist() == [0.0, -1.0, -0.75, 0.0, 0.0]
+
+
+def test_repetition_penalty_changes_greedy(engine):
+    plain = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).output_ids
+    penalised = engine.generate(PROMPT, max_new_tokens=24, repetition_penalty=5.0, ignore_eos=True).output_ids
+    assert penalised != plain
+    assert len(set(penalised)) >= len(set(plain))
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(engine):
+    full = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True)
+    stop_word = full.output_text.split()[5]
+    result = engine.generate(PROMPT, max_new_tokens=20, stop=[stop_word, "never-appears"], ignore_eos=True)
+    assert result.finish_reason == "stop" and result.stop_reason == stop_word
+    assert stop_word not in result.output_text
+    assert full.output_text.startswith(result.output_text)
+
+
+def test_stop_string_split_across_tokens_is_held_back_in_stream(engine):
+    full = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True).output_text
+    words_out = full.split()
+    stop = f"{words_out[3]} {words_out[4]}"  # spans two tokens
+    deltas = [e.delta_text for e in engine.stream(PROMPT, max_new_tokens=20, stop=stop, ignore_eos=True)]
+    streamed = "".join(deltas)
+    assert stop not in streamed
+    assert streamed == full[: full.index(stop)]
+
+
+def test_eos_stops_with_reason_stop(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    greedy = engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True).output_ids
+    eos = greedy[4]
+    tokenizer_eos = engine.eos_token_ids
+    engine.generation_eos = None
+    result = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    result.model.generation_config.eos_token_id = eos
+    try:
+        out = result.generate(PROMPT, max_new_tokens=30)
+    finally:
+        result.model.generation_config.eos_token_id = 1
+    assert out.finish_reason == "stop" and out.output_ids == greedy[: greedy.index(eos) + 1]
+    assert tokenizer_eos  # the tokenizer's eos is always honoured too
+
+
+def test_logprobs(engine):
+    result = engine.generate(PROMPT, max_new_tokens=5, logprobs=3, ignore_eos=True)
+    assert result.logprobs is not None and len(result.logprobs) == 5
+    for step, token in zip(result.logprobs, result.output_ids):
+        assert step.token_id == token and step.logprob <= 0
+        assert len(step.top) == 3 and step.top[0][2] >= step.top[1][2] >= step.top[2][2]
+        assert step.top[0][0] == token  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_new_tokens", 0), ("max_new_tokens", -3), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -1),
+     ("temperature", float("nan")), ("logprobs", 50), ("presence_penalty", 3.0)],
+)
+def test_invalid_sampling_values_name_the_parameter(engine, field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate(PROMPT, **{field: value})
+    assert info.value.param == field and field in str(info.value)

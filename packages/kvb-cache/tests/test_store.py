@@ -1,0 +1,103 @@
+"""The RAM chunk store: budget, eviction order, no orphaned chains."""
+
+from __future__ import annotations
+
+import torch
+
+from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
+from kvb_cache.store import ChunkEntry, ChunkStore
+
+ROOT = root_hash("test-model")
+TOKENS = 4
+ENTRY_BYTES = 2 * (1 * 2 * TOKENS * 8) * 4  # k + v, [1, 2 heads, 4 tokens, 8 dims] fp32, one layer
+
+
+def chain(store: ChunkStore, tag: int, length: int, parent: ChunkHash = ROOT) -> list[ChunkEntry]:
+    entries = []
+    for i in range(length):
+        ids = [tag * 100 + i * TOKENS + j for j in range(TOKENS)]
+        key = prefix_hash(parent, ids)
+        kv = ((torch.zeros(1, 2, TOKENS, 8), torch.zeros(1, 2, TOKENS, 8)),)
+        entry = ChunkEntry(key=key, parent=parent, content=content_hash(ROOT, ids), token_ids=tuple(ids), kv=kv, start=i * TOKENS)
+        assert entry.nbytes == ENTRY_BYTES
+        store.put(entry, root=ROOT)
+        entries.append(entry)
+        parent = key
+    return entries
+
+
+def reachable(store: ChunkStore, entry: ChunkEntry) -> bool:
+    """Every ancestor of a stored entry is stored too."""
+    while entry.parent != ROOT:
+        parent = store.peek(entry.parent)
+        if parent is None:
+            return False
+        entry = parent
+    return True
+
+
+def test_budget_is_never_exceeded():
+    store = ChunkStore(max_bytes=10 * ENTRY_BYTES)
+    for tag in range(8):
+        chain(store, tag, 3)
+        assert store.stats().bytes <= 10 * ENTRY_BYTES
+    assert len(store) == 10
+    assert store.stats().evictions == 14
+
+
+def test_leaves_evicted_before_parents_no_orphans():
+    store = ChunkStore(max_bytes=6 * ENTRY_BYTES)
+    first = chain(store, 1, 4)
+    chain(store, 2, 4)  # needs 2 evictions: the tail of chain 1 goes first, never its head
+    assert [store.peek(e.key) is not None for e in first] == [True, True, False, False]
+    for key in list(store._entries):
+        assert reachable(store, store.peek(key))
+
+
+def test_lru_among_equally_used_leaves():
+    store = ChunkStore(max_bytes=3 * ENTRY_BYTES)
+    a, b, c = (chain(store, tag, 1)[0] for tag in (1, 2, 3))
+    for entry in (a, b, c):
+        store.get(entry.key)  # one hit each; a is now the least recent
+    chain(store, 4, 1)
+    assert store.peek(a.key) is None
+    assert store.peek(b.key) is not None and store.peek(c.key) is not None
+
+
+def test_frequently_used_system_prompt_survives_a_flood():
+    store = ChunkStore(max_bytes=8 * ENTRY_BYTES)
+    system = chain(store, 0, 2)
+    for _ in range(20):
+        for entry in system:
+            store.get(entry.key)
+    for tag in range(1, 40):  # one-off prompts, never hit again
+        chain(store, tag, 2)
+    assert all(store.peek(e.key) is not None for e in system)
+
+
+def test_child_of_evicted_parent_is_refused():
+    store = ChunkStore(max_bytes=100 * ENTRY_BYTES)
+    orphan_parent = prefix_hash(ROOT, [9, 9, 9, 9])
+    kv = ((torch.zeros(1, 2, TOKENS, 8), torch.zeros(1, 2, TOKENS, 8)),)
+    entry = ChunkEntry(key=prefix_hash(orphan_parent, [1, 2, 3, 4]), parent=orphan_parent,
+                       content=content_hash(ROOT, [1, 2, 3, 4]), token_ids=(1, 2, 3, 4), kv=kv, start=4)
+    assert not store.put(entry, root=ROOT)
+    assert len(store) == 0 and store.stats().rejected == 1
+
+
+def test_oversized_entry_is_refused_without_evicting():
+    store = ChunkStore(max_bytes=ENTRY_BYTES - 1)
+    chain(store, 1, 1)
+    assert len(store) == 0 and store.stats().evictions == 0
+
+
+def test_complete_chunk_replaces_its_partial_tail():
+    store = ChunkStore(max_bytes=100 * ENTRY_BYTES)
+    kv = ((torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8)),)
+    partial = ChunkEntry(key=prefix_hash(ROOT, [5, 6]), parent=ROOT, content=content_hash(ROOT, [5, 6]),
+                         token_ids=(5, 6), kv=kv, start=0, complete=False)
+    store.put(partial, root=ROOT)
+    full = ChunkEntry(key=prefix_hash(ROOT, [5, 6, 7, 8]), parent=ROOT, content=content_hash(ROOT, [5, 6, 7, 8]),
+                      token_ids=(5, 6, 7, 8), kv=((torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),), start=0)
+    store.put(full, root=ROOT)
+    assert store.peek(partial.key) is None and store.children(ROOT) == [full]
