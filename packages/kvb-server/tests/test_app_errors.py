@@ -1,0 +1,240 @@
+"""Error paths over real HTTP: 400/401/404/413/503/504 bodies in OpenAI's shape, cancellation on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import serve
+from fakes import FakeEngine
+
+from kvb_server import AdmissionDecision, AdmissionRequest, ServerConfig, create_app
+
+MODEL = "fake-model"
+
+
+def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+@pytest.fixture()
+def fake() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture()
+def url(fake: FakeEngine) -> Iterator[str]:
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=100))) as base:
+        yield base
+
+
+def post(url: str, path: str, body: object | bytes, **kw) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, **kw)
+    return httpx.post(url + path, json=body, **kw)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, *, param: str | None = None,
+                        code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_malformed_json_is_400(url: str) -> None:
+    assert_openai_error(post(url, "/v1/completions", b'{"model": "fake-model", "prompt": '), 400)
+    assert_openai_error(post(url, "/v1/chat/completions", b"[1, 2]"), 400)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "prompt": 5}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 9}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "bogus_param": 1}, "bogus_param"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 80}, "max_tokens"),  # 150 + 80 > context 200
+])
+def test_invalid_completion_parameters_are_400_naming_the_parameter(url: str, body: dict, param: str) -> None:
+    assert_openai_error(post(url, "/v1/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+])
+def test_unsupported_or_invalid_chat_features_are_400(url: str, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), 400, param=param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_openai_client_raises_bad_request_with_param(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_object"})
+    assert info.value.param == "response_format"
+
+
+def test_unknown_model_is_404_in_openai_shape(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="hi")
+    assert info.value.code == "model_not_found"
+    assert_openai_error(httpx.get(url + "/v1/models/gpt-9"), 404, code="model_not_found")
+    assert_openai_error(httpx.get(url + "/v1/nope"), 404)
+
+
+def test_text_parts_in_chat_content_are_joined(url: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]}],
+            "max_tokens": 3}
+    resp = post(url, "/v1/chat/completions", body)
+    assert resp.status_code == 200
+    # Fake chat template: "<user>ab<assistant>"
+    assert resp.json()["usage"]["prompt_tokens"] == len("<user>ab<assistant>")
+
+
+def test_api_key_is_enforced_on_v1_routes_only() -> None:
+    fake = FakeEngine()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), api_key="s3cret"))) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+        for path in ("/v1/models", "/v1/stats"):
+            assert_openai_error(httpx.get(url + path), 401, code="invalid_api_key")
+        assert_openai_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_openai_error(post(url, "/v1/warm", {"text": "x"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text == "bc"
+        assert fake.warmed == []
+
+
+def test_gate_refusal_is_413_and_never_queued() -> None:
+    class SmallOnly:
+        def __init__(self) -> None:
+            self.seen: list[AdmissionRequest] = []
+
+        def admit(self, request: AdmissionRequest) -> AdmissionDecision:
+            self.seen.append(request)
+            if max(request.prompt_tokens) > 10:
+                return AdmissionDecision(admitted=False, message="prompt too long for free memory; shorten it",
+                                         details={"limit_tokens": 10})
+            return AdmissionDecision(admitted=True)
+
+    fake, gate = FakeEngine(), SmallOnly()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)), gate=gate)) as url:
+        err = assert_openai_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x" * 11}), 413,
+                                  code="request_too_large")
+        assert err["details"] == {"limit_tokens": 10}
+        assert fake.calls == []
+        ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "short", "max_tokens": 4, "n": 2})
+        assert ok.status_code == 200
+    assert gate.seen[-1].prompt_tokens == (5,)
+    assert gate.seen[-1].max_new_tokens == 4
+    assert gate.seen[-1].n == 2
+
+
+def test_queue_full_is_503_then_recovers() -> None:
+    fake = FakeEngine()
+    fake.hold.clear()
+    config = ServerConfig(model_names=(MODEL,), max_queue_size=2, max_batch_size=1, batch_window_ms=0)
+    with serve(create_app(fake, config)) as url:
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+                running = asyncio.create_task(c.post("/v1/completions", json=body))
+                await asyncio.sleep(0.3)  # the worker took it and is blocked inside the engine
+                queued = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+                while (await c.get("/health")).json()["queue_depth"] < 2:
+                    await asyncio.sleep(0.01)
+                rejected = await c.post("/v1/completions", json=body)
+                assert_openai_error(rejected, 503, code="queue_full")
+                fake.hold.set()
+                return [r.status_code for r in await asyncio.gather(running, *queued)]
+
+        assert asyncio.run(scenario()) == [200, 200, 200]
+
+
+def test_timeout_is_504_and_stops_generation() -> None:
+    fake = FakeEngine(token_delay_s=0.05)
+    config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.4)
+    with serve(create_app(fake, config)) as url:
+        t0 = time.monotonic()
+        resp = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100}, timeout=30)
+        assert_openai_error(resp, 504, code="timeout")
+        assert time.monotonic() - t0 < 3
+        wait_until(lambda: fake.closed_early == 1)  # the engine was told to stop, not left running 5 s
+        stream = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True},
+                      timeout=30)
+        assert stream.status_code == 200  # streaming had started: the timeout arrives as an error event
+        assert '"code":"timeout"' in stream.text
+        assert "[DONE]" not in stream.text
+        ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200
+
+
+def test_request_timing_out_in_the_queue_is_504() -> None:
+    fake = FakeEngine()
+    fake.hold.clear()
+    config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.5, max_batch_size=1)
+    with serve(create_app(fake, config)) as url:
+        resp = post(url, "/v1/chat/completions",
+                    {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=30)
+        assert_openai_error(resp, 504)
+        fake.hold.set()
+
+
+def test_stream_disconnect_frees_the_worker() -> None:
+    fake = FakeEngine(token_delay_s=0.02)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 150, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(5)]
+        assert any(line.startswith("data: ") for line in got)
+        wait_until(lambda: fake.closed_early == 1, timeout=3)  # stopped long before 150 * 20 ms
+        t0 = time.monotonic()
+        ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert ok.json()["choices"][0]["text"] == "bcd"
+        assert time.monotonic() - t0 < 2
+
+
+def test_non_stream_disconnect_cancels_the_job() -> None:
+    fake = FakeEngine(token_delay_s=0.02)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 150}, timeout=0.3)
+        wait_until(lambda: fake.closed_early == 1, timeout=3)
+        assert post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
