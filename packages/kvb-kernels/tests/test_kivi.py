@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvb_kernels import DTypeError, KiviKV, ShapeError, flash_attention, kivi_attention, kivi_quantize
+
+
+def _kv(device, length=45, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(2, 2, length, 64, generator=gen)
+    key[..., 3] *= 20  # an outlier channel, the case per-channel key scales exist for
+    value = torch.randn(2, 2, length, 64, generator=gen)
+    return key.to(device), value.to(device)
+
+
+def test_codec_error_is_within_half_a_step(device):
+    key, value = _kv(device)
+    coded = kivi_quantize(key, value, group_size=16)
+    k_hat, v_hat = coded.dequantize(torch.float32)
+    k_step = coded.key_scale.repeat_interleave(16, dim=2)[:, :, :45]
+    assert ((k_hat - key).abs() <= k_step / 2 + 1e-5).all()
+    assert ((v_hat - value).abs() <= coded.value_scale / 2 + 1e-5).all()
+    # Per-channel key scales keep the outlier channel from flattening the others.
+    assert coded.key_scale[..., 3].min() > 5 * coded.key_scale[..., 0].max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("q_len", "window", "splits"), [(1, None, 3), (5, None, 1), (4, 9, 2)])
+def test_fused_equals_dequantize_then_attend(q_len, window, splits, dtype, device):
+    key, value = _kv(device)
+    coded = kivi_quantize(key, value, group_size=16)
+    q = torch.randn(2, 4, q_len, 64, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    fused = kivi_attention(q, coded, window=window, num_splits=splits)
+    k_hat, v_hat = coded.dequantize(dtype)
+    unfused = flash_attention(q, k_hat, v_hat, window=window)
+    atol = 2e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=atol, rtol=0)
+
+
+def test_layout_errors(device):
+    key, value = _kv(device, length=8)
+    coded = kivi_quantize(key, value, group_size=4)
+    with pytest.raises(ShapeError, match="key_scale must have shape"):
+        KiviKV(key_codes=coded.key_codes, key_scale=coded.key_scale[:, :, :1], key_zero=coded.key_zero,
+               value_codes=coded.value_codes, value_scale=coded.value_scale, value_zero=coded.value_zero,
+               group_size=4)
+    with pytest.raises(DTypeError, match="uint8"):
+        KiviKV(key_codes=coded.key_codes.to(torch.int16), key_scale=coded.key_scale, key_zero=coded.key_zero,
+               value_codes=coded.value_codes, value_scale=coded.value_scale, value_zero=coded.value_zero,
+               group_size=4)
+    with pytest.raises(ShapeError, match="group_size"):
+        kivi_quantize(key, value, group_size=0)

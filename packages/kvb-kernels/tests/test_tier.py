@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvb_kernels import flash_attention_available, get_flash_attn_tier
+from kvb_kernels.backend import triton_installed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tier on a GPU machine depends on the GPU")
+def test_cpu_tiers(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert get_flash_attn_tier() == "vanilla"
+    assert not flash_attention_available()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    expected = "kvb_triton" if triton_installed() else "vanilla"
+    assert get_flash_attn_tier() == expected
+    assert flash_attention_available() == triton_installed()
+
+
+@pytest.mark.gpu
+def test_gpu_tier():
+    assert get_flash_attn_tier() == ("kvb_triton" if triton_installed() else "torch_flash")
