@@ -21,8 +21,9 @@ loaded weights, i.e. what a request adds to a warm server::
     output; q/k/v and their RoPE'd copies and temporaries.
   - ``scratch`` (slice x context x heads): eager attention materialises the ``[B, Hq, C, P]`` scores and
     their softmax (2 buffers, at least fp32); SDPA/flash kernels tile them (0 buffers). When a mask is
-    present (chunked prefill, batch > 1, eager) add the mask ``B * C * P`` (bool for SDPA, dtype for
-    eager) and, under GQA, ``repeat_kv``'s expanded K and V: ``2 * B * Hq * P * d * e``.
+    present (chunked prefill, batch > 1, eager) add the mask, ``B * C * P * e`` for eager and
+    ``B * C * P * (1 + e)`` for SDPA (transformers' bool mask plus the float copy torch's SDPA converts it
+    to), and, under GQA, ``repeat_kv``'s expanded K and V: ``2 * B * Hq * P * d * e``.
 
 The sum is conservative: the full ``T`` KV is charged during prefill, when only ``P`` exists. The
 per-term constants were checked against ``torch.profiler`` tensor peaks on SmolLM2 (see docs/planner.md).
@@ -78,7 +79,8 @@ def estimate_memory(
     buffers = SCORE_BUFFERS.get(shape.attn_implementation, EAGER_SCORE_BUFFERS)
     scratch = buffers * b * hq * c * p * max(e, 4)
     if eager or c < p or b > 1:
-        scratch += b * c * p * (e if eager else 1)
+        # transformers builds a bool mask for SDPA, which torch's SDPA converts to a float one (aten::where).
+        scratch += b * c * p * (e if eager else 1 + e)
         if hq != hkv:
             scratch += 2 * b * hq * p * d * e
     attention = b * c * (3 * shape.hidden_size + 4 * hq * d + 4 * hkv * d) * e + scratch

@@ -149,9 +149,10 @@ def decode_step_latency(model: Any, *, settings: ProbeSettings) -> ProbeResult:
         model(input_ids=step_ids, past_key_values=cache, use_cache=True)
         _synchronize(device)
         elapsed_ms = (time.perf_counter() - start) * 1e3
-        # Keep every step at the same context length (transformers caches support crop()).
+        # Keep every step at the same context length. crop(-1) drops the newest token both in the
+        # transformers 5.0 API (negative = remove) and in later ones (only negative accepted).
         if hasattr(cache, "crop"):
-            cache.crop(settings.decode_context_tokens)
+            cache.crop(-1)
         return elapsed_ms
 
     was_training = model.training
