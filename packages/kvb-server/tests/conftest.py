@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import uvicorn
-from kvb_cache import EngineConfig, KVBoost
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from kvb_cache import EngineConfig, KVBoost
 from kvb_server import ServerConfig, create_app
 
 CHAT_TEMPLATE = (

@@ -10,6 +10,7 @@ import asyncio
 
 import openai
 import pytest
+
 from kvb_cache import KVBoost
 
 MODEL = "tiny-llama"

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from fakes import FakeEngine
+
+from kvb_server.config import ServerConfig
+from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
+from kvb_server.request_plan import chat_plan, completion_plan, parse_body
+from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
+
+CONFIG = ServerConfig(model_names=("fake-model",), max_tokens=50)
+
+
+def completion(**body):
+    req = parse_body(json.dumps({"model": "fake-model", **body}).encode(), CompletionRequest)
+    return completion_plan(req, FakeEngine(), CONFIG)
+
+
+def chat(**body):
+    req = parse_body(json.dumps({"model": "fake-model", **body}).encode(), ChatCompletionRequest)
+    return chat_plan(req, FakeEngine(), CONFIG)
+
+
+def test_openai_defaults_and_prompt_forms() -> None:
+    plan = completion(prompt="abc")
+    assert plan.prompts == ([97, 98, 99],)
+    assert plan.sampling.max_new_tokens == 16  # OpenAI's completions default
+    assert plan.sampling.temperature == 1.0 and plan.n == 1 and not plan.stream
+    assert completion(prompt=["ab", "c"]).prompts == ([97, 98], [99])
+    assert completion(prompt=[5, 6]).prompts == ([5, 6],)
+    assert completion(prompt=[[5], [6, 7]]).prompts == ([5], [6, 7])
+
+
+def test_max_tokens_capped_by_server_and_context() -> None:
+    assert completion(prompt="a", max_tokens=500).sampling.max_new_tokens == 50  # --max-tokens clamps
+    # Chat default: as much as the server allows and the context leaves (context 200).
+    assert chat(messages=[{"role": "user", "content": "x" * 160}]).sampling.max_new_tokens == 200 - len(
+        "<user>" + "x" * 160 + "<assistant>")
+    with pytest.raises(InvalidParameterError) as info:
+        completion(prompt="x" * 199, max_tokens=2)
+    assert info.value.param == "max_tokens"
+    with pytest.raises(InvalidParameterError) as info:
+        completion(prompt="x" * 200)
+    assert info.value.param == "prompt"
+
+
+def test_max_completion_tokens_wins_and_top_p_zero_is_greedy() -> None:
+    plan = chat(messages=[{"role": "user", "content": "hi"}], max_tokens=9, max_completion_tokens=4, top_p=0.0,
+                temperature=0.9)
+    assert plan.sampling.max_new_tokens == 4
+    assert (plan.sampling.temperature, plan.sampling.top_p) == (0.0, 1.0)
+
+
+def test_logprob_settings() -> None:
+    assert completion(prompt="a", logprobs=0).sampling.logprobs == 0
+    assert completion(prompt="a").sampling.logprobs is None
+    assert chat(messages=[{"role": "user", "content": "a"}], logprobs=True).sampling.logprobs == 0
+    assert chat(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=4).sampling.logprobs == 4
+    assert chat(messages=[{"role": "user", "content": "a"}], logprobs=False).sampling.logprobs is None
+
+
+def test_stream_options_and_stop() -> None:
+    plan = completion(prompt="a", stream=True, stream_options={"include_usage": True}, stop="\n")
+    assert plan.stream and plan.include_usage and plan.sampling.stop == ("\n",)
+
+
+def test_errors_name_the_parameter() -> None:
+    with pytest.raises(ModelNotFoundError):
+        completion(prompt="a", model="other")
+    with pytest.raises(InvalidParameterError, match="Unrecognized request argument supplied: foo"):
+        completion(prompt="a", foo=1)
+    with pytest.raises(InvalidParameterError, match="Missing required parameter: 'prompt'"):
+        completion()
+    with pytest.raises(UnsupportedFeatureError) as info:
+        completion(prompt="a", echo=True)
+    assert info.value.param == "echo"
+    with pytest.raises(InvalidParameterError) as info:
+        completion(prompt="a", n=17)
+    assert info.value.param == "n"
+    with pytest.raises(UnsupportedFeatureError) as info:
+        chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    assert info.value.param == "messages"
