@@ -1,0 +1,149 @@
+"""Re-positioning cached keys: RoPE is a rotation, so moving a key from position p to q is one more rotation.
+
+A rotary model stores ``k_rot(p) = s * (k * cos(p f) + rotate(k) * sin(p f))`` where ``f`` are the inverse
+frequencies of its RoPE variant (default, linear, YaRN, llama3, ...) and ``s`` its ``attention_scaling``
+(1 except YaRN/longrope, which scale cos and sin). Rotations compose, ``R(q f) = R((q - p) f) R(p f)``, so
+
+    k_rot(q) = R((q - p) f) k_rot(p)        (with unscaled cos/sin: ``s`` is already inside k_rot(p))
+
+We never hand-roll frequency tables or layouts: the cos/sin come from the model's own rotary-embedding
+module (evaluated at the position *difference*, divided by its attention scaling) and the rotation is the
+model module's own ``apply_rotary_pos_emb``. That function knows the model's layout (half-split
+``rotate_half`` or interleaved) and partial rotary (Phi, GPT-NeoX rotate only ``cos.shape[-1]`` channels).
+
+Declined, with a reason: absolute position embeddings (GPT-2: the position is added to the hidden state,
+every layer's KV depends on it), models without a standard rotary module, and RoPE variants whose
+frequencies depend on the sequence length (dynamic NTK, longrope): the frequencies a stored key was rotated
+with depend on how long the request that computed it was, which the store does not record.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+# Frequencies change with the sequence length: a stored key's rotation is not a function of its position.
+_LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RepositionSupport:
+    """Whether a model's cached keys can be moved to new positions, and if not, why."""
+
+    supported: bool
+    reason: str = ""
+
+
+def _rotary_module(model: PreTrainedModel) -> nn.Module | None:
+    base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None) or model
+    rotary = getattr(base, "rotary_emb", None)
+    return rotary if isinstance(rotary, nn.Module) else None
+
+
+def _apply_function(model: PreTrainedModel) -> Callable | None:
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "apply_rotary_pos_emb", None)
+    if fn is None:
+        return None
+    params = list(inspect.signature(fn).parameters)
+    # The Llama-family signature ``(q, k, cos, sin, ...)``; GPT-J style ``(tensor, sin, cos)`` is not it.
+    return fn if params[:4] == ["q", "k", "cos", "sin"] else None
+
+
+class KeyRepositioner:
+    """Rotates cached keys of one model from their stored positions to new ones.
+
+    Build it with :meth:`for_model`; check :attr:`support` before calling :meth:`reposition`.
+    """
+
+    def __init__(
+        self,
+        *,
+        support: RepositionSupport,
+        rotary: nn.Module | None = None,
+        apply_fn: Callable | None = None,
+        layer_types: tuple[str | None, ...] = (),
+    ) -> None:
+        self.support = support
+        self._rotary = rotary
+        self._apply = apply_fn
+        self._layer_types = layer_types
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, *, absolute_positions: bool) -> KeyRepositioner:
+        name = type(model).__name__
+        if absolute_positions:
+            return cls(support=RepositionSupport(
+                supported=False,
+                reason=f"{name} uses absolute position embeddings: cached KV cannot be moved to a new position",
+            ))
+        rotary, apply_fn = _rotary_module(model), _apply_function(model)
+        if rotary is None or apply_fn is None:
+            return cls(support=RepositionSupport(
+                supported=False,
+                reason=f"{name} has no standard rotary embedding module / apply_rotary_pos_emb to re-position keys with",
+            ))
+        rope_type = getattr(rotary, "rope_type", "default")
+        per_type = isinstance(rope_type, dict)
+        kinds = set(rope_type.values()) if per_type else {rope_type}
+        if kinds & _LENGTH_DEPENDENT:
+            return cls(support=RepositionSupport(
+                supported=False,
+                reason=f"{name} uses {sorted(kinds & _LENGTH_DEPENDENT)} RoPE whose frequencies depend on the "
+                "request length; stored keys cannot be re-rotated reliably",
+            ))
+        config = model.config.get_text_config(decoder=True)
+        num_layers = int(config.num_hidden_layers)
+        layer_types = tuple(config.layer_types) if per_type else (None,) * num_layers
+        return cls(support=RepositionSupport(supported=True), rotary=rotary, apply_fn=apply_fn, layer_types=layer_types)
+
+    def _cos_sin(
+        self, delta: torch.Tensor, layer_type: str | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscaled ``cos/sin(delta * f)`` ``[1, T, rotary_dim]`` from the model's own module."""
+        assert self._rotary is not None
+        probe = torch.zeros(1, dtype=dtype, device=delta.device)
+        if layer_type is None:
+            cos, sin = self._rotary(probe, delta)
+            scaling = getattr(self._rotary, "attention_scaling", 1.0)
+        else:
+            cos, sin = self._rotary(probe, delta, layer_type)
+            scaling = getattr(self._rotary, f"{layer_type}_attention_scaling", 1.0)
+        return cos / scaling, sin / scaling
+
+    @torch.no_grad()
+    def reposition(self, layers_kv, old_start: int, new_start: int):
+        """Keys moved from positions ``[old_start, old_start + T)`` to ``[new_start, new_start + T)``.
+
+        Args:
+            layers_kv: per layer ``(keys, values)``, each ``[1, kv_heads, T, head_dim]``.
+
+        Returns:
+            The same structure with rotated keys (new tensors, in the keys' dtype) and the values unchanged.
+            Rotation runs in fp32 whatever the storage dtype.
+        """
+        if not self.support.supported:
+            raise ValueError(f"cannot re-position keys: {self.support.reason}")
+        if old_start == new_start:
+            return tuple((k, v) for k, v in layers_kv)
+        tokens = layers_kv[0][0].shape[2]
+        device = layers_kv[0][0].device
+        delta = torch.full((1, tokens), new_start - old_start, dtype=torch.long, device=device)
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = []
+        for layer, (keys, values) in enumerate(layers_kv):
+            kind = self._layer_types[layer] if layer < len(self._layer_types) else None
+            k32 = keys if keys.dtype == torch.float64 else keys.float()
+            if kind not in tables:
+                tables[kind] = self._cos_sin(delta, kind, k32.dtype)
+            cos, sin = tables[kind]
+            # The model's own rotation: its layout and partial-rotary split (queries unused, k passed twice).
+            _, rotated = self._apply(k32, k32, cos, sin)
+            out.append((rotated.to(keys.dtype), values))
+        return tuple(out)

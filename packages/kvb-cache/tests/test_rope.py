@@ -1,0 +1,86 @@
+"""Re-positioned keys equal keys computed at the new position (no history, fp32), for every RoPE variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from conftest import VOCAB, make_model
+
+from kvb_cache.rope import KeyRepositioner
+
+_SMALL = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
+)
+
+
+def _llama(rope: dict) -> T.PretrainedConfig:
+    return T.LlamaConfig(**_SMALL, rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+CONFIGS = {
+    "llama-default": lambda: _llama({"rope_type": "default"}),
+    "llama-linear": lambda: _llama({"rope_type": "linear", "factor": 2.0}),
+    "llama-yarn": lambda: _llama({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    "llama3": lambda: _llama({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }),
+    "qwen2": lambda: T.Qwen2Config(**_SMALL),
+    "phi3-partial": lambda: T.Phi3Config(**_SMALL, partial_rotary_factor=0.5, pad_token_id=0),
+    "gpt-neox-partial": lambda: T.GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
+        max_position_embeddings=512, initializer_range=0.2, rotary_pct=0.25,
+    ),
+    "gemma3-per-layer-rope": lambda: T.Gemma3TextConfig(**_SMALL, head_dim=16, sliding_window=512),
+}
+
+
+def _model(name: str) -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").eval()
+
+
+def _kv_at(model, ids: list[int], start: int):
+    """Per layer ``(keys, values)`` of ``ids`` computed alone at positions ``[start, start + len)``."""
+    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), position_ids=positions, use_cache=True).past_key_values
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize(("old", "new"), [(0, 37), (120, 3), (9, 101), (5, 5)])
+def test_repositioned_keys_equal_keys_computed_there(name, old, new):
+    model = _model(name)
+    mover = KeyRepositioner.for_model(model, absolute_positions=False)
+    assert mover.support.supported, mover.support.reason
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    stored, expected = _kv_at(model, ids, old), _kv_at(model, ids, new)
+    moved = mover.reposition(stored, old, new)
+    for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(moved, expected)):
+        # 1e-5 absolute + 1e-5 relative: fp32 angles at position p carry ~p * 2**-24 rad of rounding in the
+        # reference itself (HF computes cos/sin in fp32 even for fp64 models) and these random keys reach |5|.
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5, msg=f"{name} layer {layer} keys")
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5, msg=f"{name} layer {layer} values")
+    if old != new:
+        # Not vacuous: without the rotation the keys really differ.
+        assert (stored[0][0] - expected[0][0]).abs().max() > 1e-2
+
+
+def test_gpt2_is_declined_with_reason():
+    mover = KeyRepositioner.for_model(make_model("gpt2"), absolute_positions=True)
+    assert not mover.support.supported
+    assert "absolute position" in mover.support.reason
+    with pytest.raises(ValueError, match="absolute position"):
+        mover.reposition(((torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4)),), 0, 3)
+
+
+def test_dynamic_ntk_is_declined_with_reason():
+    torch.manual_seed(0)
+    config = _llama({"rope_type": "dynamic", "factor": 2.0})
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    mover = KeyRepositioner.for_model(model, absolute_positions=False)
+    assert not mover.support.supported
+    assert "dynamic" in mover.support.reason
