@@ -1,0 +1,95 @@
+"""Drafting with a smaller Hugging Face causal LM that shares the target's vocabulary."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvb_speculative.cache_ops import extend, rollback
+from kvb_speculative.protocols import Draft, TokenProcessor
+from kvb_speculative.vocab import check_vocab_parity
+
+
+class DraftModelDrafter:
+    """Proposes tokens by running ``draft_model`` autoregressively through the request's processor.
+
+    Args:
+        target_model: the model whose output is verified (only its vocabulary is read here).
+        draft_model: a smaller causal LM with the same vocabulary and special tokens.
+        target_tokenizer, draft_tokenizer: optional; when both are given their vocabularies are compared too.
+
+    Raises:
+        VocabularyMismatchError: the vocabularies differ (sizes or any special token id).
+    """
+
+    def __init__(
+        self,
+        target_model: PreTrainedModel,
+        draft_model: PreTrainedModel,
+        *,
+        target_tokenizer: PreTrainedTokenizerBase | None = None,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        check_vocab_parity(
+            target_model, draft_model, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer
+        )
+        self.draft_model = draft_model
+
+    def start(self, prompt_ids: torch.Tensor) -> DraftModelSession:
+        """Open a session with an empty draft cache; the prompt is prefilled on the first proposal."""
+        return DraftModelSession(self.draft_model)
+
+
+class DraftModelSession:
+    """The draft model's KV cache for one request, kept equal to a prefix of the committed tokens."""
+
+    def __init__(self, draft_model: PreTrainedModel) -> None:
+        self._model = draft_model
+        self.cache = DynamicCache(config=draft_model.config)
+        # Committed tokens whose KV ``cache`` holds: always a prefix of the history passed to propose().
+        self._cached = 0
+        self._history_length = 0
+        self._proposed = 0
+
+    def propose(self, history: torch.Tensor, max_tokens: int, processor: TokenProcessor) -> Draft:
+        """Sample (or argmax, when greedy) ``max_tokens`` tokens from the draft model.
+
+        Args:
+            history: ``[S]`` int64 committed tokens.
+            max_tokens: number of tokens to propose (>= 1).
+            processor: the request's sampling rule, applied to the draft logits.
+
+        Returns:
+            ``max_tokens`` tokens and, when sampling, ``[k, V]`` their proposal distributions.
+        """
+        assert history.shape[0] > self._cached, "the committed history never shrinks"
+        # Self-healing when a caller skipped rollback(): drop any proposal KV beyond the committed prefix.
+        rollback(self.cache, self._cached)
+        logits = extend(self._model, self.cache, history[self._cached :])[-1]
+        self._history_length = history.shape[0]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        context = history
+        for step in range(max_tokens):
+            scores = processor.process(context, logits)
+            if processor.greedy:
+                token = int(torch.argmax(scores))
+            else:
+                q = torch.softmax(scores, dim=-1)
+                token = int(torch.multinomial(q, 1, generator=processor.generator))
+                probs.append(q)
+            tokens.append(token)
+            if step + 1 < max_tokens:
+                next_token = torch.tensor([token], dtype=torch.long, device=history.device)
+                context = torch.cat([context, next_token])
+                logits = extend(self._model, self.cache, next_token)[-1]
+        self._proposed = len(tokens)
+        # The cache now also holds the first ``max_tokens - 1`` proposals; rollback() keeps the accepted ones.
+        self._cached = self._history_length
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+
+    def rollback(self, num_accepted: int) -> None:
+        """Drop the draft KV of rejected proposals (the last proposal never had KV computed)."""
+        keep = self._history_length + min(num_accepted, max(self._proposed - 1, 0))
+        rollback(self.cache, keep)
+        self._cached = keep

@@ -1,0 +1,83 @@
+"""Deciding how many drafted tokens the target accepts, and which token it commits after them.
+
+Greedy: a draft token is accepted iff it equals the argmax of the target's processed logits at its position;
+the first mismatch is replaced by that argmax, so the output is the target's own greedy sequence.
+
+Sampling (Leviathan et al. 2023, Chen et al. 2023): draft token ``x`` drawn from ``q`` is accepted with
+probability ``min(1, p(x) / q(x))``; on rejection the committed token is drawn from
+``norm(max(p - q, 0))``; when all ``k`` are accepted a bonus token is drawn from ``p`` at position ``k``.
+Each committed token is then distributed exactly as ``p``. A deterministic drafter has ``q = onehot(x)``:
+accept with probability ``p(x)``, else draw from ``p`` with ``x`` removed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from kvb_speculative.protocols import Draft
+
+
+class Verdict(NamedTuple):
+    """Outcome of verifying one draft.
+
+    Attributes:
+        num_accepted: how many leading draft tokens are committed (``0..k``).
+        next_token: the token committed after them (the correction, or the bonus when all were accepted).
+    """
+
+    num_accepted: int
+    next_token: int
+
+
+class Verifier(Protocol):
+    """Turns target scores and a draft into a :class:`Verdict`."""
+
+    def verify(
+        self, scores: torch.Tensor, draft: Draft, *, greedy: bool, generator: torch.Generator | None
+    ) -> Verdict:
+        """Args:
+        scores: ``[k + 1, V]`` processed target logits; row ``j`` scores the token after ``j`` drafts.
+        draft: ``k`` drafted tokens (and their proposal distributions, or None for point masses).
+        greedy: argmax decoding instead of sampling.
+        generator: RNG for every random draw.
+        """
+        ...
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class ExactVerifier:
+    """The lossless rule: greedy output equals the target's greedy output, samples follow its distribution."""
+
+    def verify(
+        self, scores: torch.Tensor, draft: Draft, *, greedy: bool, generator: torch.Generator | None
+    ) -> Verdict:
+        """See :class:`Verifier`."""
+        tokens = draft.tokens.tolist()
+        if greedy:
+            best = torch.argmax(scores, dim=-1).tolist()  # [k + 1]
+            for j, token in enumerate(tokens):
+                if token != best[j]:
+                    return Verdict(j, best[j])
+            return Verdict(len(tokens), best[-1])
+        p = torch.softmax(scores, dim=-1)  # [k + 1, V]
+        uniforms = torch.rand(len(tokens), generator=generator, device=p.device).tolist()
+        for j, token in enumerate(tokens):
+            q_token = 1.0 if draft.probs is None else float(draft.probs[j, token])
+            p_token = float(p[j, token])
+            # Strict "<": a token the target excludes (p = 0) is never accepted, even when u == 0.
+            if q_token > 0 and uniforms[j] < p_token / q_token:
+                continue
+            if draft.probs is None:
+                residual = p[j].clone()
+                residual[token] = 0.0
+            else:
+                residual = torch.clamp(p[j] - draft.probs[j].to(p.device), min=0.0)
+            total = float(residual.sum())
+            # p == q up to rounding leaves no residual mass; rejection then had probability ~0, so p is exact.
+            return Verdict(j, _sample(residual / total if total > 0 else p[j], generator))
+        return Verdict(len(tokens), _sample(p[-1], generator))

@@ -1,0 +1,149 @@
+"""Greedy exactness of the decode loop, rollback of both caches, and the stats it records."""
+
+import itertools
+
+import pytest
+import torch
+from fakes import ScriptedDrafter
+from helpers import greedy, plain_decode
+
+from kvb_speculative import (
+    DraftModelDrafter,
+    LogitsTokenProcessor,
+    PromptLookupConfig,
+    PromptLookupDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    SpeculativeDecoder,
+    prefill,
+)
+
+NUM_TOKENS = 24
+
+
+def _decode(model, prompt, drafter, gamma, processor, num_tokens=NUM_TOKENS, observe=None):
+    decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=gamma))
+    cache, logits = prefill(model, prompt)
+    out = []
+    stream = decoder.decode(model, cache, prompt, logits, processor)
+    for token in itertools.islice(stream, num_tokens):
+        if observe is not None:
+            observe(cache, out)
+        out.append(token)
+    stream.close()
+    return out, decoder.speculative_stats()
+
+
+def _drafters(name, reference, target, other_model):
+    return {
+        "oracle": lambda: ScriptedDrafter(reference),
+        "always_wrong": lambda: ScriptedDrafter(reference, wrong=True),
+        "prompt_lookup": lambda: PromptLookupDrafter(PromptLookupConfig(min_ngram=1)),
+        "draft_model": lambda: DraftModelDrafter(target, other_model),
+        "self_draft": lambda: DraftModelDrafter(target, target),
+    }[name]()
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("drafter", ["oracle", "always_wrong", "prompt_lookup", "draft_model", "self_draft"])
+def test_greedy_output_equals_plain_greedy(target, other_model, prompt, gamma, drafter):
+    reference = plain_decode(target, prompt, greedy(), NUM_TOKENS + 8)
+    out, stats = _decode(target, prompt, _drafters(drafter, reference, target, other_model), gamma, greedy())
+    assert out == reference[:NUM_TOKENS]
+    assert stats.committed_tokens >= NUM_TOKENS
+    assert sum(stats.accepted_histogram) == stats.rounds
+    if drafter in ("oracle", "self_draft"):
+        assert stats.acceptance_rate == 1.0
+        assert stats.plain_steps == 0
+        assert stats.accepted_histogram[gamma] == stats.rounds
+    if drafter == "always_wrong":
+        assert stats.accepted_tokens == 0
+        assert stats.accepted_histogram[0] == stats.rounds
+        assert stats.committed_tokens == stats.rounds
+
+
+def test_greedy_matches_transformers_generate(target, prompt):
+    expected = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
+    out, _ = _decode(target, prompt, PromptLookupDrafter(), 5, greedy())
+    assert out == expected[0, prompt.shape[1] :].tolist()
+
+
+def test_greedy_with_repetition_penalty_is_exact(target, other_model, prompt):
+    processor = LogitsTokenProcessor(SamplingParams(temperature=0.0, repetition_penalty=1.3))
+    reference = plain_decode(target, prompt, processor, NUM_TOKENS)
+    out, _ = _decode(target, prompt, DraftModelDrafter(target, other_model), 4, processor)
+    assert out == reference
+    out, _ = _decode(target, prompt, ScriptedDrafter(reference + [0] * 8), 4, processor)
+    assert out == reference
+
+
+def test_cache_holds_every_yielded_token_but_the_last(target, prompt):
+    """The engine contract: at the i-th yield the cache holds the prompt and the i - 1 earlier tokens."""
+    reference = plain_decode(target, prompt, greedy(), NUM_TOKENS + 8)
+    # Right for 3 tokens, then wrong: every round is a partial acceptance followed by a rollback.
+    script = [t if i % 4 != 3 else (t + 1) % 128 for i, t in enumerate(reference)]
+    lengths = []
+    out, stats = _decode(
+        target, prompt, ScriptedDrafter(script), 5, greedy(),
+        observe=lambda cache, before: lengths.append((cache.get_seq_length() - prompt.shape[1], len(before))),
+    )
+    assert out == reference[:NUM_TOKENS]
+    assert stats.accepted_histogram[3] == stats.rounds
+    # Each round commits 3 drafts + 1 correction; after its rollback the cache holds exactly the prompt and
+    # the tokens up to the correction, whichever of the 4 is being yielded (the correction has KV next round).
+    assert lengths == [(4 * (done // 4) + 3, done) for done in range(NUM_TOKENS)]
+
+
+def test_target_and_draft_caches_have_the_right_length_after_rollback(target, other_model, prompt):
+    drafter = DraftModelDrafter(target, other_model)
+    decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=4))
+    cache, logits = prefill(target, prompt)
+    history = prompt[0]
+    session = drafter.start(history)
+    pending = logits
+    for _ in range(6):
+        draft = session.propose(history, 4, greedy())
+        # Before verification the draft cache holds the history and all proposals but the last.
+        assert session.cache.get_seq_length() == history.shape[0] + 3
+        committed = decoder._round(target, cache, history, pending, greedy(), session, draft)
+        accepted = len(committed) - 1
+        assert cache.get_seq_length() == history.shape[0] + accepted
+        assert session.cache.get_seq_length() == history.shape[0] + min(accepted, 3)
+        history = torch.cat([history, torch.tensor(committed)])
+        pending = None
+    assert decoder.speculative_stats().rounds == 6
+
+
+def test_budget_shortens_drafts(target, prompt):
+    reference = plain_decode(target, prompt, greedy(), 12)
+    decoder = SpeculativeDecoder(ScriptedDrafter(reference + [0] * 8), SpeculativeConfig(gamma=5))
+    cache, logits = prefill(target, prompt)
+    out = list(itertools.islice(decoder.decode(target, cache, prompt, logits, greedy(), max_new_tokens=8), 8))
+    assert out == reference[:8]
+    stats = decoder.speculative_stats()
+    # 6 tokens in round 1 (5 drafts + bonus), then a single draft + bonus: never more than the budget.
+    assert stats.committed_tokens == 8
+    assert stats.drafted_tokens == 6
+
+
+def test_stats_accumulate_and_reset(target, prompt):
+    reference = plain_decode(target, prompt, greedy(), NUM_TOKENS + 8)
+    decoder = SpeculativeDecoder(ScriptedDrafter(reference), SpeculativeConfig(gamma=3))
+    for _ in range(2):
+        cache, logits = prefill(target, prompt)
+        list(itertools.islice(decoder.decode(target, cache, prompt, logits, greedy()), 8))
+    stats = decoder.speculative_stats()
+    assert stats.rounds == 4  # 4 tokens per round, 8 tokens per request, 2 requests
+    assert stats.tokens_per_round == 4.0
+    assert stats.accepted_histogram == (0, 0, 0, 4)
+    assert stats.verify_seconds > 0 and stats.draft_seconds > 0 and stats.rollback_seconds > 0
+    assert stats.as_dict()["acceptance_rate"] == 1.0
+    decoder.reset_stats()
+    assert decoder.speculative_stats().rounds == 0
+
+
+@pytest.mark.parametrize("gamma", [0, 65])
+def test_gamma_out_of_range_is_refused(gamma):
+    with pytest.raises(SpeculativeConfigError, match="gamma"):
+        SpeculativeConfig(gamma=gamma)
