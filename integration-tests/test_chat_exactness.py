@@ -1,0 +1,48 @@
+"""On SmolLM2, a multi-turn chat through KVBoost gives the same greedy tokens as plain Hugging Face."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost import EngineConfig, KVBoost
+from kvboost.replay import chat_turns, load_user_turns
+
+NEW_TOKENS = 32
+
+
+def hf_greedy(model, ids: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_three_turn_chat_identical_to_hf(smollm2):
+    model, tokenizer = smollm2
+    engine = KVBoost(model, tokenizer)
+    user_turns = load_user_turns(1)[0]
+    for turn, messages in chat_turns(user_turns, 3):
+        ids = engine.chat_prompt(messages)
+        result = engine.generate(ids, max_new_tokens=NEW_TOKENS)
+        assert result.output_ids == hf_greedy(model, ids), f"turn {turn}"
+        if turn >= 2:
+            assert result.cached_tokens > 0, f"turn {turn} reused nothing"
+        messages.append({"role": "assistant", "content": result.output_text})
+
+
+def test_first_token_logits_match_no_cache_with_small_chunks(smollm2):
+    model, tokenizer = smollm2
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32))
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    engine.warm(text)
+    longer = tokenizer(text + "Then it ran into the forest and")["input_ids"]
+    cached = engine.next_token_logits(longer)
+    assert cached.cached_tokens >= 96
+    with torch.no_grad():
+        reference = model(torch.tensor([longer])).logits[0, -1]
+    torch.testing.assert_close(cached.logits, reference, atol=1e-5, rtol=0)
+
+
+def test_from_pretrained_embedded_short_name():
+    engine = KVBoost.from_pretrained("smollm2-135m", device="cpu")
+    result = engine.generate("The capital of France is", max_new_tokens=8, temperature=0)
+    assert result.output_text.strip()
+    assert result.finish_reason in ("stop", "length")

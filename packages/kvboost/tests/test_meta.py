@@ -1,0 +1,43 @@
+"""The meta-package re-exports kvb_cache's API and wires the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kvb_cache
+import kvboost
+from kvboost.cli import build_parser
+from kvboost.replay import SYSTEM_PROMPT, chat_turns, load_user_turns
+
+
+def test_reexports_are_the_same_objects():
+    for name in kvboost.__all__:
+        if name in ("KVBoost", "__version__"):
+            continue
+        assert getattr(kvboost, name) is getattr(kvb_cache, name), name
+    assert issubclass(kvboost.KVBoost, kvb_cache.KVBoost)
+
+
+def test_cli_help_lists_demo_and_its_flags():
+    out = subprocess.run([sys.executable, "-m", "kvboost.cli", "demo", "--help"], capture_output=True, text=True, check=True)
+    for flag in ("--model", "--conversations", "--turns", "--max-new-tokens", "--chunk-size", "--device"):
+        assert flag in out.stdout
+
+
+def test_cli_requires_a_command():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+def test_replay_reads_real_conversations():
+    conversations = load_user_turns(5, min_turns=4)
+    assert len(conversations) == 5
+    assert all(len(c) >= 4 and all(isinstance(t, str) and t for t in c) for c in conversations)
+    turns = list(chat_turns(conversations[0], 3))
+    assert [t for t, _ in turns] == [1, 2, 3]
+    messages = turns[-1][1]
+    assert messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert messages[-1] == {"role": "user", "content": conversations[0][2]}
