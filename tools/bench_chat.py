@@ -128,8 +128,8 @@ def decode_rate(engine: KVBoost, prompts, new_tokens: int):
         result = engine.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
         ours.append(result.decode_tokens_per_s)
         x = torch.tensor([ids])
-        prefill_ms = timed(lambda: hf_ttft(engine, messages), 3)
-        gen_ms = timed(lambda: engine.model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False), 1)
+        prefill_ms = timed(lambda m=messages: hf_ttft(engine, m), 3)
+        gen_ms = timed(lambda x=x: engine.model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False), 1)
         hf.append((new_tokens - 1) / ((gen_ms - prefill_ms) / 1e3))
     return statistics.median(ours), statistics.median(hf)
 
