@@ -30,7 +30,7 @@ def interpreter_enabled() -> bool:
 def require_triton() -> ModuleType:
     """Import and return ``triton``, or raise :class:`KernelUnavailableError` naming the extra."""
     if not triton_installed():
-        raise KernelUnavailableError(f"the kvb_flash Triton kernels need Triton; {TRITON_EXTRA_HINT}")
+        raise KernelUnavailableError(f"the kvb-kernels Triton kernels need Triton; {TRITON_EXTRA_HINT}")
     import triton
 
     return triton

@@ -21,7 +21,7 @@ def check_query(query: torch.Tensor) -> None:
         raise ShapeError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {query.shape[-1]}")
     if not device_supported(query.device):
         hint = "set TRITON_INTERPRET=1 to run on CPU (tests only)" if not interpreter_enabled() else ""
-        raise DeviceError(f"kvb_flash kernels run on CUDA tensors; query is on {query.device}. {hint}".strip())
+        raise DeviceError(f"kvb-kernels run on CUDA tensors; query is on {query.device}. {hint}".strip())
     if not dtype_supported(query.dtype, query.device):
         raise DTypeError(
             f"query dtype {query.dtype} is not served on {query.device.type}; use float16 or bfloat16 "

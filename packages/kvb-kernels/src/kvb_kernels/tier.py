@@ -8,7 +8,7 @@ import torch
 
 from kvb_kernels.backend import interpreter_enabled, triton_installed
 
-#: ``"kvb_triton"``: the kvb_flash Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+#: ``"kvb_triton"``: the kvb-kernels Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 #: ``"kvb_cuda"``: a compiled CUDA C++ kernel (no such kernel ships in this release, so it is never returned);
 #: ``"torch_flash"``: no Triton, but torch SDPA's flash backend works on this GPU;
 #: ``"vanilla"``: none of these (CPU without the interpreter): every call takes transformers' SDPA path.
