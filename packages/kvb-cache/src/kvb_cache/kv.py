@@ -26,13 +26,14 @@ def assemble_cache(pieces: Sequence[tuple[ChunkEntry, int]], num_layers: int) ->
     """
     if not pieces:
         return DynamicCache()
-    first = pieces[0][0].kv
+    # entry.layer() is the stored tensors for dense entries and a fresh decode for quantized ones.
+    dense = [[entry.layer(layer) for entry, _ in pieces] for layer in range(num_layers)]
     # Initialise full layers with empty views, then hand each its concatenated tensor directly: going
     # through DynamicCache(data) would copy every byte a second time (its update() cats onto an empty tensor).
-    cache = DynamicCache([(first[layer][0][:, :, :0], first[layer][1][:, :, :0]) for layer in range(num_layers)])
+    cache = DynamicCache([(kv[0][0][:, :, :0], kv[0][1][:, :, :0]) for kv in dense])
     for layer, cache_layer in enumerate(cache.layers):
-        keys = [entry.kv[layer][0][:, :, :n] for entry, n in pieces]
-        values = [entry.kv[layer][1][:, :, :n] for entry, n in pieces]
+        keys = [k[:, :, :n] for (k, _), (_, n) in zip(dense[layer], pieces)]
+        values = [v[:, :, :n] for (_, v), (_, n) in zip(dense[layer], pieces)]
         # A single piece is used as a view: stored tensors are never written in place (the cache cats
         # new tokens into fresh tensors and crops by slicing).
         cache_layer.keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
