@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvb_speculative import LogitsTokenProcessor, SamplingParams, extend, prefill
+from kvb_speculative.sampling import sample_token
 
 
 def tiny_llama(seed: int, *, vocab_size: int = 128, initializer_range: float = 0.02, **overrides) -> LlamaForCausalLM:
@@ -37,7 +38,7 @@ def plain_decode(model, input_ids: torch.Tensor, processor, num_tokens: int) -> 
         if processor.greedy:
             token = int(torch.argmax(scores))
         else:
-            token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=processor.generator))
+            token = sample_token(torch.softmax(scores, -1), processor.generator)
         out.append(token)
         history = torch.cat([history, torch.tensor([token])])
         logits = extend(model, cache, torch.tensor([token]))[-1]

@@ -21,13 +21,18 @@ def extend(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor) -> torch.
     """
     start = cache.get_seq_length()
     n = tokens.shape[0]
-    device = model.device
+    device = cache_device(model)
     input_ids = tokens.to(device).unsqueeze(0)
     position_ids = torch.arange(start, start + n, device=device).unsqueeze(0)
     # no_grad rather than inference_mode: the engine owns the cache and may edit its tensors in place later.
     with torch.no_grad():
         out = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True)
     return out.logits[0].float()
+
+
+def cache_device(model: PreTrainedModel) -> torch.device:
+    """Where ``model`` takes its inputs (its input embeddings' device; cheaper than ``model.device``)."""
+    return model.get_input_embeddings().weight.device
 
 
 def rollback(cache: Cache, length: int) -> None:

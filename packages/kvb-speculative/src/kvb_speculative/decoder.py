@@ -18,6 +18,7 @@ from transformers import Cache, PreTrainedModel
 from kvb_speculative.cache_ops import extend, rollback
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.protocols import Draft, Drafter, DraftSession, TokenProcessor
+from kvb_speculative.sampling import sample_token
 from kvb_speculative.stats import SpeculativeStats, StatsRecorder, Stopwatch
 from kvb_speculative.verification import ExactVerifier, Verifier
 
@@ -142,7 +143,7 @@ class SpeculativeDecoder:
             if processor.greedy:
                 token = int(torch.argmax(scores))
             else:
-                token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=processor.generator))
+                token = sample_token(torch.softmax(scores, dim=-1), processor.generator)
             _synchronize(pending_logits.device)
         self._stats.verify_seconds += sw.seconds
         return [token]

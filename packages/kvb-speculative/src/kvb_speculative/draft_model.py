@@ -7,6 +7,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_speculative.cache_ops import extend, rollback
 from kvb_speculative.protocols import Draft, TokenProcessor
+from kvb_speculative.sampling import sample_token
 from kvb_speculative.vocab import check_vocab_parity
 
 
@@ -76,7 +77,7 @@ class DraftModelSession:
                 token = int(torch.argmax(scores))
             else:
                 q = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(q, 1, generator=processor.generator))
+                token = sample_token(q, processor.generator)
                 probs.append(q)
             tokens.append(token)
             if step + 1 < max_tokens:

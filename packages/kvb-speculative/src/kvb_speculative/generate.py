@@ -32,7 +32,8 @@ class SpeculativeOutput(NamedTuple):
 
 
 def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> frozenset[int]:
-    value = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    generation_config = getattr(model, "generation_config", None)
+    value = eos_token_id if eos_token_id is not None else getattr(generation_config, "eos_token_id", None)
     if value is None:
         return frozenset()
     return frozenset([value] if isinstance(value, int) else value)

@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from kvb_speculative.protocols import Draft
+from kvb_speculative.sampling import sample_token
 
 
 class Verdict(NamedTuple):
@@ -44,10 +45,6 @@ class Verifier(Protocol):
         generator: RNG for every random draw.
         """
         ...
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class ExactVerifier:
@@ -79,5 +76,5 @@ class ExactVerifier:
                 residual = torch.clamp(p[j] - draft.probs[j].to(p.device), min=0.0)
             total = float(residual.sum())
             # p == q up to rounding leaves no residual mass; rejection then had probability ~0, so p is exact.
-            return Verdict(j, _sample(residual / total if total > 0 else p[j], generator))
-        return Verdict(len(tokens), _sample(p[-1], generator))
+            return Verdict(j, sample_token(residual / total if total > 0 else p[j], generator))
+        return Verdict(len(tokens), sample_token(p[-1], generator))

@@ -33,7 +33,7 @@ def _sizes(model: PreTrainedModel) -> dict[str, int | None]:
 
 def _special_ids(model: PreTrainedModel) -> dict[str, list[int] | None]:
     found: dict[str, list[int] | None] = {}
-    sources = (("config", model.config.get_text_config()), ("generation_config", model.generation_config))
+    sources = (("config", model.config.get_text_config()), ("generation_config", getattr(model, "generation_config", None)))
     for source_name, source in sources:
         if source is None:
             continue
