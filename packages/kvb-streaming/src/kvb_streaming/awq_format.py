@@ -51,10 +51,11 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
         )
     if values.numel() and (int(values.min()) < 0 or int(values.max()) > _MAX_Q):
         raise AWQFormatError("int4 values must lie in 0..15; quantize before packing")
-    order = torch.tensor(AWQ_ORDER, device=values.device)
-    # [rows, cols/8, 8]: position i of each group takes column AWQ_ORDER[i].
-    grouped = values.reshape(rows, cols // _PACK, _PACK).index_select(2, order).to(torch.int64)
-    shifts = torch.arange(0, 4 * _PACK, 4, device=values.device, dtype=torch.int64)
+    # Column j of each group of 8 goes to nibble AWQ_REVERSE_ORDER[j]: shift it there directly.
+    grouped = values.reshape(rows, cols // _PACK, _PACK).to(torch.int64)  # [rows, cols/8, 8]
+    shifts = torch.tensor(
+        [4 * nibble for nibble in AWQ_REVERSE_ORDER], device=values.device, dtype=torch.int64
+    )
     words = (grouped << shifts).sum(dim=2)
     # Words above 2**31 - 1 must wrap to negative int32, as AutoAWQ's packer produces.
     words = torch.where(words >= 2**31, words - 2**32, words)
@@ -73,11 +74,12 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     if words.dtype != torch.int32:
         raise AWQFormatError(f"packed AWQ tensors are int32, got {words.dtype}")
     rows, n_words = words.shape
-    shifts = torch.arange(0, 4 * _PACK, 4, device=words.device, dtype=torch.int32)
-    # [rows, words, 8], nibble-major; the arithmetic shift of negative words is harmless after the mask.
-    nibbles = (words.unsqueeze(-1) >> shifts) & _MAX_Q
-    reverse = torch.tensor(AWQ_REVERSE_ORDER, device=words.device)
-    return nibbles.index_select(2, reverse).reshape(rows, n_words * _PACK)
+    # Column j of each word sits in nibble AWQ_REVERSE_ORDER[j]; shifting by that directly yields columns in
+    # natural order. The arithmetic shift of negative words is harmless after the mask.
+    shifts = torch.tensor(
+        [4 * nibble for nibble in AWQ_REVERSE_ORDER], device=words.device, dtype=torch.int32
+    )
+    return ((words.unsqueeze(-1) >> shifts) & _MAX_Q).reshape(rows, n_words * _PACK)  # [rows, words * 8]
 
 
 def quantize(weight: torch.Tensor, group_size: int) -> AWQTensors:
@@ -133,10 +135,12 @@ def dequantize(tensors: AWQTensors, group_size: int, dtype: torch.dtype = torch.
             f"inconsistent AWQ shapes for group_size={group_size}: qweight -> {tuple(q.shape)}, "
             f"qzeros -> {tuple(z.shape)}, scales {tuple(tensors.scales.shape)}; check the checkpoint's group_size"
         )
-    # Broadcast over the group instead of repeat_interleave: no [in, out] copies of z and s.
-    w = (q.view(n_groups, group_size, out_features) - z.unsqueeze(1)).to(dtype)  # [in/g, g, out]
-    w = w * tensors.scales.to(dtype).unsqueeze(1)
-    return w.reshape(n_groups * group_size, out_features)
+    # Multiply in a dtype that holds the scales exactly (fp16 scales into bf16 would round twice), so the
+    # result is rounded once. Broadcast over the group: no [in, out] copies of z and s.
+    compute = torch.promote_types(dtype, tensors.scales.dtype)
+    w = (q.view(n_groups, group_size, out_features) - z.unsqueeze(1)).to(compute)  # [in/g, g, out]
+    w = w * tensors.scales.to(compute).unsqueeze(1)
+    return w.reshape(n_groups * group_size, out_features).to(dtype)
 
 
 def check_shapes(in_features: int, out_features: int, group_size: int) -> None:

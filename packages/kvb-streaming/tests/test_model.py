@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvb_streaming.config import StreamingConfig
+from kvb_streaming.errors import NotAStreamingModelError, WeightsNotStagedError
+from kvb_streaming.model import StreamingCausalLM, get_runtime
+from kvb_streaming.qlinear import StreamingQLinear
+
+MODES = [
+    ("full_stream", {}),
+    ("partial_resident", {"keep_first_k": 1, "keep_last_k": 1}),
+    ("partial_resident", {"keep_first_k": 0, "keep_last_k": 0}),
+    ("ffn_only_stream", {}),
+    ("ffn_only_stream", {"keep_first_k": 2}),
+]
+
+
+def load(path: Path, kernel: str = "torch", **config: object):
+    streaming = StreamingConfig(quant_kernel=kernel, simulate_on_host=True, **config)  # type: ignore[arg-type]
+    return StreamingCausalLM.from_pretrained(path, streaming_config=streaming, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def resident_logits(awq_llama_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    model = load(awq_llama_dir, residency_mode="full_resident")
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize(("mode", "keep"), MODES)
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_streamed_logits_equal_fully_resident(
+    awq_llama_dir: Path,
+    input_ids: torch.Tensor,
+    resident_logits: torch.Tensor,
+    mode: str,
+    keep: dict,
+    slots: int,
+) -> None:
+    model = load(awq_llama_dir, residency_mode=mode, n_staging_slots=slots, **keep)
+    runtime = get_runtime(model)
+    assert runtime.streaming_enabled
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    assert torch.equal(logits, resident_logits)  # same kernel, same bytes: bit-identical
+    stats = runtime.stats()
+    assert stats.forwards == 1 and stats.layer_calls == 4
+    assert stats.hits + stats.misses == len(runtime.plan.streamed_layers)
+
+
+def test_resident_awq_model_is_close_to_the_fp_model(
+    tiny_llama: torch.nn.Module, input_ids: torch.Tensor, resident_logits: torch.Tensor
+) -> None:
+    with torch.no_grad():
+        fp = tiny_llama(input_ids=input_ids).logits
+    error = (resident_logits - fp).abs().max()
+    assert 0 < float(error) < 0.25 * float(fp.abs().max())
+
+
+def test_generate_with_dynamic_cache_matches_resident(awq_llama_dir: Path) -> None:
+    prompt = torch.tensor([[5, 17, 99, 3, 42]])
+    resident = load(awq_llama_dir, residency_mode="full_resident")
+    streamed = load(awq_llama_dir, residency_mode="full_stream", n_staging_slots=2)
+    expected = resident.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    cache = DynamicCache(config=streamed.config)
+    got = streamed.generate(
+        prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache
+    )
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == prompt.shape[1] + 8 - 1
+    stats = get_runtime(streamed).stats()
+    assert stats.forwards == 8 and stats.misses == 0 and stats.hit_rate == 1.0
+    assert stats.bytes_moved > 0
+
+
+def test_int4pack_kernel_streams_identically(awq_llama_dir: Path, input_ids: torch.Tensor) -> None:
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("torch build without the CPU tinygemm op")
+    resident = load(awq_llama_dir, kernel="int4pack", residency_mode="full_resident")
+    streamed = load(awq_llama_dir, kernel="int4pack", residency_mode="full_stream")
+    assert get_runtime(streamed).kernel_name == "int4pack"
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=input_ids).logits, resident(input_ids=input_ids).logits)
+
+
+def test_biases_and_tied_embeddings(awq_qwen_dir: Path) -> None:
+    model = load(awq_qwen_dir, residency_mode="partial_resident", keep_first_k=1)
+    resident = load(awq_qwen_dir, residency_mode="full_resident")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert isinstance(q_proj, StreamingQLinear) and q_proj.bias is not None and q_proj.bias.abs().sum() > 0
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, resident(input_ids=ids).logits)
+
+
+def test_streaming_is_disabled_on_cpu_unless_simulated(
+    awq_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvb_streaming.model"):
+        model = StreamingCausalLM.from_pretrained(
+            awq_llama_dir, streaming_config=StreamingConfig(residency_mode="full_stream"), device="cpu"
+        )
+    runtime = get_runtime(model)
+    assert not runtime.streaming_enabled
+    assert runtime.requested.residency_mode == "full_stream"
+    assert runtime.effective.residency_mode == "full_resident"
+    assert any("streaming disabled on cpu" in r.getMessage() for r in caplog.records)
+    model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert runtime.stats().bytes_moved == 0
+
+
+def test_streamed_linear_called_outside_its_layer_raises(awq_llama_dir: Path) -> None:
+    model = load(awq_llama_dir, residency_mode="ffn_only_stream")
+    with pytest.raises(WeightsNotStagedError):
+        model.model.layers[0].mlp(torch.randn(1, 2, 64))
+    model.model.layers[0].self_attn.q_proj(torch.randn(1, 2, 64))  # attention stays resident
+
+
+def test_get_runtime_rejects_other_models(tiny_llama: torch.nn.Module) -> None:
+    with pytest.raises(NotAStreamingModelError):
+        get_runtime(tiny_llama)
+
+
+def test_runtime_reports_plan_and_memory(awq_llama_dir: Path) -> None:
+    model = load(awq_llama_dir, residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
+    runtime = get_runtime(model)
+    assert runtime.plan.streamed_layers == (1, 2)
+    assert runtime.scheduler.n_slots == 2
+    assert runtime.resident_int4_bytes > 0
+    assert runtime.pinned is False  # pinning is only requested for CUDA

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvb_streaming.awq_format import AWQTensors, dequantize
+from kvb_streaming.config import StreamingConfig
+from kvb_streaming.errors import AWQFormatError
+from kvb_streaming.loader import AWQLoader
+from kvb_streaming.model import StreamingCausalLM, get_runtime
+from kvb_streaming.packer import save_awq_checkpoint, save_random_awq_checkpoint
+
+GROUP_SIZE = 32  # the fixtures' group size
+
+
+def test_checkpoint_layout(awq_llama_dir: Path, tiny_llama: torch.nn.Module) -> None:
+    config = json.loads((awq_llama_dir / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP_SIZE,
+        "version": "gemm",
+        "zero_point": True,
+    }
+    loader = AWQLoader(awq_llama_dir)
+    assert "model.layers.0.mlp.up_proj.weight" not in loader
+    awq = loader.read_awq("model.layers.2.mlp.down_proj")
+    assert awq.qweight.shape == (128, 8) and awq.scales.dtype == torch.float16
+    # The stored int4 weight dequantizes to the fp weight within half a quantization step.
+    w = dequantize(awq, GROUP_SIZE, torch.float32)
+    fp = tiny_llama.model.layers[2].mlp.down_proj.weight.t()
+    step = awq.scales.float().repeat_interleave(GROUP_SIZE, 0)
+    assert bool(((w - fp).abs() <= step * 0.51 + 1e-6).all())
+    assert loader.read("model.norm.weight").dtype == torch.float16
+
+
+def test_small_shards_and_index(tiny_llama: torch.nn.Module, tmp_path: Path) -> None:
+    save_awq_checkpoint(tiny_llama, tmp_path, group_size=GROUP_SIZE, max_shard_bytes=20_000)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 3
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    loader = AWQLoader(tmp_path)
+    assert set(loader.index) == set(index["weight_map"])
+
+
+def test_group_size_must_divide(tiny_llama: torch.nn.Module, tmp_path: Path) -> None:
+    with pytest.raises(AWQFormatError, match="must divide"):
+        save_awq_checkpoint(tiny_llama, tmp_path, group_size=48)
+
+
+def test_random_checkpoint_loads_and_runs(tmp_path: Path, make_tiny_config) -> None:
+    config = make_tiny_config(num_hidden_layers=3)
+    save_random_awq_checkpoint(config, tmp_path, group_size=GROUP_SIZE, seed=7, max_shard_bytes=50_000)
+    again = save_random_awq_checkpoint(config, tmp_path / "again", group_size=GROUP_SIZE, seed=7)
+    a, b = AWQLoader(tmp_path), AWQLoader(again)
+    assert torch.equal(
+        a.read("model.layers.1.self_attn.q_proj.qweight"), b.read("model.layers.1.self_attn.q_proj.qweight")
+    )
+    model = StreamingCausalLM.from_pretrained(
+        tmp_path, streaming_config=StreamingConfig(simulate_on_host=True, quant_kernel="torch"), device="cpu"
+    )
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 128) and torch.isfinite(logits).all()
+    assert get_runtime(model).plan.streamed_layers == (0, 1, 2)
+
+
+def test_loader_rejects_non_awq(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(AWQFormatError, match="no quantization_config"):
+        AWQLoader(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "awq", "group_size": 128, "version": "gemv"}})
+    )
+    with pytest.raises(AWQFormatError, match="gemv"):
+        AWQLoader(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(AWQFormatError, match="AWQ checkpoints only"):
+        AWQLoader(tmp_path)
+
+
+def test_read_awq_checks_shapes(awq_llama_dir: Path) -> None:
+    loader = AWQLoader(awq_llama_dir)
+    loader.quant = type(loader.quant)(group_size=16)  # pretend the config lies about the group size
+    with pytest.raises(AWQFormatError, match="do not match AWQ GEMM"):
+        loader.read_awq("model.layers.0.mlp.up_proj")
+    assert isinstance(AWQLoader(awq_llama_dir).read_awq("model.layers.0.mlp.up_proj"), AWQTensors)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvb_streaming.errors import AWQFormatError
+from kvb_streaming.safetensors_index import index_folder, read_header, read_tensor
+
+
+def test_index_matches_the_bytes_safetensors_wrote(tmp_path: Path) -> None:
+    tensors = {
+        "a": torch.arange(12, dtype=torch.int32).reshape(3, 4),
+        "b": torch.randn(5, dtype=torch.float16),
+        "c": torch.randn(2, 3, dtype=torch.bfloat16),
+    }
+    save_file({"a": tensors["a"], "b": tensors["b"]}, str(tmp_path / "one.safetensors"))
+    save_file({"c": tensors["c"]}, str(tmp_path / "two.safetensors"))
+    index = index_folder(tmp_path)
+    assert set(index) == {"a", "b", "c"}
+    assert index["a"].shape == (3, 4) and index["a"].dtype == torch.int32 and index["a"].nbytes == 48
+    assert index["c"].shard.name == "two.safetensors"
+    for name, tensor in tensors.items():
+        assert torch.equal(read_tensor(index[name]), tensor)
+    # Offsets are absolute file offsets: the raw bytes at that position are the tensor's bytes.
+    raw = (tmp_path / "one.safetensors").read_bytes()
+    info = index["a"]
+    assert raw[info.offset : info.offset + info.nbytes] == tensors["a"].numpy().tobytes()
+
+
+def test_rejects_non_safetensors_and_duplicates(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 1 << 40))
+    with pytest.raises(AWQFormatError, match="implausible"):
+        read_header(bad)
+    bad.unlink()
+    with pytest.raises(AWQFormatError, match=r"no \*\.safetensors"):
+        index_folder(tmp_path)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "a.safetensors"))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(AWQFormatError, match="in both"):
+        index_folder(tmp_path)
+
+
+def test_unsupported_dtype(tmp_path: Path) -> None:
+    header = json.dumps({"x": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    path = tmp_path / "f8.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(AWQFormatError, match="unsupported dtype"):
+        read_header(path)
