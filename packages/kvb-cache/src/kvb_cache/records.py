@@ -1,0 +1,137 @@
+"""Self-describing, checksummed chunk records: the bytes the disk and Redis tiers store.
+
+Layout: ``MAGIC (8 bytes) | sha256 of the rest (32 bytes) | safetensors blob``. The safetensors header
+carries the tensor names, dtypes and shapes; its ``__metadata__`` carries the record fields (format version,
+model fingerprint, codec, dense dtype, layer and token counts, the chunk's hashes and start position). The
+token ids travel as an int64 tensor. Nothing is pickled: safetensors is plain JSON plus raw bytes.
+
+A record is trusted only when the checksum matches, the fingerprint and codec are the reader's, and the
+stored hashes recompute from the stored tokens (so a record can never be served under another key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvb_cache.codecs import DenseCodec, EncodedKV, KVCodec
+from kvb_cache.errors import KVBoostError
+from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
+from kvb_cache.store import ChunkEntry
+
+MAGIC = b"KVBREC\x00\x01"
+FORMAT_VERSION = "1"
+_DIGEST = 32
+_TOKENS = "__token_ids__"
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+class RecordError(KVBoostError):
+    """A stored record failed validation (corrupt, truncated, or written by another model or codec)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordFormat:
+    """What a reader expects: records of another fingerprint or codec are rejected.
+
+    Attributes:
+        fingerprint: the model fingerprint (:func:`kvb_cache.fingerprint.model_fingerprint`).
+        codec: the codec the tier stores tensors in.
+    """
+
+    fingerprint: str
+    codec: KVCodec
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            raise ValueError("fingerprint must be the engine's non-empty model fingerprint")
+
+    @property
+    def root(self) -> ChunkHash:
+        return root_hash(self.fingerprint)
+
+
+def encode_record(entry: ChunkEntry, fmt: RecordFormat) -> bytes:
+    """Serialize ``entry`` with ``fmt.codec`` (re-encoding from dense if it is held in another codec)."""
+    if entry.encoded is not None and entry.encoded.codec.name == fmt.codec.name:
+        tensors, dtype = dict(entry.encoded.tensors), entry.encoded.dtype
+    else:
+        dense = entry.dense()
+        tensors, dtype = fmt.codec.encode(dense), dense[0][0].dtype
+    tensors[_TOKENS] = torch.tensor(entry.token_ids, dtype=torch.int64)
+    metadata = {
+        "format": FORMAT_VERSION,
+        "fingerprint": fmt.fingerprint,
+        "codec": fmt.codec.name,
+        "dtype": str(dtype),
+        "num_layers": str(entry.num_layers),
+        "num_tokens": str(entry.num_tokens),
+        "key": entry.key.hex(),
+        "parent": entry.parent.hex(),
+        "content": entry.content.hex(),
+        "start": str(entry.start),
+        "complete": "1" if entry.complete else "0",
+    }
+    blob = st_save(tensors, metadata=metadata)
+    return MAGIC + hashlib.sha256(blob).digest() + blob
+
+
+def decode_record(data: bytes, fmt: RecordFormat) -> ChunkEntry:
+    """Validate and load a record into a :class:`ChunkEntry` (dense for the ``none`` codec, else encoded).
+
+    Raises:
+        RecordError: the record is corrupt, truncated, or does not belong to ``fmt``.
+    """
+    if len(data) < len(MAGIC) + _DIGEST or not data.startswith(MAGIC):
+        raise RecordError("not a KVBoost chunk record (bad magic or truncated)")
+    view = memoryview(data)
+    digest, blob = view[len(MAGIC) : len(MAGIC) + _DIGEST], view[len(MAGIC) + _DIGEST :]
+    if hashlib.sha256(blob).digest() != digest:
+        raise RecordError("record checksum mismatch (corrupted bytes)")
+    try:
+        meta = _metadata(blob)
+        tensors = st_load(bytes(blob))
+    except Exception as exc:  # safetensors raises its own error types for malformed headers
+        raise RecordError(f"unreadable safetensors payload: {exc}") from exc
+    _check(meta.get("format") == FORMAT_VERSION, f"unsupported record format {meta.get('format')!r}")
+    _check(meta.get("fingerprint") == fmt.fingerprint, "record belongs to another model fingerprint")
+    _check(meta.get("codec") == fmt.codec.name, f"record codec {meta.get('codec')!r} != {fmt.codec.name!r}")
+    _check(meta.get("dtype") in _DTYPES, f"unknown dtype {meta.get('dtype')!r}")
+    tokens = tensors.pop(_TOKENS, None)
+    _check(tokens is not None and tokens.dim() == 1, "record has no token ids")
+    token_ids = tuple(tokens.tolist())
+    num_layers, num_tokens = int(meta["num_layers"]), int(meta["num_tokens"])
+    _check(len(token_ids) == num_tokens and num_tokens > 0, "token count does not match the token ids")
+    key, parent, content = (ChunkHash(bytes.fromhex(meta[f])) for f in ("key", "parent", "content"))
+    _check(prefix_hash(parent, token_ids) == key, "stored key does not hash from parent and tokens")
+    _check(content_hash(fmt.root, token_ids) == content, "stored content hash does not match the tokens")
+    for layer in range(num_layers):
+        _check(any(n.startswith(f"{layer}.k") for n in tensors), f"layer {layer} keys missing")
+        _check(any(n.startswith(f"{layer}.v") for n in tensors), f"layer {layer} values missing")
+    encoded = EncodedKV(
+        codec=fmt.codec, tensors=tensors, num_layers=num_layers, num_tokens=num_tokens, dtype=_DTYPES[meta["dtype"]]
+    )
+    kv: tuple = ()
+    if isinstance(fmt.codec, DenseCodec):
+        kv = tuple(tuple(encoded.layer(i)) for i in range(num_layers))
+        _check(all(k.shape[2] == num_tokens and v.shape[2] == num_tokens for k, v in kv), "KV length != tokens")
+    return ChunkEntry(
+        key=key, parent=parent, content=content, token_ids=token_ids, start=int(meta["start"]),
+        complete=meta["complete"] == "1", kv=kv, encoded=None if kv else encoded,
+    )
+
+
+def _metadata(blob: memoryview) -> dict[str, str]:
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(bytes(blob[8 : 8 + header_len]))
+    return dict(header.get("__metadata__") or {})
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RecordError(message)

@@ -1,0 +1,103 @@
+"""The interface every lower tier implements: a key -> record-bytes store with counters."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvb_cache.hashing import ChunkHash
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierStats:
+    """A snapshot of one tier's counters (JSON-safe via :meth:`as_dict`).
+
+    Attributes:
+        name: ``"ram"``, ``"disk"`` or ``"redis"``.
+        entries: records held (``-1`` when the tier cannot count cheaply, e.g. a shared Redis).
+        bytes: bytes held (``-1`` when unknown).
+        hits / misses: lookups served / not found.
+        errors: failed operations (I/O errors, Redis connection errors and timeouts), each a miss or a
+            skipped store, never a failed request.
+        corrupt: records that failed validation (dropped and recomputed).
+        stores / dropped: records written, and writes dropped because the write-behind queue was full.
+        evictions: records removed to stay within the byte budget.
+    """
+
+    name: str
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    corrupt: int = 0
+    stores: int = 0
+    dropped: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {f: getattr(self, f) for f in self.__slots__} | {"hit_rate": round(self.hit_rate, 4)}
+
+
+class Counters:
+    """Thread-safe monotonically increasing counters for a tier."""
+
+    FIELDS = ("hits", "misses", "errors", "corrupt", "stores", "dropped", "evictions")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[field] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class RecordTier(ABC):
+    """A lower cache tier: record bytes by chunk key. No children index (the radix match is RAM-only).
+
+    Implementations never raise on I/O trouble from :meth:`get`, :meth:`get_many` or :meth:`put`: they log,
+    count an error and behave as a miss / a skipped store.
+    """
+
+    name: str
+
+    @abstractmethod
+    def get(self, key: ChunkHash) -> bytes | None:
+        """The record stored under ``key``, or None."""
+
+    def get_many(self, keys: Sequence[ChunkHash]) -> list[bytes | None]:
+        """Records for ``keys`` in order. The default loops; remote tiers override it with one round trip."""
+        return [self.get(key) for key in keys]
+
+    @abstractmethod
+    def put(self, key: ChunkHash, record: bytes) -> bool:
+        """Store ``record`` under ``key``; returns whether it is stored."""
+
+    @abstractmethod
+    def contains(self, key: ChunkHash) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: ChunkHash) -> None:
+        """Drop ``key`` (a record that failed validation)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every record of this tier's namespace."""
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
+        """Release connections or persist counters."""

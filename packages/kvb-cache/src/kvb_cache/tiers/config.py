@@ -1,0 +1,55 @@
+"""Where chunks live below RAM: disk and Redis settings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvb_cache.errors import ConfigError
+
+GiB = 1 << 30
+#: Default byte budget of the disk tier.
+DEFAULT_DISK_CACHE_BYTES = 16 * GiB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierConfig:
+    """Lower cache tiers (both optional; RAM is always first).
+
+    Attributes:
+        disk_cache_dir: folder for the disk tier (one sub-folder per model fingerprint); None disables it.
+        disk_cache_bytes: byte budget of the disk tier (records, headers included).
+        remote_url: ``redis://host:port/db`` of a shared Redis (``pip install 'kvb-cache[redis]'``).
+        remote_codec: store Redis records in another codec than RAM, e.g. ``"absmax8"`` (the int8 wire codec,
+            ~4x fewer bytes on the network for fp32 KV). Lossy: it becomes part of the model fingerprint,
+            so such engines share entries only with each other. None: same form as RAM.
+        remote_ttl_s: expire Redis records after this many seconds (None: rely on ``maxmemory`` eviction).
+        remote_timeout_s: connect/read timeout of every Redis call; past it the call is a miss.
+        max_pending_writes: bound of the write-behind queue; further writes are dropped and counted.
+    """
+
+    disk_cache_dir: str | os.PathLike[str] | None = None
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    remote_url: str | None = None
+    remote_codec: str | None = None
+    remote_ttl_s: int | None = None
+    remote_timeout_s: float = 0.5
+    max_pending_writes: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.disk_cache_bytes, int) or self.disk_cache_bytes < 1:
+            raise ConfigError(f"disk_cache_bytes must be a positive int of bytes, got {self.disk_cache_bytes!r}")
+        if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"remote_url must look like redis://host:6379/0, got {self.remote_url!r}")
+        if self.remote_codec is not None and self.remote_url is None:
+            raise ConfigError("remote_codec only applies with a remote_url; set both or neither")
+        if self.remote_ttl_s is not None and (not isinstance(self.remote_ttl_s, int) or self.remote_ttl_s < 1):
+            raise ConfigError(f"remote_ttl_s must be None or a positive int of seconds, got {self.remote_ttl_s!r}")
+        if not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
+        if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:
+            raise ConfigError(f"max_pending_writes must be a positive int, got {self.max_pending_writes!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disk_cache_dir is not None or self.remote_url is not None

@@ -1,0 +1,202 @@
+"""Local disk tier: one record file per chunk under ``<dir>/<namespace>/``, byte-budgeted, LRU-evicted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.tiers.base import Counters, RecordTier, TierStats
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+STATS_FILE = "stats.json"
+# Counters are persisted (for ``kvboost cache status``) at most this often, from whichever thread writes.
+_STATS_INTERVAL_S = 5.0
+
+
+class DiskTier(RecordTier):
+    """Records as files ``<directory>/<namespace>/<hh>/<key hex>.kvb``.
+
+    Writes are atomic (a temp file in the same folder, then ``os.replace``), so a reader or a crash never
+    sees half a record; torn or flipped bytes that slip through (disk faults) fail the record checksum on
+    read. Recency survives restarts through file mtimes (bumped on every hit), so a new process evicts in
+    the same least-recently-used order.
+
+    Several processes may share a folder: a key this process has not indexed is still looked up on disk.
+    Each process enforces the budget over the files it knows, so a shared folder may briefly exceed it.
+
+    Args:
+        directory: the cache root; one sub-folder per model fingerprint.
+        namespace: the model fingerprint (records of other models live in other folders).
+        max_bytes: byte budget of this namespace; least recently used records are deleted past it.
+    """
+
+    name = "disk"
+
+    def __init__(self, directory: str | os.PathLike[str], *, namespace: str, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"disk_cache_bytes must be a positive number of bytes, got {max_bytes!r}")
+        self.directory = Path(directory) / namespace[:32]
+        self.max_bytes = max_bytes
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._index: OrderedDict[str, int] | None = None
+        self._bytes = 0
+        self._base: dict[str, int] = {}
+        self._last_persist = 0.0
+
+    # ------------------------------------------------------------------ RecordTier
+    def get(self, key: ChunkHash) -> bytes | None:
+        index = self._loaded()
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key.hex())
+            self.counters.add("misses")
+            return None
+        except OSError as exc:
+            logger.warning("disk tier read failed (%s); treating as a miss", exc)
+            self.counters.add("errors")
+            self.counters.add("misses")
+            return None
+        with self._lock:
+            name = key.hex()
+            if name not in index:
+                index[name] = len(data)
+                self._bytes += len(data)
+            index.move_to_end(name)
+        with contextlib.suppress(OSError):  # recency is a hint; a vanished file shows up as a miss later
+            os.utime(path)
+        self.counters.add("hits")
+        return data
+
+    def put(self, key: ChunkHash, record: bytes) -> bool:
+        index = self._loaded()
+        name = key.hex()
+        with self._lock:
+            if name in index:
+                return True
+        if len(record) > self.max_bytes:
+            return False
+        path = self._path(key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(record)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("disk tier write failed (%s); record not stored", exc)
+            self.counters.add("errors")
+            tmp.unlink(missing_ok=True)
+            return False
+        with self._lock:
+            index[name] = len(record)
+            self._bytes += len(record)
+            self._evict_over_budget()
+        self.counters.add("stores")
+        self._maybe_persist_stats()
+        return True
+
+    def contains(self, key: ChunkHash) -> bool:
+        with self._lock:
+            if key.hex() in self._loaded():
+                return True
+        return self._path(key).exists()
+
+    def delete(self, key: ChunkHash) -> None:
+        self._path(key).unlink(missing_ok=True)
+        with self._lock:
+            self._forget(key.hex())
+
+    def clear(self) -> None:
+        with self._lock:
+            for name in list(self._loaded()):
+                self._file(name).unlink(missing_ok=True)
+                self._forget(name)
+
+    def stats(self) -> TierStats:
+        index = self._loaded()
+        with self._lock:
+            entries, size = len(index), self._bytes
+        totals = self.counters.snapshot()
+        return TierStats(name=self.name, entries=entries, bytes=size, **{k: self._base.get(k, 0) + v for k, v in totals.items()})
+
+    def close(self) -> None:
+        self._persist_stats()
+
+    # ------------------------------------------------------------------ internals
+    def _path(self, key: ChunkHash) -> Path:
+        return self._file(key.hex())
+
+    def _file(self, name: str) -> Path:
+        return self.directory / name[:2] / f"{name}{SUFFIX}"
+
+    def _loaded(self) -> OrderedDict[str, int]:
+        """The index, built on first use from the files on disk (oldest mtime first)."""
+        with self._lock:
+            if self._index is None:
+                self._index = self._scan()
+                self._bytes = sum(self._index.values())
+                self._base = self._read_stats()
+            return self._index
+
+    def _scan(self) -> OrderedDict[str, int]:
+        found = []
+        if self.directory.exists():
+            for tmp in self.directory.glob(f"*/*{SUFFIX}.*.tmp"):
+                tmp.unlink(missing_ok=True)  # a writer died between write and rename
+            for path in self.directory.glob(f"*/*{SUFFIX}"):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
+        found.sort()
+        return OrderedDict((name, size) for _, name, size in found)
+
+    def _forget(self, name: str) -> None:
+        size = self._index.pop(name, None) if self._index is not None else None
+        if size is not None:
+            self._bytes -= size
+
+    def _evict_over_budget(self) -> None:
+        while self._bytes > self.max_bytes and self._index:
+            name, size = self._index.popitem(last=False)
+            self._bytes -= size
+            self._file(name).unlink(missing_ok=True)
+            self.counters.add("evictions")
+
+    def _read_stats(self) -> dict[str, int]:
+        try:
+            raw = json.loads((self.directory / STATS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: int(v) for k, v in raw.items() if k in Counters.FIELDS and isinstance(v, int)}
+
+    def _maybe_persist_stats(self) -> None:
+        if time.monotonic() - self._last_persist >= _STATS_INTERVAL_S:
+            self._persist_stats()
+
+    def _persist_stats(self) -> None:
+        """Write cumulative counters (previous runs + this one) for ``kvboost cache status``."""
+        if self._index is None:
+            return
+        self._last_persist = time.monotonic()
+        totals = {k: self._base.get(k, 0) + v for k, v in self.counters.snapshot().items()}
+        tmp = self.directory / f"{STATS_FILE}.{os.getpid()}.tmp"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(totals))
+            os.replace(tmp, self.directory / STATS_FILE)
+        except OSError as exc:
+            logger.debug("could not persist disk tier counters: %s", exc)

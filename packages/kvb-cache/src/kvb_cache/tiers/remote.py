@@ -1,0 +1,199 @@
+"""Redis tier: records shared by every engine process and machine that points at the same server.
+
+Redis brings what a home-grown cache server would have to rebuild: LRU/LFU eviction under ``maxmemory``
+(run it with ``maxmemory-policy allkeys-lru``), persistence, replication and clustering. Each chunk is one
+key ``kvb:<fingerprint[:32]>:<prefix hash hex>`` holding a self-describing record (optionally with a TTL),
+so eviction of any single key is safe: a chain whose middle link vanished is simply used up to the gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.tiers.base import Counters, RecordTier, TierStats
+
+logger = logging.getLogger(__name__)
+
+#: Hash holding cumulative counters of every process sharing the namespace (for ``kvboost cache status``).
+STATS_SUFFIX = "__stats__"
+
+
+def _redis_module() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise ImportError(
+            "the Redis tier needs redis-py: pip install 'kvb-cache[redis]' (or 'kvboost[redis]')"
+        ) from exc
+    return redis
+
+
+class RedisTier(RecordTier):
+    """Chunk records in Redis, a whole chain fetched with one ``MGET``.
+
+    Any Redis error (connection refused, timeout, OOM under ``maxmemory-policy noeviction``) is logged once
+    per outage, counted, and answered as a miss or a skipped store. After a connection error the tier stays
+    off for ``retry_after_s`` so requests do not each pay a connect timeout while Redis is down.
+
+    Args:
+        url: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://`` sockets).
+        namespace: the model fingerprint.
+        ttl_s: expire records after this many seconds (None: rely on ``maxmemory`` eviction).
+        timeout_s: socket connect and read timeout.
+        retry_after_s: how long to skip Redis after a connection error.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        ttl_s: int | None = None,
+        timeout_s: float = 0.5,
+        retry_after_s: float = 2.0,
+    ) -> None:
+        if ttl_s is not None and ttl_s < 1:
+            raise ValueError(f"remote_ttl_s must be None or >= 1 second, got {ttl_s!r}")
+        redis = _redis_module()
+        self.url = url
+        self.prefix = f"kvb:{namespace[:32]}:"
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self.counters = Counters()
+        self._errors = redis.exceptions.RedisError
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._outage_logged = False
+        # Counter deltas not yet added to the shared stats hash (flushed with the next store).
+        self._unsent = dict.fromkeys(("hits", "misses"), 0)
+
+    # ------------------------------------------------------------------ RecordTier
+    def get(self, key: ChunkHash) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ChunkHash]) -> list[bytes | None]:
+        if not keys:
+            return []
+        if self._is_down():
+            self.counters.add("misses", len(keys))
+            return [None] * len(keys)
+        try:
+            found = self._client.mget([self._name(k) for k in keys])
+        except self._errors as exc:
+            self._failed("MGET", exc)
+            self.counters.add("misses", len(keys))
+            return [None] * len(keys)
+        self._recovered()
+        hits = sum(value is not None for value in found)
+        self.counters.add("hits", hits)
+        self.counters.add("misses", len(keys) - hits)
+        with self._lock:
+            self._unsent["hits"] += hits
+            self._unsent["misses"] += len(keys) - hits
+        return list(found)
+
+    def put(self, key: ChunkHash, record: bytes) -> bool:
+        if self._is_down():
+            return False
+        with self._lock:
+            deltas, self._unsent = self._unsent, dict.fromkeys(self._unsent, 0)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._name(key), record, ex=self.ttl_s)
+            for field, n in (*deltas.items(), ("stores", 1)):
+                if n:
+                    pipe.hincrby(self.prefix + STATS_SUFFIX, field, n)
+            pipe.execute()
+        except self._errors as exc:
+            self._failed("SET", exc)
+            return False
+        self._recovered()
+        self.counters.add("stores")
+        return True
+
+    def contains(self, key: ChunkHash) -> bool:
+        if self._is_down():
+            return False
+        try:
+            return bool(self._client.exists(self._name(key)))
+        except self._errors as exc:
+            self._failed("EXISTS", exc)
+            return False
+
+    def delete(self, key: ChunkHash) -> None:
+        if self._is_down():
+            return
+        try:
+            self._client.delete(self._name(key))
+        except self._errors as exc:
+            self._failed("DEL", exc)
+
+    def clear(self) -> None:
+        try:
+            names = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
+            if names:
+                self._client.delete(*names)
+        except self._errors as exc:
+            self._failed("SCAN/DEL", exc)
+
+    def stats(self) -> TierStats:
+        """This process's counters (``entries``/``bytes`` are -1: counting a shared namespace needs a scan)."""
+        return TierStats(name=self.name, entries=-1, bytes=-1, **self.counters.snapshot())
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ------------------------------------------------------------------ diagnostics (CLI)
+    def ping_ms(self) -> float | None:
+        """Round-trip time of a PING in milliseconds, or None when Redis is unreachable."""
+        t0 = time.perf_counter()
+        try:
+            self._client.ping()
+        except self._errors:
+            return None
+        return (time.perf_counter() - t0) * 1e3
+
+    def namespace_usage(self) -> TierStats:
+        """Entries and bytes of this namespace (a SCAN plus MEMORY USAGE per key) and the shared counters."""
+        entries = size = 0
+        for name in self._client.scan_iter(match=self.prefix + "*", count=1000):
+            if name.endswith(STATS_SUFFIX.encode()):
+                continue
+            entries += 1
+            size += int(self._client.memory_usage(name) or 0)
+        shared = {k.decode(): int(v) for k, v in self._client.hgetall(self.prefix + STATS_SUFFIX).items()}
+        counts = {k: shared.get(k, 0) for k in ("hits", "misses", "stores")}
+        return TierStats(name=self.name, entries=entries, bytes=size, **counts)
+
+    # ------------------------------------------------------------------ internals
+    def _name(self, key: ChunkHash) -> str:
+        return self.prefix + key.hex()
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        self.counters.add("errors")
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+            first = not self._outage_logged
+            self._outage_logged = True
+        if first:
+            logger.warning(
+                "Redis %s at %s failed (%s: %s); serving without the remote tier, retrying in %.0fs",
+                op, self.url, type(exc).__name__, exc, self.retry_after_s,
+            )
+
+    def _recovered(self) -> None:
+        if self._outage_logged:
+            with self._lock:
+                self._outage_logged = False
+            logger.warning("Redis at %s is reachable again", self.url)

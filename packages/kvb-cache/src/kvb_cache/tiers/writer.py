@@ -1,0 +1,77 @@
+"""Write-behind: one daemon thread draining a bounded queue, so requests never wait on disk or network."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+Job = Callable[[], None]
+
+
+class BackgroundWriter:
+    """Runs submitted jobs in order on a single daemon thread.
+
+    :meth:`submit` never blocks: when ``max_pending`` jobs are already queued the new one is dropped and
+    counted (a dropped store only costs a future miss). The thread starts on the first submit, so building
+    a writer has no side effect.
+    """
+
+    def __init__(self, max_pending: int = 256, *, name: str = "kvb-tier-writer") -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        self.name = name
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.dropped = 0
+        self.failed = 0
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False (and counted) when the queue is full."""
+        self._ensure_started()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def flush(self) -> None:
+        """Block until every queued job has run (tests, shutdown, benchmarks)."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = None
+
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception:  # a failed background store must never kill the writer
+                self.failed += 1
+                logger.exception("background tier write failed")
+            finally:
+                self._queue.task_done()

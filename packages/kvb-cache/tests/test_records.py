@@ -1,0 +1,100 @@
+"""Chunk records: full round trip of every field, and every kind of bad record rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvb_cache.codecs import DenseCodec, KiviCodec
+from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
+from kvb_cache.records import MAGIC, RecordError, RecordFormat, decode_record, encode_record
+from kvb_cache.store import ChunkEntry
+from kvb_cache.tiers.transcode import with_codec
+
+FINGERPRINT = "f" * 64
+ROOT = root_hash(FINGERPRINT)
+
+
+def make_entry(tokens=(5, 6, 7, 8), parent: ChunkHash = ROOT, start=0, complete=True, dtype=torch.float32) -> ChunkEntry:
+    g = torch.Generator().manual_seed(len(tokens) + start)
+    kv = tuple((torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype), torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype)) for _ in range(3))
+    return ChunkEntry(
+        key=prefix_hash(parent, tokens), parent=parent, content=content_hash(ROOT, tokens), token_ids=tuple(tokens),
+        kv=kv, start=start, complete=complete,
+    )
+
+
+def fmt(codec=None, fingerprint=FINGERPRINT) -> RecordFormat:
+    return RecordFormat(fingerprint=fingerprint, codec=codec or DenseCodec())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_record_round_trips_every_field_bit_exactly(dtype):
+    first = make_entry()
+    entry = make_entry(tokens=(9, 10, 11), parent=first.key, start=4, complete=False, dtype=dtype)
+    back = decode_record(encode_record(entry, fmt()), fmt())
+    assert (back.key, back.parent, back.content, back.token_ids, back.start, back.complete) == (
+        entry.key, first.key, entry.content, (9, 10, 11), 4, False,
+    )
+    assert back.encoded is None and len(back.kv) == 3
+    for (k, v), (k2, v2) in zip(entry.kv, back.kv):
+        assert k2.dtype == dtype and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_quantized_record_keeps_the_encoded_form():
+    codec = KiviCodec(bits=4, group_size=32)
+    held = with_codec(make_entry(), codec)
+    back = decode_record(encode_record(held, fmt(codec)), fmt(codec))
+    assert back.kv == () and back.encoded is not None and back.nbytes == held.nbytes
+    for i in range(3):
+        assert torch.equal(back.layer(i)[0], held.layer(i)[0]) and torch.equal(back.layer(i)[1], held.layer(i)[1])
+
+
+def test_record_encodes_dense_entry_into_the_tier_codec():
+    codec = KiviCodec(bits=8, group_size=32)
+    entry = make_entry()
+    back = decode_record(encode_record(entry, fmt(codec)), fmt(codec))
+    assert back.encoded.codec.name == "kivi8-g32"
+    k, _ = back.layer(0)
+    assert (k - entry.kv[0][0]).abs().max() < 0.05
+
+
+def test_every_single_byte_flip_is_detected():
+    data = bytearray(encode_record(make_entry(), fmt()))
+    for offset in range(len(MAGIC), len(data), max(1, len(data) // 97)):
+        bad = bytearray(data)
+        bad[offset] ^= 0x01
+        with pytest.raises(RecordError):
+            decode_record(bytes(bad), fmt())
+
+
+@pytest.mark.parametrize("cut", [0, 7, 40, 100, -1])
+def test_truncated_records_are_rejected(cut):
+    data = encode_record(make_entry(), fmt())
+    with pytest.raises(RecordError):
+        decode_record(data[:cut], fmt())
+
+
+def test_other_fingerprint_or_codec_is_rejected():
+    data = encode_record(make_entry(), fmt())
+    with pytest.raises(RecordError, match="fingerprint"):
+        decode_record(data, fmt(fingerprint="0" * 64))
+    with pytest.raises(RecordError, match="codec"):
+        decode_record(data, fmt(KiviCodec(bits=8)))
+
+
+def test_record_whose_key_does_not_hash_from_its_tokens_is_rejected():
+    entry = make_entry()
+    forged = ChunkEntry(
+        key=prefix_hash(ROOT, (1, 2, 3, 4)), parent=ROOT, content=entry.content, token_ids=entry.token_ids,
+        kv=entry.kv, start=0,
+    )
+    with pytest.raises(RecordError, match="does not hash"):
+        decode_record(encode_record(forged, fmt()), fmt())
+
+
+def test_record_is_not_a_pickle():
+    data = encode_record(make_entry(), fmt())
+    assert data.startswith(MAGIC) and b"\x80\x04" not in data[:64]
+    header_len = int.from_bytes(data[40:48], "little")
+    assert data[48:49] == b"{" and b'"fingerprint":"' + FINGERPRINT.encode() in data[48 : 48 + header_len]

@@ -1,0 +1,195 @@
+"""Disk tier: atomic files, budget and LRU order, restarts, and the TieredStore over it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvb_cache.codecs import DenseCodec, KiviCodec
+from kvb_cache.hashing import content_hash, prefix_hash, root_hash
+from kvb_cache.records import RecordFormat, decode_record, encode_record
+from kvb_cache.store import ChunkEntry, ChunkStore
+from kvb_cache.tiers import BackgroundWriter, DiskTier, LowerTier, TieredStore
+
+FINGERPRINT = "a" * 64
+ROOT = root_hash(FINGERPRINT)
+
+
+def chain(n: int, tag: int = 0, tokens: int = 4) -> list[ChunkEntry]:
+    out, parent = [], ROOT
+    for i in range(n):
+        ids = tuple(tag * 1000 + i * tokens + j for j in range(tokens))
+        g = torch.Generator().manual_seed(tag * 100 + i)
+        kv = tuple((torch.randn(1, 2, tokens, 8, generator=g), torch.randn(1, 2, tokens, 8, generator=g)) for _ in range(2))
+        key = prefix_hash(parent, ids)
+        out.append(ChunkEntry(key=key, parent=parent, content=content_hash(ROOT, ids), token_ids=ids, kv=kv, start=i * tokens))
+        parent = key
+    return out
+
+
+def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None) -> TieredStore:
+    codec = codec or DenseCodec()
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=disk_bytes)
+    ram = ChunkStore(ram_bytes)
+    store = TieredStore(
+        ram, root=ROOT, codec=codec, lower=[LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
+        writer=BackgroundWriter(16),
+    )
+    ram.on_evict = store.demote
+    return store
+
+
+def record(entry: ChunkEntry) -> bytes:
+    return encode_record(entry, RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))
+
+
+def test_put_get_and_files_are_atomic(tmp_path):
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    entry = chain(1)[0]
+    data = record(entry)
+    assert disk.get(entry.key) is None
+    assert disk.put(entry.key, data) and disk.contains(entry.key)
+    assert disk.get(entry.key) == data
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.name for p in files if p.suffix == ".kvb"] == [entry.key.hex() + ".kvb"]
+    assert not [p for p in files if p.name.endswith(".tmp")]
+    s = disk.stats()
+    assert (s.entries, s.bytes, s.hits, s.misses, s.stores) == (1, len(data), 1, 1, 1)
+
+
+def test_budget_evicts_least_recently_used_and_survives_restart(tmp_path):
+    entries = chain(4)
+    size = len(record(entries[0]))
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=3 * size)
+    for i, e in enumerate(entries[:3]):
+        disk.put(e.key, record(e))
+        os.utime(disk._path(e.key), (1000 + i, 1000 + i))  # deterministic mtimes
+    disk.get(entries[0].key)  # now most recent
+    disk.put(entries[3].key, record(entries[3]))
+    assert [disk.contains(e.key) for e in entries] == [True, False, True, True]
+    assert disk.stats().evictions == 1 and disk.stats().bytes == 3 * size
+    disk.close()
+    again = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=3 * size)
+    s = again.stats()
+    assert (s.entries, s.bytes, s.evictions) == (3, 3 * size, 1)  # counters persisted across restarts
+    back = decode_record(again.get(entries[3].key), RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))
+    assert back.token_ids == entries[3].token_ids and torch.equal(back.kv[1][1], entries[3].kv[1][1])
+
+
+def test_leftover_temp_files_are_removed_on_start(tmp_path):
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    entry = chain(1)[0]
+    disk.put(entry.key, record(entry))
+    stale = disk._path(entry.key).with_name("x.kvb.123.456.tmp")
+    stale.write_bytes(b"half a record")
+    DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20).stats()
+    assert not stale.exists()
+
+
+def test_tiered_store_writes_behind_and_promotes_a_chain_after_restart(tmp_path):
+    entries = chain(5)
+    store = tiered(tmp_path)
+    for e in entries:
+        assert store.put(e, root=ROOT)
+    store.flush()
+    store.close()
+    fresh = tiered(tmp_path)
+    assert len(fresh) == 0
+    assert fresh.prefetch([e.key for e in entries]) == 5
+    assert len(fresh) == 5
+    for e in entries:
+        got = fresh.get(e.key)
+        assert got.parent == e.parent and got.token_ids == e.token_ids
+        assert all(torch.equal(a, b) for pa, pb in zip(got.kv, e.kv) for a, b in zip(pa, pb))
+    assert fresh.lower[0].tier.stats().hits == 5
+
+
+def test_get_without_prefetch_falls_back_to_disk_and_stops_at_a_gap(tmp_path):
+    entries = chain(3)
+    store = tiered(tmp_path)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    store.lower[0].tier.delete(entries[1].key)
+    fresh = tiered(tmp_path)
+    assert fresh.get(entries[0].key) is not None
+    assert fresh.get(entries[1].key) is None
+    assert fresh.prefetch([e.key for e in entries]) == 0  # the chain is cut at the missing middle link
+    assert entries[2].key not in fresh
+
+
+def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
+    entries = chain(2)
+    store = tiered(tmp_path)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    path = store.lower[0].tier._path(entries[1].key)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    fresh = tiered(tmp_path)
+    assert fresh.prefetch([e.key for e in entries]) == 1
+    fresh.flush()
+    disk = fresh.lower[0].tier
+    assert disk.stats().corrupt == 1 and not path.exists()
+    assert fresh.put(entries[1], root=ROOT)  # recomputed KV is stored again
+    fresh.flush()
+    assert path.exists()
+
+
+def test_ram_eviction_demotes_what_the_disk_lacks(tmp_path):
+    first, others = chain(1, tag=0)[0], chain(2, tag=1)
+    store = tiered(tmp_path, ram_bytes=2 * first.nbytes)
+    disk = store.lower[0].tier
+    store.put(first, root=ROOT)
+    store.flush()
+    disk.delete(first.key)  # as if its write-behind had been dropped
+    for e in others:
+        assert store.put(e, root=ROOT)  # the second one evicts `first`, the least recently used leaf
+    store.flush()
+    assert first.key not in store and store.ram.stats().evictions == 1
+    assert disk.contains(first.key)  # demoted on eviction
+
+
+def test_write_behind_queue_drops_instead_of_blocking(tmp_path):
+    import threading
+
+    gate = threading.Event()
+    store = tiered(tmp_path)
+    store.writer = BackgroundWriter(1)
+    store.writer.submit(gate.wait)  # occupies the thread
+    for e in chain(4):
+        assert store.put(e, root=ROOT)  # returns at once
+    dropped = store.lower[0].tier.stats().dropped
+    gate.set()
+    store.flush()
+    assert dropped >= 2 and store.writer.dropped == dropped
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_ram_holds_fewer_bytes_and_disk_keeps_the_codec(tmp_path, bits):
+    codec = KiviCodec(bits=bits, group_size=4)
+    store = tiered(tmp_path, codec=codec)
+    entries = chain(2, tokens=8)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    held = store.peek(entries[0].key)
+    # fp32 dense -> codes plus fp16 scale and zero point per group of 4: (bits + 32 / 4) / 32 of the bytes.
+    assert held.encoded is not None and held.nbytes == entries[0].nbytes * (bits + 8) // 32
+    fresh = tiered(tmp_path, codec=codec)
+    assert fresh.prefetch([e.key for e in entries]) == 2
+    got = fresh.peek(entries[1].key)
+    assert torch.equal(got.layer(0)[1], store.peek(entries[1].key).layer(0)[1])
+
+
+def test_other_fingerprints_live_in_other_folders(tmp_path):
+    a = DiskTier(tmp_path, namespace="1" * 64, max_bytes=1 << 20)
+    b = DiskTier(tmp_path, namespace="2" * 64, max_bytes=1 << 20)
+    entry = chain(1)[0]
+    a.put(entry.key, record(entry))
+    assert b.get(entry.key) is None and a.get(entry.key) is not None
+
