@@ -112,3 +112,26 @@ def test_sliced_prefill_matches_single_shot_logits(tiny_llama):
     sliced = torch.cat(parts, dim=1)
     assert cache.get_seq_length() == 40
     torch.testing.assert_close(sliced, full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("prompt", "chunk"), [(1024, 1024), (1024, 256)])
+def test_prediction_brackets_cuda_peak(tiny_llama, prompt, chunk):  # pragma: no cover - unverified: no GPU here
+    from transformers import DynamicCache
+
+    model = tiny_llama.cuda()
+    ids = torch.randint(0, 128, (1, prompt), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        for start in range(0, prompt, chunk):
+            model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    torch.cuda.synchronize()
+    actual = torch.cuda.max_memory_allocated() - before
+    step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)
+    predicted = estimate_memory(PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step,
+                                ModelShape.from_model(model)).peak_bytes
+    assert predicted >= 0.95 * actual
