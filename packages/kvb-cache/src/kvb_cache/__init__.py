@@ -15,6 +15,7 @@ from kvb_cache.errors import (
 )
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
+from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
 
 __all__ = [
     "ChunkHit",
@@ -28,8 +29,10 @@ __all__ = [
     "KVBoostError",
     "ModelLoadError",
     "PromptTypeError",
+    "RecomputeStrategy",
     "SamplingParams",
     "SpeculativeDecoder",
+    "StitchConfig",
     "StreamEvent",
     "TokenLogprob",
     "TokenProcessor",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvb_cache.errors import ConfigError
+from kvb_cache.stitch_config import StitchConfig
 
 if TYPE_CHECKING:
     from kvb_cache.tiers.config import TierConfig
@@ -30,6 +31,8 @@ class EngineConfig:
             the next chat turn hits without ``warm()``.
         store_partial_tail: store the last, partial chunk of a request too, so the next request can reuse
             it token by token (radix-style) instead of recomputing up to ``chunk_size - 1`` tokens.
+        stitching: reuse cached chunks seen after a *different* history too (approximate, re-positioned and
+            seam-repaired; :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
         kv_cache_bits: 16 keeps stored KV as computed (exact reuse); 8 or 4 hold it KIVI-quantized in every
             tier (~1.8x / ~3.2x more chunks per byte than fp16 at group 32; approximate reuse, measured in
             docs/tiers.md).
@@ -43,6 +46,7 @@ class EngineConfig:
     max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
     store_outputs: bool = True
     store_partial_tail: bool = True
+    stitching: StitchConfig | None = None
     kv_cache_bits: int = 16
     kv_group_size: int = 32
     tiers: TierConfig | None = None
@@ -57,6 +61,8 @@ class EngineConfig:
             )
         if not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 0:
             raise ConfigError(f"max_cache_bytes must be a non-negative int of bytes, got {self.max_cache_bytes!r}")
+        if self.stitching is not None and not isinstance(self.stitching, StitchConfig):
+            raise ConfigError(f"stitching must be a StitchConfig or None, got {type(self.stitching).__name__}")
         if self.kv_cache_bits not in (16, 8, 4):
             raise ConfigError(f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {self.kv_cache_bits!r}")
         if not isinstance(self.kv_group_size, int) or self.kv_group_size < 2:

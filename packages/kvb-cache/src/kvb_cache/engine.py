@@ -17,6 +17,7 @@ from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.forward import prefill
 from kvb_cache.hashing import root_hash
@@ -27,6 +28,7 @@ from kvb_cache.model_traits import inspect_model
 from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stats import EngineCounters
+from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, build_store
 from kvb_cache.writeback import write_back
@@ -46,6 +48,20 @@ class PreparedPrompt:
     cached_tokens: int
     chunks: tuple[ChunkHit, ...]
     prefill_chunk_size: int | None = None
+    #: Prompt tokens served from cache (exact + partial + stitched); None: ``cached_tokens``.
+    reused_tokens: int | None = None
+    #: Stitched tokens recomputed by seam repair.
+    recomputed_tokens: int = 0
+    #: Only ``ids[:exact_until]`` hold exact KV (a stitched request); None: all of them.
+    exact_until: int | None = None
+
+    @property
+    def served_tokens(self) -> int:
+        return self.cached_tokens if self.reused_tokens is None else self.reused_tokens
+
+    def storable(self, seq: list[int]) -> list[int]:
+        """The part of ``seq`` whose KV may be stored under prefix hashes (see :mod:`kvb_cache.stitching`)."""
+        return seq if self.exact_until is None else seq[: self.exact_until]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +71,8 @@ class NextTokenLogits:
     logits: torch.Tensor
     cached_tokens: int
     prompt_tokens: int
+    #: Stitched tokens recomputed by seam repair.
+    recomputed_tokens: int = 0
 
 
 class KVBoost:
@@ -95,6 +113,10 @@ class KVBoost:
         # A plain ChunkStore for exact RAM-only caching; a TieredStore for kv_cache_bits 8/4 or disk/Redis tiers.
         self.store = store if store is not None else build_store(self.config, fingerprint=self.fingerprint, root=self.root)
         self.counters = EngineCounters()
+        self.stitcher = Stitcher(
+            model, self.traits, self.store, self.root, self.config.stitching,
+            chunk_size=self.config.chunk_size, boundary_window=self.chunker.boundary_window,
+        )
         self._token_text: dict[int, str] = {}
 
     @classmethod
@@ -199,13 +221,16 @@ class KVBoost:
         The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
         """
         ids = self._tokenize(prompt)
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1)
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
         with torch.inference_mode():
             suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
             positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
             logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
-        self.store_sequence(ids, prepared.cache)
-        return NextTokenLogits(logits=logits, cached_tokens=prepared.cached_tokens, prompt_tokens=len(ids))
+        self.store_sequence(prepared.storable(ids), prepared.cache)
+        return NextTokenLogits(
+            logits=logits, cached_tokens=prepared.served_tokens, prompt_tokens=len(ids),
+            recomputed_tokens=prepared.recomputed_tokens,
+        )
 
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
@@ -223,7 +248,7 @@ class KVBoost:
         return self._run(ids, params, t0, prefill_chunk_size)
 
     def _run(self, ids: list[int], params: SamplingParams, t0: float, prefill_chunk_size: int | None):
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1)
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
         prepared.prefill_chunk_size = prefill_chunk_size
         yield from generation.run(self, prepared, params, t0)
 
@@ -294,7 +319,17 @@ class KVBoost:
             "rejected": store.rejected,
             "chunk_size": self.config.chunk_size,
             **self.counters.as_dict(),
+            "stitching": self.stitcher.stats(),
         }
+
+    def verify_correctness(
+        self, prompts: Sequence[Prompt] | None = None, *, new_tokens: int = 16
+    ) -> CorrectnessReport:
+        """Run ``prompts`` through this engine and compare each with no-cache (see :mod:`kvb_cache.fidelity`):
+        reuse ratio, first-token max-abs logit diff and KL, greedy agreement over ``new_tokens``."""
+        from kvb_cache.fidelity import verify_correctness
+
+        return verify_correctness(self, prompts, new_tokens=new_tokens)
 
     def clear_cache(self) -> None:
         self.store.clear()
@@ -325,16 +360,21 @@ class KVBoost:
                 prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, context_length=limit,
             )
 
-    def _prepare(self, ids: list[int], *, max_reuse: int) -> PreparedPrompt:
+    def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
+        """Look up and assemble the cached KV of ``ids``; ``stitch`` also reuses non-prefix chunks (when
+        ``config.stitching`` is set; :meth:`warm` never stitches: it stores exact KV only)."""
         spans = tuple(self.chunker.split(ids))
         keys = chunk_keys(self.root, ids, spans)
         match = match_prefix(self.store, self.root, ids, keys, max_tokens=max_reuse)
         self.counters.record_lookup(match, total_chunks=len(spans))
         cache = assemble_cache(match.pieces, self.traits.num_layers)
-        return PreparedPrompt(
+        prepared = PreparedPrompt(
             ids=ids, spans=spans, cache=cache, cached_tokens=match.cached_tokens,
             chunks=generation.chunk_hits(spans, match.cached_tokens),
         )
+        if stitch:
+            self.stitcher.extend(prepared, max_reuse=max_reuse)
+        return prepared
 
     def store_sequence(self, ids: Sequence[int], cache: DynamicCache, *, row: int = 0, offset: int = 0):
         """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`)."""

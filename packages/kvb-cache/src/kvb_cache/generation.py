@@ -127,16 +127,17 @@ def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: f
             if tokens is not None:
                 tokens.close()
         stored = True
-        engine.store_sequence(ids + out[:-1] if engine.config.store_outputs else ids, cache)
+        engine.store_sequence(prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache)
     finally:
         if not stored:
             # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
-            engine.store_sequence(ids + out[:-1] if engine.config.store_outputs else ids, cache)
+            engine.store_sequence(prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache)
     result = GenerationResult(
         output_text=emitter.text,
         output_ids=out,
         prompt_tokens=n,
-        cached_tokens=prepared.cached_tokens,
+        cached_tokens=prepared.served_tokens,
+        recomputed_tokens=prepared.recomputed_tokens,
         ttft_ms=ttft_ms,
         total_ms=(time.perf_counter() - t0) * 1e3,
         finish_reason=emitter.finish or "length",

@@ -1,0 +1,139 @@
+"""Recompute the KV of chosen prompt positions while every other position keeps its cached KV.
+
+The math (one decoder layer ``l``, recomputed positions ``S``, all cached positions ``C``): the hidden states
+of ``S`` enter layer ``l``; their fresh keys/values are written *into* the assembled cache at their indices
+before attention, so each recomputed query at position ``p`` attends to every key at a position ``<= p``:
+fresh ones for ``S``, cached ones for ``C``. Its output feeds layer ``l + 1``. Positions in ``C`` are never
+queried, so their KV stays what the cache held. With ``S`` = everything this is an ordinary prefill.
+
+We drive the model's *own* forward (embedding scaling, per-layer rotary tables, norms stay the model's)
+with two standard hooks: a 4D attention mask built from positions (the models return a 4D mask as-is) and
+a duck-typed cache whose ``update`` scatters the fresh KV instead of appending it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+class _StopForward(Exception):
+    """Raised from the cache after the last wanted layer: the only way to run a prefix of an HF model's layers
+    through its own forward (no public API stops early)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecomputeLayout:
+    """How attention is masked for a model: sliding window and which layer kinds take which mask."""
+
+    #: Window of sliding-attention layers (None: full attention everywhere).
+    sliding_window: int | None = None
+    #: True when full and sliding layers are mixed (Gemma 2/3): the model takes a mask per layer kind.
+    hybrid: bool = False
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, sliding_window: int | None) -> RecomputeLayout:
+        config = model.config.get_text_config(decoder=True)
+        kinds = set(getattr(config, "layer_types", None) or ())
+        return cls(sliding_window=sliding_window, hybrid=sliding_window is not None and len(kinds) > 1)
+
+
+class _ScatterCache:
+    """Stands in for a ``transformers.Cache`` during a recompute forward.
+
+    Layer ``l`` holds the assembled keys/values ``[1, kv_heads, N, head_dim]`` (owned by the caller and
+    written in place). ``update`` puts the fresh KV of the recomputed positions at ``index`` and returns the
+    whole layer, so attention sees cached KV everywhere else.
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self, layers: list[list[torch.Tensor]], index: torch.Tensor, *, last_layer: int | None, capture_layer: int | None
+    ) -> None:
+        self.layers_kv = layers
+        self.index = index
+        self.last_layer = last_layer
+        self.capture_layer = capture_layer
+        #: ``[Q]`` squared L2 distance between fresh and cached KV at ``capture_layer``, per recomputed token.
+        self.deviation: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if self.last_layer is not None and layer_idx > self.last_layer:
+            raise _StopForward
+        keys, values = self.layers_kv[layer_idx]
+        if layer_idx == self.capture_layer:
+            old_k, old_v = keys[:, :, self.index].float(), values[:, :, self.index].float()
+            self.deviation = ((key_states.float() - old_k) ** 2).sum(dim=(0, 1, 3)) + (
+                (value_states.float() - old_v) ** 2
+            ).sum(dim=(0, 1, 3))
+        keys[:, :, self.index] = key_states.to(keys.dtype)
+        values[:, :, self.index] = value_states.to(values.dtype)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers_kv[layer_idx][0].shape[2]
+
+
+def position_mask(
+    positions: torch.Tensor, kv_length: int, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """Additive mask ``[1, 1, Q, kv_length]``: query at position ``p`` sees cache index ``j`` iff ``j <= p``
+    (and ``j > p - window`` for sliding attention). Cache index equals position: the cache is contiguous."""
+    keys = torch.arange(kv_length, device=positions.device)
+    allowed = keys[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > positions[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _mask_for(layout: RecomputeLayout, positions: torch.Tensor, kv_length: int, dtype: torch.dtype):
+    full = position_mask(positions, kv_length, dtype)
+    if layout.sliding_window is None:
+        return full
+    sliding = position_mask(positions, kv_length, dtype, layout.sliding_window)
+    return {"full_attention": full, "sliding_attention": sliding} if layout.hybrid else sliding
+
+
+@torch.inference_mode()
+def recompute_tokens(
+    model: PreTrainedModel,
+    layers: list[list[torch.Tensor]],
+    ids: Sequence[int],
+    positions: torch.Tensor,
+    layout: RecomputeLayout,
+    *,
+    last_layer: int | None = None,
+    capture_layer: int | None = None,
+) -> torch.Tensor | None:
+    """Recompute positions ``positions`` (``[Q]``, ascending) of the prompt ``ids`` in place in ``layers``.
+
+    Args:
+        layers: per layer ``[keys, values]``, each ``[1, kv_heads, N, head_dim]``, covering prompt positions
+            ``[0, N)``; the recomputed positions are overwritten layer by layer.
+        last_layer: stop after this layer (later layers keep their cached KV).
+        capture_layer: measure each recomputed token's KV deviation from the cache on this layer.
+
+    Returns:
+        ``[Q]`` deviations when ``capture_layer`` is set, else None.
+    """
+    if positions.numel() == 0:
+        return None
+    device = layers[0][0].device
+    positions = positions.to(device)
+    tokens = torch.tensor([ids[p] for p in positions.tolist()], device=device).unsqueeze(0)
+    cache = _ScatterCache(layers, positions, last_layer=last_layer, capture_layer=capture_layer)
+    mask = _mask_for(layout, positions, layers[0][0].shape[2], model.dtype)
+    with contextlib.suppress(_StopForward):
+        # The base model: the LM head is not needed, only the KV the layers write.
+        model.base_model(
+            input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=mask, past_key_values=cache,
+            use_cache=True,
+        )
+    return cache.deviation

@@ -1,0 +1,49 @@
+"""Options of non-prefix (stitched) reuse: how cached chunks seen after another history are repaired."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvb_cache.errors import ConfigError
+
+RecomputeStrategy = Literal["none", "selective", "cacheblend"]
+_STRATEGIES = ("none", "selective", "cacheblend")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StitchConfig:
+    """Reuse of chunks whose tokens were cached after a *different* history (approximate).
+
+    Pass ``EngineConfig(stitching=StitchConfig(...))`` to enable it; without it the engine only reuses exact
+    prefixes and its logits equal no-cache. Exact prefix hits are never repaired either way.
+
+    Attributes:
+        recompute_strategy: ``"none"`` re-positions the stitched keys only; ``"selective"`` also recomputes the
+            first ``overlap_k`` tokens after each seam (and the sink tokens); ``"cacheblend"`` recomputes every
+            stitched token on the layers up to ``check_layer``, then, through all layers, only the
+            ``recompute_ratio`` of them whose KV deviates most there (plus the ``overlap_k`` seam tokens).
+        recompute_ratio: fraction of stitched tokens CacheBlend recomputes (Yao et al. use 0.15).
+        check_layer: the early layer on which CacheBlend measures each token's KV deviation (0-based).
+        overlap_k: tokens right after each seam (the start of each stitched chunk, which lost its context)
+            that ``selective`` and ``cacheblend`` always recompute.
+        sink_tokens: the prompt's first tokens (attention sinks), recomputed when they are stitched.
+        min_reuse_tokens: a stitched chunk shorter than this is not worth a seam and is computed instead.
+    """
+
+    recompute_strategy: RecomputeStrategy = "cacheblend"
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    overlap_k: int = 8
+    sink_tokens: int = 4
+    min_reuse_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.recompute_strategy not in _STRATEGIES:
+            raise ConfigError(f"recompute_strategy must be one of {_STRATEGIES}, got {self.recompute_strategy!r}")
+        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ConfigError(f"recompute_ratio must be a fraction in [0, 1] (e.g. 0.15), got {self.recompute_ratio!r}")
+        for name in ("check_layer", "overlap_k", "sink_tokens", "min_reuse_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative int, got {value!r}")

@@ -1,0 +1,228 @@
+"""Non-prefix reuse: find cached chunks anywhere in the prompt, re-position them, repair the seams.
+
+After the exact prefix (prefix-hash hits and the token-granular tail), the rest of the prompt is scanned for
+runs of tokens that some stored chunk holds (content hash, at *any* offset: a document moved by a few tokens
+still hits). Each such run is a *stitched piece*: its cached KV is rotated from the position it was computed
+at to its new one (:mod:`kvb_cache.rope`) and placed in the assembled cache; the uncached gaps between pieces
+are computed by the recompute forward, then the chosen repair runs (:mod:`kvb_cache.repair`).
+
+Store rule: KV at or after the first stitched position is approximate (stitched chunks, and everything
+computed over them), so a request that stitched stores only the chunks *before* its first stitched piece.
+Its later chunks are never stored under their prefix hash; an exact hit therefore always serves KV that a
+forward computed over the true history.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvb_cache.hashing import ChunkHash, content_hash
+from kvb_cache.model_traits import ModelTraits
+from kvb_cache.repair import RecomputeLayout, cacheblend_repair, recompute_tokens, selective_positions
+from kvb_cache.results import ChunkHit, HitKind
+from kvb_cache.rope import KeyRepositioner
+from kvb_cache.stitch_config import StitchConfig
+from kvb_cache.store import ChunkEntry, ChunkStore
+
+if TYPE_CHECKING:
+    from kvb_cache.engine import PreparedPrompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StitchedPiece:
+    """Prompt tokens ``[start, end)`` served by ``entry`` (computed at ``entry.start`` after another history)."""
+
+    start: int
+    end: int
+    entry: ChunkEntry
+
+
+def find_pieces(
+    store: ChunkStore, root: ChunkHash, ids: Sequence[int], *, start: int, stop: int, lengths: Sequence[int]
+) -> list[StitchedPiece]:
+    """Greedy left-to-right scan of ``ids[start:stop]`` for runs that a stored chunk holds.
+
+    At each position the chunk lengths the chunker can produce (``lengths``, longest first) are tried; a hit
+    jumps past the run, a miss advances one token. ``O((stop - start) * len(lengths))`` hashes.
+    """
+    pieces: list[StitchedPiece] = []
+    i = start
+    while i < stop:
+        hit = None
+        for length in lengths:
+            if i + length > stop:
+                continue
+            tokens = ids[i : i + length]
+            for entry in store.by_content(content_hash(root, tokens)):
+                if entry.token_ids == tuple(tokens):
+                    hit = entry
+                    break
+            if hit is not None:
+                break
+        if hit is None:
+            i += 1
+            continue
+        store.touch(hit)
+        pieces.append(StitchedPiece(start=i, end=i + hit.num_tokens, entry=hit))
+        i += hit.num_tokens
+    return pieces
+
+
+def _dense_kv(entry: ChunkEntry):
+    """Per layer ``(keys, values)``; quantized tiers keep entries encoded and decode through ``dense()``."""
+    dense = getattr(entry, "dense", None)
+    return dense() if dense is not None else entry.kv
+
+
+class StitchCounters:
+    """Stitching totals for ``cache_stats()`` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.stitched_chunks = 0
+        self.stitched_tokens = 0
+        self.recomputed_tokens = 0
+
+    def record(self, pieces: int, tokens: int, recomputed: int) -> None:
+        with self._lock:
+            self.requests += bool(pieces)
+            self.stitched_chunks += pieces
+            self.stitched_tokens += tokens
+            self.recomputed_tokens += recomputed
+
+
+class Stitcher:
+    """Extends a prepared prompt's exact prefix with re-positioned, repaired content-hash hits."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        traits: ModelTraits,
+        store: ChunkStore,
+        root: ChunkHash,
+        config: StitchConfig | None,
+        *,
+        chunk_size: int,
+        boundary_window: int,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.root = root
+        self.config = config
+        self.mover = KeyRepositioner.for_model(model, absolute_positions=traits.absolute_positions)
+        self.layout = RecomputeLayout.for_model(model, traits.sliding_window)
+        self.lengths = sorted(range(chunk_size - boundary_window, chunk_size + boundary_window + 1), reverse=True)
+        self.counters = StitchCounters()
+        if config is not None and not self.mover.support.supported:
+            logger.warning("non-prefix reuse declined: %s", self.mover.support.reason)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None and self.mover.support.supported
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "enabled": self.enabled,
+            "strategy": self.config.recompute_strategy if self.config else None,
+            "declined_reason": None if self.config is None or self.enabled else self.mover.support.reason,
+            "requests": c.requests,
+            "stitched_chunks": c.stitched_chunks,
+            "stitched_tokens": c.stitched_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
+        }
+
+    def extend(self, prepared: PreparedPrompt, *, max_reuse: int) -> None:
+        """Stitch cached chunks after ``prepared``'s exact prefix (in place); a no-op when nothing hits."""
+        if not self.enabled:
+            return
+        assert self.config is not None
+        cfg = self.config
+        ids, prefix = prepared.ids, prepared.cached_tokens
+        pieces = [
+            p for p in find_pieces(self.store, self.root, ids, start=prefix, stop=max_reuse, lengths=self.lengths)
+            if p.end - p.start >= cfg.min_reuse_tokens
+        ]
+        if not pieces:
+            return
+        end = pieces[-1].end
+        layers = self._assemble(prepared.cache, pieces, prefix, end)
+        stitched = [p for piece in pieces for p in range(piece.start, piece.end)]
+        covered = set(stitched)
+        gaps = [p for p in range(prefix, end) if p not in covered]
+        strategy = cfg.recompute_strategy
+        spans = [(piece.start, piece.end) for piece in pieces]
+        if strategy == "none":
+            recompute_tokens(self.model, layers, ids, torch.tensor(gaps, dtype=torch.long), self.layout)
+            repaired: list[int] = []
+        elif strategy == "selective":
+            repaired = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
+            recompute_tokens(self.model, layers, ids, torch.tensor(sorted(set(gaps) | set(repaired))), self.layout)
+        else:
+            seams = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
+            repaired = cacheblend_repair(
+                self.model, layers, ids, stitched=stitched, forced=sorted(set(gaps) | set(seams)),
+                layout=self.layout, recompute_ratio=cfg.recompute_ratio, check_layer=cfg.check_layer,
+            )
+        for cache_layer, (keys, values) in zip(prepared.cache.layers, layers):
+            cache_layer.keys, cache_layer.values = keys, values
+        self._describe(prepared, pieces, set(repaired), prefix, end)
+        self.counters.record(len(pieces), len(stitched), len(repaired))
+
+    def _assemble(self, cache: DynamicCache, pieces: list[StitchedPiece], prefix: int, end: int):
+        """Per layer ``[keys, values]`` covering positions ``[0, end)``: the exact prefix, re-positioned pieces,
+        zeros for the gaps (overwritten by the recompute forward before anything attends to them)."""
+        moved = [self.mover.reposition(_dense_kv(piece.entry), piece.entry.start, piece.start) for piece in pieces]
+        first = moved[0]
+        layers = []
+        for layer, (k0, v0) in enumerate(first):
+            region_k = k0.new_zeros((1, k0.shape[1], end - prefix, k0.shape[3]))
+            region_v = v0.new_zeros((1, v0.shape[1], end - prefix, v0.shape[3]))
+            for piece, kv in zip(pieces, moved):
+                region_k[:, :, piece.start - prefix : piece.end - prefix] = kv[layer][0]
+                region_v[:, :, piece.start - prefix : piece.end - prefix] = kv[layer][1]
+            if prefix:
+                cached = cache.layers[layer]
+                region_k = torch.cat([cached.keys, region_k], dim=2)
+                region_v = torch.cat([cached.values, region_v], dim=2)
+            layers.append([region_k, region_v])
+        if not prefix:
+            # An empty prefix leaves the cache without layers; give it full layers to receive the tensors.
+            empty = [(k[:, :, :0], v[:, :, :0]) for k, v in first]
+            fresh = DynamicCache(empty)
+            cache.layers[:] = fresh.layers
+        return layers
+
+    def _describe(self, prepared: PreparedPrompt, pieces, repaired: set[int], prefix: int, end: int) -> None:
+        hits: list[ChunkHit] = [
+            h if h.end <= prefix else replace(h, end=prefix)
+            for h in prepared.chunks
+            if h.start < prefix and h.cached_tokens
+        ]
+        cursor = prefix
+        for piece in pieces:
+            if piece.start > cursor:
+                hits.append(ChunkHit(start=cursor, end=piece.start, kind=HitKind.MISS, cached_tokens=0))
+            count = sum(1 for p in range(piece.start, piece.end) if p in repaired)
+            hits.append(ChunkHit(
+                start=piece.start, end=piece.end, kind=HitKind.STITCHED, cached_tokens=piece.end - piece.start,
+                recomputed_tokens=count,
+            ))
+            cursor = piece.end
+        if cursor < len(prepared.ids):
+            hits.append(ChunkHit(start=cursor, end=len(prepared.ids), kind=HitKind.MISS, cached_tokens=0))
+        prepared.chunks = tuple(hits)
+        prepared.reused_tokens = prefix + sum(p.end - p.start for p in pieces)
+        prepared.recomputed_tokens = len(repaired)
+        prepared.exact_until = pieces[0].start
+        prepared.cached_tokens = end
