@@ -1,0 +1,215 @@
+"""Redis tier against a real redis-server on 127.0.0.1 (a free port, started and killed by PID).
+
+Skipped locally when ``redis-server`` is not installed; under CI (``CI=true``) a missing server fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from kvb_cache import KVBoost
+from kvb_cache.codecs import DenseCodec
+from kvb_cache.config import EngineConfig
+from kvb_cache.records import RecordFormat
+from kvb_cache.store import ChunkStore
+from kvb_cache.tiers import BackgroundWriter, LowerTier, RedisTier, TierConfig, TieredStore
+
+redis = pytest.importorskip("redis", reason="pip install 'kvb-cache[redis]' for the Redis tier tests")
+
+from test_tiers_disk import FINGERPRINT, ROOT, chain  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server process (no persistence) that tests may stop and restart."""
+
+    def __init__(self) -> None:
+        self.binary = shutil.which("redis-server")
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def client(self):
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def redis_server():
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("redis-server is not installed but CI=true: install the Debian package redis-server")
+        pytest.skip("redis-server not installed (apt-get install redis-server); Redis tier tests skipped")
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+def tiered(url: str) -> TieredStore:
+    codec = DenseCodec()
+    tier = RedisTier(url, namespace=FINGERPRINT, timeout_s=0.5, retry_after_s=0.2)
+    return TieredStore(
+        ChunkStore(1 << 20), root=ROOT, codec=codec,
+        lower=[LowerTier(tier=tier, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
+        writer=BackgroundWriter(64),
+    )
+
+
+def commands(client, name: str) -> int:
+    return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+def test_a_chain_is_fetched_in_one_round_trip(redis_server):
+    entries = chain(6)
+    writer = tiered(redis_server.url)
+    for e in entries:
+        writer.put(e, root=ROOT)
+    writer.flush()
+    client = redis_server.client()
+    assert len([k for k in client.scan_iter("kvb:*") if not k.endswith(b"__stats__")]) == 6
+    reader = tiered(redis_server.url)
+    mget, get = commands(client, "mget"), commands(client, "get")
+    assert reader.prefetch([e.key for e in entries]) == 6
+    assert commands(client, "mget") - mget == 1 and commands(client, "get") == get
+    got = reader.get(entries[5].key)
+    assert got.parent == entries[4].key and torch.equal(got.kv[1][0], entries[5].kv[1][0])
+    s = reader.lower[0].tier.stats()
+    assert (s.hits, s.misses, s.errors) == (6, 0, 0)
+
+
+def test_ttl_is_set_on_records(redis_server):
+    tier = RedisTier(redis_server.url, namespace=FINGERPRINT, ttl_s=120)
+    e = chain(1)[0]
+    assert tier.put(e.key, b"x")
+    assert 0 < redis_server.client().ttl(tier._name(e.key)) <= 120
+
+
+def test_redis_down_degrades_to_misses_with_a_counter_then_recovers(redis_server, caplog):
+    entries = chain(3)
+    store = tiered(redis_server.url)
+    redis_server.stop()
+    t0 = time.perf_counter()
+    assert store.get(entries[0].key) is None
+    for e in entries:
+        assert store.put(e, root=ROOT)  # RAM still works, the Redis write is skipped
+    store.flush()
+    assert time.perf_counter() - t0 < 5
+    tier = store.lower[0].tier
+    assert tier.stats().errors >= 1 and tier.stats().misses >= 1
+    assert any("Redis" in r.message and "failed" in r.message for r in caplog.records)
+    redis_server.start()
+    time.sleep(0.3)  # past retry_after_s
+    assert tier.put(entries[0].key, b"y") and tier.get(entries[0].key) == b"y"
+
+
+def test_corrupted_record_in_redis_is_dropped_and_counted(redis_server):
+    entries = chain(2)
+    store = tiered(redis_server.url)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    client = redis_server.client()
+    name = store.lower[0].tier._name(entries[1].key)
+    data = bytearray(client.get(name))
+    data[100] ^= 0x40
+    client.set(name, bytes(data))
+    fresh = tiered(redis_server.url)
+    assert fresh.prefetch([e.key for e in entries]) == 1
+    fresh.flush()
+    assert fresh.lower[0].tier.stats().corrupt == 1 and client.get(name) is None
+
+
+# ---------------------------------------------------------------------------------------- engines
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvb_cache import EngineConfig, KVBoost
+    from kvb_cache.tiers import TierConfig
+
+    folder, url, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    engine = KVBoost(model, tok, config=EngineConfig(chunk_size=16, tiers=TierConfig(remote_url=url)))
+    result = engine.generate(prompt, max_new_tokens=12, ignore_eos=True)
+    engine.store.flush()
+    print(json.dumps({"ids": result.output_ids, "cached": result.cached_tokens}))
+    """
+)
+
+
+def _run_child(folder, url, prompt) -> dict:
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), url, json.dumps(prompt)], capture_output=True, text=True,
+        timeout=600, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_two_processes_share_exact_hits_through_redis(redis_server, tmp_path, llama, tokenizer):
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompt = list(range(10, 60))  # 50 tokens: 3 full chunks of 16
+    a = _run_child(tmp_path, redis_server.url, prompt)
+    b = _run_child(tmp_path, redis_server.url, prompt)
+    assert a["cached"] == 0
+    assert b["cached"] == 48
+    assert b["ids"] == a["ids"]
+
+
+def test_engine_survives_redis_stopping_mid_run(redis_server, llama, tokenizer):
+    config = EngineConfig(chunk_size=16, tiers=TierConfig(remote_url=redis_server.url, remote_timeout_s=0.3))
+    engine = KVBoost(llama, tokenizer, config=config)
+    reference = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_cache_bytes=0))
+    prompt = list(range(20, 70))
+    first = engine.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    redis_server.stop()
+    engine.clear_cache()  # RAM empty: the next lookup must go to the (dead) Redis
+    second = engine.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    expected = reference.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    assert second.cached_tokens == 0
+    assert first.output_ids == second.output_ids == expected.output_ids
+    assert engine.store.lower[0].tier.stats().errors >= 1
