@@ -71,7 +71,7 @@ class KiviCodec:
     def _encode_keys(self, keys: torch.Tensor) -> Quantized:
         # [1, H, T, D] -> pad T to a multiple of G -> [1, H, T/G, G, D], stats over the G tokens.
         b, h, t, d = keys.shape
-        g = self.group_size
+        g = min(self.group_size, t)  # a chunk shorter than a group is one group, not padded to group_size
         pad = -t % g
         if pad:
             keys = torch.cat([keys, keys[:, :, -1:].expand(b, h, pad, d)], dim=2)
