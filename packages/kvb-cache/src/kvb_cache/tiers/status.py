@@ -1,0 +1,64 @@
+"""What the lower tiers hold, per model namespace (``kvboost cache status``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvb_cache.tiers.base import TierStats
+from kvb_cache.tiers.disk import STATS_FILE, SUFFIX, DiskTier
+from kvb_cache.tiers.remote import RedisTier
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamespaceStatus:
+    """One model fingerprint's records in one tier (counters are cumulative over every process)."""
+
+    tier: str
+    namespace: str
+    stats: TierStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedisReachability:
+    url: str
+    reachable: bool
+    round_trip_ms: float | None
+
+
+def disk_status(directory: str | Path) -> list[NamespaceStatus]:
+    """Every namespace folder under a disk cache directory (files and bytes counted from disk)."""
+    root = Path(directory)
+    out = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
+        files = list(folder.glob(f"*/*{SUFFIX}"))
+        try:
+            counters = json.loads((folder / STATS_FILE).read_text())
+        except (OSError, ValueError):
+            counters = {}
+        counts = {k: int(counters.get(k, 0)) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")}
+        stats = TierStats(name=DiskTier.name, entries=len(files), bytes=sum(f.stat().st_size for f in files), **counts)
+        out.append(NamespaceStatus(tier="disk", namespace=folder.name, stats=stats))
+    return out
+
+
+def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
+    """PING round trip, then every ``kvb:<namespace>:`` prefix with its entries, bytes and shared counters."""
+    probe = RedisTier(url, namespace="probe", timeout_s=1.0)
+    rtt = probe.ping_ms()
+    reach = RedisReachability(url=url, reachable=rtt is not None, round_trip_ms=rtt)
+    if rtt is None:
+        return reach, []
+    namespaces = sorted({
+        name.split(b":")[1].decode() for name in probe._client.scan_iter(match="kvb:*", count=1000)
+        if name.count(b":") >= 2
+    })
+    out = []
+    for ns in namespaces:
+        tier = RedisTier(url, namespace=ns, timeout_s=1.0)
+        out.append(NamespaceStatus(tier="redis", namespace=ns, stats=tier.namespace_usage()))
+        tier.close()
+    probe.close()
+    return reach, out
+
