@@ -16,6 +16,7 @@ from kvb_cache.errors import (
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
+from kvb_cache.tiers import TierConfig
 
 __all__ = [
     "ChunkHit",
@@ -34,6 +35,7 @@ __all__ = [
     "SpeculativeDecoder",
     "StitchConfig",
     "StreamEvent",
+    "TierConfig",
     "TokenLogprob",
     "TokenProcessor",
     "UnsupportedModelError",
