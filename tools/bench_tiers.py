@@ -141,7 +141,7 @@ def main() -> None:
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = benchmark_token_ids(tokenizer, max(args.lengths))
+    ids = benchmark_token_ids(tokenizer, max(args.lengths) + 1)
     proc, url = start_redis()
     try:
         restore = bench_restore(model, tokenizer, ids, lengths=args.lengths, remote_url=url, repeats=args.repeats)

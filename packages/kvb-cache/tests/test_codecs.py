@@ -68,9 +68,10 @@ def test_kivi_keys_are_grouped_per_channel_values_per_token():
     # Per-token value scales: the outlier token does not inflate the error of the other tokens.
     rest = [t for t in range(128) if t != 7]
     assert snr_db(values[:, :, rest], v[:, :, rest]) > 19
-    # The symmetric per-vector wire codec has no such isolation for keys: one scale covers all channels.
+    # The wire codec groups keys per channel too (head_dim tokens of one channel), values per token.
     wire = EncodedKV.from_dense(AbsmaxInt8Codec(), kv).layer(0)
-    assert snr_db(keys[..., other], wire.keys[..., other]) < snr_db(keys[..., other], k[..., other])
+    assert snr_db(keys[..., other], wire.keys[..., other]) > 40
+    assert snr_db(values[:, :, rest], wire.values[:, :, rest]) > 40
 
 
 @pytest.mark.parametrize(

@@ -57,18 +57,20 @@ def bench_restore(
 ) -> list[RestoreTiming]:
     """Time cold prefill and restores from RAM, disk and (when ``remote_url``) Redis, in the same run.
 
-    Each restore ends with a one-token prefill (the last prompt token is always computed), exactly what a
-    request pays. The tier namespaces are this model's fingerprint; Redis records are left in place.
+    For each length ``n`` the first ``n`` tokens are warmed, then the ``n + 1``-token prompt is timed: its
+    whole ``n``-token prefix is restored (assembled from RAM, or read, verified, decoded and promoted from a
+    lower tier) and one token is prefilled, which is what a request that extends a cached prefix pays.
+    Cold computes all ``n + 1`` tokens. Redis records are left in place (namespaced by fingerprint).
     """
     rows: list[RestoreTiming] = []
     with tempfile.TemporaryDirectory(prefix="kvb-bench-") as tmp:
         folder = disk_cache_dir or tmp
         tiers = {"ram": None, "disk": TierConfig(disk_cache_dir=folder)}
         if remote_url:
-            tiers["redis"] = TierConfig(remote_url=remote_url)
+            tiers["redis"] = TierConfig(remote_url=remote_url, remote_timeout_s=10.0)
         for n in lengths:
-            ids = list(prompt_ids[:n])
-            if len(ids) < n:
+            ids = list(prompt_ids[: n + 1])
+            if len(ids) < n + 1:
                 raise ValueError(f"the benchmark text has only {len(prompt_ids)} tokens; lower --lengths")
             cold = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16))
             cold_ms, _ = _median_ms(lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None)
@@ -77,7 +79,7 @@ def bench_restore(
                 engine = KVBoost(
                     model, tokenizer, config=EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier)
                 )
-                engine.warm(ids)
+                engine.warm(ids[:n])
                 store = engine.store
                 if isinstance(store, TieredStore):
                     store.flush()

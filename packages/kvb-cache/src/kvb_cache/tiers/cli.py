@@ -83,7 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     loaded = load_model_and_tokenizer(args.model, device="cpu", dtype=None, attn_implementation=None)
-    ids = benchmark_token_ids(loaded.tokenizer, max(args.lengths))
+    ids = benchmark_token_ids(loaded.tokenizer, max(args.lengths) + 1)
     rows = bench_restore(
         loaded.model, loaded.tokenizer, ids, lengths=args.lengths, remote_url=args.remote_url,
         disk_cache_dir=args.disk_cache_dir, kv_cache_bits=args.kv_cache_bits, repeats=args.repeats,

@@ -24,7 +24,8 @@ class TierConfig:
             ~4x fewer bytes on the network for fp32 KV). Lossy: it becomes part of the model fingerprint,
             so such engines share entries only with each other. None: same form as RAM.
         remote_ttl_s: expire Redis records after this many seconds (None: rely on ``maxmemory`` eviction).
-        remote_timeout_s: connect/read timeout of every Redis call; past it the call is a miss.
+        remote_timeout_s: connect/read timeout of every Redis call; past it the call is a miss (records
+            of big models are megabytes: leave room for the transfer).
         max_pending_writes: bound of the write-behind queue; further writes are dropped and counted.
     """
 
@@ -33,7 +34,7 @@ class TierConfig:
     remote_url: str | None = None
     remote_codec: str | None = None
     remote_ttl_s: int | None = None
-    remote_timeout_s: float = 0.5
+    remote_timeout_s: float = 2.0
     max_pending_writes: int = 256
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ class RedisTier(RecordTier):
         *,
         namespace: str,
         ttl_s: int | None = None,
-        timeout_s: float = 0.5,
+        timeout_s: float = 2.0,
         retry_after_s: float = 2.0,
     ) -> None:
         if ttl_s is not None and ttl_s < 1:
