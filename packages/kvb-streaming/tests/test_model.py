@@ -140,3 +140,25 @@ def test_runtime_reports_plan_and_memory(awq_llama_dir: Path) -> None:
     assert runtime.scheduler.n_slots == 2
     assert runtime.resident_int4_bytes > 0
     assert runtime.pinned is False  # pinning is only requested for CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("mode", "keep"), MODES)
+def test_cuda_streamed_logits_equal_resident(
+    awq_llama_dir: Path, input_ids: torch.Tensor, mode: str, keep: dict
+) -> None:
+    def cuda_model(**config: object):
+        streaming = StreamingConfig(quant_kernel="torch", **config)  # type: ignore[arg-type]
+        return StreamingCausalLM.from_pretrained(awq_llama_dir, streaming_config=streaming, device="cuda")
+
+    resident = cuda_model(residency_mode="full_resident")
+    streamed = cuda_model(residency_mode=mode, n_staging_slots=2, **keep)
+    ids = input_ids.cuda()
+    with torch.no_grad():
+        expected = resident(input_ids=ids).logits
+        for _ in range(3):  # later forwards run on prefetched (wrapped-around) slots
+            assert torch.equal(streamed(input_ids=ids).logits, expected)
+    runtime = get_runtime(streamed)
+    assert runtime.pinned and runtime.stats().hit_rate == 1.0
+    assert runtime.stats().synchronous_prefetches == 0
