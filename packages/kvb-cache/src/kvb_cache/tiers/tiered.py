@@ -143,7 +143,11 @@ class TieredStore:
                 self._remember_miss(key)
                 break
             entry = self._load(key, *hit)
-            if entry is None or not self.ram.put(entry, root=self.root):
+            if entry is None:
+                # Invalid record (its deletion is queued): do not read it again before it is gone.
+                self._remember_miss(key)
+                break
+            if not self.ram.put(entry, root=self.root):
                 break
             promoted += 1
         return promoted
