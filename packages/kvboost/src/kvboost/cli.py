@@ -1,4 +1,4 @@
-"""The ``kvboost`` command: ``kvboost demo`` (and the subcommands other distributions contribute)."""
+"""The ``kvboost`` command: ``kvboost demo`` and ``kvboost cache status|bench`` (from kvb-cache's tiers)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from kvb_cache.tiers.cli import add_cache_commands
 from kvboost import demo
 
 
@@ -17,15 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="replay real multi-turn chats on the embedded model: TTFT without cache vs with KVBoost"
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(handler=demo.run)
+    demo_parser.set_defaults(func=demo.run)
+    add_cache_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args.handler(args)
-    return 0
+    # Every subcommand sets ``func``; those that report a status return an exit code, the demo returns None.
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

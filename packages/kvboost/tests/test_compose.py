@@ -1,0 +1,103 @@
+"""``kvboost.KVBoost.from_pretrained`` composes kvb-speculative; ``kvboost cache`` comes from kvb-cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvboost import KVBoost
+from kvboost.cli import main
+
+VOCAB = 200
+
+
+def _save_tiny_model(folder: Path, seed: int) -> Path:
+    """A tiny random Llama and a word-level tokenizer (``w0 .. w194``), saved like a hub checkpoint."""
+    specials = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    torch.manual_seed(seed)
+    config = T.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2, eos_token_id=1, pad_token_id=0,
+    )
+    T.LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return _save_tiny_model(tmp_path_factory.mktemp("target"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> Path:
+    return _save_tiny_model(tmp_path_factory.mktemp("draft"), seed=1)
+
+
+# A prompt that repeats itself, so prompt lookup finds n-grams to draft from.
+PROMPT = " ".join(["w5 w6 w7 w8 w9 w10 w11 w12"] * 6)
+
+
+def test_without_speculative_no_drafter(target):
+    engine = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    assert engine.drafter is None
+    assert engine.speculative_stats() is None
+    assert "speculative" not in engine.cache_stats()
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "draft_model"])
+def test_speculative_output_equals_plain_greedy(target, other, mode):
+    plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    expected = plain.generate(PROMPT, max_new_tokens=24, temperature=0.0, ignore_eos=True).output_ids
+    draft = str(other) if mode == "draft_model" else None
+    spec = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, speculative=mode, draft_model=draft, gamma=4)
+    got = spec.generate(PROMPT, max_new_tokens=24, temperature=0.0, ignore_eos=True).output_ids
+    assert got == expected
+    stats = spec.cache_stats()["speculative"]
+    assert stats["gamma"] == 4
+    assert stats["rounds"] + stats["plain_steps"] > 0
+    assert stats["committed_tokens"] >= 24
+    json.dumps(stats)
+
+
+def test_draft_model_equal_to_target_accepts_every_draft(target):
+    spec = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, draft_model=str(target), gamma=3)
+    spec.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    stats = spec.speculative_stats()
+    assert stats["drafted_tokens"] > 0
+    assert stats["acceptance_rate"] == 1.0
+
+
+def test_unknown_speculative_mode_is_a_typed_error(target):
+    from kvb_speculative import SpeculativeConfigError
+
+    with pytest.raises(SpeculativeConfigError, match="unknown"):
+        KVBoost.from_pretrained(str(target), device="cpu", speculative="medusa")
+
+
+def test_cache_status_cli_reads_a_disk_tier(target, tmp_path, capsys):
+    engine = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, disk_cache_dir=tmp_path)
+    engine.generate(PROMPT, max_new_tokens=2, temperature=0.0)
+    engine.store.flush()  # write-behind: wait for the disk writes
+    assert main(["cache", "status", "--disk-cache-dir", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    namespaces = report["disk"]["namespaces"]
+    assert len(namespaces) == 1
+    (entry,) = namespaces.values()
+    # Every chunk the request stored (6 full prompt chunks + the partial tail with the first output token)
+    # was written behind to disk.
+    assert entry["entries"] == engine.cache_stats()["entries"] >= len(PROMPT.split()) // 8
+
+
+def test_cache_status_without_a_tier_is_an_error_exit(capsys):
+    assert main(["cache", "status"]) == 2
+    assert "--disk-cache-dir" in capsys.readouterr().err
