@@ -150,8 +150,18 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+def serve(session: nox.Session) -> None:
+    """Start the OpenAI-compatible server on the embedded model (the README's main command).
+
+    Binds 127.0.0.1:8000; flags after ``--`` go to ``kvboost-server`` (``nox -s serve -- --port 9000``).
+    """
+    _install_everything(session)
+    session.run("kvboost-server", *session.posargs)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
-    """Replay real multi-turn conversations on the embedded model (the README's main command)."""
+    """Replay real multi-turn conversations on the embedded model: TTFT without cache vs with KVBoost."""
     _install_everything(session)
     session.run("kvboost", "demo", *session.posargs)
 
