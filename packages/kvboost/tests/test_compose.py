@@ -101,3 +101,19 @@ def test_cache_status_cli_reads_a_disk_tier(target, tmp_path, capsys):
 def test_cache_status_without_a_tier_is_an_error_exit(capsys):
     assert main(["cache", "status"]) == 2
     assert "--disk-cache-dir" in capsys.readouterr().err
+
+
+def test_recompute_strategy_turns_stitching_on(target):
+    from kvboost import ConfigError
+
+    assert KVBoost.from_pretrained(str(target), device="cpu").config.stitching is None
+    engine = KVBoost.from_pretrained(str(target), device="cpu", recompute_strategy="selective")
+    assert engine.config.stitching.recompute_strategy == "selective"
+    from kvb_cache import StitchConfig
+
+    with pytest.raises(ConfigError, match="contradicts"):
+        KVBoost.from_pretrained(
+            str(target), device="cpu", recompute_strategy="none", stitching=StitchConfig(recompute_strategy="cacheblend")
+        )
+    with pytest.raises(ConfigError, match="recompute_strategy"):
+        KVBoost.from_pretrained(str(target), device="cpu", recompute_strategy="bogus")

@@ -16,7 +16,7 @@ from kvb_cache import generation
 from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.forward import prefill
@@ -28,6 +28,7 @@ from kvb_cache.model_traits import inspect_model
 from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stats import EngineCounters
+from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, build_store
@@ -137,6 +138,8 @@ class KVBoost:
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
         remote_url: str | None = None,
         remote_codec: str | None = None,
+        stitching: StitchConfig | None = None,
+        recompute_strategy: str | None = None,
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
 
@@ -152,13 +155,24 @@ class KVBoost:
             remote_url: ``redis://host:port/db`` of a Redis shared by engine processes
                 (``pip install "kvb-cache[redis]"``); None: no remote tier.
             remote_codec: ``"absmax8"`` to send Redis records through the int8 wire codec (lossy).
+            stitching: reuse chunks cached after a *different* history too (approximate; see
+                :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
+            recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:
+                ``"none"``, ``"selective"`` or ``"cacheblend"``.
         """
         tiers = TierConfig(
             disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes, remote_url=remote_url,
             remote_codec=remote_codec,
         )
+        if recompute_strategy is not None:
+            if stitching is not None and stitching.recompute_strategy != recompute_strategy:
+                raise ConfigError(
+                    f"recompute_strategy={recompute_strategy!r} contradicts stitching.recompute_strategy="
+                    f"{stitching.recompute_strategy!r}: pass one of them"
+                )
+            stitching = stitching or StitchConfig(recompute_strategy=recompute_strategy)  # type: ignore[arg-type]
         config = EngineConfig(
-            chunk_size=chunk_size, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes,
+            chunk_size=chunk_size, stitching=stitching, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes,
             kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, tiers=tiers if tiers.enabled else None,
         )
         loaded = load_model_and_tokenizer(

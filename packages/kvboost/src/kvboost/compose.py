@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache import KVBoost as _Engine
+from kvb_cache import StitchConfig
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
@@ -40,6 +41,8 @@ class KVBoost(_Engine):
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
         remote_url: str | None = None,
         remote_codec: str | None = None,
+        stitching: StitchConfig | None = None,
+        recompute_strategy: str | None = None,
         speculative: str | None = None,
         draft_model: str | PreTrainedModel | None = None,
         gamma: int = 5,
@@ -64,6 +67,7 @@ class KVBoost(_Engine):
             max_cache_bytes=max_cache_bytes, device=device, dtype=dtype, attn_implementation=attn_implementation,
             kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, disk_cache_dir=disk_cache_dir,
             disk_cache_bytes=disk_cache_bytes, remote_url=remote_url, remote_codec=remote_codec,
+            stitching=stitching, recompute_strategy=recompute_strategy,
         )
         if speculative is None and draft_model is None:
             return engine  # type: ignore[return-value]
