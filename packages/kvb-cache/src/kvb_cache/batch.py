@@ -17,12 +17,13 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.forward import decode_step, prefill
 from kvb_cache.generation import _Emitter, chunk_hits, token_logprob
 from kvb_cache.kv import batch_cache
+from kvb_cache.live_quant import layer_kv, quantize_live
 from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stopping import StopStrings
@@ -31,11 +32,10 @@ if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost, PreparedPrompt
 
 
-def _row_cache(cache: DynamicCache, row: int, index: torch.Tensor) -> DynamicCache:
+def _row_cache(cache: Cache, row: int, index: torch.Tensor) -> DynamicCache:
     """Row ``row`` of a batch cache, compacted to the positions in ``index`` (pads dropped)."""
-    return DynamicCache(
-        [(layer.keys[row : row + 1, :, index], layer.values[row : row + 1, :, index]) for layer in cache.layers]
-    )
+    kv = [layer_kv(layer) for layer in cache.layers]
+    return DynamicCache([(k[row : row + 1, :, index], v[row : row + 1, :, index]) for k, v in kv])
 
 
 def _make_contiguous(engine: KVBoost, prepared: list[PreparedPrompt]) -> None:
@@ -56,8 +56,11 @@ def _make_contiguous(engine: KVBoost, prepared: list[PreparedPrompt]) -> None:
 
 
 def run_batch(
-    engine: KVBoost, prepared: list[PreparedPrompt], params: list[SamplingParams], t0: float
+    engine: KVBoost, prepared: list[PreparedPrompt], params: list[SamplingParams], t0: float,
+    *, kv_cache_bits: int | None = None,
 ) -> list[GenerationResult]:
+    """Serve ``prepared`` in one padded batch; ``kv_cache_bits`` 8/4 holds the batch's live KV quantized
+    (and stores nothing, as :meth:`KVBoost.store_sequence` explains); None keeps it as computed."""
     device = engine.device
     rows = len(prepared)
     if engine.traits.sliding_window is not None:
@@ -76,7 +79,9 @@ def run_batch(
         positions[i, width_s - suffix[i] :] = torch.arange(cached[i], len(p.ids), device=device)
         mask[i, width_c - cached[i] : width_c] = 1
         mask[i, width_c + width_s - suffix[i] :] = 1
-    cache = batch_cache([p.cache for p in prepared], cached, engine.traits.num_layers, input_ids)
+    cache: Cache = batch_cache([p.cache for p in prepared], cached, engine.traits.num_layers, input_ids)
+    if kv_cache_bits is not None:
+        cache = quantize_live(cache, num_layers=engine.traits.num_layers, bits=kv_cache_bits)
 
     processors = [RequestProcessor(pr, prompt_len=len(p.ids), device=device) for p, pr in zip(prepared, params)]
     emitters = [
@@ -93,7 +98,8 @@ def run_batch(
     active = list(range(rows))  # batch position -> request index
 
     with torch.inference_mode():
-        logits = prefill(engine.model, engine.traits, cache, input_ids, positions, attention_mask=mask)
+        logits = prefill(engine.model, engine.traits, cache, input_ids, positions, attention_mask=mask,
+                         slice_size=prepared[0].prefill_chunk_size)
         while active:
             finished: list[int] = []
             next_tokens = []
@@ -111,16 +117,16 @@ def run_batch(
                     finished.append(b)
             for b in finished:
                 i = active[b]
-                index = mask[b].nonzero().squeeze(1)
-                engine.store_sequence(_sequence(engine, prepared[i].ids, outputs[i]), _row_cache(cache, b, index))
+                if kv_cache_bits is None:
+                    index = mask[b].nonzero().squeeze(1)
+                    engine.store_sequence(_sequence(engine, prepared[i].ids, outputs[i]), _row_cache(cache, b, index))
                 results[i] = _result(engine, prepared[i], params[i], emitters[i], outputs[i], logprobs[i], ttft[i], t0)
             if finished:
                 keep = [b for b in range(len(active)) if b not in finished]
                 if not keep:
                     break
                 index = torch.tensor(keep, device=device)
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[index], layer.values[index]
+                cache.batch_select_indices(index)
                 mask = mask[index]
                 active = [active[b] for b in keep]
                 next_tokens = [next_tokens[b] for b in keep]

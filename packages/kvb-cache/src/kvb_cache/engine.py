@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation
 from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
@@ -22,6 +22,7 @@ from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.forward import prefill
 from kvb_cache.hashing import root_hash
 from kvb_cache.kv import assemble_cache
+from kvb_cache.live_quant import check_kv_cache_bits, is_live_quantized, quantize_live
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.lookup import chunk_keys, match_prefix
 from kvb_cache.model_traits import inspect_model
@@ -32,7 +33,7 @@ from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, build_store
-from kvb_cache.writeback import write_back
+from kvb_cache.writeback import WritebackResult, write_back
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class PreparedPrompt:
 
     ids: list[int]
     spans: tuple[ChunkSpan, ...]
-    cache: DynamicCache
+    #: A DynamicCache, or a :class:`kvb_cache.live_quant.LiveQuantizedCache` for ``kv_cache_bits`` 8/4.
+    cache: Cache
     cached_tokens: int
     chunks: tuple[ChunkHit, ...]
     prefill_chunk_size: int | None = None
@@ -253,17 +255,18 @@ class KVBoost:
         the iterator early stops generation and keeps the cache consistent.
         """
         t0 = time.perf_counter()
-        prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
+        prefill_chunk_size = _check_prefill_chunk_size(sampling.pop("prefill_chunk_size", None))
+        kv_cache_bits = check_kv_cache_bits(sampling.pop("kv_cache_bits", None))
         params = SamplingParams.build(**sampling)
         ids = self._tokenize(prompt)
         self._check_context(len(ids), params.max_new_tokens)
-        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
-            raise InvalidRequestError("prefill_chunk_size must be a positive int or None", param="prefill_chunk_size")
-        return self._run(ids, params, t0, prefill_chunk_size)
+        return self._run(ids, params, t0, prefill_chunk_size, kv_cache_bits)
 
-    def _run(self, ids: list[int], params: SamplingParams, t0: float, prefill_chunk_size: int | None):
+    def _run(self, ids: list[int], params: SamplingParams, t0: float, prefill_chunk_size: int | None,
+             kv_cache_bits: int | None):
         prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
         prepared.prefill_chunk_size = prefill_chunk_size
+        self._apply_kv_bits(prepared, kv_cache_bits)
         yield from generation.run(self, prepared, params, t0)
 
     def generate(
@@ -282,17 +285,20 @@ class KVBoost:
         logprobs: int | None = None,
         ignore_eos: bool = False,
         prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (a string, or token ids) reusing cached chunks.
 
         ``temperature=0`` is greedy. ``stop`` strings end generation and are not included in the text.
         ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
+        ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
+        outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
         """
         events = self.stream(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
-            prefill_chunk_size=prefill_chunk_size,
+            prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits,
         )
         for event in events:
             if event.result is not None:
@@ -300,12 +306,19 @@ class KVBoost:
         raise AssertionError("stream ended without a result")
 
     def generate_batch(
-        self, prompts: Sequence[Prompt], *, sampling: Sequence[dict[str, Any]] | None = None, **common: Any
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        sampling: Sequence[dict[str, Any]] | None = None,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+        **common: Any,
     ) -> list[GenerationResult]:
         """Generate for several prompts in padded forwards, each with its own sampling parameters.
 
         ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
-        :meth:`generate` returns for it alone (greedy: the same tokens).
+        :meth:`generate` returns for it alone (greedy: the same tokens). ``prefill_chunk_size`` and
+        ``kv_cache_bits`` apply to the whole batch (its rows share one cache).
         """
         from kvb_cache.batch import run_batch
 
@@ -314,12 +327,16 @@ class KVBoost:
         if sampling is not None and len(sampling) != len(prompts):
             raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
         t0 = time.perf_counter()
+        prefill_chunk_size = _check_prefill_chunk_size(prefill_chunk_size)
+        kv_cache_bits = check_kv_cache_bits(kv_cache_bits)
         params = [SamplingParams.build(**{**common, **(sampling[i] if sampling else {})}) for i in range(len(prompts))]
         ids = [self._tokenize(p) for p in prompts]
         for row, p in zip(ids, params):
             self._check_context(len(row), p.max_new_tokens)
         prepared = [self._prepare(row, max_reuse=len(row) - 1) for row in ids]
-        return run_batch(self, prepared, params, t0)
+        for p in prepared:
+            p.prefill_chunk_size = prefill_chunk_size
+        return run_batch(self, prepared, params, t0, kv_cache_bits=_live_bits(kv_cache_bits))
 
     def cache_stats(self) -> dict[str, Any]:
         """Store and reuse counters (JSON-safe)."""
@@ -390,8 +407,22 @@ class KVBoost:
             self.stitcher.extend(prepared, max_reuse=max_reuse)
         return prepared
 
-    def store_sequence(self, ids: Sequence[int], cache: DynamicCache, *, row: int = 0, offset: int = 0):
-        """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`)."""
+    def _apply_kv_bits(self, prepared: PreparedPrompt, kv_cache_bits: int | None) -> None:
+        """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
+        bits = _live_bits(kv_cache_bits)
+        if bits is not None:
+            prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
+
+    def store_sequence(self, ids: Sequence[int], cache: Cache, *, row: int = 0, offset: int = 0) -> WritebackResult:
+        """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`).
+
+        A live-quantized cache (``kv_cache_bits`` 8/4) is never stored. Its KV is approximate, so under the
+        engine's prefix keys it would turn later exact hits into approximate ones; a separate codec namespace
+        would only serve requests with the same override, and writing back copies every new chunk exactly
+        when the planner chose quantization because memory is short.
+        """
+        if is_live_quantized(cache):
+            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
         return write_back(
             self.store, self.chunker, self.root, ids, cache, num_layers=self.traits.num_layers, row=row, offset=offset,
             store_partial_tail=self.config.store_partial_tail,
@@ -399,3 +430,16 @@ class KVBoost:
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
+
+
+def _check_prefill_chunk_size(value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(
+            f"prefill_chunk_size must be a positive int (e.g. 512) or None, got {value!r}", param="prefill_chunk_size"
+        )
+    return value  # type: ignore[return-value]
+
+
+def _live_bits(kv_cache_bits: int | None) -> int | None:
+    """8 or 4 when the request's live KV is quantized; None (exact path) for 16 and the default."""
+    return kv_cache_bits if kv_cache_bits in (8, 4) else None

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
+from kvb_cache.live_quant import layer_kv
 from kvb_cache.store import ChunkEntry, LayerKV
 
 
@@ -67,9 +68,8 @@ def batch_cache(rows: Sequence[DynamicCache | None], lengths: Sequence[int], num
     return DynamicCache(layers)
 
 
-def slice_kv(cache: DynamicCache, start: int, end: int, *, row: int = 0) -> LayerKV:
-    """Copy positions ``[start, end)`` of batch row ``row`` out of ``cache`` (contiguous, batch dim 1)."""
-    return tuple(
-        (layer.keys[row : row + 1, :, start:end].clone(), layer.values[row : row + 1, :, start:end].clone())
-        for layer in cache.layers
-    )
+def slice_kv(cache: Cache, start: int, end: int, *, row: int = 0) -> LayerKV:
+    """Copy positions ``[start, end)`` of batch row ``row`` out of ``cache`` (contiguous, batch dim 1);
+    live-quantized layers are dequantized first."""
+    kv = [layer_kv(layer) for layer in cache.layers]
+    return tuple((k[row : row + 1, :, start:end].clone(), v[row : row + 1, :, start:end].clone()) for k, v in kv)

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transformers import DynamicCache
+from transformers import Cache
 
 from kvb_cache.chunking import Chunker
 from kvb_cache.hashing import ChunkHash
@@ -30,7 +30,7 @@ def write_back(
     chunker: Chunker,
     root: ChunkHash,
     ids: Sequence[int],
-    cache: DynamicCache,
+    cache: Cache,
     *,
     num_layers: int,
     row: int = 0,
@@ -47,7 +47,7 @@ def write_back(
     layers disagree on length or that lacks layers (a forward that failed midway) is not trusted and nothing is
     stored.
     """
-    lengths = {layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers}
+    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
     if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < offset + len(ids):
         logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
         return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)

@@ -1,0 +1,248 @@
+"""Per-request ``kv_cache_bits``: the live KV held KIVI-quantized through transformers' QuantizedLayer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, words
+
+from kvb_cache import EngineConfig, InvalidRequestError, KVBoost
+from kvb_cache.codecs import snr_db
+from kvb_cache.live_quant import (
+    KiviLiveLayer,
+    LiveQuantizedCache,
+    cache_kv_bytes,
+    is_live_quantized,
+    layer_kv,
+    quantize_live,
+)
+
+CHUNK = 16
+NEW = 12
+
+
+def reference_greedy(model, ids: list[int], n: int = NEW) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def kv(tokens: int, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, 2, tokens, 16, generator=g)
+    keys[..., 3] *= 8  # an outlier channel, as RoPE'd keys have
+    return keys, torch.randn(batch, 2, tokens, 16, generator=g)
+
+
+def capture_caches(engine: KVBoost) -> list:
+    """Record every working cache the engine hands to ``store_sequence`` (the cache a request ran on)."""
+    seen: list = []
+    original = engine.store_sequence
+
+    def spy(ids, cache, **kw):
+        seen.append(cache)
+        return original(ids, cache, **kw)
+
+    engine.store_sequence = spy  # type: ignore[method-assign]
+    return seen
+
+
+# ----------------------------------------------------------------------------------------- the layer
+# Bytes of 200 quantized tokens ([1, 2 heads, T, 16]) + a 100-token fp32 residual window (25,600 B). Keys: T padded
+# to 4 groups of 64 -> 256 * 32 codes * bits / 8 + 2 fp16 (scale, min) * 4 groups * 32 channels; values: one
+# group of 16 channels per token (16 does not divide by 64) -> 200 * 32 * bits / 8 + 2 fp16 * 200 tokens * 2 heads.
+EXPECTED_BYTES = {8: 8192 + 512 + 6400 + 1600 + 25_600, 4: 4096 + 512 + 3200 + 1600 + 25_600}
+
+
+@pytest.mark.parametrize(("bits", "min_snr"), [(8, 35.0), (4, 12.0)])
+def test_layer_holds_quantized_kv_and_returns_it_dense(bits, min_snr):
+    keys, values = kv(300)
+    layer = KiviLiveLayer(bits=bits)
+    layer.update(keys[:, :, :200], values[:, :, :200])  # first update: everything quantized
+    layer.update(keys[:, :, 200:], values[:, :, 200:])
+    assert layer.get_seq_length() == 300
+    dense_k, dense_v = layer.dense()
+    assert dense_k.shape == keys.shape and dense_v.shape == values.shape
+    assert snr_db(keys, dense_k) > min_snr and snr_db(values, dense_v) > min_snr
+    assert layer.nbytes == EXPECTED_BYTES[bits]  # against 76,800 B of fp32 K and V
+
+
+def test_layer_crop_and_batch_select():
+    keys, values = kv(150, batch=3)
+    layer = KiviLiveLayer(bits=8)
+    layer.update(keys[:, :, :140], values[:, :, :140])
+    layer.update(keys[:, :, 140:], values[:, :, 140:])  # 10 tokens in the full-precision residual window
+    before_k, _ = layer.dense()
+    layer.crop(-4)  # inside the residual window: exact
+    assert layer.get_seq_length() == 146
+    torch.testing.assert_close(layer.dense().keys, before_k[:, :, :146], rtol=0, atol=0)
+    layer.crop(-40)  # into the quantized part: re-quantized from dequantized values
+    assert layer.get_seq_length() == 106
+    assert snr_db(keys[:, :, :106], layer.dense().keys) > 35
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(3)
+    rows_before = layer.dense()
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    torch.testing.assert_close(layer.dense().keys, rows_before.keys[[2, 0]], rtol=0, atol=0)
+    torch.testing.assert_close(layer.dense().values, rows_before.values[[2, 0]], rtol=0, atol=0)
+
+
+def test_quantize_live_keeps_the_source_and_layer_kv_is_identity_for_dense():
+    from transformers import DynamicCache
+
+    keys, values = kv(40)
+    dense = DynamicCache([(keys, values), (keys * 2, values * 2)])
+    live = quantize_live(dense, num_layers=2, bits=4)
+    assert is_live_quantized(live) and not is_live_quantized(dense)
+    assert live.get_seq_length() == 40
+    assert layer_kv(dense.layers[0]).keys is dense.layers[0].keys  # the exact path gets its own tensor
+    assert torch.equal(dense.layers[0].keys, keys)  # untouched
+    assert cache_kv_bytes(live) < cache_kv_bytes(dense)
+    empty = quantize_live(DynamicCache(), num_layers=2, bits=8)
+    assert empty.get_seq_length() == 0 and len(empty.layers) == 2
+
+
+# ----------------------------------------------------------------------------------------- the engine
+def greedy_on(model, ids: list[int], cache, n: int = NEW) -> list[int]:
+    """Plain greedy loop over ``cache`` (what the engine's decode loop must reproduce)."""
+    out: list[int] = []
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(tokens, past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(int(logits.argmax()))
+            tokens = torch.tensor([[out[-1]]])
+    return out
+
+
+def teacher_forced_agreement(model, ids: list[int], continuation: list[int], cache) -> float:
+    """Share of positions where the argmax over ``cache`` picks the reference's next token."""
+    full = torch.tensor([ids + continuation])
+    with torch.no_grad():
+        logits = model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]
+        preds = [int(logits.argmax())]
+        for t in range(len(ids), full.shape[1] - 1):
+            preds.append(int(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+    return sum(p == r for p, r in zip(preds, continuation)) / len(continuation)
+
+
+def test_quantized_requests_follow_no_cache_greedy(llama, tokenizer):
+    ids = tokenizer(words(150, seed=7))["input_ids"]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    out8 = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=8).output_ids
+    assert out8 == reference_greedy(llama, ids)
+    # 4 bits on a random head_dim-16 model drifts within a few tokens; the engine must still be exactly a
+    # greedy loop over transformers' QuantizedLayer with the KIVI codec.
+    out4 = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=4).output_ids
+    assert out4 == greedy_on(llama, ids, LiveQuantizedCache(num_layers=2, bits=4))
+
+
+def test_teacher_forced_agreement(llama, tokenizer):
+    """Over 64 reference tokens (measured: 8 bits 61-64/64, 4 bits 42-44/64 on three prompts)."""
+    from transformers import DynamicCache
+
+    ids = tokenizer(words(150, seed=1))["input_ids"]
+    continuation = reference_greedy(llama, ids, 64)
+    assert teacher_forced_agreement(llama, ids, continuation, DynamicCache()) == 1.0
+    assert teacher_forced_agreement(llama, ids, continuation, LiveQuantizedCache(num_layers=2, bits=8)) >= 0.9
+    assert teacher_forced_agreement(llama, ids, continuation, LiveQuantizedCache(num_layers=2, bits=4)) >= 0.55
+
+
+def test_working_cache_bytes_drop(llama, tokenizer):
+    ids = tokenizer(words(200, seed=8))["input_ids"]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    caches = capture_caches(engine)
+    engine.generate(ids, max_new_tokens=4, ignore_eos=True)
+    engine.clear_cache()
+    engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=8)
+    engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=4)
+    dense, q8, q4 = (cache_kv_bytes(c) for c in caches)
+    assert all(c.get_seq_length() == len(ids) + 3 for c in caches)
+    assert isinstance(caches[1], LiveQuantizedCache) and isinstance(caches[2], LiveQuantizedCache)
+    # fp32 KV, head_dim 16: int8 codes + fp16 scales/minima ~ 0.3x, int4 ~ 0.17x (plus the residual window).
+    assert q8 < 0.4 * dense and q4 < 0.25 * dense, (dense, q8, q4)
+
+
+def test_sixteen_bits_is_the_exact_path(llama, tokenizer):
+    ids = tokenizer(words(70, seed=9))["input_ids"]
+    expected = reference_greedy(llama, ids)
+    outs = []
+    for bits in (None, 16):
+        engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+        engine.warm(ids[:40])
+        result = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=bits)
+        outs.append((result.output_ids, result.cached_tokens, engine.cache_stats()["entries"]))
+    assert outs[0] == outs[1]
+    assert outs[0][0] == expected and outs[0][1] == 40  # the warmed partial tail chunk counts too
+
+
+def test_override_mutates_no_engine_state(llama, tokenizer):
+    ids = tokenizer(words(60, seed=10))["input_ids"]
+    other = tokenizer(words(60, seed=10) + " " + words(10, seed=11))["input_ids"]
+    used = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    used.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=4)
+    assert used.cache_stats()["entries"] == 0  # quantized KV is never stored
+    assert used.config == EngineConfig(chunk_size=CHUNK)
+    fresh = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    for prompt in (ids, other):
+        a = used.generate(prompt, max_new_tokens=NEW, ignore_eos=True)
+        b = fresh.generate(prompt, max_new_tokens=NEW, ignore_eos=True)
+        assert (a.output_ids, a.cached_tokens) == (b.output_ids, b.cached_tokens)
+    assert used.cache_stats()["entries"] == fresh.cache_stats()["entries"] > 0
+
+
+def test_cached_prefix_goes_into_the_quantized_cache(llama, tokenizer):
+    ids = tokenizer(words(90, seed=12))["input_ids"]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    engine.warm(ids[:64])
+    entries = engine.cache_stats()["entries"]
+    caches = capture_caches(engine)
+    out = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=8, prefill_chunk_size=8)
+    assert out.cached_tokens == 64
+    assert isinstance(caches[0], LiveQuantizedCache) and caches[0].get_seq_length() == len(ids) + NEW - 1
+    assert out.output_ids == reference_greedy(llama, ids)
+    assert engine.cache_stats()["entries"] == entries
+
+
+def test_batch_with_overrides(llama, tokenizer):
+    prompts = [words(40, seed=13), words(25, seed=14)]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    single = [engine.generate(p, max_new_tokens=NEW, ignore_eos=True).output_ids for p in prompts]
+    engine.clear_cache()
+    sliced = engine.generate_batch(prompts, max_new_tokens=NEW, ignore_eos=True, prefill_chunk_size=8)
+    assert [r.output_ids for r in sliced] == single
+    # Equal lengths (no pad tokens, whose KV would share quantization groups with real tokens): each row
+    # of a quantized batch is quantized on its own, as it would be alone, and finished rows leave exactly.
+    same_length = [words(40, seed=13), words(40, seed=14)]
+    engine.clear_cache()
+    alone = [
+        engine.generate(p, max_new_tokens=n, ignore_eos=True, kv_cache_bits=8).output_ids
+        for p, n in zip(same_length, (5, NEW))
+    ]
+    quantized = engine.generate_batch(
+        same_length, sampling=[{"max_new_tokens": 5}, {"max_new_tokens": NEW}], ignore_eos=True, kv_cache_bits=8
+    )
+    assert [r.output_ids for r in quantized] == alone
+    assert engine.cache_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("bad", [3, 32, "8", True, 8.0])
+def test_invalid_bits_are_rejected(llama, tokenizer, bad):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    for call in (
+        lambda: engine.generate("w1 w2", kv_cache_bits=bad),
+        lambda: engine.stream("w1 w2", kv_cache_bits=bad),
+        lambda: engine.generate_batch(["w1 w2"], kv_cache_bits=bad),
+    ):
+        with pytest.raises(InvalidRequestError, match="kv_cache_bits") as info:
+            call()
+        assert info.value.param == "kv_cache_bits"
+
+
+def test_other_architectures_run_quantized(tokenizer):
+    for arch in ("qwen2", "mistral", "gpt2"):
+        model = make_model(arch)
+        ids = tokenizer(words(50, seed=15))["input_ids"]
+        engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+        out = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=8).output_ids
+        expected = reference_greedy(model, ids)
+        assert sum(a == b for a, b in zip(out, expected)) >= NEW - 2, arch
