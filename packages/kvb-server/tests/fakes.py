@@ -23,7 +23,8 @@ class FakeEngine:
 
     ``token_delay_s`` slows each token; ``hold`` (when cleared) blocks generation until set, so tests can
     fill the queue. ``calls`` records ``("stream"|"batch", [prompt lengths])`` per engine call and
-    ``closed_early`` counts streams stopped before they finished.
+    ``closed_early`` counts streams stopped before they finished. ``overrides`` records the per-request
+    engine settings (``prefill_chunk_size``, ``kv_cache_bits``) each ``stream`` call received.
     """
 
     model_name = "fake-model"
@@ -37,6 +38,7 @@ class FakeEngine:
         self.calls: list[tuple[str, list[list[int]]]] = []
         self.closed_early = 0
         self.warmed: list[str] = []
+        self.overrides: list[dict[str, int]] = []
 
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
@@ -91,6 +93,7 @@ class FakeEngine:
         yield StreamEvent(delta_text="", result=result)
 
     def stream(self, prompt: list[int], **sampling: Any) -> Iterator[StreamEvent]:
+        self.overrides.append({k: sampling.pop(k) for k in ("prefill_chunk_size", "kv_cache_bits") if k in sampling})
         params = SamplingParams.build(**sampling)
         self.calls.append(("stream", [list(prompt)]))
         return self._events(list(prompt), params)

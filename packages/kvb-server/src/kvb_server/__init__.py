@@ -15,7 +15,16 @@ from kvb_server.errors import (
     ServerError,
     UnsupportedFeatureError,
 )
-from kvb_server.gate import AdmissionDecision, AdmissionRequest, AdmitAll, RequestGate
+from kvb_server.gate import (
+    AdmissionDecision,
+    AdmissionRequest,
+    AdmitAll,
+    EngineSettings,
+    ReportingGate,
+    RequestGate,
+    RunProbe,
+)
+from kvb_server.planner_gate import PlannerGate, planner_available, require_planner
 from kvb_server.sampling import SamplingParams
 
 __all__ = [
@@ -24,12 +33,16 @@ __all__ = [
     "AdmitAll",
     "AuthenticationError",
     "EngineError",
+    "EngineSettings",
     "InvalidParameterError",
     "ModelNotFoundError",
+    "PlannerGate",
     "QueueFullError",
+    "ReportingGate",
     "RequestGate",
     "RequestTimeoutError",
     "RequestTooLargeError",
+    "RunProbe",
     "SamplingParams",
     "ServerConfig",
     "ServerError",
@@ -37,4 +50,6 @@ __all__ = [
     "UnsupportedFeatureError",
     "__version__",
     "create_app",
+    "planner_available",
+    "require_planner",
 ]

@@ -74,13 +74,15 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     Args:
         engine: what generates (``kvb_server.adapter.KVBoostEngine`` wraps ``kvb_cache.KVBoost``).
         config: queueing, batching, caps and the API key.
-        gate: admission hook consulted before a request is queued (e.g. the planner's); default admits all.
+        gate: admission hook consulted before a request is queued (e.g.
+            :class:`kvb_server.planner_gate.PlannerGate`); default admits all. A gate with a ``stats()``
+            method is reported under ``"planner"`` in ``/v1/stats``.
     """
     worker = EngineWorker(engine, config)
     metrics = ServerMetrics(queue_depth=lambda: worker.depth)
     throughput = ThroughputMeter()
-    service = GenerationService(config=config, worker=worker, metrics=metrics, gate=gate or AdmitAll(),
-                                throughput=throughput)
+    gate = gate or AdmitAll()
+    service = GenerationService(config=config, worker=worker, metrics=metrics, gate=gate, throughput=throughput)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,7 +110,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     open_routes, admin_v1 = admin_router(engine=engine, config=config, worker=worker, metrics=metrics,
-                                         throughput=throughput)
+                                         throughput=throughput, gate=gate)
     app.include_router(open_routes)
     auth = [Depends(require_api_key)]
     app.include_router(admin_v1, dependencies=auth)

@@ -3,7 +3,8 @@
 The oldest waiting job is always served next (no starvation). Non-streaming generation jobs are batched:
 first those whose prompts start with the same leading tokens as the oldest (the same first chunk, so the
 engine loads that KV once for all of them), then other waiting ones, kept adjacent by leading tokens.
-Streaming jobs run alone, so each client sees its tokens as they are produced.
+Streaming jobs run alone, so each client sees its tokens as they are produced, and so do jobs the admission
+gate gave engine overrides (the planner picked them because memory is tight).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def leading_key(job: GenerationJob, prefix_tokens: int) -> LeadingKey:
 
 
 def is_batchable(job: Job) -> bool:
-    return isinstance(job, GenerationJob) and not job.stream
+    # A job with gate overrides (prefill slices, quantized KV) was planned to run alone in tight memory.
+    return isinstance(job, GenerationJob) and not job.stream and job.settings.is_default
 
 
 def next_unit(pending: Sequence[Job], *, max_batch_size: int, prefix_tokens: int) -> NextUnit:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
+from kvb_server.gate import RequestGate
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,17 @@ def parse_bytes(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size; write e.g. 2GiB, 512MB or 1048576")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def margin(text: str) -> float:
+    """``--planner-safety-margin``: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per cached chunk; also the leading tokens that group requests in a batch")
     cache.add_argument("--warm", action="append", default=[], metavar="TEXT",
                        help="prefill TEXT's KV before serving (repeatable), e.g. a shared system prompt")
+    cache.add_argument("--kv-cache-bits", type=int, default=16, choices=[16, 8, 4],
+                       help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks "
+                       "per byte, approximate reuse)")
+    cache.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier")
+    cache.add_argument("--disk-cache-bytes", type=parse_bytes, default="16GiB",
+                       help="byte budget of the disk tier")
+    cache.add_argument("--remote-url", default=None, metavar="URL",
+                       help="redis://host:port/db of a Redis shared by several engine processes "
+                       "(pip install 'kvb-cache[redis]'); default: no remote tier")
+    planning = p.add_argument_group("memory planning (pip install kvb-server[planner])")
+    planning.add_argument("--oom-planning", action=argparse.BooleanOptionalAction, default=None,
+                          help="predict each request's peak memory before it runs: run it as asked, with prefill "
+                          "slices or quantized KV, or refuse it with HTTP 413 (default: on when kvb-planner is "
+                          "installed)")
+    planning.add_argument("--auto-truncate", action="store_true",
+                          help="instead of refusing a request that does not fit, keep the end of its prompt "
+                          "(the latest messages) and report the dropped tokens")
+    planning.add_argument("--planner-safety-margin", type=margin, default=None, metavar="FRACTION",
+                          help="fraction of free memory kept back (default: the calibration tracker's suggested "
+                          "margin, 0.10 until 16 requests were measured, then their p95 residual in [0.05, 0.5])")
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1",
                       help="interface to bind; the default serves this machine only, use 0.0.0.0 to expose it")
@@ -91,7 +124,8 @@ def build_server(args: argparse.Namespace) -> Server:
 
     engine = KVBoost.from_pretrained(
         args.model, chunk_size=args.chunk_size, max_cache_bytes=args.max_cache_bytes, device=args.device,
-        dtype=args.dtype,
+        dtype=args.dtype, kv_cache_bits=args.kv_cache_bits, disk_cache_dir=args.disk_cache_dir,
+        disk_cache_bytes=args.disk_cache_bytes, remote_url=args.remote_url,
     )
     for text in args.warm:
         result = engine.warm(text)
@@ -103,11 +137,35 @@ def build_server(args: argparse.Namespace) -> Server:
         batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout, max_tokens=args.max_tokens,
         group_prefix_tokens=args.chunk_size, api_key=args.api_key or None,
     )
-    return Server(app=create_app(engine, config), host=args.host, port=args.port)
+    return Server(app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port)
+
+
+def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
+    """The planner gate the flags ask for, or None (every request admitted).
+
+    Raises:
+        ImportError: ``--oom-planning`` was given but kvb-planner is not installed (names the extra).
+        ValueError: ``--auto-truncate`` / ``--planner-safety-margin`` without OOM planning.
+    """
+    from kvb_server.planner_gate import PlannerGate, planner_available
+
+    enabled = args.oom_planning if args.oom_planning is not None else planner_available()
+    if not enabled:
+        if args.auto_truncate or args.planner_safety_margin is not None:
+            raise ValueError("--auto-truncate and --planner-safety-margin need OOM planning; drop them or drop "
+                             "--no-oom-planning (and pip install kvb-server[planner])")
+        logger.info("OOM planning off: every valid request is admitted")
+        return None
+    gate = PlannerGate.for_engine(engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin)
+    logger.info("OOM planning on: %s", gate.profile.to_dict())
+    return gate
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.oom_planning is False and (args.auto_truncate or args.planner_safety_margin is not None):
+        parser.error("--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 

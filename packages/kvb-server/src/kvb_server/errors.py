@@ -7,6 +7,7 @@ every error here carries both.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 
@@ -73,15 +74,32 @@ class RequestTooLargeError(ServerError):
     status_code = 413
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message, code="request_too_large")
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None, param: str | None = None,
+                 fields: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message, param=param, code="request_too_large")
         self.details = dict(details or {})
+        #: Extra members of the ``error`` object (the planner's numbers), next to message/type/param/code.
+        self.fields = {k: v for k, v in (fields or {}).items() if k not in ("message", "type", "param", "code")}
 
     def body(self) -> dict[str, Any]:
         body = super().body()
+        body["error"].update(self.fields)
         if self.details:
             body["error"]["details"] = self.details
         return body
+
+
+class OutOfMemoryDuringRunError(RequestTooLargeError):
+    """The engine ran out of memory while serving the request (413, or the final SSE event once streaming).
+
+    The planner predicts memory before a request runs; this is what a wrong prediction looks like.
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(
+            f"The server ran out of memory while serving this request ({type(cause).__name__}). Retry with a "
+            "shorter prompt or a lower max_tokens."
+        )
 
 
 class QueueFullError(ServerError):

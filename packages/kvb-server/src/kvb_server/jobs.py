@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NewType
 
 from kvb_cache.results import GenerationResult, StreamEvent
+from kvb_server.gate import EngineSettings, RunProbe
 from kvb_server.sampling import SamplingParams
 
 JobId = NewType("JobId", int)
@@ -64,9 +65,17 @@ class GenerationJob:
     enqueued_at: float = field(default_factory=time.monotonic)
     #: Set by the handler when the client went away or timed out; the worker stops the job.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: Per-request engine overrides chosen by the admission gate (e.g. the planner's prefill slices).
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    #: Called around the engine run when the job runs alone (the planner's peak-memory calibration).
+    probe: RunProbe | None = None
 
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of this job's engine call: sampling plus any gate overrides."""
+        return {**self.sampling.engine_kwargs(), **self.settings.engine_kwargs()}
 
 
 @dataclass(eq=False, slots=True, kw_only=True)

@@ -7,11 +7,14 @@ The HTTP routes call :meth:`GenerationService.complete` for a full response, or
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.results import GenerationResult
@@ -19,11 +22,12 @@ from kvb_server.config import ServerConfig
 from kvb_server.errors import (
     EngineError,
     InvalidParameterError,
+    OutOfMemoryDuringRunError,
     RequestTimeoutError,
     RequestTooLargeError,
     ServerError,
 )
-from kvb_server.gate import AdmissionRequest, RequestGate
+from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import GenerationPlan
@@ -37,6 +41,40 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
 
 IsDisconnected = Callable[[], Awaitable[bool]]
+#: Response header carrying how many prompt tokens auto-truncation dropped (summed over prompts).
+TRUNCATION_HEADER = "X-KVBoost-Prompt-Tokens-Dropped"
+
+
+class Truncation(NamedTuple):
+    """What auto-truncation did to a request: each prompt's original length and what was kept."""
+
+    original_tokens: tuple[int, ...]
+    kept_tokens: tuple[int, ...]
+
+    @property
+    def dropped(self) -> int:
+        return sum(o - k for o, k in zip(self.original_tokens, self.kept_tokens))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kept": "last_tokens", "original_prompt_tokens": list(self.original_tokens),
+                "prompt_tokens": list(self.kept_tokens), "dropped_tokens": self.dropped}
+
+    def headers(self) -> dict[str, str]:
+        return self.header_for(self.dropped)
+
+    @staticmethod
+    def header_for(dropped: int) -> dict[str, str]:
+        return {TRUNCATION_HEADER: str(dropped)}
+
+
+class Submitted(NamedTuple):
+    """A request's queued jobs and where their updates arrive."""
+
+    jobs: list[GenerationJob]
+    inbox: Inbox
+    deadline: float
+    plan: GenerationPlan
+    truncation: Truncation | None
 
 
 class ClientDisconnected(Exception):
@@ -47,12 +85,22 @@ def engine_error(exc: BaseException) -> ServerError:
     """Map an exception raised by the engine to the HTTP error the client gets."""
     if isinstance(exc, ServerError):
         return exc
+    if _is_out_of_memory(exc):
+        logger.error("engine ran out of memory: %r", exc)
+        return OutOfMemoryDuringRunError(exc)
     if isinstance(exc, ContextLengthError):
         return InvalidParameterError(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError | PromptTypeError):
         return InvalidParameterError(str(exc), param=_openai_param(exc.param))
     logger.error("engine failed: %r", exc, exc_info=exc)
     return EngineError(f"The engine failed while serving this request: {type(exc).__name__}: {exc}")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    # CUDA raises its own type; the CPU allocator raises a RuntimeError naming itself.
+    return isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    )
 
 
 def _openai_param(param: str | None) -> str | None:
@@ -76,28 +124,37 @@ class GenerationService:
         self._gate = gate
         self._ids = JobIds()
 
-    def _admit(self, plan: GenerationPlan) -> None:
+    def _admit(self, plan: GenerationPlan) -> AdmissionDecision:
         decision = self._gate.admit(AdmissionRequest(
             endpoint=plan.endpoint, model=plan.model, prompt_tokens=tuple(len(p) for p in plan.prompts),
             max_new_tokens=plan.sampling.max_new_tokens, n=plan.n, queue_depth=self._worker.depth,
         ))
         if not decision.admitted:
-            raise RequestTooLargeError(decision.message, details=decision.details)
+            raise RequestTooLargeError(decision.message, details=decision.details, param=decision.param,
+                                       fields=decision.error_fields)
+        return decision
 
-    def _submit(self, plan: GenerationPlan) -> tuple[list[GenerationJob], Inbox, float]:
-        self._admit(plan)
+    def _submit(self, plan: GenerationPlan) -> Submitted:
+        decision = self._admit(plan)
+        truncation = None
+        keep = decision.keep_last_tokens
+        if keep is not None and any(len(p) > keep for p in plan.prompts):
+            # Auto-truncation keeps the *end* of each prompt: the latest messages and the generation prompt.
+            kept = tuple(p[-keep:] for p in plan.prompts)
+            truncation = Truncation(tuple(len(p) for p in plan.prompts), tuple(len(p) for p in kept))
+            plan = dataclasses.replace(plan, prompts=kept)
         arrival = time.monotonic()
         deadline = arrival + self._config.request_timeout_s
         inbox = Inbox(asyncio.get_running_loop())
         jobs = [
             GenerationJob(id=self._ids.next(), prompt=prompt, sampling=plan.sampling.for_choice(i),
                           stream=plan.stream, choice=p * plan.n + i, inbox=inbox, deadline=deadline,
-                          enqueued_at=arrival)
+                          enqueued_at=arrival, settings=decision.settings, probe=decision.probe)
             for p, prompt in enumerate(plan.prompts)
             for i in range(plan.n)
         ]
         self._worker.submit(jobs)  # type: ignore[arg-type]
-        return jobs, inbox, deadline
+        return Submitted(jobs, inbox, deadline, plan, truncation)
 
     async def _next(self, inbox: Inbox, deadline: float, is_disconnected: IsDisconnected | None) -> JobUpdate:
         while True:
@@ -115,8 +172,11 @@ class GenerationService:
         self._throughput.add(result.completion_tokens)
 
     async def complete(self, plan: GenerationPlan, is_disconnected: IsDisconnected) -> dict[str, Any]:
-        """Serve a non-streamed request; raises :class:`ServerError` or :class:`ClientDisconnected`."""
-        jobs, inbox, deadline = self._submit(plan)
+        """Serve a non-streamed request; raises :class:`ServerError` or :class:`ClientDisconnected`.
+
+        An auto-truncated request's body carries ``prompt_truncation`` (see :class:`Truncation`).
+        """
+        jobs, inbox, deadline, plan, truncation = self._submit(plan)
         results: list[GenerationResult | None] = [None] * len(jobs)
         try:
             for _ in jobs:
@@ -129,12 +189,15 @@ class GenerationService:
         finally:
             for job in jobs:  # stops whatever is still queued or running (no-op for finished jobs)
                 job.cancelled.set()
-        return final_response(plan, ResponseIds.new(plan), results)  # type: ignore[arg-type]
+        body = final_response(plan, ResponseIds.new(plan), results)  # type: ignore[arg-type]
+        if truncation is not None:
+            body["prompt_truncation"] = truncation.to_dict()
+        return body
 
     async def open_stream(self, plan: GenerationPlan, is_disconnected: IsDisconnected) -> OpenStream:
         """Queue a streamed request and wait for its first update, so that errors and timeouts before the
         first token still get a proper HTTP status (once streaming starts the status is 200)."""
-        jobs, inbox, deadline = self._submit(plan)
+        jobs, inbox, deadline, plan, truncation = self._submit(plan)
         try:
             first = await self._next(inbox, deadline, is_disconnected)
             if first.error is not None:
@@ -143,14 +206,17 @@ class GenerationService:
             for job in jobs:
                 job.cancelled.set()
             raise
-        return OpenStream(service=self, plan=plan, jobs=jobs, inbox=inbox, deadline=deadline, first=first)
+        return OpenStream(service=self, plan=plan, jobs=jobs, inbox=inbox, deadline=deadline, first=first,
+                          truncation=truncation)
 
 
 class OpenStream:
     """A streamed request whose first update has arrived; :meth:`sse` yields its Server-Sent Events."""
 
     def __init__(self, *, service: GenerationService, plan: GenerationPlan, jobs: list[GenerationJob],
-                 inbox: Inbox, deadline: float, first: JobUpdate) -> None:
+                 inbox: Inbox, deadline: float, first: JobUpdate, truncation: Truncation | None = None) -> None:
+        #: Set when auto-truncation shortened the prompt (reported in a response header).
+        self.truncation = truncation
         self._service = service
         self._plan = plan
         self._jobs = jobs
@@ -174,7 +240,11 @@ class OpenStream:
                         yield sse(exc.body())
                         return
                 if update.error is not None:
-                    yield sse(engine_error(update.error).body())
+                    error = engine_error(update.error)
+                    yield sse(error.body())
+                    if isinstance(error, RequestTooLargeError):
+                        # A memory refusal known only after the stream began: the final event, then [DONE].
+                        yield sse("[DONE]")
                     return
                 event, i = update.event, update.choice
                 assert event is not None

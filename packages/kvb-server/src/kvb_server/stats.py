@@ -103,10 +103,18 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def stats_snapshot(engine: ServingEngine, worker: EngineWorker, throughput: ThroughputMeter) -> dict[str, Any]:
+def planner_info(gate: object) -> Any:
+    """The admission gate's own report (the planner's calibration), or ``{"enabled": False}``."""
+    stats = getattr(gate, "stats", None)
+    return _guarded("planner", stats) if callable(stats) else {"enabled": False}
+
+
+def stats_snapshot(engine: ServingEngine, worker: EngineWorker, throughput: ThroughputMeter,
+                   gate: object = None) -> dict[str, Any]:
     cache = _guarded("cache", engine.cache_stats)
     tiers = cache.pop("tiers", None) if isinstance(cache, dict) else None
     return {
+        "planner": planner_info(gate),
         "model": _guarded("model", lambda: engine.model_name),
         "queue": _guarded("queue", worker.stats),
         "cache": cache,

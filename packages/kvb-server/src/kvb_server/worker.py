@@ -193,12 +193,15 @@ class EngineWorker:
     def _run_stream(self, job: GenerationJob) -> None:
         """Serve one job through ``engine.stream`` so it can be stopped between tokens."""
         queue_s = time.monotonic() - job.enqueued_at
-        events = self._engine.stream(job.prompt, **job.sampling.engine_kwargs())
+        _call_probe(job, "start")
+        events = self._engine.stream(job.prompt, **job.engine_kwargs())
         try:
             for event in events:
                 if job.expired():
                     logger.info("job %d stopped: client gone or past its deadline", job.id)
                     return
+                if event.result is not None:
+                    _call_probe(job, "finish")
                 if job.stream or event.result is not None:
                     update = JobUpdate(choice=job.choice, event=event if job.stream else None,
                                        result=None if job.stream else event.result, queue_s=queue_s)
@@ -214,6 +217,7 @@ class EngineWorker:
     def _run_batch(self, jobs: list[GenerationJob]) -> None:
         queue_s = [time.monotonic() - j.enqueued_at for j in jobs]
         try:
+            # Batched jobs have default settings (see batching.is_batchable): sampling is all they carry.
             results = self._engine.generate_batch(
                 [j.prompt for j in jobs], sampling=[j.sampling.engine_kwargs() for j in jobs]
             )
@@ -226,6 +230,16 @@ class EngineWorker:
             return
         for job, result, waited in zip(jobs, results, queue_s):
             job.inbox.put_threadsafe(JobUpdate(choice=job.choice, result=result, queue_s=waited))
+
+
+def _call_probe(job: GenerationJob, method: str) -> None:
+    """Measurement must never fail a request: a probe error is logged and ignored."""
+    if job.probe is None:
+        return
+    try:
+        getattr(job.probe, method)()
+    except Exception:
+        logger.warning("run probe %s failed for job %d", method, job.id, exc_info=True)
 
 
 def _set_result(future: asyncio.Future, value: object) -> None:

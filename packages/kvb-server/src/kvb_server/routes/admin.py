@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, RequestTimeoutError
+from kvb_server.gate import RequestGate
 from kvb_server.jobs import CallJob, JobIds
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import parse_body
@@ -22,7 +23,7 @@ from kvb_server.worker import EngineWorker
 
 
 def admin_router(*, engine: ServingEngine, config: ServerConfig, worker: EngineWorker, metrics: ServerMetrics,
-                 throughput: ThroughputMeter) -> tuple[APIRouter, APIRouter]:
+                 throughput: ThroughputMeter, gate: RequestGate | None = None) -> tuple[APIRouter, APIRouter]:
     """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key."""
     open_router = APIRouter()
     v1 = APIRouter(prefix="/v1")
@@ -38,7 +39,7 @@ def admin_router(*, engine: ServingEngine, config: ServerConfig, worker: EngineW
 
     @v1.get("/stats")
     async def stats() -> dict[str, Any]:
-        return stats_snapshot(engine, worker, throughput)
+        return stats_snapshot(engine, worker, throughput, gate)
 
     @v1.post("/warm")
     async def warm(request: Request) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from kvb_server.engine import ServingEngine
 from kvb_server.errors import ModelNotFoundError
 from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan, parse_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
-from kvb_server.service import ClientDisconnected, GenerationService
+from kvb_server.service import ClientDisconnected, GenerationService, Truncation
 
 #: Status logged for a client that hung up before its response (nginx's convention; never sent).
 CLIENT_CLOSED = 499
@@ -40,9 +40,15 @@ def openai_router(*, engine: ServingEngine, config: ServerConfig, service: Gener
     async def serve(plan: GenerationPlan, request: Request) -> Response:
         try:
             if plan.stream:
+                # Admission (and a planner's 413) happens before the first byte: a refusal is a plain JSON
+                # error response, never a stream.
                 stream = await service.open_stream(plan, request.is_disconnected)
-                return StreamingResponse(stream.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(await service.complete(plan, request.is_disconnected))
+                headers = {**SSE_HEADERS, **(stream.truncation.headers() if stream.truncation else {})}
+                return StreamingResponse(stream.sse(), media_type="text/event-stream", headers=headers)
+            body = await service.complete(plan, request.is_disconnected)
+            truncation = body.get("prompt_truncation")
+            headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None
+            return JSONResponse(body, headers=headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
 

@@ -1,0 +1,211 @@
+"""The memory planner as the server's admission gate (``pip install kvb-server[planner]``).
+
+:class:`PlannerGate` asks :func:`kvb_planner.plan` about every request before it is queued:
+
+- it fits (possibly only with prefill slices or quantized KV): admitted, and the chosen
+  ``prefill_chunk_size`` / ``kv_cache_bits`` go to the engine for that request only;
+- it does not fit and auto-truncation is on: admitted with each prompt cut to its last
+  ``suggested_max_tokens`` tokens;
+- otherwise: refused, HTTP 413 with the planner's numbers in OpenAI's error object.
+
+Requests that run alone are measured (:mod:`kvb_server.peak_memory`) and the actual peak is fed to a
+:class:`kvb_planner.CalibrationTracker`, whose suggested margin is the default safety margin.
+
+kvb-planner is an optional dependency: it is imported when a gate is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from kvb_server.gate import AdmissionDecision, AdmissionRequest, EngineSettings
+from kvb_server.peak_memory import PeakMeter, peak_meter_for
+
+if TYPE_CHECKING:
+    from kvb_planner import CalibrationTracker, DeviceProfile, Ladder, LadderStep, ModelShape, RequestPlan
+
+logger = logging.getLogger(__name__)
+
+PLANNER_EXTRA = "pip install kvb-server[planner]"
+MIB = 1 << 20  # kvb-planner reports "MB" as MiB
+
+
+def require_planner() -> ModuleType:
+    """``kvb_planner``, or an ImportError that names the extra to install."""
+    try:
+        import kvb_planner
+    except ImportError as exc:
+        raise ImportError(
+            f"OOM planning needs the kvb-planner package: {PLANNER_EXTRA} (or start the server with "
+            "--no-oom-planning)"
+        ) from exc
+    return kvb_planner
+
+
+def planner_available() -> bool:
+    try:
+        require_planner()
+    except ImportError:
+        return False
+    return True
+
+
+class _PeakProbe:
+    """Measures one request's run and records it against the planner's prediction."""
+
+    def __init__(self, gate: PlannerGate, meter: PeakMeter, predicted_bytes: int, step: LadderStep) -> None:
+        self._gate = gate
+        self._meter = meter
+        self._predicted = predicted_bytes
+        self._step = step
+
+    def start(self) -> None:
+        self._meter.start()
+
+    def finish(self) -> None:
+        self._gate.record(predicted_bytes=self._predicted, actual_bytes=self._meter.peak_bytes(), step=self._step)
+
+
+class PlannerGate:
+    """A :class:`kvb_server.RequestGate` backed by kvb-planner.
+
+    Args:
+        shape: the served model's dimensions.
+        profile: the device's memory, probed once (at start-up by :meth:`for_engine`; injected in tests).
+        auto_truncate: cut prompts that do not fit to their last tokens instead of refusing them.
+        safety_margin: fixed fraction of free memory kept back, in ``[0, 1)``; None: the calibration
+            tracker's suggested margin, re-read for every request.
+        tracker: predicted-vs-actual residuals (a fresh tracker when None).
+        ladder: settings the planner may pick (default: kvb-planner's, single shot then slices, 16/8/4 bits).
+        meter: measures each solo run's peak for calibration; None: no calibration.
+        used_bytes: memory taken since the probe by things the planner does not model, read per request
+            (the engine's chunk store grows as it caches); subtracted from the probed free memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        shape: ModelShape,
+        profile: DeviceProfile,
+        auto_truncate: bool = False,
+        safety_margin: float | None = None,
+        tracker: CalibrationTracker | None = None,
+        ladder: Ladder | None = None,
+        meter: PeakMeter | None = None,
+        used_bytes: Callable[[], int] | None = None,
+    ) -> None:
+        self._planner = require_planner()
+        if safety_margin is not None and not 0.0 <= safety_margin < 1.0:
+            raise ValueError(f"safety_margin must be in [0, 1) (e.g. 0.1 keeps 10% back), got {safety_margin}")
+        self.shape = shape
+        self.profile = profile
+        self.auto_truncate = auto_truncate
+        self.safety_margin = safety_margin
+        self.tracker = tracker or self._planner.CalibrationTracker()
+        self.ladder = ladder or self._planner.Ladder.default()
+        self._meter = meter
+        self._used_bytes = used_bytes
+        self._lock = threading.Lock()
+        self._decisions: Counter[str] = Counter()
+        self._last_plan: RequestPlan | None = None
+        self._last_measurement: dict[str, Any] | None = None
+
+    @classmethod
+    def for_engine(cls, engine: Any, *, auto_truncate: bool = False, safety_margin: float | None = None) -> PlannerGate:
+        """Probe ``engine``'s device once (its model already loaded) and plan for its model.
+
+        ``engine`` needs ``model`` (a Hugging Face model), ``device`` and ``cache_stats()["bytes"]``
+        (``kvb_cache.KVBoost`` has all three).
+        """
+        planner = require_planner()
+        model = engine.model
+        shape = planner.ModelShape.from_config(model.config, dtype=model.dtype)
+        profile = planner.DeviceProfile.probe(engine.device)
+
+        def store_bytes() -> int:
+            return int(engine.cache_stats().get("bytes", 0) or 0)
+
+        baseline = store_bytes()
+        return cls(
+            shape=shape, profile=profile, auto_truncate=auto_truncate, safety_margin=safety_margin,
+            meter=peak_meter_for(engine.device), used_bytes=lambda: max(0, store_bytes() - baseline),
+        )
+
+    # ------------------------------------------------------------------------------------------- gate
+    def free_bytes(self) -> int:
+        """The probed free memory minus what ``used_bytes`` reports taken since."""
+        used = self._used_bytes() if self._used_bytes is not None else 0
+        return max(0, self.profile.free_bytes - used)
+
+    def margin(self) -> float:
+        return self.safety_margin if self.safety_margin is not None else self.tracker.suggested_margin()
+
+    def admit(self, request: AdmissionRequest) -> AdmissionDecision:
+        p = self._planner
+        sequences = len(request.prompt_tokens) * request.n
+        plan_request = p.PlanRequest(
+            prompt_tokens=max(request.prompt_tokens), max_new_tokens=request.max_new_tokens,
+            batch_size=sequences, auto_truncate=self.auto_truncate,
+        )
+        profile = replace(self.profile, free_bytes=self.free_bytes())
+        result = p.plan(plan_request, profile, self.shape, p.PlannerPolicy(safety_margin=self.margin(),
+                                                                            ladder=self.ladder))
+        with self._lock:
+            self._decisions[result.verdict.value] += 1
+            self._last_plan = result
+        if result.refusal is not None:
+            error = result.refusal.to_dict()["error"]
+            return AdmissionDecision(
+                admitted=False, message=error["message"], error_fields=error,
+                param="prompt" if request.endpoint == "completions" else "messages",
+            )
+        step = result.step
+        bits = step.kv_bits if step.kv_bits != 16 else None
+        probe = None
+        if self._meter is not None and sequences == 1:
+            probe = _PeakProbe(self, self._meter, result.estimate.peak_bytes, step)
+        return AdmissionDecision(
+            admitted=True, settings=EngineSettings(prefill_chunk_size=step.prefill_chunk_size, kv_cache_bits=bits),
+            keep_last_tokens=result.prompt_tokens if result.dropped_tokens else None, probe=probe,
+        )
+
+    # ------------------------------------------------------------------------------------ calibration
+    def record(self, *, predicted_bytes: int, actual_bytes: int, step: LadderStep) -> float:
+        """Feed one measured run to the tracker; returns its residual ``(actual - predicted) / predicted``."""
+        residual = self.tracker.record(predicted_bytes=predicted_bytes, actual_bytes=actual_bytes, step=step)
+        with self._lock:
+            self._last_measurement = {
+                "predicted_mb": round(predicted_bytes / MIB, 3), "actual_mb": round(actual_bytes / MIB, 3),
+                "residual": round(residual, 4), "prefill_chunk_size": step.prefill_chunk_size,
+                "kv_bits": step.kv_bits,
+            }
+        logger.debug("planner calibration: predicted %d B, measured %d B (residual %+.3f)", predicted_bytes,
+                     actual_bytes, residual)
+        return residual
+
+    def stats(self) -> Mapping[str, Any]:
+        """``/v1/stats["planner"]``: JSON-safe (finite numbers, None for unknowns)."""
+        with self._lock:
+            decisions = dict(self._decisions)
+            last_plan = self._last_plan.to_dict() if self._last_plan is not None else None
+            last_measurement = dict(self._last_measurement) if self._last_measurement else None
+        calibration = self.tracker.stats().to_dict()
+        calibration["samples"] = calibration["overall"]["count"]
+        return {
+            "enabled": True,
+            "auto_truncate": self.auto_truncate,
+            "device": self.profile.to_dict(),
+            "free_mb_now": round(self.free_bytes() / MIB, 3),
+            "safety_margin": {"fixed": self.safety_margin, "in_use": round(self.margin(), 4)},
+            "measurement": self._meter.name if self._meter is not None else None,
+            "decisions": {v: decisions.get(v, 0) for v in ("run", "truncate", "refuse")},
+            "calibration": calibration,
+            "last_plan": last_plan,
+            "last_measurement": last_measurement,
+        }
