@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin, QuantizedLayer
 
 from kvb_cache.codecs.base import LayerPair
 from kvb_cache.codecs.kivi import KiviCodec
-from kvb_cache.codecs.packing import Quantized, dequantize_groups
+from kvb_cache.codecs.packing import Quantized
 from kvb_cache.errors import InvalidRequestError
 
 #: ``kv_cache_bits`` values that quantize the live cache (16 keeps it as computed).
@@ -67,15 +67,14 @@ class KiviLiveLayer(QuantizedLayer):
 
     def _quantize(self, tensor: torch.Tensor, axis: int) -> PackedKV:
         # The codec's own grouping (keys: [B, H, T/G, G, D]; values: [B, H, T, D/g, g]); it is batch-agnostic.
-        encode = self._codec._encode_keys if axis == _KEY_AXIS else self._codec._encode_values
+        encode = self._codec.encode_keys if axis == _KEY_AXIS else self._codec.encode_values
         return PackedKV(data=encode(tensor), axis=axis, tokens=tensor.shape[-2], dtype=tensor.dtype)
 
     def _dequantize(self, q_tensor: PackedKV) -> torch.Tensor:
-        # Mirrors KiviCodec.decode_layer, one tensor at a time (QuantizedLayer decodes keys and values apart).
-        x = dequantize_groups(q_tensor.data, self.nbits, q_tensor.dtype)
+        # One tensor at a time: QuantizedLayer decodes keys and values apart.
         if q_tensor.axis == _KEY_AXIS:
-            return x.flatten(2, 3)[:, :, : q_tensor.tokens]
-        return x.flatten(-2)
+            return self._codec.decode_keys(q_tensor.data, tokens=q_tensor.tokens, dtype=q_tensor.dtype)
+        return self._codec.decode_values(q_tensor.data, dtype=q_tensor.dtype)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length

@@ -53,7 +53,7 @@ class KiviCodec:
         out: dict[str, torch.Tensor] = {}
         for layer, (keys, values) in enumerate(kv):
             k_name, v_name = layer_names(layer)
-            for prefix, q in ((k_name, self._encode_keys(keys)), (v_name, self._encode_values(values))):
+            for prefix, q in ((k_name, self.encode_keys(keys)), (v_name, self.encode_values(values))):
                 out[f"{prefix}.q"], out[f"{prefix}.scale"], out[f"{prefix}.min"] = q
         return out
 
@@ -61,15 +61,19 @@ class KiviCodec:
         k_name, v_name = layer_names(layer)
         kq = Quantized(tensors[f"{k_name}.q"], tensors[f"{k_name}.scale"], tensors[f"{k_name}.min"])
         vq = Quantized(tensors[f"{v_name}.q"], tensors[f"{v_name}.scale"], tensors[f"{v_name}.min"])
-        # keys: [1, H, T/G, G, D] -> [1, H, Tpad, D] -> first `tokens`
-        k = dequantize_groups(kq, self.bits, dtype)
-        k = k.flatten(2, 3)[:, :, :tokens]
-        # values: [1, H, T, D/g, g] -> [1, H, T, D]
-        v = dequantize_groups(vq, self.bits, dtype).flatten(-2)
-        return LayerPair(k, v)
+        return LayerPair(self.decode_keys(kq, tokens=tokens, dtype=dtype), self.decode_values(vq, dtype=dtype))
 
-    def _encode_keys(self, keys: torch.Tensor) -> Quantized:
-        # [1, H, T, D] -> pad T to a multiple of G -> [1, H, T/G, G, D], stats over the G tokens.
+    def decode_keys(self, q: Quantized, *, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`encode_keys`: ``[B, H, T/G, G, D]`` groups -> ``[B, H, tokens, D]``."""
+        return dequantize_groups(q, self.bits, dtype).flatten(2, 3)[:, :, :tokens]
+
+    def decode_values(self, q: Quantized, *, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`encode_values`: ``[B, H, T, D/g, g]`` groups -> ``[B, H, T, D]``."""
+        return dequantize_groups(q, self.bits, dtype).flatten(-2)
+
+    def encode_keys(self, keys: torch.Tensor) -> Quantized:
+        """Keys ``[B, H, T, D]`` quantized per channel over groups of G tokens (KIVI)."""
+        # [B, H, T, D] -> pad T to a multiple of G -> [B, H, T/G, G, D], stats over the G tokens.
         b, h, t, d = keys.shape
         g = min(self.group_size, t)  # a chunk shorter than a group is one group, not padded to group_size
         pad = -t % g
@@ -77,8 +81,9 @@ class KiviCodec:
             keys = torch.cat([keys, keys[:, :, -1:].expand(b, h, pad, d)], dim=2)
         return quantize_groups(keys.reshape(b, h, (t + pad) // g, g, d), self.bits, dim=3)
 
-    def _encode_values(self, values: torch.Tensor) -> Quantized:
-        # [1, H, T, D] -> [1, H, T, D/g, g], stats over g channels of each token.
+    def encode_values(self, values: torch.Tensor) -> Quantized:
+        """Values ``[B, H, T, D]`` quantized per token over groups of g channels (KIVI)."""
+        # [B, H, T, D] -> [B, H, T, D/g, g], stats over g channels of each token.
         b, h, t, d = values.shape
         g = self.group_size if d % self.group_size == 0 else d
         return quantize_groups(values.reshape(b, h, t, d // g, g), self.bits, dim=4)

@@ -12,7 +12,7 @@ with an empty chunk store (nothing reused). Reported per setting:
 - ``ms``: median wall time over ``--repeats`` runs (1 torch thread; noisy on a shared machine).
 
 Also prints the 413 body the planner gate would send for a prompt that does not fit a small budget.
-Run: ``python packages/kvb-server/bench/live_kv_bits.py`` (writes docs/planner_server_bench.json).
+Run: ``python tools/bench_live_kv.py`` (writes docs/planner_server_bench.json).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
