@@ -29,7 +29,8 @@ from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stopping import StopStrings
 
 if TYPE_CHECKING:
-    from kvb_cache.engine import KVBoost, PreparedPrompt
+    from kvb_cache.engine import KVBoost
+    from kvb_cache.prepared import PreparedPrompt
 
 
 def _row_cache(cache: Cache, row: int, index: torch.Tensor) -> DynamicCache:

@@ -6,17 +6,16 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation
-from kvb_cache.chunking import Chunker, ChunkSpan, natural_break_ids
+from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import ConfigError, InvalidRequestError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.forward import prefill
@@ -26,7 +25,9 @@ from kvb_cache.live_quant import check_kv_cache_bits, is_live_quantized, quantiz
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.lookup import chunk_keys, match_prefix
 from kvb_cache.model_traits import inspect_model
-from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, WarmResult
+from kvb_cache.prepared import NextTokenLogits, PreparedPrompt, Prompt
+from kvb_cache.request_checks import check_context, check_prefill_chunk_size, live_bits, tokenize_prompt
+from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
@@ -36,46 +37,6 @@ from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, b
 from kvb_cache.writeback import WritebackResult, write_back
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
-
-
-@dataclass(slots=True, kw_only=True)
-class PreparedPrompt:
-    """A tokenized prompt with its cached prefix assembled into a cache, ready for prefill."""
-
-    ids: list[int]
-    spans: tuple[ChunkSpan, ...]
-    #: A DynamicCache, or a :class:`kvb_cache.live_quant.LiveQuantizedCache` for ``kv_cache_bits`` 8/4.
-    cache: Cache
-    cached_tokens: int
-    chunks: tuple[ChunkHit, ...]
-    prefill_chunk_size: int | None = None
-    #: Prompt tokens served from cache (exact + partial + stitched); None: ``cached_tokens``.
-    reused_tokens: int | None = None
-    #: Stitched tokens recomputed by seam repair.
-    recomputed_tokens: int = 0
-    #: Only ``ids[:exact_until]`` hold exact KV (a stitched request); None: all of them.
-    exact_until: int | None = None
-
-    @property
-    def served_tokens(self) -> int:
-        return self.cached_tokens if self.reused_tokens is None else self.reused_tokens
-
-    def storable(self, seq: list[int]) -> list[int]:
-        """The part of ``seq`` whose KV may be stored under prefix hashes (see :mod:`kvb_cache.stitching`)."""
-        return seq if self.exact_until is None else seq[: self.exact_until]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NextTokenLogits:
-    """``logits`` ``[V]`` for the token after a prompt, and how much of the prompt came from cache."""
-
-    logits: torch.Tensor
-    cached_tokens: int
-    prompt_tokens: int
-    #: Stitched tokens recomputed by seam repair.
-    recomputed_tokens: int = 0
 
 
 class KVBoost:
@@ -255,7 +216,7 @@ class KVBoost:
         the iterator early stops generation and keeps the cache consistent.
         """
         t0 = time.perf_counter()
-        prefill_chunk_size = _check_prefill_chunk_size(sampling.pop("prefill_chunk_size", None))
+        prefill_chunk_size = check_prefill_chunk_size(sampling.pop("prefill_chunk_size", None))
         kv_cache_bits = check_kv_cache_bits(sampling.pop("kv_cache_bits", None))
         params = SamplingParams.build(**sampling)
         ids = self._tokenize(prompt)
@@ -327,7 +288,7 @@ class KVBoost:
         if sampling is not None and len(sampling) != len(prompts):
             raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
         t0 = time.perf_counter()
-        prefill_chunk_size = _check_prefill_chunk_size(prefill_chunk_size)
+        prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
         kv_cache_bits = check_kv_cache_bits(kv_cache_bits)
         params = [SamplingParams.build(**{**common, **(sampling[i] if sampling else {})}) for i in range(len(prompts))]
         ids = [self._tokenize(p) for p in prompts]
@@ -336,7 +297,7 @@ class KVBoost:
         prepared = [self._prepare(row, max_reuse=len(row) - 1) for row in ids]
         for p in prepared:
             p.prefill_chunk_size = prefill_chunk_size
-        return run_batch(self, prepared, params, t0, kv_cache_bits=_live_bits(kv_cache_bits))
+        return run_batch(self, prepared, params, t0, kv_cache_bits=live_bits(kv_cache_bits))
 
     def cache_stats(self) -> dict[str, Any]:
         """Store and reuse counters (JSON-safe)."""
@@ -367,29 +328,10 @@ class KVBoost:
 
     # ----------------------------------------------------------------------------------- internals
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            vocab = self.model.get_input_embeddings().num_embeddings
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
-        else:
-            raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.model, prompt)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        limit = self.context_length
-        if limit is not None and prompt_tokens + max_new_tokens > limit:
-            raise ContextLengthError(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-                f"of {limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_tokens, 0)}",
-                prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, context_length=limit,
-            )
+        check_context(self.context_length, prompt_tokens, max_new_tokens)
 
     def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
         """Look up and assemble the cached KV of ``ids``; ``stitch`` also reuses non-prefix chunks (when
@@ -409,7 +351,7 @@ class KVBoost:
 
     def _apply_kv_bits(self, prepared: PreparedPrompt, kv_cache_bits: int | None) -> None:
         """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
-        bits = _live_bits(kv_cache_bits)
+        bits = live_bits(kv_cache_bits)
         if bits is not None:
             prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
 
@@ -430,16 +372,3 @@ class KVBoost:
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
-
-
-def _check_prefill_chunk_size(value: object) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidRequestError(
-            f"prefill_chunk_size must be a positive int (e.g. 512) or None, got {value!r}", param="prefill_chunk_size"
-        )
-    return value  # type: ignore[return-value]
-
-
-def _live_bits(kv_cache_bits: int | None) -> int | None:
-    """8 or 4 when the request's live KV is quantized; None (exact path) for 16 and the default."""
-    return kv_cache_bits if kv_cache_bits in (8, 4) else None

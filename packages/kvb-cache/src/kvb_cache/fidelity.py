@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvb_cache.engine import KVBoost, Prompt
+    from kvb_cache.engine import KVBoost
+    from kvb_cache.prepared import Prompt
 
 _DEFAULT_TOPICS = ("assignment", "exceptions", "for", "with")
 _SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"

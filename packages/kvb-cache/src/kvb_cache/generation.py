@@ -16,7 +16,8 @@ from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stopping import StopStrings
 
 if TYPE_CHECKING:
-    from kvb_cache.engine import KVBoost, PreparedPrompt
+    from kvb_cache.engine import KVBoost
+    from kvb_cache.prepared import PreparedPrompt
 
 
 @dataclass(slots=True)

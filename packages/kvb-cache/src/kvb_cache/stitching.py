@@ -32,7 +32,7 @@ from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.store import ChunkEntry, ChunkStore
 
 if TYPE_CHECKING:
-    from kvb_cache.engine import PreparedPrompt
+    from kvb_cache.prepared import PreparedPrompt
 
 logger = logging.getLogger(__name__)
 

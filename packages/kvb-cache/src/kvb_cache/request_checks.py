@@ -1,0 +1,50 @@
+"""Validation of one request's inputs: the prompt, the context budget and the per-request overrides."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.prepared import Prompt
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt`` (a string, or ids checked against the model's vocabulary)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        vocab = model.get_input_embeddings().num_embeddings
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
+    else:
+        raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
+    return ids
+
+
+def check_context(limit: int | None, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise :class:`ContextLengthError` when prompt + new tokens do not fit the model's context ``limit``."""
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ContextLengthError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"of {limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_tokens, 0)}",
+            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, context_length=limit,
+        )
+
+
+def check_prefill_chunk_size(value: object) -> int | None:
+    """``value`` when it is a positive int or None (the whole suffix in one forward); else a typed error."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(
+            f"prefill_chunk_size must be a positive int (e.g. 512) or None, got {value!r}", param="prefill_chunk_size"
+        )
+    return value  # type: ignore[return-value]
+
+
+def live_bits(kv_cache_bits: int | None) -> int | None:
+    """8 or 4 when the request's live KV is quantized; None (exact path) for 16 and the default."""
+    return kv_cache_bits if kv_cache_bits in (8, 4) else None
