@@ -73,18 +73,35 @@ def kvboost_turn(engine: KVBoost, messages, max_new_tokens: int):
     return ids, result, result.ttft_ms + template_ms
 
 
-def replay(engine: KVBoost, conversations, turns: int, max_new_tokens: int, repeats: int, label: str):
+def seen_prefix(ids: list[int], previous: list[int]) -> int:
+    """Leading tokens of ``ids`` that the previous turn already ran through the model (prompt + reply,
+    minus the reply's last token, which is sampled but never fed back), capped at ``len(ids) - 1``: the most
+    any cache could reuse. The rest (the new user message, the template around it) was never seen."""
+    n = 0
+    for a, b in zip(ids, previous[:-1]):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(ids) - 1)
+
+
+def replay(engine: KVBoost, conversations, turns: int, max_new_tokens: int, repeats: int, label: str,
+           timings: bool = True):
     rows = []
     for c, user_turns in enumerate(conversations):
+        previous: list[int] = []
         for turn, messages in chat_turns(user_turns, turns):
             ids = engine.chat_prompt(messages)
-            hf = timed(lambda m=messages: hf_ttft(engine, m), repeats)
-            floor, _ = floor_ms(engine, ids, repeats)
+            hf = timed(lambda m=messages: hf_ttft(engine, m), repeats) if timings else float("nan")
+            floor = floor_ms(engine, ids, repeats)[0] if timings else float("nan")
             ids, result, ttft = kvboost_turn(engine, messages, max_new_tokens)
+            seen = seen_prefix(ids, previous) if turn > 1 else 0
             rows.append({
                 "set": label, "conversation": c, "turn": turn, "context_tokens": len(ids), "hf_ttft_ms": hf,
                 "kvboost_ttft_ms": ttft, "floor_ms": floor, "reuse": result.kv_reuse_ratio,
+                "seen_tokens": seen, "reuse_of_seen": result.cached_tokens / seen if seen else float("nan"),
             })
+            previous = ids + list(result.output_ids)
             messages.append({"role": "assistant", "content": result.output_text})
         print(f"  [{label}] conversation {c + 1}/{len(conversations)} done", flush=True)
     return rows
@@ -134,6 +151,36 @@ def decode_rate(engine: KVBoost, prompts, new_tokens: int):
     return statistics.median(ours), statistics.median(hf)
 
 
+def reuse_table(rows):
+    """Per turn: median context, tokens already seen, tokens reused, and reused / seen (turn 1 excluded)."""
+    table = []
+    for turn in sorted({r["turn"] for r in rows if r["turn"] > 1}):
+        sel = [r for r in rows if r["turn"] == turn]
+        table.append({
+            "turn": turn, "n": len(sel),
+            "context_tokens": statistics.median(r["context_tokens"] for r in sel),
+            "seen_tokens": statistics.median(r["seen_tokens"] for r in sel),
+            "seen_share": statistics.median(r["seen_tokens"] / r["context_tokens"] for r in sel),
+            "reuse": statistics.median(r["reuse"] for r in sel),
+            "reuse_of_seen": statistics.median(r["reuse_of_seen"] for r in sel),
+            "reuse_of_seen_min": min(r["reuse_of_seen"] for r in sel),
+        })
+    return table
+
+
+def reuse_markdown(table) -> str:
+    lines = [
+        "| turn | n | context tokens | already seen | seen share | reuse | reused / seen (median, min) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['turn']} | {r['n']} | {r['context_tokens']:.0f} | {r['seen_tokens']:.0f} | {r['seen_share']:.1%} "
+            f"| {r['reuse']:.1%} | {r['reuse_of_seen']:.1%}, {r['reuse_of_seen_min']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(table, path: Path) -> None:
     import matplotlib
 
@@ -175,12 +222,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long-docs", type=int, default=8, help="long-document chats for the ~1000-token point")
     parser.add_argument("--out", type=Path, default=DOCS / "bench_chat.json")
+    parser.add_argument("--reuse-only", action="store_true",
+                        help="replay with KVBoost only: reuse vs the tokens already seen, per turn (no timings)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
     engine = KVBoost.from_pretrained("smollm2-135m", device="cpu")
     conversations = load_user_turns(args.conversations, min_turns=3)
+    if args.reuse_only:
+        rows = replay(engine, conversations, args.turns, args.max_new_tokens, 0, "chitchat", timings=False)
+        table = reuse_table(rows)
+        args.out.with_name("bench_chat_reuse.json").write_text(json.dumps({"per_turn": table, "rows": rows}, indent=1))
+        print(reuse_markdown(table))
+        return
     print(f"replaying {len(conversations)} conversations x up to {args.turns} turns", flush=True)
     chat_rows = replay(engine, conversations, args.turns, args.max_new_tokens, args.repeats, "chitchat")
 
