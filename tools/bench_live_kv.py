@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -42,20 +43,6 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     if len(ids) < length:
         raise SystemExit(f"only {len(ids)} tokens of text available")
     return ids
-
-
-def tensor_peak(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def main() -> None:

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MIB = 1 << 20
@@ -73,20 +75,6 @@ def _run_request(model, ids, chunk: int | None, max_new_tokens: int) -> None:
             out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
-def _tensor_peak(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def worker(prompt: int, chunk: int | None, max_new_tokens: int, device: str, threads: int) -> dict:
     """Runs in a fresh process; returns measured peaks in bytes."""
     import gc
@@ -113,7 +101,7 @@ def worker(prompt: int, chunk: int | None, max_new_tokens: int, device: str, thr
         _run_request(model, ids, chunk, max_new_tokens)
         result["rss_bytes"] = _status_bytes("VmHWM") - before
         gc.collect()
-        result["tensor_bytes"] = _tensor_peak(lambda: _run_request(model, ids, chunk, max_new_tokens))
+        result["tensor_bytes"] = tensor_peak(lambda: _run_request(model, ids, chunk, max_new_tokens))
     else:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
