@@ -39,6 +39,12 @@ class EngineConfig:
         kv_group_size: quantization group of ``kv_cache_bits`` 8/4 (tokens per key group, channels per value
             group).
         tiers: disk and Redis tiers below RAM (:class:`kvb_cache.tiers.TierConfig`); None: RAM only.
+        block_size: tokens per KV block of the paged pool (the unit of prefix sharing between requests).
+        num_blocks: blocks in the pool; None derives it from ``max_cache_bytes`` (the pool *is* the RAM
+            cache: running requests' KV and cached prefixes share it).
+        max_num_seqs: most requests decoded together in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) one step feeds the model; long prompts are
+            prefilled in slices of at most this size, interleaved with the running requests' decode.
     """
 
     chunk_size: int = 128
@@ -50,8 +56,20 @@ class EngineConfig:
     kv_cache_bits: int = 16
     kv_group_size: int = 32
     tiers: TierConfig | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.num_blocks is not None and (
+            isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2
+        ):
+            raise ConfigError(f"num_blocks must be an int >= 2 or None (derived from max_cache_bytes), got {self.num_blocks!r}")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ConfigError(f"chunk_size must be a positive int (e.g. 128), got {self.chunk_size!r}")
         if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size // 2 + 1:
