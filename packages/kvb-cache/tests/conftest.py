@@ -13,8 +13,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 _COMMON = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-    vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    initializer_range=0.2,
 )
 ARCHITECTURES = {
     "llama": lambda: T.LlamaConfig(**_COMMON),
@@ -23,8 +29,14 @@ ARCHITECTURES = {
     "gemma2": lambda: T.Gemma2Config(**_COMMON, head_dim=16, sliding_window=24),
     "gemma3": lambda: T.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=24),
     "gpt2": lambda: T.GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=512, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=1,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=1,
     ),
 }
 
@@ -47,7 +59,9 @@ def make_model(arch: str, seed: int = 0) -> T.PreTrainedModel:
     config = ARCHITECTURES[arch]()
     config.eos_token_id = 1
     config.pad_token_id = 0
-    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if arch != "gemma2" else "eager")
+    model = T.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa" if arch != "gemma2" else "eager"
+    )
     return model.eval()
 
 

@@ -29,7 +29,9 @@ def test_batch_per_row_sampling_and_lengths(llama, tokenizer):
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
     prompts = [words(20, seed=4), words(33, seed=5)]
     results = engine.generate_batch(
-        prompts, sampling=[{"max_new_tokens": 3}, {"max_new_tokens": 9, "temperature": 0.8, "seed": 1}], ignore_eos=True
+        prompts,
+        sampling=[{"max_new_tokens": 3}, {"max_new_tokens": 9, "temperature": 0.8, "seed": 1}],
+        ignore_eos=True,
     )
     assert [len(r.output_ids) for r in results] == [3, 9]
     alone = engine.generate(prompts[1], max_new_tokens=9, temperature=0.8, seed=1, ignore_eos=True)
@@ -62,7 +64,9 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(llama, tokenizer):
     for _ in range(5):
         next(stream)
     stream.close()
-    reference = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16)).generate(prompt, max_new_tokens=10, ignore_eos=True)
+    reference = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        prompt, max_new_tokens=10, ignore_eos=True
+    )
     after = engine.generate(prompt, max_new_tokens=10, ignore_eos=True)
     assert after.cached_tokens == len(tokenizer(prompt)["input_ids"]) - 1
     assert after.output_ids == reference.output_ids

@@ -25,7 +25,10 @@ from kvb_cache.errors import ConfigError
 def gaussian_kv(layers=2, heads=2, tokens=128, dim=64, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return tuple(
-        (torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype), torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype))
+        (
+            torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype),
+            torch.randn(1, heads, tokens, dim, generator=g, dtype=dtype),
+        )
         for _ in range(layers)
     )
 
@@ -76,7 +79,12 @@ def test_kivi_keys_are_grouped_per_channel_values_per_token():
 
 @pytest.mark.parametrize(
     ("codec", "min_db", "max_db"),
-    [(KiviCodec(bits=8), 42, 50), (KiviCodec(bits=4), 18, 24), (KiviCodec(bits=8, group_size=128), 40, 50), (AbsmaxInt8Codec(), 40, 48)],
+    [
+        (KiviCodec(bits=8), 42, 50),
+        (KiviCodec(bits=4), 18, 24),
+        (KiviCodec(bits=8, group_size=128), 40, 50),
+        (AbsmaxInt8Codec(), 40, 48),
+    ],
     ids=lambda c: getattr(c, "name", ""),
 )
 def test_snr_on_gaussian_kv_is_in_the_expected_band(codec, min_db, max_db):
@@ -87,7 +95,12 @@ def test_snr_on_gaussian_kv_is_in_the_expected_band(codec, min_db, max_db):
 
 @pytest.mark.parametrize(
     ("codec", "bits_per_element"),
-    [(KiviCodec(bits=8, group_size=32), 9), (KiviCodec(bits=4, group_size=32), 5), (KiviCodec(bits=4, group_size=64), 4.5), (AbsmaxInt8Codec(), 8.25)],
+    [
+        (KiviCodec(bits=8, group_size=32), 9),
+        (KiviCodec(bits=4, group_size=32), 5),
+        (KiviCodec(bits=4, group_size=64), 4.5),
+        (AbsmaxInt8Codec(), 8.25),
+    ],
     ids=lambda c: getattr(c, "name", ""),
 )
 def test_bytes_against_fp16_include_scales_and_zero_points(codec, bits_per_element):
@@ -96,7 +109,9 @@ def test_bytes_against_fp16_include_scales_and_zero_points(codec, bits_per_eleme
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37, 128, 130])
-@pytest.mark.parametrize("codec", [KiviCodec(bits=8), KiviCodec(bits=4), AbsmaxInt8Codec()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "codec", [KiviCodec(bits=8), KiviCodec(bits=4), AbsmaxInt8Codec()], ids=lambda c: c.name
+)
 def test_any_chunk_length_decodes_to_its_shape_and_dtype(tokens, codec):
     kv = gaussian_kv(layers=1, tokens=tokens, dtype=torch.bfloat16)
     k, v = EncodedKV.from_dense(codec, kv).layer(0)

@@ -75,7 +75,9 @@ def test_bad_config_values():
 def test_encoder_decoder_is_declined(tokenizer):
     import transformers as T
 
-    model = T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=300))
+    model = T.T5ForConditionalGeneration(
+        T.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=300)
+    )
     with pytest.raises(UnsupportedModelError, match="decoder-only"):
         KVBoost(model, tokenizer)
 
@@ -98,7 +100,9 @@ def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):
         engine.generate(prompt, max_new_tokens=4)
     assert len(engine.store) == 0  # layer 0 had new KV, layer 1 did not: nothing was trusted
     monkeypatch.undo()
-    reference = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16)).generate(prompt, max_new_tokens=6, ignore_eos=True)
+    reference = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        prompt, max_new_tokens=6, ignore_eos=True
+    )
     assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).output_ids == reference.output_ids
     with torch.no_grad():
         assert engine.next_token_logits(prompt).cached_tokens == 39

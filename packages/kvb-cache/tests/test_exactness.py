@@ -15,7 +15,11 @@ NEW_TOKENS = 32
 def reference_greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
     """``model.generate(do_sample=False)`` without stopping at eos."""
     out = model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     return out[0, len(ids) :].tolist()
 
@@ -99,7 +103,9 @@ def test_three_turn_chat_with_template(arch, tokenizer):
 
 def test_prefill_in_slices_matches_single_shot(llama, tokenizer):
     ids = tokenizer(words(70))["input_ids"]
-    whole = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK)).generate(ids, max_new_tokens=8, ignore_eos=True)
+    whole = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK)).generate(
+        ids, max_new_tokens=8, ignore_eos=True
+    )
     sliced = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK)).generate(
         ids, max_new_tokens=8, ignore_eos=True, prefill_chunk_size=7
     )

@@ -26,7 +26,9 @@ def test_exact_reuse_shows_no_drift(llama, tokenizer):
 
 def test_stitched_reuse_is_reported(llama, tokenizer):
     engine = KVBoost(
-        llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig(recompute_strategy="none"))
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, stitching=StitchConfig(recompute_strategy="none")),
     )
     report = engine.verify_correctness(_rag(tokenizer), new_tokens=8)
     first, later = report.prompts[0], report.prompts[1:]

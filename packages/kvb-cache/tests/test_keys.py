@@ -49,8 +49,13 @@ def test_keys_identical_across_processes():
         "print(','.join(h.hex() for h in k.prefix + k.content))"
     )
     runs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed), "PATH": ""},
+        ).stdout.strip()
         for seed in (1, 2)
     }
     assert len(runs) == 1

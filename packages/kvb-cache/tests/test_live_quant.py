@@ -22,7 +22,9 @@ NEW = 12
 
 
 def reference_greedy(model, ids: list[int], n: int = NEW) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     return out[0, len(ids) :].tolist()
 
 
@@ -121,7 +123,9 @@ def teacher_forced_agreement(model, ids: list[int], continuation: list[int], cac
         logits = model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]
         preds = [int(logits.argmax())]
         for t in range(len(ids), full.shape[1] - 1):
-            preds.append(int(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+            preds.append(
+                int(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+            )
     return sum(p == r for p, r in zip(preds, continuation)) / len(continuation)
 
 
@@ -144,7 +148,9 @@ def test_teacher_forced_agreement(llama, tokenizer):
     continuation = reference_greedy(llama, ids, 64)
     assert teacher_forced_agreement(llama, ids, continuation, DynamicCache()) == 1.0
     assert teacher_forced_agreement(llama, ids, continuation, LiveQuantizedCache(num_layers=2, bits=8)) >= 0.9
-    assert teacher_forced_agreement(llama, ids, continuation, LiveQuantizedCache(num_layers=2, bits=4)) >= 0.55
+    assert (
+        teacher_forced_agreement(llama, ids, continuation, LiveQuantizedCache(num_layers=2, bits=4)) >= 0.55
+    )
 
 
 def test_working_cache_bytes_drop(llama, tokenizer):
@@ -219,7 +225,10 @@ def test_batch_with_overrides(llama, tokenizer):
         for p, n in zip(same_length, (5, NEW))
     ]
     quantized = engine.generate_batch(
-        same_length, sampling=[{"max_new_tokens": 5}, {"max_new_tokens": NEW}], ignore_eos=True, kv_cache_bits=8
+        same_length,
+        sampling=[{"max_new_tokens": 5}, {"max_new_tokens": NEW}],
+        ignore_eos=True,
+        kv_cache_bits=8,
     )
     assert [r.output_ids for r in quantized] == alone
     assert engine.cache_stats()["entries"] == 0

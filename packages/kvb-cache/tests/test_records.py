@@ -15,12 +15,25 @@ FINGERPRINT = "f" * 64
 ROOT = root_hash(FINGERPRINT)
 
 
-def make_entry(tokens=(5, 6, 7, 8), parent: ChunkHash = ROOT, start=0, complete=True, dtype=torch.float32) -> ChunkEntry:
+def make_entry(
+    tokens=(5, 6, 7, 8), parent: ChunkHash = ROOT, start=0, complete=True, dtype=torch.float32
+) -> ChunkEntry:
     g = torch.Generator().manual_seed(len(tokens) + start)
-    kv = tuple((torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype), torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype)) for _ in range(3))
+    kv = tuple(
+        (
+            torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype),
+            torch.randn(1, 2, len(tokens), 16, generator=g).to(dtype),
+        )
+        for _ in range(3)
+    )
     return ChunkEntry(
-        key=prefix_hash(parent, tokens), parent=parent, content=content_hash(ROOT, tokens), token_ids=tuple(tokens),
-        kv=kv, start=start, complete=complete,
+        key=prefix_hash(parent, tokens),
+        parent=parent,
+        content=content_hash(ROOT, tokens),
+        token_ids=tuple(tokens),
+        kv=kv,
+        start=start,
+        complete=complete,
     )
 
 
@@ -34,7 +47,12 @@ def test_dense_record_round_trips_every_field_bit_exactly(dtype):
     entry = make_entry(tokens=(9, 10, 11), parent=first.key, start=4, complete=False, dtype=dtype)
     back = decode_record(encode_record(entry, fmt()), fmt())
     assert (back.key, back.parent, back.content, back.token_ids, back.start, back.complete) == (
-        entry.key, first.key, entry.content, (9, 10, 11), 4, False,
+        entry.key,
+        first.key,
+        entry.content,
+        (9, 10, 11),
+        4,
+        False,
     )
     assert back.encoded is None and len(back.kv) == 3
     for (k, v), (k2, v2) in zip(entry.kv, back.kv):
@@ -47,7 +65,9 @@ def test_quantized_record_keeps_the_encoded_form():
     back = decode_record(encode_record(held, fmt(codec)), fmt(codec))
     assert back.kv == () and back.encoded is not None and back.nbytes == held.nbytes
     for i in range(3):
-        assert torch.equal(back.layer(i)[0], held.layer(i)[0]) and torch.equal(back.layer(i)[1], held.layer(i)[1])
+        assert torch.equal(back.layer(i)[0], held.layer(i)[0]) and torch.equal(
+            back.layer(i)[1], held.layer(i)[1]
+        )
 
 
 def test_record_encodes_dense_entry_into_the_tier_codec():
@@ -86,8 +106,12 @@ def test_other_fingerprint_or_codec_is_rejected():
 def test_record_whose_key_does_not_hash_from_its_tokens_is_rejected():
     entry = make_entry()
     forged = ChunkEntry(
-        key=prefix_hash(ROOT, (1, 2, 3, 4)), parent=ROOT, content=entry.content, token_ids=entry.token_ids,
-        kv=entry.kv, start=0,
+        key=prefix_hash(ROOT, (1, 2, 3, 4)),
+        parent=ROOT,
+        content=entry.content,
+        token_ids=entry.token_ids,
+        kv=entry.kv,
+        start=0,
     )
     with pytest.raises(RecordError, match="does not hash"):
         decode_record(encode_record(forged, fmt()), fmt())

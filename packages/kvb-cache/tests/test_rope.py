@@ -10,8 +10,14 @@ from conftest import VOCAB, make_model
 from kvb_cache.rope import KeyRepositioner
 
 _SMALL = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-    vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    initializer_range=0.2,
 )
 
 
@@ -22,16 +28,29 @@ def _llama(rope: dict) -> T.PretrainedConfig:
 CONFIGS = {
     "llama-default": lambda: _llama({"rope_type": "default"}),
     "llama-linear": lambda: _llama({"rope_type": "linear", "factor": 2.0}),
-    "llama-yarn": lambda: _llama({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
-    "llama3": lambda: _llama({
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }),
+    "llama-yarn": lambda: _llama(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    ),
+    "llama3": lambda: _llama(
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
     "qwen2": lambda: T.Qwen2Config(**_SMALL),
     "phi3-partial": lambda: T.Phi3Config(**_SMALL, partial_rotary_factor=0.5, pad_token_id=0),
     "gpt-neox-partial": lambda: T.GPTNeoXConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-        max_position_embeddings=512, initializer_range=0.2, rotary_pct=0.25,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rotary_pct=0.25,
     ),
     "gemma3-per-layer-rope": lambda: T.Gemma3TextConfig(**_SMALL, head_dim=16, sliding_window=512),
 }

@@ -21,14 +21,18 @@ PROMPT = words(30)
 def test_temperature_zero_is_greedy_and_not_empty(engine, llama, tokenizer):
     result = engine.generate(PROMPT, max_new_tokens=10, temperature=0, ignore_eos=True)
     ids = tokenizer(PROMPT)["input_ids"]
-    expected = llama.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert result.output_ids == expected[0, len(ids):].tolist()
+    expected = llama.generate(
+        torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert result.output_ids == expected[0, len(ids) :].tolist()
     assert result.output_text.strip() and result.finish_reason == "length"
 
 
 def test_seed_reproducible_and_seed_matters(engine):
-    runs = [engine.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=s, ignore_eos=True).output_ids
-            for s in (7, 7, 8)]
+    runs = [
+        engine.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=s, ignore_eos=True).output_ids
+        for s in (7, 7, 8)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -36,17 +40,23 @@ def test_seed_reproducible_and_seed_matters(engine):
 def test_top_k_and_top_p_masks():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     history = torch.tensor([0])
-    top_k = RequestProcessor(SamplingParams(temperature=1.0, top_k=2), prompt_len=1, device=torch.device("cpu"))
+    top_k = RequestProcessor(
+        SamplingParams(temperature=1.0, top_k=2), prompt_len=1, device=torch.device("cpu")
+    )
     assert torch.isfinite(top_k.process(history, logits)).tolist() == [True, True, False, False, False]
     # softmax of logits: [0.636, 0.234, 0.086, ...]; top_p=0.8 keeps the smallest set reaching 0.8: two tokens.
-    top_p = RequestProcessor(SamplingParams(temperature=1.0, top_p=0.8), prompt_len=1, device=torch.device("cpu"))
+    top_p = RequestProcessor(
+        SamplingParams(temperature=1.0, top_p=0.8), prompt_len=1, device=torch.device("cpu")
+    )
     assert torch.isfinite(top_p.process(history, logits)).tolist() == [True, True, False, False, False]
 
 
 def test_sampling_respects_top_k(engine):
     """With top_k=1 sampling at any temperature must equal greedy."""
     greedy = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True).output_ids
-    sampled = engine.generate(PROMPT, max_new_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True).output_ids
+    sampled = engine.generate(
+        PROMPT, max_new_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True
+    ).output_ids
     assert sampled == greedy
 
 
@@ -112,8 +122,16 @@ def test_logprobs(engine):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_new_tokens", 0), ("max_new_tokens", -3), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -1),
-     ("temperature", float("nan")), ("logprobs", 50), ("presence_penalty", 3.0)],
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", -3),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("temperature", float("nan")),
+        ("logprobs", 50),
+        ("presence_penalty", 3.0),
+    ],
 )
 def test_invalid_sampling_values_name_the_parameter(engine, field, value):
     with pytest.raises(InvalidRequestError) as info:

@@ -58,9 +58,15 @@ def test_strategy_none_reuses_without_recompute_and_differs(llama, tokenizer):
     out = engine.generate(second, max_new_tokens=4, ignore_eos=True)
     kinds = [(c.start, c.end, c.kind) for c in out.chunks]
     assert kinds == [
-        (0, 16, HitKind.EXACT), (16, 20, HitKind.PARTIAL), (20, 32, HitKind.MISS),
-        (32, 48, HitKind.STITCHED), (48, 72, HitKind.MISS), (72, 88, HitKind.STITCHED),
-        (88, 104, HitKind.STITCHED), (104, 120, HitKind.STITCHED), (120, 136, HitKind.STITCHED),
+        (0, 16, HitKind.EXACT),
+        (16, 20, HitKind.PARTIAL),
+        (20, 32, HitKind.MISS),
+        (32, 48, HitKind.STITCHED),
+        (48, 72, HitKind.MISS),
+        (72, 88, HitKind.STITCHED),
+        (88, 104, HitKind.STITCHED),
+        (104, 120, HitKind.STITCHED),
+        (120, 136, HitKind.STITCHED),
         (136, 146, HitKind.MISS),
     ]
     assert out.recomputed_tokens == 0 and all(c.recomputed_tokens == 0 for c in out.chunks)
@@ -91,7 +97,9 @@ def test_cacheblend_recomputes_the_ratio(llama, tokenizer):
     ref = _reference(llama, second)
     errors = {}
     for strategy in ("none", "cacheblend"):
-        engine = _engine(llama, tokenizer, recompute_strategy=strategy, check_layer=0, overlap_k=0, recompute_ratio=0.25)
+        engine = _engine(
+            llama, tokenizer, recompute_strategy=strategy, check_layer=0, overlap_k=0, recompute_ratio=0.25
+        )
         engine.next_token_logits(first)
         result = engine.next_token_logits(second)
         errors[strategy] = (result.logits - ref).abs().max().item()

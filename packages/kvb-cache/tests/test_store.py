@@ -18,7 +18,14 @@ def chain(store: ChunkStore, tag: int, length: int, parent: ChunkHash = ROOT) ->
         ids = [tag * 100 + i * TOKENS + j for j in range(TOKENS)]
         key = prefix_hash(parent, ids)
         kv = ((torch.zeros(1, 2, TOKENS, 8), torch.zeros(1, 2, TOKENS, 8)),)
-        entry = ChunkEntry(key=key, parent=parent, content=content_hash(ROOT, ids), token_ids=tuple(ids), kv=kv, start=i * TOKENS)
+        entry = ChunkEntry(
+            key=key,
+            parent=parent,
+            content=content_hash(ROOT, ids),
+            token_ids=tuple(ids),
+            kv=kv,
+            start=i * TOKENS,
+        )
         assert entry.nbytes == ENTRY_BYTES
         store.put(entry, root=ROOT)
         entries.append(entry)
@@ -79,8 +86,14 @@ def test_child_of_evicted_parent_is_refused():
     store = ChunkStore(max_bytes=100 * ENTRY_BYTES)
     orphan_parent = prefix_hash(ROOT, [9, 9, 9, 9])
     kv = ((torch.zeros(1, 2, TOKENS, 8), torch.zeros(1, 2, TOKENS, 8)),)
-    entry = ChunkEntry(key=prefix_hash(orphan_parent, [1, 2, 3, 4]), parent=orphan_parent,
-                       content=content_hash(ROOT, [1, 2, 3, 4]), token_ids=(1, 2, 3, 4), kv=kv, start=4)
+    entry = ChunkEntry(
+        key=prefix_hash(orphan_parent, [1, 2, 3, 4]),
+        parent=orphan_parent,
+        content=content_hash(ROOT, [1, 2, 3, 4]),
+        token_ids=(1, 2, 3, 4),
+        kv=kv,
+        start=4,
+    )
     assert not store.put(entry, root=ROOT)
     assert len(store) == 0 and store.stats().rejected == 1
 
@@ -94,10 +107,23 @@ def test_oversized_entry_is_refused_without_evicting():
 def test_complete_chunk_replaces_its_partial_tail():
     store = ChunkStore(max_bytes=100 * ENTRY_BYTES)
     kv = ((torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8)),)
-    partial = ChunkEntry(key=prefix_hash(ROOT, [5, 6]), parent=ROOT, content=content_hash(ROOT, [5, 6]),
-                         token_ids=(5, 6), kv=kv, start=0, complete=False)
+    partial = ChunkEntry(
+        key=prefix_hash(ROOT, [5, 6]),
+        parent=ROOT,
+        content=content_hash(ROOT, [5, 6]),
+        token_ids=(5, 6),
+        kv=kv,
+        start=0,
+        complete=False,
+    )
     store.put(partial, root=ROOT)
-    full = ChunkEntry(key=prefix_hash(ROOT, [5, 6, 7, 8]), parent=ROOT, content=content_hash(ROOT, [5, 6, 7, 8]),
-                      token_ids=(5, 6, 7, 8), kv=((torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),), start=0)
+    full = ChunkEntry(
+        key=prefix_hash(ROOT, [5, 6, 7, 8]),
+        parent=ROOT,
+        content=content_hash(ROOT, [5, 6, 7, 8]),
+        token_ids=(5, 6, 7, 8),
+        kv=((torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),),
+        start=0,
+    )
     store.put(full, root=ROOT)
     assert store.peek(partial.key) is None and store.children(ROOT) == [full]

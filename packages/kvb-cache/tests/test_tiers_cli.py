@@ -32,7 +32,13 @@ def test_status_reports_disk_entries_bytes_and_hit_rate(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     stats = report["disk"]["namespaces"][FINGERPRINT[:32]]
     size = sum(p.stat().st_size for p in tmp_path.rglob("*.kvb"))
-    assert (stats["entries"], stats["bytes"], stats["hits"], stats["misses"], stats["hit_rate"]) == (3, size, 1, 1, 0.5)
+    assert (stats["entries"], stats["bytes"], stats["hits"], stats["misses"], stats["hit_rate"]) == (
+        3,
+        size,
+        1,
+        1,
+        0.5,
+    )
 
 
 def test_status_reports_redis_round_trip_and_shared_counters(redis_server):  # noqa: F811

@@ -22,9 +22,21 @@ def chain(n: int, tag: int = 0, tokens: int = 4) -> list[ChunkEntry]:
     for i in range(n):
         ids = tuple(tag * 1000 + i * tokens + j for j in range(tokens))
         g = torch.Generator().manual_seed(tag * 100 + i)
-        kv = tuple((torch.randn(1, 2, tokens, 8, generator=g), torch.randn(1, 2, tokens, 8, generator=g)) for _ in range(2))
+        kv = tuple(
+            (torch.randn(1, 2, tokens, 8, generator=g), torch.randn(1, 2, tokens, 8, generator=g))
+            for _ in range(2)
+        )
         key = prefix_hash(parent, ids)
-        out.append(ChunkEntry(key=key, parent=parent, content=content_hash(ROOT, ids), token_ids=ids, kv=kv, start=i * tokens))
+        out.append(
+            ChunkEntry(
+                key=key,
+                parent=parent,
+                content=content_hash(ROOT, ids),
+                token_ids=ids,
+                kv=kv,
+                start=i * tokens,
+            )
+        )
         parent = key
     return out
 
@@ -34,7 +46,10 @@ def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None) -> Ti
     disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=disk_bytes)
     ram = ChunkStore(ram_bytes)
     store = TieredStore(
-        ram, root=ROOT, codec=codec, lower=[LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
+        ram,
+        root=ROOT,
+        codec=codec,
+        lower=[LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
         writer=BackgroundWriter(16),
     )
     ram.on_evict = store.demote
@@ -192,4 +207,3 @@ def test_other_fingerprints_live_in_other_folders(tmp_path):
     entry = chain(1)[0]
     a.put(entry.key, record(entry))
     assert b.get(entry.key) is None and a.get(entry.key) is not None
-

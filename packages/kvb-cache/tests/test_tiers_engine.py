@@ -21,7 +21,10 @@ def test_default_engine_keeps_the_plain_ram_store_and_fingerprint(llama, tokeniz
     plain = engine(llama, tokenizer)
     assert type(plain.store) is ChunkStore
     assert engine(llama, tokenizer, kv_cache_bits=8).fingerprint != plain.fingerprint
-    assert engine(llama, tokenizer, kv_cache_bits=4).fingerprint != engine(llama, tokenizer, kv_cache_bits=8).fingerprint
+    assert (
+        engine(llama, tokenizer, kv_cache_bits=4).fingerprint
+        != engine(llama, tokenizer, kv_cache_bits=8).fingerprint
+    )
 
 
 def test_restart_with_disk_tier_gets_exact_hits_and_identical_output(llama, tokenizer, tmp_path):
@@ -72,7 +75,9 @@ def test_quantized_reuse_agreement_with_uncompressed(llama, tokenizer):
             agree += int(got.logits.argmax() == ref.argmax())
             worst = max(worst, (got.logits - ref).abs().max().item())
         results[bits] = (agree / len(PROMPTS), worst)
-    assert results[8][0] == 1.0 and results[8][1] < 0.15  # measured 0.084 (logits of this random model span ~10)
+    assert (
+        results[8][0] == 1.0 and results[8][1] < 0.15
+    )  # measured 0.084 (logits of this random model span ~10)
     assert results[4][0] >= 0.6 and results[8][1] < results[4][1]
 
 

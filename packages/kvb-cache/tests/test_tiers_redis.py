@@ -48,8 +48,19 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 20
@@ -88,7 +99,9 @@ def tiered(url: str) -> TieredStore:
     codec = DenseCodec()
     tier = RedisTier(url, namespace=FINGERPRINT, timeout_s=0.5, retry_after_s=0.2)
     return TieredStore(
-        ChunkStore(1 << 20), root=ROOT, codec=codec,
+        ChunkStore(1 << 20),
+        root=ROOT,
+        codec=codec,
         lower=[LowerTier(tier=tier, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
         writer=BackgroundWriter(64),
     )
@@ -182,8 +195,11 @@ def _run_child(folder, url, prompt) -> dict:
     import json
 
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(folder), url, json.dumps(prompt)], capture_output=True, text=True,
-        timeout=600, check=False,
+        [sys.executable, "-c", CHILD, str(folder), url, json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

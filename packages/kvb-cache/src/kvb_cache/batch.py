@@ -57,8 +57,12 @@ def _make_contiguous(engine: KVBoost, prepared: list[PreparedPrompt]) -> None:
 
 
 def run_batch(
-    engine: KVBoost, prepared: list[PreparedPrompt], params: list[SamplingParams], t0: float,
-    *, kv_cache_bits: int | None = None,
+    engine: KVBoost,
+    prepared: list[PreparedPrompt],
+    params: list[SamplingParams],
+    t0: float,
+    *,
+    kv_cache_bits: int | None = None,
 ) -> list[GenerationResult]:
     """Serve ``prepared`` in one padded batch; ``kv_cache_bits`` 8/4 holds the batch's live KV quantized
     (and stores nothing, as :meth:`KVBoost.store_sequence` explains); None keeps it as computed."""
@@ -84,11 +88,15 @@ def run_batch(
     if kv_cache_bits is not None:
         cache = quantize_live(cache, num_layers=engine.traits.num_layers, bits=kv_cache_bits)
 
-    processors = [RequestProcessor(pr, prompt_len=len(p.ids), device=device) for p, pr in zip(prepared, params)]
+    processors = [
+        RequestProcessor(pr, prompt_len=len(p.ids), device=device) for p, pr in zip(prepared, params)
+    ]
     emitters = [
         _Emitter(
-            detok=IncrementalDetokenizer(engine.tokenizer), stops=StopStrings(pr.stop),
-            eos=frozenset() if pr.ignore_eos else engine.eos_token_ids, max_new=pr.max_new_tokens,
+            detok=IncrementalDetokenizer(engine.tokenizer),
+            stops=StopStrings(pr.stop),
+            eos=frozenset() if pr.ignore_eos else engine.eos_token_ids,
+            max_new=pr.max_new_tokens,
         )
         for pr in params
     ]
@@ -99,8 +107,15 @@ def run_batch(
     active = list(range(rows))  # batch position -> request index
 
     with torch.inference_mode():
-        logits = prefill(engine.model, engine.traits, cache, input_ids, positions, attention_mask=mask,
-                         slice_size=prepared[0].prefill_chunk_size)
+        logits = prefill(
+            engine.model,
+            engine.traits,
+            cache,
+            input_ids,
+            positions,
+            attention_mask=mask,
+            slice_size=prepared[0].prefill_chunk_size,
+        )
         while active:
             finished: list[int] = []
             next_tokens = []
@@ -120,8 +135,12 @@ def run_batch(
                 i = active[b]
                 if kv_cache_bits is None:
                     index = mask[b].nonzero().squeeze(1)
-                    engine.store_sequence(_sequence(engine, prepared[i].ids, outputs[i]), _row_cache(cache, b, index))
-                results[i] = _result(engine, prepared[i], params[i], emitters[i], outputs[i], logprobs[i], ttft[i], t0)
+                    engine.store_sequence(
+                        _sequence(engine, prepared[i].ids, outputs[i]), _row_cache(cache, b, index)
+                    )
+                results[i] = _result(
+                    engine, prepared[i], params[i], emitters[i], outputs[i], logprobs[i], ttft[i], t0
+                )
             if finished:
                 keep = [b for b in range(len(active)) if b not in finished]
                 if not keep:
@@ -132,7 +151,9 @@ def run_batch(
                 active = [active[b] for b in keep]
                 next_tokens = [next_tokens[b] for b in keep]
             tokens = torch.tensor(next_tokens, device=device).unsqueeze(1)
-            step_positions = torch.tensor([[len(prepared[i].ids) + len(outputs[i]) - 1] for i in active], device=device)
+            step_positions = torch.tensor(
+                [[len(prepared[i].ids) + len(outputs[i]) - 1] for i in active], device=device
+            )
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             logits = decode_step(engine.model, cache, tokens, step_positions, attention_mask=mask)
     for result in results:

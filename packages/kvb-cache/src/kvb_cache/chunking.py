@@ -31,7 +31,9 @@ class Chunker:
     prefix of a longer sequence always cuts its complete chunks exactly as the longer sequence does.
     """
 
-    def __init__(self, chunk_size: int, boundary_window: int = 0, break_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, chunk_size: int, boundary_window: int = 0, break_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.chunk_size = chunk_size
         self.boundary_window = boundary_window if break_ids else 0
         self.break_ids = break_ids
@@ -65,6 +67,8 @@ def natural_break_ids(tokenizer) -> frozenset[int]:
     breaks = set()
     for token_id in range(len(tokenizer)):
         text = tokenizer.decode([token_id])
-        if text.endswith(("\n", ". ", "? ", "! ")) or (text.rstrip(" ").endswith((".", "?", "!")) and text.strip()):
+        if text.endswith(("\n", ". ", "? ", "! ")) or (
+            text.rstrip(" ").endswith((".", "?", "!")) and text.strip()
+        ):
             breaks.add(token_id)
     return frozenset(breaks)

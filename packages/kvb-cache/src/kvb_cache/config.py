@@ -69,23 +69,38 @@ class EngineConfig:
         if self.num_blocks is not None and (
             isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2
         ):
-            raise ConfigError(f"num_blocks must be an int >= 2 or None (derived from max_cache_bytes), got {self.num_blocks!r}")
+            raise ConfigError(
+                f"num_blocks must be an int >= 2 or None (derived from max_cache_bytes), got {self.num_blocks!r}"
+            )
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ConfigError(f"chunk_size must be a positive int (e.g. 128), got {self.chunk_size!r}")
-        if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size // 2 + 1:
+        if (
+            not isinstance(self.boundary_window, int)
+            or not 0 <= self.boundary_window < self.chunk_size // 2 + 1
+        ):
             raise ConfigError(
                 f"boundary_window must be an int in [0, chunk_size // 2] = [0, {self.chunk_size // 2}], "
                 f"got {self.boundary_window!r}"
             )
         if not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 0:
-            raise ConfigError(f"max_cache_bytes must be a non-negative int of bytes, got {self.max_cache_bytes!r}")
+            raise ConfigError(
+                f"max_cache_bytes must be a non-negative int of bytes, got {self.max_cache_bytes!r}"
+            )
         if self.stitching is not None and not isinstance(self.stitching, StitchConfig):
-            raise ConfigError(f"stitching must be a StitchConfig or None, got {type(self.stitching).__name__}")
+            raise ConfigError(
+                f"stitching must be a StitchConfig or None, got {type(self.stitching).__name__}"
+            )
         if self.kv_cache_bits not in (16, 8, 4):
-            raise ConfigError(f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {self.kv_cache_bits!r}")
+            raise ConfigError(
+                f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {self.kv_cache_bits!r}"
+            )
         if not isinstance(self.kv_group_size, int) or self.kv_group_size < 2:
-            raise ConfigError(f"kv_group_size must be an int >= 2 (32 or 128 are typical), got {self.kv_group_size!r}")
+            raise ConfigError(
+                f"kv_group_size must be an int >= 2 (32 or 128 are typical), got {self.kv_group_size!r}"
+            )
         from kvb_cache.tiers.config import TierConfig  # deferred: kvb_cache.tiers imports this module
 
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
-            raise ConfigError(f"tiers must be a kvb_cache.tiers.TierConfig or None, got {type(self.tiers).__name__}")
+            raise ConfigError(
+                f"tiers must be a kvb_cache.tiers.TierConfig or None, got {type(self.tiers).__name__}"
+            )

@@ -68,7 +68,9 @@ def embedded_model_path() -> str:
         raise ModelLoadError(f"Reading the embedded GGUF model needs the 'gguf' package: {INSTALL_HINT}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning("Converting the embedded SmolLM2-135M-Instruct GGUF to safetensors in %s (once, ~20 s)...", target)
+    logger.warning(
+        "Converting the embedded SmolLM2-135M-Instruct GGUF to safetensors in %s (once, ~20 s)...", target
+    )
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE)
     # The weights are already de-quantized to fp32; drop the GGUF quantizer so save_pretrained accepts them.

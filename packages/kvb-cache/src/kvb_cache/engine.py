@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -9,31 +10,36 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation
 from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
+from kvb_cache.core.build import build_loop
+from kvb_cache.core.engine_core import EngineCore
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
+from kvb_cache.core.request import Request
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.errors import ConfigError, InvalidRequestError
+from kvb_cache.detokenize import IncrementalDetokenizer
+from kvb_cache.emitter import Emitter
+from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.forward import prefill
 from kvb_cache.hashing import root_hash
-from kvb_cache.kv import assemble_cache
 from kvb_cache.live_quant import check_kv_cache_bits, is_live_quantized, quantize_live
 from kvb_cache.loading import load_model_and_tokenizer
-from kvb_cache.lookup import chunk_keys, match_prefix
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.prepared import NextTokenLogits, PreparedPrompt, Prompt
 from kvb_cache.request_checks import check_context, check_prefill_chunk_size, live_bits, tokenize_prompt
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
-from kvb_cache.sampling import SamplingParams
+from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
+from kvb_cache.stopping import StopStrings
 from kvb_cache.store import ChunkStore
-from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig, TieredStore, build_store
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig
 from kvb_cache.writeback import WritebackResult, write_back
 
 logger = logging.getLogger(__name__)
@@ -58,7 +64,7 @@ class KVBoost:
         tokenizer: PreTrainedTokenizerBase,
         *,
         config: EngineConfig | None = None,
-        store: ChunkStore | TieredStore | None = None,
+        store: ChunkStore | None = None,
         drafter: SpeculativeDecoder | None = None,
         model_name: str | None = None,
     ) -> None:
@@ -68,20 +74,33 @@ class KVBoost:
         self.traits = inspect_model(model)
         self.drafter = drafter
         if drafter is not None and not isinstance(drafter, SpeculativeDecoder):
-            raise TypeError("drafter must have a decode(model, cache, input_ids, next_logits, processor) method")
+            raise TypeError(
+                "drafter must have a decode(model, cache, input_ids, next_logits, processor) method"
+            )
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
         breaks = natural_break_ids(tokenizer) if self.config.boundary_window else frozenset()
         self.chunker = Chunker(self.config.chunk_size, self.config.boundary_window, breaks)
         self.fingerprint = model_fingerprint(model, self.config)
         self.root = root_hash(self.fingerprint)
-        # A plain ChunkStore for exact RAM-only caching; a TieredStore for kv_cache_bits 8/4 or disk/Redis tiers.
-        self.store = store if store is not None else build_store(self.config, fingerprint=self.fingerprint, root=self.root)
         self.counters = EngineCounters()
-        self.stitcher = Stitcher(
-            model, self.traits, self.store, self.root, self.config.stitching,
-            chunk_size=self.config.chunk_size, boundary_window=self.chunker.boundary_window,
-        )
         self._token_text: dict[int, str] = {}
+        # The paged pool is the RAM cache (cached chunks are cached blocks); disk/Redis tiers sit under it.
+        parts = build_loop(model, self.traits, self.config, root=self.root, fingerprint=self.fingerprint)
+        self.kv, self.tiers = parts.kv, parts.tiers
+        self.core = EngineCore(parts.scheduler, parts.kv, parts.runner, self, build_result=self._paged_result)
+        # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
+        # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
+        self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
+        self.stitcher = Stitcher(
+            model,
+            self.traits,
+            self.store,
+            self.root,
+            self.config.stitching,
+            chunk_size=self.config.chunk_size,
+            boundary_window=self.chunker.boundary_window,
+        )
+        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -103,6 +122,10 @@ class KVBoost:
         remote_codec: str | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 1024,
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
 
@@ -122,9 +145,13 @@ class KVBoost:
                 :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
             recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:
                 ``"none"``, ``"selective"`` or ``"cacheblend"``.
+            block_size, num_blocks, max_num_seqs, max_num_batched_tokens: the paged pool and the scheduler
+                (see :class:`EngineConfig`).
         """
         tiers = TierConfig(
-            disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes, remote_url=remote_url,
+            disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=disk_cache_bytes,
+            remote_url=remote_url,
             remote_codec=remote_codec,
         )
         if recompute_strategy is not None:
@@ -135,8 +162,17 @@ class KVBoost:
                 )
             stitching = stitching or StitchConfig(recompute_strategy=recompute_strategy)  # type: ignore[arg-type]
         config = EngineConfig(
-            chunk_size=chunk_size, stitching=stitching, boundary_window=boundary_window, max_cache_bytes=max_cache_bytes,
-            kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, tiers=tiers if tiers.enabled else None,
+            chunk_size=chunk_size,
+            stitching=stitching,
+            boundary_window=boundary_window,
+            max_cache_bytes=max_cache_bytes,
+            kv_cache_bits=kv_cache_bits,
+            kv_group_size=kv_group_size,
+            tiers=tiers if tiers.enabled else None,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         loaded = load_model_and_tokenizer(
             model_name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
@@ -170,65 +206,124 @@ class KVBoost:
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` rendered by the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this tokenizer has no chat template; send a plain prompt", param="messages")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            raise InvalidRequestError(
+                "this tokenizer has no chat template; send a plain prompt", param="messages"
+            )
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def warm(self, text: Prompt) -> WarmResult:
-        """Compute and store the KV of ``text`` (no generation), so later prompts starting with it hit."""
-        t0 = time.perf_counter()
-        ids = self._tokenize(text)
-        prepared = self._prepare(ids, max_reuse=len(ids))
-        if prepared.cached_tokens < len(ids):
-            with torch.inference_mode():
-                suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
-                positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
-                prefill(self.model, self.traits, prepared.cache, suffix, positions)
-        stored = self.store_sequence(ids, prepared.cache)
-        return WarmResult(
-            tokens=len(ids), chunks=stored.stored_chunks, new_chunks=stored.new_chunks,
-            already_cached_tokens=prepared.cached_tokens, elapsed_ms=(time.perf_counter() - t0) * 1e3,
-        )
+    # -- the engine loop ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+    ) -> RequestId:
+        """Queue a request; it joins the running batch at the next :meth:`step`.
 
-    def next_token_logits(self, prompt: Prompt) -> NextTokenLogits:
-        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt stored.
-
-        The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
+        Raises (synchronously, nothing queued): :class:`InvalidRequestError`, :class:`PromptTypeError`,
+        :class:`ContextLengthError` for bad input or a request larger than the pool.
         """
+        t0 = time.perf_counter()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
+        prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
+        bits = live_bits(check_kv_cache_bits(kv_cache_bits))
         ids = self._tokenize(prompt)
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
-        with torch.inference_mode():
-            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
-            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
-            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
-        self.store_sequence(prepared.storable(ids), prepared.cache)
-        return NextTokenLogits(
-            logits=logits, cached_tokens=prepared.served_tokens, prompt_tokens=len(ids),
-            recomputed_tokens=prepared.recomputed_tokens,
+        self._check_context(len(ids), params.max_new_tokens)
+        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        if self.core.scheduler.find(rid) is not None or rid in self.core.solo:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
+        speculative = self.drafter is not None and params.logprobs is None
+        if speculative or bits is not None or self.config.stitching is not None:
+            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
+            if speculative or bits is not None or prepared.served_tokens > prepared.cached_tokens:
+                prepared.prefill_chunk_size = prefill_chunk_size
+                self._apply_kv_bits(prepared, bits)
+                self.core.add_solo(rid, generation.run(self, prepared, params, t0))
+                return rid
+        if not self.kv.can_fit(len(ids) + params.max_new_tokens):
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more KV blocks than "
+                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens); raise num_blocks or "
+                "max_cache_bytes, or lower max_new_tokens",
+                prompt_tokens=len(ids),
+                max_new_tokens=params.max_new_tokens,
+                context_length=self.kv.pool.num_blocks * self.kv.block_size,
+            )
+        self.core.add(new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size))
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: new prefills (sliced to the token budget) and one token for every running
+        request. Returns at most one :class:`RequestOutput` per request that produced text or finished."""
+        return self.core.step()
+
+    def abort(self, request_id: RequestId | str) -> bool:
+        """Drop a request now (its blocks are released); False when it is unknown or already finished."""
+        return self.core.abort(RequestId(request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def paged_stats(self) -> PagedStats:
+        pool, sched = self.kv.pool, self.core.scheduler
+        return PagedStats(
+            block_size=pool.block_size,
+            blocks_total=pool.num_blocks,
+            blocks_used=pool.num_blocks - pool.num_free,
+            blocks_cached=pool.num_cached,
+            blocks_free=pool.num_free - pool.num_cached,
+            running=self.core.running,
+            waiting=len(sched.waiting),
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
+            preemptions=sched.preemptions,
+            steps=self.core.steps,
         )
 
+    # -- loops over the engine loop ----------------------------------------------------------------------
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
 
         Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
-        the iterator early stops generation and keeps the cache consistent.
+        the iterator early aborts the request (its computed KV stays cached).
         """
-        t0 = time.perf_counter()
-        prefill_chunk_size = check_prefill_chunk_size(sampling.pop("prefill_chunk_size", None))
-        kv_cache_bits = check_kv_cache_bits(sampling.pop("kv_cache_bits", None))
-        params = SamplingParams.build(**sampling)
-        ids = self._tokenize(prompt)
-        self._check_context(len(ids), params.max_new_tokens)
-        return self._run(ids, params, t0, prefill_chunk_size, kv_cache_bits)
+        prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
+        kv_cache_bits = sampling.pop("kv_cache_bits", None)
+        rid = self.add_request(
+            prompt,
+            SamplingParams.build(**sampling),
+            prefill_chunk_size=prefill_chunk_size,
+            kv_cache_bits=kv_cache_bits,
+        )
+        return self._follow(rid)
 
-    def _run(self, ids: list[int], params: SamplingParams, t0: float, prefill_chunk_size: int | None,
-             kv_cache_bits: int | None):
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
-        prepared.prefill_chunk_size = prefill_chunk_size
-        self._apply_kv_bits(prepared, kv_cache_bits)
-        yield from generation.run(self, prepared, params, t0)
+    def _follow(self, rid: RequestId) -> Iterator[StreamEvent]:
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id != rid:
+                        continue  # another caller's request sharing the loop: it collects its own
+                    done = out.finished
+                    yield StreamEvent(
+                        delta_text=out.delta_text,
+                        token_ids=out.token_ids,
+                        logprobs=out.logprobs,
+                        result=out.result,
+                    )
+        finally:
+            if not done:
+                self.abort(rid)
 
     def generate(
         self,
@@ -248,23 +343,30 @@ class KVBoost:
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
     ) -> GenerationResult:
-        """Generate a completion of ``prompt`` (a string, or token ids) reusing cached chunks.
+        """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
 
         ``temperature=0`` is greedy. ``stop`` strings end generation and are not included in the text.
         ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
         ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
         outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
         """
-        events = self.stream(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, stop=stop, seed=seed, logprobs=logprobs, ignore_eos=ignore_eos,
-            prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits,
+        params = SamplingParams.build(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            stop=stop,
+            seed=seed,
+            logprobs=logprobs,
+            ignore_eos=ignore_eos,
         )
-        for event in events:
-            if event.result is not None:
-                return event.result
-        raise AssertionError("stream ended without a result")
+        rid = self.add_request(
+            prompt, params, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits
+        )
+        return self._run_to_end([rid])[0]
 
     def generate_batch(
         self,
@@ -275,44 +377,93 @@ class KVBoost:
         kv_cache_bits: int | None = None,
         **common: Any,
     ) -> list[GenerationResult]:
-        """Generate for several prompts in padded forwards, each with its own sampling parameters.
+        """Generate for several prompts through the engine loop, each with its own sampling parameters.
 
         ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
-        :meth:`generate` returns for it alone (greedy: the same tokens). ``prefill_chunk_size`` and
-        ``kv_cache_bits`` apply to the whole batch (its rows share one cache).
+        :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
+        Every prompt is validated before any is queued.
         """
-        from kvb_cache.batch import run_batch
-
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
         if sampling is not None and len(sampling) != len(prompts):
             raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
+        params = [
+            SamplingParams.build(**{**common, **(sampling[i] if sampling else {})})
+            for i in range(len(prompts))
+        ]
+        for prompt, p in zip(prompts, params):
+            self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
+        ids = [
+            self.add_request(prompt, p, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits)
+            for prompt, p in zip(prompts, params)
+        ]
+        return self._run_to_end(ids)
+
+    def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
+        results: dict[RequestId, GenerationResult] = {}
+        try:
+            while len(results) < len(rids):
+                for out in self.step():
+                    if out.result is not None:
+                        results[out.request_id] = out.result
+        finally:
+            for rid in rids:
+                if rid not in results:
+                    self.abort(rid)
+        return [results[rid] for rid in rids]
+
+    def warm(self, text: Prompt) -> WarmResult:
+        """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit."""
         t0 = time.perf_counter()
-        prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
-        kv_cache_bits = check_kv_cache_bits(kv_cache_bits)
-        params = [SamplingParams.build(**{**common, **(sampling[i] if sampling else {})}) for i in range(len(prompts))]
-        ids = [self._tokenize(p) for p in prompts]
-        for row, p in zip(ids, params):
-            self._check_context(len(row), p.max_new_tokens)
-        prepared = [self._prepare(row, max_reuse=len(row) - 1) for row in ids]
-        for p in prepared:
-            p.prefill_chunk_size = prefill_chunk_size
-        return run_batch(self, prepared, params, t0, kv_cache_bits=live_bits(kv_cache_bits))
+        ids = self._tokenize(text)
+        already = self.kv.cached_prefix_len(_Probe(ids), len(ids)) if self.kv.caching else 0
+        # One generated token makes the loop compute every prompt token (the sampled one is discarded).
+        self._run_to_end([self.add_request(ids, SamplingParams(max_new_tokens=1))])
+        chunks = sum(span.complete for span in self.chunker.split(ids))
+        done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
+        return WarmResult(
+            tokens=len(ids),
+            chunks=chunks,
+            new_chunks=chunks - done,
+            already_cached_tokens=already,
+            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+        )
+
+    def next_token_logits(self, prompt: Prompt) -> NextTokenLogits:
+        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached.
+
+        The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
+        """
+        ids = self._tokenize(prompt)
+        if self.config.stitching is not None:
+            return self._stitched_logits(ids)
+        rid = RequestId(f"logits-{next(self._ids)}")
+        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), time.perf_counter())
+        req.capture_logits = True
+        self.core.add(req)
+        result = self._run_to_end([rid])[0]
+        return NextTokenLogits(
+            logits=req.last_logits, cached_tokens=result.cached_tokens, prompt_tokens=len(ids)
+        )
 
     def cache_stats(self) -> dict[str, Any]:
-        """Store and reuse counters (JSON-safe)."""
-        store = self.store.stats()
-        return {
-            "entries": store.entries,
-            "bytes": store.bytes,
-            "max_bytes": store.max_bytes,
-            "inserts": store.inserts,
-            "evictions": store.evictions,
-            "rejected": store.rejected,
+        """Pool, reuse and tier counters (JSON-safe)."""
+        paged = self.paged_stats()
+        stats = {
+            "entries": paged.blocks_used + paged.blocks_cached,
+            "bytes": (paged.blocks_used + paged.blocks_cached) * self._block_bytes,
+            "max_bytes": paged.blocks_total * self._block_bytes,
+            "inserts": self.kv.pool.registrations,
+            "evictions": self.kv.pool.evictions,
+            "block_size": paged.block_size,
             "chunk_size": self.config.chunk_size,
             **self.counters.as_dict(),
+            "paged": paged.as_dict(),
             "stitching": self.stitcher.stats(),
         }
+        if self.tiers is not None:
+            stats["tiers"] = [t.as_dict() for t in self.tiers.stats()]
+        return stats
 
     def verify_correctness(
         self, prompts: Sequence[Prompt] | None = None, *, new_tokens: int = 16
@@ -324,51 +475,207 @@ class KVBoost:
         return verify_correctness(self, prompts, new_tokens=new_tokens)
 
     def clear_cache(self) -> None:
+        """Forget every cached block (RAM); lower tiers keep their records."""
+        self.kv.clear()
         self.store.clear()
 
+    def flush(self) -> None:
+        """Wait until queued tier writes reached disk/Redis."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
     # ----------------------------------------------------------------------------------- internals
+    @property
+    def _block_bytes(self) -> int:
+        storage = self.kv.storage
+        return sum(
+            k[:, : storage.block_size].nbytes + v[:, : storage.block_size].nbytes
+            for k, v in zip(storage.keys, storage.values)
+        )
+
     def _tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize_prompt(self.tokenizer, self.model, prompt)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         check_context(self.context_length, prompt_tokens, max_new_tokens)
 
+    def _paged_result(self, req: Request) -> GenerationResult:
+        cached = req.cached_tokens or 0
+        chunks = generation.chunk_hits(req.spans, cached)
+        result = GenerationResult(
+            output_text=req.emitter.text,
+            output_ids=list(req.output_ids),
+            prompt_tokens=req.prompt_len,
+            cached_tokens=cached,
+            ttft_ms=req.ttft_ms,
+            total_ms=(time.perf_counter() - req.arrival) * 1e3,
+            finish_reason=req.emitter.finish or "length",
+            chunks=chunks,
+            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
+            stop_reason=req.emitter.stop_reason,
+        )
+        self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
+        self.record_request(result)
+        if self.config.stitching is not None:
+            self._store_chunks(req)
+        return result
+
+    def _store_chunks(self, req: Request) -> None:
+        """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
+        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+        probe = _Probe(ids)
+        hit = self.kv.admit(probe, max_tokens=len(ids))
+        try:
+            if hit.tokens == len(ids):
+                slots = self.kv.slots(probe, len(ids))
+                write_back(
+                    self.store,
+                    self.chunker,
+                    self.root,
+                    ids,
+                    dense_cache(self.kv.storage.read(slots)),
+                    num_layers=self.traits.num_layers,
+                    store_partial_tail=self.config.store_partial_tail,
+                )
+        finally:
+            self.kv.free(probe)
+
     def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
-        """Look up and assemble the cached KV of ``ids``; ``stitch`` also reuses non-prefix chunks (when
-        ``config.stitching`` is set; :meth:`warm` never stitches: it stores exact KV only)."""
+        """The cached prefix of ``ids`` as a private ``DynamicCache`` (solo requests); ``stitch`` also reuses
+        non-prefix chunks (when ``config.stitching`` is set)."""
         spans = tuple(self.chunker.split(ids))
-        keys = chunk_keys(self.root, ids, spans)
-        match = match_prefix(self.store, self.root, ids, keys, max_tokens=max_reuse)
-        self.counters.record_lookup(match, total_chunks=len(spans))
-        cache = assemble_cache(match.pieces, self.traits.num_layers)
+        probe = _Probe(ids)
+        hit = self.kv.admit(probe, max_tokens=max_reuse)
+        try:
+            kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
+        finally:
+            self.kv.free(probe)
+        cache = dense_cache(kv) if kv is not None else DynamicCache()
         prepared = PreparedPrompt(
-            ids=ids, spans=spans, cache=cache, cached_tokens=match.cached_tokens,
-            chunks=generation.chunk_hits(spans, match.cached_tokens),
+            ids=ids,
+            spans=spans,
+            cache=cache,
+            cached_tokens=hit.tokens,
+            chunks=generation.chunk_hits(spans, hit.tokens),
         )
         if stitch:
             self.stitcher.extend(prepared, max_reuse=max_reuse)
         return prepared
 
-    def _apply_kv_bits(self, prepared: PreparedPrompt, kv_cache_bits: int | None) -> None:
+    def _stitched_logits(self, ids: list[int]) -> NextTokenLogits:
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
+        with torch.inference_mode():
+            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
+            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
+            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
+        self.store_sequence(prepared.storable(ids), prepared.cache)
+        return NextTokenLogits(
+            logits=logits,
+            cached_tokens=prepared.served_tokens,
+            prompt_tokens=len(ids),
+            recomputed_tokens=prepared.recomputed_tokens,
+        )
+
+    def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
         """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
-        bits = live_bits(kv_cache_bits)
         if bits is not None:
             prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
 
-    def store_sequence(self, ids: Sequence[int], cache: Cache, *, row: int = 0, offset: int = 0) -> WritebackResult:
-        """Store the chunks of ``ids`` from ``cache`` (see :func:`kvb_cache.writeback.write_back`).
+    def store_sequence(self, ids: Sequence[int], cache: Cache) -> WritebackResult:
+        """Cache the KV of ``ids`` held in ``cache`` positions ``[0, len(ids))`` (batch row 0) in the pool.
 
-        A live-quantized cache (``kv_cache_bits`` 8/4) is never stored. Its KV is approximate, so under the
-        engine's prefix keys it would turn later exact hits into approximate ones; a separate codec namespace
-        would only serve requests with the same override, and writing back copies every new chunk exactly
-        when the planner chose quantization because memory is short.
+        A live-quantized cache (``kv_cache_bits`` 8/4) is never stored: its KV is approximate, so under the
+        engine's prefix keys it would turn later exact hits into approximate ones.
         """
-        if is_live_quantized(cache):
+        ids = list(ids)
+        if is_live_quantized(cache) or not ids or not self.kv.caching:
             return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
-        return write_back(
-            self.store, self.chunker, self.root, ids, cache, num_layers=self.traits.num_layers, row=row, offset=offset,
-            store_partial_tail=self.config.store_partial_tail,
+        length = {layer.get_seq_length() for layer in cache.layers}
+        if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
+            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+        probe = _Probe(ids)
+        hit = self.kv.admit(probe, max_tokens=len(ids))
+        try:
+            if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
+                layers = [
+                    (layer.keys[:1, :, hit.tokens : len(ids)], layer.values[:1, :, hit.tokens : len(ids)])
+                    for layer in cache.layers
+                ]
+                self.kv.storage.write(self.kv.slots(probe, len(ids))[hit.tokens :], layers)
+                probe.num_computed = len(ids)
+                self.kv.commit(probe)
+        finally:
+            self.kv.free(probe)
+        if self.config.stitching is not None:
+            write_back(
+                self.store,
+                self.chunker,
+                self.root,
+                ids,
+                cache,
+                num_layers=self.traits.num_layers,
+                store_partial_tail=self.config.store_partial_tail,
+            )
+        complete = sum(span.complete for span in self.chunker.split(ids))
+        done = sum(span.complete and span.end <= hit.tokens for span in self.chunker.split(ids))
+        return WritebackResult(
+            stored_chunks=complete,
+            new_chunks=complete - done,
+            partial_tail=bool(ids) and not self.chunker.split(ids)[-1].complete,
         )
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
+
+
+def _Probe(ids: Sequence[int]) -> Request:  # noqa: N802 - reads as a type: a throwaway request for lookups
+    """A request that only looks up or stores KV (no sampling state)."""
+    return Request(
+        request_id=RequestId("probe"),
+        tokens=list(ids),
+        prompt_len=len(ids),
+        params=_GREEDY,
+        processor=None,
+        emitter=None,
+        arrival=0.0,
+    )  # type: ignore[arg-type]
+
+
+_GREEDY = SamplingParams(max_new_tokens=1)
+
+
+def new_request(
+    engine: KVBoost,
+    rid: RequestId,
+    ids: list[int],
+    params: SamplingParams,
+    t0: float,
+    *,
+    prefill_chunk_size: int | None = None,
+) -> Request:
+    """A loop request with its sampling processor and text emitter."""
+    emitter = Emitter(
+        detok=IncrementalDetokenizer(engine.tokenizer),
+        stops=StopStrings(params.stop),
+        eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
+        max_new=params.max_new_tokens,
+    )
+    return Request(
+        request_id=rid,
+        tokens=list(ids),
+        prompt_len=len(ids),
+        params=params,
+        processor=RequestProcessor(params, prompt_len=len(ids), device=engine.device),
+        emitter=emitter,
+        arrival=t0,
+        prefill_chunk_size=prefill_chunk_size,
+        spans=tuple(engine.chunker.split(ids)),
+    )
+
+
+def dense_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A ``DynamicCache`` holding ``layers`` (``[1, kv_heads, seq, dim]`` each) without another copy."""
+    cache = DynamicCache([(k[:, :, :0], v[:, :, :0]) for k, v in layers])
+    for layer, (k, v) in zip(cache.layers, layers):
+        layer.keys, layer.values = k, v
+    return cache

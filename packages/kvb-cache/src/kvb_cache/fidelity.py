@@ -68,13 +68,21 @@ def default_prompts(words_per_doc: int = 120) -> list[str]:
     """Four RAG prompts over the same four stdlib documents in rotated orders (each spans several chunks)."""
     from pydoc_data.topics import topics
 
-    docs = [f"Document ({name}):\n" + " ".join(topics[name].split()[:words_per_doc]) + "\n\n" for name in _DEFAULT_TOPICS]
+    docs = [
+        f"Document ({name}):\n" + " ".join(topics[name].split()[:words_per_doc]) + "\n\n"
+        for name in _DEFAULT_TOPICS
+    ]
     questions = (
-        "Question: which statement binds names?", "Question: how are errors handled?",
-        "Question: how do loops iterate?", "Question: what does a context manager do?",
+        "Question: which statement binds names?",
+        "Question: how are errors handled?",
+        "Question: how do loops iterate?",
+        "Question: what does a context manager do?",
     )
     n = len(docs)
-    return [_SYSTEM + "".join(docs[(i + j) % n] for j in range(n)) + q + "\nAnswer:" for i, q in enumerate(questions)]
+    return [
+        _SYSTEM + "".join(docs[(i + j) % n] for j in range(n)) + q + "\nAnswer:"
+        for i, q in enumerate(questions)
+    ]
 
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -87,7 +95,9 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
 def _no_cache(model, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     input_ids = torch.tensor([ids], device=model.device)
     first = model(input_ids).logits[0, -1]
-    out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        input_ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     return first, out[0, len(ids) :].tolist()
 
 
@@ -107,12 +117,16 @@ def verify_correctness(
         cached = engine.next_token_logits(ids)
         out = engine.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
         same = [a == b for a, b in zip(out.output_ids, ref_tokens)]
-        rows.append(PromptFidelity(
-            prompt_tokens=len(ids), reuse_ratio=cached.cached_tokens / len(ids),
-            recomputed_tokens=cached.recomputed_tokens,
-            max_abs_logit_diff=float((cached.logits.float() - ref_logits.float()).abs().max()),
-            kl=kl_divergence(ref_logits, cached.logits),
-            top1_agrees=int(cached.logits.argmax()) == int(ref_logits.argmax()),
-            greedy_agreement=sum(same) / new_tokens, identical=out.output_ids == ref_tokens,
-        ))
+        rows.append(
+            PromptFidelity(
+                prompt_tokens=len(ids),
+                reuse_ratio=cached.cached_tokens / len(ids),
+                recomputed_tokens=cached.recomputed_tokens,
+                max_abs_logit_diff=float((cached.logits.float() - ref_logits.float()).abs().max()),
+                kl=kl_divergence(ref_logits, cached.logits),
+                top1_agrees=int(cached.logits.argmax()) == int(ref_logits.argmax()),
+                greedy_agreement=sum(same) / new_tokens,
+                identical=out.output_ids == ref_tokens,
+            )
+        )
     return CorrectnessReport(prompts=tuple(rows), new_tokens=new_tokens)

@@ -61,6 +61,10 @@ def decode_step(
 ) -> torch.Tensor:
     """Feed one token per row (``tokens``/``positions`` ``[B, 1]``); return ``[B, V]`` next-token logits."""
     out = model(
-        input_ids=tokens, position_ids=positions, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+        input_ids=tokens,
+        position_ids=positions,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
     )
     return out.logits[:, -1]

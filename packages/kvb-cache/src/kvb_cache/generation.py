@@ -69,10 +69,14 @@ def token_logprob(engine: KVBoost, logits: torch.Tensor, token: int, top: int) -
     if top:
         values, indices = torch.topk(logp, top)
         alternatives = tuple((int(i), engine.token_text(int(i)), float(v)) for v, i in zip(values, indices))
-    return TokenLogprob(token_id=token, token=engine.token_text(token), logprob=float(logp[token]), top=alternatives)
+    return TokenLogprob(
+        token_id=token, token=engine.token_text(token), logprob=float(logp[token]), top=alternatives
+    )
 
 
-def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: float) -> Iterator[StreamEvent]:
+def run(
+    engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: float
+) -> Iterator[StreamEvent]:
     """Generate for one prompt; yields text deltas, then a final event carrying the result."""
     ids = prepared.ids
     n = len(ids)
@@ -82,8 +86,10 @@ def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: f
     hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
     processor = RequestProcessor(params, prompt_len=n, device=device)
     emitter = _Emitter(
-        detok=IncrementalDetokenizer(engine.tokenizer), stops=StopStrings(params.stop),
-        eos=frozenset() if params.ignore_eos else engine.eos_token_ids, max_new=params.max_new_tokens,
+        detok=IncrementalDetokenizer(engine.tokenizer),
+        stops=StopStrings(params.stop),
+        eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
+        max_new=params.max_new_tokens,
     )
     out: list[int] = []
     logprobs: list[TokenLogprob] = []
@@ -116,7 +122,9 @@ def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: f
                 delta = emitter.push(token, len(out))
                 if delta or emitter.finish:
                     yield StreamEvent(
-                        delta_text=delta, token_ids=(token,), logprobs=tuple(logprobs[-1:]) if logprobs else ()
+                        delta_text=delta,
+                        token_ids=(token,),
+                        logprobs=tuple(logprobs[-1:]) if logprobs else (),
                     )
                 elif params.logprobs is not None:
                     yield StreamEvent(delta_text="", token_ids=(token,), logprobs=(logprobs[-1],))
@@ -124,15 +132,21 @@ def run(engine: KVBoost, prepared: PreparedPrompt, params: SamplingParams, t0: f
                     break
                 if tokens is None:
                     pos = torch.tensor([[n + len(out) - 1]], device=device)
-                    logits = decode_step(engine.model, cache, hist[n + len(out) - 1 : n + len(out)].unsqueeze(0), pos)[0]
+                    logits = decode_step(
+                        engine.model, cache, hist[n + len(out) - 1 : n + len(out)].unsqueeze(0), pos
+                    )[0]
             if tokens is not None:
                 tokens.close()
         stored = True
-        engine.store_sequence(prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache)
+        engine.store_sequence(
+            prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache
+        )
     finally:
         if not stored:
             # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
-            engine.store_sequence(prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache)
+            engine.store_sequence(
+                prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache
+            )
     result = GenerationResult(
         output_text=emitter.text,
         output_ids=out,

@@ -42,7 +42,9 @@ def assemble_cache(pieces: Sequence[tuple[ChunkEntry, int]], num_layers: int) ->
     return cache
 
 
-def batch_cache(rows: Sequence[DynamicCache | None], lengths: Sequence[int], num_layers: int, like: torch.Tensor) -> DynamicCache:
+def batch_cache(
+    rows: Sequence[DynamicCache | None], lengths: Sequence[int], num_layers: int, like: torch.Tensor
+) -> DynamicCache:
     """Stack per-row caches into one batch cache, left-padding each row to the longest (pads are masked).
 
     Args:
@@ -72,4 +74,6 @@ def slice_kv(cache: Cache, start: int, end: int, *, row: int = 0) -> LayerKV:
     """Copy positions ``[start, end)`` of batch row ``row`` out of ``cache`` (contiguous, batch dim 1);
     live-quantized layers are dequantized first."""
     kv = [layer_kv(layer) for layer in cache.layers]
-    return tuple((k[row : row + 1, :, start:end].clone(), v[row : row + 1, :, start:end].clone()) for k, v in kv)
+    return tuple(
+        (k[row : row + 1, :, start:end].clone(), v[row : row + 1, :, start:end].clone()) for k, v in kv
+    )

@@ -58,10 +58,16 @@ class KiviLiveLayer(QuantizedLayer):
     full keys/values back (:meth:`dense`).
     """
 
-    def __init__(self, *, bits: int, group_size: int = LIVE_GROUP_SIZE,
-                 residual_length: int = LIVE_RESIDUAL_TOKENS) -> None:
-        super().__init__(nbits=bits, axis_key=_KEY_AXIS, axis_value=_VALUE_AXIS, q_group_size=group_size,
-                         residual_length=residual_length)
+    def __init__(
+        self, *, bits: int, group_size: int = LIVE_GROUP_SIZE, residual_length: int = LIVE_RESIDUAL_TOKENS
+    ) -> None:
+        super().__init__(
+            nbits=bits,
+            axis_key=_KEY_AXIS,
+            axis_value=_VALUE_AXIS,
+            q_group_size=group_size,
+            residual_length=residual_length,
+        )
         self.cumulative_length = 0
         self._codec = KiviCodec(bits=bits, group_size=group_size)
 
@@ -191,7 +197,9 @@ def check_kv_cache_bits(value: object) -> int | None:
     Raises:
         InvalidRequestError: anything else, naming ``kv_cache_bits``.
     """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (16, *LIVE_QUANT_BITS)):
+    if value is None or (
+        isinstance(value, int) and not isinstance(value, bool) and value in (16, *LIVE_QUANT_BITS)
+    ):
         return value  # type: ignore[return-value]
     raise InvalidRequestError(
         f"kv_cache_bits must be 16 (KV as computed), 8 or 4 (KIVI-quantized live KV) or None (engine default), "

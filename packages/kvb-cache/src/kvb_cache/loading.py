@@ -11,9 +11,13 @@ from kvb_cache.embedded import is_embedded_name, resolve_model_path
 from kvb_cache.errors import ConfigError, ModelLoadError
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -66,9 +70,13 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        hint = "" if is_embedded_name(name_or_path) else (
-            " Pass a local folder with config.json and weights, a hub id already in your local Hugging Face "
-            "cache, or 'smollm2-135m' for the embedded model."
+        hint = (
+            ""
+            if is_embedded_name(name_or_path)
+            else (
+                " Pass a local folder with config.json and weights, a hub id already in your local Hugging Face "
+                "cache, or 'smollm2-135m' for the embedded model."
+            )
         )
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}.{hint}") from exc
     model.to(torch_device)

@@ -67,7 +67,9 @@ def match_prefix(
     pieces: list[tuple[ChunkEntry, int]] = []
     parent, covered, exact = root, 0, 0
     # One batched fetch of the chain from lower tiers (one Redis MGET) instead of a round trip per chunk.
-    store.prefetch([key for span, key in zip(keys.spans, keys.prefix) if span.complete and span.end <= max_tokens])
+    store.prefetch(
+        [key for span, key in zip(keys.spans, keys.prefix) if span.complete and span.end <= max_tokens]
+    )
     for span, key in zip(keys.spans, keys.prefix):
         if not span.complete or span.end > max_tokens:
             break
@@ -94,6 +96,9 @@ def match_prefix(
         if span.start >= covered and span.complete and key not in store and store.by_content(content):
             content_hits += 1
     return PrefixMatch(
-        pieces=tuple(pieces), cached_tokens=covered, exact_chunks=exact, partial_tokens=partial,
+        pieces=tuple(pieces),
+        cached_tokens=covered,
+        exact_chunks=exact,
+        partial_tokens=partial,
         content_hits=content_hits,
     )

@@ -47,12 +47,20 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
         raise UnsupportedModelError(f"cannot tell how many decoder layers {type(model).__name__} has")
-    context = next((getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None)
-    sliding = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types or not layer_types else None
+    context = next(
+        (getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None
+    )
+    sliding = (
+        getattr(config, "sliding_window", None)
+        if "sliding_attention" in layer_types or not layer_types
+        else None
+    )
     if sliding:
         logger.info(
             "%s uses sliding-window attention (window %d): the engine keeps full KV for every layer and lets "
-            "the model's sliding mask limit attention, so reuse stays exact.", type(model).__name__, sliding,
+            "the model's sliding mask limit attention, so reuse stays exact.",
+            type(model).__name__,
+            sliding,
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     absolute = rope is None and hasattr(config, "n_positions")

@@ -114,15 +114,27 @@ def decode_record(data: bytes, fmt: RecordFormat) -> ChunkEntry:
         _check(any(n.startswith(f"{layer}.k") for n in tensors), f"layer {layer} keys missing")
         _check(any(n.startswith(f"{layer}.v") for n in tensors), f"layer {layer} values missing")
     encoded = EncodedKV(
-        codec=fmt.codec, tensors=tensors, num_layers=num_layers, num_tokens=num_tokens, dtype=_DTYPES[meta["dtype"]]
+        codec=fmt.codec,
+        tensors=tensors,
+        num_layers=num_layers,
+        num_tokens=num_tokens,
+        dtype=_DTYPES[meta["dtype"]],
     )
     kv: tuple = ()
     if isinstance(fmt.codec, DenseCodec):
         kv = tuple(tuple(encoded.layer(i)) for i in range(num_layers))
-        _check(all(k.shape[2] == num_tokens and v.shape[2] == num_tokens for k, v in kv), "KV length != tokens")
+        _check(
+            all(k.shape[2] == num_tokens and v.shape[2] == num_tokens for k, v in kv), "KV length != tokens"
+        )
     return ChunkEntry(
-        key=key, parent=parent, content=content, token_ids=token_ids, start=int(meta["start"]),
-        complete=meta["complete"] == "1", kv=kv, encoded=None if kv else encoded,
+        key=key,
+        parent=parent,
+        content=content,
+        token_ids=token_ids,
+        start=int(meta["start"]),
+        complete=meta["complete"] == "1",
+        kv=kv,
+        encoded=None if kv else encoded,
     )
 
 

@@ -14,7 +14,9 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
         if not prompt:
             raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
         ids = list(prompt)
         vocab = model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in ids):
@@ -32,7 +34,9 @@ def check_context(limit: int | None, prompt_tokens: int, max_new_tokens: int) ->
         raise ContextLengthError(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
             f"of {limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_tokens, 0)}",
-            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, context_length=limit,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=max_new_tokens,
+            context_length=limit,
         )
 
 
@@ -40,7 +44,8 @@ def check_prefill_chunk_size(value: object) -> int | None:
     """``value`` when it is a positive int or None (the whole suffix in one forward); else a typed error."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InvalidRequestError(
-            f"prefill_chunk_size must be a positive int (e.g. 512) or None, got {value!r}", param="prefill_chunk_size"
+            f"prefill_chunk_size must be a positive int (e.g. 512) or None, got {value!r}",
+            param="prefill_chunk_size",
         )
     return value  # type: ignore[return-value]
 

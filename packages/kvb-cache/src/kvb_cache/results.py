@@ -80,7 +80,11 @@ class GenerationResult:
     def decode_tokens_per_s(self) -> float:
         """Generated tokens after the first, per second of decode time."""
         decode_ms = self.total_ms - self.ttft_ms
-        return (len(self.output_ids) - 1) / (decode_ms / 1e3) if decode_ms > 0 and len(self.output_ids) > 1 else 0.0
+        return (
+            (len(self.output_ids) - 1) / (decode_ms / 1e3)
+            if decode_ms > 0 and len(self.output_ids) > 1
+            else 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -79,29 +79,40 @@ class KeyRepositioner:
     def for_model(cls, model: PreTrainedModel, *, absolute_positions: bool) -> KeyRepositioner:
         name = type(model).__name__
         if absolute_positions:
-            return cls(support=RepositionSupport(
-                supported=False,
-                reason=f"{name} uses absolute position embeddings: cached KV cannot be moved to a new position",
-            ))
+            return cls(
+                support=RepositionSupport(
+                    supported=False,
+                    reason=f"{name} uses absolute position embeddings: cached KV cannot be moved to a new position",
+                )
+            )
         rotary, apply_fn = _rotary_module(model), _apply_function(model)
         if rotary is None or apply_fn is None:
-            return cls(support=RepositionSupport(
-                supported=False,
-                reason=f"{name} has no standard rotary embedding module / apply_rotary_pos_emb to re-position keys with",
-            ))
+            return cls(
+                support=RepositionSupport(
+                    supported=False,
+                    reason=f"{name} has no standard rotary embedding module / apply_rotary_pos_emb to re-position keys with",
+                )
+            )
         rope_type = getattr(rotary, "rope_type", "default")
         per_type = isinstance(rope_type, dict)
         kinds = set(rope_type.values()) if per_type else {rope_type}
         if kinds & _LENGTH_DEPENDENT:
-            return cls(support=RepositionSupport(
-                supported=False,
-                reason=f"{name} uses {sorted(kinds & _LENGTH_DEPENDENT)} RoPE whose frequencies depend on the "
-                "request length; stored keys cannot be re-rotated reliably",
-            ))
+            return cls(
+                support=RepositionSupport(
+                    supported=False,
+                    reason=f"{name} uses {sorted(kinds & _LENGTH_DEPENDENT)} RoPE whose frequencies depend on the "
+                    "request length; stored keys cannot be re-rotated reliably",
+                )
+            )
         config = model.config.get_text_config(decoder=True)
         num_layers = int(config.num_hidden_layers)
         layer_types = tuple(config.layer_types) if per_type else (None,) * num_layers
-        return cls(support=RepositionSupport(supported=True), rotary=rotary, apply_fn=apply_fn, layer_types=layer_types)
+        return cls(
+            support=RepositionSupport(supported=True),
+            rotary=rotary,
+            apply_fn=apply_fn,
+            layer_types=layer_types,
+        )
 
     def _cos_sin(
         self, delta: torch.Tensor, layer_type: str | None, dtype: torch.dtype

@@ -70,7 +70,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an int or None")
         if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "must be None or an int in [0, 20]")
 
@@ -84,7 +86,9 @@ class SamplingParams:
         elif isinstance(stop, (list, tuple)):
             stops = tuple(stop)
         else:
-            raise PromptTypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop")
+            raise PromptTypeError(
+                f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop"
+            )
         return cls(stop=stops, **fields)
 
     @property
@@ -139,7 +143,11 @@ class RequestProcessor:
             generated = history[self.prompt_len :]
             if generated.numel():
                 counts = torch.bincount(generated, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores)
-                scores = scores - self.params.frequency_penalty * counts - self.params.presence_penalty * (counts > 0)
+                scores = (
+                    scores
+                    - self.params.frequency_penalty * counts
+                    - self.params.presence_penalty * (counts > 0)
+                )
         if self._processors:
             scores = self._processors(history.unsqueeze(0), scores)
         return scores[0]

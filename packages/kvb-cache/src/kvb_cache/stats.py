@@ -35,6 +35,17 @@ class EngineCounters:
             self.partial_tokens += match.partial_tokens
             self.content_only_hits += match.content_hits
 
+    def record_chunks(self, chunks, *, partial_tokens: int) -> None:
+        """One lookup of the engine loop, described by its prompt's :class:`~kvb_cache.results.ChunkHit` s."""
+        from kvb_cache.results import HitKind
+
+        with self._lock:
+            self.lookups += 1
+            self.chunks_total += len(chunks)
+            self.exact_chunk_hits += sum(c.kind is HitKind.EXACT for c in chunks)
+            self.partial_hits += sum(c.kind is HitKind.PARTIAL for c in chunks)
+            self.partial_tokens += partial_tokens
+
     def record_result(self, result: GenerationResult) -> None:
         with self._lock:
             self.requests += 1

@@ -40,9 +40,13 @@ class StitchConfig:
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in _STRATEGIES:
-            raise ConfigError(f"recompute_strategy must be one of {_STRATEGIES}, got {self.recompute_strategy!r}")
+            raise ConfigError(
+                f"recompute_strategy must be one of {_STRATEGIES}, got {self.recompute_strategy!r}"
+            )
         if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ConfigError(f"recompute_ratio must be a fraction in [0, 1] (e.g. 0.15), got {self.recompute_ratio!r}")
+            raise ConfigError(
+                f"recompute_ratio must be a fraction in [0, 1] (e.g. 0.15), got {self.recompute_ratio!r}"
+            )
         for name in ("check_layer", "overlap_k", "sink_tokens", "min_reuse_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -121,7 +121,9 @@ class Stitcher:
         self.config = config
         self.mover = KeyRepositioner.for_model(model, absolute_positions=traits.absolute_positions)
         self.layout = RecomputeLayout.for_model(model, traits.sliding_window)
-        self.lengths = sorted(range(chunk_size - boundary_window, chunk_size + boundary_window + 1), reverse=True)
+        self.lengths = sorted(
+            range(chunk_size - boundary_window, chunk_size + boundary_window + 1), reverse=True
+        )
         self.counters = StitchCounters()
         if config is not None and not self.mover.support.supported:
             logger.warning("non-prefix reuse declined: %s", self.mover.support.reason)
@@ -150,7 +152,10 @@ class Stitcher:
         cfg = self.config
         ids, prefix = prepared.ids, prepared.cached_tokens
         pieces = [
-            p for p in find_pieces(self.store, self.root, ids, start=prefix, stop=max_reuse, lengths=self.lengths)
+            p
+            for p in find_pieces(
+                self.store, self.root, ids, start=prefix, stop=max_reuse, lengths=self.lengths
+            )
             if p.end - p.start >= cfg.min_reuse_tokens
         ]
         if not pieces:
@@ -167,12 +172,20 @@ class Stitcher:
             repaired: list[int] = []
         elif strategy == "selective":
             repaired = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
-            recompute_tokens(self.model, layers, ids, torch.tensor(sorted(set(gaps) | set(repaired))), self.layout)
+            recompute_tokens(
+                self.model, layers, ids, torch.tensor(sorted(set(gaps) | set(repaired))), self.layout
+            )
         else:
             seams = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
             repaired = cacheblend_repair(
-                self.model, layers, ids, stitched=stitched, forced=sorted(set(gaps) | set(seams)),
-                layout=self.layout, recompute_ratio=cfg.recompute_ratio, check_layer=cfg.check_layer,
+                self.model,
+                layers,
+                ids,
+                stitched=stitched,
+                forced=sorted(set(gaps) | set(seams)),
+                layout=self.layout,
+                recompute_ratio=cfg.recompute_ratio,
+                check_layer=cfg.check_layer,
             )
         for cache_layer, (keys, values) in zip(prepared.cache.layers, layers):
             cache_layer.keys, cache_layer.values = keys, values
@@ -182,7 +195,9 @@ class Stitcher:
     def _assemble(self, cache: DynamicCache, pieces: list[StitchedPiece], prefix: int, end: int):
         """Per layer ``[keys, values]`` covering positions ``[0, end)``: the exact prefix, re-positioned pieces,
         zeros for the gaps (overwritten by the recompute forward before anything attends to them)."""
-        moved = [self.mover.reposition(_dense_kv(piece.entry), piece.entry.start, piece.start) for piece in pieces]
+        moved = [
+            self.mover.reposition(_dense_kv(piece.entry), piece.entry.start, piece.start) for piece in pieces
+        ]
         first = moved[0]
         layers = []
         for layer, (k0, v0) in enumerate(first):
@@ -214,10 +229,15 @@ class Stitcher:
             if piece.start > cursor:
                 hits.append(ChunkHit(start=cursor, end=piece.start, kind=HitKind.MISS, cached_tokens=0))
             count = sum(1 for p in range(piece.start, piece.end) if p in repaired)
-            hits.append(ChunkHit(
-                start=piece.start, end=piece.end, kind=HitKind.STITCHED, cached_tokens=piece.end - piece.start,
-                recomputed_tokens=count,
-            ))
+            hits.append(
+                ChunkHit(
+                    start=piece.start,
+                    end=piece.end,
+                    kind=HitKind.STITCHED,
+                    cached_tokens=piece.end - piece.start,
+                    recomputed_tokens=count,
+                )
+            )
             cursor = piece.end
         if cursor < len(prepared.ids):
             hits.append(ChunkHit(start=cursor, end=len(prepared.ids), kind=HitKind.MISS, cached_tokens=0))

@@ -61,8 +61,12 @@ def write_back(
             break
         if key not in store:
             entry = ChunkEntry(
-                key=key, parent=parent, content=content, token_ids=tuple(ids[span.start : span.end]),
-                kv=slice_kv(cache, offset + span.start, offset + span.end, row=row), start=span.start,
+                key=key,
+                parent=parent,
+                content=content,
+                token_ids=tuple(ids[span.start : span.end]),
+                kv=slice_kv(cache, offset + span.start, offset + span.end, row=row),
+                start=span.start,
                 complete=span.complete,
             )
             if not store.put(entry, root=root):

@@ -40,7 +40,9 @@ class AbsmaxInt8Codec:
             pad = -t % g
             if pad:
                 keys = torch.cat([keys, keys[:, :, -1:].expand(b, h, pad, d)], dim=2)
-            out[f"{k_name}.q"], out[f"{k_name}.scale"] = _absmax(keys.reshape(b, h, (t + pad) // g, g, d), dim=3)
+            out[f"{k_name}.q"], out[f"{k_name}.scale"] = _absmax(
+                keys.reshape(b, h, (t + pad) // g, g, d), dim=3
+            )
             # values [1, H, T, D]: one scale per token and head.
             out[f"{v_name}.q"], out[f"{v_name}.scale"] = _absmax(values, dim=-1)
         return out

@@ -69,7 +69,13 @@ class EncodedKV:
     @classmethod
     def from_dense(cls, codec: KVCodec, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> EncodedKV:
         keys = kv[0][0]
-        return cls(codec=codec, tensors=codec.encode(kv), num_layers=len(kv), num_tokens=keys.shape[2], dtype=keys.dtype)
+        return cls(
+            codec=codec,
+            tensors=codec.encode(kv),
+            num_layers=len(kv),
+            num_tokens=keys.shape[2],
+            dtype=keys.dtype,
+        )
 
     def layer(self, index: int) -> LayerPair:
         return self.codec.decode_layer(self.tensors, index, tokens=self.num_tokens, dtype=self.dtype)

@@ -39,7 +39,9 @@ class KiviCodec:
         if self.bits not in (4, 8):
             raise ValueError(f"KIVI bits must be 8 or 4, got {self.bits!r}")
         if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"group_size must be an int >= 2 (32 or 128 are typical), got {self.group_size!r}")
+            raise ValueError(
+                f"group_size must be an int >= 2 (32 or 128 are typical), got {self.group_size!r}"
+            )
 
     @property
     def name(self) -> str:
@@ -61,7 +63,9 @@ class KiviCodec:
         k_name, v_name = layer_names(layer)
         kq = Quantized(tensors[f"{k_name}.q"], tensors[f"{k_name}.scale"], tensors[f"{k_name}.min"])
         vq = Quantized(tensors[f"{v_name}.q"], tensors[f"{v_name}.scale"], tensors[f"{v_name}.min"])
-        return LayerPair(self.decode_keys(kq, tokens=tokens, dtype=dtype), self.decode_values(vq, dtype=dtype))
+        return LayerPair(
+            self.decode_keys(kq, tokens=tokens, dtype=dtype), self.decode_values(vq, dtype=dtype)
+        )
 
     def decode_keys(self, q: Quantized, *, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`encode_keys`: ``[B, H, T/G, G, D]`` groups -> ``[B, H, tokens, D]``."""

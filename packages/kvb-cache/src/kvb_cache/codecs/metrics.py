@@ -25,7 +25,9 @@ def chunk_snr_db(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], encoded: Encod
     return snr_db(ref, approx)
 
 
-def bytes_ratio(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], encoded: EncodedKV, *, element_size: int = 2) -> float:
+def bytes_ratio(
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]], encoded: EncodedKV, *, element_size: int = 2
+) -> float:
     """Encoded bytes (codes, scales and zero points) over the dense bytes at ``element_size`` (2 = fp16)."""
     dense = sum(t.numel() * element_size for pair in kv for t in pair)
     return encoded.nbytes / dense

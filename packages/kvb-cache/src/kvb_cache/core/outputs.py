@@ -68,4 +68,7 @@ class PagedStats:
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"hit_rate": round(self.hit_rate, 4), "kv_cache_usage": round(self.kv_cache_usage, 4)}
+        return asdict(self) | {
+            "hit_rate": round(self.hit_rate, 4),
+            "kv_cache_usage": round(self.kv_cache_usage, 4),
+        }

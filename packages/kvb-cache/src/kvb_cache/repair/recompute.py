@@ -53,7 +53,12 @@ class _ScatterCache:
     is_compileable = False
 
     def __init__(
-        self, layers: list[list[torch.Tensor]], index: torch.Tensor, *, last_layer: int | None, capture_layer: int | None
+        self,
+        layers: list[list[torch.Tensor]],
+        index: torch.Tensor,
+        *,
+        last_layer: int | None,
+        capture_layer: int | None,
     ) -> None:
         self.layers_kv = layers
         self.index = index
@@ -133,7 +138,10 @@ def recompute_tokens(
     with contextlib.suppress(_StopForward):
         # The base model: the LM head is not needed, only the KV the layers write.
         model.base_model(
-            input_ids=tokens, position_ids=positions.unsqueeze(0), attention_mask=mask, past_key_values=cache,
+            input_ids=tokens,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=mask,
+            past_key_values=cache,
             use_cache=True,
         )
     return cache.deviation

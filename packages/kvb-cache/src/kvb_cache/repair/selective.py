@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def selective_positions(
-    pieces: Sequence[tuple[int, int]], *, overlap_k: int, sink_tokens: int
-) -> list[int]:
+def selective_positions(pieces: Sequence[tuple[int, int]], *, overlap_k: int, sink_tokens: int) -> list[int]:
     """Positions to recompute: the first ``overlap_k`` tokens *after* each seam, plus stitched sinks.
 
     A stitched chunk's first tokens attended to almost nothing of their new history (their old history is

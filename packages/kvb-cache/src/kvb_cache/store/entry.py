@@ -48,7 +48,9 @@ class ChunkEntry:
             if self.encoded is not None:
                 self.nbytes = self.encoded.nbytes
             else:
-                self.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+                self.nbytes = sum(
+                    k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv
+                )
 
     @property
     def num_layers(self) -> int:

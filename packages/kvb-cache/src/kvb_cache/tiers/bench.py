@@ -73,8 +73,12 @@ def bench_restore(
             if len(ids) < n + 1:
                 raise ValueError(f"the benchmark text has only {len(prompt_ids)} tokens; lower --lengths")
             cold = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16))
-            cold_ms, _ = _median_ms(lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None)
-            rows.append(RestoreTiming(tokens=n, source="cold", median_ms=cold_ms, cached_tokens=0, speedup=1.0))
+            cold_ms, _ = _median_ms(
+                lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None
+            )
+            rows.append(
+                RestoreTiming(tokens=n, source="cold", median_ms=cold_ms, cached_tokens=0, speedup=1.0)
+            )
             for source, tier in tiers.items():
                 engine = KVBoost(
                     model, tokenizer, config=EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier)
@@ -84,9 +88,17 @@ def bench_restore(
                 if isinstance(store, TieredStore):
                     store.flush()
                 # Empty RAM before each run so the chain comes from the tier under test.
-                reset = store.ram.clear if isinstance(store, TieredStore) and tier is not None else (lambda: None)
-                ms, cached = _median_ms(lambda e=engine, p=ids: e.next_token_logits(p).cached_tokens, repeats, reset)
-                rows.append(RestoreTiming(tokens=n, source=source, median_ms=ms, cached_tokens=cached, speedup=cold_ms / ms))
+                reset = (
+                    store.ram.clear if isinstance(store, TieredStore) and tier is not None else (lambda: None)
+                )
+                ms, cached = _median_ms(
+                    lambda e=engine, p=ids: e.next_token_logits(p).cached_tokens, repeats, reset
+                )
+                rows.append(
+                    RestoreTiming(
+                        tokens=n, source=source, median_ms=ms, cached_tokens=cached, speedup=cold_ms / ms
+                    )
+                )
                 if isinstance(store, TieredStore):
                     store.close()
     return rows
@@ -94,5 +106,8 @@ def bench_restore(
 
 def format_table(rows: Sequence[RestoreTiming]) -> str:
     lines = [f"{'tokens':>7} {'source':>6} {'median ms':>10} {'cached':>7} {'speedup':>8}"]
-    lines += [f"{r.tokens:>7} {r.source:>6} {r.median_ms:>10.1f} {r.cached_tokens:>7} {r.speedup:>7.1f}x" for r in rows]
+    lines += [
+        f"{r.tokens:>7} {r.source:>6} {r.median_ms:>10.1f} {r.cached_tokens:>7} {r.speedup:>7.1f}x"
+        for r in rows
+    ]
     return "\n".join(lines)

@@ -17,8 +17,12 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> argparse.Argum
     cache = subparsers.add_parser("cache", help="inspect and benchmark the KV cache tiers (disk, Redis)")
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
-    status = sub.add_parser("status", help="entries, bytes and hit rates per tier and model; Redis round trip")
-    status.add_argument("--disk-cache-dir", help="disk tier folder to inspect (one sub-folder per model fingerprint)")
+    status = sub.add_parser(
+        "status", help="entries, bytes and hit rates per tier and model; Redis round trip"
+    )
+    status.add_argument(
+        "--disk-cache-dir", help="disk tier folder to inspect (one sub-folder per model fingerprint)"
+    )
     status.add_argument("--remote-url", help="Redis to inspect, e.g. redis://127.0.0.1:6379/0")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=run_status)
@@ -52,12 +56,17 @@ def run_status(args: argparse.Namespace) -> int:
     if args.disk_cache_dir:
         found = disk_status(args.disk_cache_dir)
         rows += found
-        report["disk"] = {"dir": str(args.disk_cache_dir), "namespaces": {n.namespace: n.stats.as_dict() for n in found}}
+        report["disk"] = {
+            "dir": str(args.disk_cache_dir),
+            "namespaces": {n.namespace: n.stats.as_dict() for n in found},
+        }
     if args.remote_url:
         reach, found = redis_status(args.remote_url)
         rows += found
         report["redis"] = {
-            "url": reach.url, "reachable": reach.reachable, "round_trip_ms": reach.round_trip_ms,
+            "url": reach.url,
+            "reachable": reach.reachable,
+            "round_trip_ms": reach.round_trip_ms,
             "namespaces": {n.namespace: n.stats.as_dict() for n in found},
         }
     if args.json:
@@ -68,7 +77,9 @@ def run_status(args: argparse.Namespace) -> int:
         r = report["redis"]
         rtt = f"{r['round_trip_ms']:.2f} ms round trip" if r["reachable"] else "UNREACHABLE"
         print(f"redis {r['url']}: {rtt}")
-    print(f"{'tier':<6} {'namespace (model fingerprint)':<34} {'entries':>8} {'MiB':>10} {'hits':>8} {'misses':>8} {'hit rate':>7} {'corrupt':>7}")
+    print(
+        f"{'tier':<6} {'namespace (model fingerprint)':<34} {'entries':>8} {'MiB':>10} {'hits':>8} {'misses':>8} {'hit rate':>7} {'corrupt':>7}"
+    )
     for n in rows:
         print(_row(n.tier, n.namespace, n.stats))
     return 0
@@ -85,8 +96,14 @@ def run_bench(args: argparse.Namespace) -> int:
     loaded = load_model_and_tokenizer(args.model, device="cpu", dtype=None, attn_implementation=None)
     ids = benchmark_token_ids(loaded.tokenizer, max(args.lengths) + 1)
     rows = bench_restore(
-        loaded.model, loaded.tokenizer, ids, lengths=args.lengths, remote_url=args.remote_url,
-        disk_cache_dir=args.disk_cache_dir, kv_cache_bits=args.kv_cache_bits, repeats=args.repeats,
+        loaded.model,
+        loaded.tokenizer,
+        ids,
+        lengths=args.lengths,
+        remote_url=args.remote_url,
+        disk_cache_dir=args.disk_cache_dir,
+        kv_cache_bits=args.kv_cache_bits,
+        repeats=args.repeats,
     )
     print(format_table(rows))
     return 0

@@ -39,13 +39,21 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.disk_cache_bytes, int) or self.disk_cache_bytes < 1:
-            raise ConfigError(f"disk_cache_bytes must be a positive int of bytes, got {self.disk_cache_bytes!r}")
-        if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"disk_cache_bytes must be a positive int of bytes, got {self.disk_cache_bytes!r}"
+            )
+        if self.remote_url is not None and not str(self.remote_url).startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
             raise ConfigError(f"remote_url must look like redis://host:6379/0, got {self.remote_url!r}")
         if self.remote_codec is not None and self.remote_url is None:
             raise ConfigError("remote_codec only applies with a remote_url; set both or neither")
-        if self.remote_ttl_s is not None and (not isinstance(self.remote_ttl_s, int) or self.remote_ttl_s < 1):
-            raise ConfigError(f"remote_ttl_s must be None or a positive int of seconds, got {self.remote_ttl_s!r}")
+        if self.remote_ttl_s is not None and (
+            not isinstance(self.remote_ttl_s, int) or self.remote_ttl_s < 1
+        ):
+            raise ConfigError(
+                f"remote_ttl_s must be None or a positive int of seconds, got {self.remote_ttl_s!r}"
+            )
         if not self.remote_timeout_s > 0:
             raise ConfigError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
         if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:

@@ -129,7 +129,12 @@ class DiskTier(RecordTier):
         with self._lock:
             entries, size = len(index), self._bytes
         totals = self.counters.snapshot()
-        return TierStats(name=self.name, entries=entries, bytes=size, **{k: self._base.get(k, 0) + v for k, v in totals.items()})
+        return TierStats(
+            name=self.name,
+            entries=entries,
+            bytes=size,
+            **{k: self._base.get(k, 0) + v for k, v in totals.items()},
+        )
 
     def close(self) -> None:
         self._persist_stats()

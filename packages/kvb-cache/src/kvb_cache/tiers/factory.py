@@ -39,7 +39,10 @@ def build_store(config: EngineConfig, *, fingerprint: str, root: ChunkHash) -> C
         lower.append(LowerTier(tier=disk, format=RecordFormat(fingerprint=fingerprint, codec=codec)))
     if tiers is not None and tiers.remote_url is not None:
         remote = RedisTier(
-            tiers.remote_url, namespace=fingerprint, ttl_s=tiers.remote_ttl_s, timeout_s=tiers.remote_timeout_s
+            tiers.remote_url,
+            namespace=fingerprint,
+            ttl_s=tiers.remote_ttl_s,
+            timeout_s=tiers.remote_timeout_s,
         )
         remote_codec = codec_from_name(tiers.remote_codec) if tiers.remote_codec else codec
         lower.append(LowerTier(tier=remote, format=RecordFormat(fingerprint=fingerprint, codec=remote_codec)))

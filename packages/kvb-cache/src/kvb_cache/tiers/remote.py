@@ -189,7 +189,11 @@ class RedisTier(RecordTier):
         if first:
             logger.warning(
                 "Redis %s at %s failed (%s: %s); serving without the remote tier, retrying in %.0fs",
-                op, self.url, type(exc).__name__, exc, self.retry_after_s,
+                op,
+                self.url,
+                type(exc).__name__,
+                exc,
+                self.retry_after_s,
             )
 
     def _recovered(self) -> None:

@@ -37,8 +37,12 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
             counters = json.loads((folder / STATS_FILE).read_text())
         except (OSError, ValueError):
             counters = {}
-        counts = {k: int(counters.get(k, 0)) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")}
-        stats = TierStats(name=DiskTier.name, entries=len(files), bytes=sum(f.stat().st_size for f in files), **counts)
+        counts = {
+            k: int(counters.get(k, 0)) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
+        }
+        stats = TierStats(
+            name=DiskTier.name, entries=len(files), bytes=sum(f.stat().st_size for f in files), **counts
+        )
         out.append(NamespaceStatus(tier="disk", namespace=folder.name, stats=stats))
     return out
 
@@ -50,10 +54,13 @@ def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
     reach = RedisReachability(url=url, reachable=rtt is not None, round_trip_ms=rtt)
     if rtt is None:
         return reach, []
-    namespaces = sorted({
-        name.split(b":")[1].decode() for name in probe._client.scan_iter(match="kvb:*", count=1000)
-        if name.count(b":") >= 2
-    })
+    namespaces = sorted(
+        {
+            name.split(b":")[1].decode()
+            for name in probe._client.scan_iter(match="kvb:*", count=1000)
+            if name.count(b":") >= 2
+        }
+    )
     out = []
     for ns in namespaces:
         tier = RedisTier(url, namespace=ns, timeout_s=1.0)
@@ -61,4 +68,3 @@ def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
         tier.close()
     probe.close()
     return reach, out
-

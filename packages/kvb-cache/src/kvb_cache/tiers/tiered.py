@@ -170,7 +170,9 @@ class TieredStore:
 
     def tier_stats(self) -> list[TierStats]:
         ram = self.ram.stats()
-        first = TierStats(name="ram", entries=ram.entries, bytes=ram.bytes, stores=ram.inserts, evictions=ram.evictions)
+        first = TierStats(
+            name="ram", entries=ram.entries, bytes=ram.bytes, stores=ram.inserts, evictions=ram.evictions
+        )
         return [first, *(lower.tier.stats() for lower in self.lower)]
 
     def close(self) -> None:

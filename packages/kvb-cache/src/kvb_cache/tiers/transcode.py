@@ -18,6 +18,12 @@ def with_codec(entry: ChunkEntry, codec: KVCodec) -> ChunkEntry:
     dense = entry.dense()
     kv, encoded = (dense, None) if codec.exact else ((), EncodedKV.from_dense(codec, dense))
     return ChunkEntry(
-        key=entry.key, parent=entry.parent, content=entry.content, token_ids=entry.token_ids, kv=kv,
-        encoded=encoded, start=entry.start, complete=entry.complete,
+        key=entry.key,
+        parent=entry.parent,
+        content=entry.content,
+        token_ids=entry.token_ids,
+        kv=kv,
+        encoded=encoded,
+        start=entry.start,
+        complete=entry.complete,
     )

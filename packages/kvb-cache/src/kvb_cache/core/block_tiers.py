@@ -1,0 +1,125 @@
+"""Disk and Redis tiers under the block pool: full blocks go down as records, hits come back up.
+
+Each full block is one record (a :class:`~kvb_cache.store.ChunkEntry` of ``block_size`` tokens keyed by
+its prefix hash), written behind on the tiers' background writer as soon as the block is registered, so
+another process sharing Redis (or a restart reading the disk) sees it without waiting for an eviction;
+an evicted block therefore already lives below. Lookups fetch a chain in one batched call per tier.
+A record failing validation is dropped from its tier, counted and treated as a miss (recomputed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvb_cache.config import EngineConfig
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.records import RecordError, RecordFormat, decode_record, encode_record
+from kvb_cache.store import ChunkEntry, LayerKV
+from kvb_cache.tiers.base import TierStats
+from kvb_cache.tiers.tiered import LowerTier
+from kvb_cache.tiers.writer import BackgroundWriter
+
+logger = logging.getLogger(__name__)
+
+
+class BlockTiers:
+    """The lower tiers of an engine, in lookup order (fastest first)."""
+
+    def __init__(self, lower: Sequence[LowerTier], writer: BackgroundWriter) -> None:
+        self.lower = tuple(lower)
+        self.writer = writer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, fingerprint: str) -> BlockTiers | None:
+        """The tiers ``config.tiers`` asks for, or None when it asks for none."""
+        from kvb_cache.codecs import codec_from_name
+        from kvb_cache.tiers.disk import DiskTier
+        from kvb_cache.tiers.factory import storage_codec
+        from kvb_cache.tiers.remote import RedisTier
+
+        tiers = config.tiers
+        if tiers is None or not tiers.enabled:
+            return None
+        codec = storage_codec(config)
+        lower: list[LowerTier] = []
+        if tiers.disk_cache_dir is not None:
+            disk = DiskTier(tiers.disk_cache_dir, namespace=fingerprint, max_bytes=tiers.disk_cache_bytes)
+            lower.append(LowerTier(tier=disk, format=RecordFormat(fingerprint=fingerprint, codec=codec)))
+        if tiers.remote_url is not None:
+            remote = RedisTier(
+                tiers.remote_url,
+                namespace=fingerprint,
+                ttl_s=tiers.remote_ttl_s,
+                timeout_s=tiers.remote_timeout_s,
+            )
+            remote_codec = codec_from_name(tiers.remote_codec) if tiers.remote_codec else codec
+            lower.append(
+                LowerTier(tier=remote, format=RecordFormat(fingerprint=fingerprint, codec=remote_codec))
+            )
+        return cls(lower, BackgroundWriter(tiers.max_pending_writes))
+
+    def fetch(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
+        """Dense KV of the longest leading run of ``keys`` that some tier holds (valid records only)."""
+        found: dict[ChunkHash, tuple[int, bytes]] = {}
+        for level, lower in enumerate(self.lower):
+            missing = [k for k in keys if k not in found]
+            if not missing:
+                break
+            for key, record in zip(missing, lower.tier.get_many(missing)):
+                if record is not None:
+                    found[key] = (level, record)
+        run: list[LayerKV] = []
+        for key in keys:
+            hit = found.get(key)
+            entry = self._load(key, *hit) if hit is not None else None
+            if entry is None:
+                break
+            run.append(entry.dense())
+        return run
+
+    def write_behind(self, entry: ChunkEntry, *, skip: int = 0) -> None:
+        """Queue ``entry`` for every tier from index ``skip`` on; a full queue drops it (counted)."""
+        tiers = self.lower[skip:]
+        if tiers and not self.writer.submit(lambda: self._store(entry, tiers)):
+            for lower in tiers:
+                lower.tier.counters.add("dropped")
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def clear(self) -> None:
+        self.flush()
+        for lower in self.lower:
+            lower.tier.clear()
+
+    def close(self) -> None:
+        self.writer.close()
+        for lower in self.lower:
+            lower.tier.close()
+
+    def stats(self) -> list[TierStats]:
+        return [lower.tier.stats() for lower in self.lower]
+
+    def _load(self, key: ChunkHash, level: int, record: bytes) -> ChunkEntry | None:
+        lower = self.lower[level]
+        try:
+            entry = decode_record(record, lower.format)
+            if entry.key != key:
+                raise RecordError("record stored under another key")
+        except RecordError as exc:
+            logger.warning("dropping invalid %s record %s: %s", lower.tier.name, key.hex()[:16], exc)
+            lower.tier.counters.add("corrupt")
+            self.writer.submit(lambda: lower.tier.delete(key))
+            return None
+        if level:
+            # A slower tier had it: fill the faster ones in the background.
+            faster = self.lower[:level]
+            self.writer.submit(lambda: self._store(entry, faster))
+        return entry
+
+    @staticmethod
+    def _store(entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:
+        for lower in tiers:
+            if not lower.tier.contains(entry.key):
+                lower.tier.put(entry.key, encode_record(entry, lower.format))

@@ -1,0 +1,65 @@
+"""Assemble the engine loop for a model: pool size, storage, tiers, scheduler, runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from kvb_cache.config import EngineConfig
+from kvb_cache.core.block_pool import BlockPool
+from kvb_cache.core.block_tiers import BlockTiers
+from kvb_cache.core.kv_manager import KVCacheManager
+from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
+from kvb_cache.core.paged_attention import install_paged_attention
+from kvb_cache.core.runner import ModelRunner
+from kvb_cache.core.scheduler import Scheduler
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.model_traits import ModelTraits
+
+#: With ``max_cache_bytes == 0`` (no reuse across requests) the pool still needs room for running requests.
+WORKING_POOL_BYTES = 256 << 20
+#: Upper bound on a derived block count (an explicit ``num_blocks`` may exceed it): a tiny model with a
+#: large byte budget would otherwise get millions of blocks it cannot use.
+MAX_DERIVED_BLOCKS = 16384
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopParts:
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    tiers: BlockTiers | None
+
+
+def derive_num_blocks(config: EngineConfig, block_bytes: int) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    budget = config.max_cache_bytes or WORKING_POOL_BYTES
+    return max(2, min(MAX_DERIVED_BLOCKS, budget // max(block_bytes, 1)))
+
+
+def build_loop(
+    model: PreTrainedModel, traits: ModelTraits, config: EngineConfig, *, root: ChunkHash, fingerprint: str
+) -> LoopParts:
+    shapes = probe_layer_shapes(model)
+    install_paged_attention(model)
+    num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
+    storage = KVStorage(shapes, num_blocks=num_blocks, block_size=config.block_size, device=model.device)
+    pool = BlockPool(num_blocks, config.block_size)
+    tiers = BlockTiers.from_config(config, fingerprint=fingerprint)
+    caching = config.max_cache_bytes > 0
+    kv = KVCacheManager(
+        pool,
+        storage,
+        root,
+        tiers=tiers,
+        caching=caching,
+        store_outputs=config.store_outputs,
+        store_partial_tail=config.store_partial_tail,
+    )
+    scheduler = Scheduler(
+        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+    )
+    runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep)
+    return LoopParts(kv=kv, scheduler=scheduler, runner=runner, tiers=tiers)

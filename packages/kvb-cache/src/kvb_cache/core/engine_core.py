@@ -1,0 +1,153 @@
+"""The engine loop: ``add`` / ``step`` / ``abort`` over the scheduler, the pool, the runner and the sampler.
+
+One step = one scheduling decision, one packed model forward for every scheduled request, one sampled
+token for every request whose slice reached the end of its tokens. A finished request releases its blocks
+at once (full ones stay cached for the next request).
+
+Requests that need a private ``transformers`` cache (speculative decoding, per-request quantized KV,
+stitched non-prefix reuse) run as *solo* requests: an iterator of :class:`~kvb_cache.results.StreamEvent`
+advanced by one event per step, beside the batched forward (see docs/server.md for what that means in a
+mixed batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from kvb_cache.core.kv_manager import KVCacheManager
+from kvb_cache.core.outputs import RequestId, RequestOutput
+from kvb_cache.core.request import Request, RequestStatus
+from kvb_cache.core.runner import ModelRunner, SeqInput
+from kvb_cache.core.sampler import sample
+from kvb_cache.core.scheduler import Scheduler
+from kvb_cache.emitter import TokenTexts, token_logprob
+from kvb_cache.results import GenerationResult, StreamEvent
+
+ResultHook = Callable[[Request], GenerationResult]
+
+
+class EngineCore:
+    """Single-threaded: every method is called from one thread (the caller's, or the server's worker)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        texts: TokenTexts,
+        *,
+        build_result: ResultHook,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.runner = runner
+        self.texts = texts
+        self.build_result = build_result
+        self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
+        self.steps = 0
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
+        self.solo[request_id] = events
+
+    def has_unfinished(self) -> bool:
+        return bool(self.solo) or self.scheduler.has_unfinished()
+
+    def abort(self, request_id: RequestId) -> bool:
+        events = self.solo.pop(request_id, None)
+        if events is not None:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # the solo generator stores what is valid and frees its cache
+            return True
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        plan = self.scheduler.schedule()
+        for admission in plan.admitted:
+            req = admission.request
+            req.cached_tokens = admission.hit.tokens
+            req.partial_tokens = admission.hit.partial
+            req.exact_blocks = admission.hit.full_blocks
+        if plan.scheduled:
+            seqs = [
+                SeqInput(
+                    token_ids=s.request.tokens[
+                        s.request.num_computed : s.request.num_computed + s.num_tokens
+                    ],
+                    start=s.request.num_computed,
+                    slots=self.kv.slots(s.request, s.request.num_computed + s.num_tokens),
+                    sample=s.samples,
+                )
+                for s in plan.scheduled
+            ]
+            logits = self.runner.forward(seqs)
+            sampling = [s.request for s in plan.scheduled if s.samples]
+            for s in plan.scheduled:
+                s.request.num_computed += s.num_tokens
+                self.kv.commit(s.request)
+            tokens = sample(logits, sampling)
+            for row, (req, token) in enumerate(zip(sampling, tokens)):
+                output = self._emit(req, token, logits[row])
+                if output is not None:
+                    outputs.append(output)
+        for request_id in list(self.solo):
+            outputs.extend(self._advance_solo(request_id))
+        self.steps += 1
+        return outputs
+
+    def _emit(self, req: Request, token: int, logits) -> RequestOutput | None:
+        params = req.params
+        if params.logprobs is not None:
+            req.logprobs.append(token_logprob(self.texts, logits, token, params.logprobs))
+        if req.capture_logits:
+            req.last_logits = logits
+        req.tokens.append(token)
+        produced = len(req.tokens) - req.prompt_len
+        if produced == 1:
+            req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
+        delta = req.emitter.push(token, produced)
+        result = None
+        if req.emitter.finish:
+            self.scheduler.remove(req)
+            result = self.build_result(req)
+        elif not delta and params.logprobs is None:
+            return None
+        logprobs = tuple(req.logprobs[-1:]) if params.logprobs is not None else ()
+        return RequestOutput(
+            request_id=req.request_id, delta_text=delta, token_ids=(token,), logprobs=logprobs, result=result
+        )
+
+    def _advance_solo(self, request_id: RequestId) -> list[RequestOutput]:
+        events = self.solo[request_id]
+        try:
+            event = next(events)
+        except StopIteration:
+            del self.solo[request_id]
+            return []
+        if event.result is not None:
+            del self.solo[request_id]
+        return [
+            RequestOutput(
+                request_id=request_id,
+                delta_text=event.delta_text,
+                token_ids=event.token_ids,
+                logprobs=event.logprobs,
+                result=event.result,
+            )
+        ]
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running) + len(self.solo)
+
+    def is_running(self, req: Request) -> bool:
+        return req.status is RequestStatus.RUNNING

@@ -1,0 +1,241 @@
+"""Per-request block tables over the pool: prefix hits, allocation, registration of computed blocks.
+
+Full blocks are keyed by the prefix-hash chain ``h_i = prefix_hash(h_{i-1}, tokens of block i)`` rooted in
+the model fingerprint, so a cached block *is* a cached chunk: an exact prefix hit maps the request's table
+onto those blocks (shared, reference-counted, never written again: only a request's last, private block
+takes new tokens). After the full-block hits, the next block may match token by token (the radix-style
+tail match): its first ``n`` tokens are copied into a fresh private block (copy-on-write of the shared
+block). Below the pool, :class:`~kvb_cache.core.block_tiers.BlockTiers` serves misses from disk/Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvb_cache.core.block_pool import Block, BlockPool, NoFreeBlocksError
+from kvb_cache.core.block_tiers import BlockTiers
+from kvb_cache.core.kv_storage import KVStorage
+from kvb_cache.core.request import Request
+from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash
+from kvb_cache.lookup import common_prefix_len
+from kvb_cache.store import ChunkEntry
+
+
+class PrefixHit(NamedTuple):
+    """What an admission reused: ``tokens`` in all, of which ``partial`` came from a tail match and
+    ``promoted`` blocks from lower tiers."""
+
+    tokens: int
+    full_blocks: int
+    partial: int
+    promoted: int
+
+
+class KVCacheManager:
+    """Owns the pool's bookkeeping and tensors on behalf of requests (single-threaded: the engine loop)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        storage: KVStorage,
+        root: ChunkHash,
+        *,
+        tiers: BlockTiers | None = None,
+        caching: bool = True,
+        store_outputs: bool = True,
+        store_partial_tail: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.storage = storage
+        self.root = root
+        self.tiers = tiers
+        #: False: no reuse across requests (``max_cache_bytes == 0``): nothing is matched or indexed.
+        self.caching = caching
+        self.store_outputs = store_outputs
+        self.store_partial_tail = store_partial_tail
+        self.block_size = pool.block_size
+        self.queries = 0
+        self.hits = 0
+
+    # ------------------------------------------------------------------------------------ hashing
+    def hashes(self, req: Request, upto: int) -> list[ChunkHash]:
+        """Prefix hashes of the full blocks within ``req.tokens[:upto]`` (extends the request's cache)."""
+        bs, chain = self.block_size, req.block_hashes
+        while (len(chain) + 1) * bs <= upto:
+            i = len(chain)
+            chain.append(prefix_hash(chain[-1] if chain else self.root, req.tokens[i * bs : (i + 1) * bs]))
+        return chain[: upto // bs]
+
+    def cached_prefix_len(self, req: Request, max_tokens: int) -> int:
+        """Tokens of ``req`` the pool holds as full blocks now (no side effects; the scheduler's ordering)."""
+        n = 0
+        for h in self.hashes(req, max_tokens):
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
+    # ------------------------------------------------------------------------------------ admission
+    def admit(self, req: Request, *, max_tokens: int) -> PrefixHit:
+        """Map the longest cached prefix of ``req.tokens[:max_tokens]`` onto ``req.blocks``.
+
+        ``req`` must hold no blocks. Sets ``req.num_computed`` to the reused token count.
+        """
+        assert not req.blocks and req.num_computed == 0
+        bs = self.block_size
+        self.queries += max_tokens
+        if not self.caching:
+            return PrefixHit(tokens=0, full_blocks=0, partial=0, promoted=0)
+        hashes = self.hashes(req, max_tokens)
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            self.pool.share(block)
+            req.blocks.append(block)
+        full = len(req.blocks)
+        promoted = self._promote(req, hashes[full:]) if self.tiers is not None and full < len(hashes) else 0
+        req.registered = len(req.blocks)
+        covered = len(req.blocks) * bs
+        partial = self._tail_match(req, covered, max_tokens)
+        req.num_computed = covered + partial
+        self.hits += req.num_computed
+        return PrefixHit(tokens=req.num_computed, full_blocks=full, partial=partial, promoted=promoted)
+
+    def _promote(self, req: Request, hashes: Sequence[ChunkHash]) -> int:
+        assert self.tiers is not None
+        run = self.tiers.fetch(hashes)
+        promoted = 0
+        for h, kv in zip(hashes, run):
+            try:
+                (block,) = self.pool.take(1)
+            except NoFreeBlocksError:
+                break
+            i = len(req.blocks)
+            self.storage.write(self._block_slots(block.id, self.block_size), kv)
+            parent = req.block_hashes[i - 1] if i else self.root
+            self.pool.register_full(
+                block,
+                parent=parent,
+                block_hash=h,
+                token_ids=tuple(req.tokens[i * self.block_size : (i + 1) * self.block_size]),
+            )
+            req.blocks.append(block)
+            promoted += 1
+        return promoted
+
+    def _tail_match(self, req: Request, covered: int, max_tokens: int) -> int:
+        rest = req.tokens[covered:max_tokens]
+        if not rest or not self.store_partial_tail:
+            return 0
+        parent = req.block_hashes[len(req.blocks) - 1] if req.blocks else self.root
+        best, best_len = None, 0
+        for child in self.pool.children(parent):
+            n = common_prefix_len(child.token_ids, rest)
+            if n > best_len:
+                best, best_len = child, n
+        if best is None:
+            return 0
+        best_len = min(best_len, self.block_size - 1, len(rest))
+        # Hold the source while taking the destination, so taking cannot evict it.
+        self.pool.share(best)
+        try:
+            (block,) = self.pool.take(1)
+        except NoFreeBlocksError:
+            return 0
+        finally:
+            self.pool.release([best])
+        self.pool.touch(best)
+        self.storage.copy_tokens(best.id, block.id, best_len)
+        req.blocks.append(block)
+        return best_len
+
+    # ------------------------------------------------------------------------------------ growth
+    def allocate(self, req: Request, new_tokens: int) -> bool:
+        """Give ``req`` blocks for ``new_tokens`` more tokens; False (nothing taken) when the pool is short."""
+        need = -(-(req.num_computed + new_tokens) // self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        try:
+            req.blocks.extend(self.pool.take(need))
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def can_fit(self, tokens: int) -> bool:
+        """Whether a request of ``tokens`` tokens can ever fit in the pool."""
+        return -(-tokens // self.block_size) <= self.pool.num_blocks
+
+    def commit(self, req: Request) -> None:
+        """Index the full blocks ``req`` has computed so far (call after each forward)."""
+        if not self.caching:
+            return
+        limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
+        hashes = self.hashes(req, limit)
+        bs = self.block_size
+        for i in range(req.registered, len(hashes)):
+            block = req.blocks[i]
+            parent = hashes[i - 1] if i else self.root
+            tokens = tuple(req.tokens[i * bs : (i + 1) * bs])
+            if (
+                self.pool.register_full(block, parent=parent, block_hash=hashes[i], token_ids=tokens)
+                and self.tiers
+            ):
+                self.tiers.write_behind(self._entry(block.id, parent, hashes[i], tokens, start=i * bs))
+        req.registered = max(req.registered, len(hashes))
+
+    def free(self, req: Request) -> None:
+        """Release ``req``'s blocks (full ones stay cached; the partial last block is indexed as a tail)."""
+        if not req.blocks:
+            return
+        bs = self.block_size
+        if not self.caching:
+            self.pool.release(reversed(req.blocks))
+            req.blocks, req.registered, req.num_computed = [], 0, 0
+            return
+        limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
+        last = limit // bs
+        tail = limit - last * bs
+        if self.store_partial_tail and tail and last < len(req.blocks) and last == req.registered:
+            block = req.blocks[last]
+            if block.ref_count == 1 and not block.indexed:
+                parent = req.block_hashes[last - 1] if last else self.root
+                self.pool.register_partial(
+                    block, parent=parent, token_ids=tuple(req.tokens[last * bs : limit])
+                )
+        self.pool.release(reversed(req.blocks))
+        req.blocks = []
+        req.registered = 0
+        req.num_computed = 0
+
+    # ------------------------------------------------------------------------------------ helpers
+    def slots(self, req: Request, length: int) -> torch.Tensor:
+        """``[length]`` pool slots of ``req``'s first ``length`` tokens."""
+        return self.storage.slots([b.id for b in req.blocks], length)
+
+    def _block_slots(self, block_id: int, count: int) -> torch.Tensor:
+        start = block_id * self.block_size
+        return torch.arange(start, start + count, device=self.storage.keys[0].device)
+
+    def _entry(
+        self, block_id: int, parent: ChunkHash, key: ChunkHash, tokens: tuple[int, ...], *, start: int
+    ) -> ChunkEntry:
+        """A full block as a tier record (its KV copied now: the block may be reused before the write)."""
+        kv = tuple(self.storage.read(self._block_slots(block_id, self.block_size)))  # gathered: a copy
+        return ChunkEntry(
+            key=key,
+            parent=parent,
+            content=content_hash(self.root, tokens),
+            token_ids=tokens,
+            kv=kv,
+            start=start,
+        )
+
+    def used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    def clear(self) -> None:
+        self.pool.reset()

@@ -1,0 +1,102 @@
+"""The paged pool's tensors: per layer, keys and values for every slot (``block * block_size + offset``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvb_cache.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerShape:
+    """KV shape of one attention layer: ``kv_heads`` heads of ``key_dim`` / ``value_dim`` channels."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+
+def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
+    """Read every layer's KV shape from a one-token forward (works for any architecture's cache layout)."""
+    cache = DynamicCache(config=model.config)
+    token = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        model(input_ids=token, position_ids=token, past_key_values=cache, use_cache=True)
+    return tuple(
+        LayerShape(
+            kv_heads=layer.keys.shape[1],
+            key_dim=layer.keys.shape[-1],
+            value_dim=layer.values.shape[-1],
+            dtype=layer.keys.dtype,
+        )
+        for layer in cache.layers
+    )
+
+
+def bytes_per_block(shapes: Sequence[LayerShape], block_size: int) -> int:
+    return sum(
+        s.kv_heads * block_size * (s.key_dim + s.value_dim) * torch.empty((), dtype=s.dtype).element_size()
+        for s in shapes
+    )
+
+
+class KVStorage:
+    """Keys ``[kv_heads, num_blocks * block_size, key_dim]`` and values (same, ``value_dim``) per layer.
+
+    Slots are laid out head-major so that gathering a sequence's slots gives ``[kv_heads, seq, dim]``
+    directly, the layout attention consumes.
+    """
+
+    def __init__(
+        self, shapes: Sequence[LayerShape], *, num_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        try:
+            self.keys = [
+                torch.zeros((s.kv_heads, slots, s.key_dim), dtype=s.dtype, device=device) for s in shapes
+            ]
+            self.values = [
+                torch.zeros((s.kv_heads, slots, s.value_dim), dtype=s.dtype, device=device) for s in shapes
+            ]
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError subclasses RuntimeError
+            raise ConfigError(
+                f"cannot allocate a KV pool of {num_blocks} blocks x {block_size} tokens on {device}: {exc}; "
+                "lower num_blocks / max_cache_bytes"
+            ) from exc
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def slots(
+        self, block_ids: Sequence[int], length: int, *, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """``[length]`` slot indices of a sequence's first ``length`` tokens given its block table."""
+        table = torch.tensor(block_ids, dtype=torch.long)
+        pos = torch.arange(length)
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots.to(device or self.keys[0].device)
+
+    def copy_tokens(self, src_block: int, dst_block: int, count: int) -> None:
+        """Copy the first ``count`` token slots of ``src_block`` into ``dst_block`` (every layer)."""
+        s, d = src_block * self.block_size, dst_block * self.block_size
+        for keys, values in zip(self.keys, self.values):
+            keys[:, d : d + count] = keys[:, s : s + count]
+            values[:, d : d + count] = values[:, s : s + count]
+
+    def read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(keys, values)`` ``[1, kv_heads, len(slots), dim]`` (copies)."""
+        return [(k[:, slots].unsqueeze(0), v[:, slots].unsqueeze(0)) for k, v in zip(self.keys, self.values)]
+
+    def write(self, slots: torch.Tensor, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write per-layer ``(keys, values)`` ``[1, kv_heads, len(slots), dim]`` into ``slots``."""
+        for (k, v), keys, values in zip(layers, self.keys, self.values):
+            keys[:, slots] = k[0].to(keys.dtype)
+            values[:, slots] = v[0].to(values.dtype)

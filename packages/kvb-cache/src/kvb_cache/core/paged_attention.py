@@ -1,0 +1,208 @@
+"""Attention over the paged pool, registered with transformers as the ``kvb_paged`` implementation.
+
+The engine calls the model with packed tokens ``[1, T]`` (every scheduled request's new tokens back to
+back), ``use_cache=False`` and a :class:`PagedBatch` keyword argument, which transformers forwards to every
+attention layer unchanged. Per layer this function writes the new keys/values into their pool slots, then
+attends each request's queries to its whole context read back through its slot table: a prefilling
+request alone (causal inside its new tokens), decoding requests together in one padded batch.
+
+Without a ``kvb_paged`` argument (a plain ``model(...)`` call: references, stitching repair, speculative
+drafts on a ``DynamicCache``), it defers to the implementation the model had before, and the mask
+interface does the same, so such calls compute exactly what they did before installation.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvb_cache.core.kv_storage import KVStorage
+
+NAME = "kvb_paged"
+#: Config attribute recording the implementation calls without paged metadata go to.
+FALLBACK_ATTR = "kvb_fallback_attn_implementation"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillSeq:
+    """A request feeding ``q_len`` tokens at packed offsets ``[start, start + q_len)``; ``slots`` ``[ctx]``
+    index its whole context (cached + new), ``positions`` ``[ctx]`` are their positions (0..ctx-1)."""
+
+    start: int
+    q_len: int
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeGroup:
+    """Requests feeding one token each: ``rows`` ``[B]`` packed offsets, ``slots`` ``[B, L]`` context slots
+    padded with slot 0, ``valid`` ``[B, L]`` bool (False on pads), ``lengths`` ``[B]`` context lengths."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedBatch:
+    """Everything attention needs for one step; plain tensors, built by the model runner."""
+
+    storage: KVStorage
+    #: ``[T]`` pool slot of every packed token.
+    slot_mapping: torch.Tensor
+    prefills: tuple[PrefillSeq, ...]
+    decode: DecodeGroup | None
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[..., kv_heads, L, D]`` -> ``[..., heads, L, D]`` (grouped-query attention)."""
+    groups = heads // x.shape[-3]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float | None,
+    softcap: float | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, H, L, D]``, bool ``mask`` ``[B, 1, Q, L]`` -> ``[B, H, Q, Dv]``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal)
+    # SDPA has no logit soft-capping (Gemma 2): the eager formula, as transformers' eager path computes it.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(
+            k.shape[-2] - q.shape[-2]
+        )
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _causal_mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[q_len, ctx]`` bool: query ``i`` (position ``ctx - q_len + i``) sees key ``j <= `` its position,
+    and within the sliding window when there is one."""
+    q_pos = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
+    k_pos = torch.arange(ctx, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kvb_paged: PagedBatch | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, KVH, T, D]`` ->
+    ``([1, T, H, Dv], None)``."""
+    if kvb_paged is None:
+        extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+        return _fallback(module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs
+        )
+    batch = kvb_paged
+    layer = module.layer_idx
+    keys, values = batch.storage.keys[layer], batch.storage.values[layer]
+    # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
+    keys[:, batch.slot_mapping] = key[0].to(keys.dtype)
+    values[:, batch.slot_mapping] = value[0].to(values.dtype)
+    heads = query.shape[1]
+    out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
+    for seq in batch.prefills:
+        q = query[:, :, seq.start : seq.start + seq.q_len]  # [1, H, q, D]
+        ctx = seq.slots.shape[0]
+        k = _expand_kv(keys[:, seq.slots], heads).unsqueeze(0)  # [1, H, ctx, D]
+        v = _expand_kv(values[:, seq.slots], heads).unsqueeze(0)
+        if ctx == seq.q_len and sliding_window is None:
+            o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True)
+        else:
+            mask = _causal_mask(seq.q_len, ctx, sliding_window, q.device)[None, None]
+            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap)
+        out[seq.start : seq.start + seq.q_len] = o[0].transpose(0, 1)
+    group = batch.decode
+    if group is not None:
+        rows, width = group.slots.shape
+        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        flat = group.slots.reshape(-1)
+        k = _expand_kv(
+            keys[:, flat].view(keys.shape[0], rows, width, -1).transpose(0, 1), heads
+        )  # [B, H, L, D]
+        v = _expand_kv(values[:, flat].view(values.shape[0], rows, width, -1).transpose(0, 1), heads)
+        mask = group.valid
+        if sliding_window is not None:
+            k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
+            mask = mask & (k_pos > (group.lengths.unsqueeze(1) - 1 - sliding_window))
+        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap)  # [B, H, 1, Dv]
+        out[group.rows] = o[:, :, 0]
+    return out.unsqueeze(0), None
+
+
+def _fallback(module: torch.nn.Module):
+    name = getattr(module.config, FALLBACK_ATTR, "sdpa")
+    if name == "eager":
+        # transformers keeps each architecture's eager attention in its modeling module, not in the registry.
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _paged_mask(*args, config=None, **kwargs):
+    """Mask interface for ``kvb_paged``: paged calls pass a prepared 4D mask (never reaching here); plain
+    calls get the mask of the implementation the model had before."""
+    fallback = getattr(config, FALLBACK_ATTR, "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, config=config, **kwargs)
+
+
+def _configs(model: PreTrainedModel) -> Sequence:
+    config = model.config
+    subs = [
+        getattr(config, name) for name in getattr(config, "sub_configs", {}) if getattr(config, name, None)
+    ]
+    return [config, *subs]
+
+
+def install_paged_attention(model: PreTrainedModel) -> None:
+    """Register ``kvb_paged`` with transformers and switch ``model`` to it (idempotent).
+
+    Plain forwards keep computing with the model's previous implementation (see the module docstring).
+    """
+    AttentionInterface.register(NAME, paged_attention_forward)
+    AttentionMaskInterface.register(NAME, _paged_mask)
+    current = model.config._attn_implementation
+    if current == NAME:
+        return
+    if current is None or current not in ALL_MASK_ATTENTION_FUNCTIONS:
+        # An implementation registered without a mask function: plain calls get SDPA semantics.
+        current = "sdpa"
+    for config in _configs(model):
+        setattr(config, FALLBACK_ATTR, current)
+    model.set_attn_implementation(NAME)
+
+
+#: A prepared (early-exit) 4D mask: transformers returns 4D masks as they are, so paged calls build none.
+def no_mask(device: torch.device) -> torch.Tensor:
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)

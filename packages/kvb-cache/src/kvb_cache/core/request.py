@@ -1,0 +1,66 @@
+"""One request's state inside the engine loop."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvb_cache.core.block_pool import Block
+from kvb_cache.core.outputs import RequestId
+from kvb_cache.emitter import Emitter
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.results import TokenLogprob
+from kvb_cache.sampling import RequestProcessor, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Request:
+    """A prompt, what it generated so far and where its KV lives.
+
+    ``tokens`` is the prompt followed by the generated tokens. KV exists for ``tokens[:num_computed]`` in
+    ``blocks`` (token ``i`` sits in ``blocks[i // block_size]``); the next step computes
+    ``tokens[num_computed:]`` (or a slice of it), and the last scheduled slice samples a token.
+    """
+
+    request_id: RequestId
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    processor: RequestProcessor
+    emitter: Emitter
+    arrival: float
+    prefill_chunk_size: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    #: Prefix hashes of the full blocks of ``tokens`` computed so far (a cache of the hash chain).
+    block_hashes: list[ChunkHash] = field(default_factory=list)
+    #: Leading full blocks already indexed in the pool (hits, or registered after computing).
+    registered: int = 0
+    num_computed: int = 0
+    #: Prompt tokens served from the cache at first admission (telemetry: ``cached_tokens``).
+    cached_tokens: int | None = None
+    partial_tokens: int = 0
+    exact_blocks: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    preemptions: int = 0
+    #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
+    spans: tuple = ()
+    #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
+    capture_logits: bool = False
+    last_logits: object = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed

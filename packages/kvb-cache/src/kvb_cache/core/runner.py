@@ -1,0 +1,96 @@
+"""The model runner: plain tensors in, logits out. It never sees requests, the scheduler or the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from kvb_cache.core.kv_storage import KVStorage
+from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeqInput:
+    """One request's slice of a step.
+
+    Attributes:
+        token_ids: the tokens fed this step (``q`` of them).
+        start: position of the first of them (tokens before it already have KV).
+        slots: ``[start + q]`` pool slots of the request's whole context, new tokens included.
+        sample: whether logits are wanted after the last of them.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    slots: torch.Tensor
+    sample: bool
+
+
+class ModelRunner:
+    """Runs one packed forward over the pool for a list of :class:`SeqInput`."""
+
+    def __init__(self, model: PreTrainedModel, storage: KVStorage, *, logits_to_keep: bool) -> None:
+        self.model = model
+        self.storage = storage
+        self.logits_to_keep = logits_to_keep
+        self.device = storage.keys[0].device
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+        """``[R, V]`` logits for the sequences with ``sample`` set, in order."""
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        keep: list[int] = []
+        offset = 0
+        for seq in seqs:
+            q = len(seq.token_ids)
+            ids.extend(seq.token_ids)
+            positions.append(torch.arange(seq.start, seq.start + q))
+            slot_mapping.append(seq.slots[seq.start :])
+            if q == 1 and seq.start > 0:
+                decode_rows.append(offset)
+                decode_slots.append(seq.slots)
+            else:
+                prefills.append(PrefillSeq(start=offset, q_len=q, slots=seq.slots))
+            offset += q
+            if seq.sample:
+                keep.append(offset - 1)
+        decode = self._decode_group(decode_rows, decode_slots) if decode_rows else None
+        batch = PagedBatch(
+            storage=self.storage,
+            slot_mapping=torch.cat(slot_mapping),
+            prefills=tuple(prefills),
+            decode=decode,
+        )
+        input_ids = torch.tensor([ids], device=self.device)
+        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
+        kept = torch.tensor(keep, device=self.device)
+        extra = {"logits_to_keep": kept} if self.logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=no_mask(self.device),
+            use_cache=False,
+            kvb_paged=batch,
+            **extra,
+        )
+        logits = out.logits[0]
+        return logits if self.logits_to_keep else logits[kept]
+
+    def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup:
+        lengths = torch.tensor([s.shape[0] for s in slots], device=self.device)
+        width = int(lengths.max())
+        padded = torch.zeros((len(slots), width), dtype=torch.long, device=self.device)
+        for i, s in enumerate(slots):
+            padded[i, : s.shape[0]] = s
+        valid = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        return DecodeGroup(
+            rows=torch.tensor(rows, device=self.device), slots=padded, valid=valid, lengths=lengths
+        )

@@ -1,0 +1,78 @@
+"""Choose the next token of every sampling row at once, each row with its own parameters.
+
+The processing order and semantics are transformers' logits processors, applied per row with per-row
+values (transformers' warpers take one value for the whole batch, which is why they are not used here;
+``tests/test_core_sampler.py`` checks every row against them): repetition penalty (over prompt and
+output), OpenAI presence/frequency penalties (over the output), temperature, top-k, top-p. Greedy rows take
+the argmax; sampled rows draw from the softmax with the request's own seeded generator, so a row's token
+does not depend on which other rows share the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvb_cache.core.request import Request
+
+
+def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """``logits`` ``[R, V]`` raw -> ``[R, V]`` float32 processed (filtered tokens ``-inf``)."""
+    scores = logits.float()
+    vocab = scores.shape[-1]
+    device = scores.device
+    rows = range(len(requests))
+    for i, req in zip(rows, requests):
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            history = torch.tensor(req.tokens, device=device)
+            history = history[history < vocab]
+            picked = scores[i].gather(0, history)
+            picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+            scores[i].scatter_(0, history, picked)
+        if p.presence_penalty or p.frequency_penalty:
+            out = req.output_ids
+            if out:
+                counts = torch.bincount(torch.tensor(out, device=device), minlength=vocab)[:vocab].to(
+                    scores.dtype
+                )
+                scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    sampled = [i for i, r in zip(rows, requests) if not r.params.greedy]
+    if not sampled:
+        return scores
+    idx = torch.tensor(sampled, device=device)
+    sub = scores[idx]
+    temps = torch.tensor([requests[i].params.temperature for i in sampled], device=device, dtype=sub.dtype)
+    sub = sub / temps.unsqueeze(1)
+    top_k = torch.tensor([requests[i].params.top_k for i in sampled], device=device)
+    top_p = torch.tensor([requests[i].params.top_p for i in sampled], device=device, dtype=sub.dtype)
+    if bool((top_k > 0).any()):
+        k = top_k.clamp(min=1, max=vocab)
+        kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        sub = torch.where((top_k > 0).unsqueeze(1) & (sub < kth), torch.full_like(sub, -float("inf")), sub)
+    if bool((top_p < 1).any()):
+        # transformers' TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass <= 1 - top_p,
+        # always keeping the most likely one.
+        ordered, order = torch.sort(sub, dim=-1, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        drop &= (top_p < 1).unsqueeze(1)
+        sub = sub.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+    scores[idx] = sub
+    return scores
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """One token per row of ``logits`` ``[R, V]`` for ``requests`` (same order)."""
+    greedy_fast = all(r.processor.is_identity for r in requests)
+    if greedy_fast:
+        return torch.argmax(logits, dim=-1).tolist()
+    scores = process_logits(logits, requests)
+    tokens = torch.argmax(scores, dim=-1).tolist()
+    for i, req in enumerate(requests):
+        if not req.params.greedy:
+            probs = torch.softmax(scores[i], dim=-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=req.processor.generator))
+    return tokens

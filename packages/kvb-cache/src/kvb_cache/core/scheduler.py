@@ -1,0 +1,165 @@
+"""Which requests run in the next step, and how many of their tokens.
+
+Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most ``max_num_seqs`` requests:
+
+1. every running request that is decoding (one token each), oldest first, so streams never stall;
+2. waiting requests, longest cached prefix first (their prefill is mostly a cache hit, so they reach their
+   first token soonest), admitted while the token budget, the sequence cap and the pool allow;
+3. running requests still part-way through a long prompt, with what is left of the budget.
+
+Long prompts are prefilled in slices of at most the remaining budget (and the request's own
+``prefill_chunk_size``), so a new arrival's first token never waits for another request's whole prompt.
+When a running request needs a block and the pool has none, the newest other running request is
+preempted: its blocks are released (full ones stay cached, so its resumption is mostly a prefix hit) and it
+goes back to the front of the waiting queue; it keeps its generated tokens and recomputes their KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvb_cache.core.kv_manager import KVCacheManager, PrefixHit
+from kvb_cache.core.outputs import RequestId
+from kvb_cache.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """``request`` feeds ``tokens[num_computed : num_computed + num_tokens]`` this step."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this slice reaches the end of the request's tokens (so a token is sampled after it)."""
+        return self.request.num_computed + self.num_tokens == len(self.request.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    request: Request
+    hit: PrefixHit
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    scheduled: tuple[Scheduled, ...]
+    #: Requests admitted from waiting this step, with what their lookup reused (first admission only).
+    admitted: tuple[Admission, ...]
+    preempted: tuple[Request, ...]
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of whichever queue holds it and release its blocks (finish or abort)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        preempted: list[Request] = []
+        admitted: list[Admission] = []
+        chosen: set[int] = set()
+
+        def grow(req: Request, n: int) -> bool:
+            """Blocks for ``n`` more tokens of running ``req``, preempting newer requests if needed."""
+            while not self.kv.allocate(req, n):
+                victim = next(
+                    (r for r in reversed(self.running) if r is not req and id(r) not in chosen), None
+                )
+                if victim is None:
+                    self._preempt(req)
+                    preempted.append(req)
+                    return False
+                self._preempt(victim)
+                preempted.append(victim)
+            return True
+
+        for req in [r for r in self.running if r.remaining == 1]:
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING and grow(req, 1):
+                scheduled.append(Scheduled(req, 1))
+                chosen.add(id(req))
+                budget -= 1
+
+        if not preempted:
+            self._admit(budget, scheduled, admitted, chosen)
+            budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+
+        for req in [r for r in self.running if id(r) not in chosen and r.remaining > 1]:
+            if budget == 0:
+                break
+            n = self._slice(req, budget)
+            if req.status is RequestStatus.RUNNING and grow(req, n):
+                scheduled.append(Scheduled(req, n))
+                chosen.add(id(req))
+                budget -= n
+        return StepPlan(tuple(scheduled), tuple(admitted), tuple(preempted))
+
+    def _admit(
+        self, budget: int, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]
+    ) -> None:
+        if not self.waiting:
+            return
+        # Longest cached prefix first; arrival order among equals (sorted() is stable).
+        order = sorted(self.waiting, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
+        for req in order:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1)
+            n = self._slice(req, budget)
+            if not self.kv.allocate(req, n):
+                self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.cached_tokens is None:
+                admitted.append(Admission(req, hit))
+            scheduled.append(Scheduled(req, n))
+            chosen.add(id(req))
+            budget -= n
+
+    @staticmethod
+    def _slice(req: Request, budget: int) -> int:
+        n = min(req.remaining, budget)
+        return min(n, req.prefill_chunk_size) if req.prefill_chunk_size else n
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def find(self, request_id: RequestId) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req
+        return None
