@@ -35,12 +35,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -48,9 +51,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_engine() -> KVBoost:
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     return KVBoost(model, tokenizer, config=EngineConfig(chunk_size=TINY_CHUNK), model_name="tiny-llama")
 
@@ -87,7 +98,12 @@ def serve(app) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tiny_url(tiny_engine: KVBoost) -> Iterator[str]:
-    config = ServerConfig(model_names=("tiny-llama",), max_batch_size=8, batch_window_ms=20.0,
-                          group_prefix_tokens=TINY_CHUNK, max_tokens=48)
+    config = ServerConfig(
+        model_names=("tiny-llama",),
+        max_batch_size=8,
+        batch_window_ms=20.0,
+        group_prefix_tokens=TINY_CHUNK,
+        max_tokens=48,
+    )
     with serve(create_app(tiny_engine, config)) as url:
         yield url

@@ -67,8 +67,12 @@ class FakeEngine:
                 if self.token_delay_s:
                     time.sleep(self.token_delay_s)
                 out.append(token)
-                lp = TokenLogprob(token_id=token, token=chr(token), logprob=-0.5,
-                                  top=tuple((token + k, chr(token + k), -0.5 - k) for k in range(params.logprobs or 0)))
+                lp = TokenLogprob(
+                    token_id=token,
+                    token=chr(token),
+                    logprob=-0.5,
+                    top=tuple((token + k, chr(token + k), -0.5 - k) for k in range(params.logprobs or 0)),
+                )
                 lps.append(lp)
                 piece = chr(token)
                 hit = next((s for s in params.stop if (text + piece).endswith(s)), None)
@@ -77,8 +81,11 @@ class FakeEngine:
                     finish = "stop"
                     break
                 text += piece
-                yield StreamEvent(delta_text=piece, token_ids=(token,),
-                                  logprobs=(lp,) if params.logprobs is not None else ())
+                yield StreamEvent(
+                    delta_text=piece,
+                    token_ids=(token,),
+                    logprobs=(lp,) if params.logprobs is not None else (),
+                )
                 if len(out) >= params.max_new_tokens:
                     break
             finished_normally = True
@@ -86,20 +93,28 @@ class FakeEngine:
             if not finished_normally:
                 self.closed_early += 1
         result = GenerationResult(
-            output_text=text, output_ids=out, prompt_tokens=len(prompt), cached_tokens=len(prompt) // 2,
-            ttft_ms=1.0, total_ms=(time.perf_counter() - t0) * 1e3, finish_reason=finish,  # type: ignore[arg-type]
+            output_text=text,
+            output_ids=out,
+            prompt_tokens=len(prompt),
+            cached_tokens=len(prompt) // 2,
+            ttft_ms=1.0,
+            total_ms=(time.perf_counter() - t0) * 1e3,
+            finish_reason=finish,  # type: ignore[arg-type]
             logprobs=tuple(lps) if params.logprobs is not None else None,
         )
         yield StreamEvent(delta_text="", result=result)
 
     def stream(self, prompt: list[int], **sampling: Any) -> Iterator[StreamEvent]:
-        self.overrides.append({k: sampling.pop(k) for k in ("prefill_chunk_size", "kv_cache_bits") if k in sampling})
+        self.overrides.append(
+            {k: sampling.pop(k) for k in ("prefill_chunk_size", "kv_cache_bits") if k in sampling}
+        )
         params = SamplingParams.build(**sampling)
         self.calls.append(("stream", [list(prompt)]))
         return self._events(list(prompt), params)
 
-    def generate_batch(self, prompts: Sequence[list[int]], *, sampling: Sequence[Mapping[str, Any]]
-                       ) -> list[GenerationResult]:
+    def generate_batch(
+        self, prompts: Sequence[list[int]], *, sampling: Sequence[Mapping[str, Any]]
+    ) -> list[GenerationResult]:
         self.calls.append(("batch", [list(p) for p in prompts]))
         out = []
         for prompt, kw in zip(prompts, sampling):

@@ -15,8 +15,10 @@ QUESTIONS = ["Where is Paris?", "Where is Rome?", "What is a fox?", "Who is lazy
 
 
 def conversation(client_id: int, turn: int) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{QUESTIONS[client_id % 4]} (client {client_id}, turn {turn})"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{QUESTIONS[client_id % 4]} (client {client_id}, turn {turn})"},
+    ]
 
 
 def test_32_concurrent_clients_get_their_own_greedy_outputs(tiny_url: str, tiny_engine: KVBoost) -> None:
@@ -26,12 +28,14 @@ def test_32_concurrent_clients_get_their_own_greedy_outputs(tiny_url: str, tiny_
         out = []
         for turn in range(turns):
             if (cid + turn) % 3 == 0:  # a mix of streamed and non-streamed requests
-                stream = await api.chat.completions.create(model=MODEL, messages=conversation(cid, turn),
-                                                           max_tokens=5, temperature=0, stream=True)
+                stream = await api.chat.completions.create(
+                    model=MODEL, messages=conversation(cid, turn), max_tokens=5, temperature=0, stream=True
+                )
                 out.append("".join([c.choices[0].delta.content or "" async for c in stream]))
             else:
-                resp = await api.chat.completions.create(model=MODEL, messages=conversation(cid, turn),
-                                                         max_tokens=5, temperature=0)
+                resp = await api.chat.completions.create(
+                    model=MODEL, messages=conversation(cid, turn), max_tokens=5, temperature=0
+                )
                 out.append(resp.choices[0].message.content)
         return out
 
@@ -46,8 +50,12 @@ def test_32_concurrent_clients_get_their_own_greedy_outputs(tiny_url: str, tiny_
     before = httpx.get(f"{tiny_url}/v1/stats").json()["queue"]
     got = asyncio.run(run())
     expected = [
-        [tiny_engine.generate(tiny_engine.chat_prompt(conversation(c, t)), max_new_tokens=5,
-                              temperature=0).output_text for t in range(turns)]
+        [
+            tiny_engine.generate(
+                tiny_engine.chat_prompt(conversation(c, t)), max_new_tokens=5, temperature=0
+            ).output_text
+            for t in range(turns)
+        ]
         for c in range(clients)
     ]
     assert got == expected

@@ -42,8 +42,9 @@ def post(url: str, path: str, body: object | bytes, **kw) -> httpx.Response:
     return httpx.post(url + path, json=body, **kw)
 
 
-def assert_openai_error(resp: httpx.Response, status: int, *, param: str | None = None,
-                        code: str | None = None) -> dict:
+def assert_openai_error(
+    resp: httpx.Response, status: int, *, param: str | None = None, code: str | None = None
+) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"}
@@ -60,38 +61,47 @@ def test_malformed_json_is_400(url: str) -> None:
     assert_openai_error(post(url, "/v1/chat/completions", b"[1, 2]"), 400)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"model": MODEL, "prompt": 5}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
-    ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
-    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 9}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "bogus_param": 1}, "bogus_param"),
-    ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"prompt": "hi"}, "model"),
-    ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 80}, "max_tokens"),  # 150 + 80 > context 200
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"model": MODEL, "prompt": 5}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 9}, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "bogus_param": 1}, "bogus_param"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"prompt": "hi"}, "model"),
+        ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 80}, "max_tokens"),  # 150 + 80 > context 200
+    ],
+)
 def test_invalid_completion_parameters_are_400_naming_the_parameter(url: str, body: dict, param: str) -> None:
     assert_openai_error(post(url, "/v1/completions", body), 400, param=param)
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
+    ],
+)
 def test_unsupported_or_invalid_chat_features_are_400(url: str, extra: dict, param: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
     err = assert_openai_error(post(url, "/v1/chat/completions", body), 400, param=param)
@@ -101,8 +111,9 @@ def test_unsupported_or_invalid_chat_features_are_400(url: str, extra: dict, par
 def test_openai_client_raises_bad_request_with_param(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
+        )
     assert info.value.param == "response_format"
 
 
@@ -116,9 +127,13 @@ def test_unknown_model_is_404_in_openai_shape(url: str) -> None:
 
 
 def test_text_parts_in_chat_content_are_joined(url: str) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                      {"type": "text", "text": "b"}]}],
-            "max_tokens": 3}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+        "max_tokens": 3,
+    }
     resp = post(url, "/v1/chat/completions", body)
     assert resp.status_code == 200
     # Fake chat template: "<user>ab<assistant>"
@@ -149,14 +164,18 @@ def test_gate_refusal_is_413_and_never_queued() -> None:
         def admit(self, request: AdmissionRequest) -> AdmissionDecision:
             self.seen.append(request)
             if max(request.prompt_tokens) > 10:
-                return AdmissionDecision(admitted=False, message="prompt too long for free memory; shorten it",
-                                         details={"limit_tokens": 10})
+                return AdmissionDecision(
+                    admitted=False,
+                    message="prompt too long for free memory; shorten it",
+                    details={"limit_tokens": 10},
+                )
             return AdmissionDecision(admitted=True)
 
     fake, gate = FakeEngine(), SmallOnly()
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,)), gate=gate)) as url:
-        err = assert_openai_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x" * 11}), 413,
-                                  code="request_too_large")
+        err = assert_openai_error(
+            post(url, "/v1/completions", {"model": MODEL, "prompt": "x" * 11}), 413, code="request_too_large"
+        )
         assert err["details"] == {"limit_tokens": 10}
         assert fake.calls == []
         ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "short", "max_tokens": 4, "n": 2})
@@ -171,6 +190,7 @@ def test_queue_full_is_503_then_recovers() -> None:
     fake.hold.clear()
     config = ServerConfig(model_names=(MODEL,), max_queue_size=2, max_batch_size=1, batch_window_ms=0)
     with serve(create_app(fake, config)) as url:
+
         async def scenario() -> list[int]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as c:
                 body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -196,8 +216,12 @@ def test_timeout_is_504_and_stops_generation() -> None:
         assert_openai_error(resp, 504, code="timeout")
         assert time.monotonic() - t0 < 3
         wait_until(lambda: fake.closed_early == 1)  # the engine was told to stop, not left running 5 s
-        stream = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True},
-                      timeout=30)
+        stream = post(
+            url,
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True},
+            timeout=30,
+        )
         assert stream.status_code == 200  # streaming had started: the timeout arrives as an error event
         assert '"code":"timeout"' in stream.text
         assert "[DONE]" not in stream.text
@@ -210,8 +234,12 @@ def test_request_timing_out_in_the_queue_is_504() -> None:
     fake.hold.clear()
     config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.5, max_batch_size=1)
     with serve(create_app(fake, config)) as url:
-        resp = post(url, "/v1/chat/completions",
-                    {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=30)
+        resp = post(
+            url,
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+            timeout=30,
+        )
         assert_openai_error(resp, 504)
         fake.hold.set()
 
@@ -237,4 +265,6 @@ def test_non_stream_disconnect_cancels_the_job() -> None:
         with pytest.raises(httpx.ReadTimeout):
             post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 150}, timeout=0.3)
         wait_until(lambda: fake.closed_early == 1, timeout=3)
-        assert post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert (
+            post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        )

@@ -45,7 +45,9 @@ def test_completion_greedy_matches_engine(client: openai.OpenAI, tiny_engine: KV
 
 def test_chat_greedy_matches_engine_via_chat_template(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is Paris?"}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=9, temperature=0)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=9, temperature=0
+    )
     ref = reference(tiny_engine, tiny_engine.chat_prompt(messages), max_new_tokens=9)
     assert resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
@@ -64,10 +66,16 @@ def test_developer_role_is_rendered_as_system(client: openai.OpenAI, tiny_engine
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streamed_deltas_concatenate_to_the_non_streamed_text(client: openai.OpenAI, endpoint: str) -> None:
     if endpoint == "chat":
-        kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about Rome."}], "max_tokens": 14,
-              "temperature": 0}
+        kw = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell me about Rome."}],
+            "max_tokens": 14,
+            "temperature": 0,
+        }
         full = client.chat.completions.create(**kw)
-        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant"
         expected = full.choices[0].message.content
@@ -91,11 +99,14 @@ def test_stop_string_ends_generation_and_is_not_included(client: openai.OpenAI, 
     free = reference(tiny_engine, prompt, max_new_tokens=12).output_text
     assert "dd" in free  # this seed's greedy continuation repeats 'd'
     expected = free[: free.index("dd")]
-    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["zzz", "dd"])
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["zzz", "dd"]
+    )
     assert resp.choices[0].text == expected
     assert resp.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop="dd",
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop="dd", stream=True
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -116,7 +127,9 @@ def test_n_choices_each_get_their_own_seed(client: openai.OpenAI, tiny_engine: K
 
 
 def test_completion_logprobs(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
-    resp = client.completions.create(model=MODEL, prompt="Rome is in", max_tokens=5, temperature=0, logprobs=2)
+    resp = client.completions.create(
+        model=MODEL, prompt="Rome is in", max_tokens=5, temperature=0, logprobs=2
+    )
     ref = reference(tiny_engine, "Rome is in", max_new_tokens=5, logprobs=2)
     lp = resp.choices[0].logprobs
     assert lp.tokens == [e.token for e in ref.logprobs]
@@ -127,8 +140,9 @@ def test_completion_logprobs(client: openai.OpenAI, tiny_engine: KVBoost) -> Non
 
 def test_chat_logprobs(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     ref = reference(tiny_engine, tiny_engine.chat_prompt(messages), max_new_tokens=4, logprobs=3)
     content = resp.choices[0].logprobs.content
     assert [c.token for c in content] == [e.token for e in ref.logprobs]
@@ -140,7 +154,9 @@ def test_chat_logprobs(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
 def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
     doc = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
     first = client.completions.create(model=MODEL, prompt=doc + " Question one?", max_tokens=2, temperature=0)
-    second = client.completions.create(model=MODEL, prompt=doc + " Question two?", max_tokens=2, temperature=0)
+    second = client.completions.create(
+        model=MODEL, prompt=doc + " Question two?", max_tokens=2, temperature=0
+    )
     assert first.usage.prompt_tokens > 40
     cached = second.usage.prompt_tokens_details.cached_tokens
     # At least every full 16-token chunk of the shared document is served from cache.
@@ -153,17 +169,25 @@ def test_async_client_concurrent_requests(tiny_url: str, tiny_engine: KVBoost) -
 
     async def run() -> list[str]:
         client = openai.AsyncOpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
-        resps = await asyncio.gather(*(
-            client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts
-        ))
+        resps = await asyncio.gather(
+            *(client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts)
+        )
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+        )
         streamed = "".join([c.choices[0].delta.content or "" async for c in stream])
         await client.close()
         return [r.choices[0].text for r in resps] + [streamed]
 
     got = asyncio.run(run())
     expected = [reference(tiny_engine, p, max_new_tokens=6).output_text for p in prompts]
-    expected.append(reference(tiny_engine, tiny_engine.chat_prompt([{"role": "user", "content": "Hi"}]),
-                              max_new_tokens=5).output_text)
+    expected.append(
+        reference(
+            tiny_engine, tiny_engine.chat_prompt([{"role": "user", "content": "Hi"}]), max_new_tokens=5
+        ).output_text
+    )
     assert got == expected

@@ -69,8 +69,10 @@ def test_warm_then_request_hits_the_cache(tiny_url: str) -> None:
     system = "Paris is the capital of France; Berlin is the capital of Germany; Rome is in Italy. " * 3
     warm = httpx.post(tiny_url + "/v1/warm", json={"text": system}).json()["results"][0]
     assert warm["tokens"] > 32 and warm["chunks"] >= 2
-    resp = httpx.post(tiny_url + "/v1/completions", json={"model": "tiny-llama", "prompt": system + "Where?",
-                                                          "max_tokens": 2, "temperature": 0}).json()
+    resp = httpx.post(
+        tiny_url + "/v1/completions",
+        json={"model": "tiny-llama", "prompt": system + "Where?", "max_tokens": 2, "temperature": 0},
+    ).json()
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
 
 
@@ -78,8 +80,10 @@ def test_metrics_count_requests_tokens_and_hits(tiny_url: str, tiny_engine: KVBo
     before = httpx.get(tiny_url + "/metrics").text
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
     for _ in range(2):
-        r = httpx.post(tiny_url + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt,
-                                                           "max_tokens": 3, "temperature": 0})
+        r = httpx.post(
+            tiny_url + "/v1/completions",
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 3, "temperature": 0},
+        )
         assert r.status_code == 200
     httpx.post(tiny_url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     after = httpx.get(tiny_url + "/metrics").text

@@ -15,8 +15,15 @@ def inbox() -> Inbox:
 
 
 def job(i: int, prompt: list[int], inbox: Inbox, *, stream: bool = False) -> GenerationJob:
-    return GenerationJob(id=JobId(i), prompt=prompt, sampling=SamplingParams(max_new_tokens=1), stream=stream,
-                         choice=0, inbox=inbox, deadline=1e18)
+    return GenerationJob(
+        id=JobId(i),
+        prompt=prompt,
+        sampling=SamplingParams(max_new_tokens=1),
+        stream=stream,
+        choice=0,
+        inbox=inbox,
+        deadline=1e18,
+    )
 
 
 def ids(jobs) -> list[int]:
@@ -24,8 +31,13 @@ def ids(jobs) -> list[int]:
 
 
 def test_oldest_job_leads_and_its_prefix_group_joins_first(inbox: Inbox) -> None:
-    pending = [job(1, [1, 2, 3, 9], inbox), job(2, [5, 5, 5], inbox), job(3, [1, 2, 3, 7], inbox),
-               job(4, [6, 6], inbox), job(5, [5, 5, 5, 1], inbox)]
+    pending = [
+        job(1, [1, 2, 3, 9], inbox),
+        job(2, [5, 5, 5], inbox),
+        job(3, [1, 2, 3, 7], inbox),
+        job(4, [6, 6], inbox),
+        job(5, [5, 5, 5, 1], inbox),
+    ]
     unit, rest = next_unit(pending, max_batch_size=4, prefix_tokens=3)
     # 1 and 3 share [1, 2, 3]; then 2 and 5 (sharing [5, 5, 5]) side by side before 4.
     assert ids(unit) == [1, 3, 2, 5]

@@ -30,8 +30,14 @@ MIB = 1 << 20
 MARGIN = 0.1
 MAX_TOKENS = 8
 SHAPE = ModelShape.from_config(
-    LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=256),
+    LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    ),
     dtype="float32",
 )
 
@@ -65,8 +71,12 @@ def profile_fitting(prompt_tokens: int) -> DeviceProfile:
 
 
 def expected_plan(profile: DeviceProfile, prompt_tokens: int, *, auto_truncate: bool = False):
-    return plan(PlanRequest(prompt_tokens=prompt_tokens, max_new_tokens=MAX_TOKENS, auto_truncate=auto_truncate),
-                profile, SHAPE, PlannerPolicy(safety_margin=MARGIN))
+    return plan(
+        PlanRequest(prompt_tokens=prompt_tokens, max_new_tokens=MAX_TOKENS, auto_truncate=auto_truncate),
+        profile,
+        SHAPE,
+        PlannerPolicy(safety_margin=MARGIN),
+    )
 
 
 def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
@@ -110,8 +120,11 @@ def test_refusal_is_413_with_the_planner_numbers(small_memory, fake: FakeEngine)
     assert err["free_mb"] == round(gate.profile.free_bytes / MIB, 1)
     assert f"at most {want['suggested_max_tokens']} tokens" in err["message"]
     assert fake.calls == []  # never queued
-    chat = post(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": MAX_TOKENS,
-                                              "messages": [{"role": "user", "content": prompt}]})
+    chat = post(
+        url,
+        "/v1/chat/completions",
+        {"model": MODEL, "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": prompt}]},
+    )
     assert chat.status_code == 413 and chat.json()["error"]["param"] == "messages"
     ok = post(url, "/v1/completions", completion("y" * 30))
     assert ok.status_code == 200 and fake.overrides[-1] == {}  # fits at 16 bits single shot: no overrides
@@ -120,7 +133,9 @@ def test_refusal_is_413_with_the_planner_numbers(small_memory, fake: FakeEngine)
 
 def test_streaming_refusal_arrives_before_any_chunk(small_memory) -> None:
     url, _ = small_memory
-    with httpx.stream("POST", url + "/v1/completions", json=completion("x" * 150, stream=True), timeout=30) as resp:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=completion("x" * 150, stream=True), timeout=30
+    ) as resp:
         text = resp.read().decode()
     assert resp.status_code == 413
     assert resp.headers["content-type"].startswith("application/json")
@@ -140,10 +155,16 @@ def test_auto_truncate_keeps_the_end_of_the_prompt(fake: FakeEngine) -> None:
         body = resp.json()
         assert resp.headers[TRUNCATION_HEADER] == str(150 - keep)
         assert body["usage"]["prompt_tokens"] == keep
-        assert body["prompt_truncation"] == {"kept": "last_tokens", "original_prompt_tokens": [150],
-                                             "prompt_tokens": [keep], "dropped_tokens": 150 - keep}
+        assert body["prompt_truncation"] == {
+            "kept": "last_tokens",
+            "original_prompt_tokens": [150],
+            "prompt_tokens": [keep],
+            "dropped_tokens": 150 - keep,
+        }
         assert fake.calls[-1][1][0] == [ord(c) for c in prompt[-keep:]]
-        with httpx.stream("POST", url + "/v1/completions", json=completion(prompt, stream=True), timeout=30) as s:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=completion(prompt, stream=True), timeout=30
+        ) as s:
             s.read()
         assert s.status_code == 200 and s.headers[TRUNCATION_HEADER] == str(150 - keep)
     assert gate.stats()["decisions"]["truncate"] == 2
@@ -178,9 +199,13 @@ def test_stats_report_calibration_as_strict_json(fake: FakeEngine) -> None:
     prompts = ["a" * 30, "b" * 60]
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=100), gate=gate)) as url:
         assert post(url, "/v1/completions", completion(prompts[0])).status_code == 200
-        with httpx.stream("POST", url + "/v1/completions", json=completion(prompts[1], stream=True), timeout=30) as s:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=completion(prompts[1], stream=True), timeout=30
+        ) as s:
             s.read()
-        assert post(url, "/v1/completions", completion("c" * 10, n=2)).status_code == 200  # 2 jobs: not probed
+        assert (
+            post(url, "/v1/completions", completion("c" * 10, n=2)).status_code == 200
+        )  # 2 jobs: not probed
         resp = httpx.get(url + "/v1/stats")
 
     def no_constants(name: str) -> None:
@@ -189,7 +214,8 @@ def test_stats_report_calibration_as_strict_json(fake: FakeEngine) -> None:
     stats = json.loads(resp.text, parse_constant=no_constants)["planner"]
     assert meter.starts == 2
     residuals = sorted(
-        (meter.actual - expected_plan(profile, len(p)).estimate.peak_bytes) / expected_plan(profile, len(p)).estimate.peak_bytes
+        (meter.actual - expected_plan(profile, len(p)).estimate.peak_bytes)
+        / expected_plan(profile, len(p)).estimate.peak_bytes
         for p in prompts
     )
     calib = stats["calibration"]

@@ -25,20 +25,44 @@ def test_planning_and_tier_flags_parse() -> None:
     args = build_parser().parse_args([])
     assert args.oom_planning is None and args.auto_truncate is False and args.planner_safety_margin is None
     assert args.kv_cache_bits == 16 and args.disk_cache_dir is None and args.remote_url is None
-    args = build_parser().parse_args([
-        "--oom-planning", "--auto-truncate", "--planner-safety-margin", "0.2", "--kv-cache-bits", "4",
-        "--disk-cache-dir", "/tmp/kv", "--disk-cache-bytes", "1GiB", "--remote-url", "redis://127.0.0.1:6379/0",
-    ])
+    args = build_parser().parse_args(
+        [
+            "--oom-planning",
+            "--auto-truncate",
+            "--planner-safety-margin",
+            "0.2",
+            "--kv-cache-bits",
+            "4",
+            "--disk-cache-dir",
+            "/tmp/kv",
+            "--disk-cache-bytes",
+            "1GiB",
+            "--remote-url",
+            "redis://127.0.0.1:6379/0",
+        ]
+    )
     assert (args.oom_planning, args.auto_truncate, args.planner_safety_margin) == (True, True, 0.2)
     assert (args.kv_cache_bits, args.disk_cache_dir, args.disk_cache_bytes) == (4, "/tmp/kv", 2**30)
     assert args.remote_url == "redis://127.0.0.1:6379/0"
     assert build_parser().parse_args(["--no-oom-planning"]).oom_planning is False
-    for bad in (["--planner-safety-margin", "1.5"], ["--planner-safety-margin", "x"], ["--kv-cache-bits", "3"]):
+    for bad in (
+        ["--planner-safety-margin", "1.5"],
+        ["--planner-safety-margin", "x"],
+        ["--kv-cache-bits", "3"],
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
     text = build_parser().format_help()
-    for flag in ("--oom-planning", "--no-oom-planning", "--auto-truncate", "--planner-safety-margin",
-                 "--kv-cache-bits", "--disk-cache-dir", "--disk-cache-bytes", "--remote-url"):
+    for flag in (
+        "--oom-planning",
+        "--no-oom-planning",
+        "--auto-truncate",
+        "--planner-safety-margin",
+        "--kv-cache-bits",
+        "--disk-cache-dir",
+        "--disk-cache-bytes",
+        "--remote-url",
+    ):
         assert flag in text
 
 
@@ -54,8 +78,16 @@ class TinyLlamaEngine:
     def __init__(self) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        self.model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                  num_key_value_heads=1, intermediate_size=64, vocab_size=64))
+        self.model = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                intermediate_size=64,
+                vocab_size=64,
+            )
+        )
         self.device = torch.device("cpu")
         self.stored = 0
 
@@ -66,7 +98,9 @@ class TinyLlamaEngine:
 def test_build_gate_follows_the_flags() -> None:
     engine = TinyLlamaEngine()
     assert build_gate(build_parser().parse_args(["--no-oom-planning"]), engine) is None
-    gate = build_gate(build_parser().parse_args(["--auto-truncate", "--planner-safety-margin", "0.3"]), engine)
+    gate = build_gate(
+        build_parser().parse_args(["--auto-truncate", "--planner-safety-margin", "0.3"]), engine
+    )
     assert isinstance(gate, PlannerGate)  # on by default: kvb-planner is installed here
     assert gate.auto_truncate and gate.margin() == 0.3
     assert gate.shape.num_layers == 1 and gate.shape.num_kv_heads == 1 and gate.shape.dtype_bytes == 4
@@ -90,8 +124,16 @@ def test_missing_planner_names_the_extra(monkeypatch) -> None:
 # ------------------------------------------------------------------------------------------ run time
 def test_jobs_with_engine_overrides_run_alone() -> None:
     def job(settings: EngineSettings) -> GenerationJob:
-        return GenerationJob(id=1, prompt=[1], sampling=SamplingParams(max_new_tokens=1), stream=False, choice=0,
-                             inbox=None, deadline=0.0, settings=settings)  # type: ignore[arg-type]
+        return GenerationJob(
+            id=1,
+            prompt=[1],
+            sampling=SamplingParams(max_new_tokens=1),
+            stream=False,
+            choice=0,
+            inbox=None,
+            deadline=0.0,
+            settings=settings,
+        )  # type: ignore[arg-type]
 
     assert is_batchable(job(EngineSettings()))
     assert is_batchable(job(EngineSettings(kv_cache_bits=16)))

@@ -37,7 +37,8 @@ def test_max_tokens_capped_by_server_and_context() -> None:
     assert completion(prompt="a", max_tokens=500).sampling.max_new_tokens == 50  # --max-tokens clamps
     # Chat default: as much as the server allows and the context leaves (context 200).
     assert chat(messages=[{"role": "user", "content": "x" * 160}]).sampling.max_new_tokens == 200 - len(
-        "<user>" + "x" * 160 + "<assistant>")
+        "<user>" + "x" * 160 + "<assistant>"
+    )
     with pytest.raises(InvalidParameterError) as info:
         completion(prompt="x" * 199, max_tokens=2)
     assert info.value.param == "max_tokens"
@@ -47,8 +48,13 @@ def test_max_tokens_capped_by_server_and_context() -> None:
 
 
 def test_max_completion_tokens_wins_and_top_p_zero_is_greedy() -> None:
-    plan = chat(messages=[{"role": "user", "content": "hi"}], max_tokens=9, max_completion_tokens=4, top_p=0.0,
-                temperature=0.9)
+    plan = chat(
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=9,
+        max_completion_tokens=4,
+        top_p=0.0,
+        temperature=0.9,
+    )
     assert plan.sampling.max_new_tokens == 4
     assert (plan.sampling.temperature, plan.sampling.top_p) == (0.0, 1.0)
 
@@ -57,7 +63,10 @@ def test_logprob_settings() -> None:
     assert completion(prompt="a", logprobs=0).sampling.logprobs == 0
     assert completion(prompt="a").sampling.logprobs is None
     assert chat(messages=[{"role": "user", "content": "a"}], logprobs=True).sampling.logprobs == 0
-    assert chat(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=4).sampling.logprobs == 4
+    assert (
+        chat(messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=4).sampling.logprobs
+        == 4
+    )
     assert chat(messages=[{"role": "user", "content": "a"}], logprobs=False).sampling.logprobs is None
 
 

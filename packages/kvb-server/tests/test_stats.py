@@ -19,8 +19,16 @@ class Point:
 
 
 def test_json_safe_converts_everything_to_plain_json() -> None:
-    value = {1: float("inf"), "t": torch.tensor([1.5, 2.0]), "s": torch.tensor(3), "e": Color.RED,
-             "d": Point(x=float("nan")), "set": {4}, "obj": object, "nested": [{"a": (1, 2)}]}
+    value = {
+        1: float("inf"),
+        "t": torch.tensor([1.5, 2.0]),
+        "s": torch.tensor(3),
+        "e": Color.RED,
+        "d": Point(x=float("nan")),
+        "set": {4},
+        "obj": object,
+        "nested": [{"a": (1, 2)}],
+    }
     out = json_safe(value)
     json.dumps(out, allow_nan=False)
     assert out["1"] is None and out["t"] == [1.5, 2.0] and out["s"] == 3 and out["e"] == "red"

@@ -54,7 +54,11 @@ class _RequestMetrics:
 
         path = scope["path"]
         # Bounded label values: unknown paths (scanners, typos) share one label.
-        route = path if path in KNOWN_ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        route = (
+            path
+            if path in KNOWN_ROUTES
+            else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        )
         try:
             await self._app(scope, receive, send_wrapper)
         finally:
@@ -82,13 +86,19 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     metrics = ServerMetrics(queue_depth=lambda: worker.depth)
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()
-    service = GenerationService(config=config, worker=worker, metrics=metrics, gate=gate, throughput=throughput)
+    service = GenerationService(
+        config=config, worker=worker, metrics=metrics, gate=gate, throughput=throughput
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
-        logger.info("serving %s (queue %d, batch %d)", ", ".join(config.model_names), config.max_queue_size,
-                    config.max_batch_size)
+        logger.info(
+            "serving %s (queue %d, batch %d)",
+            ", ".join(config.model_names),
+            config.max_queue_size,
+            config.max_batch_size,
+        )
         try:
             yield
         finally:
@@ -105,17 +115,22 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
                 "--api-key)."
             )
         if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise AuthenticationError("Incorrect API key provided. Use the key given to the server's --api-key.")
+            raise AuthenticationError(
+                "Incorrect API key provided. Use the key given to the server's --api-key."
+            )
 
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.add_middleware(_RequestMetrics, metrics=metrics)
-    open_routes, admin_v1 = admin_router(engine=engine, config=config, worker=worker, metrics=metrics,
-                                         throughput=throughput, gate=gate)
+    open_routes, admin_v1 = admin_router(
+        engine=engine, config=config, worker=worker, metrics=metrics, throughput=throughput, gate=gate
+    )
     app.include_router(open_routes)
     auth = [Depends(require_api_key)]
     app.include_router(admin_v1, dependencies=auth)
-    app.include_router(openai_router(engine=engine, config=config, service=service, created=int(time.time())),
-                       dependencies=auth)
+    app.include_router(
+        openai_router(engine=engine, config=config, service=service, created=int(time.time())),
+        dependencies=auth,
+    )
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
@@ -125,8 +140,11 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
         loc = [p for p in first.get("loc", ()) if p != "body"]
-        return _error_response(InvalidParameterError(str(first.get("msg", "invalid request")),
-                                                     param=str(loc[0]) if loc else None))
+        return _error_response(
+            InvalidParameterError(
+                str(first.get("msg", "invalid request")), param=str(loc[0]) if loc else None
+            )
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -140,6 +158,8 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(ServerError(f"Internal server error: {type(exc).__name__}").body(), status_code=500)
+        return JSONResponse(
+            ServerError(f"Internal server error: {type(exc).__name__}").body(), status_code=500
+        )
 
     return app

@@ -36,7 +36,9 @@ def margin(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back"
+        )
     return value
 
 
@@ -49,63 +51,142 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     model = p.add_argument_group("model")
-    model.add_argument("--model", default=DEFAULT_MODEL,
-                       help="local model folder, a hub id already in the local Hugging Face cache, or "
-                       "'smollm2-135m' for the embedded SmolLM2-135M-Instruct")
-    model.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                       help="extra name clients may send as 'model' (repeatable); the engine's model id and "
-                       "--model are always accepted")
+    model.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="local model folder, a hub id already in the local Hugging Face cache, or "
+        "'smollm2-135m' for the embedded SmolLM2-135M-Instruct",
+    )
+    model.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra name clients may send as 'model' (repeatable); the engine's model id and "
+        "--model are always accepted",
+    )
     model.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available)")
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="weights and KV dtype (default: the checkpoint's)")
+    model.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV dtype (default: the checkpoint's)",
+    )
     cache = p.add_argument_group("cache")
-    cache.add_argument("--max-cache-bytes", type=parse_bytes, default="2GiB",
-                       help="byte budget of the in-memory KV chunk store (0 disables reuse)")
-    cache.add_argument("--chunk-size", type=int, default=128,
-                       help="tokens per cached chunk; also the leading tokens that group requests in a batch")
-    cache.add_argument("--warm", action="append", default=[], metavar="TEXT",
-                       help="prefill TEXT's KV before serving (repeatable), e.g. a shared system prompt")
-    cache.add_argument("--kv-cache-bits", type=int, default=16, choices=[16, 8, 4],
-                       help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks "
-                       "per byte, approximate reuse)")
-    cache.add_argument("--disk-cache-dir", default=None, metavar="DIR",
-                       help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier")
-    cache.add_argument("--disk-cache-bytes", type=parse_bytes, default="16GiB",
-                       help="byte budget of the disk tier")
-    cache.add_argument("--remote-url", default=None, metavar="URL",
-                       help="redis://host:port/db of a Redis shared by several engine processes "
-                       "(pip install 'kvb-cache[redis]'); default: no remote tier")
+    cache.add_argument(
+        "--max-cache-bytes",
+        type=parse_bytes,
+        default="2GiB",
+        help="byte budget of the in-memory KV chunk store (0 disables reuse)",
+    )
+    cache.add_argument(
+        "--chunk-size",
+        type=int,
+        default=128,
+        help="tokens per cached chunk; also the leading tokens that group requests in a batch",
+    )
+    cache.add_argument(
+        "--warm",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="prefill TEXT's KV before serving (repeatable), e.g. a shared system prompt",
+    )
+    cache.add_argument(
+        "--kv-cache-bits",
+        type=int,
+        default=16,
+        choices=[16, 8, 4],
+        help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks "
+        "per byte, approximate reuse)",
+    )
+    cache.add_argument(
+        "--disk-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier",
+    )
+    cache.add_argument(
+        "--disk-cache-bytes", type=parse_bytes, default="16GiB", help="byte budget of the disk tier"
+    )
+    cache.add_argument(
+        "--remote-url",
+        default=None,
+        metavar="URL",
+        help="redis://host:port/db of a Redis shared by several engine processes "
+        "(pip install 'kvb-cache[redis]'); default: no remote tier",
+    )
     planning = p.add_argument_group("memory planning (pip install kvb-server[planner])")
-    planning.add_argument("--oom-planning", action=argparse.BooleanOptionalAction, default=None,
-                          help="predict each request's peak memory before it runs: run it as asked, with prefill "
-                          "slices or quantized KV, or refuse it with HTTP 413 (default: on when kvb-planner is "
-                          "installed)")
-    planning.add_argument("--auto-truncate", action="store_true",
-                          help="instead of refusing a request that does not fit, keep the end of its prompt "
-                          "(the latest messages) and report the dropped tokens")
-    planning.add_argument("--planner-safety-margin", type=margin, default=None, metavar="FRACTION",
-                          help="fraction of free memory kept back (default: the calibration tracker's suggested "
-                          "margin, 0.10 until 16 requests were measured, then their p95 residual in [0.05, 0.5])")
+    planning.add_argument(
+        "--oom-planning",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="predict each request's peak memory before it runs: run it as asked, with prefill "
+        "slices or quantized KV, or refuse it with HTTP 413 (default: on when kvb-planner is "
+        "installed)",
+    )
+    planning.add_argument(
+        "--auto-truncate",
+        action="store_true",
+        help="instead of refusing a request that does not fit, keep the end of its prompt "
+        "(the latest messages) and report the dropped tokens",
+    )
+    planning.add_argument(
+        "--planner-safety-margin",
+        type=margin,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of free memory kept back (default: the calibration tracker's suggested "
+        "margin, 0.10 until 16 requests were measured, then their p95 residual in [0.05, 0.5])",
+    )
     http = p.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1",
-                      help="interface to bind; the default serves this machine only, use 0.0.0.0 to expose it")
+    http.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind; the default serves this machine only, use 0.0.0.0 to expose it",
+    )
     http.add_argument("--port", type=int, default=8000, help="TCP port")
-    http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                      help=f"require 'Authorization: Bearer KEY' on every /v1/* route (default: ${API_KEY_ENV}; "
-                      "unset: no authentication)")
-    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                      help="server log level")
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every /v1/* route (default: ${API_KEY_ENV}; "
+        "unset: no authentication)",
+    )
+    http.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
+    )
     sched = p.add_argument_group("scheduling")
-    sched.add_argument("--max-batch-size", type=int, default=8,
-                       help="most non-streamed requests served together in one batched engine call")
-    sched.add_argument("--batch-window-ms", type=float, default=5.0,
-                       help="how long the worker waits for more requests to join a batch (0: no wait)")
-    sched.add_argument("--max-queue-size", type=int, default=256,
-                       help="requests waiting for the engine before new ones get HTTP 503")
-    sched.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                       help="a request not finished this long after arrival gets HTTP 504 and is stopped")
-    sched.add_argument("--max-tokens", type=int, default=1024,
-                       help="server-side cap on generated tokens per choice (larger requests are clamped)")
+    sched.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="most non-streamed requests served together in one batched engine call",
+    )
+    sched.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long the worker waits for more requests to join a batch (0: no wait)",
+    )
+    sched.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=256,
+        help="requests waiting for the engine before new ones get HTTP 503",
+    )
+    sched.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a request not finished this long after arrival gets HTTP 504 and is stopped",
+    )
+    sched.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        help="server-side cap on generated tokens per choice (larger requests are clamped)",
+    )
     return p
 
 
@@ -123,21 +204,35 @@ def build_server(args: argparse.Namespace) -> Server:
     from kvb_server.app import create_app
 
     engine = KVBoost.from_pretrained(
-        args.model, chunk_size=args.chunk_size, max_cache_bytes=args.max_cache_bytes, device=args.device,
-        dtype=args.dtype, kv_cache_bits=args.kv_cache_bits, disk_cache_dir=args.disk_cache_dir,
-        disk_cache_bytes=args.disk_cache_bytes, remote_url=args.remote_url,
+        args.model,
+        chunk_size=args.chunk_size,
+        max_cache_bytes=args.max_cache_bytes,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bits=args.kv_cache_bits,
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_bytes=args.disk_cache_bytes,
+        remote_url=args.remote_url,
     )
     for text in args.warm:
         result = engine.warm(text)
-        logger.info("warmed %d tokens (%d new chunks) in %.0f ms", result.tokens, result.new_chunks,
-                    result.elapsed_ms)
+        logger.info(
+            "warmed %d tokens (%d new chunks) in %.0f ms", result.tokens, result.new_chunks, result.elapsed_ms
+        )
     names = tuple(dict.fromkeys([engine.model_name, args.model, *args.served_model_name]))
     config = ServerConfig(
-        model_names=names, max_queue_size=args.max_queue_size, max_batch_size=args.max_batch_size,
-        batch_window_ms=args.batch_window_ms, request_timeout_s=args.request_timeout, max_tokens=args.max_tokens,
-        group_prefix_tokens=args.chunk_size, api_key=args.api_key or None,
+        model_names=names,
+        max_queue_size=args.max_queue_size,
+        max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms,
+        request_timeout_s=args.request_timeout,
+        max_tokens=args.max_tokens,
+        group_prefix_tokens=args.chunk_size,
+        api_key=args.api_key or None,
     )
-    return Server(app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port)
+    return Server(
+        app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
+    )
 
 
 def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
@@ -152,11 +247,15 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
     enabled = args.oom_planning if args.oom_planning is not None else planner_available()
     if not enabled:
         if args.auto_truncate or args.planner_safety_margin is not None:
-            raise ValueError("--auto-truncate and --planner-safety-margin need OOM planning; drop them or drop "
-                             "--no-oom-planning (and pip install kvb-server[planner])")
+            raise ValueError(
+                "--auto-truncate and --planner-safety-margin need OOM planning; drop them or drop "
+                "--no-oom-planning (and pip install kvb-server[planner])"
+            )
         logger.info("OOM planning off: every valid request is admitted")
         return None
-    gate = PlannerGate.for_engine(engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin)
+    gate = PlannerGate.for_engine(
+        engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin
+    )
     logger.info("OOM planning on: %s", gate.profile.to_dict())
     return gate
 
@@ -165,12 +264,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.oom_planning is False and (args.auto_truncate or args.planner_safety_margin is not None):
-        parser.error("--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        parser.error(
+            "--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning"
+        )
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvicorn
 
     server = build_server(args)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("binding %s without --api-key: anyone who can reach this port can use the model",
-                       server.host)
+        logger.warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model", server.host
+        )
     uvicorn.run(server.app, host=server.host, port=server.port, log_level=args.log_level)

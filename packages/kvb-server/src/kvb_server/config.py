@@ -36,7 +36,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
-            raise ValueError("model_names must hold at least one non-empty model name, e.g. ('smollm2-135m',)")
+            raise ValueError(
+                "model_names must hold at least one non-empty model name, e.g. ('smollm2-135m',)"
+            )
         positive_ints = {
             "max_queue_size": self.max_queue_size,
             "max_batch_size": self.max_batch_size,

@@ -26,7 +26,14 @@ class ServerError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The JSON body OpenAI returns for this error."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class InvalidParameterError(ServerError):
@@ -74,12 +81,20 @@ class RequestTooLargeError(ServerError):
     status_code = 413
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None, param: str | None = None,
-                 fields: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        details: dict[str, Any] | None = None,
+        param: str | None = None,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(message, param=param, code="request_too_large")
         self.details = dict(details or {})
         #: Extra members of the ``error`` object (the planner's numbers), next to message/type/param/code.
-        self.fields = {k: v for k, v in (fields or {}).items() if k not in ("message", "type", "param", "code")}
+        self.fields = {
+            k: v for k, v in (fields or {}).items() if k not in ("message", "type", "param", "code")
+        }
 
     def body(self) -> dict[str, Any]:
         body = super().body()

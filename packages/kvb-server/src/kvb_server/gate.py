@@ -49,10 +49,13 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_size is not None and (
-            isinstance(self.prefill_chunk_size, bool) or not isinstance(self.prefill_chunk_size, int)
+            isinstance(self.prefill_chunk_size, bool)
+            or not isinstance(self.prefill_chunk_size, int)
             or self.prefill_chunk_size < 1
         ):
-            raise ValueError(f"prefill_chunk_size must be an int >= 1 or None, got {self.prefill_chunk_size!r}")
+            raise ValueError(
+                f"prefill_chunk_size must be an int >= 1 or None, got {self.prefill_chunk_size!r}"
+            )
         if self.kv_cache_bits not in (None, 16, 8, 4):
             raise ValueError(f"kv_cache_bits must be 16, 8, 4 or None, got {self.kv_cache_bits!r}")
 

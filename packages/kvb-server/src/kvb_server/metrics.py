@@ -22,29 +22,40 @@ class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], float]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "kvboost_requests", "HTTP requests by route and status code", ["route", "status"],
+            "kvboost_requests",
+            "HTTP requests by route and status code",
+            ["route", "status"],
             registry=self.registry,
         )
         self.ttft = Histogram(
-            "kvboost_time_to_first_token_seconds", "Arrival to first generated token, per choice",
-            buckets=TTFT_BUCKETS, registry=self.registry,
+            "kvboost_time_to_first_token_seconds",
+            "Arrival to first generated token, per choice",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "kvboost_request_latency_seconds", "Arrival to response complete, per generation request",
-            ["route"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            "kvboost_request_latency_seconds",
+            "Arrival to response complete, per generation request",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
             "kvboost_prompt_tokens", "Prompt tokens processed", registry=self.registry
         )
         self.cached_prompt_tokens = Counter(
-            "kvboost_cached_prompt_tokens", "Prompt tokens whose KV came from the cache", registry=self.registry
+            "kvboost_cached_prompt_tokens",
+            "Prompt tokens whose KV came from the cache",
+            registry=self.registry,
         )
         self.completion_tokens = Counter(
             "kvboost_completion_tokens", "Tokens generated", registry=self.registry
         )
         self.chunk_hits = Counter(
-            "kvboost_cache_chunks", "Prompt chunks by how they were served (exact, partial, stitched, miss)",
-            ["kind"], registry=self.registry,
+            "kvboost_cache_chunks",
+            "Prompt chunks by how they were served (exact, partial, stitched, miss)",
+            ["kind"],
+            registry=self.registry,
         )
         self.queue_depth = Gauge(
             "kvboost_queue_depth", "Requests waiting for the engine", registry=self.registry

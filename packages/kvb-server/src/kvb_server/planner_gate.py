@@ -86,7 +86,9 @@ class _PeakProbe:
         self._meter.start()
 
     def finish(self) -> None:
-        self._gate.record(predicted_bytes=self._predicted, actual_bytes=self._meter.peak_bytes(), step=self._step)
+        self._gate.record(
+            predicted_bytes=self._predicted, actual_bytes=self._meter.peak_bytes(), step=self._step
+        )
 
 
 class PlannerGate:
@@ -119,7 +121,9 @@ class PlannerGate:
     ) -> None:
         self._planner = require_planner()
         if safety_margin is not None and not 0.0 <= safety_margin < 1.0:
-            raise ValueError(f"safety_margin must be in [0, 1) (e.g. 0.1 keeps 10% back), got {safety_margin}")
+            raise ValueError(
+                f"safety_margin must be in [0, 1) (e.g. 0.1 keeps 10% back), got {safety_margin}"
+            )
         self.shape = shape
         self.profile = profile
         self.auto_truncate = auto_truncate
@@ -134,7 +138,9 @@ class PlannerGate:
         self._last_measurement: dict[str, Any] | None = None
 
     @classmethod
-    def for_engine(cls, engine: Any, *, auto_truncate: bool = False, safety_margin: float | None = None) -> PlannerGate:
+    def for_engine(
+        cls, engine: Any, *, auto_truncate: bool = False, safety_margin: float | None = None
+    ) -> PlannerGate:
         """Probe ``engine``'s device once (its model already loaded) and plan for its model.
 
         ``engine`` needs ``model`` (a Hugging Face model), ``device`` and ``cache_stats()["bytes"]``
@@ -151,8 +157,12 @@ class PlannerGate:
 
         baseline = store_bytes()
         return cls(
-            shape=shape, profile=profile, auto_truncate=auto_truncate, safety_margin=safety_margin,
-            meter=peak_meter_for(engine.device), used_bytes=lambda: max(0, store_bytes() - baseline),
+            shape=shape,
+            profile=profile,
+            auto_truncate=auto_truncate,
+            safety_margin=safety_margin,
+            meter=peak_meter_for(engine.device),
+            used_bytes=lambda: max(0, store_bytes() - baseline),
         )
 
     # ------------------------------------------------------------------------------------------- gate
@@ -168,19 +178,27 @@ class PlannerGate:
         p = self._planner
         sequences = len(request.prompt_tokens) * request.n
         plan_request = p.PlanRequest(
-            prompt_tokens=max(request.prompt_tokens), max_new_tokens=request.max_new_tokens,
-            batch_size=sequences, auto_truncate=self.auto_truncate,
+            prompt_tokens=max(request.prompt_tokens),
+            max_new_tokens=request.max_new_tokens,
+            batch_size=sequences,
+            auto_truncate=self.auto_truncate,
         )
         profile = replace(self.profile, free_bytes=self.free_bytes())
-        result = p.plan(plan_request, profile, self.shape, p.PlannerPolicy(safety_margin=self.margin(),
-                                                                            ladder=self.ladder))
+        result = p.plan(
+            plan_request,
+            profile,
+            self.shape,
+            p.PlannerPolicy(safety_margin=self.margin(), ladder=self.ladder),
+        )
         with self._lock:
             self._decisions[result.verdict.value] += 1
             self._last_plan = result
         if result.refusal is not None:
             error = result.refusal.to_dict()["error"]
             return AdmissionDecision(
-                admitted=False, message=error["message"], error_fields=error,
+                admitted=False,
+                message=error["message"],
+                error_fields=error,
                 param="prompt" if request.endpoint == "completions" else "messages",
             )
         step = result.step
@@ -189,8 +207,10 @@ class PlannerGate:
         if self._meter is not None and sequences == 1:
             probe = _PeakProbe(self, self._meter, result.estimate.peak_bytes, step)
         return AdmissionDecision(
-            admitted=True, settings=EngineSettings(prefill_chunk_size=step.prefill_chunk_size, kv_cache_bits=bits),
-            keep_last_tokens=result.prompt_tokens if result.dropped_tokens else None, probe=probe,
+            admitted=True,
+            settings=EngineSettings(prefill_chunk_size=step.prefill_chunk_size, kv_cache_bits=bits),
+            keep_last_tokens=result.prompt_tokens if result.dropped_tokens else None,
+            probe=probe,
         )
 
     # ------------------------------------------------------------------------------------ calibration
@@ -199,12 +219,18 @@ class PlannerGate:
         residual = self.tracker.record(predicted_bytes=predicted_bytes, actual_bytes=actual_bytes, step=step)
         with self._lock:
             self._last_measurement = {
-                "predicted_mb": round(predicted_bytes / MIB, 3), "actual_mb": round(actual_bytes / MIB, 3),
-                "residual": round(residual, 4), "prefill_chunk_size": step.prefill_chunk_size,
+                "predicted_mb": round(predicted_bytes / MIB, 3),
+                "actual_mb": round(actual_bytes / MIB, 3),
+                "residual": round(residual, 4),
+                "prefill_chunk_size": step.prefill_chunk_size,
                 "kv_bits": step.kv_bits,
             }
-        logger.debug("planner calibration: predicted %d B, measured %d B (residual %+.3f)", predicted_bytes,
-                     actual_bytes, residual)
+        logger.debug(
+            "planner calibration: predicted %d B, measured %d B (residual %+.3f)",
+            predicted_bytes,
+            actual_bytes,
+            residual,
+        )
         return residual
 
     def stats(self) -> Mapping[str, Any]:

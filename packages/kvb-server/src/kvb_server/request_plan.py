@@ -61,7 +61,9 @@ def parse_body(raw: bytes, schema: type[ModelT]) -> ModelT:
             message = f"Missing required parameter: '{param}'."
         else:
             where = ".".join(str(p) for p in loc)
-            message = f"Invalid value for '{param}': {first.get('msg')} (at {where}, got {first.get('input')!r})."
+            message = (
+                f"Invalid value for '{param}': {first.get('msg')} (at {where}, got {first.get('input')!r})."
+            )
         raise InvalidParameterError(message, param=param) from None
 
 
@@ -72,7 +74,9 @@ def check_model(model: str, config: ServerConfig) -> None:
 
 def _reject_common(req: SamplingFields) -> None:
     if req.logit_bias:
-        raise UnsupportedFeatureError("logit_bias is not supported by this server; remove it.", param="logit_bias")
+        raise UnsupportedFeatureError(
+            "logit_bias is not supported by this server; remove it.", param="logit_bias"
+        )
 
 
 def _reject_completion(req: CompletionRequest) -> None:
@@ -82,7 +86,9 @@ def _reject_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise UnsupportedFeatureError("suffix (insertion) is not supported by this server.", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
-        raise UnsupportedFeatureError("best_of is not supported; use n to get several choices.", param="best_of")
+        raise UnsupportedFeatureError(
+            "best_of is not supported; use n to get several choices.", param="best_of"
+        )
 
 
 def _reject_chat(req: ChatCompletionRequest) -> None:
@@ -90,7 +96,8 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if getattr(req, name) not in (None, [], "none"):
             raise UnsupportedFeatureError(
-                f"{name}: tool and function calling are not supported by this server; remove {name}.", param=name
+                f"{name}: tool and function calling are not supported by this server; remove {name}.",
+                param=name,
             )
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise UnsupportedFeatureError(
@@ -112,7 +119,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, msg in enumerate(req.messages):
         if msg.role in ("tool", "function") or (msg.model_extra or {}).get("tool_calls"):
             raise UnsupportedFeatureError(
-                f"messages[{i}]: tool and function messages are not supported by this server.", param="messages"
+                f"messages[{i}]: tool and function messages are not supported by this server.",
+                param="messages",
             )
         if isinstance(msg.content, list):
             texts = []
@@ -138,8 +146,15 @@ def _stop(req: SamplingFields) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _max_new_tokens(requested: int | None, default: int, prompts: tuple[list[int], ...],
-                    engine: ServingEngine, config: ServerConfig, *, prompt_param: str) -> int:
+def _max_new_tokens(
+    requested: int | None,
+    default: int,
+    prompts: tuple[list[int], ...],
+    engine: ServingEngine,
+    config: ServerConfig,
+    *,
+    prompt_param: str,
+) -> int:
     """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks."""
     longest = max(len(p) for p in prompts)
     context = engine.context_length
@@ -147,7 +162,8 @@ def _max_new_tokens(requested: int | None, default: int, prompts: tuple[list[int
     if room < 1:
         raise InvalidParameterError(
             f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
-            f"{longest} tokens. Shorten the prompt.", param=prompt_param,
+            f"{longest} tokens. Shorten the prompt.",
+            param=prompt_param,
         )
     if requested is None:
         return min(default, config.max_tokens, room)
@@ -156,7 +172,8 @@ def _max_new_tokens(requested: int | None, default: int, prompts: tuple[list[int
         raise InvalidParameterError(
             f"This model's maximum context length is {engine.context_length} tokens. However, you requested "
             f"{longest + capped} tokens ({longest} in the prompt, {capped} for the completion). Reduce the "
-            "prompt or max_tokens.", param="max_tokens",
+            "prompt or max_tokens.",
+            param="max_tokens",
         )
     return capped
 
@@ -199,12 +216,18 @@ def completion_plan(req: CompletionRequest, engine: ServingEngine, config: Serve
         prompts = tuple(list(p) for p in raw)  # type: ignore[union-attr]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidParameterError("prompt must not be empty.", param="prompt")
-    max_new = _max_new_tokens(req.max_tokens, config.default_completion_max_tokens, prompts, engine, config,
-                              prompt_param="prompt")
+    max_new = _max_new_tokens(
+        req.max_tokens, config.default_completion_max_tokens, prompts, engine, config, prompt_param="prompt"
+    )
     return GenerationPlan(
-        endpoint="completions", model=req.model, prompts=prompts, n=_n(req, config),
-        sampling=_sampling(req, max_new, req.logprobs), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), chat_logprobs=False,
+        endpoint="completions",
+        model=req.model,
+        prompts=prompts,
+        n=_n(req, config),
+        sampling=_sampling(req, max_new, req.logprobs),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        chat_logprobs=False,
     )
 
 
@@ -216,7 +239,12 @@ def chat_plan(req: ChatCompletionRequest, engine: ServingEngine, config: ServerC
     max_new = _max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return GenerationPlan(
-        endpoint="chat.completions", model=req.model, prompts=prompts, n=_n(req, config),
-        sampling=_sampling(req, max_new, logprobs), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), chat_logprobs=True,
+        endpoint="chat.completions",
+        model=req.model,
+        prompts=prompts,
+        n=_n(req, config),
+        sampling=_sampling(req, max_new, logprobs),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        chat_logprobs=True,
     )

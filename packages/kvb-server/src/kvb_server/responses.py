@@ -32,7 +32,7 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
     """
     prompt_tokens = cached = 0
     for p in range(len(plan.prompts)):
-        choices = results[p * plan.n:(p + 1) * plan.n]
+        choices = results[p * plan.n : (p + 1) * plan.n]
         prompt_tokens += choices[0].prompt_tokens
         # Choices of one prompt may be served in one batch (no hit) or one after another (later ones hit).
         cached += max(r.cached_tokens for r in choices)
@@ -73,18 +73,25 @@ def _chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     return {"content": [_chat_logprob_entry(e) for e in entries], "refusal": None}
 
 
-def _logprobs(plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+def _logprobs(
+    plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0
+) -> dict[str, Any] | None:
     if plan.sampling.logprobs is None or entries is None:
         return None
     return _chat_logprobs(entries) if plan.chat_logprobs else _completion_logprobs(entries, offset)
 
 
-def final_response(plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]) -> dict[str, Any]:
+def final_response(
+    plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]
+) -> dict[str, Any]:
     """The non-streamed ``text_completion`` or ``chat.completion`` object."""
     choices = []
     for index, r in enumerate(results):
-        choice: dict[str, Any] = {"index": index, "finish_reason": r.finish_reason,
-                                  "logprobs": _logprobs(plan, r.logprobs)}
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": r.finish_reason,
+            "logprobs": _logprobs(plan, r.logprobs),
+        }
         if plan.chat_logprobs:
             choice["message"] = {"role": "assistant", "content": r.output_text, "refusal": None}
         else:
@@ -101,9 +108,17 @@ def final_response(plan: GenerationPlan, ids: ResponseIds, results: Sequence[Gen
     }
 
 
-def chunk(plan: GenerationPlan, ids: ResponseIds, *, index: int, text: str | None = None,
-          role: bool = False, finish_reason: str | None = None,
-          logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict[str, Any]:
+def chunk(
+    plan: GenerationPlan,
+    ids: ResponseIds,
+    *,
+    index: int,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    offset: int = 0,
+) -> dict[str, Any]:
     """One streamed chunk for choice ``index``: a text delta, the opening role delta or the finish marker."""
     lp = _logprobs(plan, logprobs, offset) if logprobs else None
     if plan.chat_logprobs:
@@ -113,7 +128,12 @@ def chunk(plan: GenerationPlan, ids: ResponseIds, *, index: int, text: str | Non
             delta["content"] = ""
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
     out: dict[str, Any] = {
@@ -129,7 +149,9 @@ def chunk(plan: GenerationPlan, ids: ResponseIds, *, index: int, text: str | Non
     return out
 
 
-def usage_chunk(plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]) -> dict[str, Any]:
+def usage_chunk(
+    plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]
+) -> dict[str, Any]:
     """The last chunk when ``stream_options.include_usage`` is set: no choices, the request's usage."""
     return {
         "id": ids.id,

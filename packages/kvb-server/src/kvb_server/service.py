@@ -56,8 +56,12 @@ class Truncation(NamedTuple):
         return sum(o - k for o, k in zip(self.original_tokens, self.kept_tokens))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kept": "last_tokens", "original_prompt_tokens": list(self.original_tokens),
-                "prompt_tokens": list(self.kept_tokens), "dropped_tokens": self.dropped}
+        return {
+            "kept": "last_tokens",
+            "original_prompt_tokens": list(self.original_tokens),
+            "prompt_tokens": list(self.kept_tokens),
+            "dropped_tokens": self.dropped,
+        }
 
     def headers(self) -> dict[str, str]:
         return self.header_for(self.dropped)
@@ -115,8 +119,15 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 class GenerationService:
     """Turns plans into jobs on the worker and waits for their results."""
 
-    def __init__(self, *, config: ServerConfig, worker: EngineWorker, metrics: ServerMetrics,
-                 gate: RequestGate, throughput: ThroughputMeter) -> None:
+    def __init__(
+        self,
+        *,
+        config: ServerConfig,
+        worker: EngineWorker,
+        metrics: ServerMetrics,
+        gate: RequestGate,
+        throughput: ThroughputMeter,
+    ) -> None:
         self._config = config
         self._throughput = throughput
         self._worker = worker
@@ -125,13 +136,20 @@ class GenerationService:
         self._ids = JobIds()
 
     def _admit(self, plan: GenerationPlan) -> AdmissionDecision:
-        decision = self._gate.admit(AdmissionRequest(
-            endpoint=plan.endpoint, model=plan.model, prompt_tokens=tuple(len(p) for p in plan.prompts),
-            max_new_tokens=plan.sampling.max_new_tokens, n=plan.n, queue_depth=self._worker.depth,
-        ))
+        decision = self._gate.admit(
+            AdmissionRequest(
+                endpoint=plan.endpoint,
+                model=plan.model,
+                prompt_tokens=tuple(len(p) for p in plan.prompts),
+                max_new_tokens=plan.sampling.max_new_tokens,
+                n=plan.n,
+                queue_depth=self._worker.depth,
+            )
+        )
         if not decision.admitted:
-            raise RequestTooLargeError(decision.message, details=decision.details, param=decision.param,
-                                       fields=decision.error_fields)
+            raise RequestTooLargeError(
+                decision.message, details=decision.details, param=decision.param, fields=decision.error_fields
+            )
         return decision
 
     def _submit(self, plan: GenerationPlan) -> Submitted:
@@ -147,9 +165,18 @@ class GenerationService:
         deadline = arrival + self._config.request_timeout_s
         inbox = Inbox(asyncio.get_running_loop())
         jobs = [
-            GenerationJob(id=self._ids.next(), prompt=prompt, sampling=plan.sampling.for_choice(i),
-                          stream=plan.stream, choice=p * plan.n + i, inbox=inbox, deadline=deadline,
-                          enqueued_at=arrival, settings=decision.settings, probe=decision.probe)
+            GenerationJob(
+                id=self._ids.next(),
+                prompt=prompt,
+                sampling=plan.sampling.for_choice(i),
+                stream=plan.stream,
+                choice=p * plan.n + i,
+                inbox=inbox,
+                deadline=deadline,
+                enqueued_at=arrival,
+                settings=decision.settings,
+                probe=decision.probe,
+            )
             for p, prompt in enumerate(plan.prompts)
             for i in range(plan.n)
         ]
@@ -206,15 +233,31 @@ class GenerationService:
             for job in jobs:
                 job.cancelled.set()
             raise
-        return OpenStream(service=self, plan=plan, jobs=jobs, inbox=inbox, deadline=deadline, first=first,
-                          truncation=truncation)
+        return OpenStream(
+            service=self,
+            plan=plan,
+            jobs=jobs,
+            inbox=inbox,
+            deadline=deadline,
+            first=first,
+            truncation=truncation,
+        )
 
 
 class OpenStream:
     """A streamed request whose first update has arrived; :meth:`sse` yields its Server-Sent Events."""
 
-    def __init__(self, *, service: GenerationService, plan: GenerationPlan, jobs: list[GenerationJob],
-                 inbox: Inbox, deadline: float, first: JobUpdate, truncation: Truncation | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        service: GenerationService,
+        plan: GenerationPlan,
+        jobs: list[GenerationJob],
+        inbox: Inbox,
+        deadline: float,
+        first: JobUpdate,
+        truncation: Truncation | None = None,
+    ) -> None:
         #: Set when auto-truncation shortened the prompt (reported in a response header).
         self.truncation = truncation
         self._service = service
@@ -252,8 +295,16 @@ class OpenStream:
                     started.add(i)
                     yield sse(chunk(plan, ids, index=i, role=True))
                 if event.delta_text or event.logprobs:
-                    yield sse(chunk(plan, ids, index=i, text=event.delta_text, logprobs=event.logprobs,
-                                    offset=offsets[i]))
+                    yield sse(
+                        chunk(
+                            plan,
+                            ids,
+                            index=i,
+                            text=event.delta_text,
+                            logprobs=event.logprobs,
+                            offset=offsets[i],
+                        )
+                    )
                     offsets[i] += len(event.delta_text)
                 if event.result is not None:
                     results[i] = event.result

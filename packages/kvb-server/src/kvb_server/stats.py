@@ -109,8 +109,9 @@ def planner_info(gate: object) -> Any:
     return _guarded("planner", stats) if callable(stats) else {"enabled": False}
 
 
-def stats_snapshot(engine: ServingEngine, worker: EngineWorker, throughput: ThroughputMeter,
-                   gate: object = None) -> dict[str, Any]:
+def stats_snapshot(
+    engine: ServingEngine, worker: EngineWorker, throughput: ThroughputMeter, gate: object = None
+) -> dict[str, Any]:
     cache = _guarded("cache", engine.cache_stats)
     tiers = cache.pop("tiers", None) if isinstance(cache, dict) else None
     return {

@@ -203,8 +203,12 @@ class EngineWorker:
                 if event.result is not None:
                     _call_probe(job, "finish")
                 if job.stream or event.result is not None:
-                    update = JobUpdate(choice=job.choice, event=event if job.stream else None,
-                                       result=None if job.stream else event.result, queue_s=queue_s)
+                    update = JobUpdate(
+                        choice=job.choice,
+                        event=event if job.stream else None,
+                        result=None if job.stream else event.result,
+                        queue_s=queue_s,
+                    )
                     job.inbox.put_threadsafe(update)
         except Exception as exc:
             job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
@@ -223,7 +227,9 @@ class EngineWorker:
             )
         except Exception:
             # One bad request must not fail its batch mates: serve each alone so only it gets the error.
-            logger.warning("batched call of %d jobs failed; serving them one at a time", len(jobs), exc_info=True)
+            logger.warning(
+                "batched call of %d jobs failed; serving them one at a time", len(jobs), exc_info=True
+            )
             for job in jobs:
                 if not job.expired():
                     self._run_stream(job)

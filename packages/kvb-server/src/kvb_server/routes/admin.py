@@ -22,8 +22,15 @@ from kvb_server.stats import ThroughputMeter, json_safe, stats_snapshot
 from kvb_server.worker import EngineWorker
 
 
-def admin_router(*, engine: ServingEngine, config: ServerConfig, worker: EngineWorker, metrics: ServerMetrics,
-                 throughput: ThroughputMeter, gate: RequestGate | None = None) -> tuple[APIRouter, APIRouter]:
+def admin_router(
+    *,
+    engine: ServingEngine,
+    config: ServerConfig,
+    worker: EngineWorker,
+    metrics: ServerMetrics,
+    throughput: ThroughputMeter,
+    gate: RequestGate | None = None,
+) -> tuple[APIRouter, APIRouter]:
     """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key."""
     open_router = APIRouter()
     v1 = APIRouter(prefix="/v1")
@@ -47,14 +54,19 @@ def admin_router(*, engine: ServingEngine, config: ServerConfig, worker: EngineW
         req = parse_body(await request.body(), WarmRequest)
         texts = ([req.text] if req.text is not None else []) + list(req.texts or [])
         if not texts or any(not t for t in texts):
-            raise InvalidParameterError("Give 'text' (a string) or 'texts' (a list of non-empty strings).",
-                                        param="text")
+            raise InvalidParameterError(
+                "Give 'text' (a string) or 'texts' (a list of non-empty strings).", param="text"
+            )
         started = time.monotonic()
         results = []
         for text in texts:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            job = CallJob(id=ids.next(), fn=functools.partial(engine.warm, text), future=future,
-                          deadline=started + config.request_timeout_s)
+            job = CallJob(
+                id=ids.next(),
+                fn=functools.partial(engine.warm, text),
+                future=future,
+                deadline=started + config.request_timeout_s,
+            )
             worker.submit([job])
             try:
                 results.append(await asyncio.wait_for(future, config.request_timeout_s))

@@ -20,8 +20,9 @@ CLIENT_CLOSED = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def openai_router(*, engine: ServingEngine, config: ServerConfig, service: GenerationService,
-                  created: int) -> APIRouter:
+def openai_router(
+    *, engine: ServingEngine, config: ServerConfig, service: GenerationService, created: int
+) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     def model_card(name: str) -> dict[str, Any]:
