@@ -98,12 +98,6 @@ def serve(app) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tiny_url(tiny_engine: KVBoost) -> Iterator[str]:
-    config = ServerConfig(
-        model_names=("tiny-llama",),
-        max_batch_size=8,
-        batch_window_ms=20.0,
-        group_prefix_tokens=TINY_CHUNK,
-        max_tokens=48,
-    )
+    config = ServerConfig(model_names=("tiny-llama",), max_tokens=48)
     with serve(create_app(tiny_engine, config)) as url:
         yield url

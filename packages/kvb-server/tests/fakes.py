@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob, WarmResult
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
+from kvb_cache.errors import ContextLengthError, InvalidRequestError
+from kvb_cache.results import GenerationResult, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 
 
@@ -18,28 +22,71 @@ class CharTokenizer:
         return {"input_ids": [ord(c) % 256 for c in text]}
 
 
-class FakeEngine:
-    """Generates ``a, b, c, ...`` shifted by the last prompt token (and the seed); one token per step.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Added:
+    """One ``add_request`` call the fake accepted."""
 
-    ``token_delay_s`` slows each token; ``hold`` (when cleared) blocks generation until set, so tests can
-    fill the queue. ``calls`` records ``("stream"|"batch", [prompt lengths])`` per engine call and
-    ``closed_early`` counts streams stopped before they finished. ``overrides`` records the per-request
-    engine settings (``prefill_chunk_size``, ``kv_cache_bits``) each ``stream`` call received.
+    request_id: RequestId
+    prompt: list[int]
+    params: SamplingParams
+    #: The per-request overrides that were set (``prefill_chunk_size``, ``kv_cache_bits``).
+    overrides: dict[str, int]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Request:
+    added: Added
+    started: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def next_token(self) -> int:
+        # ``a, b, c, ...`` shifted by the last prompt token and the seed.
+        start = (self.added.prompt[-1] + (self.added.params.seed or 0)) % 26
+        return ord("a") + (start + len(self.out)) % 26
+
+
+class FakeEngine:
+    """Continuous batching in miniature: every step decodes one token of each running request.
+
+    ``add_request`` queues a request as waiting; a step first moves waiting requests to running (at most
+    ``max_num_seqs``), then emits one token per running request; there is no prefill step. Records:
+    ``added`` (every accepted request), ``step_log`` (the ids decoded in each step, so tests can assert
+    that requests shared steps) and ``aborted``.
+
+    ``token_delay_s`` makes every step that long. ``hold`` (when cleared) blocks ``step()`` at its start
+    until set; ``pause_before_step = k`` clears it right before the ``k``-th step (1-based), so the engine
+    stalls at a known point. ``stalled`` is set while a step waits on ``hold``. :meth:`fail_step` makes one
+    step raise.
     """
 
     model_name = "fake-model"
     context_length = 200
+    block_size = 4
+    num_blocks = 256
 
-    def __init__(self, *, token_delay_s: float = 0.0) -> None:
+    def __init__(self, *, token_delay_s: float = 0.0, max_num_seqs: int = 8) -> None:
         self.tokenizer = CharTokenizer()
         self.token_delay_s = token_delay_s
+        self.max_num_seqs = max_num_seqs
         self.hold = threading.Event()
         self.hold.set()
-        self.calls: list[tuple[str, list[list[int]]]] = []
-        self.closed_early = 0
+        self.stalled = threading.Event()
+        self.pause_before_step: int | None = None
+        self._failure: tuple[int, BaseException] | None = None
+        self.added: list[Added] = []
+        self.step_log: list[frozenset[RequestId]] = []
+        self.aborted: list[RequestId] = []
         self.warmed: list[str] = []
-        self.overrides: list[dict[str, int]] = []
+        self._ids = itertools.count(1)
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[RequestId, _Request] = {}
+        self._cached_blocks = 0
+        self._queries = 0
+        self._hits = 0
 
+    # -- what the server reads on the event loop -------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
@@ -47,82 +94,147 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return self.tokenizer(text)["input_ids"]
 
-    def _tokens(self, prompt: list[int], seed: int | None) -> Iterator[int]:
-        start = (prompt[-1] + (seed or 0)) % 26
-        i = 0
-        while True:
-            yield ord("a") + (start + i) % 26
-            i += 1
+    @property
+    def overrides(self) -> list[dict[str, int]]:
+        return [a.overrides for a in self.added]
 
-    def _events(self, prompt: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        t0 = time.perf_counter()
-        self.hold.wait()
-        out: list[int] = []
-        text = ""
-        finish = "length"
-        lps: list[TokenLogprob] = []
-        finished_normally = False
-        try:
-            for token in self._tokens(prompt, params.seed):
-                if self.token_delay_s:
-                    time.sleep(self.token_delay_s)
-                out.append(token)
-                lp = TokenLogprob(
-                    token_id=token,
-                    token=chr(token),
-                    logprob=-0.5,
-                    top=tuple((token + k, chr(token + k), -0.5 - k) for k in range(params.logprobs or 0)),
-                )
-                lps.append(lp)
-                piece = chr(token)
-                hit = next((s for s in params.stop if (text + piece).endswith(s)), None)
-                if hit is not None:
-                    text = (text + piece)[: -len(hit)]
-                    finish = "stop"
-                    break
-                text += piece
-                yield StreamEvent(
-                    delta_text=piece,
-                    token_ids=(token,),
-                    logprobs=(lp,) if params.logprobs is not None else (),
-                )
-                if len(out) >= params.max_new_tokens:
-                    break
-            finished_normally = True
-        finally:
-            if not finished_normally:
-                self.closed_early += 1
-        result = GenerationResult(
-            output_text=text,
-            output_ids=out,
+    # -- the engine loop -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+    ) -> RequestId:
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if len(prompt) + params.max_new_tokens > self.context_length:
+            raise ContextLengthError(
+                "too long",
+                prompt_tokens=len(prompt),
+                max_new_tokens=params.max_new_tokens,
+                context_length=self.context_length,
+            )
+        overrides = {"prefill_chunk_size": prefill_chunk_size, "kv_cache_bits": kv_cache_bits}
+        added = Added(
+            request_id=RequestId(f"req-{next(self._ids)}"),
+            prompt=list(prompt),
+            params=params,
+            overrides={k: v for k, v in overrides.items() if v is not None},
+        )
+        self.added.append(added)
+        self._waiting.append(_Request(added=added))
+        self._queries += len(prompt)
+        self._hits += len(prompt) // 2
+        return added.request_id
+
+    def fail_step(self, number: int, error: BaseException) -> None:
+        """Make the ``number``-th step (1-based, counting successful ones) raise ``error`` once."""
+        self._failure = (number, error)
+
+    def step(self) -> list[RequestOutput]:
+        number = len(self.step_log) + 1
+        if self.pause_before_step == number:
+            self.pause_before_step = None
+            self.hold.clear()
+        if not self.hold.is_set():
+            self.stalled.set()
+            self.hold.wait()
+            self.stalled.clear()
+        if self._failure is not None and self._failure[0] == number:
+            error, self._failure = self._failure[1], None
+            raise error
+        if self.token_delay_s:
+            time.sleep(self.token_delay_s)
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting.popleft()
+            self._running[request.added.request_id] = request
+        self.step_log.append(frozenset(self._running))
+        outputs = [self._decode(request) for request in list(self._running.values())]
+        for output in outputs:
+            if output.finished:
+                finished = self._running.pop(output.request_id)
+                self._cached_blocks += self._blocks(finished)
+        return outputs
+
+    def _decode(self, request: _Request) -> RequestOutput:
+        params = request.added.params
+        token = request.next_token()
+        request.out.append(token)
+        piece = chr(token)
+        lp = TokenLogprob(
+            token_id=token,
+            token=piece,
+            logprob=-0.5,
+            top=tuple((token + k, chr(token + k), -0.5 - k) for k in range(params.logprobs or 0)),
+        )
+        request.logprobs.append(lp)
+        lps = (lp,) if params.logprobs is not None else ()
+        hit = next((s for s in params.stop if (request.text + piece).endswith(s)), None)
+        if hit is not None:
+            request.text = (request.text + piece)[: -len(hit)]
+            return RequestOutput(
+                request_id=request.added.request_id,
+                delta_text="",
+                token_ids=(token,),
+                result=self._result(request, "stop"),
+            )
+        request.text += piece
+        finished = len(request.out) >= params.max_new_tokens
+        return RequestOutput(
+            request_id=request.added.request_id,
+            delta_text=piece,
+            token_ids=(token,),
+            logprobs=lps,
+            result=self._result(request, "length") if finished else None,
+        )
+
+    def _result(self, request: _Request, finish: str) -> GenerationResult:
+        prompt, params = request.added.prompt, request.added.params
+        return GenerationResult(
+            output_text=request.text,
+            output_ids=list(request.out),
             prompt_tokens=len(prompt),
             cached_tokens=len(prompt) // 2,
             ttft_ms=1.0,
-            total_ms=(time.perf_counter() - t0) * 1e3,
+            total_ms=(time.perf_counter() - request.started) * 1e3,
             finish_reason=finish,  # type: ignore[arg-type]
-            logprobs=tuple(lps) if params.logprobs is not None else None,
+            logprobs=tuple(request.logprobs) if params.logprobs is not None else None,
         )
-        yield StreamEvent(delta_text="", result=result)
 
-    def stream(self, prompt: list[int], **sampling: Any) -> Iterator[StreamEvent]:
-        self.overrides.append(
-            {k: sampling.pop(k) for k in ("prefill_chunk_size", "kv_cache_bits") if k in sampling}
+    def abort(self, request_id: RequestId) -> bool:
+        self.aborted.append(request_id)
+        if self._running.pop(request_id, None) is not None:
+            return True
+        before = len(self._waiting)
+        self._waiting = deque(r for r in self._waiting if r.added.request_id != request_id)
+        return len(self._waiting) < before
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _blocks(self, request: _Request) -> int:
+        return -(-(len(request.added.prompt) + len(request.out)) // self.block_size)
+
+    def paged_stats(self) -> PagedStats:
+        used = sum(self._blocks(r) for r in self._running.values())
+        cached = min(self._cached_blocks, self.num_blocks - used)
+        return PagedStats(
+            block_size=self.block_size,
+            blocks_total=self.num_blocks,
+            blocks_used=used,
+            blocks_cached=cached,
+            blocks_free=self.num_blocks - used - cached,
+            running=len(self._running),
+            waiting=len(self._waiting),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            preemptions=0,
+            steps=len(self.step_log),
         )
-        params = SamplingParams.build(**sampling)
-        self.calls.append(("stream", [list(prompt)]))
-        return self._events(list(prompt), params)
 
-    def generate_batch(
-        self, prompts: Sequence[list[int]], *, sampling: Sequence[Mapping[str, Any]]
-    ) -> list[GenerationResult]:
-        self.calls.append(("batch", [list(p) for p in prompts]))
-        out = []
-        for prompt, kw in zip(prompts, sampling):
-            *_, last = self._events(list(prompt), SamplingParams.build(**kw))
-            assert last.result is not None
-            out.append(last.result)
-        return out
-
+    # -- engine calls between steps ----------------------------------------------------------------------
     def warm(self, text: str) -> WarmResult:
         self.warmed.append(text)
         return WarmResult(tokens=len(text), chunks=1, new_chunks=1, already_cached_tokens=0)

@@ -177,7 +177,7 @@ def test_gate_refusal_is_413_and_never_queued() -> None:
             post(url, "/v1/completions", {"model": MODEL, "prompt": "x" * 11}), 413, code="request_too_large"
         )
         assert err["details"] == {"limit_tokens": 10}
-        assert fake.calls == []
+        assert fake.added == []
         ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "short", "max_tokens": 4, "n": 2})
         assert ok.status_code == 200
     assert gate.seen[-1].prompt_tokens == (5,)
@@ -186,28 +186,31 @@ def test_gate_refusal_is_413_and_never_queued() -> None:
 
 
 def test_queue_full_is_503_then_recovers() -> None:
-    fake = FakeEngine()
-    fake.hold.clear()
-    config = ServerConfig(model_names=(MODEL,), max_queue_size=2, max_batch_size=1, batch_window_ms=0)
+    """Only requests not running yet count: one running + one waiting fills a queue of one."""
+    fake = FakeEngine(max_num_seqs=1)
+    fake.pause_before_step = 2  # the first request runs one step, then the engine stalls
+    config = ServerConfig(model_names=(MODEL,), max_queue_size=1)
     with serve(create_app(fake, config)) as url:
 
         async def scenario() -> list[int]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as c:
                 body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
                 running = asyncio.create_task(c.post("/v1/completions", json=body))
-                await asyncio.sleep(0.3)  # the worker took it and is blocked inside the engine
-                queued = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
-                while (await c.get("/health")).json()["queue_depth"] < 2:
+                await asyncio.to_thread(wait_until, fake.stalled.is_set)
+                assert (await c.get("/health")).json()["queue_depth"] == 0  # running: not counted
+                queued = asyncio.create_task(c.post("/v1/completions", json=body))
+                while (await c.get("/health")).json()["queue_depth"] < 1:
                     await asyncio.sleep(0.01)
                 rejected = await c.post("/v1/completions", json=body)
                 assert_openai_error(rejected, 503, code="queue_full")
                 fake.hold.set()
-                return [r.status_code for r in await asyncio.gather(running, *queued)]
+                return [r.status_code for r in await asyncio.gather(running, queued)]
 
-        assert asyncio.run(scenario()) == [200, 200, 200]
+        assert asyncio.run(scenario()) == [200, 200]
+        assert len(fake.added) == 2  # the refused request never reached the engine
 
 
-def test_timeout_is_504_and_stops_generation() -> None:
+def test_timeout_is_504_and_aborts_the_request() -> None:
     fake = FakeEngine(token_delay_s=0.05)
     config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.4)
     with serve(create_app(fake, config)) as url:
@@ -215,7 +218,8 @@ def test_timeout_is_504_and_stops_generation() -> None:
         resp = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100}, timeout=30)
         assert_openai_error(resp, 504, code="timeout")
         assert time.monotonic() - t0 < 3
-        wait_until(lambda: fake.closed_early == 1)  # the engine was told to stop, not left running 5 s
+        wait_until(lambda: len(fake.aborted) == 1)  # the engine was told to stop, not left running 5 s
+        assert fake.aborted == [fake.added[0].request_id]
         stream = post(
             url,
             "/v1/completions",
@@ -225,26 +229,37 @@ def test_timeout_is_504_and_stops_generation() -> None:
         assert stream.status_code == 200  # streaming had started: the timeout arrives as an error event
         assert '"code":"timeout"' in stream.text
         assert "[DONE]" not in stream.text
+        wait_until(lambda: len(fake.aborted) == 2)
         ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200
 
 
-def test_request_timing_out_in_the_queue_is_504() -> None:
+def test_request_timing_out_before_reaching_the_engine_is_504_and_dropped() -> None:
     fake = FakeEngine()
-    fake.hold.clear()
-    config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.5, max_batch_size=1)
+    fake.pause_before_step = 1
+    config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.5)
     with serve(create_app(fake, config)) as url:
-        resp = post(
-            url,
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
-            timeout=30,
-        )
-        assert_openai_error(resp, 504)
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json={"model": MODEL, "prompt": "a"}))
+                await asyncio.to_thread(
+                    wait_until, fake.stalled.is_set
+                )  # the engine thread is stuck in a step
+                late = await c.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+                )
+                assert_openai_error(late, 504, code="timeout")
+                assert_openai_error(await first, 504, code="timeout")
+
+        asyncio.run(scenario())
         fake.hold.set()
+        wait_until(lambda: len(fake.aborted) == 1)  # the running one is aborted after its step ...
+        assert len(fake.added) == 1  # ... and the late one was dropped without reaching the engine
 
 
-def test_stream_disconnect_frees_the_worker() -> None:
+def test_stream_disconnect_aborts_the_request() -> None:
     fake = FakeEngine(token_delay_s=0.02)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 150, "stream": True}
@@ -252,19 +267,19 @@ def test_stream_disconnect_frees_the_worker() -> None:
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(5)]
         assert any(line.startswith("data: ") for line in got)
-        wait_until(lambda: fake.closed_early == 1, timeout=3)  # stopped long before 150 * 20 ms
+        wait_until(lambda: len(fake.aborted) == 1, timeout=3)  # stopped long before 150 * 20 ms
         t0 = time.monotonic()
         ok = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.json()["choices"][0]["text"] == "bcd"
         assert time.monotonic() - t0 < 2
 
 
-def test_non_stream_disconnect_cancels_the_job() -> None:
+def test_non_stream_disconnect_aborts_the_request() -> None:
     fake = FakeEngine(token_delay_s=0.02)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
         with pytest.raises(httpx.ReadTimeout):
             post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 150}, timeout=0.3)
-        wait_until(lambda: fake.closed_early == 1, timeout=3)
+        wait_until(lambda: len(fake.aborted) == 1, timeout=3)
         assert (
             post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
         )

@@ -40,7 +40,8 @@ def test_stats_are_json_safe_even_with_nan_and_odd_keys(fake_url: tuple[FakeEngi
     body = resp.json()
     assert body["cache"] == {"entries": 1, "ratio": None, "kinds": {"1": "x"}}
     assert body["tiers"] == {"ram": {"bytes": 10}}
-    assert body["queue"]["waiting"] == 0
+    assert body["queue"]["waiting"] == 0 and body["queue"]["max_queue_size"] == 256
+    assert body["paged"]["block_size"] == 4 and body["paged"]["blocks_total"] == 256
     assert body["device"]["cuda_available"] in (True, False)
     assert set(body["throughput"]) >= {"completion_tokens", "tokens_per_s_recent"}
 

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
+from fakes import FakeEngine
 
-from kvb_server.cli import build_parser, parse_bytes
+import kvb_cache
+from kvb_server.cli import build_parser, build_server, parse_bytes
 
 
 def test_parse_bytes() -> None:
@@ -20,10 +23,52 @@ def test_safe_defaults_and_flags() -> None:
     assert args.host == "127.0.0.1"
     assert args.model == "smollm2-135m"
     assert args.max_cache_bytes == 2 * 2**30
-    args = build_parser().parse_args(
-        ["--warm", "a", "--warm", "b", "--max-batch-size", "4", "--api-key", "k"]
+    assert (args.block_size, args.num_blocks, args.max_num_seqs, args.max_num_batched_tokens) == (
+        16,
+        None,
+        32,
+        1024,
     )
-    assert args.warm == ["a", "b"] and args.max_batch_size == 4 and args.api_key == "k"
+    assert args.backend == "cpu-paged"
+    args = build_parser().parse_args(
+        [
+            "--warm",
+            "a",
+            "--warm",
+            "b",
+            "--max-num-seqs",
+            "4",
+            "--api-key",
+            "k",
+            "--block-size",
+            "8",
+            "--num-blocks",
+            "512",
+            "--max-num-batched-tokens",
+            "256",
+            "--backend",
+            "cpu-paged",
+        ]
+    )
+    assert args.warm == ["a", "b"] and args.max_num_seqs == 4 and args.api_key == "k"
+    assert (args.block_size, args.num_blocks, args.max_num_batched_tokens) == (8, 512, 256)
+    for bad in (
+        ["--block-size", "0"],
+        ["--num-blocks", "x"],
+        ["--max-num-seqs", "-1"],
+        ["--backend", "cuda"],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+
+
+def test_old_batching_flags_still_parse_with_a_warning(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvb_server.cli"):
+        args = build_parser().parse_args(["--max-batch-size", "4", "--batch-window-ms", "10"])
+    assert args.max_num_seqs == 4  # --max-batch-size is an alias of --max-num-seqs
+    assert not hasattr(args, "batch_window_ms") and not hasattr(args, "max_batch_size")
+    assert "--max-batch-size is deprecated; use --max-num-seqs" in caplog.text
+    assert "--batch-window-ms is deprecated and ignored" in caplog.text
 
 
 def test_help_explains_every_flag() -> None:
@@ -37,11 +82,50 @@ def test_help_explains_every_flag() -> None:
         "--max-cache-bytes",
         "--chunk-size",
         "--warm",
-        "--batch-window-ms",
-        "--max-batch-size",
+        "--block-size",
+        "--num-blocks",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--backend",
         "--max-queue-size",
         "--request-timeout",
         "--max-tokens",
         "--api-key",
     ):
         assert flag in text
+    assert "deprecated alias of --max-num-seqs" in text
+
+
+def test_engine_loop_flags_reach_the_engine(monkeypatch) -> None:
+    seen: dict = {}
+
+    def from_pretrained(model: str, **kwargs) -> FakeEngine:
+        seen.update(kwargs, model=model)
+        return FakeEngine()
+
+    monkeypatch.setattr(kvb_cache.KVBoost, "from_pretrained", staticmethod(from_pretrained))
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "m",
+            "--block-size",
+            "8",
+            "--num-blocks",
+            "64",
+            "--max-num-seqs",
+            "3",
+            "--max-num-batched-tokens",
+            "96",
+            "--no-oom-planning",
+            "--max-queue-size",
+            "7",
+        ]
+    )
+    server = build_server(args)
+    assert (seen["block_size"], seen["num_blocks"], seen["max_num_seqs"], seen["max_num_batched_tokens"]) == (
+        8,
+        64,
+        3,
+        96,
+    )
+    assert seen["model"] == "m" and server.host == "127.0.0.1" and server.port == 8000

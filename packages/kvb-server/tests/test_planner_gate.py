@@ -119,7 +119,7 @@ def test_refusal_is_413_with_the_planner_numbers(small_memory, fake: FakeEngine)
     assert err["predicted_peak_mb"] > err["budget_mb"]
     assert err["free_mb"] == round(gate.profile.free_bytes / MIB, 1)
     assert f"at most {want['suggested_max_tokens']} tokens" in err["message"]
-    assert fake.calls == []  # never queued
+    assert fake.added == []  # never queued
     chat = post(
         url,
         "/v1/chat/completions",
@@ -161,7 +161,7 @@ def test_auto_truncate_keeps_the_end_of_the_prompt(fake: FakeEngine) -> None:
             "prompt_tokens": [keep],
             "dropped_tokens": 150 - keep,
         }
-        assert fake.calls[-1][1][0] == [ord(c) for c in prompt[-keep:]]
+        assert fake.added[-1].prompt == [ord(c) for c in prompt[-keep:]]
         with httpx.stream(
             "POST", url + "/v1/completions", json=completion(prompt, stream=True), timeout=30
         ) as s:

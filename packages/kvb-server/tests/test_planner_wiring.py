@@ -1,4 +1,4 @@
-"""Planner wiring: CLI flags, the missing-extra ImportError, OOM during a run, batching, the real engine."""
+"""Planner wiring: CLI flags, the missing-extra ImportError, OOM during a run, the real engine."""
 
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ from fakes import FakeEngine
 
 from kvb_planner import DeviceProfile, Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory
 from kvb_server import EngineSettings, PlannerGate, ServerConfig, create_app, require_planner
-from kvb_server.batching import is_batchable
 from kvb_server.cli import build_gate, build_parser, main
-from kvb_server.jobs import GenerationJob
 from kvb_server.peak_memory import RssPeakMeter
-from kvb_server.sampling import SamplingParams
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -122,36 +119,22 @@ def test_missing_planner_names_the_extra(monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------------------------------ run time
-def test_jobs_with_engine_overrides_run_alone() -> None:
-    def job(settings: EngineSettings) -> GenerationJob:
-        return GenerationJob(
-            id=1,
-            prompt=[1],
-            sampling=SamplingParams(max_new_tokens=1),
-            stream=False,
-            choice=0,
-            inbox=None,
-            deadline=0.0,
-            settings=settings,
-        )  # type: ignore[arg-type]
-
-    assert is_batchable(job(EngineSettings()))
-    assert is_batchable(job(EngineSettings(kv_cache_bits=16)))
-    assert not is_batchable(job(EngineSettings(prefill_chunk_size=256)))
-    assert not is_batchable(job(EngineSettings(kv_cache_bits=4)))
-    assert job(EngineSettings(prefill_chunk_size=256)).engine_kwargs()["prefill_chunk_size"] == 256
+def test_engine_settings_are_validated() -> None:
+    assert EngineSettings().is_default and EngineSettings(kv_cache_bits=16).is_default
+    assert not EngineSettings(prefill_chunk_size=256).is_default
     with pytest.raises(ValueError, match="kv_cache_bits"):
         EngineSettings(kv_cache_bits=3)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        EngineSettings(prefill_chunk_size=0)
 
 
 class RunsOutOfMemory(FakeEngine):
-    """Streams two tokens, then fails the way an allocator does."""
+    """Decodes two tokens of a request, then fails its step the way an allocator does."""
 
-    def _events(self, prompt, params):
-        events = super()._events(prompt, params)
-        yield next(events)
-        yield next(events)
-        raise MemoryError("simulated")
+    def step(self):
+        if any(len(request.out) >= 2 for request in self._running.values()):
+            raise MemoryError("simulated")
+        return super().step()
 
 
 def test_out_of_memory_mid_stream_is_the_final_event_before_done() -> None:

@@ -5,9 +5,10 @@ import json
 import pytest
 from fakes import FakeEngine
 
+from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
-from kvb_server.request_plan import chat_plan, completion_plan, parse_body
+from kvb_server.request_plan import chat_plan, choice_params, completion_plan, parse_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
 
 CONFIG = ServerConfig(model_names=("fake-model",), max_tokens=50)
@@ -91,3 +92,15 @@ def test_errors_name_the_parameter() -> None:
     with pytest.raises(UnsupportedFeatureError) as info:
         chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     assert info.value.param == "messages"
+
+
+def test_sampling_is_the_engines_and_each_choice_gets_its_own_seed() -> None:
+    plan = completion(prompt="a", temperature=0.7, seed=10, stop=["x"], logprobs=2, max_tokens=5)
+    assert isinstance(plan.sampling, SamplingParams)
+    assert plan.sampling == SamplingParams(
+        max_new_tokens=5, temperature=0.7, seed=10, stop=("x",), logprobs=2
+    )
+    assert choice_params(plan.sampling, 0) is plan.sampling
+    assert choice_params(plan.sampling, 3).seed == 13
+    assert choice_params(plan.sampling, 3).temperature == 0.7
+    assert choice_params(completion(prompt="a").sampling, 2).seed is None

@@ -25,7 +25,6 @@ from kvb_server.gate import (
     RunProbe,
 )
 from kvb_server.planner_gate import PlannerGate, planner_available, require_planner
-from kvb_server.sampling import SamplingParams
 
 __all__ = [
     "AdmissionDecision",
@@ -43,7 +42,6 @@ __all__ = [
     "RequestTimeoutError",
     "RequestTooLargeError",
     "RunProbe",
-    "SamplingParams",
     "ServerConfig",
     "ServerError",
     "ServingEngine",

@@ -76,14 +76,14 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     """Build the server application for ``engine``.
 
     Args:
-        engine: what generates (``kvb_server.adapter.KVBoostEngine`` wraps ``kvb_cache.KVBoost``).
-        config: queueing, batching, caps and the API key.
+        engine: what generates (``kvb_cache.KVBoost``, or anything with :class:`ServingEngine`'s methods).
+        config: queueing, caps and the API key.
         gate: admission hook consulted before a request is queued (e.g.
             :class:`kvb_server.planner_gate.PlannerGate`); default admits all. A gate with a ``stats()``
             method is reported under ``"planner"`` in ``/v1/stats``.
     """
     worker = EngineWorker(engine, config)
-    metrics = ServerMetrics(queue_depth=lambda: worker.depth)
+    metrics = ServerMetrics(worker_stats=worker.stats, paged_stats=worker.paged_stats)
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()
     service = GenerationService(
@@ -93,12 +93,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
-        logger.info(
-            "serving %s (queue %d, batch %d)",
-            ", ".join(config.model_names),
-            config.max_queue_size,
-            config.max_batch_size,
-        )
+        logger.info("serving %s (queue %d)", ", ".join(config.model_names), config.max_queue_size)
         try:
             yield
         finally:

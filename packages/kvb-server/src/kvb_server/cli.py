@@ -7,7 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
@@ -40,6 +40,41 @@ def margin(text: str) -> float:
             f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back"
         )
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (block and scheduling sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag kept so old command lines still start: it warns, and stores into ``replacement``'s value or,
+    without a replacement, is ignored."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, replacement: str | None = None, **kwargs: Any
+    ) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if self.replacement is None:
+            logger.warning("%s is deprecated and ignored: requests join the next engine step", option_string)
+            return
+        logger.warning("%s is deprecated; use %s", option_string, self.replacement)
+        setattr(namespace, self.dest, values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,13 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-cache-bytes",
         type=parse_bytes,
         default="2GiB",
-        help="byte budget of the in-memory KV chunk store (0 disables reuse)",
+        help="byte budget of the in-memory KV cache; also sizes the paged block pool (running "
+        "requests' KV and reusable prefixes) when --num-blocks is not given (0 disables reuse)",
+    )
+    cache.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
+    cache.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per KV block of the paged pool (the unit of prefix sharing between requests)",
     )
     cache.add_argument(
-        "--chunk-size",
-        type=int,
-        default=128,
-        help="tokens per cached chunk; also the leading tokens that group requests in a batch",
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV blocks in the paged pool; unset: as many as --max-cache-bytes holds",
     )
     cache.add_argument(
         "--warm",
@@ -155,24 +198,54 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
-    sched = p.add_argument_group("scheduling")
+    sched = p.add_argument_group(
+        "scheduling",
+        "One engine thread runs steps while requests are unfinished: each step prefills slices of new requests "
+        "and decodes one token of every running one, streamed or not; a new request joins at the next step.",
+    )
+    sched.add_argument(
+        "--backend",
+        default="cpu-paged",
+        choices=["cpu-paged"],
+        help="engine loop: continuous batching over the paged KV block pool (the only backend; "
+        "accepted for command-line compatibility)",
+    )
+    sched.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=32,
+        help="most requests decoded together in one engine step",
+    )
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=1024,
+        help="most tokens (prefill + decode) one engine step feeds the model; longer prompts are "
+        "prefilled in slices interleaved with the running requests' decoding",
+    )
     sched.add_argument(
         "--max-batch-size",
-        type=int,
-        default=8,
-        help="most non-streamed requests served together in one batched engine call",
+        dest="max_num_seqs",
+        type=positive_int,
+        action=DeprecatedFlag,
+        replacement="--max-num-seqs",
+        metavar="N",
+        help="deprecated alias of --max-num-seqs",
     )
     sched.add_argument(
         "--batch-window-ms",
+        dest="batch_window_ms",
         type=float,
-        default=5.0,
-        help="how long the worker waits for more requests to join a batch (0: no wait)",
+        action=DeprecatedFlag,
+        metavar="MS",
+        help="deprecated and ignored: there is no batching window, requests join the next step",
     )
     sched.add_argument(
         "--max-queue-size",
         type=int,
         default=256,
-        help="requests waiting for the engine before new ones get HTTP 503",
+        help="requests not running yet (queued or waiting inside the engine) before new ones get "
+        "HTTP 503; running requests do not count",
     )
     sched.add_argument(
         "--request-timeout",
@@ -213,6 +286,10 @@ def build_server(args: argparse.Namespace) -> Server:
         disk_cache_dir=args.disk_cache_dir,
         disk_cache_bytes=args.disk_cache_bytes,
         remote_url=args.remote_url,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     for text in args.warm:
         result = engine.warm(text)
@@ -223,11 +300,8 @@ def build_server(args: argparse.Namespace) -> Server:
     config = ServerConfig(
         model_names=names,
         max_queue_size=args.max_queue_size,
-        max_batch_size=args.max_batch_size,
-        batch_window_ms=args.batch_window_ms,
         request_timeout_s=args.request_timeout,
         max_tokens=args.max_tokens,
-        group_prefix_tokens=args.chunk_size,
         api_key=args.api_key or None,
     )
     return Server(

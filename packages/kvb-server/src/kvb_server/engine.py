@@ -1,17 +1,24 @@
 """The engine contract the server drives, defined here because the server consumes it.
 
-``kvb_cache.KVBoost`` satisfies it structurally; tests drive the server with small fakes. Every method is
-called from the server's single engine worker thread, except tokenization (:func:`encode_text` and
-:meth:`ServingEngine.chat_prompt`), which runs on the event loop so requests can be measured (and refused
-by an admission gate) before they are queued.
+``kvb_cache.KVBoost`` satisfies it structurally; tests drive the server with small fakes. The engine is
+not thread-safe: every method below is called from the server's single engine thread
+(:class:`kvb_server.worker.EngineWorker`), except tokenization (:func:`encode_text` and
+:meth:`ServingEngine.chat_prompt`) and the plain attributes, which the event loop reads so requests can be
+measured (and refused by an admission gate) before they are queued.
+
+Serving is iteration-level: :meth:`ServingEngine.add_request` hands the engine a request and
+:meth:`ServingEngine.step` advances every request it holds by one iteration (a prefill slice for new ones,
+one decoded token for running ones), so requests arriving at any time share the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
+from kvb_cache.results import WarmResult
+from kvb_cache.sampling import SamplingParams
 
 
 @runtime_checkable
@@ -41,18 +48,40 @@ class ServingEngine(Protocol):
         """The text of one token as OpenAI's logprobs report it."""
         ...
 
-    def stream(self, prompt: list[int], **sampling: Any) -> Iterator[StreamEvent]:
-        """Stream one generation; closing the iterator stops it. ``sampling``: see :class:`SamplingParams`."""
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+    ) -> RequestId:
+        """Queue one generation; it joins the next :meth:`step`.
+
+        Validates synchronously: bad input raises a ``kvb_cache`` error (``InvalidRequestError``,
+        ``ContextLengthError``, ...) and nothing is queued. ``prefill_chunk_size`` / ``kv_cache_bits`` are
+        the admission gate's per-request overrides (None: the engine's default).
+        """
         ...
 
-    def generate_batch(
-        self, prompts: Sequence[list[int]], *, sampling: Sequence[Mapping[str, Any]]
-    ) -> list[GenerationResult]:
-        """Generate for several prompts at once, one sampling dict per prompt."""
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; at most one output per request, ``result`` set on a request's last one."""
+        ...
+
+    def abort(self, request_id: RequestId) -> bool:
+        """Drop a request now (its KV blocks are freed); it produces no further outputs."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        ...
+
+    def paged_stats(self) -> PagedStats:
+        """Block pool and scheduler counters."""
         ...
 
     def warm(self, text: str) -> WarmResult:
-        """Prefill ``text`` and store its chunks so later prompts that start with it hit the cache."""
+        """Prefill ``text`` and store its KV so later prompts that start with it hit the cache."""
         ...
 
     def cache_stats(self) -> Mapping[str, Any]:
@@ -63,7 +92,7 @@ class ServingEngine(Protocol):
 def encode_text(engine: ServingEngine, text: str) -> list[int]:
     """Token ids of a completion prompt, as ``KVBoost.generate(text)`` tokenizes it (special tokens added).
 
-    The server tokenizes before queueing (for the admission gate, batching groups and usage) and hands the
-    engine ids, so both must agree; this mirrors ``KVBoost._tokenize``.
+    The server tokenizes before queueing (for the admission gate and usage) and hands the engine ids, so
+    both must agree; this mirrors ``KVBoost._tokenize``.
     """
     return list(engine.tokenizer(text, add_special_tokens=True)["input_ids"])

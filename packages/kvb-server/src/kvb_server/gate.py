@@ -24,7 +24,7 @@ class AdmissionRequest:
         prompt_tokens: token count of each prompt (one entry per prompt; a choice of ``n`` shares its prompt).
         max_new_tokens: generated-token budget of each choice.
         n: choices per prompt.
-        queue_depth: jobs already waiting for the engine.
+        queue_depth: requests not running yet (submitted to the engine thread or waiting inside the engine).
     """
 
     endpoint: str
@@ -37,7 +37,7 @@ class AdmissionRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSettings:
-    """Per-request engine overrides (``KVBoost.stream`` keywords); None leaves the engine's default.
+    """Per-request engine overrides (``add_request`` keywords); None leaves the engine's default.
 
     Attributes:
         prefill_chunk_size: prefill the uncached prompt suffix in slices of this many tokens.
@@ -63,22 +63,18 @@ class EngineSettings:
     def is_default(self) -> bool:
         return self.prefill_chunk_size is None and self.kv_cache_bits in (None, 16)
 
-    def engine_kwargs(self) -> dict[str, int]:
-        """Only the overrides that are set, so engines without these keywords serve default requests."""
-        out = {"prefill_chunk_size": self.prefill_chunk_size, "kv_cache_bits": self.kv_cache_bits}
-        return {k: v for k, v in out.items() if v is not None}
-
 
 @runtime_checkable
 class RunProbe(Protocol):
     """Called by the engine worker around one request's engine run (on the engine thread).
 
-    Only requests that run alone (not batched with others) are probed, so a measurement belongs to one
-    request.
+    Only a request that runs alone is measured, so a measurement belongs to one request: :meth:`start` is
+    called when it enters an idle engine, :meth:`finish` when it completes and no other request joined a
+    step meanwhile (otherwise the measurement is dropped without a call).
     """
 
     def start(self) -> None:
-        """Right before the engine starts the request."""
+        """Right before the request is handed to the engine."""
         ...
 
     def finish(self) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, NewType
 
 from kvb_cache.results import GenerationResult, StreamEvent
+from kvb_cache.sampling import SamplingParams
 from kvb_server.gate import EngineSettings, RunProbe
-from kvb_server.sampling import SamplingParams
 
 JobId = NewType("JobId", int)
 
@@ -21,15 +21,16 @@ JobId = NewType("JobId", int)
 class JobUpdate:
     """One message from the worker thread to a request handler.
 
-    Exactly one of ``event``, ``result`` and ``error`` is set. Streaming jobs send every engine event
-    (the last one carries the result); other jobs send only the result, or the error that ended them.
+    Exactly one of ``event``, ``result`` and ``error`` is set. Streaming jobs get an event for every engine
+    output of theirs (the last one carries the result); other jobs get only the result, or the error that
+    ended them.
     """
 
     choice: int
     event: StreamEvent | None = None
     result: GenerationResult | None = None
     error: BaseException | None = None
-    #: Seconds from the request's arrival to the engine starting this job (queueing + batching delay).
+    #: Seconds from the request's arrival to the engine accepting it (``add_request``).
     queue_s: float = 0.0
 
 
@@ -52,7 +53,10 @@ class Inbox:
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class GenerationJob:
-    """One choice of one request: a prompt, its sampling settings and where to report."""
+    """One choice of one request: a prompt, its sampling settings and where to report.
+
+    An ``n > 1`` request is ``n`` jobs, each its own engine request.
+    """
 
     id: JobId
     prompt: list[int]
@@ -63,7 +67,7 @@ class GenerationJob:
     #: ``time.monotonic()`` after which the job is abandoned (504).
     deadline: float
     enqueued_at: float = field(default_factory=time.monotonic)
-    #: Set by the handler when the client went away or timed out; the worker stops the job.
+    #: Set by the handler when the client went away or timed out; the worker aborts the job.
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: Per-request engine overrides chosen by the admission gate (e.g. the planner's prefill slices).
     settings: EngineSettings = field(default_factory=EngineSettings)
@@ -73,14 +77,14 @@ class GenerationJob:
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of this job's engine call: sampling plus any gate overrides."""
-        return {**self.sampling.engine_kwargs(), **self.settings.engine_kwargs()}
+    def timed_out(self) -> bool:
+        """Past its deadline while nobody cancelled it: the client is owed a 504."""
+        return not self.cancelled.is_set() and time.monotonic() > self.deadline
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class CallJob:
-    """Run ``fn`` on the engine thread (e.g. ``warm``): engine calls are never concurrent."""
+    """Run ``fn`` on the engine thread between steps (``warm``, ``cache_stats``): engine calls never overlap."""
 
     id: JobId
     fn: Callable[[], Any]
@@ -97,7 +101,7 @@ Job = GenerationJob | CallJob
 
 
 class JobIds:
-    """Hands out increasing job ids (one counter per worker, so nothing is global)."""
+    """Hands out increasing job ids (thread-safe: ``itertools.count`` is atomic under the GIL)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count(1)

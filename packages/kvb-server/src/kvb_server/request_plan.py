@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from kvb_cache.errors import InvalidRequestError
+from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
-from kvb_server.sampling import SamplingParams
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 Endpoint = Literal["completions", "chat.completions"]
@@ -24,7 +26,10 @@ class GenerationPlan:
 
     Attributes:
         prompts: token ids of each prompt (chat: exactly one).
-        n: choices per prompt; choice ``i`` of prompt ``p`` gets index ``p * n + i`` (OpenAI's order).
+        n: choices per prompt; choice ``i`` of prompt ``p`` gets index ``p * n + i`` (OpenAI's order) and
+            the sampling of :func:`choice_params`.
+        sampling: the engine's :class:`~kvb_cache.sampling.SamplingParams`, after OpenAI's defaults and the
+            server's caps.
         chat_logprobs: chat-style logprobs (``content`` list) rather than completions-style arrays.
     """
 
@@ -179,20 +184,32 @@ def _max_new_tokens(
 
 
 def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
+    """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted)."""
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
     top_p = 1.0 if req.top_p is None else req.top_p
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
         temperature, top_p = 0.0, 1.0
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        stop=_stop(req),
-        seed=req.seed,
-        logprobs=logprobs,
-    )
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            stop=_stop(req),
+            seed=req.seed,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
+        param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
+        raise InvalidParameterError(str(exc), param=param) from None
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling of choice ``index`` of an ``n > 1`` request: each choice gets its own seed (``seed + index``)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 def _n(req: SamplingFields, config: ServerConfig) -> int:

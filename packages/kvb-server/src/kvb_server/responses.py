@@ -34,7 +34,7 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
     for p in range(len(plan.prompts)):
         choices = results[p * plan.n : (p + 1) * plan.n]
         prompt_tokens += choices[0].prompt_tokens
-        # Choices of one prompt may be served in one batch (no hit) or one after another (later ones hit).
+        # Choices of one prompt may start in the same step (no hit yet) or after one another (later ones hit).
         cached += max(r.cached_tokens for r in choices)
     completion = sum(r.completion_tokens for r in results)
     return {

@@ -30,7 +30,7 @@ from kvb_server.errors import (
 from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
-from kvb_server.request_plan import GenerationPlan
+from kvb_server.request_plan import GenerationPlan, choice_params
 from kvb_server.responses import ResponseIds, chunk, final_response, usage_chunk
 from kvb_server.stats import ThroughputMeter
 from kvb_server.worker import EngineWorker
@@ -168,7 +168,7 @@ class GenerationService:
             GenerationJob(
                 id=self._ids.next(),
                 prompt=prompt,
-                sampling=plan.sampling.for_choice(i),
+                sampling=choice_params(plan.sampling, i),
                 stream=plan.stream,
                 choice=p * plan.n + i,
                 inbox=inbox,
@@ -214,7 +214,7 @@ class GenerationService:
                 results[update.choice] = update.result
                 self._record(update, update.result)
         finally:
-            for job in jobs:  # stops whatever is still queued or running (no-op for finished jobs)
+            for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
         body = final_response(plan, ResponseIds.new(plan), results)  # type: ignore[arg-type]
         if truncation is not None:

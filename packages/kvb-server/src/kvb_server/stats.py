@@ -1,4 +1,4 @@
-"""``GET /v1/stats``: queue, cache, throughput and tiers, always JSON-serialisable.
+"""``GET /v1/stats``: queue and engine loop, block pool, cache, throughput and tiers, always JSON-serialisable.
 
 kvboost 0.9.0 returned 500 here on CPU machines (it queried CUDA unconditionally) and whenever a stat
 was not JSON-native. Every source below is read defensively: a failing source becomes an ``error``
@@ -109,15 +109,40 @@ def planner_info(gate: object) -> Any:
     return _guarded("planner", stats) if callable(stats) else {"enabled": False}
 
 
+async def engine_cache_stats(engine: ServingEngine, worker: EngineWorker, timeout_s: float) -> Any:
+    """``engine.cache_stats()``, run on the engine thread between steps (the engine is not thread-safe).
+
+    Not bounded by the queue limit, so stats stay readable under overload; a failure or a timeout becomes
+    an ``error`` entry.
+    """
+    try:
+        return json_safe(await worker.call(engine.cache_stats, timeout_s=timeout_s, bounded=False))
+    except Exception as exc:
+        logger.warning("stats source cache failed: %r", exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def paged_info(worker: EngineWorker) -> Any:
+    """The engine's block-pool counters as of its last step (``PagedStats.as_dict()``); None before any."""
+    paged = worker.paged_stats()
+    return None if paged is None else _guarded("paged", paged.as_dict)
+
+
 def stats_snapshot(
-    engine: ServingEngine, worker: EngineWorker, throughput: ThroughputMeter, gate: object = None
+    *,
+    engine: ServingEngine,
+    cache: Any,
+    worker: EngineWorker,
+    throughput: ThroughputMeter,
+    gate: object = None,
 ) -> dict[str, Any]:
-    cache = _guarded("cache", engine.cache_stats)
+    """``/v1/stats``; ``cache`` is what :func:`engine_cache_stats` returned (its ``tiers`` move up a level)."""
     tiers = cache.pop("tiers", None) if isinstance(cache, dict) else None
     return {
         "planner": planner_info(gate),
         "model": _guarded("model", lambda: engine.model_name),
         "queue": _guarded("queue", worker.stats),
+        "paged": paged_info(worker),
         "cache": cache,
         "tiers": tiers,
         "throughput": _guarded("throughput", throughput.snapshot),

@@ -1,241 +1,355 @@
-"""The single engine worker: a bounded queue drained in short windows into batched engine calls.
+"""The single engine thread: an iteration-level loop over ``add_request`` / ``step`` / ``abort``.
 
-The engine is not thread-safe, so exactly one thread ever calls it. An asyncio task (the dispatcher)
-collects waiting jobs for up to ``batch_window_ms``, picks the next unit with
-:func:`kvb_server.batching.next_unit` and runs it on that thread; results flow back through each job's
-:class:`~kvb_server.jobs.Inbox`.
+The engine is not thread-safe, so exactly one thread ever calls it. Request handlers on the event loop
+:meth:`EngineWorker.submit` jobs; the thread repeatedly
+
+1. hands newly submitted jobs to the engine (``add_request``; an error there fails only that job) and runs
+   :class:`~kvb_server.jobs.CallJob` s (``warm``, ``cache_stats``) in arrival order,
+2. aborts the requests whose client went away or whose deadline passed (a timed-out one is answered 504),
+3. runs one ``engine.step()`` while any of its requests is unfinished and routes each output to its job's
+   :class:`~kvb_server.jobs.Inbox` (streamed jobs: every output; others: only the result),
+4. sleeps on a condition variable when it has nothing to do, until the next submission wakes it.
+
+So streamed and non-streamed requests share every step, a new request joins at the next step, and a
+disconnect is acted on within one step. A failing ``step()`` fails the requests in flight (each is aborted
+in the engine) and the loop goes on serving new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from kvb_server.batching import is_batchable, next_unit
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
+from kvb_cache.results import StreamEvent
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import QueueFullError, RequestTimeoutError
-from kvb_server.jobs import CallJob, GenerationJob, Job, JobUpdate
+from kvb_server.jobs import CallJob, GenerationJob, Job, JobIds, JobUpdate
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The idle thread re-checks for shutdown this often; submissions wake it at once.
+IDLE_WAIT_S = 1.0
+#: How long :meth:`EngineWorker.stop` waits for the thread to leave its current step.
+STOP_JOIN_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerStats:
-    """Queue and batching counters (``/v1/stats``)."""
+    """Queue and engine-loop counters (``/v1/stats["queue"]``).
+
+    Attributes:
+        waiting: requests not running yet: submitted but not handed to the engine, plus those the engine
+            holds waiting (as of its last step). What ``max_queue_size`` bounds.
+        running: requests the engine is decoding (as of its last step).
+        in_flight: requests handed to the engine and not finished.
+        steps: ``engine.step()`` calls; ``step_errors`` of them raised.
+        largest_step: most requests that received output from one step.
+        added / finished / aborted / rejected: requests handed to the engine / completed / dropped
+            (client gone, deadline, failed step) / refused by ``add_request``.
+        calls: engine calls run between steps (warm, stats).
+        busy_s: seconds spent inside ``step()``.
+    """
 
     waiting: int
     running: int
+    in_flight: int
     max_queue_size: int
-    engine_calls: int
-    batched_calls: int
-    jobs_started: int
-    jobs_dropped: int
-    largest_batch: int
+    steps: int
+    step_errors: int
+    largest_step: int
+    added: int
+    finished: int
+    aborted: int
+    rejected: int
+    calls: int
     busy_s: float
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A job the engine holds."""
+
+    job: GenerationJob
+    queue_s: float
+    #: Still measurable: it entered an idle engine and no other request has joined since.
+    solo: bool
+
+
 class EngineWorker:
-    """Owns the queue and the engine thread. Start it inside the running event loop."""
+    """Owns the submission queue and the engine thread. Start it inside the running event loop."""
 
     def __init__(self, engine: ServingEngine, config: ServerConfig) -> None:
         self._engine = engine
         self._config = config
-        self._queue: asyncio.Queue[Job] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._waiting = 0
-        self._running = 0
-        self._engine_calls = 0
-        self._batched_calls = 0
-        self._jobs_started = 0
-        self._jobs_dropped = 0
-        self._largest_batch = 0
+        self._ids = JobIds()
+        self._cond = threading.Condition()
+        # Jobs stay here until the engine thread has handed them over and refreshed its counts, so the
+        # queue-full check never misses a job in transit.
+        self._pending: deque[Job] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._in_flight: dict[RequestId, _InFlight] = {}
+        self._paged: PagedStats | None = None
+        self._engine_waiting = 0
+        self._steps = self._step_errors = self._largest_step = 0
+        self._added = self._finished = self._aborted = self._rejected = self._calls = 0
         self._busy_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is not None:
+        if self._thread is not None:
             raise RuntimeError("EngineWorker.start() called twice")
-        self._queue = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-engine")
-        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="kvb-dispatcher")
+        self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._executor is not None:
-            # Running generations notice the cancellation flags below; do not block shutdown on them.
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        """Abort what is in flight and end the thread (waits up to ``STOP_JOIN_S`` for a running step)."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, STOP_JOIN_S)
+        if thread.is_alive():
+            logger.warning("engine thread still inside a step after %.0f s; leaving it", STOP_JOIN_S)
+        self._thread = None
 
-    # -- submission ------------------------------------------------------------------------------------
+    # -- submission (event loop) -----------------------------------------------------------------------
     @property
     def depth(self) -> int:
-        """Jobs waiting for the engine (not counting the ones running)."""
-        return self._waiting
+        """Requests not running yet: submitted but not handed to the engine, plus waiting inside it."""
+        return len(self._pending) + self._engine_waiting
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, jobs: list[Job], *, bounded: bool = True) -> None:
         """Queue all of ``jobs`` or none (an ``n > 1`` request is never half-queued).
 
+        Args:
+            bounded: count against ``max_queue_size`` (stats calls are not bounded).
+
         Raises:
-            QueueFullError: fewer than ``len(jobs)`` free places in the queue.
+            QueueFullError: fewer than ``len(jobs)`` free places among the requests not running yet.
         """
-        if self._queue is None:
+        if self._thread is None:
             raise RuntimeError("EngineWorker.start() must run before submit()")
-        if self._waiting + len(jobs) > self._config.max_queue_size:
-            raise QueueFullError(self._config.max_queue_size)
-        for job in jobs:
-            self._queue.put_nowait(job)
-        self._waiting += len(jobs)
+        with self._cond:
+            if bounded and self.depth + len(jobs) > self._config.max_queue_size:
+                raise QueueFullError(self._config.max_queue_size)
+            self._pending.extend(jobs)
+            self._cond.notify()
+
+    async def call(self, fn: Callable[[], T], *, timeout_s: float, bounded: bool = True) -> T:
+        """Run ``fn`` on the engine thread between steps and return its value (or raise its error).
+
+        Raises:
+            QueueFullError: ``bounded`` and the queue is full.
+            RequestTimeoutError: no answer within ``timeout_s`` (the call is skipped if it has not started).
+        """
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        job = CallJob(id=self._ids.next(), fn=fn, future=future, deadline=time.monotonic() + timeout_s)
+        self.submit([job], bounded=bounded)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            job.cancelled.set()
+            raise RequestTimeoutError(timeout_s) from None
 
     def stats(self) -> WorkerStats:
+        paged = self._paged
         return WorkerStats(
-            waiting=self._waiting,
-            running=self._running,
+            waiting=self.depth,
+            running=paged.running if paged is not None else 0,
+            in_flight=len(self._in_flight),
             max_queue_size=self._config.max_queue_size,
-            engine_calls=self._engine_calls,
-            batched_calls=self._batched_calls,
-            jobs_started=self._jobs_started,
-            jobs_dropped=self._jobs_dropped,
-            largest_batch=self._largest_batch,
+            steps=self._steps,
+            step_errors=self._step_errors,
+            largest_step=self._largest_step,
+            added=self._added,
+            finished=self._finished,
+            aborted=self._aborted,
+            rejected=self._rejected,
+            calls=self._calls,
             busy_s=round(self._busy_s, 6),
         )
 
-    # -- dispatch --------------------------------------------------------------------------------------
-    async def _dispatch(self) -> None:
-        assert self._queue is not None
-        loop = asyncio.get_running_loop()
-        pending: list[Job] = []
-        while True:
-            if not pending:
-                pending.append(await self._queue.get())
-            await self._collect_window(pending)
-            pending = self._drop_expired(pending)
-            if not pending:
-                continue
-            unit, pending = next_unit(
-                pending,
-                max_batch_size=self._config.max_batch_size,
-                prefix_tokens=self._config.group_prefix_tokens,
-            )
-            self._waiting -= len(unit)
-            self._running = len(unit)
-            started = time.monotonic()
-            try:
-                await loop.run_in_executor(self._executor, self._run_unit, unit)
-            except Exception:  # the unit reports its own errors; this is a bug in the worker itself
-                logger.exception("engine worker failed on a unit of %d jobs", len(unit))
-            finally:
-                self._busy_s += time.monotonic() - started
-                self._running = 0
+    def paged_stats(self) -> PagedStats | None:
+        """The engine's block-pool counters as of its last step or call (None before the thread started)."""
+        return self._paged
 
-    async def _collect_window(self, pending: list[Job]) -> None:
-        """Move queued jobs into ``pending``; wait up to the batch window when a batch could still grow."""
-        assert self._queue is not None
-        while not self._queue.empty():
-            pending.append(self._queue.get_nowait())
-        if not is_batchable(pending[0]) or self._config.batch_window_ms <= 0:
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._refresh()
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    break
+                if batch:
+                    self._hand_over(batch)
+                self._abort_expired()
+                if self._in_flight:
+                    self._step()
+        except Exception:  # a bug in the loop itself: nothing else would ever answer the jobs
+            logger.exception("engine loop crashed")
+            self._fail_in_flight(RuntimeError("the server's engine loop crashed; see the server log"))
+            raise
+        finally:
+            self._abort_all()
+
+    def _next_batch(self) -> list[Job] | None:
+        """The jobs submitted so far (left in ``_pending`` until handed over); blocks while idle.
+
+        Returns None when the worker is stopping.
+        """
+        with self._cond:
+            while not self._pending and not self._in_flight and not self._stopping:
+                self._cond.wait(IDLE_WAIT_S)
+            return None if self._stopping else list(self._pending)
+
+    def _hand_over(self, batch: list[Job]) -> None:
+        for job in batch:
+            if isinstance(job, CallJob):
+                self._run_call(job)
+            else:
+                self._add(job)
+        self._refresh()
+        with self._cond:
+            for _ in batch:
+                self._pending.popleft()
+
+    def _add(self, job: GenerationJob) -> None:
+        if job.expired():
+            self._answer_expired(job)
             return
-        deadline = time.monotonic() + self._config.batch_window_ms / 1e3
-        while sum(map(is_batchable, pending)) < self._config.max_batch_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            try:
-                pending.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
-                return
-
-    def _drop_expired(self, pending: list[Job]) -> list[Job]:
-        alive = [j for j in pending if not j.expired()]
-        dropped = len(pending) - len(alive)
-        if dropped:
-            self._waiting -= dropped
-            self._jobs_dropped += dropped
-            for job in pending:
-                if job.expired() and isinstance(job, CallJob) and not job.future.done():
-                    job.future.get_loop().call_soon_threadsafe(
-                        _set_exception, job.future, RequestTimeoutError(self._config.request_timeout_s)
-                    )
-        return alive
-
-    # -- on the engine thread ---------------------------------------------------------------------------
-    def _run_unit(self, unit: list[Job]) -> None:
-        self._engine_calls += 1
-        self._jobs_started += len(unit)
-        self._largest_batch = max(self._largest_batch, len(unit))
-        head = unit[0]
-        if isinstance(head, CallJob):
-            self._run_call(head)
-        elif len(unit) == 1:
-            self._run_stream(head)
-        else:
-            self._batched_calls += 1
-            self._run_batch([j for j in unit if isinstance(j, GenerationJob)])
+        queue_s = time.monotonic() - job.enqueued_at
+        solo = job.probe is not None and not self._in_flight
+        if solo:
+            _call_probe(job, "start")
+        try:
+            request_id = self._engine.add_request(
+                job.prompt,
+                job.sampling,
+                prefill_chunk_size=job.settings.prefill_chunk_size,
+                kv_cache_bits=job.settings.kv_cache_bits,
+            )
+        except Exception as exc:  # invalid for the engine: only this job fails
+            self._rejected += 1
+            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
+            return
+        for other in self._in_flight.values():
+            other.solo = False  # it now shares steps with this one: its measurement would be mixed
+        self._in_flight[request_id] = _InFlight(job=job, queue_s=queue_s, solo=solo)
+        self._added += 1
 
     def _run_call(self, job: CallJob) -> None:
-        loop = job.future.get_loop()
+        if job.expired():
+            if not job.cancelled.is_set():
+                _resolve(job.future, error=RequestTimeoutError(self._config.request_timeout_s))
+            return
+        self._calls += 1
         try:
             value = job.fn()
         except BaseException as exc:  # delivered to the awaiting handler, which maps it to a response
-            loop.call_soon_threadsafe(_set_exception, job.future, exc)
+            _resolve(job.future, error=exc)
         else:
-            loop.call_soon_threadsafe(_set_result, job.future, value)
+            _resolve(job.future, value=value)
 
-    def _run_stream(self, job: GenerationJob) -> None:
-        """Serve one job through ``engine.stream`` so it can be stopped between tokens."""
-        queue_s = time.monotonic() - job.enqueued_at
-        _call_probe(job, "start")
-        events = self._engine.stream(job.prompt, **job.engine_kwargs())
-        try:
-            for event in events:
-                if job.expired():
-                    logger.info("job %d stopped: client gone or past its deadline", job.id)
-                    return
-                if event.result is not None:
-                    _call_probe(job, "finish")
-                if job.stream or event.result is not None:
-                    update = JobUpdate(
-                        choice=job.choice,
-                        event=event if job.stream else None,
-                        result=None if job.stream else event.result,
-                        queue_s=queue_s,
-                    )
-                    job.inbox.put_threadsafe(update)
-        except Exception as exc:
-            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
-        finally:
-            # Closing the generator is how the engine learns to stop and free its state.
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()
+    def _abort_expired(self) -> None:
+        for request_id, flight in list(self._in_flight.items()):
+            if flight.job.expired():
+                logger.info("job %d aborted: client gone or past its deadline", flight.job.id)
+                self._abort(request_id)
+                self._answer_expired(flight.job, flight.queue_s)
 
-    def _run_batch(self, jobs: list[GenerationJob]) -> None:
-        queue_s = [time.monotonic() - j.enqueued_at for j in jobs]
-        try:
-            # Batched jobs have default settings (see batching.is_batchable): sampling is all they carry.
-            results = self._engine.generate_batch(
-                [j.prompt for j in jobs], sampling=[j.sampling.engine_kwargs() for j in jobs]
-            )
-        except Exception:
-            # One bad request must not fail its batch mates: serve each alone so only it gets the error.
-            logger.warning(
-                "batched call of %d jobs failed; serving them one at a time", len(jobs), exc_info=True
-            )
-            for job in jobs:
-                if not job.expired():
-                    self._run_stream(job)
+    def _answer_expired(self, job: GenerationJob, queue_s: float = 0.0) -> None:
+        # A cancelled job's handler is gone; a timed-out one may still be waiting for its 504.
+        if job.timed_out():
+            error = RequestTimeoutError(self._config.request_timeout_s)
+            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=error, queue_s=queue_s))
+
+    def _step(self) -> None:
+        if not self._engine.has_unfinished():
+            # The engine holds none of the requests we handed it: nothing would ever answer them.
+            self._fail_in_flight(RuntimeError("the engine lost track of requests in flight"))
             return
-        for job, result, waited in zip(jobs, results, queue_s):
-            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, result=result, queue_s=waited))
+        started = time.monotonic()
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            self._step_errors += 1
+            logger.error("engine step failed with %d requests in flight: %r", len(self._in_flight), exc)
+            self._fail_in_flight(exc)
+            return
+        finally:
+            self._busy_s += time.monotonic() - started
+            self._steps += 1
+        self._largest_step = max(self._largest_step, len({o.request_id for o in outputs}))
+        for output in outputs:
+            self._route(output)
+        self._refresh()
+
+    def _route(self, output: RequestOutput) -> None:
+        flight = self._in_flight.get(output.request_id)
+        if flight is None:  # aborted earlier in this iteration, or not ours
+            return
+        job = flight.job
+        if output.finished:
+            del self._in_flight[output.request_id]
+            self._finished += 1
+            if flight.solo:
+                _call_probe(job, "finish")
+        if job.stream:
+            event = StreamEvent(
+                delta_text=output.delta_text,
+                token_ids=output.token_ids,
+                logprobs=output.logprobs,
+                result=output.result,
+            )
+            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, event=event, queue_s=flight.queue_s))
+        elif output.finished:
+            job.inbox.put_threadsafe(
+                JobUpdate(choice=job.choice, result=output.result, queue_s=flight.queue_s)
+            )
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        for request_id, flight in list(self._in_flight.items()):
+            self._abort(request_id)
+            flight.job.inbox.put_threadsafe(
+                JobUpdate(choice=flight.job.choice, error=error, queue_s=flight.queue_s)
+            )
+        self._refresh()
+
+    def _abort(self, request_id: RequestId) -> None:
+        del self._in_flight[request_id]
+        self._aborted += 1
+        try:
+            self._engine.abort(request_id)
+        except Exception:  # the request is gone for us either way; the engine may have dropped it already
+            logger.warning("engine.abort(%s) failed", request_id, exc_info=True)
+
+    def _abort_all(self) -> None:
+        """On shutdown: free what is in flight, so an engine shared with another server starts clean."""
+        for request_id in list(self._in_flight):
+            self._abort(request_id)
+
+    def _refresh(self) -> None:
+        try:
+            paged = self._engine.paged_stats()
+        except Exception:
+            logger.warning("engine.paged_stats() failed", exc_info=True)
+            return
+        self._paged = paged
+        self._engine_waiting = paged.waiting
 
 
 def _call_probe(job: GenerationJob, method: str) -> None:
@@ -248,11 +362,17 @@ def _call_probe(job: GenerationJob, method: str) -> None:
         logger.warning("run probe %s failed for job %d", method, job.id, exc_info=True)
 
 
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
+def _resolve(future: asyncio.Future[Any], *, value: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` from the engine thread (a no-op when its handler gave up or the loop closed)."""
 
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
 
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+    loop = future.get_loop()
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(settle)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from typing import Any
@@ -11,15 +10,17 @@ from fastapi import APIRouter, Request, Response
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import InvalidParameterError, RequestTimeoutError
+from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
-from kvb_server.jobs import CallJob, JobIds
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import parse_body
 from kvb_server.schemas import WarmRequest
 from kvb_server.service import engine_error
-from kvb_server.stats import ThroughputMeter, json_safe, stats_snapshot
+from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
 from kvb_server.worker import EngineWorker
+
+#: ``/v1/stats`` waits at most this long for the engine thread to finish its step and read the cache.
+STATS_TIMEOUT_S = 10.0
 
 
 def admin_router(
@@ -34,7 +35,6 @@ def admin_router(
     """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key."""
     open_router = APIRouter()
     v1 = APIRouter(prefix="/v1")
-    ids = JobIds()
 
     @open_router.get("/health")
     async def health() -> dict[str, Any]:
@@ -46,7 +46,8 @@ def admin_router(
 
     @v1.get("/stats")
     async def stats() -> dict[str, Any]:
-        return stats_snapshot(engine, worker, throughput, gate)
+        cache = await engine_cache_stats(engine, worker, min(STATS_TIMEOUT_S, config.request_timeout_s))
+        return stats_snapshot(engine=engine, cache=cache, worker=worker, throughput=throughput, gate=gate)
 
     @v1.post("/warm")
     async def warm(request: Request) -> dict[str, Any]:
@@ -60,19 +61,11 @@ def admin_router(
         started = time.monotonic()
         results = []
         for text in texts:
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            job = CallJob(
-                id=ids.next(),
-                fn=functools.partial(engine.warm, text),
-                future=future,
-                deadline=started + config.request_timeout_s,
-            )
-            worker.submit([job])
             try:
-                results.append(await asyncio.wait_for(future, config.request_timeout_s))
-            except TimeoutError:
-                job.cancelled.set()
-                raise RequestTimeoutError(config.request_timeout_s) from None
+                call = functools.partial(engine.warm, text)
+                results.append(await worker.call(call, timeout_s=config.request_timeout_s))
+            except ServerError:
+                raise
             except Exception as exc:
                 raise engine_error(exc) from exc
         return {
