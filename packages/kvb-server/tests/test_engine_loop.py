@@ -1,0 +1,309 @@
+"""The engine loop over real HTTP: shared steps, joining mid-flight, aborts, failures, paged stats and metrics.
+
+The fake engine stalls at a chosen step (``pause_before_step``) so every scenario is arranged
+deterministically; waits are bounded polls for a condition, never sleeps that a slow machine could outrun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+from conftest import serve
+from fakes import FakeEngine
+from test_app_errors import assert_openai_error, wait_until
+
+from kvb_cache.errors import InvalidRequestError
+from kvb_server import ServerConfig, create_app
+
+MODEL = "fake-model"
+
+
+def completion(prompt: str, max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def sse_text(body: str) -> str:
+    """The completion text of an SSE body (``choices[0].text`` of every data event)."""
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events if json.loads(e).get("choices"))
+
+
+def steps_with(fake: FakeEngine, index: int) -> list[int]:
+    """Indices of the steps that decoded the ``index``-th added request."""
+    request_id = fake.added[index].request_id
+    return [i for i, ids in enumerate(fake.step_log) if request_id in ids]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return math.nan
+
+
+async def depth(client: httpx.AsyncClient) -> int:
+    return (await client.get("/health")).json()["queue_depth"]
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    await asyncio.to_thread(wait_until, predicate, timeout)
+
+
+def test_streamed_and_non_streamed_requests_share_steps() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 1  # hold the first request's first step until the others are queued
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 4, stream=True)))
+                await until(fake.stalled.is_set)
+                others = [
+                    asyncio.create_task(c.post("/v1/completions", json=completion("hj", 4))),
+                    asyncio.create_task(c.post("/v1/completions", json=completion("hk", 4, stream=True))),
+                ]
+                while await depth(c) < 3:  # the stalled one (waiting in the engine) and the two new ones
+                    await asyncio.sleep(0.01)
+                fake.hold.set()
+                return list(await asyncio.gather(first, *others))
+
+        streamed_a, plain_b, streamed_c = asyncio.run(scenario())
+    assert [r.status_code for r in (streamed_a, plain_b, streamed_c)] == [200, 200, 200]
+    assert sse_text(streamed_a.text) == "bcde" and sse_text(streamed_c.text) == "defg"
+    assert plain_b.json()["choices"][0]["text"] == "cdef"
+    assert [steps_with(fake, i) for i in range(3)] == [[0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]]
+    ids = {a.request_id for a in fake.added}
+    assert len(ids) == 3 and sum(step == ids for step in fake.step_log) >= 3  # all three decoded together
+
+
+def test_a_new_request_joins_running_ones_at_the_next_step() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 3  # the long request has run two steps when the short one arrives
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                long = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 120)))
+                await until(fake.stalled.is_set)
+                short = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 2)))
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()
+                short_done = await short
+                return await long, short_done
+
+        long, short = asyncio.run(scenario())
+    assert long.status_code == short.status_code == 200
+    assert short.json()["choices"][0]["text"] == "cd"
+    long_steps, short_steps = steps_with(fake, 0), steps_with(fake, 1)
+    # The short request started after the long one's stalled step, rode along for two steps, and finished
+    # long before the long one did: it never waited for it.
+    assert short_steps == [3, 4]
+    assert long_steps == list(range(120)) and long_steps[-1] > short_steps[-1]
+    assert fake.aborted == []
+
+
+def test_stream_disconnect_aborts_within_one_step() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 3  # stall after two tokens were streamed
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=completion("hi", 150, stream=True), timeout=30
+        ) as r:
+            data = (line for line in r.iter_lines() if line.startswith("data: "))
+            assert [json.loads(next(data)[6:])["choices"][0]["text"] for _ in range(2)] == ["b", "c"]
+        wait_until(fake.stalled.is_set)
+        # The handler is done (its SSE generator was cancelled) once the request shows up in the metrics.
+        done = 'kvboost_requests_total{route="/v1/completions",status="200"}'
+        wait_until(lambda: metric(httpx.get(url + "/metrics").text, done) == 1)
+        assert fake.aborted == []
+        fake.hold.set()
+        wait_until(lambda: len(fake.aborted) == 1)
+    assert fake.aborted == [fake.added[0].request_id]
+    assert steps_with(fake, 0) == [0, 1, 2]  # the stalled step finished; no step after it decoded the request
+
+
+def test_non_stream_disconnect_aborts_within_one_step() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                request = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 150)))
+                await until(fake.stalled.is_set)
+                request.cancel()  # the client goes away
+                closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
+                while metric((await c.get("/metrics")).text, closed) != 1:
+                    await asyncio.sleep(0.02)
+
+        asyncio.run(scenario())
+        assert fake.aborted == []
+        fake.hold.set()
+        wait_until(lambda: len(fake.aborted) == 1)
+    assert steps_with(fake, 0) == [0, 1]
+
+
+class RejectsSeed13(FakeEngine):
+    """``add_request`` refuses seed 13 (as the engine refuses input it cannot serve)."""
+
+    def add_request(self, prompt, params, **overrides):
+        if params.seed == 13:
+            raise InvalidRequestError("seed 13 is unlucky; pick another", param="seed")
+        return super().add_request(prompt, params, **overrides)
+
+
+def test_an_add_request_error_fails_only_that_request() -> None:
+    fake = RejectsSeed13()
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                bystander = asyncio.create_task(
+                    c.post("/v1/completions", json=completion("hi", 5, stream=True))
+                )
+                await until(fake.stalled.is_set)
+                # n=3 with seed 11: choices get seeds 11, 12 and 13; the third is refused by the engine.
+                unlucky = asyncio.create_task(
+                    c.post("/v1/completions", json=completion("hj", 5, n=3, seed=11))
+                )
+                while await depth(c) < 3:
+                    await asyncio.sleep(0.01)
+                fake.pause_before_step = (
+                    3  # stall again once the choices are in, until their handler answered
+                )
+                fake.hold.set()
+                refused = await unlucky
+                await until(lambda: len(fake.step_log) == 2 and fake.stalled.is_set())
+                fake.hold.set()
+                return await bystander, refused
+
+        bystander, unlucky = asyncio.run(scenario())
+        err = assert_openai_error(unlucky, 400, param="seed")
+        assert "unlucky" in err["message"]
+        assert bystander.status_code == 200 and sse_text(bystander.text) == "bcdef"
+        # The unlucky request's accepted choices were aborted; the bystander finished normally.
+        wait_until(lambda: len(fake.aborted) == 2)
+        assert sorted(fake.aborted) == sorted(a.request_id for a in fake.added[1:3])
+        assert [a.params.seed for a in fake.added] == [None, 11, 12]
+        stats = httpx.get(url + "/v1/stats").json()["queue"]
+        assert stats["rejected"] == 1 and stats["in_flight"] == 0
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 2
+    fake.fail_step(3, RuntimeError("kernel exploded"))
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                streamed = asyncio.create_task(
+                    c.post("/v1/completions", json=completion("hi", 9, stream=True))
+                )
+                await until(fake.stalled.is_set)
+                plain = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 9)))
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()  # step 2 runs the first request, step 3 (both in flight) raises
+                return await streamed, await plain
+
+        streamed, plain = asyncio.run(scenario())
+        assert streamed.status_code == 200  # the stream had started: the error is its last event
+        assert sse_text(streamed.text) == "bc" and '"type":"server_error"' in streamed.text
+        assert "kernel exploded" in streamed.text and "[DONE]" not in streamed.text
+        err = assert_openai_error(plain, 500)
+        assert "kernel exploded" in err["message"]
+        assert sorted(fake.aborted) == sorted(a.request_id for a in fake.added)  # the engine freed both
+        ok = httpx.post(url + "/v1/completions", json=completion("hi", 3), timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "bcd"
+        queue = httpx.get(url + "/v1/stats").json()["queue"]
+        assert queue["step_errors"] == 1 and queue["aborted"] == 2 and queue["finished"] == 1
+
+
+def test_warm_runs_between_steps_while_requests_are_running() -> None:
+    fake = FakeEngine()
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                running = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 6)))
+                await until(fake.stalled.is_set)
+                warm = asyncio.create_task(c.post("/v1/warm", json={"text": "shared prefix"}))
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()
+                return await warm, await running
+
+        warm, running = asyncio.run(scenario())
+    assert warm.status_code == running.status_code == 200
+    assert fake.warmed == ["shared prefix"] and running.json()["choices"][0]["text"] == "bcdefg"
+
+
+def test_stats_and_metrics_show_the_engine_loop() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        for prompt in ("abcd", "efgh"):
+            assert httpx.post(url + "/v1/completions", json=completion(prompt, 3)).status_code == 200
+        wait_until(lambda: httpx.get(url + "/v1/stats").json()["paged"]["steps"] == 6)
+        body = httpx.get(url + "/v1/stats").json()
+        # Two 4-token prompts, 3 tokens each: 2 blocks of 4 per request, now cached; half of the prompt hit.
+        assert body["paged"] == {
+            "block_size": 4,
+            "blocks_total": 256,
+            "blocks_used": 0,
+            "blocks_cached": 4,
+            "blocks_free": 252,
+            "running": 0,
+            "waiting": 0,
+            "prefix_cache_queries": 8,
+            "prefix_cache_hits": 4,
+            "preemptions": 0,
+            "steps": 6,
+            "hit_rate": 0.5,
+            "kv_cache_usage": 0.0,
+        }
+        queue = body["queue"]
+        assert (queue["steps"], queue["added"], queue["finished"], queue["largest_step"]) == (6, 2, 2, 1)
+        assert queue["waiting"] == queue["running"] == queue["in_flight"] == 0
+        text = httpx.get(url + "/metrics").text
+        assert metric(text, "kvboost:num_requests_running") == 0
+        assert metric(text, "kvboost:num_requests_waiting") == 0
+        assert metric(text, "kvboost:kv_cache_usage_perc") == 0
+        assert metric(text, "kvboost:prefix_cache_queries_total") == 8
+        assert metric(text, "kvboost:prefix_cache_hits_total") == 4
+        assert metric(text, "kvboost:num_preemptions_total") == 0
+        assert metric(text, 'kvboost_kv_blocks{state="cached"}') == 4
+        assert metric(text, 'kvboost_kv_blocks{state="free"}') == 252
+        assert metric(text, 'kvboost_kv_blocks{state="used"}') == 0
+        assert metric(text, "kvboost_engine_steps_total") == 6
+        assert metric(text, "kvboost_queue_depth") == 0
+
+
+def test_metrics_count_running_and_waiting_requests_mid_flight() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                requests = [
+                    asyncio.create_task(c.post("/v1/completions", json=completion(p, 3))) for p in "ab"
+                ]
+                await until(fake.stalled.is_set)  # step 1 ran one request; the other waits (max_num_seqs=1)
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                text = (await c.get("/metrics")).text
+                assert metric(text, "kvboost:num_requests_running") == 1
+                assert metric(text, "kvboost:num_requests_waiting") == 1
+                assert 0 < metric(text, "kvboost:kv_cache_usage_perc") < 1
+                assert metric(text, 'kvboost_kv_blocks{state="used"}') == 1
+                fake.hold.set()
+                return [r.status_code for r in await asyncio.gather(*requests)]
+
+        assert asyncio.run(scenario()) == [200, 200]
