@@ -1,247 +1,218 @@
-"""Benchmark kvb-server on the embedded SmolLM2: concurrent chat sessions sharing a system prompt.
+"""Serving benchmark: kvboost-server against ``transformers serve --continuous-batching``, same run, same model.
 
-Every number is measured by the official ``openai`` client against real ``kvboost-server`` processes
-started by this script on loopback, all in the same run:
+Both servers load the embedded SmolLM2-135M-Instruct from the same safetensors folder, get the same torch
+thread count (``OMP_NUM_THREADS``, ``--threads``) and run one after the other, never together. The official
+``openai`` client drives each with 1, 4 and 8 concurrent streamed multi-turn chat sessions (real
+chitchat-dataset conversations behind a shared ~3000-character system prompt from ``pydoc_data.topics``),
+greedy, 24 tokens per turn. Per server and concurrency: TTFT p50/p90 from turn 2 on (request sent -> first
+streamed content token), generated tokens/s (completion tokens / wall time of the phase), per-request
+decode tokens/s, and whether the two servers' replies are identical.
 
-1. TTFT per turn (client-side: request sent -> first streamed content token) and throughput, for the
-   same load on the same server with the KV cache on and off (``--max-cache-bytes 0``).
-2. Throughput of non-streamed requests from N concurrent clients with batching (``--max-batch-size N``)
-   against one-at-a-time (``--max-batch-size 1``).
+Library phase, in this process with ``torch.set_num_threads(1)``: ``KVBoost.generate_batch`` against
+transformers' ``model.generate_batch`` on 32 prompts sharing a ~800-token system prompt, 32 greedy tokens
+each; tokens/s and whether every row equals plain ``model.generate`` greedy.
 
-Conversations are real (chitchat-dataset); the shared system prompt embeds a real document (Python's
-``pydoc_data.topics``). Greedy decoding, so every configuration sees the same conversation.
-Results: a table on stdout, ``docs/server_bench.json`` and ``docs/server_ttft.png``.
+Results: markdown tables on stdout, ``docs/server_bench.json`` (every request's raw numbers, summary,
+environment, targets) and ``docs/server_ttft.png``. ``--quick`` is a smoke run of the same plumbing (1 and
+2 sessions, 2 turns, 4 library prompts) that writes under the temp folder instead of docs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import datetime
+import importlib.metadata
 import json
 import os
 import platform
-import socket
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import openai
+# tools/ is on sys.path when a script here runs: the helper modules beside this one
+from chat_load import conversations, reference_document, run_sessions, short_questions, system_prompt, warm_up
+from server_procs import (
+    TRANSFORMERS_VERSION,
+    ServerSpec,
+    ensure_transformers_venv,
+    kvboost_spec,
+    running,
+    torch_threads_seen,
+    transformers_spec,
+    versions,
+)
+from server_report import SERVERS, analyze, plot, report
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(*flags: str) -> Iterator[str]:
-    """A ``python -m kvb_server`` process on a free loopback port (one torch thread, as all benchmarks)."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "kvb_server", "--port", str(port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
+def serve_phases(
+    spec: ServerSpec,
+    workloads: dict[int, list[list[str]]],
+    system: str,
+    args: argparse.Namespace,
+    log_dir: Path,
+) -> dict:
+    """Start one server, warm it, run every concurrency level on it, stop it."""
+    out: dict = {"phases": {}}
     try:
-        # Generous: on a shared, oversubscribed CPU importing torch and loading the model takes minutes.
-        deadline = time.monotonic() + 1800
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start in 1800 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running(
+            spec, threads=args.threads, log_dir=log_dir, startup_timeout_s=args.startup_timeout
+        ) as srv:
+            out |= {"startup_s": srv.startup_s, "log": str(srv.log)}
+            out["warmup_s"] = asyncio.run(warm_up(srv.url, spec.model_field, args.request_timeout))
+            for c, sessions in workloads.items():
+                t0 = time.monotonic()
+                phase = asyncio.run(
+                    run_sessions(
+                        srv.url,
+                        spec.model_field,
+                        system,
+                        sessions,
+                        max_tokens=args.max_tokens,
+                        request_timeout_s=args.request_timeout,
+                        phase_timeout_s=args.phase_timeout,
+                    )
+                )
+                out["phases"][c] = {
+                    "wall_s": phase.wall_s,
+                    "timed_out": phase.timed_out,
+                    "requests": [r.to_dict() for r in phase.records],
+                }
+                print(f"  {spec.name}: {c} sessions done in {time.monotonic() - t0:.0f} s", flush=True)
+    except Exception as exc:  # one server failing must not lose the other's numbers
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"  {spec.name}: FAILED: {out['error'][:2000]}", flush=True)
+    return out
 
 
-def system_prompt(chars: int) -> str:
-    from pydoc_data.topics import topics
+def environment(args: argparse.Namespace, venv: Path, specs: dict[str, ServerSpec]) -> dict:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    doc = topics["with"] + topics["try"]
-    return ("You are a helpful assistant for Python programmers. Answer using this reference.\n\n"
-            + doc[:chars])
-
-
-def user_turns(sessions: int, turns: int) -> list[list[str]]:
-    """The first user messages of ``sessions`` real chit-chat conversations (one message group per turn)."""
-    import chitchat_dataset
-
-    out = []
-    for convo in chitchat_dataset.Dataset().values():
-        groups = [" ".join(m["text"] for m in group) for group in convo["messages"]]
-        if len(groups) >= 2 * turns:
-            out.append(groups[0::2][:turns])
-        if len(out) == sessions:
-            return out
-    raise RuntimeError("not enough long conversations")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-async def chat_sessions(url: str, system: str, turns: list[list[str]], max_tokens: int) -> dict:
-    """All sessions at once; each sends its turns one after another, streaming, keeping its history."""
-    http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64))
-    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", http_client=http, max_retries=0)
-    ttft: dict[int, list[float]] = {}
-    cached: dict[int, list[int]] = {}
-    tokens = 0
-
-    async def session(user_msgs: list[str]) -> None:
-        nonlocal tokens
-        history = [{"role": "system", "content": system}]
-        for turn, text in enumerate(user_msgs, start=1):
-            history.append({"role": "user", "content": text})
-            t0 = time.perf_counter()
-            first = None
-            reply = []
-            stream = await api.chat.completions.create(
-                model=MODEL, messages=history, max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    reply.append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
-                    cached.setdefault(turn, []).append(chunk.usage.prompt_tokens_details.cached_tokens)
-            ttft.setdefault(turn, []).append(((first or time.perf_counter()) - t0) * 1e3)
-            history.append({"role": "assistant", "content": "".join(reply)})
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(session(m) for m in turns))
-    wall = time.perf_counter() - t0
-    await api.close()
     return {
-        "wall_s": wall,
-        "completion_tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "ttft_ms_by_turn": {t: {"p50": statistics.median(v), "p95": pct(v, 0.95), "n": len(v)}
-                            for t, v in sorted(ttft.items())},
-        "cached_tokens_by_turn": {t: statistics.median(v) for t, v in sorted(cached.items())},
-        "ttft_ms_turn3plus": {"p50": statistics.median([x for t, v in ttft.items() if t >= 3 for x in v]),
-                              "p95": pct([x for t, v in ttft.items() if t >= 3 for x in v], 0.95)},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty_paths": len(git("status", "--porcelain").splitlines()),
+        "kvboost_env": versions(sys.executable)
+        | {d: importlib.metadata.version(d) for d in ("kvb-cache", "kvb-server")},
+        "transformers_venv": {"path": str(venv), **versions(specs["transformers"].python)},
+        "server_threads_env": {"OMP_NUM_THREADS": args.threads, "MKL_NUM_THREADS": args.threads},
+        "server_torch_threads_seen": {
+            name: torch_threads_seen(s.python, args.threads) for name, s in specs.items()
+        },
+        "library_torch_threads": 1,
     }
-
-
-async def concurrent_throughput(url: str, system: str, prompts: list[str], clients: int, requests: int,
-                                max_tokens: int) -> dict:
-    """``clients`` clients each sending ``requests`` non-streamed chat requests back to back."""
-    http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64))
-    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", http_client=http, max_retries=0)
-    # One identical request first, so both configurations start with the system prompt cached.
-    await api.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "hello"}])
-    tokens = 0
-    latencies: list[float] = []
-
-    async def client(i: int) -> None:
-        nonlocal tokens
-        for r in range(requests):
-            t0 = time.perf_counter()
-            resp = await api.chat.completions.create(model=MODEL, max_tokens=max_tokens, temperature=0, messages=[
-                {"role": "system", "content": system},
-                {"role": "user", "content": prompts[(i * requests + r) % len(prompts)]}])
-            latencies.append((time.perf_counter() - t0) * 1e3)
-            tokens += resp.usage.completion_tokens
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    wall = time.perf_counter() - t0
-    stats = (await http.get(f"{url}/v1/stats")).json()["queue"]
-    await api.close()
-    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
-            "latency_ms_p50": statistics.median(latencies), "largest_batch": stats["largest_batch"],
-            "batched_calls": stats["batched_calls"]}
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, key in (("cache on", "cache_on"), ("cache off", "cache_off")):
-        by_turn = results["sessions"][key]["ttft_ms_by_turn"]
-        turns = [int(t) for t in by_turn]
-        ax.plot(turns, [by_turn[t]["p50"] for t in by_turn], marker="o", label=f"{label} (p50)")
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("kvb-server, SmolLM2-135M, concurrent chat sessions (CPU)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sessions", type=int, default=4, help="concurrent chat sessions")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--sessions", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels (sessions at once)"
+    )
     p.add_argument("--turns", type=int, default=4, help="turns per session")
-    p.add_argument("--max-tokens", type=int, default=16, help="reply length per turn")
+    p.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per turn")
     p.add_argument("--system-chars", type=int, default=3000, help="characters of the shared system prompt")
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients for the batching comparison")
-    p.add_argument("--requests", type=int, default=2, help="requests per client for the batching comparison")
-    p.add_argument("--batch-tokens", type=int, default=32, help="reply length for the batching comparison")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "server_bench.json")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each server (OMP_NUM_THREADS)")
+    p.add_argument(
+        "--servers",
+        nargs="*",
+        choices=SERVERS,
+        default=list(SERVERS),
+        help="servers to run (none: library phase only)",
+    )
+    p.add_argument(
+        "--library-prompts", type=int, default=32, help="prompts of the library phase (0: skip it)"
+    )
+    p.add_argument(
+        "--library-system-tokens", type=int, default=800, help="shared system prompt tokens (library)"
+    )
+    p.add_argument("--library-new-tokens", type=int, default=32, help="greedy tokens per prompt (library)")
+    p.add_argument("--request-timeout", type=float, default=300, help="seconds one request may take")
+    p.add_argument("--phase-timeout", type=float, default=1800, help="seconds one concurrency level may take")
+    p.add_argument(
+        "--startup-timeout", type=float, default=900, help="seconds a server may take to answer /health"
+    )
+    p.add_argument(
+        "--transformers-venv",
+        type=Path,
+        default=None,
+        help=f"venv for transformers serve (default: <kvboost cache>/bench-venvs/transformers-{TRANSFORMERS_VERSION[:4]})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 and 2 sessions, 2 turns, 4 library prompts, output under the temp folder",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default docs/server_bench.json; the plot goes beside it as server_ttft.png)",
+    )
     args = p.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.library_prompts = [1, 2], 2, 4
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "kvboost-bench" / "server_bench.json"
+        if args.quick
+        else ROOT / "docs" / "server_bench.json"
+    )
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    t_start = time.monotonic()
 
+    from kvb_cache.embedded import cache_root, embedded_model_path
+
+    model_path = embedded_model_path()
+    venv = ensure_transformers_venv(
+        args.transformers_venv or cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}"
+    )
+    specs = {"kvboost": kvboost_spec(model_path), "transformers": transformers_spec(venv, model_path)}
     system = system_prompt(args.system_chars)
-    turns = user_turns(args.sessions, args.turns)
-    prompts = [t for conv in user_turns(args.clients * args.requests, 1) for t in conv]
-    results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
-                     "config": vars(args) | {"out": str(args.out)}, "sessions": {}, "batching": {}}
-    for key, flags in (("cache_on", ()), ("cache_off", ("--max-cache-bytes", "0"))):
-        with server(*flags) as url:
-            results["sessions"][key] = asyncio.run(chat_sessions(url, system, turns, args.max_tokens))
-    for key, size in (("batched", args.clients), ("one_at_a_time", 1)):
-        with server("--max-batch-size", str(size), "--batch-window-ms", "10") as url:
-            results["batching"][key] = asyncio.run(concurrent_throughput(
-                url, system, prompts, args.clients, args.requests, args.batch_tokens))
-
-    on, off = results["sessions"]["cache_on"], results["sessions"]["cache_off"]
-    b, one = results["batching"]["batched"], results["batching"]["one_at_a_time"]
-    results["ratios"] = {
-        "ttft_p50_turn3plus_on_over_off": on["ttft_ms_turn3plus"]["p50"] / off["ttft_ms_turn3plus"]["p50"],
-        "session_throughput_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
-        "batched_over_one_at_a_time": b["tokens_per_s"] / one["tokens_per_s"],
+    workloads, used = {}, 0
+    for c in args.sessions:  # disjoint conversations per level, the same ones for both servers
+        workloads[c] = conversations(c, args.turns, skip=used)
+        used += c
+    results: dict = {
+        "config": vars(args) | {"out": str(out), "transformers_venv": str(venv), "model_path": model_path},
+        "environment": environment(args, venv, specs),
+        "servers": {},
     }
-    print(f"\n{args.sessions} concurrent chat sessions x {args.turns} turns, shared system prompt, "
-          f"{args.max_tokens} tokens/turn")
-    print(f"{'turn':>4} | {'TTFT p50 on':>12} | {'p95 on':>8} | {'p50 off':>8} | {'p95 off':>8} | {'cached tok':>10}")
-    for t in on["ttft_ms_by_turn"]:
-        a, c = on["ttft_ms_by_turn"][t], off["ttft_ms_by_turn"][t]
-        print(f"{t:>4} | {a['p50']:>10.0f}ms | {a['p95']:>6.0f}ms | {c['p50']:>6.0f}ms | {c['p95']:>6.0f}ms | "
-              f"{on['cached_tokens_by_turn'][t]:>10.0f}")
-    print(f"throughput: cache on {on['tokens_per_s']:.2f} tok/s, off {off['tokens_per_s']:.2f} tok/s")
-    print(f"batching, {args.clients} clients x {args.requests} requests x {args.batch_tokens} tokens: "
-          f"batched {b['tokens_per_s']:.2f} tok/s (largest batch {b['largest_batch']}), "
-          f"one at a time {one['tokens_per_s']:.2f} tok/s")
-    print("ratios:", json.dumps({k: round(v, 3) for k, v in results["ratios"].items()}))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    plot(results, args.out.with_name("server_ttft.png"))
-    print(f"wrote {args.out} and {args.out.with_name('server_ttft.png')}")
+    for name in args.servers:
+        print(f"{name} server ...", flush=True)
+        results["servers"][name] = serve_phases(specs[name], workloads, system, args, out.parent / "logs")
+    if args.library_prompts:
+        print("library phase ...", flush=True)
+        try:
+            from library_batch import run_library_phase
+
+            results["library"] = run_library_phase(
+                model_path=model_path,
+                document=reference_document(),
+                questions=short_questions(args.library_prompts),
+                system_tokens=args.library_system_tokens,
+                max_new_tokens=args.library_new_tokens,
+            )
+        except Exception as exc:  # keep the server numbers when the library phase breaks
+            results["library"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    analyze(results, args.sessions)
+    results["elapsed_s"] = time.monotonic() - t_start
+    report(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    png = out.with_name("server_ttft.png")
+    wrote = f"{out} and {png}" if plot(results, png) else str(out)
+    print(f"\nwrote {wrote} ({results['elapsed_s']:.0f} s in all)")
 
 
 if __name__ == "__main__":
