@@ -157,10 +157,11 @@ def test_working_cache_bytes_drop(llama, tokenizer):
     ids = tokenizer(words(200, seed=8))["input_ids"]
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
     caches = capture_caches(engine)
-    engine.generate(ids, max_new_tokens=4, ignore_eos=True)
-    engine.clear_cache()
     engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=8)
     engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=4)
+    with torch.no_grad():  # the exact path's KV for the same tokens, as a plain transformers cache holds it
+        dense_cache = llama(torch.tensor([[*ids, 5, 6, 7]]), use_cache=True).past_key_values
+    caches.insert(0, dense_cache)
     dense, q8, q4 = (cache_kv_bytes(c) for c in caches)
     assert all(c.get_seq_length() == len(ids) + 3 for c in caches)
     assert isinstance(caches[1], LiveQuantizedCache) and isinstance(caches[2], LiveQuantizedCache)

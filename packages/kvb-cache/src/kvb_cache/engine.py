@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -101,6 +102,8 @@ class KVBoost:
             boundary_window=self.chunker.boundary_window,
         )
         self._ids = itertools.count()
+        # Outputs of requests followed by library loops (stream/generate), until their loop reads them.
+        self._mailbox: dict[RequestId, deque[RequestOutput]] = {}
 
     @classmethod
     def from_pretrained(
@@ -245,7 +248,7 @@ class KVBoost:
         speculative = self.drafter is not None and params.logprobs is None
         if speculative or bits is not None or self.config.stitching is not None:
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
-            if speculative or bits is not None or prepared.served_tokens > prepared.cached_tokens:
+            if speculative or bits is not None or prepared.exact_until is not None:
                 prepared.prefill_chunk_size = prefill_chunk_size
                 self._apply_kv_bits(prepared, bits)
                 self.core.add_solo(rid, generation.run(self, prepared, params, t0))
@@ -311,19 +314,31 @@ class KVBoost:
         done = False
         try:
             while not done:
-                for out in self.step():
-                    if out.request_id != rid:
-                        continue  # another caller's request sharing the loop: it collects its own
-                    done = out.finished
-                    yield StreamEvent(
-                        delta_text=out.delta_text,
-                        token_ids=out.token_ids,
-                        logprobs=out.logprobs,
-                        result=out.result,
-                    )
+                out = self._next_output(rid)
+                done = out.finished
+                yield StreamEvent(
+                    delta_text=out.delta_text,
+                    token_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    result=out.result,
+                )
         finally:
+            self._mailbox.pop(rid, None)
             if not done:
                 self.abort(rid)
+
+    def _next_output(self, rid: RequestId) -> RequestOutput:
+        """The next output of a request followed by a library loop, stepping the engine as needed.
+
+        Several loops may share the engine (interleaved streams): outputs of the others are kept in their
+        mailboxes until they ask."""
+        box = self._mailbox.setdefault(rid, deque())
+        while not box:
+            if not self.has_unfinished():
+                raise RuntimeError(f"request {rid} ended without a final output")
+            for out in self.step():
+                self._mailbox.setdefault(out.request_id, deque()).append(out)
+        return box.popleft()
 
     def generate(
         self,
@@ -402,12 +417,14 @@ class KVBoost:
     def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
         results: dict[RequestId, GenerationResult] = {}
         try:
-            while len(results) < len(rids):
-                for out in self.step():
+            for rid in rids:
+                while rid not in results:
+                    out = self._next_output(rid)
                     if out.result is not None:
-                        results[out.request_id] = out.result
+                        results[rid] = out.result
         finally:
             for rid in rids:
+                self._mailbox.pop(rid, None)
                 if rid not in results:
                     self.abort(rid)
         return [results[rid] for rid in rids]
@@ -483,6 +500,17 @@ class KVBoost:
         """Wait until queued tier writes reached disk/Redis."""
         if self.tiers is not None:
             self.tiers.flush()
+
+    def close(self) -> None:
+        """Flush queued tier writes and close the tiers (the engine keeps serving from RAM afterwards)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def __enter__(self) -> KVBoost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ----------------------------------------------------------------------------------- internals
     @property
@@ -628,7 +656,7 @@ class KVBoost:
         self.counters.record_result(result)
 
 
-def _Probe(ids: Sequence[int]) -> Request:  # noqa: N802 - reads as a type: a throwaway request for lookups
+def _Probe(ids: Sequence[int]) -> Request:
     """A request that only looks up or stores KV (no sampling state)."""
     return Request(
         request_id=RequestId("probe"),

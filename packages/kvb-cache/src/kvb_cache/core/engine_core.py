@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import torch
+
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.request import Request, RequestStatus
@@ -69,6 +71,7 @@ class EngineCore:
         self.scheduler.remove(req)
         return True
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         plan = self.scheduler.schedule()

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvb_cache.core.block_pool import Block, BlockPool, NoFreeBlocksError
+from kvb_cache.core.block_pool import BlockPool, NoFreeBlocksError
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.request import Request

@@ -71,7 +71,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
-        kept = torch.tensor(keep, device=self.device)
+        kept = torch.tensor(keep, dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": kept} if self.logits_to_keep else {}
         out = self.model(
             input_ids=input_ids,
