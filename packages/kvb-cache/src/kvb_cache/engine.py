@@ -49,14 +49,15 @@ logger = logging.getLogger(__name__)
 class KVBoost:
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
-    A prompt is cut into chunks; each chunk is keyed by the hash of its tokens *and everything before it*.
-    The longest run of cached chunks (plus a token-granular match inside the next cached chunk) is loaded
-    into a ``DynamicCache`` and only the rest is prefilled, so the output equals a no-cache run. The KV of
-    every new chunk, including generated text, is stored afterwards, sliced from the cache the request's
-    own forward filled.
+    Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
+    :meth:`abort`) over a paged KV block pool: full blocks are keyed by the hash of their tokens *and
+    everything before them*, so a prompt's cached prefix maps onto shared blocks with no copy and only the
+    rest is prefilled, exactly as a no-cache run would compute it. Finished requests leave their blocks
+    cached (generated text included) for the next turn. :meth:`generate`, :meth:`stream`,
+    :meth:`generate_batch` and :meth:`warm` are loops over it; several of them may interleave (open
+    streams share steps).
 
-    Each request owns its ``DynamicCache``; the store and counters are locked, so requests may interleave
-    (several open streams) or run from several threads, though one worker thread serves a server best.
+    Not thread-safe: call it from one thread (the server's worker thread, or your own loop).
     """
 
     def __init__(
