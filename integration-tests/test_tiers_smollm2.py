@@ -27,7 +27,12 @@ def real_kv(smollm2, prompt_ids):
 @pytest.mark.parametrize(
     ("codec", "min_db"),
     # Measured 51.0 / 26.4 / 48.9 / 46.9 dB on these chunks (docs/tiers.md); bounds leave ~1 dB.
-    [(KiviCodec(bits=8), 50.0), (KiviCodec(bits=4), 25.5), (KiviCodec(bits=8, group_size=128), 48.0), (AbsmaxInt8Codec(), 45.0)],
+    [
+        (KiviCodec(bits=8), 50.0),
+        (KiviCodec(bits=4), 25.5),
+        (KiviCodec(bits=8, group_size=128), 48.0),
+        (AbsmaxInt8Codec(), 45.0),
+    ],
     ids=lambda c: getattr(c, "name", ""),
 )
 def test_codec_snr_on_real_kv(real_kv, codec, min_db):
@@ -62,7 +67,7 @@ def test_disk_restore_of_a_512_token_prefix_is_exact(smollm2, prompt_ids, tmp_pa
     tiers = TierConfig(disk_cache_dir=tmp_path)
     first = KVBoost(model, tokenizer, config=EngineConfig(tiers=tiers))
     first.warm(prompt_ids[:512])
-    first.store.close()  # drains the write-behind queue
+    first.close()  # drains the write-behind queue
     fresh = KVBoost(model, tokenizer, config=EngineConfig(tiers=tiers))  # empty RAM, as after a restart
     got = fresh.next_token_logits(prompt_ids[:513])
     with torch.inference_mode():

@@ -22,7 +22,9 @@ def test_reexports_are_the_same_objects():
 
 
 def test_cli_help_lists_demo_and_its_flags():
-    out = subprocess.run([sys.executable, "-m", "kvboost.cli", "demo", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvboost.cli", "demo", "--help"], capture_output=True, text=True, check=True
+    )
     for flag in ("--model", "--conversations", "--turns", "--max-new-tokens", "--chunk-size", "--device"):
         assert flag in out.stdout
 

@@ -11,7 +11,9 @@ from kvboost import demo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvboost", description="KVBoost: chunk-level KV-cache reuse for HF causal LMs")
+    parser = argparse.ArgumentParser(
+        prog="kvboost", description="KVBoost: chunk-level KV-cache reuse for HF causal LMs"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
@@ -25,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     # Every subcommand sets ``func``; those that report a status return an exit code, the demo returns None.
     return int(args.func(args) or 0)
 

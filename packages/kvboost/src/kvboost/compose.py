@@ -63,11 +63,21 @@ class KVBoost(_Engine):
             kvb_speculative.VocabularyMismatchError: the draft model's vocabulary differs from the target's.
         """
         engine = super().from_pretrained(
-            model_name_or_path, chunk_size=chunk_size, boundary_window=boundary_window,
-            max_cache_bytes=max_cache_bytes, device=device, dtype=dtype, attn_implementation=attn_implementation,
-            kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, disk_cache_dir=disk_cache_dir,
-            disk_cache_bytes=disk_cache_bytes, remote_url=remote_url, remote_codec=remote_codec,
-            stitching=stitching, recompute_strategy=recompute_strategy,
+            model_name_or_path,
+            chunk_size=chunk_size,
+            boundary_window=boundary_window,
+            max_cache_bytes=max_cache_bytes,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            kv_cache_bits=kv_cache_bits,
+            kv_group_size=kv_group_size,
+            disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=disk_cache_bytes,
+            remote_url=remote_url,
+            remote_codec=remote_codec,
+            stitching=stitching,
+            recompute_strategy=recompute_strategy,
         )
         if speculative is None and draft_model is None:
             return engine  # type: ignore[return-value]
@@ -76,12 +86,19 @@ class KVBoost(_Engine):
         draft_tokenizer = None
         if isinstance(draft_model, str):
             loaded = load_model_and_tokenizer(
-                draft_model, device=engine.device, dtype=engine.model.dtype, attn_implementation=attn_implementation
+                draft_model,
+                device=engine.device,
+                dtype=engine.model.dtype,
+                attn_implementation=attn_implementation,
             )
             draft_model, draft_tokenizer = loaded.model, loaded.tokenizer
         engine.drafter = make_decoder(
-            engine.model, speculative=speculative, draft_model=draft_model, gamma=gamma,
-            target_tokenizer=engine.tokenizer, draft_tokenizer=draft_tokenizer,
+            engine.model,
+            speculative=speculative,
+            draft_model=draft_model,
+            gamma=gamma,
+            target_tokenizer=engine.tokenizer,
+            draft_tokenizer=draft_tokenizer,
         )
         return engine  # type: ignore[return-value]
 

@@ -25,7 +25,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"Loading {args.model} ...", flush=True)
     engine = KVBoost.from_pretrained(args.model, chunk_size=args.chunk_size, device=args.device)
     conversations = load_user_turns(args.conversations)
-    print(f"{'conv':>4} {'turn':>4} {'context':>7} {'no-cache ms':>11} {'kvboost ms':>10} {'speedup':>7} {'reuse':>6}")
+    print(
+        f"{'conv':>4} {'turn':>4} {'context':>7} {'no-cache ms':>11} {'kvboost ms':>10} {'speedup':>7} {'reuse':>6}"
+    )
     for c, user_turns in enumerate(conversations, start=1):
         for turn, messages in chat_turns(user_turns, args.turns):
             baseline = no_cache_ttft_ms(engine, messages)
@@ -41,7 +43,9 @@ def run(args: argparse.Namespace) -> None:
                 f"{baseline / ttft:>6.1f}x {result.kv_reuse_ratio:>6.0%}"
             )
             if args.show_text:
-                print(f"      user: {messages[-1]['content'][:90]}\n      assistant: {result.output_text[:90]!r}")
+                print(
+                    f"      user: {messages[-1]['content'][:90]}\n      assistant: {result.output_text[:90]!r}"
+                )
             messages.append({"role": "assistant", "content": result.output_text})
     stats = engine.cache_stats()
     print(
@@ -52,7 +56,9 @@ def run(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model folder or the embedded 'smollm2-135m'")
-    parser.add_argument("--conversations", type=int, default=3, help="how many chitchat conversations to replay")
+    parser.add_argument(
+        "--conversations", type=int, default=3, help="how many chitchat conversations to replay"
+    )
     parser.add_argument("--turns", type=int, default=5, help="user turns per conversation (at most)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="reply length cap per turn")
     parser.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")

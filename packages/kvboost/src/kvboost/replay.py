@@ -25,7 +25,9 @@ def load_user_turns(max_conversations: int, *, min_turns: int = 3) -> list[list[
     try:
         data_file = resources.files("chitchat_dataset").joinpath("dataset.json")
     except ModuleNotFoundError as exc:
-        raise ImportError('The conversation replay needs chitchat-dataset: pip install "kvboost[demo]"') from exc
+        raise ImportError(
+            'The conversation replay needs chitchat-dataset: pip install "kvboost[demo]"'
+        ) from exc
     with data_file.open() as f:
         data = json.load(f)
     conversations = []
@@ -33,7 +35,9 @@ def load_user_turns(max_conversations: int, *, min_turns: int = 3) -> list[list[
         groups = conversation["messages"]
         # Messages come in groups by sender; the first sender plays the user.
         first = groups[0][0]["sender"] if groups and groups[0] else None
-        turns = [" ".join(m["text"] for m in group) for group in groups if group and group[0]["sender"] == first]
+        turns = [
+            " ".join(m["text"] for m in group) for group in groups if group and group[0]["sender"] == first
+        ]
         turns = [t.strip() for t in turns if t.strip()]
         if len(turns) >= min_turns:
             conversations.append(turns)

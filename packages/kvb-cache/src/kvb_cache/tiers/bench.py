@@ -14,7 +14,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvb_cache.config import EngineConfig
 from kvb_cache.engine import KVBoost
 from kvb_cache.tiers.config import TierConfig
-from kvb_cache.tiers.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +83,10 @@ def bench_restore(
                     model, tokenizer, config=EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier)
                 )
                 engine.warm(ids[:n])
-                store = engine.store
-                if isinstance(store, TieredStore):
-                    store.flush()
-                # Empty RAM before each run so the chain comes from the tier under test.
-                reset = (
-                    store.ram.clear if isinstance(store, TieredStore) and tier is not None else (lambda: None)
-                )
+                engine.flush()
+                # Empty RAM (the pool's cached blocks) before each run so the chain comes from the tier
+                # under test.
+                reset = engine.clear_cache if tier is not None else (lambda: None)
                 ms, cached = _median_ms(
                     lambda e=engine, p=ids: e.next_token_logits(p).cached_tokens, repeats, reset
                 )
@@ -99,8 +95,7 @@ def bench_restore(
                         tokens=n, source=source, median_ms=ms, cached_tokens=cached, speedup=cold_ms / ms
                     )
                 )
-                if isinstance(store, TieredStore):
-                    store.close()
+                engine.close()
     return rows
 
 
