@@ -79,8 +79,15 @@ def _build_wheels(session: nox.Session, names: list[str], packages: dict[str, Pa
     session.install("hatchling>=1.25", "build>=1.2")
     for name in names:
         session.run(
-            "python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(wheel_dir),
-            str(packages[name]), silent=True,
+            "python",
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(wheel_dir),
+            str(packages[name]),
+            silent=True,
         )
     wheels = {}
     for name in names:
@@ -147,6 +154,7 @@ def lint(session: nox.Session) -> None:
     """ruff check and format check over the whole tree."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
 
 
 @nox.session

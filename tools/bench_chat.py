@@ -53,7 +53,9 @@ def hf_ttft(engine: KVBoost, messages) -> None:
 def floor_ms(engine: KVBoost, ids: list[int], repeats: int) -> tuple[float, int]:
     """Cache copy + suffix-only forward for the prefix the engine would reuse right now."""
     spans = engine.chunker.split(ids)
-    match = match_prefix(engine.store, engine.root, ids, chunk_keys(engine.root, ids, spans), max_tokens=len(ids) - 1)
+    match = match_prefix(
+        engine.store, engine.root, ids, chunk_keys(engine.root, ids, spans), max_tokens=len(ids) - 1
+    )
 
     def run() -> None:
         cache = assemble_cache(match.pieces, engine.traits.num_layers)
@@ -85,8 +87,15 @@ def seen_prefix(ids: list[int], previous: list[int]) -> int:
     return min(n, len(ids) - 1)
 
 
-def replay(engine: KVBoost, conversations, turns: int, max_new_tokens: int, repeats: int, label: str,
-           timings: bool = True):
+def replay(
+    engine: KVBoost,
+    conversations,
+    turns: int,
+    max_new_tokens: int,
+    repeats: int,
+    label: str,
+    timings: bool = True,
+):
     rows = []
     for c, user_turns in enumerate(conversations):
         previous: list[int] = []
@@ -96,11 +105,20 @@ def replay(engine: KVBoost, conversations, turns: int, max_new_tokens: int, repe
             floor = floor_ms(engine, ids, repeats)[0] if timings else float("nan")
             ids, result, ttft = kvboost_turn(engine, messages, max_new_tokens)
             seen = seen_prefix(ids, previous) if turn > 1 else 0
-            rows.append({
-                "set": label, "conversation": c, "turn": turn, "context_tokens": len(ids), "hf_ttft_ms": hf,
-                "kvboost_ttft_ms": ttft, "floor_ms": floor, "reuse": result.kv_reuse_ratio,
-                "seen_tokens": seen, "reuse_of_seen": result.cached_tokens / seen if seen else float("nan"),
-            })
+            rows.append(
+                {
+                    "set": label,
+                    "conversation": c,
+                    "turn": turn,
+                    "context_tokens": len(ids),
+                    "hf_ttft_ms": hf,
+                    "kvboost_ttft_ms": ttft,
+                    "floor_ms": floor,
+                    "reuse": result.kv_reuse_ratio,
+                    "seen_tokens": seen,
+                    "reuse_of_seen": result.cached_tokens / seen if seen else float("nan"),
+                }
+            )
             previous = ids + list(result.output_ids)
             messages.append({"role": "assistant", "content": result.output_text})
         print(f"  [{label}] conversation {c + 1}/{len(conversations)} done", flush=True)
@@ -111,7 +129,10 @@ def per_turn(rows):
     table = []
     for turn in sorted({r["turn"] for r in rows}):
         sel = [r for r in rows if r["turn"] == turn]
-        med = {k: statistics.median(r[k] for r in sel) for k in ("context_tokens", "hf_ttft_ms", "kvboost_ttft_ms", "floor_ms", "reuse")}
+        med = {
+            k: statistics.median(r[k] for r in sel)
+            for k in ("context_tokens", "hf_ttft_ms", "kvboost_ttft_ms", "floor_ms", "reuse")
+        }
         med["speedup"] = statistics.median(r["hf_ttft_ms"] / r["kvboost_ttft_ms"] for r in sel)
         med["vs_floor"] = statistics.median(r["kvboost_ttft_ms"] / r["floor_ms"] for r in sel)
         table.append({"turn": turn, "n": len(sel), **med})
@@ -146,7 +167,12 @@ def decode_rate(engine: KVBoost, prompts, new_tokens: int):
         ours.append(result.decode_tokens_per_s)
         x = torch.tensor([ids])
         prefill_ms = timed(lambda m=messages: hf_ttft(engine, m), 3)
-        gen_ms = timed(lambda x=x: engine.model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False), 1)
+        gen_ms = timed(
+            lambda x=x: engine.model.generate(
+                x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            ),
+            1,
+        )
         hf.append((new_tokens - 1) / ((gen_ms - prefill_ms) / 1e3))
     return statistics.median(ours), statistics.median(hf)
 
@@ -156,15 +182,18 @@ def reuse_table(rows):
     table = []
     for turn in sorted({r["turn"] for r in rows if r["turn"] > 1}):
         sel = [r for r in rows if r["turn"] == turn]
-        table.append({
-            "turn": turn, "n": len(sel),
-            "context_tokens": statistics.median(r["context_tokens"] for r in sel),
-            "seen_tokens": statistics.median(r["seen_tokens"] for r in sel),
-            "seen_share": statistics.median(r["seen_tokens"] / r["context_tokens"] for r in sel),
-            "reuse": statistics.median(r["reuse"] for r in sel),
-            "reuse_of_seen": statistics.median(r["reuse_of_seen"] for r in sel),
-            "reuse_of_seen_min": min(r["reuse_of_seen"] for r in sel),
-        })
+        table.append(
+            {
+                "turn": turn,
+                "n": len(sel),
+                "context_tokens": statistics.median(r["context_tokens"] for r in sel),
+                "seen_tokens": statistics.median(r["seen_tokens"] for r in sel),
+                "seen_share": statistics.median(r["seen_tokens"] / r["context_tokens"] for r in sel),
+                "reuse": statistics.median(r["reuse"] for r in sel),
+                "reuse_of_seen": statistics.median(r["reuse_of_seen"] for r in sel),
+                "reuse_of_seen_min": min(r["reuse_of_seen"] for r in sel),
+            }
+        )
     return table
 
 
@@ -215,15 +244,22 @@ def markdown(table) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--conversations", type=int, default=50)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--long-docs", type=int, default=8, help="long-document chats for the ~1000-token point")
+    parser.add_argument(
+        "--long-docs", type=int, default=8, help="long-document chats for the ~1000-token point"
+    )
     parser.add_argument("--out", type=Path, default=DOCS / "bench_chat.json")
-    parser.add_argument("--reuse-only", action="store_true",
-                        help="replay with KVBoost only: reuse vs the tokens already seen, per turn (no timings)")
+    parser.add_argument(
+        "--reuse-only",
+        action="store_true",
+        help="replay with KVBoost only: reuse vs the tokens already seen, per turn (no timings)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -233,7 +269,9 @@ def main() -> None:
     if args.reuse_only:
         rows = replay(engine, conversations, args.turns, args.max_new_tokens, 0, "chitchat", timings=False)
         table = reuse_table(rows)
-        args.out.with_name("bench_chat_reuse.json").write_text(json.dumps({"per_turn": table, "rows": rows}, indent=1))
+        args.out.with_name("bench_chat_reuse.json").write_text(
+            json.dumps({"per_turn": table, "rows": rows}, indent=1)
+        )
         print(reuse_markdown(table))
         return
     print(f"replaying {len(conversations)} conversations x up to {args.turns} turns", flush=True)
@@ -253,8 +291,17 @@ def main() -> None:
             hf = timed(lambda m=messages: hf_ttft(engine, m), args.repeats)
             floor, _ = floor_ms(engine, ids, args.repeats)
             ids, result, ttft = kvboost_turn(engine, messages, args.max_new_tokens)
-            long_rows.append({"set": "long-doc", "turn": turn, "context_tokens": len(ids), "hf_ttft_ms": hf,
-                              "kvboost_ttft_ms": ttft, "floor_ms": floor, "reuse": result.kv_reuse_ratio})
+            long_rows.append(
+                {
+                    "set": "long-doc",
+                    "turn": turn,
+                    "context_tokens": len(ids),
+                    "hf_ttft_ms": hf,
+                    "kvboost_ttft_ms": ttft,
+                    "floor_ms": floor,
+                    "reuse": result.kv_reuse_ratio,
+                }
+            )
             messages.append({"role": "assistant", "content": result.output_text})
 
     miss_prompts = [list(chat_turns(c, 2))[-1][1] for c in conversations[:8]]
@@ -266,15 +313,28 @@ def main() -> None:
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, 1 torch thread, torch {torch.__version__}",
         "reuse_from_turn_3_median": statistics.median(r["reuse"] for r in chat_rows if r["turn"] >= 3),
-        "kvboost_over_floor_median": statistics.median(r["kvboost_ttft_ms"] / r["floor_ms"] for r in chat_rows if r["turn"] >= 2),
-        "speedup_at_long_context_median": statistics.median(r["hf_ttft_ms"] / r["kvboost_ttft_ms"] for r in around_1k),
+        "kvboost_over_floor_median": statistics.median(
+            r["kvboost_ttft_ms"] / r["floor_ms"] for r in chat_rows if r["turn"] >= 2
+        ),
+        "speedup_at_long_context_median": statistics.median(
+            r["hf_ttft_ms"] / r["kvboost_ttft_ms"] for r in around_1k
+        ),
         "long_context_tokens_median": statistics.median(r["context_tokens"] for r in around_1k),
         "full_miss_ttft_ratio_median": miss_ratio,
         "decode_tokens_per_s": {"kvboost": ours_tps, "hf_generate": hf_tps, "ratio": ours_tps / hf_tps},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "per_turn": chat_table, "long_doc_per_turn": long_table,
-                                    "rows": chat_rows + long_rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "per_turn": chat_table,
+                "long_doc_per_turn": long_table,
+                "rows": chat_rows + long_rows,
+            },
+            indent=1,
+        )
+    )
     plot(chat_table, args.out.with_suffix(".png"))
     print("\n## Chitchat replay (medians over conversations)\n")
     print(markdown(chat_table))

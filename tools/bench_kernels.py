@@ -59,7 +59,9 @@ def sdpa_with(backend: SDPBackend, q, k, v, *, causal: bool) -> Callable[[], tor
 
     def call() -> torch.Tensor:
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+            )
 
     try:
         call()
@@ -96,9 +98,13 @@ def bench_prefill(dtype: torch.dtype, seq_lens: list[int], head_dims: list[int])
             for name, fn in candidates.items():
                 row[f"{name}_tflops"] = None if fn is None else flops / cuda_time_ms(fn) / 1e9
             rows.append(row)
-            print(f"prefill hd={head_dim:3d} L={seq:5d} B={batch:2d}: " + "  ".join(
-                f"{n}={row[f'{n}_tflops']:.0f}" if row[f"{n}_tflops"] else f"{n}=n/a" for n in candidates
-            ) + f" TFLOP/s  (err {err:.1e})")
+            print(
+                f"prefill hd={head_dim:3d} L={seq:5d} B={batch:2d}: "
+                + "  ".join(
+                    f"{n}={row[f'{n}_tflops']:.0f}" if row[f"{n}_tflops"] else f"{n}=n/a" for n in candidates
+                )
+                + f" TFLOP/s  (err {err:.1e})"
+            )
     return rows
 
 
@@ -126,8 +132,10 @@ def bench_decode(dtype: torch.dtype, kv_lens: list[int], copy_gbs: float) -> lis
         for name, fn in candidates.items():
             row[f"{name}_gbs"] = None if fn is None else moved / cuda_time_ms(fn) / 1e6
         rows.append(row)
-        print(f"decode L={kv_len:6d}: kvb={row['kvb_gbs']:.0f} GB/s ({row['kvb_gbs'] / copy_gbs:.0%} of copy), "
-              f"sdpa_flash={row['sdpa_flash_gbs'] or float('nan'):.0f} GB/s  (err {err:.1e})")
+        print(
+            f"decode L={kv_len:6d}: kvb={row['kvb_gbs']:.0f} GB/s ({row['kvb_gbs'] / copy_gbs:.0%} of copy), "
+            f"sdpa_flash={row['sdpa_flash_gbs'] or float('nan'):.0f} GB/s  (err {err:.1e})"
+        )
     return rows
 
 
@@ -146,18 +154,34 @@ def bench_fused(dtype: torch.dtype, kv_len: int) -> list[dict]:
         kd, vd = coded.dequantize(dtype)
         return flash_attention(q, kd, vd)
 
-    rows.append({"path": "kivi_int8_decode", "kv_len": kv_len, "fused_ms": fused,
-                 "unfused_ms": cuda_time_ms(kivi_unfused), "fp16_dense_ms": cuda_time_ms(lambda: flash_attention(q, k, v)),
-                 "max_abs_err_vs_unfused": err})
+    rows.append(
+        {
+            "path": "kivi_int8_decode",
+            "kv_len": kv_len,
+            "fused_ms": fused,
+            "unfused_ms": cuda_time_ms(kivi_unfused),
+            "fp16_dense_ms": cuda_time_ms(lambda: flash_attention(q, k, v)),
+            "max_abs_err_vs_unfused": err,
+        }
+    )
 
     pages_per_seq = kv_len // page
-    pool_k = k.view(batch, kv_heads, pages_per_seq, page, head_dim).permute(0, 2, 1, 3, 4).reshape(-1, kv_heads, page, head_dim)
-    pool_v = v.view(batch, kv_heads, pages_per_seq, page, head_dim).permute(0, 2, 1, 3, 4).reshape(-1, kv_heads, page, head_dim)
+    pool_k = (
+        k.view(batch, kv_heads, pages_per_seq, page, head_dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(-1, kv_heads, page, head_dim)
+    )
+    pool_v = (
+        v.view(batch, kv_heads, pages_per_seq, page, head_dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(-1, kv_heads, page, head_dim)
+    )
     order = torch.randperm(pool_k.shape[0], device="cuda")
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device="cuda")
     paged = PagedKV(
-        key_pages=pool_k[order].contiguous(), value_pages=pool_v[order].contiguous(),
+        key_pages=pool_k[order].contiguous(),
+        value_pages=pool_v[order].contiguous(),
         block_table=inverse.view(batch, pages_per_seq).to(torch.int32),
         kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
     )
@@ -167,13 +191,22 @@ def bench_fused(dtype: torch.dtype, kv_len: int) -> list[dict]:
         kd, vd = paged.gather()
         return flash_attention(q, kd, vd)
 
-    rows.append({"path": "paged_decode", "kv_len": kv_len, "fused_ms": cuda_time_ms(lambda: paged_attention(q, paged)),
-                 "unfused_ms": cuda_time_ms(paged_unfused), "fp16_dense_ms": cuda_time_ms(lambda: flash_attention(q, k, v)),
-                 "max_abs_err_vs_unfused": err})
+    rows.append(
+        {
+            "path": "paged_decode",
+            "kv_len": kv_len,
+            "fused_ms": cuda_time_ms(lambda: paged_attention(q, paged)),
+            "unfused_ms": cuda_time_ms(paged_unfused),
+            "fp16_dense_ms": cuda_time_ms(lambda: flash_attention(q, k, v)),
+            "max_abs_err_vs_unfused": err,
+        }
+    )
     for row in rows:
-        print(f"{row['path']:18s} L={kv_len}: fused {row['fused_ms']:.3f} ms, unfused {row['unfused_ms']:.3f} ms "
-              f"({row['unfused_ms'] / row['fused_ms']:.2f}x), dense fp16 {row['fp16_dense_ms']:.3f} ms "
-              f"(err {row['max_abs_err_vs_unfused']:.1e})")
+        print(
+            f"{row['path']:18s} L={kv_len}: fused {row['fused_ms']:.3f} ms, unfused {row['unfused_ms']:.3f} ms "
+            f"({row['unfused_ms'] / row['fused_ms']:.2f}x), dense fp16 {row['fp16_dense_ms']:.3f} ms "
+            f"(err {row['max_abs_err_vs_unfused']:.1e})"
+        )
     return rows
 
 
@@ -212,8 +245,10 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="where the JSON and PNG go")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
-              file=sys.stderr)
+        print(
+            "bench_kernels needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     if get_flash_attn_tier() != "kvb_triton":
         print('bench_kernels needs Triton: pip install "kvb-kernels[triton]"', file=sys.stderr)
@@ -225,7 +260,10 @@ def main() -> int:
     copy_gbs = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s")
     results = {
-        "device": device, "torch": torch.__version__, "dtype": args.dtype, "copy_gbs": copy_gbs,
+        "device": device,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "copy_gbs": copy_gbs,
         "prefill": bench_prefill(dtype, [1024, 4096] if args.quick else [1024, 4096, 16384], [64, 128]),
         "decode": bench_decode(dtype, [4096, 16384] if args.quick else [4096, 16384, 65536], copy_gbs),
         "fused": bench_fused(dtype, 16384),

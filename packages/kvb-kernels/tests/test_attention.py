@@ -41,7 +41,9 @@ def test_sliding_window_and_non_causal(dtype, device):
         ref = reference_attention(q, k, v, window=window)
         torch.testing.assert_close(out.float(), ref, atol=tolerance(dtype), rtol=0)
     out = flash_attention(q, k, v, causal=False)
-    torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal=False), atol=tolerance(dtype), rtol=0)
+    torch.testing.assert_close(
+        out.float(), reference_attention(q, k, v, causal=False), atol=tolerance(dtype), rtol=0
+    )
 
 
 def test_window_changes_the_result(device):

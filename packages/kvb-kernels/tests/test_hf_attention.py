@@ -14,8 +14,14 @@ from kvb_kernels import (
     uninstall_flash_attention,
 )
 
-LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=128)
+LLAMA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+)
 
 
 @pytest.fixture

@@ -42,12 +42,24 @@ def test_layout_errors(device):
     key, value = _kv(device, length=8)
     coded = kivi_quantize(key, value, group_size=4)
     with pytest.raises(ShapeError, match="key_scale must have shape"):
-        KiviKV(key_codes=coded.key_codes, key_scale=coded.key_scale[:, :, :1], key_zero=coded.key_zero,
-               value_codes=coded.value_codes, value_scale=coded.value_scale, value_zero=coded.value_zero,
-               group_size=4)
+        KiviKV(
+            key_codes=coded.key_codes,
+            key_scale=coded.key_scale[:, :, :1],
+            key_zero=coded.key_zero,
+            value_codes=coded.value_codes,
+            value_scale=coded.value_scale,
+            value_zero=coded.value_zero,
+            group_size=4,
+        )
     with pytest.raises(DTypeError, match="uint8"):
-        KiviKV(key_codes=coded.key_codes.to(torch.int16), key_scale=coded.key_scale, key_zero=coded.key_zero,
-               value_codes=coded.value_codes, value_scale=coded.value_scale, value_zero=coded.value_zero,
-               group_size=4)
+        KiviKV(
+            key_codes=coded.key_codes.to(torch.int16),
+            key_scale=coded.key_scale,
+            key_zero=coded.key_zero,
+            value_codes=coded.value_codes,
+            value_scale=coded.value_scale,
+            value_zero=coded.value_zero,
+            group_size=4,
+        )
     with pytest.raises(ShapeError, match="group_size"):
         kivi_quantize(key, value, group_size=0)

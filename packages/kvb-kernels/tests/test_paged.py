@@ -17,7 +17,9 @@ def _paged(device, dtype, *, lens, page_size, kv_heads=2, head_dim=64, spare_pag
     order = torch.randperm(num_pages, generator=gen)[: len(lens) * max_pages]
     table = order.view(len(lens), max_pages).to(device, torch.int32)
     return PagedKV(
-        key_pages=keys, value_pages=values, block_table=table,
+        key_pages=keys,
+        value_pages=values,
+        block_table=table,
         kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
     )
 
@@ -32,7 +34,9 @@ def test_matches_attention_over_the_gathered_kv(q_len, page_size, window, dtype,
     out = paged_attention(q, kv, window=window, num_splits=2)
     keys, values = kv.gather()
     for b, n in enumerate(lens):  # each sequence over its own length: bottom-right alignment per sequence
-        ref = reference_attention(q[b : b + 1], keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window=window)
+        ref = reference_attention(
+            q[b : b + 1], keys[b : b + 1, :, :n], values[b : b + 1, :, :n], window=window
+        )
         torch.testing.assert_close(out[b : b + 1].float(), ref, atol=tolerance(dtype), rtol=0)
 
 
@@ -51,9 +55,15 @@ def test_pages_shared_between_sequences(device):
 def test_layout_errors(device):
     kv = _paged(device, torch.float32, lens=[8], page_size=8)
     with pytest.raises(ShapeError, match="int32"):
-        PagedKV(key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=kv.block_table.long(),
-                kv_lens=kv.kv_lens)
+        PagedKV(
+            key_pages=kv.key_pages,
+            value_pages=kv.value_pages,
+            block_table=kv.block_table.long(),
+            kv_lens=kv.kv_lens,
+        )
     too_long = torch.tensor([9], dtype=torch.int32, device=device)
-    short = PagedKV(key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=kv.block_table, kv_lens=too_long)
+    short = PagedKV(
+        key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=kv.block_table, kv_lens=too_long
+    )
     with pytest.raises(ShapeError, match="add pages"):
         paged_attention(torch.randn(1, 2, 1, 64, device=device), short)

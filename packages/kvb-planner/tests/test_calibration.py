@@ -65,19 +65,24 @@ def test_cohorts_are_tracked_separately():
     assert tracker.suggested_margin(SINGLE) == pytest.approx(0.195)  # p95 of (0.1, 0.2)
     # A cohort with too few samples falls back to the overall window.
     assert tracker.suggested_margin(LadderStep(prefill_chunk_size=128, kv_bits=4)) == pytest.approx(
-        tracker.suggested_margin())
+        tracker.suggested_margin()
+    )
 
 
 def test_stats_to_dict_is_json_safe_even_when_empty():
     empty = CalibrationTracker().stats().to_dict()
     assert json.loads(json.dumps(empty, allow_nan=False)) == {
-        "overall": {"count": 0, "p50": None, "p95": None, "mean_abs": None}, "cohorts": [], "suggested_margin": 0.1}
+        "overall": {"count": 0, "p50": None, "p95": None, "mean_abs": None},
+        "cohorts": [],
+        "suggested_margin": 0.1,
+    }
     tracker = CalibrationTracker()
     tracker.record(predicted_bytes=3, actual_bytes=0, step=CHUNKED8)
     payload = tracker.stats().to_dict()
     text = json.dumps(payload, allow_nan=False)
-    assert payload["cohorts"] == [{"prefill_chunk_size": 512, "kv_bits": 8, "count": 1, "p50": -1.0, "p95": -1.0,
-                                   "mean_abs": 1.0}]
+    assert payload["cohorts"] == [
+        {"prefill_chunk_size": 512, "kv_bits": 8, "count": 1, "p50": -1.0, "p95": -1.0, "mean_abs": 1.0}
+    ]
     assert all(math.isfinite(v) for v in json.loads(text)["overall"].values() if isinstance(v, float))
 
 

@@ -29,8 +29,15 @@ def test_cpu_probe_with_model_measures_decode(tiny_llama):
     assert profile.decode_step_ms is not None and profile.decode_step_ms > 0
     payload = profile.to_dict()
     assert json.loads(json.dumps(payload, allow_nan=False)) == payload
-    assert set(payload) == {"device", "total_mb", "free_mb", "memory_bandwidth_gbps", "host_to_device_gbps",
-                            "decode_step_ms", "fallbacks"}
+    assert set(payload) == {
+        "device",
+        "total_mb",
+        "free_mb",
+        "memory_bandwidth_gbps",
+        "host_to_device_gbps",
+        "decode_step_ms",
+        "fallbacks",
+    }
 
 
 def test_unsupported_devices():

@@ -7,7 +7,6 @@ from kvb_planner import read_cgroup_memory, read_host_memory
 GIB = 1 << 30
 
 
-
 def v2_tree(tmp_path: Path) -> tuple[Path, Path]:
     root = tmp_path / "cgroup"
     # parent: 4 GiB limit, 3 GiB used (0.5 GiB reclaimable page cache); leaf: 8 GiB limit, 1 GiB used.

@@ -15,15 +15,19 @@ def test_int8_bytes_with_scales_and_residual_window(tiny_shape):
     key_scales = 14 * 32 * 2 * 4  # ceil(872/64)=14 token groups per channel, scale+zero fp32
     value_scales = 872 * 1 * 2 * 4  # one 32-channel group per token (ceil(32/64)=1)
     residual = 2 * 128 * 32 * 4
-    assert kv_cache_bytes(tiny_shape, tokens=1000, batch_size=1, kv_bits=8) == 2 * (
-        packed + key_scales + value_scales + residual
-    ) == 198_272
+    assert (
+        kv_cache_bytes(tiny_shape, tokens=1000, batch_size=1, kv_bits=8)
+        == 2 * (packed + key_scales + value_scales + residual)
+        == 198_272
+    )
 
 
 def test_int4_packs_two_values_per_byte(tiny_shape):
     layout = KVQuantLayout(group_size=32, residual_tokens=0)
     # Q=64: packed 2*64*32/2 = 2048; keys ceil(64/32)=2 groups * 32 ch * 8 B = 512; values 64*1*8 = 512.
-    assert kv_cache_bytes(tiny_shape, tokens=64, batch_size=1, kv_bits=4, layout=layout) == 2 * (2048 + 512 + 512)
+    assert kv_cache_bytes(tiny_shape, tokens=64, batch_size=1, kv_bits=4, layout=layout) == 2 * (
+        2048 + 512 + 512
+    )
 
 
 def test_short_cache_is_all_residual(tiny_shape):

@@ -23,8 +23,9 @@ def test_single_shot_terms(tiny_shape):
 
 
 def test_chunked_prefill_charges_mask_and_repeat_kv(tiny_shape):
-    est = estimate_memory(PlanRequest(prompt_tokens=100, max_new_tokens=28),
-                          LadderStep(prefill_chunk_size=25), tiny_shape)
+    est = estimate_memory(
+        PlanRequest(prompt_tokens=100, max_new_tokens=28), LadderStep(prefill_chunk_size=25), tiny_shape
+    )
     assert est.mlp_phase_bytes == 25 * 640 * 4 == 64_000
     # bool + float mask [25, 100] (1 + 4 bytes) and repeat_kv's K,V expanded to 4 heads over 100 tokens.
     assert est.attention_scratch_bytes == 25 * 100 * 5 + 2 * 4 * 100 * 16 * 4 == 63_700
@@ -39,35 +40,51 @@ def test_eager_attention_materialises_scores(tiny_shape):
     assert est.attention_scratch_bytes == 2 * 4 * 100 * 100 * 4 + 100 * 100 * 4 + 51_200 == 411_200
     assert est.peak_bytes == 99_328 + 230_400 + 411_200
     unknown = dataclasses.replace(tiny_shape, attn_implementation="some_new_kernel")
-    assert estimate_memory(PlanRequest(prompt_tokens=100, max_new_tokens=28), SINGLE, unknown).attention_scratch_bytes \
-        == 2 * 4 * 100 * 100 * 4  # unknown backends are assumed to materialise scores
+    assert (
+        estimate_memory(
+            PlanRequest(prompt_tokens=100, max_new_tokens=28), SINGLE, unknown
+        ).attention_scratch_bytes
+        == 2 * 4 * 100 * 100 * 4
+    )  # unknown backends are assumed to materialise scores
 
 
 def test_prompt_logprobs_and_quantized_growth(tiny_shape):
     request = PlanRequest(prompt_tokens=100, max_new_tokens=28, prompt_logprobs=True)
     assert estimate_memory(request, SINGLE, tiny_shape).logits_bytes == 100 * 128 * 4 + 128 * 4
-    int8 = estimate_memory(PlanRequest(prompt_tokens=100, max_new_tokens=28),
-                           LadderStep(prefill_chunk_size=None, kv_bits=8), tiny_shape)
+    int8 = estimate_memory(
+        PlanRequest(prompt_tokens=100, max_new_tokens=28),
+        LadderStep(prefill_chunk_size=None, kv_bits=8),
+        tiny_shape,
+    )
     assert int8.kv_bytes == 65_536  # all 128 tokens inside the fp32 residual window
     assert int8.cache_growth_bytes == 65_536  # dequantized layer + cat
     assert int8.peak_bytes == 388_096
 
 
 def test_batch_scales_every_term(tiny_shape):
-    one = estimate_memory(PlanRequest(prompt_tokens=64, max_new_tokens=0), LadderStep(prefill_chunk_size=16), tiny_shape)
-    three = estimate_memory(PlanRequest(prompt_tokens=64, max_new_tokens=0, batch_size=3),
-                            LadderStep(prefill_chunk_size=16), tiny_shape)
+    one = estimate_memory(
+        PlanRequest(prompt_tokens=64, max_new_tokens=0), LadderStep(prefill_chunk_size=16), tiny_shape
+    )
+    three = estimate_memory(
+        PlanRequest(prompt_tokens=64, max_new_tokens=0, batch_size=3),
+        LadderStep(prefill_chunk_size=16),
+        tiny_shape,
+    )
     assert three.peak_bytes == 3 * one.peak_bytes
 
 
 @pytest.mark.parametrize("step", Ladder.default().steps)
 def test_peak_is_monotone_in_prompt_and_generation(smollm2_shape, step):
     # plan()'s binary searches rely on this.
-    peaks = [estimate_memory(PlanRequest(prompt_tokens=p, max_new_tokens=16), step, smollm2_shape).peak_bytes
-             for p in range(1, 3000, 37)]
+    peaks = [
+        estimate_memory(PlanRequest(prompt_tokens=p, max_new_tokens=16), step, smollm2_shape).peak_bytes
+        for p in range(1, 3000, 37)
+    ]
     assert peaks == sorted(peaks)
-    peaks = [estimate_memory(PlanRequest(prompt_tokens=500, max_new_tokens=n), step, smollm2_shape).peak_bytes
-             for n in range(0, 3000, 41)]
+    peaks = [
+        estimate_memory(PlanRequest(prompt_tokens=500, max_new_tokens=n), step, smollm2_shape).peak_bytes
+        for n in range(0, 3000, 41)
+    ]
     assert peaks == sorted(peaks)
 
 
@@ -78,9 +95,11 @@ def _tensor_peak_bytes(model, ids: torch.Tensor, chunk: int) -> int:
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         cache = DynamicCache(config=model.config)
         for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
     live = peak = 0
     for event in events:
         live += event.nbytes()
@@ -93,8 +112,9 @@ def test_prediction_brackets_profiled_tensor_peak(tiny_llama, prompt, chunk):
     ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(0))
     actual = _tensor_peak_bytes(tiny_llama, ids, chunk)
     step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)
-    predicted = estimate_memory(PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step,
-                                ModelShape.from_model(tiny_llama)).peak_bytes
+    predicted = estimate_memory(
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step, ModelShape.from_model(tiny_llama)
+    ).peak_bytes
     # Designed to be conservative (measured 1.04-1.09x here with torch 2.13 / transformers 5.23); the
     # lower bound leaves room for allocation-pattern changes across versions.
     assert 0.95 * actual <= predicted <= 1.25 * actual
@@ -108,7 +128,10 @@ def test_sliced_prefill_matches_single_shot_logits(tiny_llama):
     with torch.no_grad():
         full = tiny_llama(ids).logits  # [1, 40, vocab]
         cache = DynamicCache(config=tiny_llama.config)
-        parts = [tiny_llama(ids[:, s:s + 7], past_key_values=cache, use_cache=True).logits for s in range(0, 40, 7)]
+        parts = [
+            tiny_llama(ids[:, s : s + 7], past_key_values=cache, use_cache=True).logits
+            for s in range(0, 40, 7)
+        ]
     sliced = torch.cat(parts, dim=1)
     assert cache.get_seq_length() == 40
     torch.testing.assert_close(sliced, full, rtol=0, atol=1e-5)
@@ -117,7 +140,9 @@ def test_sliced_prefill_matches_single_shot_logits(tiny_llama):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("prompt", "chunk"), [(1024, 1024), (1024, 256)])
-def test_prediction_brackets_cuda_peak(tiny_llama, prompt, chunk):  # pragma: no cover - unverified: no GPU here
+def test_prediction_brackets_cuda_peak(
+    tiny_llama, prompt, chunk
+):  # pragma: no cover - unverified: no GPU here
     from transformers import DynamicCache
 
     model = tiny_llama.cuda()
@@ -128,10 +153,11 @@ def test_prediction_brackets_cuda_peak(tiny_llama, prompt, chunk):  # pragma: no
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         for start in range(0, prompt, chunk):
-            model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     torch.cuda.synchronize()
     actual = torch.cuda.max_memory_allocated() - before
     step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)
-    predicted = estimate_memory(PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step,
-                                ModelShape.from_model(model)).peak_bytes
+    predicted = estimate_memory(
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step, ModelShape.from_model(model)
+    ).peak_bytes
     assert predicted >= 0.95 * actual

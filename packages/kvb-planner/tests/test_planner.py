@@ -58,7 +58,8 @@ def test_safety_margin_shrinks_the_budget(smollm2_shape):
     target = estimate_memory(request, LadderStep(prefill_chunk_size=512), smollm2_shape).peak_bytes
     free = int(target / 0.8) + 1  # fits at a 20% margin ...
     assert plan(request, gpu(free), smollm2_shape, PlannerPolicy(safety_margin=0.2)).step == LadderStep(
-        prefill_chunk_size=512)
+        prefill_chunk_size=512
+    )
     # ... but not at 30%, where a later rung is chosen: the first one under the smaller budget.
     tighter = plan(request, gpu(free), smollm2_shape, PlannerPolicy(safety_margin=0.3))
     assert tighter.budget_bytes == int(free * 0.7) < target
@@ -66,13 +67,19 @@ def test_safety_margin_shrinks_the_budget(smollm2_shape):
     chosen = steps.index(tighter.step)
     assert chosen > steps.index(LadderStep(prefill_chunk_size=512))
     assert tighter.estimate.peak_bytes <= tighter.budget_bytes
-    assert all(estimate_memory(request, st, smollm2_shape).peak_bytes > tighter.budget_bytes for st in steps[:chosen])
+    assert all(
+        estimate_memory(request, st, smollm2_shape).peak_bytes > tighter.budget_bytes for st in steps[:chosen]
+    )
 
 
 def test_custom_ladder_is_walked_in_order(tiny_shape):
     ladder = Ladder(steps=(LadderStep(prefill_chunk_size=64, kv_bits=8), LadderStep(prefill_chunk_size=None)))
-    result = plan(PlanRequest(prompt_tokens=10, max_new_tokens=1), gpu(1 << 30), tiny_shape,
-                  PlannerPolicy(ladder=ladder))
+    result = plan(
+        PlanRequest(prompt_tokens=10, max_new_tokens=1),
+        gpu(1 << 30),
+        tiny_shape,
+        PlannerPolicy(ladder=ladder),
+    )
     assert result.step == LadderStep(prefill_chunk_size=64, kv_bits=8)
 
 
@@ -90,7 +97,8 @@ def test_refusal_carries_binary_searched_suggestions(smollm2_shape):
     # Even with no generation the 80k prompt does not fit.
     assert refusal.suggested_max_new_tokens == 0
     assert refusal.predicted_peak_bytes == min(
-        estimate_memory(request, st, smollm2_shape).peak_bytes for st in Ladder.default().steps)
+        estimate_memory(request, st, smollm2_shape).peak_bytes for st in Ladder.default().steps
+    )
     assert refusal.free_bytes == 300 * MIB and refusal.prompt_tokens == 80_000
 
 
@@ -106,8 +114,11 @@ def test_refusal_suggests_a_smaller_max_new_tokens(smollm2_shape):
 
 def test_auto_truncate_keeps_the_longest_prompt_that_fits(smollm2_shape):
     refused = plan(PlanRequest(prompt_tokens=80_000, max_new_tokens=100), gpu(300 * MIB), smollm2_shape)
-    result = plan(PlanRequest(prompt_tokens=80_000, max_new_tokens=100, auto_truncate=True), gpu(300 * MIB),
-                  smollm2_shape)
+    result = plan(
+        PlanRequest(prompt_tokens=80_000, max_new_tokens=100, auto_truncate=True),
+        gpu(300 * MIB),
+        smollm2_shape,
+    )
     assert result.verdict is Verdict.TRUNCATE and result.admitted
     assert result.prompt_tokens == refused.refusal.suggested_max_tokens
     assert result.dropped_tokens == 80_000 - result.prompt_tokens
@@ -132,8 +143,10 @@ def test_plan_is_pure(smollm2_shape):
 
 def test_plan_to_dict_is_json_safe_on_a_probed_cpu(tiny_shape):
     profile = DeviceProfile.probe("cpu")
-    for request in (PlanRequest(prompt_tokens=100, max_new_tokens=10),
-                    PlanRequest(prompt_tokens=10**9, max_new_tokens=10)):
+    for request in (
+        PlanRequest(prompt_tokens=100, max_new_tokens=10),
+        PlanRequest(prompt_tokens=10**9, max_new_tokens=10),
+    ):
         payload = plan(request, profile, tiny_shape).to_dict()
         json.dumps(payload, allow_nan=False)
         json.dumps(profile.to_dict(), allow_nan=False)

@@ -23,15 +23,23 @@ class FakeClock:
 
 def test_median_of_samples_after_warm_up():
     values = iter([99.0, 3.0, 1.0, 2.0])  # 99 is the discarded warm-up
-    result = run_bounded(lambda: next(values), settings=ProbeSettings(max_samples=3, budget_s=10),
-                         fallback=-1.0, clock=FakeClock(0.1))
+    result = run_bounded(
+        lambda: next(values),
+        settings=ProbeSettings(max_samples=3, budget_s=10),
+        fallback=-1.0,
+        clock=FakeClock(0.1),
+    )
     assert result == (2.0, True, 3)
 
 
 def test_budget_stops_sampling():
     # Clock readings (exact in binary): 0.25 sets the deadline 1.25; 0.5, 0.75, 1.0 pass; 1.25 stops.
-    result = run_bounded(lambda: 5.0, settings=ProbeSettings(max_samples=100, budget_s=1.0), fallback=-1.0,
-                         clock=FakeClock(0.25))
+    result = run_bounded(
+        lambda: 5.0,
+        settings=ProbeSettings(max_samples=100, budget_s=1.0),
+        fallback=-1.0,
+        clock=FakeClock(0.25),
+    )
     assert result == (5.0, True, 3)
 
 
@@ -46,8 +54,9 @@ def test_overrun_or_failure_falls_back():
 
 
 def test_cpu_copy_bandwidth_is_measured():
-    result = copy_bandwidth(torch.device("cpu"), settings=ProbeSettings(buffer_bytes=1 << 20, budget_s=0.2),
-                            fallback=-1.0)
+    result = copy_bandwidth(
+        torch.device("cpu"), settings=ProbeSettings(buffer_bytes=1 << 20, budget_s=0.2), fallback=-1.0
+    )
     assert result.measured and result.samples >= 1 and result.value > 0
 
 
@@ -71,7 +80,9 @@ def test_decode_latency_cache_stays_at_the_context_length(tiny_llama):
         return original(*args, **kwargs)
 
     tiny_llama.forward = spy
-    decode_step_latency(tiny_llama, settings=ProbeSettings(decode_context_tokens=12, max_samples=4, budget_s=5))
+    decode_step_latency(
+        tiny_llama, settings=ProbeSettings(decode_context_tokens=12, max_samples=4, budget_s=5)
+    )
     assert seen and set(seen) == {12}
 
 

@@ -9,9 +9,11 @@ def test_total_tokens_adds_prompt_and_generation():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"prompt_tokens": 0, "max_new_tokens": 1}, "prompt_tokens"),
-     ({"prompt_tokens": 1, "max_new_tokens": -1}, "max_new_tokens"),
-     ({"prompt_tokens": 1, "max_new_tokens": 1, "batch_size": 0}, "batch_size")],
+    [
+        ({"prompt_tokens": 0, "max_new_tokens": 1}, "prompt_tokens"),
+        ({"prompt_tokens": 1, "max_new_tokens": -1}, "max_new_tokens"),
+        ({"prompt_tokens": 1, "max_new_tokens": 1, "batch_size": 0}, "batch_size"),
+    ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(PlannerConfigError, match=field):

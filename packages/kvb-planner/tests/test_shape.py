@@ -7,11 +7,21 @@ from kvb_planner import ModelShape, PlannerConfigError
 
 def test_from_config_reads_llama_dimensions():
     config = LlamaConfig(
-        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
     )
     shape = ModelShape.from_config(config)
-    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads) == (30, 576, 9, 3)
+    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
     assert (shape.head_dim, shape.intermediate_size, shape.vocab_size) == (64, 1536, 49152)
     assert shape.dtype_bytes == 4 and shape.attn_implementation == "sdpa"
     # SmolLM2-135M has 134,515,008 parameters (tied embeddings): 49152*576 + 30*3,540,096 + 576.
@@ -19,8 +29,16 @@ def test_from_config_reads_llama_dimensions():
 
 
 def test_from_config_respects_dtype_untied_head_and_explicit_head_dim():
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=100, head_dim=32, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
     shape = ModelShape.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
     assert shape.head_dim == 32 and shape.dtype_bytes == 2 and shape.attn_implementation == "eager"
     per_layer = 64 * 32 * (2 * 4 + 2 * 2) + 3 * 64 * 128 + 2 * 64
@@ -36,15 +54,31 @@ def test_from_model_counts_real_parameters(tiny_llama):
 
 
 def test_kv_bytes_per_token_is_gqa_aware(tiny_shape):
-    assert tiny_shape.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads (not 4), d=16, fp32
+    assert (
+        tiny_shape.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    )  # K+V, 2 layers, 2 KV heads (not 4), d=16, fp32
 
 
 def test_rejects_non_decoder_configs_and_bad_values():
     with pytest.raises(PlannerConfigError, match="intermediate_size"):
-        ModelShape.from_config(type("Cfg", (), {"hidden_size": 8, "num_attention_heads": 2,
-                                                 "num_hidden_layers": 1, "vocab_size": 10})())
+        ModelShape.from_config(
+            type(
+                "Cfg",
+                (),
+                {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 10},
+            )()
+        )
     with pytest.raises(PlannerConfigError, match="multiple of num_kv_heads"):
-        ModelShape(num_layers=1, hidden_size=8, num_attention_heads=3, num_kv_heads=2, head_dim=4,
-                   intermediate_size=8, vocab_size=8, dtype_bytes=4, weight_bytes=0)
+        ModelShape(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=3,
+            num_kv_heads=2,
+            head_dim=4,
+            intermediate_size=8,
+            vocab_size=8,
+            dtype_bytes=4,
+            weight_bytes=0,
+        )
     with pytest.raises(PlannerConfigError, match="unknown dtype"):
         ModelShape.from_config(LlamaConfig(), dtype="float17")

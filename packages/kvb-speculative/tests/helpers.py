@@ -9,7 +9,9 @@ from kvb_speculative import LogitsTokenProcessor, SamplingParams, extend, prefil
 from kvb_speculative.sampling import sample_token
 
 
-def tiny_llama(seed: int, *, vocab_size: int = 128, initializer_range: float = 0.02, **overrides) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int, *, vocab_size: int = 128, initializer_range: float = 0.02, **overrides
+) -> LlamaForCausalLM:
     """A 2-layer random Llama; ``initializer_range`` > 0.02 gives peaked next-token distributions."""
     config = LlamaConfig(
         hidden_size=64,

@@ -85,7 +85,11 @@ def test_cache_holds_every_yielded_token_but_the_last(target, prompt):
     script = [t if i % 4 != 3 else (t + 1) % 128 for i, t in enumerate(reference)]
     lengths = []
     out, stats = _decode(
-        target, prompt, ScriptedDrafter(script), 5, greedy(),
+        target,
+        prompt,
+        ScriptedDrafter(script),
+        5,
+        greedy(),
         observe=lambda cache, before: lengths.append((cache.get_seq_length() - prompt.shape[1], len(before))),
     )
     assert out == reference[:NUM_TOKENS]

@@ -13,7 +13,9 @@ def test_proposals_are_the_draft_models_greedy_tokens(target, other_model, promp
 
 
 def test_sampling_proposals_carry_their_distributions(target, other_model, prompt):
-    processor = LogitsTokenProcessor(SamplingParams(temperature=1.0, top_k=5), torch.Generator().manual_seed(0))
+    processor = LogitsTokenProcessor(
+        SamplingParams(temperature=1.0, top_k=5), torch.Generator().manual_seed(0)
+    )
     draft = DraftModelDrafter(target, other_model).start(prompt[0]).propose(prompt[0], 3, processor)
     assert draft.probs.shape == (3, 128)
     assert torch.allclose(draft.probs.sum(-1), torch.ones(3))

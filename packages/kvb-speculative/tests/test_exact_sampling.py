@@ -60,7 +60,9 @@ def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
 
 
-def _speculative_counts(model, drafter, params, *, gamma=3, verifier=None, seed=0, samples=SAMPLES) -> torch.Tensor:
+def _speculative_counts(
+    model, drafter, params, *, gamma=3, verifier=None, seed=0, samples=SAMPLES
+) -> torch.Tensor:
     decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=gamma), verifier=verifier)
     processor = _processor(params, seed)
     counts = torch.zeros(VOCAB * VOCAB)

@@ -9,13 +9,17 @@ def test_matches_transformers_generate_including_the_stop_token(target, prompt):
     reference = plain_decode(target, prompt, greedy(), 30)
     stop = reference[11]
     expected = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=stop)
-    out = speculative_generate(target, prompt, PromptLookupDrafter(), gamma=4, max_new_tokens=30, eos_token_id=stop)
+    out = speculative_generate(
+        target, prompt, PromptLookupDrafter(), gamma=4, max_new_tokens=30, eos_token_id=stop
+    )
     assert out.tokens.tolist() == expected[0, prompt.shape[1] :].tolist()
     assert out.tokens.tolist() == reference[: reference.index(stop) + 1]
 
 
 def test_stops_at_max_new_tokens_and_reports_times(target, prompt):
-    out = speculative_generate(target, prompt, PromptLookupDrafter(), gamma=6, max_new_tokens=9, eos_token_id=[])
+    out = speculative_generate(
+        target, prompt, PromptLookupDrafter(), gamma=6, max_new_tokens=9, eos_token_id=[]
+    )
     assert out.tokens.shape == (9,)
     assert out.stats.committed_tokens == 9  # the budget shortens the last drafts: nothing wasted
     assert out.prefill_seconds > 0 and out.decode_seconds > 0
@@ -25,8 +29,14 @@ def test_sampling_is_reproducible_with_a_seed(target, prompt):
     def run(seed):
         generator = torch.Generator().manual_seed(seed)
         return speculative_generate(
-            target, prompt, PromptLookupDrafter(), max_new_tokens=12, temperature=1.0, top_p=0.9,
-            generator=generator, eos_token_id=[],
+            target,
+            prompt,
+            PromptLookupDrafter(),
+            max_new_tokens=12,
+            temperature=1.0,
+            top_p=0.9,
+            generator=generator,
+            eos_token_id=[],
         ).tokens.tolist()
 
     assert run(3) == run(3)

@@ -21,7 +21,8 @@ def test_temperature_top_k_and_repetition_penalty():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -0.1}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"repetition_penalty": 0.0}]
+    "kwargs",
+    [{"temperature": -0.1}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"repetition_penalty": 0.0}],
 )
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(SpeculativeConfigError):

@@ -24,7 +24,9 @@ def test_drafters_satisfy_the_protocols(target, other_model, prompt):
 
 
 def test_engine_protocol_from_kvb_cache(target):
-    decoding = pytest.importorskip("kvb_cache.decoding", reason="kvb-cache is not installed (not a dependency)")
+    decoding = pytest.importorskip(
+        "kvb_cache.decoding", reason="kvb-cache is not installed (not a dependency)"
+    )
     decoder = SpeculativeDecoder(PromptLookupDrafter())
     assert isinstance(decoder, decoding.SpeculativeDecoder)
     ours = inspect.signature(SpeculativeDecoder.decode).parameters

@@ -14,7 +14,9 @@ def test_zero_probability_tokens_are_never_drawn():
 def test_frequencies_follow_unnormalised_weights():
     generator = torch.Generator().manual_seed(0)
     weights = torch.tensor([1.0, 3.0, 6.0])  # not normalised on purpose
-    counts = torch.bincount(torch.tensor([sample_token(weights, generator) for _ in range(6000)]), minlength=3)
+    counts = torch.bincount(
+        torch.tensor([sample_token(weights, generator) for _ in range(6000)]), minlength=3
+    )
     assert counts.tolist() == pytest.approx([600, 1800, 3600], abs=150)
 
 

@@ -49,6 +49,10 @@ def test_smollm2_greedy_is_exact(smollm2, gamma, drafter):
     # pad_token_id (2 = <|im_end|> in SmolLM2) and mask the prompt's own <|im_end|> tokens.
     with torch.no_grad():
         hf = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
         )
     assert hf[0, ids.shape[1] :].tolist() == reference[:NUM_TOKENS]

@@ -38,7 +38,9 @@ def test_rejected_token_gets_the_residual_mass_only():
     scores = torch.tensor([[0.0, 0.0, NEG], [0.0, 0.0, 0.0]])
     q = torch.tensor([[0.5, 0.0, 0.5]])
     for _ in range(50):
-        assert ExactVerifier().verify(scores, _draft([2], q), greedy=False, generator=generator) == Verdict(0, 1)
+        assert ExactVerifier().verify(scores, _draft([2], q), greedy=False, generator=generator) == Verdict(
+            0, 1
+        )
 
 
 def test_identical_distributions_accept_everything():

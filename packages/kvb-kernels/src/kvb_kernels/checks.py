@@ -38,10 +38,14 @@ def check_group(query_heads: int, kv_heads: int) -> int:
     return query_heads // kv_heads
 
 
-def check_same(query: torch.Tensor, name: str, other: torch.Tensor, *, dtype: torch.dtype | None = None) -> None:
+def check_same(
+    query: torch.Tensor, name: str, other: torch.Tensor, *, dtype: torch.dtype | None = None
+) -> None:
     """``other`` must live on ``query``'s device and have ``dtype`` (default: ``query``'s dtype)."""
     if other.device != query.device:
-        raise DeviceError(f"{name} is on {other.device} but query is on {query.device}; move both to one device")
+        raise DeviceError(
+            f"{name} is on {other.device} but query is on {query.device}; move both to one device"
+        )
     want = query.dtype if dtype is None else dtype
     if other.dtype != want:
         raise DTypeError(f"{name} has dtype {other.dtype}; expected {want}")
@@ -50,7 +54,9 @@ def check_same(query: torch.Tensor, name: str, other: torch.Tensor, *, dtype: to
 def check_window(window: int | None) -> None:
     """A sliding window counts the keys a query sees, itself included, so it must be >= 1."""
     if window is not None and window < 1:
-        raise ShapeError(f"window must be >= 1 (keys visible per query, itself included) or None, got {window}")
+        raise ShapeError(
+            f"window must be >= 1 (keys visible per query, itself included) or None, got {window}"
+        )
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:

@@ -82,7 +82,14 @@ def kvb_attention_forward(
     if reason is not None:
         _log_fallback_once(reason)
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
             **kwargs,
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -124,7 +131,9 @@ def _unserved_reason(
 
 @functools.cache
 def _log_fallback_once(reason: str) -> None:
-    logger.warning("kvb_attention falls back to transformers' SDPA attention: %s (logged once per reason)", reason)
+    logger.warning(
+        "kvb_attention falls back to transformers' SDPA attention: %s (logged once per reason)", reason
+    )
 
 
 def _attention_modules(model: nn.Module, implementation: str) -> int:

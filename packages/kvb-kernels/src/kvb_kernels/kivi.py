@@ -41,19 +41,29 @@ class KiviKV:
         for name in ("key_codes", "value_codes"):
             codes = getattr(self, name)
             if codes.dtype != torch.uint8 or codes.dim() != 4:
-                raise DTypeError(f"{name} must be uint8 [batch, kv_heads, kv_len, head_dim], got {codes.dtype} "
-                                 f"{tuple(codes.shape)}")
+                raise DTypeError(
+                    f"{name} must be uint8 [batch, kv_heads, kv_len, head_dim], got {codes.dtype} "
+                    f"{tuple(codes.shape)}"
+                )
         if self.key_codes.shape != self.value_codes.shape:
-            raise ShapeError(f"key_codes {tuple(self.key_codes.shape)} and value_codes "
-                             f"{tuple(self.value_codes.shape)} must have one shape")
+            raise ShapeError(
+                f"key_codes {tuple(self.key_codes.shape)} and value_codes "
+                f"{tuple(self.value_codes.shape)} must have one shape"
+            )
         batch, heads, length, dim = self.key_codes.shape
         groups = -(-length // self.group_size)
-        want = {"key_scale": (batch, heads, groups, dim), "key_zero": (batch, heads, groups, dim),
-                "value_scale": (batch, heads, length, 1), "value_zero": (batch, heads, length, 1)}
+        want = {
+            "key_scale": (batch, heads, groups, dim),
+            "key_zero": (batch, heads, groups, dim),
+            "value_scale": (batch, heads, length, 1),
+            "value_zero": (batch, heads, length, 1),
+        }
         for name, shape in want.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:
-                raise ShapeError(f"{name} must have shape {shape} for group_size={self.group_size}, got {got}")
+                raise ShapeError(
+                    f"{name} must have shape {shape} for group_size={self.group_size}, got {got}"
+                )
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Full ``[batch, kv_heads, kv_len, head_dim]`` K and V in ``dtype`` (the unfused path)."""
@@ -80,8 +90,10 @@ def kivi_quantize(
         The coded K/V; ``dequantize`` reconstructs them within half a quantisation step.
     """
     if key.shape != value.shape or key.dim() != 4:
-        raise ShapeError(f"key and value must share one [batch, kv_heads, kv_len, head_dim] shape, got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ShapeError(
+            f"key and value must share one [batch, kv_heads, kv_len, head_dim] shape, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if group_size < 1:
         raise ShapeError(f"group_size must be >= 1 tokens, got {group_size}")
     batch, heads, length, dim = key.shape
@@ -101,8 +113,12 @@ def kivi_quantize(
     v_scale = torch.where(v_hi > v_lo, (v_hi - v_lo) / _LEVELS, torch.ones_like(v_hi))
     value_codes = ((v - v_lo) / v_scale).round().clamp(0, _LEVELS).to(torch.uint8)
     return KiviKV(
-        key_codes=key_codes, key_scale=k_scale.to(scale_dtype), key_zero=k_lo.to(scale_dtype),
-        value_codes=value_codes, value_scale=v_scale.to(scale_dtype), value_zero=v_lo.to(scale_dtype),
+        key_codes=key_codes,
+        key_scale=k_scale.to(scale_dtype),
+        key_zero=k_lo.to(scale_dtype),
+        value_codes=value_codes,
+        value_scale=v_scale.to(scale_dtype),
+        value_zero=v_lo.to(scale_dtype),
         group_size=group_size,
     )
 
@@ -135,8 +151,10 @@ def kivi_attention(
     batch, heads, q_len, head_dim = query.shape
     _, kv_heads, kv_len, kv_dim = kv.key_codes.shape
     if kv.key_codes.shape[0] != batch or kv_dim != head_dim:
-        raise ShapeError(f"coded K/V {tuple(kv.key_codes.shape)} must share batch ({batch}) and head_dim "
-                         f"({head_dim}) with query")
+        raise ShapeError(
+            f"coded K/V {tuple(kv.key_codes.shape)} must share batch ({batch}) and head_dim "
+            f"({head_dim}) with query"
+        )
     for name in ("key_codes", "value_codes"):
         check_same(query, name, getattr(kv, name), dtype=torch.uint8)
     group = check_group(heads, kv_heads)
@@ -148,15 +166,41 @@ def kivi_attention(
 
     def call(kernel, grid, parts, splits):
         kernel[grid](
-            query, kv.key_codes, k_scale, k_zero, kv.value_codes, v_scale, v_zero, out,
-            parts.out if parts else out, parts.lse if parts else out,
-            *query.stride(), *kv.key_codes.stride(), *k_scale.stride(), *kv.value_codes.stride(),
+            query,
+            kv.key_codes,
+            k_scale,
+            k_zero,
+            kv.value_codes,
+            v_scale,
+            v_zero,
+            out,
+            parts.out if parts else out,
+            parts.lse if parts else out,
+            *query.stride(),
+            *kv.key_codes.stride(),
+            *k_scale.stride(),
+            *kv.value_codes.stride(),
             *v_scale.stride()[:3],
-            out.stride(0), out.stride(2), out.stride(1), out.stride(3),
-            qk_scale, kv_heads, q_len, kv_len, window or 0, splits,
-            launch.bucket(q_len * group), launch.bucket(kv_len),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=launch.block_d(head_dim), K_GROUP=kv.group_size,
-            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_MASK=False, SPLIT=parts is not None,
+            out.stride(0),
+            out.stride(2),
+            out.stride(1),
+            out.stride(3),
+            qk_scale,
+            kv_heads,
+            q_len,
+            kv_len,
+            window or 0,
+            splits,
+            launch.bucket(q_len * group),
+            launch.bucket(kv_len),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=launch.block_d(head_dim),
+            K_GROUP=kv.group_size,
+            CAUSAL=causal,
+            HAS_WINDOW=window is not None,
+            HAS_MASK=False,
+            SPLIT=parts is not None,
             INPUT_PRECISION=launch.input_precision(query.dtype),
         )
 

@@ -57,7 +57,11 @@ def run(
         call(kernel, grid, None, 1)
         return
     parts = allocate(
-        batch_kv_heads=batch * kv_heads, num_splits=num_splits, rows=rows, head_dim=head_dim, device=out.device
+        batch_kv_heads=batch * kv_heads,
+        num_splits=num_splits,
+        rows=rows,
+        head_dim=head_dim,
+        device=out.device,
     )
     call(kernel, grid, parts, num_splits)
     merged = combine_splits(parts)  # [B * Hkv, q_len * group, D]

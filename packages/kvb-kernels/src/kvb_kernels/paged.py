@@ -111,7 +111,9 @@ def paged_attention(
     check_same(query, "key_pages", kv.key_pages)
     check_same(query, "value_pages", kv.value_pages)
     if kv.block_table.device != query.device or kv.kv_lens.device != query.device:
-        raise DeviceError("block_table and kv_lens must live on the query's device; move them with .to(device)")
+        raise DeviceError(
+            "block_table and kv_lens must live on the query's device; move them with .to(device)"
+        )
     batch, heads, q_len, head_dim = query.shape
     kv_heads = kv.key_pages.shape[1]
     if kv.block_table.shape[0] != batch or kv.key_pages.shape[3] != head_dim:
@@ -131,16 +133,42 @@ def paged_attention(
 
     def call(kernel, grid, parts, splits):
         kernel[grid](
-            query, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens, out,
-            parts.out if parts else out, parts.lse if parts else out,
-            *query.stride(), *kv.key_pages.stride(), *kv.value_pages.stride(), *kv.block_table.stride(),
-            out.stride(0), out.stride(2), out.stride(1), out.stride(3),
-            qk_scale, kv_heads, q_len, max_kv_len, window or 0, splits,
-            launch.bucket(q_len * group), launch.bucket(max_kv_len),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=launch.block_d(head_dim), PAGE_SIZE=kv.page_size,
-            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_MASK=False, SPLIT=parts is not None,
+            query,
+            kv.key_pages,
+            kv.value_pages,
+            kv.block_table,
+            kv.kv_lens,
+            out,
+            parts.out if parts else out,
+            parts.lse if parts else out,
+            *query.stride(),
+            *kv.key_pages.stride(),
+            *kv.value_pages.stride(),
+            *kv.block_table.stride(),
+            out.stride(0),
+            out.stride(2),
+            out.stride(1),
+            out.stride(3),
+            qk_scale,
+            kv_heads,
+            q_len,
+            max_kv_len,
+            window or 0,
+            splits,
+            launch.bucket(q_len * group),
+            launch.bucket(max_kv_len),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=launch.block_d(head_dim),
+            PAGE_SIZE=kv.page_size,
+            CAUSAL=causal,
+            HAS_WINDOW=window is not None,
+            HAS_MASK=False,
+            SPLIT=parts is not None,
             INPUT_PRECISION=launch.input_precision(query.dtype),
         )
 
-    launch.run("paged", call, out=out, kv_heads=kv_heads, group=group, kv_len=max_kv_len, num_splits=num_splits)
+    launch.run(
+        "paged", call, out=out, kv_heads=kv_heads, group=group, kv_len=max_kv_len, num_splits=num_splits
+    )
     return out.transpose(1, 2)

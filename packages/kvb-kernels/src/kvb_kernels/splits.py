@@ -36,7 +36,9 @@ def choose_num_splits(*, programs: int, kv_len: int, device: torch.device) -> in
     return max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
-def allocate(*, batch_kv_heads: int, num_splits: int, rows: int, head_dim: int, device: torch.device) -> SplitBuffers:
+def allocate(
+    *, batch_kv_heads: int, num_splits: int, rows: int, head_dim: int, device: torch.device
+) -> SplitBuffers:
     """Uninitialised scratch for a split launch (every element is written by the kernel)."""
     return SplitBuffers(
         out=torch.empty(batch_kv_heads, num_splits, rows, head_dim, device=device, dtype=torch.float32),

@@ -77,7 +77,9 @@ class ResidualStats:
         if not residuals:
             return cls(count=0, p50=None, p95=None, mean_abs=None)
         return cls(
-            count=len(residuals), p50=percentile(residuals, 50), p95=percentile(residuals, 95),
+            count=len(residuals),
+            p50=percentile(residuals, 50),
+            p95=percentile(residuals, 95),
             mean_abs=sum(abs(r) for r in residuals) / len(residuals),
         )
 
@@ -96,8 +98,11 @@ class CohortStats:
     residuals: ResidualStats
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefill_chunk_size": self.cohort.prefill_chunk_size, "kv_bits": self.cohort.kv_bits,
-                **self.residuals.to_dict()}
+        return {
+            "prefill_chunk_size": self.cohort.prefill_chunk_size,
+            "kv_bits": self.cohort.kv_bits,
+            **self.residuals.to_dict(),
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,7 +160,9 @@ class CalibrationTracker:
         cohort when it has ``min_samples``, else of all residuals; clamped to ``[floor, cap]``."""
         with self._lock:
             overall = list(self._overall)
-            cohort = list(self._cohorts.get(Cohort(step.prefill_chunk_size, step.kv_bits), ())) if step else []
+            cohort = (
+                list(self._cohorts.get(Cohort(step.prefill_chunk_size, step.kv_bits), ())) if step else []
+            )
         if len(cohort) >= self._settings.min_samples:
             return self._margin_of(cohort)
         return self._margin_of(overall)

@@ -98,26 +98,36 @@ class DeviceProfile:
         if dev.type == "cpu":
             ram = read_host_memory(cgroup_root=cgroup_root, proc_cgroup=proc_cgroup)
             total, free = ram.total_bytes, ram.available_bytes
-            results["memory_bandwidth_gbps"] = copy_bandwidth(dev, settings=settings, fallback=FALLBACK_CPU_MEMORY_GBPS)
+            results["memory_bandwidth_gbps"] = copy_bandwidth(
+                dev, settings=settings, fallback=FALLBACK_CPU_MEMORY_GBPS
+            )
         elif dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise UnsupportedDeviceError("CUDA is not available here; probe DeviceProfile.probe('cpu') instead")
+                raise UnsupportedDeviceError(
+                    "CUDA is not available here; probe DeviceProfile.probe('cpu') instead"
+                )
             dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
             driver_free, total = torch.cuda.mem_get_info(dev)
             cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
             free = min(total, driver_free + cached)
-            results["memory_bandwidth_gbps"] = copy_bandwidth(dev, settings=settings, fallback=FALLBACK_DEVICE_COPY_GBPS)
+            results["memory_bandwidth_gbps"] = copy_bandwidth(
+                dev, settings=settings, fallback=FALLBACK_DEVICE_COPY_GBPS
+            )
             results["host_to_device_gbps"] = host_to_device_bandwidth(dev, settings=settings)
         else:
             raise UnsupportedDeviceError(f"cannot probe a {dev.type!r} device; use 'cpu' or 'cuda[:N]'")
         if model is not None:
             results["decode_step_ms"] = decode_step_latency(model, settings=settings)
+
         def value(name: str) -> float | None:
             return results[name].value if name in results else None
 
         profile = cls(
-            device=str(dev), total_bytes=int(total), free_bytes=int(free),
-            memory_bandwidth_gbps=value("memory_bandwidth_gbps"), host_to_device_gbps=value("host_to_device_gbps"),
+            device=str(dev),
+            total_bytes=int(total),
+            free_bytes=int(free),
+            memory_bandwidth_gbps=value("memory_bandwidth_gbps"),
+            host_to_device_gbps=value("host_to_device_gbps"),
             decode_step_ms=value("decode_step_ms"),
             fallbacks=tuple(name for name, result in results.items() if not result.measured),
         )

@@ -84,7 +84,9 @@ def _cgroup_dirs(cgroup_root: Path, proc_cgroup: Path) -> tuple[list[Path], bool
     return [], False
 
 
-def read_cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> CgroupMemory | None:
+def read_cgroup_memory(
+    *, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
+) -> CgroupMemory | None:
     """Tightest limit and headroom over the process's cgroup and its ancestors; ``None`` when unlimited.
 
     Args:
@@ -93,7 +95,8 @@ def read_cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = P
     """
     dirs, v2 = _cgroup_dirs(cgroup_root, proc_cgroup)
     limit_file, usage_file, inactive_key = (
-        ("memory.max", "memory.current", "inactive_file") if v2
+        ("memory.max", "memory.current", "inactive_file")
+        if v2
         else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
     )
     limits: list[int] = []

@@ -40,7 +40,12 @@ DEFAULT_KV_LAYOUT = KVQuantLayout()
 
 
 def kv_cache_bytes(
-    shape: ModelShape, *, tokens: int, batch_size: int, kv_bits: int, layout: KVQuantLayout = DEFAULT_KV_LAYOUT
+    shape: ModelShape,
+    *,
+    tokens: int,
+    batch_size: int,
+    kv_bits: int,
+    layout: KVQuantLayout = DEFAULT_KV_LAYOUT,
 ) -> int:
     """Bytes of K and V for ``tokens`` positions of ``batch_size`` sequences in every layer.
 

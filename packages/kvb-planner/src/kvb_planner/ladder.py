@@ -51,7 +51,9 @@ class Ladder:
 
     def __post_init__(self) -> None:
         if not self.steps:
-            raise PlannerConfigError("a Ladder needs at least one step, e.g. LadderStep(prefill_chunk_size=None)")
+            raise PlannerConfigError(
+                "a Ladder needs at least one step, e.g. LadderStep(prefill_chunk_size=None)"
+            )
         if len(set(self.steps)) != len(self.steps):
             raise PlannerConfigError("Ladder steps must be distinct; remove the repeated step")
 

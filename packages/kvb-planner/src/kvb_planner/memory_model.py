@@ -85,7 +85,11 @@ def estimate_memory(
             scratch += 2 * b * hq * p * d * e
     attention = b * c * (3 * shape.hidden_size + 4 * hq * d + 4 * hkv * d) * e + scratch
     return MemoryEstimate(
-        kv_bytes=kv, cache_growth_bytes=growth, logits_bytes=logits, mlp_phase_bytes=mlp,
-        attention_phase_bytes=attention, attention_scratch_bytes=scratch,
+        kv_bytes=kv,
+        cache_growth_bytes=growth,
+        logits_bytes=logits,
+        mlp_phase_bytes=mlp,
+        attention_phase_bytes=attention,
+        attention_scratch_bytes=scratch,
         peak_bytes=kv + growth + logits + max(mlp, attention),
     )

@@ -51,7 +51,9 @@ class PlannerPolicy:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safety_margin < 1.0:
-            raise PlannerConfigError(f"safety_margin must be in [0, 1) (got {self.safety_margin}); 0.1 keeps 10% back")
+            raise PlannerConfigError(
+                f"safety_margin must be in [0, 1) (got {self.safety_margin}); 0.1 keeps 10% back"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,8 +151,13 @@ def plan(
     if found is not None:
         step, estimate = found
         return RequestPlan(
-            verdict=Verdict.RUN, step=step, prompt_tokens=request.prompt_tokens, dropped_tokens=0,
-            estimate=estimate, free_bytes=free, budget_bytes=budget,
+            verdict=Verdict.RUN,
+            step=step,
+            prompt_tokens=request.prompt_tokens,
+            dropped_tokens=0,
+            estimate=estimate,
+            free_bytes=free,
+            budget_bytes=budget,
         )
 
     def peak(req: PlanRequest, step: LadderStep) -> int:
@@ -158,8 +165,9 @@ def plan(
 
     steps = policy.ladder.steps
     max_prompt = max(
-        _largest_fitting(1, request.prompt_tokens - 1,
-                         lambda n, s=s: peak(replace(request, prompt_tokens=n), s) <= budget)
+        _largest_fitting(
+            1, request.prompt_tokens - 1, lambda n, s=s: peak(replace(request, prompt_tokens=n), s) <= budget
+        )
         for s in steps
     )
     if request.auto_truncate and max_prompt >= 1:
@@ -167,24 +175,45 @@ def plan(
         fit = _first_fit(shorter, shape, policy, budget)
         assert fit is not None, "binary search found a length that no step fits"
         step, estimate = fit
-        logger.info("Truncating a %d-token prompt to %d tokens to fit %d bytes", request.prompt_tokens,
-                    max_prompt, budget)
+        logger.info(
+            "Truncating a %d-token prompt to %d tokens to fit %d bytes",
+            request.prompt_tokens,
+            max_prompt,
+            budget,
+        )
         return RequestPlan(
-            verdict=Verdict.TRUNCATE, step=step, prompt_tokens=max_prompt,
-            dropped_tokens=request.prompt_tokens - max_prompt, estimate=estimate, free_bytes=free,
+            verdict=Verdict.TRUNCATE,
+            step=step,
+            prompt_tokens=max_prompt,
+            dropped_tokens=request.prompt_tokens - max_prompt,
+            estimate=estimate,
+            free_bytes=free,
             budget_bytes=budget,
         )
     max_new = max(
-        _largest_fitting(1, request.max_new_tokens - 1,
-                         lambda n, s=s: peak(replace(request, max_new_tokens=n), s) <= budget)
+        _largest_fitting(
+            1,
+            request.max_new_tokens - 1,
+            lambda n, s=s: peak(replace(request, max_new_tokens=n), s) <= budget,
+        )
         for s in steps
     )
     refusal = PlanRefusal(
-        prompt_tokens=request.prompt_tokens, max_new_tokens=request.max_new_tokens,
-        predicted_peak_bytes=min(peak(request, s) for s in steps), free_bytes=free, budget_bytes=budget,
-        suggested_max_tokens=max_prompt, suggested_max_new_tokens=max_new,
+        prompt_tokens=request.prompt_tokens,
+        max_new_tokens=request.max_new_tokens,
+        predicted_peak_bytes=min(peak(request, s) for s in steps),
+        free_bytes=free,
+        budget_bytes=budget,
+        suggested_max_tokens=max_prompt,
+        suggested_max_new_tokens=max_new,
     )
     return RequestPlan(
-        verdict=Verdict.REFUSE, step=None, prompt_tokens=request.prompt_tokens, dropped_tokens=0, estimate=None,
-        free_bytes=free, budget_bytes=budget, refusal=refusal,
+        verdict=Verdict.REFUSE,
+        step=None,
+        prompt_tokens=request.prompt_tokens,
+        dropped_tokens=0,
+        estimate=None,
+        free_bytes=free,
+        budget_bytes=budget,
+        refusal=refusal,
     )

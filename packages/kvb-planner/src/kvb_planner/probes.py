@@ -65,7 +65,10 @@ class ProbeResult(NamedTuple):
 
 
 def run_bounded(
-    sample: Callable[[], float], *, settings: ProbeSettings, fallback: float,
+    sample: Callable[[], float],
+    *,
+    settings: ProbeSettings,
+    fallback: float,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProbeResult:
     """Median of ``sample()`` over repetitions within ``settings.budget_s`` (first call is a warm-up)."""
@@ -79,7 +82,9 @@ def run_bounded(
         logger.warning("Probe failed (%s); using the fallback %s", exc, fallback)
         return ProbeResult(value=fallback, measured=False, samples=0)
     if not values:
-        logger.warning("Probe warm-up overran its %.2f s budget; using the fallback %s", settings.budget_s, fallback)
+        logger.warning(
+            "Probe warm-up overran its %.2f s budget; using the fallback %s", settings.budget_s, fallback
+        )
         return ProbeResult(value=fallback, measured=False, samples=0)
     return ProbeResult(value=statistics.median(values), measured=True, samples=len(values))
 

@@ -66,8 +66,15 @@ class ModelShape:
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
             if getattr(self, name) < 1:
                 raise PlannerConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_attention_heads % self.num_kv_heads:
@@ -111,11 +118,22 @@ class ModelShape:
         per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
         embeddings = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
         params = embeddings + layers * per_layer + hidden
-        impl = attn_implementation or getattr(config, "_attn_implementation", None) or DEFAULT_ATTN_IMPLEMENTATION
+        impl = (
+            attn_implementation
+            or getattr(config, "_attn_implementation", None)
+            or DEFAULT_ATTN_IMPLEMENTATION
+        )
         return cls(
-            num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, dtype_bytes=elem,
-            weight_bytes=params * elem, attn_implementation=impl,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            dtype_bytes=elem,
+            weight_bytes=params * elem,
+            attn_implementation=impl,
         )
 
     @classmethod

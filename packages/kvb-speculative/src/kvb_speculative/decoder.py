@@ -124,7 +124,9 @@ class SpeculativeDecoder:
             else:
                 committed = self._round(model, cache, history, pending_logits, processor, session, draft)
             pending_logits = None
-            history = torch.cat([history, torch.tensor(committed, dtype=history.dtype, device=history.device)])
+            history = torch.cat(
+                [history, torch.tensor(committed, dtype=history.dtype, device=history.device)]
+            )
             produced += len(committed)
             yield from committed
 

@@ -96,7 +96,9 @@ def speculative_generate(
         )
     decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=gamma))
     processor = LogitsTokenProcessor(
-        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty),
+        SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+        ),
         generator,
     )
     stop = _eos_ids(model, eos_token_id)

@@ -11,7 +11,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvb_speculative.errors import VocabularyMismatchError
 
 #: Config / generation-config attributes that name special token ids.
-SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
+SPECIAL_TOKEN_FIELDS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+)
 
 
 def _ids(value: object) -> list[int] | None:
@@ -33,7 +39,10 @@ def _sizes(model: PreTrainedModel) -> dict[str, int | None]:
 
 def _special_ids(model: PreTrainedModel) -> dict[str, list[int] | None]:
     found: dict[str, list[int] | None] = {}
-    sources = (("config", model.config.get_text_config()), ("generation_config", getattr(model, "generation_config", None)))
+    sources = (
+        ("config", model.config.get_text_config()),
+        ("generation_config", getattr(model, "generation_config", None)),
+    )
     for source_name, source in sources:
         if source is None:
             continue

@@ -45,10 +45,29 @@ def online_softmax_step(acc, m_i, l_i, qk, v, INPUT_PRECISION: tl.constexpr):
 
 @triton.jit
 def store_result(
-    acc, m_i, l_i, Out, OPart, LsePart, b, head, q_idx, rows, row_ok, offs_d, d_ok, pid_bh, pid_s,
-    num_splits, n_rows,
-    stride_ob, stride_oh, stride_om, stride_od,
-    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    Out,
+    OPart,
+    LsePart,
+    b,
+    head,
+    q_idx,
+    rows,
+    row_ok,
+    offs_d,
+    d_ok,
+    pid_bh,
+    pid_s,
+    num_splits,
+    n_rows,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Write the normalised output, or (split-KV) the unnormalised partial output and its log2-sum-exp.
 
@@ -65,7 +84,10 @@ def store_result(
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = (
-            Out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + q_idx[:, None] * stride_om
+            Out
+            + b.to(tl.int64) * stride_ob
+            + head[:, None] * stride_oh
+            + q_idx[:, None] * stride_om
             + offs_d[None, :] * stride_od
         )
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

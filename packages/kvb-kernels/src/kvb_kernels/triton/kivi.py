@@ -16,18 +16,57 @@ from kvb_kernels.triton.common import keep_scores, online_softmax_step, store_re
 
 @triton.jit
 def kivi_attention_kernel(
-    Q, KCodes, KScale, KZero, VCodes, VScale, VZero, Out, OPart, LsePart,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_sb, stride_sh, stride_sg, stride_sd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_wb, stride_wh, stride_wn,
-    stride_ob, stride_oh, stride_om, stride_od,
-    qk_scale, num_kv_heads, q_len, kv_len, window, num_splits,
-    ROWS_KEY, KV_KEY,  # autotune keys only (bucketed sizes)
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_GROUP: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+    Q,
+    KCodes,
+    KScale,
+    KZero,
+    VCodes,
+    VScale,
+    VZero,
+    Out,
+    OPart,
+    LsePart,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_sb,
+    stride_sh,
+    stride_sg,
+    stride_sd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_wb,
+    stride_wh,
+    stride_wn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    qk_scale,
+    num_kv_heads,
+    q_len,
+    kv_len,
+    window,
+    num_splits,
+    ROWS_KEY,
+    KV_KEY,  # autotune keys only (bucketed sizes)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -45,7 +84,10 @@ def kivi_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_ptrs = (
-        Q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qm
+        Q
+        + b.to(tl.int64) * stride_qb
+        + head[:, None] * stride_qh
+        + q_idx[:, None] * stride_qm
         + offs_d[None, :] * stride_qd
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -93,6 +135,27 @@ def kivi_attention_kernel(
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, v, INPUT_PRECISION)
 
     store_result(
-        acc, m_i, l_i, Out, OPart, LsePart, b, head, q_idx, rows, row_ok, offs_d, d_ok, pid_bh, pid_s,
-        num_splits, n_rows, stride_ob, stride_oh, stride_om, stride_od, HEAD_DIM, SPLIT,
+        acc,
+        m_i,
+        l_i,
+        Out,
+        OPart,
+        LsePart,
+        b,
+        head,
+        q_idx,
+        rows,
+        row_ok,
+        offs_d,
+        d_ok,
+        pid_bh,
+        pid_s,
+        num_splits,
+        n_rows,
+        stride_ob,
+        stride_oh,
+        stride_om,
+        stride_od,
+        HEAD_DIM,
+        SPLIT,
     )

@@ -16,17 +16,50 @@ from kvb_kernels.triton.common import keep_scores, online_softmax_step, store_re
 
 @triton.jit
 def paged_attention_kernel(
-    Q, KPages, VPages, BlockTable, KVLens, Out, OPart, LsePart,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kp, stride_kh, stride_kn, stride_kd,
-    stride_vp, stride_vh, stride_vn, stride_vd,
-    stride_tb, stride_tp,
-    stride_ob, stride_oh, stride_om, stride_od,
-    qk_scale, num_kv_heads, q_len, max_kv_len, window, num_splits,
-    ROWS_KEY, KV_KEY,  # autotune keys only (bucketed sizes)
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+    Q,
+    KPages,
+    VPages,
+    BlockTable,
+    KVLens,
+    Out,
+    OPart,
+    LsePart,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kp,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vp,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_tb,
+    stride_tp,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    qk_scale,
+    num_kv_heads,
+    q_len,
+    max_kv_len,
+    window,
+    num_splits,
+    ROWS_KEY,
+    KV_KEY,  # autotune keys only (bucketed sizes)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -45,7 +78,10 @@ def paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_ptrs = (
-        Q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qm
+        Q
+        + b.to(tl.int64) * stride_qb
+        + head[:, None] * stride_qh
+        + q_idx[:, None] * stride_qm
         + offs_d[None, :] * stride_qd
     )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -72,11 +108,17 @@ def paged_attention_kernel(
         page = tl.load(table + (offs_n // PAGE_SIZE) * stride_tp, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % PAGE_SIZE
         k_ptrs = (
-            KPages + page[None, :] * stride_kp + kvh * stride_kh + slot[None, :] * stride_kn
+            KPages
+            + page[None, :] * stride_kp
+            + kvh * stride_kh
+            + slot[None, :] * stride_kn
             + offs_d[:, None] * stride_kd
         )
         v_ptrs = (
-            VPages + page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vn
+            VPages
+            + page[:, None] * stride_vp
+            + kvh * stride_vh
+            + slot[:, None] * stride_vn
             + offs_d[None, :] * stride_vd
         )
         k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -87,6 +129,27 @@ def paged_attention_kernel(
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, v, INPUT_PRECISION)
 
     store_result(
-        acc, m_i, l_i, Out, OPart, LsePart, b, head, q_idx, rows, row_ok, offs_d, d_ok, pid_bh, pid_s,
-        num_splits, n_rows, stride_ob, stride_oh, stride_om, stride_od, HEAD_DIM, SPLIT,
+        acc,
+        m_i,
+        l_i,
+        Out,
+        OPart,
+        LsePart,
+        b,
+        head,
+        q_idx,
+        rows,
+        row_ok,
+        offs_d,
+        d_ok,
+        pid_bh,
+        pid_s,
+        num_splits,
+        n_rows,
+        stride_ob,
+        stride_oh,
+        stride_om,
+        stride_od,
+        HEAD_DIM,
+        SPLIT,
     )

@@ -15,7 +15,14 @@ from kvb_kernels.backend import interpreter_enabled
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Prefill tiles follow the FA2 paper / Triton tutorial sizes for
 # sm80/sm90; decode tiles keep BLOCK_M small because a decode row block holds only q_len * group rows.
-_PREFILL = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3))
+_PREFILL = (
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (64, 64, 4, 3),
+    (128, 32, 4, 4),
+    (64, 128, 4, 3),
+)
 _DECODE = ((16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (16, 32, 2, 3))
 _INTERPRET = ((16, 16, 1, 1),)
 
@@ -50,4 +57,3 @@ def tuned(kernel_name: str, decode: bool, interpret: bool) -> triton.runtime.Aut
     else:
         raise AssertionError(f"unknown kernel {kernel_name!r}")
     return triton.autotune(configs=_configs(decode), key=AUTOTUNE_KEY)(kernel)
-
