@@ -62,10 +62,11 @@ class PagedBatch:
     decode: DecodeGroup | None
 
 
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[..., kv_heads, L, D]`` -> ``[..., heads, L, D]`` (grouped-query attention)."""
-    groups = heads // x.shape[-3]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+def _group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H, Q, D]`` -> ``[B, KVH, G * Q, D]``: each key/value head attended by its ``G`` query heads at
+    once (grouped-query attention without repeating keys and values; query rows are independent)."""
+    b, heads, q_len, d = q.shape
+    return q.reshape(b, kv_heads, (heads // kv_heads) * q_len, d)
 
 
 def _attend(
@@ -129,36 +130,35 @@ def paged_attention_forward(
     layer = module.layer_idx
     keys, values = batch.storage.keys[layer], batch.storage.values[layer]
     # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
-    keys[:, batch.slot_mapping] = key[0].to(keys.dtype)
-    values[:, batch.slot_mapping] = value[0].to(values.dtype)
-    heads = query.shape[1]
+    keys.index_copy_(1, batch.slot_mapping, key[0].to(keys.dtype))
+    values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
+    heads, kv_heads = query.shape[1], keys.shape[0]
+    groups = heads // kv_heads
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
-        q = query[:, :, seq.start : seq.start + seq.q_len]  # [1, H, q, D]
-        ctx = seq.slots.shape[0]
-        k = _expand_kv(keys[:, seq.slots], heads).unsqueeze(0)  # [1, H, ctx, D]
-        v = _expand_kv(values[:, seq.slots], heads).unsqueeze(0)
-        if ctx == seq.q_len and sliding_window is None:
+        q_len, ctx = seq.q_len, seq.slots.shape[0]
+        q = _group_queries(query[:, :, seq.start : seq.start + q_len], kv_heads)  # [1, KVH, G*q, D]
+        k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
+        v = values.index_select(1, seq.slots).unsqueeze(0)
+        if ctx == q_len and sliding_window is None and groups == 1:
             o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True)
         else:
-            mask = _causal_mask(seq.q_len, ctx, sliding_window, q.device)[None, None]
-            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap)
-        out[seq.start : seq.start + seq.q_len] = o[0].transpose(0, 1)
+            mask = _causal_mask(q_len, ctx, sliding_window, q.device).repeat(groups, 1)[None, None]
+            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap)  # [1, KVH, G*q, Dv]
+        out[seq.start : seq.start + q_len] = o[0].reshape(heads, q_len, -1).transpose(0, 1)
     group = batch.decode
     if group is not None:
         rows, width = group.slots.shape
-        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        q = query[0, :, group.rows].transpose(0, 1).reshape(rows, kv_heads, groups, -1)  # [B, KVH, G, D]
         flat = group.slots.reshape(-1)
-        k = _expand_kv(
-            keys[:, flat].view(keys.shape[0], rows, width, -1).transpose(0, 1), heads
-        )  # [B, H, L, D]
-        v = _expand_kv(values[:, flat].view(values.shape[0], rows, width, -1).transpose(0, 1), heads)
+        k = keys.index_select(1, flat).view(kv_heads, rows, width, -1).transpose(0, 1)  # [B, KVH, L, D]
+        v = values.index_select(1, flat).view(kv_heads, rows, width, -1).transpose(0, 1)
         mask = group.valid
         if sliding_window is not None:
             k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
             mask = mask & (k_pos > (group.lengths.unsqueeze(1) - 1 - sliding_window))
-        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap)  # [B, H, 1, Dv]
-        out[group.rows] = o[:, :, 0]
+        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap)  # [B, KVH, G, Dv]
+        out[group.rows] = o.reshape(rows, heads, -1)
     return out.unsqueeze(0), None
 
 
