@@ -135,3 +135,14 @@ def test_seeded_sampling_is_independent_of_the_batch(llama, tokenizer):
         ignore_eos=True,
     )
     assert mixed[0].output_ids == alone.output_ids
+
+
+def test_cpu_paged_engine_keeps_the_seed_constructor(llama, tokenizer):
+    from kvb_cache import CPUPagedEngine
+
+    engine = CPUPagedEngine.from_pretrained(
+        llama, tokenizer=tokenizer, max_cache_bytes=1 << 20, block_size=8, num_blocks=64
+    )
+    stats = engine.paged_stats()
+    assert (stats.block_size, stats.blocks_total) == (8, 64)
+    assert engine.generate(words(20), max_new_tokens=3, ignore_eos=True).completion_tokens == 3

@@ -2,6 +2,7 @@
 
 from kvb_cache._version import __version__
 from kvb_cache.config import EngineConfig
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder, TokenProcessor
 from kvb_cache.engine import KVBoost
 from kvb_cache.errors import (
@@ -13,12 +14,14 @@ from kvb_cache.errors import (
     PromptTypeError,
     UnsupportedModelError,
 )
+from kvb_cache.paged_engine import CPUPagedEngine
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
 from kvb_cache.tiers import TierConfig
 
 __all__ = [
+    "CPUPagedEngine",
     "ChunkHit",
     "ConfigError",
     "ContextLengthError",
@@ -29,8 +32,11 @@ __all__ = [
     "KVBoost",
     "KVBoostError",
     "ModelLoadError",
+    "PagedStats",
     "PromptTypeError",
     "RecomputeStrategy",
+    "RequestId",
+    "RequestOutput",
     "SamplingParams",
     "SpeculativeDecoder",
     "StitchConfig",

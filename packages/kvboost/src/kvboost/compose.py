@@ -43,6 +43,10 @@ class KVBoost(_Engine):
         remote_codec: str | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 1024,
         speculative: str | None = None,
         draft_model: str | PreTrainedModel | None = None,
         gamma: int = 5,
@@ -78,6 +82,10 @@ class KVBoost(_Engine):
             remote_codec=remote_codec,
             stitching=stitching,
             recompute_strategy=recompute_strategy,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         if speculative is None and draft_model is None:
             return engine  # type: ignore[return-value]
