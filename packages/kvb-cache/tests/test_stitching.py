@@ -22,9 +22,9 @@ def _prompts(tokenizer):
 
 
 def _probe(ids):
-    from kvb_cache.engine import _Probe
+    from kvb_cache.pool_io import probe_request
 
-    return _Probe(ids)
+    return probe_request(ids)
 
 
 def _reference(model, ids):

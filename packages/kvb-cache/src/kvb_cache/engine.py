@@ -7,11 +7,11 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation
 from kvb_cache.chunking import Chunker, natural_break_ids
@@ -26,14 +26,14 @@ from kvb_cache.emitter import Emitter
 from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
-from kvb_cache.forward import prefill
 from kvb_cache.hashing import root_hash
-from kvb_cache.live_quant import check_kv_cache_bits, is_live_quantized, quantize_live
+from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
+from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
-from kvb_cache.prepared import NextTokenLogits, PreparedPrompt, Prompt
+from kvb_cache.prepared import NextTokenLogits, Prompt
 from kvb_cache.request_checks import check_context, check_prefill_chunk_size, live_bits, tokenize_prompt
-from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
+from kvb_cache.results import GenerationResult
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
@@ -41,12 +41,12 @@ from kvb_cache.stitching import Stitcher
 from kvb_cache.stopping import StopStrings
 from kvb_cache.store import ChunkStore
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig
-from kvb_cache.writeback import WritebackResult, write_back
+from kvb_cache.transfers import CacheTransfers
 
 logger = logging.getLogger(__name__)
 
 
-class KVBoost:
+class KVBoost(EngineLoops, CacheTransfers):
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
     Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
@@ -294,159 +294,6 @@ class KVBoost:
             steps=self.core.steps,
         )
 
-    # -- loops over the engine loop ----------------------------------------------------------------------
-    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
-        """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
-
-        Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
-        the iterator early aborts the request (its computed KV stays cached).
-        """
-        prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
-        kv_cache_bits = sampling.pop("kv_cache_bits", None)
-        rid = self.add_request(
-            prompt,
-            SamplingParams.build(**sampling),
-            prefill_chunk_size=prefill_chunk_size,
-            kv_cache_bits=kv_cache_bits,
-        )
-        return self._follow(rid)
-
-    def _follow(self, rid: RequestId) -> Iterator[StreamEvent]:
-        done = False
-        try:
-            while not done:
-                out = self._next_output(rid)
-                done = out.finished
-                yield StreamEvent(
-                    delta_text=out.delta_text,
-                    token_ids=out.token_ids,
-                    logprobs=out.logprobs,
-                    result=out.result,
-                )
-        finally:
-            self._mailbox.pop(rid, None)
-            if not done:
-                self.abort(rid)
-
-    def _next_output(self, rid: RequestId) -> RequestOutput:
-        """The next output of a request followed by a library loop, stepping the engine as needed.
-
-        Several loops may share the engine (interleaved streams): outputs of the others are kept in their
-        mailboxes until they ask."""
-        box = self._mailbox.setdefault(rid, deque())
-        while not box:
-            if not self.has_unfinished():
-                raise RuntimeError(f"request {rid} ended without a final output")
-            for out in self.step():
-                self._mailbox.setdefault(out.request_id, deque()).append(out)
-        return box.popleft()
-
-    def generate(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        stop: str | list[str] | None = None,
-        seed: int | None = None,
-        logprobs: int | None = None,
-        ignore_eos: bool = False,
-        prefill_chunk_size: int | None = None,
-        kv_cache_bits: int | None = None,
-    ) -> GenerationResult:
-        """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
-
-        ``temperature=0`` is greedy. ``stop`` strings end generation and are not included in the text.
-        ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
-        ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
-        outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
-        """
-        params = SamplingParams.build(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            stop=stop,
-            seed=seed,
-            logprobs=logprobs,
-            ignore_eos=ignore_eos,
-        )
-        rid = self.add_request(
-            prompt, params, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits
-        )
-        return self._run_to_end([rid])[0]
-
-    def generate_batch(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        sampling: Sequence[dict[str, Any]] | None = None,
-        prefill_chunk_size: int | None = None,
-        kv_cache_bits: int | None = None,
-        **common: Any,
-    ) -> list[GenerationResult]:
-        """Generate for several prompts through the engine loop, each with its own sampling parameters.
-
-        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
-        :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
-        Every prompt is validated before any is queued.
-        """
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
-        if sampling is not None and len(sampling) != len(prompts):
-            raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
-        params = [
-            SamplingParams.build(**{**common, **(sampling[i] if sampling else {})})
-            for i in range(len(prompts))
-        ]
-        for prompt, p in zip(prompts, params):
-            self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
-        ids = [
-            self.add_request(prompt, p, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits)
-            for prompt, p in zip(prompts, params)
-        ]
-        return self._run_to_end(ids)
-
-    def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
-        results: dict[RequestId, GenerationResult] = {}
-        try:
-            for rid in rids:
-                while rid not in results:
-                    out = self._next_output(rid)
-                    if out.result is not None:
-                        results[rid] = out.result
-        finally:
-            for rid in rids:
-                self._mailbox.pop(rid, None)
-                if rid not in results:
-                    self.abort(rid)
-        return [results[rid] for rid in rids]
-
-    def warm(self, text: Prompt) -> WarmResult:
-        """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit."""
-        t0 = time.perf_counter()
-        ids = self._tokenize(text)
-        already = self.kv.cached_prefix_len(_Probe(ids), len(ids)) if self.kv.caching else 0
-        # One generated token makes the loop compute every prompt token (the sampled one is discarded).
-        self._run_to_end([self.add_request(ids, SamplingParams(max_new_tokens=1))])
-        chunks = sum(span.complete for span in self.chunker.split(ids))
-        done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
-        return WarmResult(
-            tokens=len(ids),
-            chunks=chunks,
-            new_chunks=chunks - done,
-            already_cached_tokens=already,
-            elapsed_ms=(time.perf_counter() - t0) * 1e3,
-        )
-
     def next_token_logits(self, prompt: Prompt) -> NextTokenLogits:
         """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached.
 
@@ -549,128 +396,8 @@ class KVBoost:
             self._store_chunks(req)
         return result
 
-    def _store_chunks(self, req: Request) -> None:
-        """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
-        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
-        probe = _Probe(ids)
-        hit = self.kv.admit(probe, max_tokens=len(ids))
-        try:
-            if hit.tokens == len(ids):
-                slots = self.kv.slots(probe, len(ids))
-                write_back(
-                    self.store,
-                    self.chunker,
-                    self.root,
-                    ids,
-                    dense_cache(self.kv.storage.read(slots)),
-                    num_layers=self.traits.num_layers,
-                    store_partial_tail=self.config.store_partial_tail,
-                )
-        finally:
-            self.kv.free(probe)
-
-    def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
-        """The cached prefix of ``ids`` as a private ``DynamicCache`` (solo requests); ``stitch`` also reuses
-        non-prefix chunks (when ``config.stitching`` is set)."""
-        spans = tuple(self.chunker.split(ids))
-        probe = _Probe(ids)
-        hit = self.kv.admit(probe, max_tokens=max_reuse)
-        try:
-            kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
-        finally:
-            self.kv.free(probe)
-        cache = dense_cache(kv) if kv is not None else DynamicCache()
-        prepared = PreparedPrompt(
-            ids=ids,
-            spans=spans,
-            cache=cache,
-            cached_tokens=hit.tokens,
-            chunks=generation.chunk_hits(spans, hit.tokens),
-        )
-        if stitch:
-            self.stitcher.extend(prepared, max_reuse=max_reuse)
-        return prepared
-
-    def _stitched_logits(self, ids: list[int]) -> NextTokenLogits:
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
-        with torch.inference_mode():
-            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
-            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
-            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
-        self.store_sequence(prepared.storable(ids), prepared.cache)
-        return NextTokenLogits(
-            logits=logits,
-            cached_tokens=prepared.served_tokens,
-            prompt_tokens=len(ids),
-            recomputed_tokens=prepared.recomputed_tokens,
-        )
-
-    def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
-        """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
-        if bits is not None:
-            prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
-
-    def store_sequence(self, ids: Sequence[int], cache: Cache) -> WritebackResult:
-        """Cache the KV of ``ids`` held in ``cache`` positions ``[0, len(ids))`` (batch row 0) in the pool.
-
-        A live-quantized cache (``kv_cache_bits`` 8/4) is never stored: its KV is approximate, so under the
-        engine's prefix keys it would turn later exact hits into approximate ones.
-        """
-        ids = list(ids)
-        if is_live_quantized(cache) or not ids or not self.kv.caching:
-            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
-        length = {layer.get_seq_length() for layer in cache.layers}
-        if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
-            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
-        probe = _Probe(ids)
-        hit = self.kv.admit(probe, max_tokens=len(ids))
-        try:
-            if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
-                layers = [
-                    (layer.keys[:1, :, hit.tokens : len(ids)], layer.values[:1, :, hit.tokens : len(ids)])
-                    for layer in cache.layers
-                ]
-                self.kv.storage.write(self.kv.slots(probe, len(ids))[hit.tokens :], layers)
-                probe.num_computed = len(ids)
-                self.kv.commit(probe)
-        finally:
-            self.kv.free(probe)
-        if self.config.stitching is not None:
-            write_back(
-                self.store,
-                self.chunker,
-                self.root,
-                ids,
-                cache,
-                num_layers=self.traits.num_layers,
-                store_partial_tail=self.config.store_partial_tail,
-            )
-        complete = sum(span.complete for span in self.chunker.split(ids))
-        done = sum(span.complete and span.end <= hit.tokens for span in self.chunker.split(ids))
-        return WritebackResult(
-            stored_chunks=complete,
-            new_chunks=complete - done,
-            partial_tail=bool(ids) and not self.chunker.split(ids)[-1].complete,
-        )
-
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
-
-
-def _Probe(ids: Sequence[int]) -> Request:
-    """A request that only looks up or stores KV (no sampling state)."""
-    return Request(
-        request_id=RequestId("probe"),
-        tokens=list(ids),
-        prompt_len=len(ids),
-        params=_GREEDY,
-        processor=None,
-        emitter=None,
-        arrival=0.0,
-    )  # type: ignore[arg-type]
-
-
-_GREEDY = SamplingParams(max_new_tokens=1)
 
 
 def new_request(
@@ -700,11 +427,3 @@ def new_request(
         prefill_chunk_size=prefill_chunk_size,
         spans=tuple(engine.chunker.split(ids)),
     )
-
-
-def dense_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A ``DynamicCache`` holding ``layers`` (``[1, kv_heads, seq, dim]`` each) without another copy."""
-    cache = DynamicCache([(k[:, :, :0], v[:, :, :0]) for k, v in layers])
-    for layer, (k, v) in zip(cache.layers, layers):
-        layer.keys, layer.values = k, v
-    return cache

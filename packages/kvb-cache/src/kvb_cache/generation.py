@@ -1,77 +1,27 @@
-"""One request from prepared prompt ids to streamed tokens: prefill, decode loop, stop handling, store."""
+"""A solo request (its own ``transformers`` cache): prefill, decode loop, stop handling, store.
+
+The engine loop advances it one event per step beside the batched forward (see ``core/engine_core.py``):
+speculative decoding, per-request quantized KV and stitched prompts need a private cache.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvb_cache.detokenize import IncrementalDetokenizer
+from kvb_cache.emitter import Emitter, token_logprob
 from kvb_cache.forward import decode_step, prefill
-from kvb_cache.results import ChunkHit, FinishReason, GenerationResult, StreamEvent, TokenLogprob
+from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stopping import StopStrings
 
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost
     from kvb_cache.prepared import PreparedPrompt
-
-
-@dataclass(slots=True)
-class _Emitter:
-    """Turns chosen tokens into text deltas, applying stop strings and end-of-sequence."""
-
-    detok: IncrementalDetokenizer
-    stops: StopStrings
-    eos: frozenset[int]
-    max_new: int
-    text: str = ""
-    sent: int = 0
-    finish: FinishReason | None = None
-    stop_reason: str | None = None
-
-    def push(self, token: int, produced: int) -> str:
-        """Account for one generated token; return the text now safe to stream."""
-        if token in self.eos:
-            self.text += self.detok.flush()
-            return self._finish("stop", len(self.text))
-        before = len(self.text)
-        self.text += self.detok.push(token)
-        match = self.stops.find(self.text, before)
-        if match is not None:
-            self.stop_reason = match.stop
-            return self._finish("stop", match.index)
-        if produced >= self.max_new:
-            self.text += self.detok.flush()
-            match = self.stops.find(self.text, before)
-            if match is not None:
-                self.stop_reason = match.stop
-                return self._finish("stop", match.index)
-            return self._finish("length", len(self.text))
-        safe = len(self.text) - self.stops.holdback(self.text)
-        delta, self.sent = self.text[self.sent : safe], max(self.sent, safe)
-        return delta
-
-    def _finish(self, reason: FinishReason, end: int) -> str:
-        self.finish = reason
-        self.text = self.text[:end]
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
-
-
-def token_logprob(engine: KVBoost, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """Log-probability of ``token`` under the model's raw next-token distribution ``logits`` ``[V]``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    alternatives: tuple[tuple[int, str, float], ...] = ()
-    if top:
-        values, indices = torch.topk(logp, top)
-        alternatives = tuple((int(i), engine.token_text(int(i)), float(v)) for v, i in zip(values, indices))
-    return TokenLogprob(
-        token_id=token, token=engine.token_text(token), logprob=float(logp[token]), top=alternatives
-    )
 
 
 def run(
@@ -85,7 +35,7 @@ def run(
     hist = torch.empty(n + params.max_new_tokens, dtype=torch.long, device=device)
     hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
     processor = RequestProcessor(params, prompt_len=n, device=device)
-    emitter = _Emitter(
+    emitter = Emitter(
         detok=IncrementalDetokenizer(engine.tokenizer),
         stops=StopStrings(params.stop),
         eos=frozenset() if params.ignore_eos else engine.eos_token_ids,

@@ -1,0 +1,184 @@
+"""Library loops over the engine loop: ``generate``, ``stream``, ``generate_batch``, ``warm``.
+
+Each is a thin loop over :meth:`~kvb_cache.engine.KVBoost.add_request` and ``step``. Several may interleave
+(open streams share steps): outputs of other requests wait in per-request mailboxes until their loop reads
+them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvb_cache.core.outputs import RequestId, RequestOutput
+from kvb_cache.errors import InvalidRequestError
+from kvb_cache.pool_io import probe_request
+from kvb_cache.prepared import Prompt
+from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
+from kvb_cache.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvb_cache.core.engine_core import EngineCore
+    from kvb_cache.core.kv_manager import KVCacheManager
+
+
+class EngineLoops:
+    """Mixed into :class:`~kvb_cache.engine.KVBoost`; relies on its loop API and tokenizer."""
+
+    core: EngineCore
+    kv: KVCacheManager
+    _mailbox: dict[RequestId, deque[RequestOutput]]
+
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
+        """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
+
+        Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
+        the iterator early aborts the request (its computed KV stays cached).
+        """
+        prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
+        kv_cache_bits = sampling.pop("kv_cache_bits", None)
+        rid = self.add_request(
+            prompt,
+            SamplingParams.build(**sampling),
+            prefill_chunk_size=prefill_chunk_size,
+            kv_cache_bits=kv_cache_bits,
+        )
+        return self._follow(rid)
+
+    def _follow(self, rid: RequestId) -> Iterator[StreamEvent]:
+        done = False
+        try:
+            while not done:
+                out = self._next_output(rid)
+                done = out.finished
+                yield StreamEvent(
+                    delta_text=out.delta_text,
+                    token_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    result=out.result,
+                )
+        finally:
+            self._mailbox.pop(rid, None)
+            if not done:
+                self.abort(rid)
+
+    def _next_output(self, rid: RequestId) -> RequestOutput:
+        """The next output of a request followed by a library loop, stepping the engine as needed.
+
+        Several loops may share the engine (interleaved streams): outputs of the others are kept in their
+        mailboxes until they ask."""
+        box = self._mailbox.setdefault(rid, deque())
+        while not box:
+            if not self.has_unfinished():
+                raise RuntimeError(f"request {rid} ended without a final output")
+            for out in self.step():
+                self._mailbox.setdefault(out.request_id, deque()).append(out)
+        return box.popleft()
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+    ) -> GenerationResult:
+        """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
+
+        ``temperature=0`` is greedy. ``stop`` strings end generation and are not included in the text.
+        ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
+        ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
+        outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
+        """
+        params = SamplingParams.build(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            stop=stop,
+            seed=seed,
+            logprobs=logprobs,
+            ignore_eos=ignore_eos,
+        )
+        rid = self.add_request(
+            prompt, params, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits
+        )
+        return self._run_to_end([rid])[0]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        sampling: Sequence[dict[str, Any]] | None = None,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+        **common: Any,
+    ) -> list[GenerationResult]:
+        """Generate for several prompts through the engine loop, each with its own sampling parameters.
+
+        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
+        :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
+        Every prompt is validated before any is queued.
+        """
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
+        if sampling is not None and len(sampling) != len(prompts):
+            raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
+        params = [
+            SamplingParams.build(**{**common, **(sampling[i] if sampling else {})})
+            for i in range(len(prompts))
+        ]
+        for prompt, p in zip(prompts, params):
+            self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
+        ids = [
+            self.add_request(prompt, p, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits)
+            for prompt, p in zip(prompts, params)
+        ]
+        return self._run_to_end(ids)
+
+    def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
+        results: dict[RequestId, GenerationResult] = {}
+        try:
+            for rid in rids:
+                while rid not in results:
+                    out = self._next_output(rid)
+                    if out.result is not None:
+                        results[rid] = out.result
+        finally:
+            for rid in rids:
+                self._mailbox.pop(rid, None)
+                if rid not in results:
+                    self.abort(rid)
+        return [results[rid] for rid in rids]
+
+    def warm(self, text: Prompt) -> WarmResult:
+        """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit."""
+        t0 = time.perf_counter()
+        ids = self._tokenize(text)
+        already = self.kv.cached_prefix_len(probe_request(ids), len(ids)) if self.kv.caching else 0
+        # One generated token makes the loop compute every prompt token (the sampled one is discarded).
+        self._run_to_end([self.add_request(ids, SamplingParams(max_new_tokens=1))])
+        chunks = sum(span.complete for span in self.chunker.split(ids))
+        done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
+        return WarmResult(
+            tokens=len(ids),
+            chunks=chunks,
+            new_chunks=chunks - done,
+            already_cached_tokens=already,
+            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+        )

@@ -1,0 +1,144 @@
+"""Private ``transformers`` caches to and from the pool: solo requests' prefixes, stores, stitching.
+
+Mixed into :class:`~kvb_cache.engine.KVBoost`. Solo requests (speculative, per-request quantized KV,
+stitched) run on a ``DynamicCache`` assembled from the pool's exact prefix, and write their exact KV back;
+stitching engines also keep finished requests' chunks in a content-indexed ``ChunkStore``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import Cache, DynamicCache
+
+from kvb_cache import generation
+from kvb_cache.forward import prefill
+from kvb_cache.live_quant import is_live_quantized, quantize_live
+from kvb_cache.pool_io import dense_cache, probe_request
+from kvb_cache.prepared import NextTokenLogits, PreparedPrompt
+from kvb_cache.writeback import WritebackResult, write_back
+
+if TYPE_CHECKING:
+    from kvb_cache.chunking import Chunker
+    from kvb_cache.config import EngineConfig
+    from kvb_cache.core.kv_manager import KVCacheManager
+    from kvb_cache.core.request import Request
+    from kvb_cache.model_traits import ModelTraits
+    from kvb_cache.stitching import Stitcher
+    from kvb_cache.store import ChunkStore
+
+
+class CacheTransfers:
+    kv: KVCacheManager
+    chunker: Chunker
+    config: EngineConfig
+    traits: ModelTraits
+    stitcher: Stitcher
+    store: ChunkStore
+    root: bytes
+
+    def _store_chunks(self, req: Request) -> None:
+        """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
+        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+        probe = probe_request(ids)
+        hit = self.kv.admit(probe, max_tokens=len(ids))
+        try:
+            if hit.tokens == len(ids):
+                slots = self.kv.slots(probe, len(ids))
+                write_back(
+                    self.store,
+                    self.chunker,
+                    self.root,
+                    ids,
+                    dense_cache(self.kv.storage.read(slots)),
+                    num_layers=self.traits.num_layers,
+                    store_partial_tail=self.config.store_partial_tail,
+                )
+        finally:
+            self.kv.free(probe)
+
+    def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
+        """The cached prefix of ``ids`` as a private ``DynamicCache`` (solo requests); ``stitch`` also reuses
+        non-prefix chunks (when ``config.stitching`` is set)."""
+        spans = tuple(self.chunker.split(ids))
+        probe = probe_request(ids)
+        hit = self.kv.admit(probe, max_tokens=max_reuse)
+        try:
+            kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
+        finally:
+            self.kv.free(probe)
+        cache = dense_cache(kv) if kv is not None else DynamicCache()
+        prepared = PreparedPrompt(
+            ids=ids,
+            spans=spans,
+            cache=cache,
+            cached_tokens=hit.tokens,
+            chunks=generation.chunk_hits(spans, hit.tokens),
+        )
+        if stitch:
+            self.stitcher.extend(prepared, max_reuse=max_reuse)
+        return prepared
+
+    def _stitched_logits(self, ids: list[int]) -> NextTokenLogits:
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
+        with torch.inference_mode():
+            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
+            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
+            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
+        self.store_sequence(prepared.storable(ids), prepared.cache)
+        return NextTokenLogits(
+            logits=logits,
+            cached_tokens=prepared.served_tokens,
+            prompt_tokens=len(ids),
+            recomputed_tokens=prepared.recomputed_tokens,
+        )
+
+    def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
+        """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
+        if bits is not None:
+            prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
+
+    def store_sequence(self, ids: Sequence[int], cache: Cache) -> WritebackResult:
+        """Cache the KV of ``ids`` held in ``cache`` positions ``[0, len(ids))`` (batch row 0) in the pool.
+
+        A live-quantized cache (``kv_cache_bits`` 8/4) is never stored: its KV is approximate, so under the
+        engine's prefix keys it would turn later exact hits into approximate ones.
+        """
+        ids = list(ids)
+        if is_live_quantized(cache) or not ids or not self.kv.caching:
+            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+        length = {layer.get_seq_length() for layer in cache.layers}
+        if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
+            return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+        probe = probe_request(ids)
+        hit = self.kv.admit(probe, max_tokens=len(ids))
+        try:
+            if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
+                layers = [
+                    (layer.keys[:1, :, hit.tokens : len(ids)], layer.values[:1, :, hit.tokens : len(ids)])
+                    for layer in cache.layers
+                ]
+                self.kv.storage.write(self.kv.slots(probe, len(ids))[hit.tokens :], layers)
+                probe.num_computed = len(ids)
+                self.kv.commit(probe)
+        finally:
+            self.kv.free(probe)
+        if self.config.stitching is not None:
+            write_back(
+                self.store,
+                self.chunker,
+                self.root,
+                ids,
+                cache,
+                num_layers=self.traits.num_layers,
+                store_partial_tail=self.config.store_partial_tail,
+            )
+        complete = sum(span.complete for span in self.chunker.split(ids))
+        done = sum(span.complete and span.end <= hit.tokens for span in self.chunker.split(ids))
+        return WritebackResult(
+            stored_chunks=complete,
+            new_chunks=complete - done,
+            partial_tail=bool(ids) and not self.chunker.split(ids)[-1].complete,
+        )
