@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 
 from kvb_cache.forward import prefill
-from kvb_cache.kv import assemble_cache
-from kvb_cache.lookup import chunk_keys, match_prefix
 from kvboost import KVBoost
 from kvboost.replay import SYSTEM_PROMPT, chat_turns, load_user_turns
 
@@ -51,20 +49,18 @@ def hf_ttft(engine: KVBoost, messages) -> None:
 
 
 def floor_ms(engine: KVBoost, ids: list[int], repeats: int) -> tuple[float, int]:
-    """Cache copy + suffix-only forward for the prefix the engine would reuse right now."""
-    spans = engine.chunker.split(ids)
-    match = match_prefix(
-        engine.store, engine.root, ids, chunk_keys(engine.root, ids, spans), max_tokens=len(ids) - 1
-    )
+    """Copy of the cached prefix out of the pool + suffix-only forward, for the prefix the engine would reuse
+    right now (the physical floor of a cache hit: no scheduling, no sampling)."""
+    cached = engine._prepare(ids, max_reuse=len(ids) - 1).cached_tokens
 
     def run() -> None:
-        cache = assemble_cache(match.pieces, engine.traits.num_layers)
+        cache = engine._prepare(ids, max_reuse=len(ids) - 1).cache
         with torch.inference_mode():
-            suffix = torch.tensor([ids[match.cached_tokens :]])
-            positions = torch.arange(match.cached_tokens, len(ids)).unsqueeze(0)
+            suffix = torch.tensor([ids[cached:]])
+            positions = torch.arange(cached, len(ids)).unsqueeze(0)
             int(prefill(engine.model, engine.traits, cache, suffix, positions)[0].argmax())
 
-    return timed(run, repeats), match.cached_tokens
+    return timed(run, repeats), cached
 
 
 def kvboost_turn(engine: KVBoost, messages, max_new_tokens: int):
