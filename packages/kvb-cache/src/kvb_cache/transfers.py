@@ -43,7 +43,7 @@ class CacheTransfers:
         """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
         ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
         probe = probe_request(ids)
-        hit = self.kv.admit(probe, max_tokens=len(ids))
+        hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
             if hit.tokens == len(ids):
                 slots = self.kv.slots(probe, len(ids))
@@ -64,7 +64,7 @@ class CacheTransfers:
         non-prefix chunks (when ``config.stitching`` is set)."""
         spans = tuple(self.chunker.split(ids))
         probe = probe_request(ids)
-        hit = self.kv.admit(probe, max_tokens=max_reuse)
+        hit = self.kv.admit(probe, max_tokens=max_reuse, count=False)
         try:
             kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
         finally:
@@ -113,7 +113,7 @@ class CacheTransfers:
         if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
             return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
         probe = probe_request(ids)
-        hit = self.kv.admit(probe, max_tokens=len(ids))
+        hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
             if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
                 layers = [

@@ -89,7 +89,9 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Evictable blocks that still hold indexed KV."""
-        return sum(1 for b in self._free if self.blocks[b].indexed)
+        # list() snapshots the queue in one C call: stats readers on other threads (the server's /metrics)
+        # never iterate it while the engine thread changes it.
+        return sum(1 for b in list(self._free) if self.blocks[b].indexed)
 
     def lookup(self, block_hash: ChunkHash) -> Block | None:
         """The full block cached under ``block_hash`` (used or not), or None."""

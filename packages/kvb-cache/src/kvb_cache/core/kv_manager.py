@@ -79,14 +79,16 @@ class KVCacheManager:
         return n * self.block_size
 
     # ------------------------------------------------------------------------------------ admission
-    def admit(self, req: Request, *, max_tokens: int) -> PrefixHit:
+    def admit(self, req: Request, *, max_tokens: int, count: bool = True) -> PrefixHit:
         """Map the longest cached prefix of ``req.tokens[:max_tokens]`` onto ``req.blocks``.
 
-        ``req`` must hold no blocks. Sets ``req.num_computed`` to the reused token count.
+        ``req`` must hold no blocks. Sets ``req.num_computed`` to the reused token count. ``count``: add
+        to the prefix-cache query/hit counters (False for the engine's own lookups and stores).
         """
         assert not req.blocks and req.num_computed == 0
         bs = self.block_size
-        self.queries += max_tokens
+        if count:
+            self.queries += max_tokens
         if not self.caching:
             return PrefixHit(tokens=0, full_blocks=0, partial=0, promoted=0)
         hashes = self.hashes(req, max_tokens)
@@ -102,7 +104,8 @@ class KVCacheManager:
         covered = len(req.blocks) * bs
         partial = self._tail_match(req, covered, max_tokens)
         req.num_computed = covered + partial
-        self.hits += req.num_computed
+        if count:
+            self.hits += req.num_computed
         return PrefixHit(tokens=req.num_computed, full_blocks=full, partial=partial, promoted=promoted)
 
     def _promote(self, req: Request, hashes: Sequence[ChunkHash]) -> int:
