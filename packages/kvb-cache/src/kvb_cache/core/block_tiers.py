@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvb_cache.config import EngineConfig
 from kvb_cache.hashing import ChunkHash
-from kvb_cache.records import RecordError, RecordFormat, decode_record, encode_record
+from kvb_cache.records import RecordError, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
 from kvb_cache.tiers.tiered import LowerTier
@@ -33,31 +33,12 @@ class BlockTiers:
     @classmethod
     def from_config(cls, config: EngineConfig, *, fingerprint: str) -> BlockTiers | None:
         """The tiers ``config.tiers`` asks for, or None when it asks for none."""
-        from kvb_cache.codecs import codec_from_name
-        from kvb_cache.tiers.disk import DiskTier
-        from kvb_cache.tiers.factory import storage_codec
-        from kvb_cache.tiers.remote import RedisTier
+        from kvb_cache.tiers.factory import lower_tiers
 
         tiers = config.tiers
         if tiers is None or not tiers.enabled:
             return None
-        codec = storage_codec(config)
-        lower: list[LowerTier] = []
-        if tiers.disk_cache_dir is not None:
-            disk = DiskTier(tiers.disk_cache_dir, namespace=fingerprint, max_bytes=tiers.disk_cache_bytes)
-            lower.append(LowerTier(tier=disk, format=RecordFormat(fingerprint=fingerprint, codec=codec)))
-        if tiers.remote_url is not None:
-            remote = RedisTier(
-                tiers.remote_url,
-                namespace=fingerprint,
-                ttl_s=tiers.remote_ttl_s,
-                timeout_s=tiers.remote_timeout_s,
-            )
-            remote_codec = codec_from_name(tiers.remote_codec) if tiers.remote_codec else codec
-            lower.append(
-                LowerTier(tier=remote, format=RecordFormat(fingerprint=fingerprint, codec=remote_codec))
-            )
-        return cls(lower, BackgroundWriter(tiers.max_pending_writes))
+        return cls(lower_tiers(config, fingerprint=fingerprint), BackgroundWriter(tiers.max_pending_writes))
 
     def fetch(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
         """Dense KV of the longest leading run of ``keys`` that some tier holds (valid records only)."""

@@ -33,6 +33,18 @@ def build_store(config: EngineConfig, *, fingerprint: str, root: ChunkHash) -> C
     tiers = config.tiers
     if codec.exact and (tiers is None or not tiers.enabled):
         return ChunkStore(config.max_cache_bytes)
+    lower = lower_tiers(config, fingerprint=fingerprint)
+    writer = BackgroundWriter(tiers.max_pending_writes if tiers is not None else 256)
+    ram = ChunkStore(config.max_cache_bytes)
+    store = TieredStore(ram, root=root, codec=codec, lower=lower, writer=writer)
+    ram.on_evict = store.demote
+    return store
+
+
+def lower_tiers(config: EngineConfig, *, fingerprint: str) -> list[LowerTier]:
+    """The disk and Redis tiers ``config.tiers`` asks for, in lookup order (fastest first)."""
+    codec = storage_codec(config)
+    tiers = config.tiers
     lower: list[LowerTier] = []
     if tiers is not None and tiers.disk_cache_dir is not None:
         disk = DiskTier(tiers.disk_cache_dir, namespace=fingerprint, max_bytes=tiers.disk_cache_bytes)
@@ -46,8 +58,4 @@ def build_store(config: EngineConfig, *, fingerprint: str, root: ChunkHash) -> C
         )
         remote_codec = codec_from_name(tiers.remote_codec) if tiers.remote_codec else codec
         lower.append(LowerTier(tier=remote, format=RecordFormat(fingerprint=fingerprint, codec=remote_codec)))
-    writer = BackgroundWriter(tiers.max_pending_writes if tiers is not None else 256)
-    ram = ChunkStore(config.max_cache_bytes)
-    store = TieredStore(ram, root=root, codec=codec, lower=lower, writer=writer)
-    ram.on_evict = store.demote
-    return store
+    return lower
