@@ -98,7 +98,9 @@ def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):
     monkeypatch.setattr(model.model.layers[1], "forward", failing)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate(prompt, max_new_tokens=4)
-    assert len(engine.store) == 0  # layer 0 had new KV, layer 1 did not: nothing was trusted
+    # Layer 0 wrote new KV into the pool, layer 1 did not: no block was indexed, every block was returned.
+    stats = engine.paged_stats()
+    assert (stats.blocks_cached, stats.blocks_used, engine.has_unfinished()) == (0, 0, False)
     monkeypatch.undo()
     reference = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16)).generate(
         prompt, max_new_tokens=6, ignore_eos=True

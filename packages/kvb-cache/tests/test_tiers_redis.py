@@ -185,7 +185,7 @@ CHILD = textwrap.dedent(
     tok = AutoTokenizer.from_pretrained(folder)
     engine = KVBoost(model, tok, config=EngineConfig(chunk_size=16, tiers=TierConfig(remote_url=url)))
     result = engine.generate(prompt, max_new_tokens=12, ignore_eos=True)
-    engine.store.flush()
+    engine.flush()
     print(json.dumps({"ids": result.output_ids, "cached": result.cached_tokens}))
     """
 )
@@ -228,4 +228,4 @@ def test_engine_survives_redis_stopping_mid_run(redis_server, llama, tokenizer):
     expected = reference.generate(prompt, max_new_tokens=8, ignore_eos=True)
     assert second.cached_tokens == 0
     assert first.output_ids == second.output_ids == expected.output_ids
-    assert engine.store.lower[0].tier.stats().errors >= 1
+    assert engine.tiers.lower[0].tier.stats().errors >= 1
