@@ -59,9 +59,9 @@ class BlockTiers:
             run.append(entry.dense())
         return run
 
-    def write_behind(self, entry: ChunkEntry, *, skip: int = 0) -> None:
-        """Queue ``entry`` for every tier from index ``skip`` on; a full queue drops it (counted)."""
-        tiers = self.lower[skip:]
+    def write_behind(self, entry: ChunkEntry) -> None:
+        """Queue ``entry`` for every tier; a full queue drops it (counted)."""
+        tiers = self.lower
         if tiers and not self.writer.submit(lambda: self._store(entry, tiers)):
             for lower in tiers:
                 lower.tier.counters.add("dropped")

@@ -19,7 +19,7 @@ import torch
 
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.core.request import Request, RequestStatus
+from kvb_cache.core.request import Request
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
@@ -151,6 +151,3 @@ class EngineCore:
     @property
     def running(self) -> int:
         return len(self.scheduler.running) + len(self.solo)
-
-    def is_running(self, req: Request) -> bool:
-        return req.status is RequestStatus.RUNNING

@@ -237,8 +237,5 @@ class KVCacheManager:
             start=start,
         )
 
-    def used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
-
     def clear(self) -> None:
         self.pool.reset()
