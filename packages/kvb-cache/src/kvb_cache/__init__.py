@@ -6,6 +6,7 @@ from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder, TokenProcessor
 from kvb_cache.engine import KVBoost
 from kvb_cache.errors import (
+    CacheBusyError,
     ConfigError,
     ContextLengthError,
     InvalidRequestError,
@@ -22,6 +23,7 @@ from kvb_cache.tiers import TierConfig
 
 __all__ = [
     "CPUPagedEngine",
+    "CacheBusyError",
     "ChunkHit",
     "ConfigError",
     "ContextLengthError",

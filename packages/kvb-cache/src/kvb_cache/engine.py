@@ -26,13 +26,20 @@ from kvb_cache.emitter import Emitter
 from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
-from kvb_cache.hashing import root_hash
+from kvb_cache.hashing import ChunkHash, root_hash, salted_root
+from kvb_cache.lifecycle import EngineLifecycle
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.prepared import NextTokenLogits, Prompt
-from kvb_cache.request_checks import check_context, check_prefill_chunk_size, live_bits, tokenize_prompt
+from kvb_cache.request_checks import (
+    check_cache_salt,
+    check_context,
+    check_prefill_chunk_size,
+    live_bits,
+    tokenize_prompt,
+)
 from kvb_cache.results import GenerationResult
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.stats import EngineCounters
@@ -46,7 +53,7 @@ from kvb_cache.transfers import CacheTransfers
 logger = logging.getLogger(__name__)
 
 
-class KVBoost(EngineLoops, CacheTransfers):
+class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle):
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
     Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
@@ -56,6 +63,13 @@ class KVBoost(EngineLoops, CacheTransfers):
     cached (generated text included) for the next turn. :meth:`generate`, :meth:`stream`,
     :meth:`generate_batch` and :meth:`warm` are loops over it; several of them may interleave (open
     streams share steps).
+
+    Tenants: a request's ``cache_salt`` roots its hash chain, so requests with different salts (or a salt
+    and none) never share cached KV in any tier; equal salts share as unsalted requests do.
+
+    Lifecycle: :meth:`close` (or ``with``) drains queued disk/Redis writes and closes the tiers; an engine
+    still alive at interpreter exit is closed by an ``atexit`` hook, bounded by
+    ``TierConfig.exit_flush_timeout_s``. :meth:`reset_cache` forgets every cached prefix (admin).
 
     Not thread-safe: call it from one thread (the server's worker thread, or your own loop).
     """
@@ -105,6 +119,7 @@ class KVBoost(EngineLoops, CacheTransfers):
         self._ids = itertools.count()
         # Outputs of requests followed by library loops (stream/generate), until their loop reads them.
         self._mailbox: dict[RequestId, deque[RequestOutput]] = {}
+        self._register_exit_flush()
 
     @classmethod
     def from_pretrained(
@@ -130,6 +145,7 @@ class KVBoost(EngineLoops, CacheTransfers):
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
+        exit_flush_timeout_s: float = 10.0,
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
 
@@ -151,12 +167,15 @@ class KVBoost(EngineLoops, CacheTransfers):
                 ``"none"``, ``"selective"`` or ``"cacheblend"``.
             block_size, num_blocks, max_num_seqs, max_num_batched_tokens: the paged pool and the scheduler
                 (see :class:`EngineConfig`).
+            exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued
+                disk/Redis writes.
         """
         tiers = TierConfig(
             disk_cache_dir=disk_cache_dir,
             disk_cache_bytes=disk_cache_bytes,
             remote_url=remote_url,
             remote_codec=remote_codec,
+            exit_flush_timeout_s=exit_flush_timeout_s,
         )
         if recompute_strategy is not None:
             if stitching is not None and stitching.recompute_strategy != recompute_strategy:
@@ -229,8 +248,12 @@ class KVBoost(EngineLoops, CacheTransfers):
         request_id: str | None = None,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
     ) -> RequestId:
         """Queue a request; it joins the running batch at the next :meth:`step`.
+
+        ``cache_salt`` (vLLM's name) isolates a tenant: it roots the request's prefix-hash chain, so only
+        requests with the same salt share its cached KV (RAM, stitching store, disk and Redis records).
 
         Raises (synchronously, nothing queued): :class:`InvalidRequestError`, :class:`PromptTypeError`,
         :class:`ContextLengthError` for bad input or a request larger than the pool.
@@ -241,6 +264,7 @@ class KVBoost(EngineLoops, CacheTransfers):
             raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
         prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
         bits = live_bits(check_kv_cache_bits(kv_cache_bits))
+        root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
         self._check_context(len(ids), params.max_new_tokens)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
@@ -248,7 +272,7 @@ class KVBoost(EngineLoops, CacheTransfers):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
         speculative = self.drafter is not None and params.logprobs is None
         if speculative or bits is not None or self.config.stitching is not None:
-            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
+            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
             if speculative or bits is not None or prepared.exact_until is not None:
                 prepared.prefill_chunk_size = prefill_chunk_size
                 self._apply_kv_bits(prepared, bits)
@@ -263,7 +287,9 @@ class KVBoost(EngineLoops, CacheTransfers):
                 max_new_tokens=params.max_new_tokens,
                 context_length=self.kv.pool.num_blocks * self.kv.block_size,
             )
-        self.core.add(new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size))
+        self.core.add(
+            new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        )
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -294,16 +320,18 @@ class KVBoost(EngineLoops, CacheTransfers):
             steps=self.core.steps,
         )
 
-    def next_token_logits(self, prompt: Prompt) -> NextTokenLogits:
-        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached.
+    def next_token_logits(self, prompt: Prompt, *, cache_salt: str | None = None) -> NextTokenLogits:
+        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached
+        (under ``cache_salt``'s chain).
 
         The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
         """
+        root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
         if self.config.stitching is not None:
-            return self._stitched_logits(ids)
+            return self._stitched_logits(ids, root=root)
         rid = RequestId(f"logits-{next(self._ids)}")
-        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), time.perf_counter())
+        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), time.perf_counter(), root=root)
         req.capture_logits = True
         self.core.add(req)
         result = self._run_to_end([rid])[0]
@@ -340,25 +368,9 @@ class KVBoost(EngineLoops, CacheTransfers):
         return verify_correctness(self, prompts, new_tokens=new_tokens)
 
     def clear_cache(self) -> None:
-        """Forget every cached block (RAM); lower tiers keep their records."""
+        """Forget every cached block (RAM); lower tiers keep their records. See also :meth:`reset_cache`."""
         self.kv.clear()
         self.store.clear()
-
-    def flush(self) -> None:
-        """Wait until queued tier writes reached disk/Redis."""
-        if self.tiers is not None:
-            self.tiers.flush()
-
-    def close(self) -> None:
-        """Flush queued tier writes and close the tiers (the engine keeps serving from RAM afterwards)."""
-        if self.tiers is not None:
-            self.tiers.close()
-
-    def __enter__(self) -> KVBoost:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------------------------------- internals
     @property
@@ -368,6 +380,11 @@ class KVBoost(EngineLoops, CacheTransfers):
             k[:, : storage.block_size].nbytes + v[:, : storage.block_size].nbytes
             for k, v in zip(storage.keys, storage.values)
         )
+
+    def _salted_root(self, cache_salt: object) -> ChunkHash | None:
+        """The chain root of requests with ``cache_salt`` (validated); None for unsalted requests."""
+        salt = check_cache_salt(cache_salt)
+        return None if salt is None else salted_root(self.root, salt)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize_prompt(self.tokenizer, self.model, prompt)
@@ -408,8 +425,9 @@ def new_request(
     t0: float,
     *,
     prefill_chunk_size: int | None = None,
+    root: ChunkHash | None = None,
 ) -> Request:
-    """A loop request with its sampling processor and text emitter."""
+    """A loop request with its sampling processor and text emitter (``root``: its salted chain root)."""
     emitter = Emitter(
         detok=IncrementalDetokenizer(engine.tokenizer),
         stops=StopStrings(params.stop),
@@ -426,4 +444,5 @@ def new_request(
         arrival=t0,
         prefill_chunk_size=prefill_chunk_size,
         spans=tuple(engine.chunker.split(ids)),
+        root=root,
     )

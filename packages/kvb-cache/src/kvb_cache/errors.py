@@ -48,3 +48,13 @@ class UnsupportedModelError(KVBoostError):
 
 class ConfigError(KVBoostError, ValueError):
     """An engine configuration value is invalid."""
+
+
+class CacheBusyError(KVBoostError):
+    """The cache cannot be reset now: running or waiting requests hold blocks (retry when the engine is
+    idle, or abort them first)."""
+
+    def __init__(self, message: str, *, running: int, waiting: int) -> None:
+        super().__init__(message)
+        self.running = running
+        self.waiting = waiting

@@ -89,13 +89,17 @@ def run(
                 tokens.close()
         stored = True
         engine.store_sequence(
-            prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache
+            prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids),
+            cache,
+            root=prepared.root,
         )
     finally:
         if not stored:
             # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
             engine.store_sequence(
-                prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache
+                prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids),
+                cache,
+                root=prepared.root,
             )
     result = GenerationResult(
         output_text=emitter.text,

@@ -5,6 +5,11 @@ prefix hashes mean equal KV (exact reuse). ``content_hash = SHA-256(root || "con
 the tokens alone (the KV differs by position and history: approximate reuse). Tokens are hashed as
 little-endian uint32 so keys are identical across processes and machines; the chain is rooted in the
 model fingerprint, so two models or two codecs never share an entry.
+
+A request's ``cache_salt`` (tenant isolation) re-roots its chain: ``salted_root(root, salt)`` replaces the
+fingerprint root, so every key below it (RAM blocks, stitching chunks, disk and Redis records) differs from
+the unsalted chain and from every other salt. Without a salt the root is the fingerprint root unchanged,
+so records written before salts existed keep hitting.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import NewType
 ChunkHash = NewType("ChunkHash", bytes)
 
 _CONTENT_TAG = b"\x00content\x00"
+_SALT_TAG = b"kvboost/salt/v1\x00"
 
 
 def token_bytes(ids: Sequence[int]) -> bytes:
@@ -39,3 +45,12 @@ def prefix_hash(parent: ChunkHash, ids: Sequence[int]) -> ChunkHash:
 
 def content_hash(root: ChunkHash, ids: Sequence[int]) -> ChunkHash:
     return ChunkHash(hashlib.sha256(root + _CONTENT_TAG + token_bytes(ids)).digest())
+
+
+def salted_root(root: ChunkHash, salt: str | None) -> ChunkHash:
+    """The chain root of requests carrying ``salt``: ``root`` itself for None, else a root no other salt
+    (and no unsalted request) can reach. The fixed-length ``root`` comes first, so ``(root, salt)`` pairs
+    never collide by concatenation."""
+    if salt is None:
+        return root
+    return ChunkHash(hashlib.sha256(_SALT_TAG + root + salt.encode("utf-8", "surrogatepass")).digest())

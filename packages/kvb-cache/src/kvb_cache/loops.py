@@ -39,11 +39,13 @@ class EngineLoops:
         """
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
+        cache_salt = sampling.pop("cache_salt", None)
         rid = self.add_request(
             prompt,
             SamplingParams.build(**sampling),
             prefill_chunk_size=prefill_chunk_size,
             kv_cache_bits=kv_cache_bits,
+            cache_salt=cache_salt,
         )
         return self._follow(rid)
 
@@ -94,6 +96,7 @@ class EngineLoops:
         ignore_eos: bool = False,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
 
@@ -101,6 +104,7 @@ class EngineLoops:
         ``prefill_chunk_size`` processes the uncached prompt suffix in slices (bounded activation memory).
         ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
         outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
+        ``cache_salt`` isolates a tenant: only requests with the same salt share cached KV.
         """
         params = SamplingParams.build(
             max_new_tokens=max_new_tokens,
@@ -116,7 +120,11 @@ class EngineLoops:
             ignore_eos=ignore_eos,
         )
         rid = self.add_request(
-            prompt, params, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits
+            prompt,
+            params,
+            prefill_chunk_size=prefill_chunk_size,
+            kv_cache_bits=kv_cache_bits,
+            cache_salt=cache_salt,
         )
         return self._run_to_end([rid])[0]
 
@@ -127,11 +135,13 @@ class EngineLoops:
         sampling: Sequence[dict[str, Any]] | None = None,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
         **common: Any,
     ) -> list[GenerationResult]:
         """Generate for several prompts through the engine loop, each with its own sampling parameters.
 
-        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``. Each row equals what
+        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``; ``cache_salt`` applies to every
+        prompt (one tenant per batch). Each row equals what
         :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
         Every prompt is validated before any is queued.
         """
@@ -145,8 +155,15 @@ class EngineLoops:
         ]
         for prompt, p in zip(prompts, params):
             self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
+        self._salted_root(cache_salt)  # validated before any prompt is queued
         ids = [
-            self.add_request(prompt, p, prefill_chunk_size=prefill_chunk_size, kv_cache_bits=kv_cache_bits)
+            self.add_request(
+                prompt,
+                p,
+                prefill_chunk_size=prefill_chunk_size,
+                kv_cache_bits=kv_cache_bits,
+                cache_salt=cache_salt,
+            )
             for prompt, p in zip(prompts, params)
         ]
         return self._run_to_end(ids)
@@ -166,13 +183,17 @@ class EngineLoops:
                     self.abort(rid)
         return [results[rid] for rid in rids]
 
-    def warm(self, text: Prompt) -> WarmResult:
-        """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit."""
+    def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
+        """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit
+        (those with the same ``cache_salt``)."""
         t0 = time.perf_counter()
+        root = self._salted_root(cache_salt)
         ids = self._tokenize(text)
-        already = self.kv.cached_prefix_len(probe_request(ids), len(ids)) if self.kv.caching else 0
+        probe = probe_request(ids, root=root)
+        already = self.kv.cached_prefix_len(probe, len(ids)) if self.kv.caching else 0
         # One generated token makes the loop compute every prompt token (the sampled one is discarded).
-        self._run_to_end([self.add_request(ids, SamplingParams(max_new_tokens=1))])
+        request = self.add_request(ids, SamplingParams(max_new_tokens=1), cache_salt=cache_salt)
+        self._run_to_end([request])
         chunks = sum(span.complete for span in self.chunker.split(ids))
         done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
         return WarmResult(

@@ -9,11 +9,13 @@ from transformers import DynamicCache
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request
+from kvb_cache.hashing import ChunkHash
 from kvb_cache.sampling import SamplingParams
 
 
-def probe_request(ids: Sequence[int]) -> Request:
-    """A request that only looks up or stores KV (no sampling state)."""
+def probe_request(ids: Sequence[int], *, root: ChunkHash | None = None) -> Request:
+    """A request that only looks up or stores KV (no sampling state), under chain ``root`` (None: the
+    engine's unsalted root)."""
     return Request(
         request_id=RequestId("probe"),
         tokens=list(ids),
@@ -22,6 +24,7 @@ def probe_request(ids: Sequence[int]) -> Request:
         processor=None,
         emitter=None,
         arrival=0.0,
+        root=root,
     )  # type: ignore[arg-type]
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import Cache
 
 from kvb_cache.chunking import ChunkSpan
+from kvb_cache.hashing import ChunkHash
 from kvb_cache.results import ChunkHit
 
 Prompt = str | Sequence[int]
@@ -31,6 +32,9 @@ class PreparedPrompt:
     recomputed_tokens: int = 0
     #: Only ``ids[:exact_until]`` hold exact KV (a stitched request); None: all of them.
     exact_until: int | None = None
+    #: Chain root the prompt was looked up (and is stored) under: the request's salted root; None: the
+    #: engine's unsalted root.
+    root: ChunkHash | None = None
 
     @property
     def served_tokens(self) -> int:

@@ -50,6 +50,20 @@ def check_prefill_chunk_size(value: object) -> int | None:
     return value  # type: ignore[return-value]
 
 
+def check_cache_salt(value: object) -> str | None:
+    """``value`` when it is a non-empty str or None (no tenant isolation); else a typed error.
+
+    An empty salt is refused rather than read as "no salt": a caller that meant to isolate a tenant and sent
+    ``""`` would otherwise share the unsalted cache silently.
+    """
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidRequestError(
+            f"cache_salt must be a non-empty str (e.g. a tenant id) or None, got {value!r}",
+            param="cache_salt",
+        )
+    return value  # type: ignore[return-value]
+
+
 def live_bits(kv_cache_bits: int | None) -> int | None:
     """8 or 4 when the request's live KV is quantized; None (exact path) for 16 and the default."""
     return kv_cache_bits if kv_cache_bits in (8, 4) else None

@@ -145,7 +145,10 @@ class Stitcher:
         }
 
     def extend(self, prepared: PreparedPrompt, *, max_reuse: int) -> None:
-        """Stitch cached chunks after ``prepared``'s exact prefix (in place); a no-op when nothing hits."""
+        """Stitch cached chunks after ``prepared``'s exact prefix (in place); a no-op when nothing hits.
+
+        Content hashes are rooted in ``prepared.root`` (the request's salted root), so a salted request only
+        finds chunks stored under the same salt."""
         if not self.enabled:
             return
         assert self.config is not None
@@ -154,7 +157,12 @@ class Stitcher:
         pieces = [
             p
             for p in find_pieces(
-                self.store, self.root, ids, start=prefix, stop=max_reuse, lengths=self.lengths
+                self.store,
+                self.root if prepared.root is None else prepared.root,
+                ids,
+                start=prefix,
+                stop=max_reuse,
+                lengths=self.lengths,
             )
             if p.end - p.start >= cfg.min_reuse_tokens
         ]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvb_cache.config import EngineConfig
     from kvb_cache.core.kv_manager import KVCacheManager
     from kvb_cache.core.request import Request
+    from kvb_cache.hashing import ChunkHash
     from kvb_cache.model_traits import ModelTraits
     from kvb_cache.stitching import Stitcher
     from kvb_cache.store import ChunkStore
@@ -42,7 +43,7 @@ class CacheTransfers:
     def _store_chunks(self, req: Request) -> None:
         """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
         ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
-        probe = probe_request(ids)
+        probe = probe_request(ids, root=req.root)
         hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
             if hit.tokens == len(ids):
@@ -50,7 +51,7 @@ class CacheTransfers:
                 write_back(
                     self.store,
                     self.chunker,
-                    self.root,
+                    self.kv.root_of(probe),
                     ids,
                     dense_cache(self.kv.storage.read(slots)),
                     num_layers=self.traits.num_layers,
@@ -59,11 +60,13 @@ class CacheTransfers:
         finally:
             self.kv.free(probe)
 
-    def _prepare(self, ids: list[int], *, max_reuse: int, stitch: bool = False) -> PreparedPrompt:
+    def _prepare(
+        self, ids: list[int], *, max_reuse: int, stitch: bool = False, root: ChunkHash | None = None
+    ) -> PreparedPrompt:
         """The cached prefix of ``ids`` as a private ``DynamicCache`` (solo requests); ``stitch`` also reuses
-        non-prefix chunks (when ``config.stitching`` is set)."""
+        non-prefix chunks (when ``config.stitching`` is set). ``root``: the request's salted chain root."""
         spans = tuple(self.chunker.split(ids))
-        probe = probe_request(ids)
+        probe = probe_request(ids, root=root)
         hit = self.kv.admit(probe, max_tokens=max_reuse, count=False)
         try:
             kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
@@ -76,18 +79,19 @@ class CacheTransfers:
             cache=cache,
             cached_tokens=hit.tokens,
             chunks=generation.chunk_hits(spans, hit.tokens),
+            root=root,
         )
         if stitch:
             self.stitcher.extend(prepared, max_reuse=max_reuse)
         return prepared
 
-    def _stitched_logits(self, ids: list[int]) -> NextTokenLogits:
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True)
+    def _stitched_logits(self, ids: list[int], *, root: ChunkHash | None = None) -> NextTokenLogits:
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
         with torch.inference_mode():
             suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
             positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
             logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
-        self.store_sequence(prepared.storable(ids), prepared.cache)
+        self.store_sequence(prepared.storable(ids), prepared.cache, root=root)
         return NextTokenLogits(
             logits=logits,
             cached_tokens=prepared.served_tokens,
@@ -100,8 +104,11 @@ class CacheTransfers:
         if bits is not None:
             prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
 
-    def store_sequence(self, ids: Sequence[int], cache: Cache) -> WritebackResult:
-        """Cache the KV of ``ids`` held in ``cache`` positions ``[0, len(ids))`` (batch row 0) in the pool.
+    def store_sequence(
+        self, ids: Sequence[int], cache: Cache, *, root: ChunkHash | None = None
+    ) -> WritebackResult:
+        """Cache the KV of ``ids`` held in ``cache`` positions ``[0, len(ids))`` (batch row 0) in the pool,
+        under chain ``root`` (a request's salted root; None: the engine's unsalted root).
 
         A live-quantized cache (``kv_cache_bits`` 8/4) is never stored: its KV is approximate, so under the
         engine's prefix keys it would turn later exact hits into approximate ones.
@@ -112,7 +119,7 @@ class CacheTransfers:
         length = {layer.get_seq_length() for layer in cache.layers}
         if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
             return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
-        probe = probe_request(ids)
+        probe = probe_request(ids, root=root)
         hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
             if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
@@ -129,7 +136,7 @@ class CacheTransfers:
             write_back(
                 self.store,
                 self.chunker,
-                self.root,
+                self.kv.root_of(probe),
                 ids,
                 cache,
                 num_layers=self.traits.num_layers,

@@ -169,12 +169,17 @@ class BlockPool:
         if block.ref_count == 0 and block.id in self._free:
             self._free.move_to_end(block.id)
 
-    def reset(self) -> None:
-        """Drop every index entry of unowned blocks (``clear_cache``); owned blocks keep theirs."""
+    def reset(self) -> int:
+        """Drop every index entry of unowned blocks (``clear_cache``); owned blocks keep theirs.
+
+        Returns how many blocks were un-indexed."""
+        dropped = 0
         for block_id in list(self._free):
             block = self.blocks[block_id]
             if block.indexed:
                 self._drop_index(block)
+                dropped += 1
+        return dropped
 
     def _drop_index(self, block: Block) -> None:
         assert block.parent is not None

@@ -66,18 +66,24 @@ class BlockTiers:
             for lower in tiers:
                 lower.tier.counters.add("dropped")
 
-    def flush(self) -> None:
-        self.writer.flush()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued writes reached their tiers; False when ``timeout_s`` passed first."""
+        return self.writer.flush(timeout_s)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop every record of this engine's namespace (its model fingerprint) from every tier, after the
+        queued writes landed; returns how many records were dropped."""
         self.flush()
-        for lower in self.lower:
-            lower.tier.clear()
+        return sum(lower.tier.clear() or 0 for lower in self.lower)
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Drain the write-behind queue (bounded by ``timeout_s``), then close the tiers.
+
+        Returns False when writes were still queued at the deadline (they may be lost at exit)."""
+        drained = self.writer.close(timeout_s)
         for lower in self.lower:
             lower.tier.close()
+        return drained
 
     def stats(self) -> list[TierStats]:
         return [lower.tier.stats() for lower in self.lower]

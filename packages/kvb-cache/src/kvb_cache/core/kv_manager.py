@@ -1,9 +1,9 @@
 """Per-request block tables over the pool: prefix hits, allocation, registration of computed blocks.
 
 Full blocks are keyed by the prefix-hash chain ``h_i = prefix_hash(h_{i-1}, tokens of block i)`` rooted in
-the model fingerprint, so a cached block *is* a cached chunk: an exact prefix hit maps the request's table
-onto those blocks (shared, reference-counted, never written again: only a request's last, private block
-takes new tokens). After the full-block hits, the next block may match token by token (the radix-style
+the model fingerprint (salted per request by ``cache_salt``: :func:`kvb_cache.hashing.salted_root`), so a
+cached block *is* a cached chunk: an exact prefix hit maps the request's table onto those blocks (shared,
+reference-counted, never written again: only a request's last, private block takes new tokens). After the full-block hits, the next block may match token by token (the radix-style
 tail match): its first ``n`` tokens are copied into a fresh private block (copy-on-write of the shared
 block). Below the pool, :class:`~kvb_cache.core.block_tiers.BlockTiers` serves misses from disk/Redis.
 """
@@ -61,12 +61,18 @@ class KVCacheManager:
         self.hits = 0
 
     # ------------------------------------------------------------------------------------ hashing
+    def root_of(self, req: Request) -> ChunkHash:
+        """The parent of ``req``'s first block: its salted root, else the fingerprint root."""
+        return self.root if req.root is None else req.root
+
     def hashes(self, req: Request, upto: int) -> list[ChunkHash]:
         """Prefix hashes of the full blocks within ``req.tokens[:upto]`` (extends the request's cache)."""
         bs, chain = self.block_size, req.block_hashes
         while (len(chain) + 1) * bs <= upto:
             i = len(chain)
-            chain.append(prefix_hash(chain[-1] if chain else self.root, req.tokens[i * bs : (i + 1) * bs]))
+            chain.append(
+                prefix_hash(chain[-1] if chain else self.root_of(req), req.tokens[i * bs : (i + 1) * bs])
+            )
         return chain[: upto // bs]
 
     def cached_prefix_len(self, req: Request, max_tokens: int) -> int:
@@ -119,7 +125,7 @@ class KVCacheManager:
                 break
             i = len(req.blocks)
             self.storage.write(self._block_slots(block.id, self.block_size), kv)
-            parent = req.block_hashes[i - 1] if i else self.root
+            parent = req.block_hashes[i - 1] if i else self.root_of(req)
             self.pool.register_full(
                 block,
                 parent=parent,
@@ -134,7 +140,7 @@ class KVCacheManager:
         rest = req.tokens[covered:max_tokens]
         if not rest or not self.store_partial_tail:
             return 0
-        parent = req.block_hashes[len(req.blocks) - 1] if req.blocks else self.root
+        parent = req.block_hashes[len(req.blocks) - 1] if req.blocks else self.root_of(req)
         best, best_len = None, 0
         for child in self.pool.children(parent):
             n = common_prefix_len(child.token_ids, rest)
@@ -181,7 +187,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(req.registered, len(hashes)):
             block = req.blocks[i]
-            parent = hashes[i - 1] if i else self.root
+            parent = hashes[i - 1] if i else self.root_of(req)
             tokens = tuple(req.tokens[i * bs : (i + 1) * bs])
             if (
                 self.pool.register_full(block, parent=parent, block_hash=hashes[i], token_ids=tokens)
@@ -205,7 +211,7 @@ class KVCacheManager:
         if self.store_partial_tail and tail and last < len(req.blocks) and last == req.registered:
             block = req.blocks[last]
             if block.ref_count == 1 and not block.indexed:
-                parent = req.block_hashes[last - 1] if last else self.root
+                parent = req.block_hashes[last - 1] if last else self.root_of(req)
                 self.pool.register_partial(
                     block, parent=parent, token_ids=tuple(req.tokens[last * bs : limit])
                 )
@@ -228,6 +234,9 @@ class KVCacheManager:
     ) -> ChunkEntry:
         """A full block as a tier record (its KV copied now: the block may be reused before the write)."""
         kv = tuple(self.storage.read(self._block_slots(block_id, self.block_size)))  # gathered: a copy
+        # NOTE: the content hash stays rooted in the fingerprint even for salted chains: records verify it
+        # against the fingerprint root, and lower tiers are looked up by key only (the salted chain), never
+        # by content, so it cannot make one tenant's block reachable from another's.
         return ChunkEntry(
             key=key,
             parent=parent,
@@ -237,5 +246,6 @@ class KVCacheManager:
             start=start,
         )
 
-    def clear(self) -> None:
-        self.pool.reset()
+    def clear(self) -> int:
+        """Un-index every cached (unowned) block; returns how many were dropped."""
+        return self.pool.reset()

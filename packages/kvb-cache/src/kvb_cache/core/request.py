@@ -38,6 +38,8 @@ class Request:
     prefill_chunk_size: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     blocks: list[Block] = field(default_factory=list)
+    #: Root of this request's hash chain: the engine's root salted by ``cache_salt`` (None: the engine's).
+    root: ChunkHash | None = None
     #: Prefix hashes of the full blocks of ``tokens`` computed so far (a cache of the hash chain).
     block_hashes: list[ChunkHash] = field(default_factory=list)
     #: Leading full blocks already indexed in the pool (hits, or registered after computing).

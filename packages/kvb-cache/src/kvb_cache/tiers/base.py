@@ -93,8 +93,8 @@ class RecordTier(ABC):
         """Drop ``key`` (a record that failed validation)."""
 
     @abstractmethod
-    def clear(self) -> None:
-        """Drop every record of this tier's namespace."""
+    def clear(self) -> int:
+        """Drop every record of this tier's namespace; returns how many were dropped."""
 
     @abstractmethod
     def stats(self) -> TierStats: ...

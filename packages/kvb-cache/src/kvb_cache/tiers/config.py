@@ -27,6 +27,8 @@ class TierConfig:
         remote_timeout_s: connect/read timeout of every Redis call; past it the call is a miss (records
             of big models are megabytes: leave room for the transfer).
         max_pending_writes: bound of the write-behind queue; further writes are dropped and counted.
+        exit_flush_timeout_s: how long ``close()`` (and the interpreter-exit hook an engine registers) waits
+            for queued writes to reach disk/Redis; writes still queued past it are lost.
     """
 
     disk_cache_dir: str | os.PathLike[str] | None = None
@@ -36,6 +38,7 @@ class TierConfig:
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 2.0
     max_pending_writes: int = 256
+    exit_flush_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.disk_cache_bytes, int) or self.disk_cache_bytes < 1:
@@ -58,6 +61,12 @@ class TierConfig:
             raise ConfigError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
         if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:
             raise ConfigError(f"max_pending_writes must be a positive int, got {self.max_pending_writes!r}")
+        if isinstance(self.exit_flush_timeout_s, bool) or not (
+            isinstance(self.exit_flush_timeout_s, (int, float)) and self.exit_flush_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"exit_flush_timeout_s must be > 0 seconds (e.g. 10.0), got {self.exit_flush_timeout_s!r}"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -118,11 +118,13 @@ class DiskTier(RecordTier):
         with self._lock:
             self._forget(key.hex())
 
-    def clear(self) -> None:
+    def clear(self) -> int:
         with self._lock:
-            for name in list(self._loaded()):
+            names = list(self._loaded())
+            for name in names:
                 self._file(name).unlink(missing_ok=True)
                 self._forget(name)
+        return len(names)
 
     def stats(self) -> TierStats:
         index = self._loaded()

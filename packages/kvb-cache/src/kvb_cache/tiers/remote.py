@@ -136,13 +136,17 @@ class RedisTier(RecordTier):
         except self._errors as exc:
             self._failed("DEL", exc)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop the namespace's records (every process sharing it loses them) and its shared counters."""
+        stats = (self.prefix + STATS_SUFFIX).encode()
         try:
             names = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
             if names:
                 self._client.delete(*names)
         except self._errors as exc:
             self._failed("SCAN/DEL", exc)
+            return 0
+        return sum(name != stats for name in names)
 
     def stats(self) -> TierStats:
         """This process's counters (``entries``/``bytes`` are -1: counting a shared namespace needs a scan)."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvb_cache.codecs import KVCodec
-from kvb_cache.hashing import ChunkHash
+from kvb_cache.hashing import ChunkHash, content_hash
 from kvb_cache.records import RecordError, RecordFormat, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, ChunkStore, StoreStats
 from kvb_cache.tiers.base import RecordTier, TierStats
@@ -101,11 +101,16 @@ class TieredStore:
         self.ram.touch(entry)
 
     def put(self, entry: ChunkEntry, *, root: ChunkHash) -> bool:
+        """Insert into RAM and write behind to the lower tiers.
+
+        Chunks of a salted chain (``root`` is not the fingerprint root) stay in RAM: records verify their
+        content hash against the fingerprint root, which a salted chain's content hash is not rooted in.
+        """
         held = with_codec(entry, self.codec)
         with self._neg_lock:
             self._negative.pop(entry.key, None)
         stored = self.ram.put(held, root=root)
-        if stored and self.lower:
+        if stored and self.lower and root == self.root:
             self._write_behind(held, self.lower)
         return stored
 
@@ -153,20 +158,23 @@ class TieredStore:
         return promoted
 
     def demote(self, entry: ChunkEntry) -> None:
-        """RAM eviction hook: queue ``entry`` for lower tiers that do not hold it yet (never blocks)."""
-        if self.lower:
+        """RAM eviction hook: queue ``entry`` for lower tiers that do not hold it yet (never blocks).
+
+        Salted chunks (content hash not rooted in the fingerprint, see :meth:`put`) are not demoted."""
+        if self.lower and entry.content == content_hash(self.root, entry.token_ids):
             self.writer.submit(lambda: self._store_where_missing(entry, self.lower))
 
-    def flush(self) -> None:
-        """Wait until queued write-behind and demotions reached their tiers."""
-        self.writer.flush()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued write-behind and demotions reached their tiers; False when ``timeout_s``
+        passed first."""
+        return self.writer.flush(timeout_s)
 
-    def clear_tiers(self) -> None:
-        """Empty RAM and drop this fingerprint's records from every lower tier."""
+    def clear_tiers(self) -> int:
+        """Empty RAM and drop this fingerprint's records from every lower tier; returns how many records
+        the lower tiers dropped."""
         self.flush()
         self.ram.clear()
-        for lower in self.lower:
-            lower.tier.clear()
+        return sum(lower.tier.clear() or 0 for lower in self.lower)
 
     def tier_stats(self) -> list[TierStats]:
         ram = self.ram.stats()
@@ -175,10 +183,13 @@ class TieredStore:
         )
         return [first, *(lower.tier.stats() for lower in self.lower)]
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Drain the write-behind queue (bounded by ``timeout_s``), then close the tiers; False when writes
+        were still queued at the deadline."""
+        drained = self.writer.close(timeout_s)
         for lower in self.lower:
             lower.tier.close()
+        return drained
 
     # ----------------------------------------------------------------- internals
     def _load(self, key: ChunkHash, level: int, record: bytes) -> ChunkEntry | None:

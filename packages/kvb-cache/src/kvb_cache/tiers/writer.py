@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,44 @@ class BackgroundWriter:
             return False
         return True
 
-    def flush(self) -> None:
-        """Block until every queued job has run (tests, shutdown, benchmarks)."""
-        if self._thread is not None:
-            self._queue.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Block until every job queued so far has run (tests, shutdown, benchmarks).
 
-    def close(self) -> None:
-        """Run what is queued, then stop the thread."""
+        Returns False when ``timeout_s`` passed first (the jobs keep running in the background).
+        """
         if self._thread is None:
-            return
-        self._queue.put(None)
-        self._thread.join()
+            return True
+        if timeout_s is None:
+            self._queue.join()
+            return True
+        # Jobs run in order: once a marker queued behind them has run, so has every one of them.
+        deadline = time.monotonic() + timeout_s
+        done = threading.Event()
+        try:
+            self._queue.put(done.set, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Run what is queued, then stop the thread (idempotent).
+
+        Returns False when ``timeout_s`` passed first: the daemon thread is left to finish (or to die with
+        the interpreter).
+        """
+        thread = self._thread
+        if thread is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            return False
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
         self._thread = None
+        return True
 
     def _ensure_started(self) -> None:
         with self._start_lock:

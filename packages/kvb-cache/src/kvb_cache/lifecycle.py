@@ -1,0 +1,145 @@
+"""Engine lifecycle: flush and close the tiers (explicitly, as a context manager, or at interpreter exit),
+and reset the cache (the admin operation).
+
+Tier writes are queued behind requests on a daemon thread, so an interpreter that exits without waiting
+loses whatever is still queued. Each engine with tiers therefore registers an ``atexit`` hook that closes
+it with a bound (``TierConfig.exit_flush_timeout_s``): a normal exit keeps every record written before
+the deadline; ``kill -9`` (or a crash of the interpreter) keeps only the records already written behind.
+The hook holds its engine weakly, so it never keeps an engine alive; an engine collected before exit
+unregisters it (its queued writes still drain on the daemon thread, without anyone waiting for them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from kvb_cache.errors import CacheBusyError
+from kvb_cache.tiers import TieredStore
+
+if TYPE_CHECKING:
+    from kvb_cache.config import EngineConfig
+    from kvb_cache.core.block_tiers import BlockTiers
+    from kvb_cache.core.engine_core import EngineCore
+    from kvb_cache.core.kv_manager import KVCacheManager
+    from kvb_cache.store import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+#: Bound of the exit flush when no :class:`~kvb_cache.tiers.TierConfig` says otherwise (a ``TieredStore``
+#: passed in as ``store=``).
+DEFAULT_EXIT_FLUSH_TIMEOUT_S = 10.0
+
+
+class ExitFlush:
+    """The ``atexit`` hook of one engine: closes it (bounded) if it is still alive at exit."""
+
+    def __init__(self, engine: EngineLifecycle, timeout_s: float) -> None:
+        self._engine = weakref.ref(engine)
+        self.timeout_s = timeout_s
+
+    def __call__(self) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.close(timeout_s=self.timeout_s)
+
+
+class EngineLifecycle:
+    """Mixed into :class:`~kvb_cache.engine.KVBoost`: ``flush``, ``close``, context manager, ``reset_cache``."""
+
+    config: EngineConfig
+    core: EngineCore
+    kv: KVCacheManager
+    tiers: BlockTiers | None
+    store: ChunkStore | TieredStore
+    _closed: bool = False
+    _exit_hook: ExitFlush | None = None
+
+    def _register_exit_flush(self) -> None:
+        """Close this engine at interpreter exit (bounded) when it has tier writes to lose."""
+        if self.tiers is None and not isinstance(self.store, TieredStore):
+            return
+        tiers = self.config.tiers
+        timeout = tiers.exit_flush_timeout_s if tiers is not None else DEFAULT_EXIT_FLUSH_TIMEOUT_S
+        hook = self._exit_hook = ExitFlush(self, timeout)
+        atexit.register(hook)
+        # Do not accumulate dead hooks when engines come and go in one process (tests, notebooks).
+        weakref.finalize(self, atexit.unregister, hook).atexit = False
+
+    def flush(self, *, timeout_s: float | None = None) -> bool:
+        """Wait until queued tier writes reached disk/Redis; False when ``timeout_s`` passed first."""
+        drained = True
+        if self.tiers is not None:
+            drained = self.tiers.flush(timeout_s)
+        if isinstance(self.store, TieredStore):
+            drained = self.store.flush(timeout_s) and drained
+        return drained
+
+    def close(self, *, timeout_s: float | None = None) -> bool:
+        """Drain queued tier writes (at most ``timeout_s``; None: until done) and close the tiers.
+
+        Idempotent. The engine keeps serving afterwards from RAM alone: nothing is read from or written to
+        the closed tiers. Returns False when writes were still queued at the deadline (lost at exit).
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
+        self.kv.tiers = None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        drained = True
+        if self.tiers is not None:
+            drained = self.tiers.close(left())
+        if isinstance(self.store, TieredStore):
+            drained = self.store.close(left()) and drained
+        if not drained:
+            logger.warning("tier writes were still queued after %.1fs; the rest is not stored", timeout_s)
+        return drained
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reset_cache(self, *, lower_tiers: bool = False) -> dict[str, int]:
+        """Forget every cached prefix: the pool's index, the stitching store and, with ``lower_tiers``, the
+        disk/Redis records of this engine's namespace (its model fingerprint: every salt, and every other
+        process sharing that Redis namespace or disk folder, loses them too).
+
+        Like vLLM's ``reset_prefix_cache``, it needs an idle engine: blocks held by running requests would
+        be indexed again as they finish, so it refuses rather than half-reset.
+
+        Returns:
+            ``{"blocks_dropped", "chunks_dropped", "lower_tier_records_dropped"}`` counts.
+
+        Raises:
+            CacheBusyError: requests are running or waiting (nothing was dropped).
+        """
+        if self.core.has_unfinished():
+            running, waiting = self.core.running, len(self.core.scheduler.waiting)
+            raise CacheBusyError(
+                f"cannot reset the cache while requests hold blocks ({running} running, {waiting} waiting); "
+                "retry when the engine is idle, or abort them first",
+                running=running,
+                waiting=waiting,
+            )
+        blocks = self.kv.clear()
+        chunks = len(self.store)
+        records = 0
+        if lower_tiers:
+            if self.tiers is not None:
+                records += self.tiers.clear()
+            if isinstance(self.store, TieredStore):
+                records += self.store.clear_tiers()
+        self.store.clear()
+        return {"blocks_dropped": blocks, "chunks_dropped": chunks, "lower_tier_records_dropped": records}
