@@ -31,6 +31,7 @@ class Added:
     params: SamplingParams
     #: The per-request overrides that were set (``prefill_chunk_size``, ``kv_cache_bits``).
     overrides: dict[str, int]
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -79,6 +80,13 @@ class FakeEngine:
         self.step_log: list[frozenset[RequestId]] = []
         self.aborted: list[RequestId] = []
         self.warmed: list[str] = []
+        #: ``lower_tiers`` of every ``reset_cache`` call, and the thread each ran on.
+        self.resets: list[bool] = []
+        self.reset_threads: list[str] = []
+        #: Names of the threads ``close()`` ran on (one entry per call).
+        self.closed: list[str] = []
+        #: ``close()`` sleeps this long first (a slow flush).
+        self.close_delay_s = 0.0
         self._ids = itertools.count(1)
         self._waiting: deque[_Request] = deque()
         self._running: dict[RequestId, _Request] = {}
@@ -106,6 +114,7 @@ class FakeEngine:
         *,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
     ) -> RequestId:
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -122,6 +131,7 @@ class FakeEngine:
             prompt=list(prompt),
             params=params,
             overrides={k: v for k, v in overrides.items() if v is not None},
+            cache_salt=cache_salt,
         )
         self.added.append(added)
         self._waiting.append(_Request(added=added))
@@ -242,3 +252,14 @@ class FakeEngine:
     def cache_stats(self) -> dict[str, Any]:
         # Deliberately not JSON-native, like real engines' stats can be: the server must cope.
         return {"entries": 1, "ratio": float("nan"), "tiers": {"ram": {"bytes": 10}}, "kinds": {1: "x"}}
+
+    def reset_cache(self, *, lower_tiers: bool = False) -> dict[str, Any]:
+        self.resets.append(lower_tiers)
+        self.reset_threads.append(threading.current_thread().name)
+        dropped, self._cached_blocks = self._cached_blocks, 0
+        return {"blocks_dropped": dropped, "lower_tiers_cleared": lower_tiers}
+
+    def close(self) -> None:
+        if self.close_delay_s:
+            time.sleep(self.close_delay_s)
+        self.closed.append(threading.current_thread().name)

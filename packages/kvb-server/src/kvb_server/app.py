@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvb_server._version import __version__
@@ -21,16 +21,37 @@ from kvb_server.engine import ServingEngine
 from kvb_server.errors import AuthenticationError, InvalidParameterError, ServerError
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
+from kvb_server.openapi import install_openapi
 from kvb_server.routes import admin_router, openai_router
+from kvb_server.routes.openai import CLIENT_CLOSED
+from kvb_server.schemas import (
+    CacheResetRequest,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    WarmRequest,
+)
 from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter
+from kvb_server.tenancy import ApiKeys
 from kvb_server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
 #: Routes whose latency is a generation's latency (the histogram is per route).
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-KNOWN_ROUTES = GENERATION_ROUTES | {"/health", "/metrics", "/v1/models", "/v1/stats", "/v1/warm"}
+KNOWN_ROUTES = GENERATION_ROUTES | {
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/stats",
+    "/v1/warm",
+    "/v1/cache/reset",
+    "/reset_prefix_cache",
+}
 
 
 class _RequestMetrics:
@@ -77,7 +98,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     Args:
         engine: what generates (``kvb_cache.KVBoost``, or anything with :class:`ServingEngine`'s methods).
-        config: queueing, caps and the API key.
+        config: queueing, caps, input limits, API keys and shutdown.
         gate: admission hook consulted before a request is queued (e.g.
             :class:`kvb_server.planner_gate.PlannerGate`); default admits all. A gate with a ``stats()``
             method is reported under ``"planner"`` in ``/v1/stats``.
@@ -97,34 +118,42 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         try:
             yield
         finally:
-            await worker.stop()
+            # New work gets 503 from here on; the engine thread closes the engine (flushing queued tier
+            # writes) after its last step, within the timeout.
+            await worker.stop(close_engine=config.close_engine, timeout_s=config.shutdown_timeout_s)
 
-    async def require_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise AuthenticationError(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (the key given to "
-                "--api-key)."
-            )
-        if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise AuthenticationError(
-                "Incorrect API key provided. Use the key given to the server's --api-key."
-            )
+    keys = ApiKeys(config)
 
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     open_routes, admin_v1 = admin_router(
-        engine=engine, config=config, worker=worker, metrics=metrics, throughput=throughput, gate=gate
+        engine=engine,
+        config=config,
+        worker=worker,
+        metrics=metrics,
+        throughput=throughput,
+        gate=gate,
+        keys=keys,
     )
     app.include_router(open_routes)
-    auth = [Depends(require_api_key)]
+    auth = [Depends(keys)]
     app.include_router(admin_v1, dependencies=auth)
     app.include_router(
-        openai_router(engine=engine, config=config, service=service, created=int(time.time())),
+        openai_router(engine=engine, config=config, service=service, keys=keys, created=int(time.time())),
         dependencies=auth,
+    )
+    install_openapi(
+        app,
+        models=(
+            CompletionRequest,
+            ChatCompletionRequest,
+            CompletionResponse,
+            ChatCompletionResponse,
+            CompletionChunk,
+            ChatCompletionChunk,
+            WarmRequest,
+            CacheResetRequest,
+        ),
     )
 
     @app.exception_handler(ServerError)
@@ -149,6 +178,11 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         if exc.status_code == 404:
             body["error"]["message"] = f"Unknown route {request.method} {request.url.path}."
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up while sending its body: nobody reads this, it is only logged and counted.
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

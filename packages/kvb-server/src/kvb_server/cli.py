@@ -5,28 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvb_server._version import __version__
-from kvb_server.config import ServerConfig
+from kvb_server.config import ServerConfig, add_server_arguments, parse_bytes, tenant_keys
 from kvb_server.gate import RequestGate
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "KVBOOST_API_KEY"
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size; write e.g. 2GiB, 512MB or 1048576")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def margin(text: str) -> float:
@@ -193,11 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (default: ${API_KEY_ENV}; "
-        "unset: no authentication)",
+        "unset: no authentication unless tenant keys are given); the operator's key, the only one that may "
+        "reset the cache",
     )
     http.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
+    add_server_arguments(p)
     sched = p.add_argument_group(
         "scheduling",
         "One engine thread runs steps while requests are unfinished: each step prefills slices of new requests "
@@ -276,6 +267,7 @@ def build_server(args: argparse.Namespace) -> Server:
     from kvb_cache import KVBoost
     from kvb_server.app import create_app
 
+    tenants = tenant_keys(args)  # before the model loads: a bad keys file fails fast
     engine = KVBoost.from_pretrained(
         args.model,
         chunk_size=args.chunk_size,
@@ -303,6 +295,10 @@ def build_server(args: argparse.Namespace) -> Server:
         request_timeout_s=args.request_timeout,
         max_tokens=args.max_tokens,
         api_key=args.api_key or None,
+        tenant_keys=tenants,
+        max_body_bytes=args.max_body_bytes,
+        max_json_depth=args.max_json_depth,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
@@ -341,13 +337,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(
             "--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning"
         )
+    try:
+        tenant_keys(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import uvicorn
 
     server = build_server(args)
-    if server.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if server.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or tenant_keys(args)):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host
         )

@@ -1,8 +1,35 @@
-"""Server settings: what the CLI flags become, validated once."""
+"""Server settings: what the CLI flags become, validated once (the HTTP-layer flags are declared here too)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantKey:
+    """An API key whose requests share a prefix-cache namespace of their own.
+
+    Attributes:
+        key: the Bearer token clients of this tenant send.
+        salt: roots the hash chain of every request made with ``key`` (see :mod:`kvb_server.tenancy`), so
+            no other tenant's request can hit, or time, this tenant's cached prefixes.
+    """
+
+    key: str
+    salt: str
+
+    def __post_init__(self) -> None:
+        if not self.key.strip() or not self.salt:
+            raise ValueError("a tenant key needs a non-empty key and a non-empty salt, e.g. KEY=SALT")
+
+    def __repr__(self) -> str:  # never print a secret into logs
+        return "TenantKey(key='***', salt='***')"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -16,8 +43,17 @@ class ServerConfig:
         request_timeout_s: a request not finished this long after it arrived gets 504.
         max_tokens: server-side cap on generated tokens per choice (requests asking for more are clamped).
         default_completion_max_tokens: ``/v1/completions`` default when ``max_tokens`` is omitted (OpenAI: 16).
-        api_key: when set, every ``/v1/*`` route requires ``Authorization: Bearer <api_key>``.
+        api_key: when set, every ``/v1/*`` route requires ``Authorization: Bearer <api_key>``; it is the
+            operator's key (the only one that may reset the cache).
+        tenant_keys: more accepted keys, each with its prefix-cache salt; with any of them set, ``/v1/*``
+            requires one of these or ``api_key``.
         max_n: most choices one request may ask for.
+        max_body_bytes: larger request bodies get 413.
+        max_json_depth: bodies nesting arrays/objects deeper get 400 (checked before parsing).
+        shutdown_timeout_s: on shutdown, how long the engine thread may take to finish its step and run
+            ``engine.close()`` (flushing queued disk/Redis writes).
+        close_engine: call ``engine.close()`` on shutdown (off for an engine the caller goes on using
+            with its lower tiers open).
     """
 
     model_names: tuple[str, ...]
@@ -26,7 +62,12 @@ class ServerConfig:
     max_tokens: int = 1024
     default_completion_max_tokens: int = 16
     api_key: str | None = None
+    tenant_keys: tuple[TenantKey, ...] = ()
     max_n: int = 16
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    shutdown_timeout_s: float = 30.0
+    close_engine: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -38,6 +79,8 @@ class ServerConfig:
             "max_tokens": self.max_tokens,
             "default_completion_max_tokens": self.default_completion_max_tokens,
             "max_n": self.max_n,
+            "max_body_bytes": self.max_body_bytes,
+            "max_json_depth": self.max_json_depth,
         }
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value < 1:
@@ -46,3 +89,103 @@ class ServerConfig:
             raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must be a non-empty string, or None to disable authentication")
+        if self.max_json_depth > MAX_JSON_DEPTH_LIMIT:
+            raise ValueError(
+                f"max_json_depth must be at most {MAX_JSON_DEPTH_LIMIT} (the JSON parser recurses per "
+                f"level), got {self.max_json_depth}"
+            )
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError(f"shutdown_timeout_s must be > 0 seconds, got {self.shutdown_timeout_s}")
+        keys = [t.key for t in self.tenant_keys]
+        if len(set(keys)) != len(keys) or (self.api_key is not None and self.api_key in keys):
+            raise ValueError("every tenant key must be distinct from the others and from api_key")
+
+    @property
+    def requires_auth(self) -> bool:
+        """Whether ``/v1/*`` needs a Bearer token (``api_key`` or a tenant key is set)."""
+        return self.api_key is not None or bool(self.tenant_keys)
+
+
+# -- command-line flags of the fields above ------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size; write e.g. 2GiB, 512MB or 1048576")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The input-limit, tenant-key and shutdown flags (``--api-key`` itself stays with the http flags)."""
+    limits = parser.add_argument_group("input limits")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default="4MiB",
+        help="larger request bodies get HTTP 413 (checked while the body streams in, chunked or not), "
+        "e.g. 4MiB",
+    )
+    limits.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=DEFAULT_MAX_JSON_DEPTH,
+        help=f"JSON bodies nesting arrays/objects deeper get HTTP 400, checked before parsing (at most "
+        f"{MAX_JSON_DEPTH_LIMIT})",
+    )
+    tenants = parser.add_argument_group(
+        "tenants",
+        "Each tenant key gets its own prefix-cache namespace (salt): tenants never hit, or time, each "
+        "other's cached prefixes. A request's cache_salt only subdivides its key's namespace.",
+    )
+    tenants.add_argument(
+        "--api-key-salt",
+        action="append",
+        default=[],
+        metavar="KEY=SALT",
+        help="accept Bearer KEY on /v1/* and salt its requests' prefix cache with SALT (repeatable); "
+        "keys on the command line are visible to local users: prefer --api-keys-file",
+    )
+    tenants.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help='a JSON object {"KEY": "SALT", ...} of tenant keys, as --api-key-salt',
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on shutdown, how long the engine may take to finish its step and flush queued disk/Redis "
+        "writes (engine.close())",
+    )
+
+
+def tenant_keys(args: argparse.Namespace) -> tuple[TenantKey, ...]:
+    """The tenant keys of ``--api-key-salt`` and ``--api-keys-file``.
+
+    Raises:
+        ValueError: a malformed KEY=SALT or keys file (names the fix).
+    """
+    pairs: list[tuple[str, str]] = []
+    for item in args.api_key_salt:
+        key, sep, salt = item.partition("=")
+        if not sep:
+            raise ValueError(f"--api-key-salt takes KEY=SALT, got {item!r}")
+        pairs.append((key, salt))
+    if args.api_keys_file is not None:
+        try:
+            data = json.loads(Path(args.api_keys_file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--api-keys-file {args.api_keys_file}: {exc}") from None
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(
+                f'--api-keys-file {args.api_keys_file} must hold a JSON object {{"KEY": "SALT", ...}}'
+            )
+        pairs.extend(data.items())
+    return tuple(TenantKey(key=k, salt=v) for k, v in pairs)

@@ -55,12 +55,15 @@ class ServingEngine(Protocol):
         *,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
     ) -> RequestId:
         """Queue one generation; it joins the next :meth:`step`.
 
         Validates synchronously: bad input raises a ``kvb_cache`` error (``InvalidRequestError``,
         ``ContextLengthError``, ...) and nothing is queued. ``prefill_chunk_size`` / ``kv_cache_bits`` are
-        the admission gate's per-request overrides (None: the engine's default).
+        the admission gate's per-request overrides (None: the engine's default). ``cache_salt`` roots the
+        request's prefix hash chain: requests with different salts never share cached blocks (None:
+        unsalted; the server passes the keyword only when a salt is set).
         """
         ...
 
@@ -86,6 +89,15 @@ class ServingEngine(Protocol):
 
     def cache_stats(self) -> Mapping[str, Any]:
         """Cache counters and tier state (the server makes them JSON-safe)."""
+        ...
+
+    def reset_cache(self, *, lower_tiers: bool = False) -> Mapping[str, Any]:
+        """Forget every cached prefix in RAM (and, with ``lower_tiers``, on disk / in Redis); returns what
+        was dropped (the server makes it JSON-safe)."""
+        ...
+
+    def close(self) -> None:
+        """Flush queued tier writes (disk, Redis) and close the tiers; called once, at server shutdown."""
         ...
 
 

@@ -60,6 +60,16 @@ class AuthenticationError(ServerError):
         super().__init__(message, code="invalid_api_key")
 
 
+class PermissionDeniedError(ServerError):
+    """The API key is valid but may not use this route (403), e.g. a tenant key on the cache reset route."""
+
+    status_code = 403
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="permission_denied")
+
+
 class ModelNotFoundError(ServerError):
     """The request names a model this server does not serve (404)."""
 
@@ -128,6 +138,18 @@ class QueueFullError(ServerError):
             f"The server is overloaded: {max_queue_size} requests are already queued. Retry shortly, "
             "or start the server with a larger --max-queue-size.",
             code="queue_full",
+        )
+
+
+class ShuttingDownError(ServerError):
+    """The server is shutting down and takes no new work (503); retry against another replica or later."""
+
+    status_code = 503
+    error_type = "server_overloaded"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The server is shutting down and accepts no new requests. Retry shortly.", code="shutting_down"
         )
 
 

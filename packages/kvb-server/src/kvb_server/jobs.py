@@ -73,6 +73,8 @@ class GenerationJob:
     settings: EngineSettings = field(default_factory=EngineSettings)
     #: Called around the engine run when the job runs alone (the planner's peak-memory calibration).
     probe: RunProbe | None = None
+    #: Roots the request's prefix-cache hash chain (see :mod:`kvb_server.tenancy`); None: unsalted.
+    cache_salt: str | None = None
 
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline

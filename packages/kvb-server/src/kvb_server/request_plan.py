@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvb_cache.errors import InvalidRequestError
@@ -14,10 +15,15 @@ from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
+from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvb_server.tenancy import request_salt
 
 Endpoint = Literal["completions", "chat.completions"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+#: Bodies larger than this are decoded on a worker thread.
+OFFLOAD_PARSE_BYTES = 256 * 2**10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +37,7 @@ class GenerationPlan:
         sampling: the engine's :class:`~kvb_cache.sampling.SamplingParams`, after OpenAI's defaults and the
             server's caps.
         chat_logprobs: chat-style logprobs (``content`` list) rather than completions-style arrays.
+        cache_salt: the engine's prefix-cache salt (:func:`kvb_server.tenancy.request_salt`); None: unsalted.
     """
 
     endpoint: Endpoint
@@ -41,17 +48,15 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     chat_logprobs: bool
+    cache_salt: str | None = None
 
 
-def parse_body(raw: bytes, schema: type[ModelT]) -> ModelT:
-    """Decode JSON and validate it against ``schema``, mapping every failure to a 400 naming the parameter."""
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidParameterError(
-            f"We could not parse the JSON body of your request ({exc}). Send a valid JSON object with "
-            "Content-Type: application/json."
-        ) from None
+def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ModelT:
+    """Decode JSON and validate it against ``schema``, mapping every failure to a 400 naming the parameter.
+
+    The nesting limit is checked before ``json.loads`` runs (see :func:`kvb_server.limits.decode_json`).
+    """
+    data = decode_json(raw, max_depth=max_depth)
     if not isinstance(data, dict):
         raise InvalidParameterError("The request body must be a JSON object.")
     try:
@@ -70,6 +75,15 @@ def parse_body(raw: bytes, schema: type[ModelT]) -> ModelT:
                 f"Invalid value for '{param}': {first.get('msg')} (at {where}, got {first.get('input')!r})."
             )
         raise InvalidParameterError(message, param=param) from None
+
+
+async def parse_request(request: Request, schema: type[ModelT], config: ServerConfig) -> ModelT:
+    """Read the body under ``config``'s size limit, then :func:`parse_body` it (413 / 400 on failure)."""
+    raw = await read_body(request, config.max_body_bytes)
+    if len(raw) > OFFLOAD_PARSE_BYTES:
+        # Scanning and decoding a few MiB takes up to ~1 s of CPU: keep it off the event loop.
+        return await asyncio.to_thread(parse_body, raw, schema, max_depth=config.max_json_depth)
+    return parse_body(raw, schema, max_depth=config.max_json_depth)
 
 
 def check_model(model: str, config: ServerConfig) -> None:
@@ -219,8 +233,12 @@ def _n(req: SamplingFields, config: ServerConfig) -> int:
     return n
 
 
-def completion_plan(req: CompletionRequest, engine: ServingEngine, config: ServerConfig) -> GenerationPlan:
+def completion_plan(
+    req: CompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
+) -> GenerationPlan:
+    """The plan of a ``/v1/completions`` request; ``key_salt`` is the caller's API-key salt, if any."""
     check_model(req.model, config)
+    cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_completion(req)
     raw = req.prompt
     if isinstance(raw, str):
@@ -245,11 +263,16 @@ def completion_plan(req: CompletionRequest, engine: ServingEngine, config: Serve
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=False,
+        cache_salt=cache_salt,
     )
 
 
-def chat_plan(req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig) -> GenerationPlan:
+def chat_plan(
+    req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
+) -> GenerationPlan:
+    """The plan of a ``/v1/chat/completions`` request; ``key_salt`` is the caller's API-key salt, if any."""
     check_model(req.model, config)
+    cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
     prompts = (engine.chat_prompt(chat_messages(req)),)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -264,4 +287,5 @@ def chat_plan(req: ChatCompletionRequest, engine: ServingEngine, config: ServerC
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=True,
+        cache_salt=cache_salt,
     )

@@ -1,8 +1,13 @@
-"""Request bodies of the OpenAI endpoints, as strict pydantic models.
+"""Request and response bodies of the OpenAI endpoints, as pydantic models (the OpenAPI document's schemas).
 
-Types are strict (``"max_tokens": "10"`` is a 400, as on OpenAI) and unknown fields are refused, so a
+Requests: types are strict (``"max_tokens": "10"`` is a 400, as on OpenAI) and unknown fields are refused, so a
 misspelt parameter is never silently ignored. Parameters OpenAI defines but this server does not implement
-are declared so that :func:`kvb_server.requests.reject_unsupported` can refuse them by name.
+are declared so that :mod:`kvb_server.request_plan` can refuse them by name. The routes read and validate
+bodies themselves (through :mod:`kvb_server.limits` first), so these models document them in the OpenAPI
+document (see :mod:`kvb_server.openapi`) rather than being FastAPI body parameters.
+
+Responses: the routes build plain dicts (:mod:`kvb_server.responses`); the models below describe them,
+and the tests validate real responses against them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 Stop = str | Annotated[list[str], Field(max_length=4)]
+# torch seeds are 64-bit; choice i of n > 1 samples with seed + i, still inside torch's range.
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class StreamOptions(BaseModel):
@@ -41,8 +49,10 @@ class SamplingFields(BaseModel):
     stop: Stop | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
+    #: vLLM's field: requests with different salts never share cached prefixes (see kvb_server.tenancy).
+    cache_salt: CacheSalt | None = None
     # Declared only to be refused by name (see kvb_server.requests.reject_unsupported).
     logit_bias: dict[str, Any] | None = None
 
@@ -104,3 +114,166 @@ class WarmRequest(BaseModel):
 
     text: str | None = None
     texts: Annotated[list[str], Field(min_length=1)] | None = None
+
+
+class CacheResetRequest(BaseModel):
+    """``POST /v1/cache/reset`` (and vLLM's ``POST /reset_prefix_cache``); the body is optional."""
+
+    model_config = _STRICT
+
+    lower_tiers: bool = Field(
+        default=False, description="also drop the disk and Redis tiers' records, not only RAM"
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the KV cache")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptTruncation(BaseModel):
+    """What ``--auto-truncate`` dropped (also in the ``X-KVBoost-Prompt-Tokens-Dropped`` header)."""
+
+    kept: Literal["last_tokens"]
+    original_prompt_tokens: list[int]
+    prompt_tokens: list[int]
+    dropped_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: Usage
+    prompt_truncation: PromptTruncation | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One ``data:`` event of ``POST /v1/completions`` with ``stream: true`` (the stream ends ``[DONE]``).
+
+    A choice's last chunk has ``finish_reason``; with ``stream_options.include_usage`` every chunk has
+    ``usage: null`` and a final chunk with no choices carries the usage.
+    """
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None
+    refusal: list[ChatLogprobEntry] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_truncation: PromptTruncation | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of ``POST /v1/chat/completions`` with ``stream: true`` (the stream ends ``[DONE]``).
+
+    Each choice opens with a ``{"role": "assistant", "content": ""}`` delta, then text deltas; usage as in
+    :class:`CompletionChunk`.
+    """
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object; some errors add fields (the planner's numbers, ``max_body_bytes``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx response (and an error event that ends a stream)."""
+
+    error: ErrorDetail

@@ -176,6 +176,7 @@ class GenerationService:
                 enqueued_at=arrival,
                 settings=decision.settings,
                 probe=decision.probe,
+                cache_salt=plan.cache_salt,
             )
             for p, prompt in enumerate(plan.prompts)
             for i in range(plan.n)

@@ -18,6 +18,7 @@ in the engine) and the loop goes on serving new ones.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.results import StreamEvent
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import QueueFullError, RequestTimeoutError
+from kvb_server.errors import QueueFullError, RequestTimeoutError, ShuttingDownError
 from kvb_server.jobs import CallJob, GenerationJob, Job, JobIds, JobUpdate
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ T = TypeVar("T")
 
 #: The idle thread re-checks for shutdown this often; submissions wake it at once.
 IDLE_WAIT_S = 1.0
-#: How long :meth:`EngineWorker.stop` waits for the thread to leave its current step.
+#: How long :meth:`EngineWorker.stop` waits by default for the thread to finish its step (and close).
 STOP_JOIN_S = 10.0
 
 
@@ -97,6 +98,7 @@ class EngineWorker:
         # queue-full check never misses a job in transit.
         self._pending: deque[Job] = deque()
         self._stopping = False
+        self._close_on_exit = False
         self._thread: threading.Thread | None = None
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._paged: PagedStats | None = None
@@ -112,17 +114,29 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
         self._thread.start()
 
-    async def stop(self) -> None:
-        """Abort what is in flight and end the thread (waits up to ``STOP_JOIN_S`` for a running step)."""
+    async def stop(self, *, close_engine: bool = False, timeout_s: float = STOP_JOIN_S) -> None:
+        """Stop taking work, abort what is in flight and end the thread.
+
+        Args:
+            close_engine: then call ``engine.close()`` on the engine thread (flushes queued disk/Redis
+                writes and closes the tiers); an error there is logged, never raised.
+            timeout_s: how long to wait for the thread to finish its current step (and the close); past
+                it the thread is left behind (a daemon) with a warning.
+        """
         thread = self._thread
         if thread is None:
             return
         with self._cond:
             self._stopping = True
+            self._close_on_exit = close_engine
             self._cond.notify()
-        await asyncio.get_running_loop().run_in_executor(None, thread.join, STOP_JOIN_S)
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout_s)
         if thread.is_alive():
-            logger.warning("engine thread still inside a step after %.0f s; leaving it", STOP_JOIN_S)
+            logger.warning(
+                "engine thread did not finish its step%s within %.0f s; leaving it",
+                " and engine.close()" if close_engine else "",
+                timeout_s,
+            )
         self._thread = None
 
     # -- submission (event loop) -----------------------------------------------------------------------
@@ -140,9 +154,11 @@ class EngineWorker:
         Raises:
             QueueFullError: fewer than ``len(jobs)`` free places among the requests not running yet.
         """
-        if self._thread is None:
+        if self._thread is None and not self._stopping:
             raise RuntimeError("EngineWorker.start() must run before submit()")
         with self._cond:
+            if self._stopping:
+                raise ShuttingDownError()
             if bounded and self.depth + len(jobs) > self._config.max_queue_size:
                 raise QueueFullError(self._config.max_queue_size)
             self._pending.extend(jobs)
@@ -205,6 +221,9 @@ class EngineWorker:
             raise
         finally:
             self._abort_all()
+            self._refuse_pending()
+            if self._close_on_exit:
+                self._close_engine()
 
     def _next_batch(self) -> list[Job] | None:
         """The jobs submitted so far (left in ``_pending`` until handed over); blocks while idle.
@@ -217,15 +236,19 @@ class EngineWorker:
             return None if self._stopping else list(self._pending)
 
     def _hand_over(self, batch: list[Job]) -> None:
+        answers: list[Callable[[], None]] = []
         for job in batch:
             if isinstance(job, CallJob):
-                self._run_call(job)
+                answers.append(self._run_call(job))
             else:
                 self._add(job)
         self._refresh()
         with self._cond:
             for _ in batch:
                 self._pending.popleft()
+        # Calls are answered only now, so a handler reading the queue depth (stats) no longer sees its job.
+        for answer in answers:
+            answer()
 
     def _add(self, job: GenerationJob) -> None:
         if job.expired():
@@ -236,12 +259,22 @@ class EngineWorker:
         if solo:
             _call_probe(job, "start")
         try:
-            request_id = self._engine.add_request(
-                job.prompt,
-                job.sampling,
-                prefill_chunk_size=job.settings.prefill_chunk_size,
-                kv_cache_bits=job.settings.kv_cache_bits,
-            )
+            if job.cache_salt is None:
+                # NOTE: unsalted requests omit the keyword, so engines predating cache_salt still serve.
+                request_id = self._engine.add_request(
+                    job.prompt,
+                    job.sampling,
+                    prefill_chunk_size=job.settings.prefill_chunk_size,
+                    kv_cache_bits=job.settings.kv_cache_bits,
+                )
+            else:
+                request_id = self._engine.add_request(
+                    job.prompt,
+                    job.sampling,
+                    prefill_chunk_size=job.settings.prefill_chunk_size,
+                    kv_cache_bits=job.settings.kv_cache_bits,
+                    cache_salt=job.cache_salt,
+                )
         except Exception as exc:  # invalid for the engine: only this job fails
             self._rejected += 1
             job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
@@ -251,18 +284,20 @@ class EngineWorker:
         self._in_flight[request_id] = _InFlight(job=job, queue_s=queue_s, solo=solo)
         self._added += 1
 
-    def _run_call(self, job: CallJob) -> None:
+    def _run_call(self, job: CallJob) -> Callable[[], None]:
+        """Run ``job`` now; returns what delivers its value or error to the awaiting handler."""
         if job.expired():
-            if not job.cancelled.is_set():
-                _resolve(job.future, error=RequestTimeoutError(self._config.request_timeout_s))
-            return
+            if job.cancelled.is_set():
+                return lambda: None
+            return functools.partial(
+                _resolve, job.future, error=RequestTimeoutError(self._config.request_timeout_s)
+            )
         self._calls += 1
         try:
             value = job.fn()
         except BaseException as exc:  # delivered to the awaiting handler, which maps it to a response
-            _resolve(job.future, error=exc)
-        else:
-            _resolve(job.future, value=value)
+            return functools.partial(_resolve, job.future, error=exc)
+        return functools.partial(_resolve, job.future, value=value)
 
     def _abort_expired(self) -> None:
         for request_id, flight in list(self._in_flight.items()):
@@ -341,6 +376,25 @@ class EngineWorker:
         """On shutdown: free what is in flight, so an engine shared with another server starts clean."""
         for request_id in list(self._in_flight):
             self._abort(request_id)
+
+    def _refuse_pending(self) -> None:
+        """On shutdown: answer the jobs never handed to the engine, so no handler waits for its timeout."""
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+        for job in pending:
+            if isinstance(job, CallJob):
+                _resolve(job.future, error=ShuttingDownError())
+            else:
+                job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=ShuttingDownError()))
+
+    def _close_engine(self) -> None:
+        started = time.monotonic()
+        try:
+            self._engine.close()
+        except Exception:
+            logger.exception("engine.close() failed on shutdown; queued tier writes may be lost")
+            return
+        logger.info("engine closed (tier writes flushed) in %.2f s", time.monotonic() - started)
 
     def _refresh(self) -> None:
         try:

@@ -1,23 +1,28 @@
-"""Operational routes: ``/health``, ``/metrics``, ``/v1/stats`` and ``/v1/warm``."""
+"""Operational routes: ``/health``, ``/metrics``, ``/v1/stats``, ``/v1/warm`` and the cache reset."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
 from kvb_server.metrics import ServerMetrics
-from kvb_server.request_plan import parse_body
-from kvb_server.schemas import WarmRequest
+from kvb_server.openapi import json_body, responses
+from kvb_server.request_plan import parse_request
+from kvb_server.schemas import CacheResetRequest, WarmRequest
 from kvb_server.service import engine_error
 from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
+from kvb_server.tenancy import ApiKeys
 from kvb_server.worker import EngineWorker
+
+logger = logging.getLogger(__name__)
 
 #: ``/v1/stats`` waits at most this long for the engine thread to finish its step and read the cache.
 STATS_TIMEOUT_S = 10.0
@@ -31,8 +36,13 @@ def admin_router(
     metrics: ServerMetrics,
     throughput: ThroughputMeter,
     gate: RequestGate | None = None,
+    keys: ApiKeys,
 ) -> tuple[APIRouter, APIRouter]:
-    """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key."""
+    """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key.
+
+    The cache reset is on both (``/v1/cache/reset``, and vLLM's ``/reset_prefix_cache`` at the root);
+    both need the operator's ``--api-key`` when one is set.
+    """
     open_router = APIRouter()
     v1 = APIRouter(prefix="/v1")
 
@@ -44,15 +54,17 @@ def admin_router(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @v1.get("/stats")
+    @v1.get("/stats", responses=responses(errors=(401,)))
     async def stats() -> dict[str, Any]:
         cache = await engine_cache_stats(engine, worker, min(STATS_TIMEOUT_S, config.request_timeout_s))
         return stats_snapshot(engine=engine, cache=cache, worker=worker, throughput=throughput, gate=gate)
 
-    @v1.post("/warm")
+    @v1.post(
+        "/warm", openapi_extra=json_body(WarmRequest), responses=responses(errors=(400, 401, 413, 503, 504))
+    )
     async def warm(request: Request) -> dict[str, Any]:
         """Prefill texts (a shared system prompt, a document) so later prompts starting with them hit."""
-        req = parse_body(await request.body(), WarmRequest)
+        req = await parse_request(request, WarmRequest, config)
         texts = ([req.text] if req.text is not None else []) + list(req.texts or [])
         if not texts or any(not t for t in texts):
             raise InvalidParameterError(
@@ -74,4 +86,41 @@ def admin_router(
             "elapsed_ms": round((time.monotonic() - started) * 1e3, 3),
         }
 
+    async def reset(request: Request) -> dict[str, Any]:
+        # An empty body means the defaults: vLLM's route takes none.
+        req = (
+            await parse_request(request, CacheResetRequest, config)
+            if await _has_body(request)
+            else CacheResetRequest()
+        )
+        call = functools.partial(engine.reset_cache, lower_tiers=req.lower_tiers)
+        try:
+            # On the engine thread, between steps (the engine is not thread-safe); not bounded by the
+            # queue, so an operator can reset an overloaded server.
+            result = await worker.call(call, timeout_s=config.request_timeout_s, bounded=False)
+        except ServerError:
+            raise
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        logger.info("cache reset (lower_tiers=%s): %s", req.lower_tiers, result)
+        return {"object": "cache.reset", "lower_tiers": req.lower_tiers, **json_safe(result)}
+
+    reset_doc: dict[str, Any] = {
+        "openapi_extra": json_body(CacheResetRequest, required=False),
+        "responses": responses(errors=(400, 401, 403, 413, 503, 504)),
+        "summary": "Reset the prefix cache",
+        "description": "Forget every cached prefix (RAM; with lower_tiers, disk and Redis records too). "
+        "Needs the operator's --api-key when one is set; tenant keys get 403.",
+    }
+    operator = [Depends(keys.operator)]
+    v1.post("/cache/reset", dependencies=operator, **reset_doc)(reset)
+    open_router.post("/reset_prefix_cache", dependencies=operator, **reset_doc)(reset)
+
     return open_router, v1
+
+
+async def _has_body(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        return declared != "0"
+    return "chunked" in request.headers.get("transfer-encoding", "")

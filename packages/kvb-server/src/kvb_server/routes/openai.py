@@ -4,35 +4,47 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import ModelNotFoundError
-from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan, parse_body
-from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
+from kvb_server.openapi import json_body, responses
+from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan, parse_request
+from kvb_server.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+)
 from kvb_server.service import ClientDisconnected, GenerationService, Truncation
+from kvb_server.tenancy import ApiKeys, Caller
 
 #: Status logged for a client that hung up before its response (nginx's convention; never sent).
 CLIENT_CLOSED = 499
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Statuses a generation route answers besides 200 (documented in the OpenAPI document).
+GENERATION_ERRORS = (400, 401, 404, 413, 503, 504)
 
 
 def openai_router(
-    *, engine: ServingEngine, config: ServerConfig, service: GenerationService, created: int
+    *, engine: ServingEngine, config: ServerConfig, service: GenerationService, keys: ApiKeys, created: int
 ) -> APIRouter:
+    """The ``/v1`` OpenAI routes; ``keys`` authenticates callers (their key salts the prefix cache)."""
     router = APIRouter(prefix="/v1")
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "kvboost"}
 
-    @router.get("/models")
+    @router.get("/models", responses=responses(errors=(401,)))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(n) for n in config.model_names]}
 
-    @router.get("/models/{model:path}")
+    @router.get("/models/{model:path}", responses=responses(errors=(401, 404)))
     async def get_model(model: str) -> dict[str, Any]:
         if model not in config.model_names:
             raise ModelNotFoundError(model, config.model_names)
@@ -53,14 +65,27 @@ def openai_router(
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
 
-    @router.post("/completions")
-    async def completions(request: Request) -> Response:
-        req = parse_body(await request.body(), CompletionRequest)
-        return await serve(completion_plan(req, engine, config), request)
+    # The router-level dependency is the same callable: FastAPI runs it once per request.
+    authenticated = Depends(keys)
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = parse_body(await request.body(), ChatCompletionRequest)
-        return await serve(chat_plan(req, engine, config), request)
+    @router.post(
+        "/completions",
+        openapi_extra=json_body(CompletionRequest),
+        responses=responses(CompletionResponse, stream=CompletionChunk, errors=GENERATION_ERRORS),
+    )
+    async def completions(request: Request, caller: Caller = authenticated) -> Response:
+        """OpenAI's legacy completions (``stream: true`` for Server-Sent Events)."""
+        req = await parse_request(request, CompletionRequest, config)
+        return await serve(completion_plan(req, engine, config, key_salt=caller.key_salt), request)
+
+    @router.post(
+        "/chat/completions",
+        openapi_extra=json_body(ChatCompletionRequest),
+        responses=responses(ChatCompletionResponse, stream=ChatCompletionChunk, errors=GENERATION_ERRORS),
+    )
+    async def chat_completions(request: Request, caller: Caller = authenticated) -> Response:
+        """OpenAI's chat completions (``stream: true`` for Server-Sent Events)."""
+        req = await parse_request(request, ChatCompletionRequest, config)
+        return await serve(chat_plan(req, engine, config, key_salt=caller.key_salt), request)
 
     return router

@@ -1,0 +1,134 @@
+"""Input limits checked before a request body is parsed: size, UTF-8, JSON nesting depth, lone surrogates.
+
+Every body any route parses goes through :func:`read_body` and then :func:`decode_json`, so no body can
+make the server allocate without bound, recurse without bound (``json.loads`` recurses once per nesting
+level and raises ``RecursionError`` past ~1000) or hand the tokenizer a string it cannot encode. Each
+failure is an OpenAI-style 400 or 413, never a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from itertools import accumulate, count
+from typing import Any
+
+from fastapi import Request
+
+from kvb_server.errors import InvalidParameterError, RequestTooLargeError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_JSON_DEPTH = 64
+#: ``json.loads`` recurses once per level; the default interpreter limit is 1000 frames.
+MAX_JSON_DEPTH_LIMIT = 512
+
+# A JSON string, unrolled so the regex engine never backtracks: quote, runs of plain characters and
+# escapes, quote. An unterminated string does not match, so its brackets are counted (the check stays an
+# upper bound of what the parser would descend into before it fails).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# Opening brackets count 2 and closing ones 0, so after k brackets the running sum minus k is the depth.
+_BRACKET_WEIGHTS = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
+# ``\ud800``-``\udfff`` escapes: only then can the parsed value hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class BodyTooLargeError(RequestTooLargeError):
+    """The request body is larger than ``--max-body-bytes`` (413)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            f"The request body is larger than this server's limit of {max_bytes} bytes "
+            f"({max_bytes / 2**20:g} MiB, --max-body-bytes). Send a smaller body.",
+            fields={"max_body_bytes": max_bytes},
+        )
+        self.code = "body_too_large"
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``.
+
+    A ``Content-Length`` over the limit is refused before anything is read; a chunked body (no length) is
+    counted while it streams in, so at most ``max_bytes`` plus one chunk is ever held. The unread rest is
+    drained by the HTTP server after the response, so the client reads the 413 rather than a reset.
+
+    Raises:
+        BodyTooLargeError: the body exceeds ``max_bytes``.
+        starlette.requests.ClientDisconnect: the client went away mid-body (nobody is left to answer).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLargeError(max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise BodyTooLargeError(max_bytes)
+    return bytes(body)
+
+
+def json_depth(text: str) -> int:
+    """How deeply arrays and objects nest in ``text`` (JSON), without recursing.
+
+    Brackets inside strings are ignored. For invalid JSON this is an upper bound of the depth a parser
+    reaches before it fails, which is what makes it a safe guard in front of ``json.loads``.
+    """
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if not brackets:
+        return 0
+    weights = brackets.translate(_BRACKET_WEIGHTS).encode("latin-1")
+    return max(0, max(map(operator.sub, accumulate(weights), count(1))))
+
+
+def decode_json(raw: bytes, *, max_depth: int) -> Any:
+    """Decode a body as UTF-8 JSON nested at most ``max_depth`` levels.
+
+    Raises:
+        InvalidParameterError: not UTF-8, nested too deeply, not JSON, or holding a lone surrogate
+            (``"\\ud800"``, which no tokenizer can encode).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidParameterError(
+            f"The request body is not valid UTF-8 (byte {exc.start}: {exc.reason}). Send JSON encoded "
+            "as UTF-8."
+        ) from None
+    # Cheap bound first: most bodies hold fewer brackets than the limit.
+    if text.count("[") + text.count("{") > max_depth and json_depth(text) > max_depth:
+        raise InvalidParameterError(
+            f"The JSON body nests arrays/objects deeper than this server's limit of {max_depth} levels "
+            "(--max-json-depth).",
+            code="json_too_deep",
+        )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameterError(
+            f"We could not parse the JSON body of your request ({exc}). Send a valid JSON object with "
+            "Content-Type: application/json."
+        ) from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(data):
+        raise InvalidParameterError(
+            "The JSON body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff not in a pair); send "
+            "valid Unicode text."
+        )
+    return data
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False

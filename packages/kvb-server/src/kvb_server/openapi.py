@@ -1,0 +1,90 @@
+"""The OpenAPI document: request bodies the routes parse themselves, response and stream-chunk schemas.
+
+The generation routes read their bodies through :mod:`kvb_server.limits` before pydantic sees them, so
+FastAPI cannot infer their request bodies. Each such route declares its body with :func:`json_body` (an
+``openapi_extra`` referencing a component) and :func:`install_openapi` adds the models as components, so
+``/docs`` shows them and schema-driven fuzzers (schemathesis) generate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from kvb_server.schemas import ErrorResponse
+
+_REF = "#/components/schemas/{model}"
+
+
+def ref(model: type[BaseModel]) -> dict[str, str]:
+    """A JSON-schema reference to ``model``'s component (registered by :func:`install_openapi`)."""
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose JSON body ``model`` describes."""
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": ref(model)}}}}
+
+
+def responses(
+    ok: type[BaseModel] | None = None, *, stream: type[BaseModel] | None = None, errors: Sequence[int] = ()
+) -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses``: 200 as ``ok`` (and ``text/event-stream`` events as ``stream``), and the
+    error statuses it can answer, all with OpenAI's error body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    content: dict[str, Any] = {}
+    if ok is not None:
+        content["application/json"] = {"schema": ref(ok)}
+    if stream is not None:
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "string",
+                "description": f"Server-Sent Events: `data: <{stream.__name__}>` lines, then `data: [DONE]`",
+            },
+            "x-event-schema": ref(stream),
+        }
+    if content:
+        out[200] = {"content": content}
+    for status in errors:
+        out[status] = {
+            "description": _ERROR_DESCRIPTIONS.get(status, "error"),
+            "content": {"application/json": {"schema": ref(ErrorResponse)}},
+        }
+    return out
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "invalid body or parameter (also: invalid UTF-8, JSON nested deeper than --max-json-depth)",
+    401: "missing or wrong API key",
+    403: "the API key may not use this route",
+    404: "unknown model",
+    413: "body larger than --max-body-bytes, or refused by the memory planner",
+    503: "queue full or shutting down",
+    504: "not finished within --request-timeout",
+}
+
+
+def install_openapi(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    """Make ``app.openapi()`` (``/openapi.json``, ``/docs``) include ``models`` and the models they use as
+    components, next to what FastAPI generates from the routes."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            _, defs = models_json_schema(
+                [(m, "validation") for m in (*models, ErrorResponse)], ref_template=_REF
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in defs.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
