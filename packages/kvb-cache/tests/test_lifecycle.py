@@ -1,0 +1,180 @@
+"""Engine lifecycle: idempotent close, the bounded flush at interpreter exit, and reset_cache."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+from conftest import make_model
+
+from kvb_cache import CacheBusyError, CPUPagedEngine, EngineConfig, KVBoost, StitchConfig
+from kvb_cache.tiers import TierConfig
+
+PROMPT = list(range(5, 75))  # 70 tokens: 4 full blocks of 16
+
+
+def engine(model, tok, **config) -> KVBoost:
+    return KVBoost(model, tok, config=EngineConfig(chunk_size=16, **config))
+
+
+def run(eng: KVBoost, prompt=PROMPT):
+    return eng.generate(prompt, max_new_tokens=4, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------------------- close
+
+
+def test_close_is_idempotent_and_the_engine_serves_from_ram_afterwards(llama, tokenizer, tmp_path):
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
+    run(eng)
+    assert eng.close() is True
+    disk = eng.tiers.lower[0].tier
+    stored = disk.stats().stores
+    assert stored >= 4 and eng.close() is True
+    assert run(eng).cached_tokens == len(PROMPT) - 1
+    run(eng, list(range(100, 170)))  # new blocks: nothing reaches the closed tier
+    assert eng.flush() is True and disk.stats().stores == stored
+
+
+def test_every_engine_class_closes_as_a_context_manager(llama, tokenizer, tmp_path):
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    with CPUPagedEngine.from_pretrained(
+        llama, tokenizer=tokenizer, num_blocks=64, chunk_size=16, tiers=tiers
+    ) as paged:
+        run(paged)
+    with engine(llama, tokenizer, tiers=tiers) as plain:
+        assert run(plain).cached_tokens == 64  # the first engine's writes were drained by its exit
+    assert paged._closed and plain._closed
+
+
+def test_the_exit_hook_does_not_keep_an_engine_alive(llama, tokenizer, tmp_path):
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
+    assert eng._exit_hook is not None
+    ref = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert ref() is None
+
+
+def test_engines_without_tiers_register_no_exit_hook(llama, tokenizer):
+    assert engine(llama, tokenizer)._exit_hook is None
+
+
+def test_bad_exit_flush_timeout_is_refused():
+    with pytest.raises(ValueError, match="exit_flush_timeout_s"):
+        TierConfig(disk_cache_dir="x", exit_flush_timeout_s=0)
+
+
+# A "process A" that generates and exits without close(); its disk is slow (sleep per record), so writes
+# are still queued at exit: only the exit hook can save them.
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from conftest import make_model, make_tokenizer
+    from kvb_cache import EngineConfig, KVBoost
+    from kvb_cache.tiers import TierConfig, DiskTier
+
+    folder, delay, timeout = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+    put = DiskTier.put
+    DiskTier.put = lambda self, key, record: (time.sleep(delay), put(self, key, record))[1]
+    prompt = list(range(3, 243))  # 240 tokens: 15 full blocks of 16
+    tiers = TierConfig(disk_cache_dir=folder, exit_flush_timeout_s=timeout)
+    engine = KVBoost(make_model("llama"), make_tokenizer(), config=EngineConfig(chunk_size=16, tiers=tiers))
+    result = engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    print(json.dumps({"cached": result.cached_tokens, "exit_at": time.monotonic()}), flush=True)
+    """
+)
+
+
+def _child(folder: Path, *, delay: float, timeout: float) -> tuple[dict, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(Path(__file__).parent), str(folder), str(delay), str(timeout)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    end = time.monotonic()
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return report, end - report["exit_at"]
+
+
+def _fresh(tokenizer, folder: Path) -> KVBoost:
+    """Process B: the child's model (same seed; a fresh one, as its fingerprint sees it) on the same folder."""
+    return engine(make_model("llama"), tokenizer, tiers=TierConfig(disk_cache_dir=folder))
+
+
+def test_writes_queued_at_exit_are_flushed_without_close(tokenizer, tmp_path):
+    report, _ = _child(tmp_path, delay=0.05, timeout=30)
+    assert report["cached"] == 0
+    fresh = _fresh(tokenizer, tmp_path)
+    prompt = list(range(3, 243))
+    got = fresh.generate(prompt, max_new_tokens=1).cached_tokens
+    assert got >= 0.9 * len(prompt)
+
+
+def test_the_exit_flush_is_bounded_by_its_timeout(tokenizer, tmp_path):
+    _, lingered = _child(tmp_path, delay=1.0, timeout=0.5)  # 15+ records at 1 s each: far past the bound
+    assert lingered < 5.0
+    fresh = _fresh(tokenizer, tmp_path)
+    assert fresh.generate(list(range(3, 243)), max_new_tokens=1).cached_tokens < 240 // 2
+
+
+# ---------------------------------------------------------------------------------------- reset
+
+
+def test_reset_cache_drops_ram_and_keeps_lower_tiers_unless_asked(llama, tokenizer, tmp_path):
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
+    run(eng)
+    dropped = eng.reset_cache()
+    assert dropped["blocks_dropped"] >= 4
+    assert dropped["chunks_dropped"] == 0 and dropped["lower_tier_records_dropped"] == 0
+    assert eng.paged_stats().blocks_cached == 0
+    assert run(eng).cached_tokens == 64  # promoted back from disk (full blocks only)
+    eng.flush()
+    records = eng.tiers.lower[0].tier.stats().entries
+    dropped = eng.reset_cache(lower_tiers=True)
+    assert dropped["lower_tier_records_dropped"] == records >= 4
+    assert eng.tiers.lower[0].tier.stats().entries == 0
+    assert run(eng).cached_tokens == 0
+
+
+def test_reset_cache_without_tiers(llama, tokenizer):
+    eng = engine(llama, tokenizer)
+    run(eng)
+    assert eng.reset_cache(lower_tiers=True)["lower_tier_records_dropped"] == 0
+    assert run(eng).cached_tokens == 0
+
+
+def test_reset_cache_clears_the_stitching_store(llama, tokenizer):
+    eng = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, stitching=StitchConfig(recompute_strategy="selective")),
+    )
+    run(eng)
+    assert len(eng.store) > 0
+    dropped = eng.reset_cache()
+    assert dropped["chunks_dropped"] >= 4 and len(eng.store) == 0
+
+
+def test_reset_cache_refuses_while_requests_hold_blocks(llama, tokenizer):
+    eng = engine(llama, tokenizer)
+    run(eng)
+    rid = eng.add_request(PROMPT)
+    eng.step()
+    with pytest.raises(CacheBusyError, match="running") as err:
+        eng.reset_cache()
+    assert err.value.running == 1
+    assert eng.paged_stats().blocks_cached + eng.paged_stats().blocks_used > 0  # nothing was dropped
+    eng.abort(rid)
+    assert eng.reset_cache()["blocks_dropped"] > 0
