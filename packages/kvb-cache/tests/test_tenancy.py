@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_model
 from test_stitching import _engine as stitching_engine
 from test_stitching import _prompts as stitching_prompts
 
@@ -29,6 +30,12 @@ def test_unsalted_chain_is_unchanged_and_salts_change_the_root():
     # Pinned: disk/Redis records of salted chains are keyed by it across processes and versions.
     assert a.hex()[:16] == "c57b2ef1cdf9414e"
     assert salted_root(root, "\ud800") != root  # lone surrogates (from JSON) hash instead of raising
+
+
+def test_two_engines_on_one_model_share_a_fingerprint(tokenizer):
+    """The first engine switches the model to paged attention; the second must still read its records."""
+    model = make_model("llama")
+    assert engine(model, tokenizer).fingerprint == engine(model, tokenizer).fingerprint
 
 
 def test_unsalted_requests_index_the_fingerprint_chain(llama, tokenizer):

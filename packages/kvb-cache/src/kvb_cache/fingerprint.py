@@ -38,8 +38,17 @@ def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: st
     if codec is None:
         codec = codec_label(config)
     cfg = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset"):
-        cfg.pop(volatile, None)
+    volatile = (
+        "_name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+        # Set by the first engine's install_paged_attention: without this, a second engine on the same model
+        # object got another fingerprint (and missed every record the first one wrote).
+        "kvb_fallback_attn_implementation",
+    )
+    for key in volatile:
+        cfg.pop(key, None)
     payload = {
         "class": type(model).__name__,
         "config": cfg,
