@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.errors import ContextLengthError, InvalidRequestError
+from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError
 from kvb_cache.results import GenerationResult, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 
@@ -80,6 +80,7 @@ class FakeEngine:
         self.step_log: list[frozenset[RequestId]] = []
         self.aborted: list[RequestId] = []
         self.warmed: list[str] = []
+        self.warm_salts: list[str | None] = []
         #: ``lower_tiers`` of every ``reset_cache`` call, and the thread each ran on.
         self.resets: list[bool] = []
         self.reset_threads: list[str] = []
@@ -87,6 +88,7 @@ class FakeEngine:
         self.closed: list[str] = []
         #: ``close()`` sleeps this long first (a slow flush).
         self.close_delay_s = 0.0
+        self.close_timeouts: list[float | None] = []
         self._ids = itertools.count(1)
         self._waiting: deque[_Request] = deque()
         self._running: dict[RequestId, _Request] = {}
@@ -245,8 +247,9 @@ class FakeEngine:
         )
 
     # -- engine calls between steps ----------------------------------------------------------------------
-    def warm(self, text: str) -> WarmResult:
+    def warm(self, text: str, *, cache_salt: str | None = None) -> WarmResult:
         self.warmed.append(text)
+        self.warm_salts.append(cache_salt)
         return WarmResult(tokens=len(text), chunks=1, new_chunks=1, already_cached_tokens=0)
 
     def cache_stats(self) -> dict[str, Any]:
@@ -254,12 +257,21 @@ class FakeEngine:
         return {"entries": 1, "ratio": float("nan"), "tiers": {"ram": {"bytes": 10}}, "kinds": {1: "x"}}
 
     def reset_cache(self, *, lower_tiers: bool = False) -> dict[str, Any]:
+        if self.has_unfinished():
+            raise CacheBusyError(
+                f"cannot reset the cache while requests hold blocks ({len(self._running)} running, "
+                f"{len(self._waiting)} waiting); retry when the engine is idle",
+                running=len(self._running),
+                waiting=len(self._waiting),
+            )
         self.resets.append(lower_tiers)
         self.reset_threads.append(threading.current_thread().name)
         dropped, self._cached_blocks = self._cached_blocks, 0
         return {"blocks_dropped": dropped, "lower_tiers_cleared": lower_tiers}
 
-    def close(self) -> None:
+    def close(self, *, timeout_s: float | None = None) -> bool:
+        self.close_timeouts.append(timeout_s)
         if self.close_delay_s:
             time.sleep(self.close_delay_s)
         self.closed.append(threading.current_thread().name)
+        return True

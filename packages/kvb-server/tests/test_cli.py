@@ -129,3 +129,61 @@ def test_engine_loop_flags_reach_the_engine(monkeypatch) -> None:
         96,
     )
     assert seen["model"] == "m" and server.host == "127.0.0.1" and server.port == 8000
+
+
+def test_limit_tenant_and_shutdown_flags_reach_the_config(monkeypatch, tmp_path) -> None:
+    import kvb_server.app
+
+    monkeypatch.setattr(kvb_cache.KVBoost, "from_pretrained", staticmethod(lambda model, **kw: FakeEngine()))
+    configs = []
+    monkeypatch.setattr(
+        kvb_server.app, "create_app", lambda engine, config, gate=None: configs.append(config)
+    )
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"key-c": "salt-c"}')
+    args = build_parser().parse_args(
+        [
+            "--no-oom-planning",
+            "--max-body-bytes",
+            "1MiB",
+            "--max-json-depth",
+            "32",
+            "--api-key-salt",
+            "key-a=salt-a",
+            "--api-key-salt",
+            "key-b=x=y",
+            "--api-keys-file",
+            str(keys),
+            "--shutdown-timeout",
+            "7",
+        ]
+    )
+    build_server(args)
+    (config,) = configs
+    assert (config.max_body_bytes, config.max_json_depth, config.shutdown_timeout_s) == (2**20, 32, 7.0)
+    assert [(t.key, t.salt) for t in config.tenant_keys] == [
+        ("key-a", "salt-a"),
+        ("key-b", "x=y"),
+        ("key-c", "salt-c"),
+    ]
+    assert config.requires_auth and config.api_key is None
+    assert "salt-a" not in repr(config)  # secrets stay out of logs
+    defaults = build_parser().parse_args([])
+    assert (defaults.max_body_bytes, defaults.max_json_depth) == (4 * 2**20, 64)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--api-key-salt", "no-equals"], "KEY=SALT"),
+        (["--api-key-salt", "k="], "non-empty"),
+        (["--api-keys-file", "/nonexistent/keys.json"], "--api-keys-file"),
+    ],
+)
+def test_bad_tenant_keys_are_refused_before_the_model_loads(flags: list[str], match: str) -> None:
+    from kvb_server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(flags)
+    with pytest.raises(ValueError, match=match):
+        build_server(build_parser().parse_args(flags))

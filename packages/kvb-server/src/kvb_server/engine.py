@@ -63,7 +63,7 @@ class ServingEngine(Protocol):
         ``ContextLengthError``, ...) and nothing is queued. ``prefill_chunk_size`` / ``kv_cache_bits`` are
         the admission gate's per-request overrides (None: the engine's default). ``cache_salt`` roots the
         request's prefix hash chain: requests with different salts never share cached blocks (None:
-        unsalted; the server passes the keyword only when a salt is set).
+        unsalted).
         """
         ...
 
@@ -83,21 +83,25 @@ class ServingEngine(Protocol):
         """Block pool and scheduler counters."""
         ...
 
-    def warm(self, text: str) -> WarmResult:
-        """Prefill ``text`` and store its KV so later prompts that start with it hit the cache."""
-        ...
-
     def cache_stats(self) -> Mapping[str, Any]:
         """Cache counters and tier state (the server makes them JSON-safe)."""
         ...
 
-    def reset_cache(self, *, lower_tiers: bool = False) -> Mapping[str, Any]:
-        """Forget every cached prefix in RAM (and, with ``lower_tiers``, on disk / in Redis); returns what
-        was dropped (the server makes it JSON-safe)."""
+    def warm(self, text: str, *, cache_salt: str | None = None) -> WarmResult:
+        """Prefill ``text`` under ``cache_salt`` and store its KV so later prompts of that salt hit."""
         ...
 
-    def close(self) -> None:
-        """Flush queued tier writes (disk, Redis) and close the tiers; called once, at server shutdown."""
+    def reset_cache(self, *, lower_tiers: bool = False) -> Mapping[str, Any]:
+        """Forget every cached prefix in RAM (and, with ``lower_tiers``, on disk / in Redis); returns what
+        was dropped (the server makes it JSON-safe).
+
+        Raises ``kvb_cache.CacheBusyError`` while requests are running or waiting (the server: 409).
+        """
+        ...
+
+    def close(self, *, timeout_s: float | None = None) -> bool:
+        """Flush queued tier writes (disk, Redis) for at most ``timeout_s`` and close the tiers; the engine
+        keeps serving from RAM afterwards. False: writes were still queued at the deadline."""
         ...
 
 

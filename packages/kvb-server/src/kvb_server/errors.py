@@ -127,6 +127,16 @@ class OutOfMemoryDuringRunError(RequestTooLargeError):
         )
 
 
+class CacheBusyConflictError(ServerError):
+    """The cache cannot be reset while requests are running or waiting (409); retry when idle."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="cache_busy")
+
+
 class QueueFullError(ServerError):
     """The request queue is full (503); the client should retry later."""
 

@@ -63,6 +63,7 @@ _ERROR_DESCRIPTIONS = {
     401: "missing or wrong API key",
     403: "the API key may not use this route",
     404: "unknown model",
+    409: "the cache cannot be reset while requests are running or waiting; retry when idle",
     413: "body larger than --max-body-bytes, or refused by the memory planner",
     503: "queue full or shutting down",
     504: "not finished within --request-timeout",

@@ -114,6 +114,8 @@ class WarmRequest(BaseModel):
 
     text: str | None = None
     texts: Annotated[list[str], Field(min_length=1)] | None = None
+    #: Warm under this salt (combined with the API key's, as for generation requests).
+    cache_salt: CacheSalt | None = None
 
 
 class CacheResetRequest(BaseModel):

@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.results import GenerationResult
 from kvb_server.config import ServerConfig
 from kvb_server.errors import (
+    CacheBusyConflictError,
     EngineError,
     InvalidParameterError,
     OutOfMemoryDuringRunError,
@@ -92,6 +93,8 @@ def engine_error(exc: BaseException) -> ServerError:
     if _is_out_of_memory(exc):
         logger.error("engine ran out of memory: %r", exc)
         return OutOfMemoryDuringRunError(exc)
+    if isinstance(exc, CacheBusyError):
+        return CacheBusyConflictError(f"The cache was not reset: {exc}.")
     if isinstance(exc, ContextLengthError):
         return InvalidParameterError(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError | PromptTypeError):

@@ -99,6 +99,7 @@ class EngineWorker:
         self._pending: deque[Job] = deque()
         self._stopping = False
         self._close_on_exit = False
+        self._stop_deadline = 0.0
         self._thread: threading.Thread | None = None
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._paged: PagedStats | None = None
@@ -129,6 +130,7 @@ class EngineWorker:
         with self._cond:
             self._stopping = True
             self._close_on_exit = close_engine
+            self._stop_deadline = time.monotonic() + timeout_s
             self._cond.notify()
         await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout_s)
         if thread.is_alive():
@@ -259,22 +261,13 @@ class EngineWorker:
         if solo:
             _call_probe(job, "start")
         try:
-            if job.cache_salt is None:
-                # NOTE: unsalted requests omit the keyword, so engines predating cache_salt still serve.
-                request_id = self._engine.add_request(
-                    job.prompt,
-                    job.sampling,
-                    prefill_chunk_size=job.settings.prefill_chunk_size,
-                    kv_cache_bits=job.settings.kv_cache_bits,
-                )
-            else:
-                request_id = self._engine.add_request(
-                    job.prompt,
-                    job.sampling,
-                    prefill_chunk_size=job.settings.prefill_chunk_size,
-                    kv_cache_bits=job.settings.kv_cache_bits,
-                    cache_salt=job.cache_salt,
-                )
+            request_id = self._engine.add_request(
+                job.prompt,
+                job.sampling,
+                prefill_chunk_size=job.settings.prefill_chunk_size,
+                kv_cache_bits=job.settings.kv_cache_bits,
+                cache_salt=job.cache_salt,
+            )
         except Exception as exc:  # invalid for the engine: only this job fails
             self._rejected += 1
             job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
@@ -390,11 +383,15 @@ class EngineWorker:
     def _close_engine(self) -> None:
         started = time.monotonic()
         try:
-            self._engine.close()
+            # What is left of stop()'s timeout after the last step: the engine bounds its own flush by it.
+            drained = self._engine.close(timeout_s=max(0.0, self._stop_deadline - started))
         except Exception:
             logger.exception("engine.close() failed on shutdown; queued tier writes may be lost")
             return
-        logger.info("engine closed (tier writes flushed) in %.2f s", time.monotonic() - started)
+        if drained is False:
+            logger.warning("engine.close() timed out: some queued tier writes were not stored")
+        else:
+            logger.info("engine closed (tier writes flushed) in %.2f s", time.monotonic() - started)
 
     def _refresh(self) -> None:
         try:

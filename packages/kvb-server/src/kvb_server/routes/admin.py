@@ -19,7 +19,7 @@ from kvb_server.request_plan import parse_request
 from kvb_server.schemas import CacheResetRequest, WarmRequest
 from kvb_server.service import engine_error
 from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
-from kvb_server.tenancy import ApiKeys
+from kvb_server.tenancy import ApiKeys, Caller, request_salt
 from kvb_server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ def admin_router(
     both need the operator's ``--api-key`` when one is set.
     """
     open_router = APIRouter()
+    # The router-level dependency is the same callable: FastAPI runs it once per request.
+    authenticated = Depends(keys)
     v1 = APIRouter(prefix="/v1")
 
     @open_router.get("/health")
@@ -62,9 +64,14 @@ def admin_router(
     @v1.post(
         "/warm", openapi_extra=json_body(WarmRequest), responses=responses(errors=(400, 401, 413, 503, 504))
     )
-    async def warm(request: Request) -> dict[str, Any]:
-        """Prefill texts (a shared system prompt, a document) so later prompts starting with them hit."""
+    async def warm(request: Request, caller: Caller = authenticated) -> dict[str, Any]:
+        """Prefill texts (a shared system prompt, a document) so later prompts starting with them hit.
+
+        The KV lands in the caller's namespace (its key's salt and the body's ``cache_salt``): only
+        requests of that namespace hit it.
+        """
         req = await parse_request(request, WarmRequest, config)
+        salt = request_salt(caller.key_salt, req.cache_salt)
         texts = ([req.text] if req.text is not None else []) + list(req.texts or [])
         if not texts or any(not t for t in texts):
             raise InvalidParameterError(
@@ -74,7 +81,7 @@ def admin_router(
         results = []
         for text in texts:
             try:
-                call = functools.partial(engine.warm, text)
+                call = functools.partial(engine.warm, text, cache_salt=salt)
                 results.append(await worker.call(call, timeout_s=config.request_timeout_s))
             except ServerError:
                 raise
@@ -107,7 +114,7 @@ def admin_router(
 
     reset_doc: dict[str, Any] = {
         "openapi_extra": json_body(CacheResetRequest, required=False),
-        "responses": responses(errors=(400, 401, 403, 413, 503, 504)),
+        "responses": responses(errors=(400, 401, 403, 409, 413, 503, 504)),
         "summary": "Reset the prefix cache",
         "description": "Forget every cached prefix (RAM; with lower_tiers, disk and Redis records too). "
         "Needs the operator's --api-key when one is set; tenant keys get 403.",

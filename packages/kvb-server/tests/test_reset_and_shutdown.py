@@ -1,0 +1,116 @@
+"""The cache reset route (auth, engine thread, busy engine) and the engine's close() on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from conftest import serve
+from fakes import FakeEngine
+from test_app_errors import assert_openai_error, wait_until
+
+from kvb_server import ServerConfig, create_app
+from kvb_server.config import TenantKey
+from kvb_server.errors import ShuttingDownError
+from kvb_server.worker import EngineWorker
+
+MODEL = "fake-model"
+
+
+@pytest.mark.parametrize("path", ["/v1/cache/reset", "/reset_prefix_cache"])
+def test_reset_runs_on_the_engine_thread(path: str) -> None:
+    fake = FakeEngine()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        wait_until(lambda: not fake.has_unfinished())
+        resp = httpx.post(url + path)  # no body: RAM only, as vLLM's route
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {
+            "object": "cache.reset",
+            "lower_tiers": False,
+            "blocks_dropped": 2,
+            "lower_tiers_cleared": False,
+        }
+        assert httpx.post(url + path, json={"lower_tiers": True}).json()["lower_tiers_cleared"] is True
+        assert_openai_error(httpx.post(url + path, json={"lower_tiers": "yes"}), 400, param="lower_tiers")
+        assert_openai_error(httpx.post(url + path, json={"all": True}), 400, param="all")
+    assert fake.resets == [False, True]
+    assert fake.reset_threads == ["kvb-engine", "kvb-engine"]
+
+
+def test_reset_needs_the_operator_key() -> None:
+    fake = FakeEngine()
+    config = ServerConfig(
+        model_names=(MODEL,), api_key="operator", tenant_keys=(TenantKey(key="key-a", salt="a"),)
+    )
+    with serve(create_app(fake, config)) as url:
+        for path in ("/v1/cache/reset", "/reset_prefix_cache"):
+            assert_openai_error(httpx.post(url + path), 401, code="invalid_api_key")
+            wrong = httpx.post(url + path, headers={"Authorization": "Bearer nope"})
+            assert_openai_error(wrong, 401, code="invalid_api_key")
+            tenant = httpx.post(url + path, headers={"Authorization": "Bearer key-a"})
+            assert_openai_error(tenant, 403, code="permission_denied")
+            resets = len(fake.resets)
+            ok = httpx.post(url + path, headers={"Authorization": "Bearer operator"})
+            assert ok.status_code == 200 and len(fake.resets) == resets + 1
+    assert fake.resets == [False, False]  # only the operator's calls reached the engine
+
+
+def test_reset_while_requests_run_is_409() -> None:
+    fake = FakeEngine(token_delay_s=0.02)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 100}
+                running = asyncio.create_task(c.post("/v1/completions", json=body))
+                await asyncio.to_thread(wait_until, lambda: bool(fake.step_log))
+                return await c.post("/v1/cache/reset"), await running
+
+        busy, done = asyncio.run(scenario())
+    err = assert_openai_error(busy, 409, code="cache_busy")
+    assert "1 running" in err["message"]
+    assert done.status_code == 200 and fake.resets == []
+
+
+def test_shutdown_closes_the_engine_on_its_thread() -> None:
+    fake = FakeEngine()
+    config = ServerConfig(model_names=(MODEL,), shutdown_timeout_s=5.0)
+    with serve(create_app(fake, config)) as url:
+        assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code == 200
+        assert fake.closed == []
+    assert fake.closed == ["kvb-engine"]
+    assert 0 < fake.close_timeouts[0] <= 5.0  # the engine bounds its flush by what is left
+
+
+def test_shutdown_can_leave_the_engine_open() -> None:
+    fake = FakeEngine()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), close_engine=False))):
+        pass
+    assert fake.closed == []
+
+
+def test_a_slow_close_does_not_hold_shutdown_past_its_timeout() -> None:
+    fake = FakeEngine()
+    fake.close_delay_s = 3.0
+    started = time.monotonic()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), shutdown_timeout_s=0.3))):
+        started = time.monotonic()
+    assert time.monotonic() - started < 2.5
+    wait_until(lambda: fake.closed == ["kvb-engine"], timeout=10)  # it still finishes in the background
+
+
+def test_a_stopped_worker_refuses_new_work() -> None:
+    async def scenario() -> None:
+        fake = FakeEngine()
+        worker = EngineWorker(fake, ServerConfig(model_names=(MODEL,)))
+        worker.start()
+        await worker.stop(close_engine=True, timeout_s=5)
+        with pytest.raises(ShuttingDownError) as err:
+            await worker.call(lambda: 1, timeout_s=1)
+        assert err.value.status_code == 503
+        assert fake.closed == ["kvb-engine"]
+
+    asyncio.run(scenario())
