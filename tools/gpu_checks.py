@@ -1,0 +1,322 @@
+"""Model-level GPU checks a CPU cannot run: the kernels inside a real architecture, the engine loop on CUDA, and
+speculative decoding stacked on a layer-streamed target.
+
+Every model here has SmolLM2-135M's architecture (the config and tokenizer of the embedded model) but seeded
+random weights: the device machine has no registry access and the real weights do not fit the transfer limit.
+Random weights make greedy near-ties common, so token agreement is reported beside teacher-forced logit
+errors measured against an fp32 reference (the figure that does not depend on ties).
+
+    python tools/gpu_checks.py --model-dir <folder with config.json + tokenizer files> --out gpu_checks.json
+
+Sections (each independent; a failure is recorded and the next one runs):
+  kernels_in_model  sdpa vs kvb_attention in fp16 and bf16: prefill logits vs fp32, greedy tokens.
+  engine_cuda       KVBoost on CUDA: exact-prefix hit vs no-cache logits (fp32 and bf16), greedy batch vs HF.
+  spec_streaming    speculative decoding on a StreamingCausalLM target (full_stream, 2 slots): identical greedy
+                    tokens, tokens per target forward and speed vs plain streamed decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+LOG = logging.getLogger("gpu_checks")
+#: Where everything runs; ``--device cpu`` is a smoke test of this script only (the kernels then fall back).
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_model_dir(src: Path, dst: Path) -> Path:
+    """Save SmolLM2's config + tokenizer with seeded random weights (fp32) under ``dst``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (dst / "model.safetensors").is_file():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix in {".json", ".jinja"} and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    config = AutoConfig.from_pretrained(src)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dst)
+    return dst
+
+
+def load(path: Path, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(DEVICE).eval()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class FallbackCounter(logging.Handler):
+    """Counts kvb_kernels' 'falls back to SDPA' warnings, so a silent fallback cannot pass as the kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons.append(record.getMessage())
+
+
+def kernels_in_model(path: Path) -> dict:
+    from kvb_kernels import register_kvb_attention
+
+    register_kvb_attention()
+    counter = FallbackCounter()
+    logging.getLogger("kvb_kernels").addHandler(counter)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 49152, (4, 777), generator=gen).to(DEVICE)
+    with torch.inference_mode():
+        ref = load(path, torch.float32, "sdpa")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref_logits = ref(ids).logits.float()
+        ref_argmax = ref_logits.argmax(-1)
+        scale = ref_logits.std().item()
+        del ref
+        out: dict = {"prompt_shape": list(ids.shape), "ref_logit_std": scale, "rows": []}
+        for dtype in (torch.float16, torch.bfloat16):
+            tokens = {}
+            for impl in ("sdpa", "kvb_attention"):
+                model = load(path, dtype, impl)
+                logits = model(ids).logits.float()
+                err = (logits - ref_logits).abs()
+                greedy = model.generate(
+                    ids[:1, :256], max_new_tokens=64, do_sample=False, min_new_tokens=64, pad_token_id=0
+                )[0, 256:].tolist()
+                tokens[impl] = greedy
+                row = {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "attn": impl,
+                    "max_abs_err_vs_fp32": err.max().item(),
+                    "mean_abs_err_vs_fp32": err.mean().item(),
+                    "argmax_agreement_vs_fp32": (logits.argmax(-1) == ref_argmax).float().mean().item(),
+                }
+                out["rows"].append(row)
+                print(row, flush=True)
+                del model
+            out["rows"][-1]["greedy_first_divergence_vs_sdpa"] = first_divergence(
+                tokens["sdpa"], tokens["kvb_attention"]
+            )
+            out["rows"][-1]["greedy_identical_vs_sdpa"] = tokens["sdpa"] == tokens["kvb_attention"]
+    out["fallbacks"] = sorted(set(counter.reasons))
+    return out
+
+
+def engine_cuda(path: Path) -> dict:
+    from kvb_cache import KVBoost
+
+    out: dict = {"rows": []}
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 49152, (300,), generator=gen).tolist()
+    for dtype in ("float32", "bfloat16"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        engine = KVBoost.from_pretrained(str(path), device=DEVICE, dtype=dtype, max_num_batched_tokens=2048)
+        model = engine.model
+        prompt = shared + torch.randint(3, 49152, (420,), generator=gen).tolist()
+        with torch.inference_mode():
+            ref = model(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
+        miss = engine.next_token_logits(prompt)
+        hit = engine.next_token_logits(prompt)
+        longer = [*prompt, 17, 42, 99]
+        with torch.inference_mode():
+            ref_longer = model(torch.tensor([longer], device=DEVICE)).logits[0, -1].float()
+        extend = engine.next_token_logits(longer)
+        prompts = [shared + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 40, 90, 130)]
+        batch = engine.generate_batch(prompts, max_new_tokens=32, ignore_eos=True)
+        same = 0
+        divergences = []
+        with torch.inference_mode():
+            for p, r in zip(prompts, batch, strict=True):
+                hf = model.generate(
+                    torch.tensor([p], device=DEVICE), max_new_tokens=32, min_new_tokens=32, do_sample=False
+                )[0, len(p) :].tolist()
+                same += hf == r.output_ids
+                divergences.append(first_divergence(hf, r.output_ids))
+        row = {
+            "dtype": dtype,
+            "miss_max_abs_err": (miss.logits.float().to(ref.device) - ref).abs().max().item(),
+            "hit_cached_tokens": hit.cached_tokens,
+            "hit_max_abs_err": (hit.logits.float().to(ref.device) - ref).abs().max().item(),
+            "extend_cached_tokens": extend.cached_tokens,
+            "extend_max_abs_err": (extend.logits.float().to(ref.device) - ref_longer).abs().max().item(),
+            "prompt_tokens": len(prompt),
+            "batch_identical_to_hf_greedy": f"{same}/{len(prompts)}",
+            "batch_first_divergence": divergences,
+            "batch_cached_tokens": [r.cached_tokens for r in batch],
+            "paged": engine.paged_stats().as_dict(),
+        }
+        out["rows"].append(row)
+        print(row, flush=True)
+        engine.close()
+        del engine, model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def spec_streaming(args: argparse.Namespace) -> dict:
+    from transformers import DynamicCache, LlamaConfig
+
+    from kvb_speculative import DraftModelDrafter, PromptLookupDrafter, speculative_generate
+    from kvb_streaming import StreamingCausalLM, StreamingConfig, get_runtime
+    from kvb_streaming.packer import save_random_awq_checkpoint
+
+    path = Path(args.awq_dir)
+    if not (path / "config.json").is_file():
+        config = LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=args.awq_layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        )
+        save_random_awq_checkpoint(config, path, group_size=128, device=DEVICE)
+    streamed = StreamingCausalLM.from_pretrained(
+        path,
+        streaming_config=StreamingConfig(residency_mode="full_stream", n_staging_slots=2),
+        device=DEVICE,
+        dtype=torch.float16,
+    )
+    runtime = get_runtime(streamed)
+    gen = torch.Generator().manual_seed(3)
+    # A prompt that repeats itself, so prompt lookup has matches to propose (the agent / RAG / code-edit case).
+    block = torch.randint(3, 32000, (64,), generator=gen)
+    ids = torch.cat([block, block, block[:40]]).unsqueeze(0).to(DEVICE)
+    new = args.spec_new_tokens
+
+    def plain() -> tuple[list[int], float, int]:
+        runtime.scheduler.reset_stats()
+        cache = DynamicCache(config=streamed.config)
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = streamed(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            tokens = [int(logits[0, -1].argmax())]
+            while len(tokens) < new:
+                logits = streamed(
+                    input_ids=torch.tensor([[tokens[-1]]], device=DEVICE),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits
+                tokens.append(int(logits[0, -1].argmax()))
+        sync()
+        return tokens, time.perf_counter() - start, runtime.stats().forwards
+
+    base_tokens, base_s, base_forwards = plain()
+    out: dict = {
+        "target": f"random AWQ Llama {args.awq_layers} x 4096/14336, full_stream x2 slots, fp16",
+        "plain": {"tokens": new, "seconds": base_s, "target_forwards": base_forwards, "tok_s": new / base_s},
+        "rows": [],
+    }
+    print(out["plain"], flush=True)
+    drafters = {"prompt_lookup": lambda: PromptLookupDrafter()}
+    # A resident copy of the target as its own draft: acceptance 1.0, so this is the ceiling of what a perfect
+    # drafter buys on a streamed target (random weights make any smaller draft disagree).
+    resident = StreamingCausalLM.from_pretrained(
+        path,
+        streaming_config=StreamingConfig(residency_mode="full_resident"),
+        device=DEVICE,
+        dtype=torch.float16,
+    )
+    drafters["self_draft_resident (ceiling)"] = lambda: DraftModelDrafter(streamed, resident)
+    for name, make in drafters.items():
+        for gamma in (4, 8):
+            runtime.scheduler.reset_stats()
+            sync()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                res = speculative_generate(
+                    streamed, ids, make(), gamma=gamma, max_new_tokens=new, eos_token_id=[]
+                )
+            sync()
+            seconds = time.perf_counter() - start
+            tokens = res.tokens.tolist()
+            row = {
+                "drafter": name,
+                "gamma": gamma,
+                "identical_to_plain": tokens == base_tokens[: len(tokens)] and len(tokens) == new,
+                "target_forwards": runtime.stats().forwards,
+                "tokens_per_target_forward": len(tokens) / max(runtime.stats().forwards, 1),
+                "acceptance_rate": res.stats.acceptance_rate,
+                "seconds": seconds,
+                "speedup_vs_plain": base_s / seconds,
+            }
+            out["rows"].append(row)
+            print(row, flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-dir", required=True, help="SmolLM2 config + tokenizer files (weights unused)"
+    )
+    parser.add_argument("--work-dir", default="/tmp/kvb_gpu_checks")
+    parser.add_argument("--awq-dir", default="/tmp/kvb_streaming_bench_model")
+    parser.add_argument("--awq-layers", type=int, default=32)
+    parser.add_argument("--spec-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--sections", nargs="+", default=["kernels_in_model", "engine_cuda", "spec_streaming"]
+    )
+    parser.add_argument("--out", default="gpu_checks.json")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("gpu_checks needs a CUDA GPU; nothing was checked.", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    path = random_model_dir(Path(args.model_dir), Path(args.work_dir) / "smollm2-shaped-random")
+    results: dict = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    sections = {
+        "kernels_in_model": lambda: kernels_in_model(path),
+        "engine_cuda": lambda: engine_cuda(path),
+        "spec_streaming": lambda: spec_streaming(args),
+    }
+    for name in args.sections:
+        start = time.perf_counter()
+        try:
+            results[name] = sections[name]()
+        except Exception:  # record and go on: device time is scarce
+            results[name] = {"error": traceback.format_exc()}
+            print(results[name]["error"], file=sys.stderr, flush=True)
+        results[name + "_seconds"] = time.perf_counter() - start
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
