@@ -86,3 +86,29 @@ def test_responses_match_their_documented_models(url: str) -> None:
     chunks = events(httpx.post(url + "/v1/chat/completions", json={**chat, **streamed}).text)
     assert chunks and all(ChatCompletionChunk.model_validate(c) for c in chunks)
     ErrorResponse.model_validate(httpx.post(url + "/v1/completions", json={"model": MODEL}).json())
+
+
+def test_documented_values_are_accepted(url: str) -> None:
+    """What the schema allows the server takes: JSON's whole numbers as integers, the served model names,
+    and for parameters it refuses by name only the values it accepts."""
+    doc = httpx.get(url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+    assert schemas["CompletionRequest"]["properties"]["echo"]["enum"] == [False, None]
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == [
+        "system",
+        "developer",
+        "user",
+        "assistant",
+    ]
+    assert schemas["WarmRequest"]["anyOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
+    body = {"model": MODEL, "prompt": [97.0, 98], "max_tokens": 3.0, "n": 1.0, "seed": 7.0, "echo": False}
+    resp = httpx.post(url + "/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
+    for bad in ({"max_tokens": "3"}, {"max_tokens": 3.5}, {"max_tokens": True}):
+        resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    extras = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"]}
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, **extras}).status_code == 200

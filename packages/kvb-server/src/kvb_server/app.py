@@ -154,6 +154,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             WarmRequest,
             CacheResetRequest,
         ),
+        model_names=config.model_names,
     )
 
     @app.exception_handler(ServerError)

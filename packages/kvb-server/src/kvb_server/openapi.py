@@ -70,9 +70,15 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-def install_openapi(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+def install_openapi(
+    app: FastAPI, models: Sequence[type[BaseModel]], *, model_names: Sequence[str] = ()
+) -> None:
     """Make ``app.openapi()`` (``/openapi.json``, ``/docs``) include ``models`` and the models they use as
-    components, next to what FastAPI generates from the routes."""
+    components, next to what FastAPI generates from the routes.
+
+    ``model_names`` become the ``enum`` of every ``model`` string property of those components: this
+    server answers any other name with 404, and fuzzers then reach past that check.
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -85,6 +91,9 @@ def install_openapi(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in defs.get("$defs", {}).items():
                 components.setdefault(name, definition)
+                model = definition.get("properties", {}).get("model")
+                if model_names and model is not None and model.get("type") == "string":
+                    model["enum"] = list(model_names)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -14,18 +14,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
-MaxTokens = Annotated[int, Field(ge=1)]
-Stop = str | Annotated[list[str], Field(max_length=4)]
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON does not tell 10 from 10.0 (nor does JSON Schema's "integer"): a whole float is that integer.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: A strict integer that also takes a whole JSON number such as ``10.0`` (never ``"10"`` or ``true``).
+Int = Annotated[int, BeforeValidator(_whole_number)]
+MaxTokens = Annotated[Int, Field(ge=1)]
+TokenId = Annotated[Int, Field(ge=0)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)]
 # torch seeds are 64-bit; choice i of n > 1 samples with seed + i, still inside torch's range.
-Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+Seed = Annotated[Int, Field(ge=-(2**63), lt=2**63)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def _only(accepted: dict[str, Any], what: str) -> WithJsonSchema:
+    """The documented schema of a parameter declared only to be refused by name: just the values this
+    server accepts (validation itself stays loose, so the refusal names the parameter)."""
+    return WithJsonSchema({**accepted, "description": f"Not supported: {what}; anything else is a 400."})
+
+
+_NULL: dict[str, Any] = {"type": "null"}
+_EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +66,7 @@ class SamplingFields(BaseModel):
     model: str
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[Int, Field(ge=1)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
@@ -53,32 +76,46 @@ class SamplingFields(BaseModel):
     user: str | None = None
     #: vLLM's field: requests with different salts never share cached prefixes (see kvb_server.tenancy).
     cache_salt: CacheSalt | None = None
-    # Declared only to be refused by name (see kvb_server.requests.reject_unsupported).
-    logit_bias: dict[str, Any] | None = None
+    # Declared only to be refused by name (see kvb_server.request_plan).
+    logit_bias: Annotated[
+        dict[str, Any] | None,
+        _only({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}, "logit_bias"),
+    ] = None
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: MaxTokens | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
+    echo: Annotated[bool | None, _only({"enum": [False, None]}, "echo")] = None
+    suffix: Annotated[str | None, _only({"enum": ["", None]}, "suffix (insertion)")] = None
+    best_of: Annotated[
+        Int | None,
+        _only({"anyOf": [{"type": "integer", "minimum": 1}, _NULL]}, "best_of other than equal to n"),
+    ] = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"required": ["type", "text"]})
 
-    type: str
-    text: str | None = None
+    type: Annotated[str, _only({"const": "text"}, "non-text content parts")]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: Annotated[
+        Literal["system", "developer", "user", "assistant", "tool", "function"],
+        _only({"enum": ["system", "developer", "user", "assistant"]}, "tool and function messages"),
+    ]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -90,30 +127,52 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     # Declared only to be refused by name.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    web_search_options: dict[str, Any] | None = None
+    tools: Annotated[list[Any] | None, _only(_EMPTY_LIST, "tool calling")] = None
+    tool_choice: Annotated[Any, _only({"enum": ["none", None]}, "tool calling")] = None
+    functions: Annotated[list[Any] | None, _only(_EMPTY_LIST, "function calling")] = None
+    function_call: Annotated[Any, _only({"enum": ["none", None]}, "function calling")] = None
+    response_format: Annotated[
+        dict[str, Any] | None,
+        _only(
+            {
+                "anyOf": [
+                    {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+                    _NULL,
+                ]
+            },
+            "JSON mode and structured outputs",
+        ),
+    ] = None
+    modalities: Annotated[
+        list[str] | None,
+        _only(
+            {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}, _NULL]},
+            "audio",
+        ),
+    ] = None
+    audio: Annotated[dict[str, Any] | None, _only(_NULL, "audio")] = None
+    prediction: Annotated[dict[str, Any] | None, _only(_NULL, "predicted outputs")] = None
+    reasoning_effort: Annotated[str | None, _only(_NULL, "reasoning_effort")] = None
+    web_search_options: Annotated[dict[str, Any] | None, _only(_NULL, "web search")] = None
 
 
 class WarmRequest(BaseModel):
     """``POST /v1/warm``: texts whose KV to precompute (e.g. a shared system prompt or document)."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={"anyOf": [{"required": ["text"]}, {"required": ["texts"]}]},
+    )
 
-    text: str | None = None
-    texts: Annotated[list[str], Field(min_length=1)] | None = None
+    # Either field may be left out, not null: the schema says so, so fuzzers generate what is accepted.
+    text: Annotated[str, Field(min_length=1)] = None  # type: ignore[assignment]
+    texts: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] = None  # type: ignore[assignment]
     #: Warm under this salt (combined with the API key's, as for generation requests).
     cache_salt: CacheSalt | None = None
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import PlainTextResponse
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
@@ -52,7 +53,7 @@ def admin_router(
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": config.model_names[0], "queue_depth": worker.depth}
 
-    @open_router.get("/metrics")
+    @open_router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
