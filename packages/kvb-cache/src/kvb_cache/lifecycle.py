@@ -15,7 +15,7 @@ import atexit
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvb_cache.errors import CacheBusyError
 from kvb_cache.tiers import TieredStore
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from kvb_cache.store import ChunkStore
 
 logger = logging.getLogger(__name__)
+
+_Engine = TypeVar("_Engine", bound="EngineLifecycle")
 
 #: Bound of the exit flush when no :class:`~kvb_cache.tiers.TierConfig` says otherwise (a ``TieredStore``
 #: passed in as ``store=``).
@@ -105,7 +107,7 @@ class EngineLifecycle:
             logger.warning("tier writes were still queued after %.1fs; the rest is not stored", timeout_s)
         return drained
 
-    def __enter__(self):
+    def __enter__(self: _Engine) -> _Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
