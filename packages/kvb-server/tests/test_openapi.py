@@ -102,6 +102,13 @@ def test_documented_values_are_accepted(url: str) -> None:
         "assistant",
     ]
     assert schemas["WarmRequest"]["anyOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
+    assert {"type": "integer", "minimum": 1} in schemas["CompletionRequest"]["properties"]["max_tokens"][
+        "anyOf"
+    ]
+    assert {"type": "integer", "minimum": 1, "maximum": 16} in schemas["CompletionRequest"]["properties"][
+        "n"
+    ]["anyOf"]
+    assert '"ge"' not in json.dumps(doc)  # JSON Schema's "minimum", never pydantic's raw keyword
     body = {"model": MODEL, "prompt": [97.0, 98], "max_tokens": 3.0, "n": 1.0, "seed": 7.0, "echo": False}
     resp = httpx.post(url + "/v1/completions", json=body)
     assert resp.status_code == 200, resp.text

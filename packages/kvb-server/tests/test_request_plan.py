@@ -104,3 +104,9 @@ def test_sampling_is_the_engines_and_each_choice_gets_its_own_seed() -> None:
     assert choice_params(plan.sampling, 3).seed == 13
     assert choice_params(plan.sampling, 3).temperature == 0.7
     assert choice_params(completion(prompt="a").sampling, 2).seed is None
+
+
+def test_temperatures_near_zero_sample_greedily() -> None:
+    """logits / 1e-83 overflow to inf: such a request must not reach the sampler (it failed the step)."""
+    assert completion(prompt="hi", temperature=1.4e-83).sampling.temperature == 0.0
+    assert completion(prompt="hi", temperature=1e-5).sampling.temperature == 1e-5

@@ -155,6 +155,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             CacheResetRequest,
         ),
         model_names=config.model_names,
+        max_n=config.max_n,
     )
 
     @app.exception_handler(ServerError)

@@ -41,12 +41,28 @@ def responses(
     if ok is not None:
         content["application/json"] = {"schema": ref(ok)}
     if stream is not None:
+        # One Server-Sent Event (OpenAPI 3.2's generic SSE item; 3.1 tools such as schemathesis read
+        # ``schema`` per event): its ``data`` is a chunk as JSON, an error object, or the final "[DONE]".
         content["text/event-stream"] = {
             "schema": {
-                "type": "string",
-                "description": f"Server-Sent Events: `data: <{stream.__name__}>` lines, then `data: [DONE]`",
-            },
-            "x-event-schema": ref(stream),
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "event": {"type": "string"},
+                    "data": {
+                        "anyOf": [
+                            {
+                                "type": "string",
+                                "contentMediaType": "application/json",
+                                "contentSchema": {"anyOf": [ref(stream), ref(ErrorResponse)]},
+                            },
+                            {"const": "[DONE]"},
+                        ],
+                        "description": f"a {stream.__name__} as JSON; an ErrorResponse if the request "
+                        "fails after the stream started; [DONE] last",
+                    },
+                },
+            }
         }
     if content:
         out[200] = {"content": content}
@@ -71,13 +87,18 @@ _ERROR_DESCRIPTIONS = {
 
 
 def install_openapi(
-    app: FastAPI, models: Sequence[type[BaseModel]], *, model_names: Sequence[str] = ()
+    app: FastAPI,
+    models: Sequence[type[BaseModel]],
+    *,
+    model_names: Sequence[str] = (),
+    max_n: int | None = None,
 ) -> None:
     """Make ``app.openapi()`` (``/openapi.json``, ``/docs``) include ``models`` and the models they use as
     components, next to what FastAPI generates from the routes.
 
     ``model_names`` become the ``enum`` of every ``model`` string property of those components: this
-    server answers any other name with 404, and fuzzers then reach past that check.
+    server answers any other name with 404, and fuzzers then reach past that check. ``max_n`` (the
+    server's cap on ``n``) becomes the ``maximum`` of every integer ``n``.
     """
 
     def openapi() -> dict[str, Any]:
@@ -91,9 +112,13 @@ def install_openapi(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in defs.get("$defs", {}).items():
                 components.setdefault(name, definition)
-                model = definition.get("properties", {}).get("model")
+                properties = definition.get("properties", {})
+                model = properties.get("model")
                 if model_names and model is not None and model.get("type") == "string":
                     model["enum"] = list(model_names)
+                for branch in properties.get("n", {}).get("anyOf", ()):
+                    if max_n is not None and branch.get("type") == "integer":
+                        branch["maximum"] = max_n
             app.openapi_schema = schema
         return app.openapi_schema
 

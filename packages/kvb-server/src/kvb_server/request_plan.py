@@ -22,6 +22,8 @@ from kvb_server.tenancy import request_salt
 Endpoint = Literal["completions", "chat.completions"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+#: Temperatures below this sample greedily.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 #: Bodies larger than this are decoded on a worker thread.
 OFFLOAD_PARSE_BYTES = 256 * 2**10
 
@@ -200,6 +202,10 @@ def _max_new_tokens(
 def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
     """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted)."""
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        # logits / 1e-80 overflow to inf and sampling fails the whole engine step: this close to 0 the
+        # distribution is the argmax anyway (vLLM's _SAMPLING_EPS).
+        temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
         temperature, top_p = 0.0, 1.0

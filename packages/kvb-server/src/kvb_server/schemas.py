@@ -30,14 +30,16 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
-#: A strict integer that also takes a whole JSON number such as ``10.0`` (never ``"10"`` or ``true``).
-Int = Annotated[int, BeforeValidator(_whole_number)]
-MaxTokens = Annotated[Int, Field(ge=1)]
-TokenId = Annotated[Int, Field(ge=0)]
+# Strict integers that also take a whole JSON number such as ``10.0`` (never ``"10"`` or ``true``). NOTE: the
+# bounds come before the validator, so the JSON schema says "minimum" rather than pydantic's raw "ge".
+_WHOLE = BeforeValidator(_whole_number)
+Int = Annotated[int, _WHOLE]
+MaxTokens = Annotated[int, Field(ge=1), _WHOLE]
+TokenId = Annotated[int, Field(ge=0), _WHOLE]
 NonEmpty = Annotated[str, Field(min_length=1)]
 Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)]
 # torch seeds are 64-bit; choice i of n > 1 samples with seed + i, still inside torch's range.
-Seed = Annotated[Int, Field(ge=-(2**63), lt=2**63)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
@@ -49,6 +51,7 @@ def _only(accepted: dict[str, Any], what: str) -> WithJsonSchema:
 
 _NULL: dict[str, Any] = {"type": "null"}
 _EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
+_NONE_CHOICE = {"anyOf": [{"enum": ["none", None]}, {"type": "array", "maxItems": 0}]}
 
 
 class StreamOptions(BaseModel):
@@ -66,7 +69,7 @@ class SamplingFields(BaseModel):
     model: str
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[Int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1), _WHOLE] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
@@ -93,7 +96,7 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     max_tokens: MaxTokens | None = None
-    logprobs: Annotated[Int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5), _WHOLE] | None = None
     echo: Annotated[bool | None, _only({"enum": [False, None]}, "echo")] = None
     suffix: Annotated[str | None, _only({"enum": ["", None]}, "suffix (insertion)")] = None
     best_of: Annotated[
@@ -123,19 +126,29 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        # top_logprobs needs logprobs: true (a 400 otherwise), said where schema-driven clients look.
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        },
+    )
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), _WHOLE] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     # Declared only to be refused by name.
     tools: Annotated[list[Any] | None, _only(_EMPTY_LIST, "tool calling")] = None
-    tool_choice: Annotated[Any, _only({"enum": ["none", None]}, "tool calling")] = None
+    tool_choice: Annotated[Any, _only(_NONE_CHOICE, "tool calling")] = None
     functions: Annotated[list[Any] | None, _only(_EMPTY_LIST, "function calling")] = None
-    function_call: Annotated[Any, _only({"enum": ["none", None]}, "function calling")] = None
+    function_call: Annotated[Any, _only(_NONE_CHOICE, "function calling")] = None
     response_format: Annotated[
         dict[str, Any] | None,
         _only(
