@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_engine() -> KVBoost:
+def build_tiny_engine(**engine_config: Any) -> KVBoost:
+    """The tiny Llama behind KVBoost; ``engine_config`` adds :class:`EngineConfig` fields (e.g. ``tiers``)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -63,7 +65,9 @@ def build_tiny_engine() -> KVBoost:
         bos_token_id=tokenizer.bos_token_id,
     )
     model = LlamaForCausalLM(config).eval()
-    return KVBoost(model, tokenizer, config=EngineConfig(chunk_size=TINY_CHUNK), model_name="tiny-llama")
+    return KVBoost(
+        model, tokenizer, config=EngineConfig(chunk_size=TINY_CHUNK, **engine_config), model_name="tiny-llama"
+    )
 
 
 @pytest.fixture(scope="session")

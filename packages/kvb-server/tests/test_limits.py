@@ -157,3 +157,16 @@ def test_odd_bodies_are_4xx_never_5xx(server: tuple[FakeEngine, str], body: byte
         resp = post_raw(url, path, body)
         assert 400 <= resp.status_code < 500, (path, body, resp.text)
         assert set(resp.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_client_leaving_mid_body_is_not_an_error(server: tuple[FakeEngine, str], caplog) -> None:
+    _, url = server
+    host = urlparse(url)
+    with socket.create_connection((host.hostname, host.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": "fake-'
+        )
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+    assert "unhandled error" not in caplog.text

@@ -7,10 +7,11 @@ import time
 
 import httpx
 import pytest
-from conftest import serve
+from conftest import build_tiny_engine, serve
 from fakes import FakeEngine
 from test_app_errors import assert_openai_error, wait_until
 
+from kvb_cache.tiers import TierConfig
 from kvb_server import ServerConfig, create_app
 from kvb_server.config import TenantKey
 from kvb_server.errors import ShuttingDownError
@@ -114,3 +115,33 @@ def test_a_stopped_worker_refuses_new_work() -> None:
         assert fake.closed == ["kvb-engine"]
 
     asyncio.run(scenario())
+
+
+PROMPT = "You are a helpful assistant. Answer briefly and precisely, one sentence at a time. " * 3
+
+
+def cached_tokens(url: str) -> int:
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_reset_and_shutdown_flush_on_the_real_engine(tmp_path) -> None:
+    """Reset drops the pool's prefixes; shutdown drains the disk writes, so a new engine starts warm."""
+    config = ServerConfig(model_names=("tiny-llama",), max_tokens=4)
+    first = build_tiny_engine(tiers=TierConfig(disk_cache_dir=tmp_path))
+    with serve(create_app(first, config)) as url:
+        assert cached_tokens(url) == 0
+        assert cached_tokens(url) > 0
+        dropped = httpx.post(url + "/v1/cache/reset").json()
+        assert dropped["blocks_dropped"] > 0 and dropped["lower_tier_records_dropped"] == 0
+        assert cached_tokens(url) > 0  # RAM forgot it; the disk tier still had it
+        wiped = httpx.post(url + "/v1/cache/reset", json={"lower_tiers": True}).json()
+        assert wiped["lower_tier_records_dropped"] > 0
+        assert cached_tokens(url) == 0
+        assert cached_tokens(url) > 0
+    assert first._closed  # the server closed it on shutdown, draining queued writes
+    second = build_tiny_engine(tiers=TierConfig(disk_cache_dir=tmp_path))
+    with serve(create_app(second, config)) as url:
+        assert cached_tokens(url) > 0  # from the disk records the first server flushed
