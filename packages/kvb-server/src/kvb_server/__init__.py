@@ -2,17 +2,20 @@
 
 from kvb_server._version import __version__
 from kvb_server.app import create_app
-from kvb_server.config import ServerConfig
+from kvb_server.config import ServerConfig, TenantKey
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import (
     AuthenticationError,
+    CacheBusyConflictError,
     EngineError,
     InvalidParameterError,
     ModelNotFoundError,
+    PermissionDeniedError,
     QueueFullError,
     RequestTimeoutError,
     RequestTooLargeError,
     ServerError,
+    ShuttingDownError,
     UnsupportedFeatureError,
 )
 from kvb_server.gate import (
@@ -31,10 +34,12 @@ __all__ = [
     "AdmissionRequest",
     "AdmitAll",
     "AuthenticationError",
+    "CacheBusyConflictError",
     "EngineError",
     "EngineSettings",
     "InvalidParameterError",
     "ModelNotFoundError",
+    "PermissionDeniedError",
     "PlannerGate",
     "QueueFullError",
     "ReportingGate",
@@ -45,6 +50,8 @@ __all__ = [
     "ServerConfig",
     "ServerError",
     "ServingEngine",
+    "ShuttingDownError",
+    "TenantKey",
     "UnsupportedFeatureError",
     "__version__",
     "create_app",
