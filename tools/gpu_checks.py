@@ -225,6 +225,7 @@ def spec_streaming(args: argparse.Namespace) -> dict:
         sync()
         return tokens, time.perf_counter() - start, runtime.stats().forwards
 
+    plain()  # warm-up: cuBLAS heuristics, allocator, first-call kernel selection
     base_tokens, base_s, base_forwards = plain()
     out: dict = {
         "target": f"random AWQ Llama {args.awq_layers} x 4096/14336, full_stream x2 slots, fp16",
@@ -258,6 +259,7 @@ def spec_streaming(args: argparse.Namespace) -> dict:
                 "drafter": name,
                 "gamma": gamma,
                 "identical_to_plain": tokens == base_tokens[: len(tokens)] and len(tokens) == new,
+                "first_divergence": first_divergence(base_tokens, tokens),
                 "target_forwards": runtime.stats().forwards,
                 "tokens_per_target_forward": len(tokens) / max(runtime.stats().forwards, 1),
                 "acceptance_rate": res.stats.acceptance_rate,
@@ -266,6 +268,64 @@ def spec_streaming(args: argparse.Namespace) -> dict:
             }
             out["rows"].append(row)
             print(row, flush=True)
+    return out
+
+
+def launch_overhead() -> dict:
+    """Decode attention: eager time (CUDA events around the Python call) vs CUDA-graph replay (GPU time alone),
+    and the host functions that dominate an eager call."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvb_kernels import flash_attention
+
+    def timed(fn, reps: int = 50) -> float:
+        for _ in range(5):
+            fn()
+        sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        sync()
+        return start.elapsed_time(end) / reps
+
+    out: dict = {"rows": []}
+    for kv_len in (4096, 16384, 65536):
+        q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(8, 8, kv_len, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        moved = 2 * k.numel() * k.element_size()
+        eager_ms = timed(lambda q=q, k=k, v=v: flash_attention(q, k, v))
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            flash_attention(q, k, v)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            flash_attention(q, k, v)
+        graph_ms = timed(graph.replay)
+        row = {
+            "kv_len": kv_len,
+            "eager_ms": eager_ms,
+            "graph_ms": graph_ms,
+            "eager_gbs": moved / eager_ms / 1e6,
+            "graph_gbs": moved / graph_ms / 1e6,
+        }
+        out["rows"].append(row)
+        print(row, flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        flash_attention(q, k, v)
+    profiler.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    out["host_profile_200_calls"] = text.getvalue()
+    print(text.getvalue()[:4000], flush=True)
     return out
 
 
@@ -281,7 +341,9 @@ def main() -> int:
     parser.add_argument("--awq-layers", type=int, default=32)
     parser.add_argument("--spec-new-tokens", type=int, default=48)
     parser.add_argument(
-        "--sections", nargs="+", default=["kernels_in_model", "engine_cuda", "spec_streaming"]
+        "--sections",
+        nargs="+",
+        default=["kernels_in_model", "engine_cuda", "spec_streaming", "launch_overhead"],
     )
     parser.add_argument("--out", default="gpu_checks.json")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
@@ -304,6 +366,7 @@ def main() -> int:
         "kernels_in_model": lambda: kernels_in_model(path),
         "engine_cuda": lambda: engine_cuda(path),
         "spec_streaming": lambda: spec_streaming(args),
+        "launch_overhead": launch_overhead,
     }
     for name in args.sections:
         start = time.perf_counter()

@@ -126,4 +126,8 @@ def _mask_view(attn_mask: torch.Tensor | None, query: torch.Tensor, kv_len: int)
             f"attn_mask {tuple(attn_mask.shape)} does not broadcast to [batch, heads, q_len, kv_len] = "
             f"{(batch, heads, q_len, kv_len)}"
         ) from err
+    if torch.compiler.is_compiling():
+        # Inductor cannot lower a bool -> uint8 dtype view (torch.iinfo(bool) raises; seen with transformers'
+        # static-cache generate, which compiles the decode step on CUDA); a cast it fuses costs one small copy.
+        return expanded.to(torch.uint8)
     return expanded.view(torch.uint8)
