@@ -136,3 +136,56 @@ def test_dropout_goes_to_sdpa(device, monkeypatch):
     module = torch.nn.Module()
     hf.kvb_attention_forward(module, q, q, q, None, dropout=0.5)
     assert reasons == ["attention dropout > 0 (training)"]
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_gemma2_softcapping_goes_to_eager_and_matches_it(monkeypatch, interpret):
+    """SDPA refuses soft-capping: installing the kernel must not make Gemma 2 fail (it used to raise on every
+    forward). Both on CPU without a kernel and under the interpreter, softcap calls run the model's eager code."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    config = Gemma2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=128,
+        sliding_window=5,
+        attn_logit_softcapping=5.0,  # small, so the capping changes the scores
+        final_logit_softcapping=30.0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    ids, mask = _prompt()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        install_flash_attention(model)
+        out = model(input_ids=ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_eager_fallback_expands_a_skipped_causal_mask():
+    """``None`` from sdpa_mask means plain causal: the eager fallback must apply it, not attend to the future."""
+    q = torch.randn(1, 2, 5, 8)
+    k = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 8)
+    seen: dict = {}
+
+    def eager(module, query, key, value, mask, *, dropout, scaling, **kwargs):
+        seen["mask"] = mask
+        return query, None
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    hf._call_eager(eager, module, q, k, v, None, 0.0, None, None, {"softcap": 2.0})
+    mask = seen["mask"][0, 0]
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    assert (mask[future] < -1e30).all() and (mask[~future] == 0).all()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +39,10 @@ ATTN_IMPLEMENTATION = "kvb_attention"
 
 # Keyword arguments whose non-default value the kernel does not implement; SDPA handles (or rejects) them.
 _UNSERVED_KWARGS = ("position_bias", "softcap", "s_aux", "cache")
+# Of those, the ones SDPA refuses (it raises on ``softcap``; ``s_aux`` sinks need the model's own eager code):
+# such calls go to the model's eager attention instead, so installing the kernel never breaks a working model
+# (Gemma 2's soft-capping is the known case).
+_SDPA_REFUSES = ("softcap", "s_aux")
 
 
 def register_kvb_attention() -> None:
@@ -80,6 +86,12 @@ def kvb_attention_forward(
     """
     reason = _unserved_reason(query, key, attention_mask, dropout, kwargs)
     if reason is not None:
+        eager = _eager_attention(module) if _sdpa_refuses(kwargs) else None
+        if eager is not None:
+            _log_fallback_once(reason, "the model's eager attention (SDPA refuses this call)")
+            return _call_eager(
+                eager, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs
+            )
         _log_fallback_once(reason)
         return sdpa_attention_forward(
             module,
@@ -129,11 +141,50 @@ def _unserved_reason(
     return None
 
 
-@functools.cache
-def _log_fallback_once(reason: str) -> None:
-    logger.warning(
-        "kvb_attention falls back to transformers' SDPA attention: %s (logged once per reason)", reason
+def _sdpa_refuses(kwargs: dict) -> bool:
+    return any(kwargs.get(name) is not None for name in _SDPA_REFUSES) or bool(
+        kwargs.get("output_attentions")
     )
+
+
+def _eager_attention(module: nn.Module) -> Callable | None:
+    """The calling model's own ``eager_attention_forward`` (each transformers model module defines one)."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _call_eager(
+    eager: Callable,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run eager attention on what ``sdpa_mask`` produced for us.
+
+    Eager code adds its mask to the scores, so the boolean keep-mask becomes an additive one, and "no mask"
+    (transformers skipped it for plain causal attention) becomes the bottom-right causal mask it stands for -
+    with a static cache, keys past ``q_len`` are then empty slots, dropped like ``sdpa_attention_forward`` does.
+    """
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = attention_mask
+    if mask is None and causal and q_len > 1:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        mask = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask is not None and mask.dtype == torch.bool:
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        mask = additive.masked_fill(~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@functools.cache
+def _log_fallback_once(reason: str, target: str = "transformers' SDPA attention") -> None:
+    logger.warning("kvb_attention falls back to %s: %s (logged once per reason)", target, reason)
 
 
 def _attention_modules(model: nn.Module, implementation: str) -> int:
