@@ -137,3 +137,16 @@ def test_invalid_sampling_values_name_the_parameter(engine, field, value):
     with pytest.raises(InvalidRequestError) as info:
         engine.generate(PROMPT, **{field: value})
     assert info.value.param == field and field in str(info.value)
+
+
+@pytest.mark.parametrize("temperature", [1.4e-83, 5e-324, 9e-6])
+def test_vanishing_temperature_decodes_greedily_instead_of_overflowing(engine, temperature):
+    """A fuzzer's temperature=1.4e-83 turned the scaled logits into inf/NaN and failed the whole engine step."""
+    prompt = words(20)
+    greedy = engine.generate(prompt, max_new_tokens=6, temperature=0.0)
+    tiny = engine.generate(prompt, max_new_tokens=6, temperature=temperature, seed=3)
+    batch = engine.generate_batch(
+        [prompt, prompt], sampling=[{"temperature": temperature}, {}], max_new_tokens=6
+    )
+    assert tiny.output_ids == greedy.output_ids
+    assert [r.output_ids for r in batch] == [greedy.output_ids, greedy.output_ids]

@@ -16,12 +16,15 @@ from transformers import (
 
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 
+#: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How one request decodes.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (anything below :data:`GREEDY_TEMPERATURE`) is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
     ``repetition_penalty`` follows Hugging Face (divides positive logits of every token seen, prompt
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
     tokens already generated). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
@@ -93,7 +96,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_TEMPERATURE the division by the temperature overflows the logits to inf/NaN (a fuzzer's
+        # 1.4e-83 crashed multinomial); the distribution is one-hot long before that, so it *is* greedy.
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class RequestProcessor:
