@@ -22,7 +22,7 @@ from kvb_server.errors import AuthenticationError, InvalidParameterError, Server
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
-from kvb_server.routes import admin_router, openai_router
+from kvb_server.routes import admin_router, openai_router, tokenize_router
 from kvb_server.routes.openai import CLIENT_CLOSED
 from kvb_server.schemas import (
     CacheResetRequest,
@@ -32,6 +32,10 @@ from kvb_server.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     WarmRequest,
 )
 from kvb_server.service import GenerationService
@@ -51,6 +55,8 @@ KNOWN_ROUTES = GENERATION_ROUTES | {
     "/v1/warm",
     "/v1/cache/reset",
     "/reset_prefix_cache",
+    "/tokenize",
+    "/detokenize",
 }
 
 
@@ -104,7 +110,9 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             method is reported under ``"planner"`` in ``/v1/stats``.
     """
     worker = EngineWorker(engine, config)
-    metrics = ServerMetrics(worker_stats=worker.stats, paged_stats=worker.paged_stats)
+    metrics = ServerMetrics(
+        worker_stats=worker.stats, paged_stats=worker.paged_stats, model_name=config.model_names[0]
+    )
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()
     service = GenerationService(
@@ -142,6 +150,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         openai_router(engine=engine, config=config, service=service, keys=keys, created=int(time.time())),
         dependencies=auth,
     )
+    app.include_router(tokenize_router(engine=engine, config=config), dependencies=auth)
     install_openapi(
         app,
         models=(
@@ -153,6 +162,10 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             ChatCompletionChunk,
             WarmRequest,
             CacheResetRequest,
+            TokenizeRequest,
+            TokenizeResponse,
+            DetokenizeRequest,
+            DetokenizeResponse,
         ),
         model_names=config.model_names,
         max_n=config.max_n,

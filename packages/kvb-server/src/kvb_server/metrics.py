@@ -1,8 +1,15 @@
 """Prometheus metrics, in a registry owned by one server (no process-global collectors).
 
-Per-request metrics keep their ``kvboost_*`` names. Engine-loop metrics that vLLM also exports use vLLM's
-names under ``kvboost:`` (``kvboost:num_requests_running``, ``kvboost:kv_cache_usage_perc``, ...), so
-dashboards built for vLLM need only the prefix changed; the rest are ``kvboost_*``.
+Two sets of names:
+
+- ``vllm:*``: where vLLM exports the same quantity, under vLLM's exact name, type, unit and
+  ``model_name`` label (the first ``--served-model-name``), so dashboards and alerts built for vLLM work
+  unchanged: requests running / waiting, KV usage, prefix-cache queries and hits (in tokens), preemptions,
+  prompt and generation tokens, finished requests by reason, time to first token and end-to-end latency
+  (histograms with vLLM's buckets).
+- ``kvboost_*`` and ``kvboost:*``: this server's own names (per-route HTTP counts and latency, cache chunk
+  kinds, block states, engine steps), kept as before; the ``kvboost:*`` engine-loop ones mirror the
+  ``vllm:*`` ones without the label.
 """
 
 from __future__ import annotations
@@ -21,6 +28,19 @@ from kvb_cache.results import GenerationResult
 if TYPE_CHECKING:
     from kvb_server.worker import WorkerStats
 
+#: vLLM's label on every ``vllm:*`` metric.
+MODEL_LABEL = "model_name"
+#: vLLM's buckets (``vllm/v1/metrics/loggers.py``), so quantiles compare across the two servers.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+#: vLLM's ``finished_reason`` values this engine produces.
+FINISHED_REASONS = ("stop", "length")
 #: Seconds; TTFT on CPU spans milliseconds (cache hit) to seconds (long cold prompt).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -33,16 +53,76 @@ class EngineLoopCollector(Collector):
     """
 
     def __init__(
-        self, worker_stats: Callable[[], WorkerStats], paged_stats: Callable[[], PagedStats | None]
+        self,
+        worker_stats: Callable[[], WorkerStats],
+        paged_stats: Callable[[], PagedStats | None],
+        *,
+        model_name: str,
     ) -> None:
         self._worker_stats = worker_stats
         self._paged_stats = paged_stats
+        self._model_name = model_name
 
     def describe(self) -> Iterator[Metric]:
-        return self._families(None, None)
+        yield from self._families(None, None)
+        yield from self._vllm_families(None, None)
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self._worker_stats(), self._paged_stats())
+        worker, paged = self._worker_stats(), self._paged_stats()
+        yield from self._families(worker, paged)
+        yield from self._vllm_families(worker, paged)
+
+    def _vllm_families(self, worker: WorkerStats | None, paged: PagedStats | None) -> Iterator[Metric]:
+        """The same readings under vLLM's names and ``model_name`` label (no sample until known)."""
+        labels = [self._model_name]
+
+        def family(
+            kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float | None
+        ) -> Metric:
+            metric = kind(name, doc, labels=[MODEL_LABEL])
+            if value is not None:
+                metric.add_metric(labels, value)
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(
+            gauge,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            None if worker is None else worker.running,
+        )
+        yield family(
+            gauge,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            None if worker is None else worker.waiting,
+        )
+        yield family(
+            gauge,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            None if paged is None else paged.kv_cache_usage,
+        )
+        # NOTE: the engine counts these in tokens, as vLLM does: each admission queries the prompt's tokens
+        # and hits the ones mapped from cached blocks (a preempted request that is readmitted counts again).
+        yield family(
+            counter,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            None if paged is None else paged.prefix_cache_queries,
+        )
+        yield family(
+            counter,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            None if paged is None else paged.prefix_cache_hits,
+        )
+        yield family(
+            counter,
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            None if paged is None else paged.preemptions,
+        )
 
     @staticmethod
     def _families(worker: WorkerStats | None, paged: PagedStats | None) -> Iterator[Metric]:
@@ -108,14 +188,20 @@ class ServerMetrics:
     Args:
         worker_stats: the engine worker's counters (queue depth, running requests, steps).
         paged_stats: the engine's block-pool counters as of its last step (None before the first).
+        model_name: the ``model_name`` label of the ``vllm:*`` metrics (vLLM: the first served name).
     """
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(
-        self, worker_stats: Callable[[], WorkerStats], paged_stats: Callable[[], PagedStats | None]
+        self,
+        worker_stats: Callable[[], WorkerStats],
+        paged_stats: Callable[[], PagedStats | None],
+        *,
+        model_name: str,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._vllm = _VllmRequestMetrics(self.registry, model_name)
         self.requests = Counter(
             "kvboost_requests",
             "HTTP requests by route and status code",
@@ -158,10 +244,11 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.queue_depth.set_function(lambda: worker_stats().waiting)
-        self.registry.register(EngineLoopCollector(worker_stats, paged_stats))
+        self.registry.register(EngineLoopCollector(worker_stats, paged_stats, model_name=model_name))
 
     def observe_result(self, result: GenerationResult, *, queue_s: float) -> None:
-        """Record one finished choice: TTFT (queueing included), tokens and per-chunk hit kinds."""
+        """Record one finished choice: TTFT and latency (queueing included), tokens and per-chunk hit kinds."""
+        self._vllm.observe(result, queue_s=queue_s)
         self.ttft.observe(queue_s + result.ttft_ms / 1e3)
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_prompt_tokens.inc(result.cached_tokens)
@@ -171,3 +258,45 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmRequestMetrics:
+    """Per-request ``vllm:*`` metrics, one series per ``model_name`` (created at zero, as vLLM does)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        label = [MODEL_LABEL]
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=registry
+        ).labels(model_name)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [MODEL_LABEL, "finished_reason"],
+            registry=registry,
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            label,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            label,
+            buckets=VLLM_E2E_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+
+    def observe(self, result: GenerationResult, *, queue_s: float) -> None:
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generation_tokens.inc(result.completion_tokens)
+        if result.finish_reason in self.success:
+            self.success[result.finish_reason].inc()
+        self.ttft.observe(queue_s + result.ttft_ms / 1e3)
+        self.e2e.observe(queue_s + result.total_ms / 1e3)

@@ -200,6 +200,41 @@ class CacheResetRequest(BaseModel):
     )
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``, never both."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+    )
+
+    # Fields may be left out, not null: the schema says so, so fuzzers generate what is accepted.
+    model: str = Field(default=None, description="a served model; left out: the first one")  # type: ignore[assignment]
+    prompt: str = None  # type: ignore[assignment]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
+    add_special_tokens: bool = Field(
+        default=True,
+        description="with prompt: add the tokenizer's special tokens (BOS), as /v1/completions does; "
+        "no effect with messages (the chat template places its own)",
+    )
+    add_generation_prompt: bool = Field(
+        default=True,
+        description="with messages: end with the assistant's turn opener, as /v1/chat/completions "
+        "does; no effect with prompt",
+    )
+    return_token_strs: bool = Field(default=False, description="also return each token's string")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model_config = _STRICT
+
+    model: str = Field(default=None, description="a served model; left out: the first one")  # type: ignore[assignment]
+    tokens: list[TokenId]
+
+
 # -- responses ----------------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length"]
 
@@ -334,6 +369,21 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize``: the ids the generation routes would queue for the same input."""
+
+    count: int
+    max_model_len: int | None = Field(description="prompt + generated tokens the model takes (null: unknown)")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(default=None, description="with return_token_strs: each token")
+
+
+class DetokenizeResponse(BaseModel):
+    """``POST /detokenize``."""
+
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

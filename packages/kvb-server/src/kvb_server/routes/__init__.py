@@ -2,5 +2,6 @@
 
 from kvb_server.routes.admin import admin_router
 from kvb_server.routes.openai import openai_router
+from kvb_server.routes.tokenize import tokenize_router
 
-__all__ = ["admin_router", "openai_router"]
+__all__ = ["admin_router", "openai_router", "tokenize_router"]

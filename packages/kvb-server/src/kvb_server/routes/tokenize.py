@@ -1,0 +1,116 @@
+"""vLLM's tokenizer routes: ``POST /tokenize`` and ``POST /detokenize``.
+
+``/tokenize`` returns exactly the ids the generation routes would queue for the same input: a ``prompt``
+goes through :func:`kvb_server.engine.encode_text` (``/v1/completions``), ``messages`` through the engine's
+chat template (``/v1/chat/completions``). Like those routes it tokenizes on the event loop, never on the
+engine thread, so it neither waits for a step nor counts against the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+
+from kvb_server.config import ServerConfig
+from kvb_server.engine import ServingEngine, encode_text
+from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
+from kvb_server.openapi import json_body, responses
+from kvb_server.request_plan import chat_messages, check_model, parse_request
+from kvb_server.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from kvb_server.service import engine_error
+
+T = TypeVar("T")
+
+#: Statuses the tokenizer routes answer besides 200.
+TOKENIZE_ERRORS = (400, 401, 404, 413)
+
+
+def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter:
+    """The root-level ``/tokenize`` and ``/detokenize`` routes (mount them behind the API key)."""
+    router = APIRouter()
+
+    @router.post(
+        "/tokenize",
+        openapi_extra=json_body(TokenizeRequest),
+        responses=responses(TokenizeResponse, errors=TOKENIZE_ERRORS),
+    )
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """Token ids of a ``prompt`` or of chat ``messages``, with their count and the context length."""
+        req = await parse_request(request, TokenizeRequest, config)
+        if req.model is not None:
+            check_model(req.model, config)
+        tokens = _encode(engine, req)
+        body: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": engine.context_length,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+        if req.return_token_strs:
+            body["token_strs"] = _call(lambda: list(engine.tokenizer.convert_ids_to_tokens(tokens)))
+        return body
+
+    @router.post(
+        "/detokenize",
+        openapi_extra=json_body(DetokenizeRequest),
+        responses=responses(DetokenizeResponse, errors=TOKENIZE_ERRORS),
+    )
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """The text of token ids (special tokens included, as vLLM decodes them)."""
+        req = await parse_request(request, DetokenizeRequest, config)
+        if req.model is not None:
+            check_model(req.model, config)
+        vocab = _vocab_size(engine)
+        bad = next((t for t in req.tokens if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise InvalidParameterError(
+                f"Token id {bad} is out of range: this model's vocabulary has {vocab} tokens (0 to "
+                f"{vocab - 1}).",
+                param="tokens",
+            )
+        return {"prompt": _call(lambda: engine.tokenizer.decode(req.tokens))}
+
+    return router
+
+
+def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidParameterError("Give exactly one of 'prompt' (a string) and 'messages' (a chat).")
+    if req.messages is not None:
+        messages = chat_messages(req)  # type: ignore[arg-type]  # reads only .messages
+        if req.add_generation_prompt:
+            return _call(lambda: engine.chat_prompt(messages))
+        # NOTE: the ServingEngine protocol's chat_prompt always adds the generation prompt; kvb_cache's
+        # KVBoost.chat_prompt takes the keyword (the one engine the server is built with).
+        try:
+            return _call(lambda: engine.chat_prompt(messages, add_generation_prompt=False))  # type: ignore[call-arg]
+        except EngineError as exc:
+            if isinstance(exc.__cause__, TypeError) and "add_generation_prompt" in str(exc.__cause__):
+                raise UnsupportedFeatureError(
+                    "add_generation_prompt=false is not supported by this engine.",
+                    param="add_generation_prompt",
+                ) from None
+            raise
+    if req.add_special_tokens:
+        return _call(lambda: encode_text(engine, req.prompt))
+    return _call(lambda: list(engine.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]))
+
+
+def _vocab_size(engine: ServingEngine) -> int | None:
+    # len() counts added tokens too (``vocab_size`` does not): every id the tokenizer can decode.
+    try:
+        return len(engine.tokenizer)
+    except TypeError:
+        return None
+
+
+def _call(fn: Callable[[], T]) -> T:
+    """Run a tokenizer call; its errors become the HTTP errors the generation routes give (400 / 500)."""
+    try:
+        return fn()
+    except ServerError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc

@@ -1,0 +1,155 @@
+"""``/metrics`` under vLLM's names (``vllm:*`` with a ``model_name`` label), parsed as Prometheus text."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import httpx
+from conftest import serve
+from fakes import FakeEngine
+from prometheus_client.parser import text_string_to_metric_families
+from test_app_errors import wait_until
+
+from kvb_cache import KVBoost
+from kvb_server import ServerConfig, create_app
+
+MODEL = "fake-model"
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of ``/metrics``: (sample name, labels) -> value."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), math.nan)
+
+
+def test_vllm_names_types_and_labels_from_the_start() -> None:
+    with serve(create_app(FakeEngine(), ServerConfig(model_names=(MODEL, "alias")))) as url:
+        wait_until(lambda: not math.isnan(value(scrape(url), "vllm:kv_cache_usage_perc", model_name=MODEL)))
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+        for name, kind in VLLM_FAMILIES.items():
+            assert families[name].type == kind, name
+            for sample in families[name].samples:
+                # vLLM labels with the first served name, whatever alias a request used.
+                assert sample.labels["model_name"] == MODEL, sample
+        samples = scrape(url)
+        # Counters and histograms exist at zero before any request, as vLLM's do.
+        assert value(samples, "vllm:prompt_tokens_total", model_name=MODEL) == 0
+        assert value(samples, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == 0
+        assert value(samples, "vllm:request_success_total", model_name=MODEL, finished_reason="stop") == 0
+
+
+def test_vllm_metrics_move_with_requests() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL, "alias")))) as url:
+        for model, prompt, extra in ((MODEL, "abcd", {}), ("alias", "efgh", {"stop": "b"})):
+            body = {"model": model, "prompt": prompt, "max_tokens": 3, **extra}
+            assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+        wait_until(lambda: value(scrape(url), "vllm:prefix_cache_queries_total", model_name=MODEL) == 8)
+        s = scrape(url)
+        m = {"model_name": MODEL}
+        # The fake's engine counters: 8 prompt tokens looked up, half of them hit (same as kvboost:*).
+        assert value(s, "vllm:prefix_cache_hits_total", **m) == 4
+        assert value(s, "kvboost:prefix_cache_queries_total") == 8
+        assert value(s, "kvboost:prefix_cache_hits_total") == 4
+        assert value(s, "vllm:num_preemptions_total", **m) == 0
+        assert value(s, "vllm:num_requests_running", **m) == value(s, "vllm:num_requests_waiting", **m) == 0
+        assert value(s, "vllm:kv_cache_usage_perc", **m) == 0
+        assert value(s, "vllm:prompt_tokens_total", **m) == 8
+        # "abcd" decodes 3 tokens (length); "efgh" decodes "a" then "b", its stop string (2 tokens, stop).
+        assert value(s, "vllm:generation_tokens_total", **m) == 5
+        assert value(s, "vllm:request_success_total", **m, finished_reason="length") == 1
+        assert value(s, "vllm:request_success_total", **m, finished_reason="stop") == 1
+        for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+            assert value(s, name + "_count", **m) == 2
+            assert value(s, name + "_bucket", **m, le="+Inf") == 2
+            assert value(s, name + "_sum", **m) > 0
+        assert value(s, "kvboost_time_to_first_token_seconds_count") == 2  # kvboost names kept
+
+
+def test_running_and_waiting_mid_flight() -> None:
+    fake = FakeEngine(max_num_seqs=1)
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            results: list[int] = []
+            threads = [
+                threading.Thread(
+                    target=lambda p=p: results.append(
+                        client.post(
+                            "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 3}
+                        ).status_code
+                    )
+                )
+                for p in "ab"
+            ]
+            for t in threads:
+                t.start()
+            m = {"model_name": MODEL}
+            wait_until(
+                lambda: value(scrape(url), "vllm:num_requests_waiting", **m) == 1 and fake.stalled.is_set()
+            )
+            s = scrape(url)
+            assert value(s, "vllm:num_requests_running", **m) == 1
+            assert 0 < value(s, "vllm:kv_cache_usage_perc", **m) < 1
+            fake.hold.set()
+            for t in threads:
+                t.join(30)
+        assert results == [200, 200]
+
+
+def test_real_engine_counts_prefix_cache_tokens(tiny_url: str, tiny_engine: KVBoost) -> None:
+    m = {"model_name": "tiny-llama"}
+    before = scrape(tiny_url)
+    prompt = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    usages = []
+    for _ in range(2):
+        resp = httpx.post(
+            tiny_url + "/v1/completions",
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "temperature": 0},
+        )
+        assert resp.status_code == 200
+        usages.append(resp.json()["usage"])
+    after = scrape(tiny_url)
+
+    def delta(name: str, **labels: str) -> float:
+        b = value(before, name, **labels)
+        return value(after, name, **labels) - (0 if math.isnan(b) else b)
+
+    prompt_tokens = usages[0]["prompt_tokens"]
+    assert delta("vllm:prompt_tokens_total", **m) == 2 * prompt_tokens
+    assert delta("vllm:generation_tokens_total", **m) == sum(u["completion_tokens"] for u in usages)
+    # Tokens, not blocks: each admission looks up (almost) the whole prompt; the second one hits what the
+    # first stored, and the hit count is the cached tokens the response reports.
+    queries = delta("vllm:prefix_cache_queries_total", **m)
+    assert 2 * (prompt_tokens - 1) <= queries <= 2 * prompt_tokens
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16
+    assert delta("vllm:prefix_cache_hits_total", **m) == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages
+    )
+    assert delta("vllm:prefix_cache_hits_total", **m) == delta("kvboost:prefix_cache_hits_total")
+    assert delta("vllm:time_to_first_token_seconds_count", **m) == 2
+    assert delta("vllm:e2e_request_latency_seconds_count", **m) == 2
+    assert 0 <= value(after, "vllm:kv_cache_usage_perc", **m) <= 1
