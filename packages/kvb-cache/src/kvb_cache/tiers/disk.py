@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -20,6 +21,9 @@ SUFFIX = ".kvb"
 STATS_FILE = "stats.json"
 # Counters are persisted (for ``kvboost cache status``) at most this often, from whichever thread writes.
 _STATS_INTERVAL_S = 5.0
+# A full (or read-only, or over-quota) file system: stores are skipped this long before the next try.
+_FULL_PAUSE_S = 30.0
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class DiskTier(RecordTier):
@@ -32,6 +36,10 @@ class DiskTier(RecordTier):
 
     Several processes may share a folder: a key this process has not indexed is still looked up on disk.
     Each process enforces the budget over the files it knows, so a shared folder may briefly exceed it.
+
+    A full file system (``ENOSPC``, ``EDQUOT``, ``EROFS``) pauses stores for 30 s (counted as ``errors``
+    once, then ``dropped``) with one warning, instead of failing and logging every write behind every
+    request; reads go on, and the next store after the pause tries again.
 
     Args:
         directory: the cache root; one sub-folder per model fingerprint.
@@ -52,6 +60,7 @@ class DiskTier(RecordTier):
         self._bytes = 0
         self._base: dict[str, int] = {}
         self._last_persist = 0.0
+        self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
 
     # ------------------------------------------------------------------ RecordTier
     def get(self, key: ChunkHash) -> bytes | None:
@@ -88,6 +97,9 @@ class DiskTier(RecordTier):
                 return True
         if len(record) > self.max_bytes:
             return False
+        if time.monotonic() < self._full_until:
+            self.counters.add("dropped")  # the disk is full: skipped without touching it
+            return False
         path = self._path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -95,9 +107,15 @@ class DiskTier(RecordTier):
             tmp.write_bytes(record)
             os.replace(tmp, path)
         except OSError as exc:
-            logger.warning("disk tier write failed (%s); record not stored", exc)
             self.counters.add("errors")
             tmp.unlink(missing_ok=True)
+            if exc.errno in _FULL_ERRNOS:
+                # NOTE: one warning per pause, not one per block: a full disk would otherwise log every
+                # write behind every request. Reads go on; stores retry after the pause.
+                self._full_until = time.monotonic() + _FULL_PAUSE_S
+                logger.warning("disk tier full (%s); skipping stores for %.0f s", exc, _FULL_PAUSE_S)
+            else:
+                logger.warning("disk tier write failed (%s); record not stored", exc)
             return False
         with self._lock:
             index[name] = len(record)
