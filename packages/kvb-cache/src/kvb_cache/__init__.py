@@ -5,6 +5,7 @@ from kvb_cache.config import EngineConfig
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder, TokenProcessor
 from kvb_cache.engine import KVBoost
+from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import (
     CacheBusyError,
     ConfigError,
@@ -27,6 +28,7 @@ __all__ = [
     "ChunkHit",
     "ConfigError",
     "ContextLengthError",
+    "EngineArgs",
     "EngineConfig",
     "GenerationResult",
     "HitKind",

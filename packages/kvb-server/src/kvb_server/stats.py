@@ -128,6 +128,10 @@ def paged_info(worker: EngineWorker) -> Any:
     return None if paged is None else _guarded("paged", paged.as_dict)
 
 
+#: Sections of ``engine.cache_stats()`` that composed parts add and ``/v1/stats`` shows at its top level.
+COMPOSED_PARTS = ("speculative", "streaming")
+
+
 def stats_snapshot(
     *,
     engine: ServingEngine,
@@ -136,9 +140,17 @@ def stats_snapshot(
     throughput: ThroughputMeter,
     gate: object = None,
 ) -> dict[str, Any]:
-    """``/v1/stats``; ``cache`` is what :func:`engine_cache_stats` returned (its ``tiers`` move up a level)."""
+    """``/v1/stats``; ``cache`` is what :func:`engine_cache_stats` returned.
+
+    Its ``tiers`` move up a level, and so do the parts a composed engine reports there when they are on
+    (``speculative``: ``speculative_stats()``, ``streaming``: ``streaming_stats()``).
+    """
+    parts = {}
+    if isinstance(cache, dict):
+        parts = {name: cache.pop(name) for name in COMPOSED_PARTS if name in cache}
     tiers = cache.pop("tiers", None) if isinstance(cache, dict) else None
     return {
+        **parts,
         "planner": planner_info(gate),
         "model": _guarded("model", lambda: engine.model_name),
         "queue": _guarded("queue", worker.stats),

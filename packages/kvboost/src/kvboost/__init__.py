@@ -1,10 +1,12 @@
 """KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs (meta-package: re-exports only)."""
 
 from kvb_cache import (
+    CacheBusyError,
     ChunkHit,
     ConfigError,
     ContextLengthError,
     CPUPagedEngine,
+    EngineArgs,
     EngineConfig,
     GenerationResult,
     HitKind,
@@ -13,21 +15,29 @@ from kvb_cache import (
     ModelLoadError,
     PagedStats,
     PromptTypeError,
+    RecomputeStrategy,
+    RequestId,
     RequestOutput,
     SamplingParams,
+    SpeculativeDecoder,
+    StitchConfig,
     StreamEvent,
+    TierConfig,
     TokenLogprob,
     UnsupportedModelError,
     WarmResult,
 )
 from kvboost._version import __version__
+from kvboost.args import SpeculativeArgs, StreamingArgs
 from kvboost.compose import KVBoost
 
 __all__ = [
     "CPUPagedEngine",
+    "CacheBusyError",
     "ChunkHit",
     "ConfigError",
     "ContextLengthError",
+    "EngineArgs",
     "EngineConfig",
     "GenerationResult",
     "HitKind",
@@ -37,9 +47,16 @@ __all__ = [
     "ModelLoadError",
     "PagedStats",
     "PromptTypeError",
+    "RecomputeStrategy",
+    "RequestId",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeArgs",
+    "SpeculativeDecoder",
+    "StitchConfig",
     "StreamEvent",
+    "StreamingArgs",
+    "TierConfig",
     "TokenLogprob",
     "UnsupportedModelError",
     "WarmResult",

@@ -1,4 +1,5 @@
-"""The ``kvboost`` command: ``kvboost demo`` and ``kvboost cache status|bench`` (from kvb-cache's tiers)."""
+"""The ``kvboost`` command: ``kvboost serve`` (the full-stack server), ``kvboost demo`` and
+``kvboost cache status|bench`` (from kvb-cache's tiers)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run)
     add_cache_commands(commands)
+    add_serve_command(commands)
     return parser
+
+
+def add_serve_command(commands: argparse._SubParsersAction) -> None:
+    """``kvboost serve``: ``kvboost-server``'s flags plus every part's option group (needs kvb-server)."""
+    help_text = (
+        "OpenAI-compatible server on the full stack: stitching, speculative decoding, AWQ layer streaming, "
+        "kernels, the planner and the block pool"
+    )
+    try:
+        from kvb_server import cli as server_cli
+    except ImportError:
+        serve = commands.add_parser("serve", help=help_text + ' (pip install "kvboost[server]")')
+        serve.set_defaults(func=_server_missing)
+        return
+    from kvboost.serving import FullStack
+
+    composer = FullStack()
+    serve = commands.add_parser(
+        "serve", help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    server_cli.add_arguments(serve, composer)
+    serve.set_defaults(func=lambda args: server_cli.serve(args, composer, error=serve.error))
+
+
+def _server_missing(args: argparse.Namespace) -> int:
+    raise ImportError('kvboost serve needs kvb-server: pip install "kvboost[server]"')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,19 @@
 """``kvboost.KVBoost``: the kvb-cache engine, with ``from_pretrained`` composing the optional parts.
 
-The engine class is kvb_cache's own; this subclass only adds the arguments whose providers live in
-sibling distributions. kvb_cache defines the speculative-decoding protocol its engine calls
-(:class:`kvb_cache.decoding.SpeculativeDecoder`); kvb_speculative satisfies it without importing
-kvb_cache, and this module is where the two meet.
+The engine class is kvb_cache's own; this subclass only adds the options whose providers live in sibling
+distributions (declared once in :mod:`kvboost.args`):
+
+- speculative decoding: kvb_cache defines the protocol its engine calls
+  (:class:`kvb_cache.decoding.SpeculativeDecoder`); kvb_speculative satisfies it without importing
+  kvb_cache, and this module is where the two meet;
+- AWQ layer streaming: the streamed model (:meth:`kvb_streaming.StreamingCausalLM.from_pretrained`) is just
+  the engine's model;
+- kernels: ``attn_implementation="kvb_attention"`` registers kvb-kernels' attention with transformers first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -17,24 +23,32 @@ from transformers import PreTrainedModel
 from kvb_cache import KVBoost as _Engine
 from kvb_cache import StitchConfig
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES
+from kvb_cache.decoding import SpeculativeDecoder
+from kvb_cache.engine_args import EngineArgs
+from kvb_cache.errors import ConfigError
 from kvb_cache.loading import load_model_and_tokenizer
+from kvb_cache.options import pick_keywords
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
+from kvb_streaming import StreamingConfig
+from kvboost.args import KVB_ATTENTION, SpeculativeArgs, StreamingArgs
 
 
 class KVBoost(_Engine):
-    """:class:`kvb_cache.KVBoost` plus speculative decoding (kvb-speculative) in ``from_pretrained``."""
+    """:class:`kvb_cache.KVBoost` plus speculative decoding, AWQ layer streaming and kernels."""
 
     @classmethod
     def from_pretrained(  # type: ignore[override]
         cls,
         model_name_or_path: str,
         *,
+        # kvb_cache.EngineArgs
         chunk_size: int = 128,
         boundary_window: int = 0,
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
+        drafter: SpeculativeDecoder | None = None,
         kv_cache_bits: int = 16,
         kv_group_size: int = 32,
         disk_cache_dir: str | os.PathLike[str] | None = None,
@@ -47,78 +61,142 @@ class KVBoost(_Engine):
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
+        exit_flush_timeout_s: float = 10.0,
+        # kvboost.args.SpeculativeArgs
         speculative: str | None = None,
         draft_model: str | PreTrainedModel | None = None,
         gamma: int = 5,
+        # kvboost.args.StreamingArgs
+        awq_streaming: bool = False,
+        streaming_mode: str = "full_stream",
+        keep_first_k: int = 0,
+        keep_last_k: int = 0,
+        staging_slots: int = 2,
+        streaming_quant_kernel: str = "auto",
+        streaming_simulate_on_host: bool = False,
     ) -> KVBoost:
-        """Load a model and wrap it; the cache arguments are :meth:`kvb_cache.KVBoost.from_pretrained`'s.
+        """Load a model and wrap it.
 
-        Args:
-            speculative: ``"prompt_lookup"`` (n-gram drafts copied from the prompt: no extra model) or
-                ``"draft_model"``; None turns speculative decoding off unless ``draft_model`` is given.
-                Greedy and sampled outputs stay exactly those of plain decoding (kvb-speculative's
-                verification is exact); requests asking for ``logprobs`` decode plainly.
-            draft_model: a small model sharing the target's vocabulary: a loaded model, or a folder / hub
-                id in the local cache, loaded on the same device and dtype as the target.
-            gamma: the most drafted tokens verified per target forward.
+        The keywords are the fields of :class:`kvb_cache.EngineArgs` (the cache, tiers, stitching, block pool
+        and scheduler; ``attn_implementation="kvb_attention"`` uses kvb-kernels), :class:`kvboost.args.SpeculativeArgs`
+        and :class:`kvboost.args.StreamingArgs`; each field's help text is its documentation. A test fails when
+        this signature and those classes disagree.
 
         Raises:
+            kvb_cache.ConfigError: a bad cache option, or both ``drafter`` and ``speculative``/``draft_model``.
             kvb_speculative.SpeculativeConfigError: an unknown ``speculative`` mode or an inconsistent setting.
             kvb_speculative.VocabularyMismatchError: the draft model's vocabulary differs from the target's.
+            kvb_streaming.StreamingConfigError: streaming options without ``awq_streaming``, or inconsistent.
         """
-        engine = super().from_pretrained(
+        values = locals()
+        return cls.from_args(
             model_name_or_path,
-            chunk_size=chunk_size,
-            boundary_window=boundary_window,
-            max_cache_bytes=max_cache_bytes,
-            device=device,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            kv_cache_bits=kv_cache_bits,
-            kv_group_size=kv_group_size,
-            disk_cache_dir=disk_cache_dir,
-            disk_cache_bytes=disk_cache_bytes,
-            remote_url=remote_url,
-            remote_codec=remote_codec,
-            stitching=stitching,
-            recompute_strategy=recompute_strategy,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            EngineArgs(**pick_keywords(EngineArgs, values)),
+            speculative=SpeculativeArgs(**pick_keywords(SpeculativeArgs, values)),
+            streaming=StreamingArgs(**pick_keywords(StreamingArgs, values)),
         )
-        if speculative is None and draft_model is None:
-            return engine  # type: ignore[return-value]
-        from kvb_speculative import make_decoder
 
-        draft_tokenizer = None
-        if isinstance(draft_model, str):
-            loaded = load_model_and_tokenizer(
-                draft_model,
-                device=engine.device,
-                dtype=engine.model.dtype,
-                attn_implementation=attn_implementation,
-            )
-            draft_model, draft_tokenizer = loaded.model, loaded.tokenizer
-        engine.drafter = make_decoder(
-            engine.model,
-            speculative=speculative,
-            draft_model=draft_model,
-            gamma=gamma,
-            target_tokenizer=engine.tokenizer,
-            draft_tokenizer=draft_tokenizer,
+    @classmethod
+    def from_args(
+        cls,
+        model_name_or_path: str,
+        engine: EngineArgs,
+        *,
+        speculative: SpeculativeArgs | None = None,
+        streaming: StreamingArgs | None = None,
+    ) -> KVBoost:
+        """:meth:`from_pretrained` with its options as one options object per part."""
+        speculative = speculative or SpeculativeArgs()
+        streaming_config = (streaming or StreamingArgs()).streaming_config()
+        if speculative.enabled and engine.drafter is not None:
+            raise ConfigError("pass either drafter or speculative/draft_model, not both")
+        if engine.attn_implementation == KVB_ATTENTION:
+            from kvb_kernels import register_kvb_attention
+
+            register_kvb_attention()
+        if streaming_config is None:
+            composed = cls.from_engine_args(model_name_or_path, engine)
+        else:
+            composed = cls._from_streamed(model_name_or_path, engine, streaming_config)
+        if speculative.enabled:
+            composed.drafter = _drafter(composed, speculative, engine.attn_implementation)
+        return composed  # type: ignore[return-value]
+
+    @classmethod
+    def _from_streamed(
+        cls, model_name_or_path: str, engine: EngineArgs, streaming: StreamingConfig
+    ) -> KVBoost:
+        """The engine over a :class:`kvb_streaming.StreamingCausalLM` (an AWQ checkpoint folder)."""
+        from transformers import AutoTokenizer
+
+        from kvb_cache.embedded import resolve_model_path
+        from kvb_cache.loading import resolve_device, resolve_dtype
+        from kvb_streaming import StreamingCausalLM
+
+        config = engine.engine_config()  # before the model loads: a bad option fails fast
+        path = resolve_model_path(model_name_or_path)
+        dtype = resolve_dtype(engine.dtype)
+        model = StreamingCausalLM.from_pretrained(
+            path,
+            streaming_config=streaming,
+            device=resolve_device(engine.device),
+            dtype=None if dtype == "auto" else dtype,  # type: ignore[arg-type]
         )
-        return engine  # type: ignore[return-value]
+        if engine.attn_implementation is not None:
+            model.set_attn_implementation(engine.attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:
         """Drafted / accepted tokens, acceptance rate and timings since load; None without a drafter."""
         stats = getattr(self.drafter, "speculative_stats", None)
         return stats().as_dict() if stats is not None else None
 
+    def streaming_stats(self) -> dict[str, Any] | None:
+        """Layer-streaming counters (hits, misses, bytes moved, ...) since load; None for a resident model."""
+        from kvb_streaming import NotAStreamingModelError, get_runtime
+
+        try:
+            runtime = get_runtime(self.model)
+        except NotAStreamingModelError:
+            return None
+        stats = runtime.stats()
+        return {
+            **dataclasses.asdict(stats),
+            "hit_rate": stats.hit_rate,
+            "streaming_enabled": runtime.streaming_enabled,
+            "residency_mode": runtime.effective.residency_mode,
+            "streamed_layers": len(runtime.scheduler.streamed_layers),
+            "staging_slots": runtime.scheduler.n_slots,
+            "quant_kernel": runtime.kernel_name,
+        }
+
     def cache_stats(self) -> dict[str, Any]:
-        """:meth:`kvb_cache.KVBoost.cache_stats` plus ``"speculative"`` when a drafter is set."""
+        """:meth:`kvb_cache.KVBoost.cache_stats` plus ``"speculative"`` / ``"streaming"`` when those are on."""
         stats = super().cache_stats()
-        speculative = self.speculative_stats()
-        if speculative is not None:
-            stats["speculative"] = speculative
+        for name, part in (("speculative", self.speculative_stats()), ("streaming", self.streaming_stats())):
+            if part is not None:
+                stats[name] = part
         return stats
+
+
+def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | None) -> SpeculativeDecoder:
+    from kvb_speculative import make_decoder
+
+    draft_model, draft_tokenizer = args.draft_model, None
+    if isinstance(draft_model, str):
+        loaded = load_model_and_tokenizer(
+            draft_model,
+            device=engine.device,
+            dtype=engine.model.dtype,
+            attn_implementation=attn_implementation,
+        )
+        draft_model, draft_tokenizer = loaded.model, loaded.tokenizer
+    return make_decoder(
+        engine.model,
+        speculative=args.speculative,  # type: ignore[arg-type]
+        draft_model=draft_model,
+        gamma=args.gamma,
+        target_tokenizer=engine.tokenizer,
+        draft_tokenizer=draft_tokenizer,
+    )

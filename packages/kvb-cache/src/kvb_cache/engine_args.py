@@ -1,0 +1,201 @@
+"""``EngineArgs``: every engine option, declared once (in the spirit of vLLM's ``EngineArgs``).
+
+:meth:`kvb_cache.KVBoost.from_pretrained`'s keywords, :class:`kvb_cache.EngineConfig` (through
+:meth:`EngineArgs.engine_config`) and ``kvboost-server``'s engine flags (through
+:func:`kvb_cache.options.add_option_arguments`) all come from the fields below; tests fail when a signature
+or the parser disagrees with them. Options of the optional distributions (speculative decoding, layer
+streaming, ...) are declared by the meta-package ``kvboost`` in groups of their own, so this hub imports
+no sibling.
+"""
+
+# option() returns a dataclasses.field (with metadata), which RUF009 cannot tell from a shared default.
+# ruff: noqa: RUF009
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, get_args
+
+from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
+from kvb_cache.errors import ConfigError
+from kvb_cache.options import option, parse_bytes, positive_int
+from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
+from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, TierConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvb_cache.decoding import SpeculativeDecoder
+
+DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE_STRATEGIES: tuple[str, ...] = get_args(RecomputeStrategy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """What :meth:`kvb_cache.KVBoost.from_pretrained` takes besides the model (each field's help is its doc).
+
+    The values are validated where they are used (:class:`EngineConfig`, :class:`TierConfig`, the loader),
+    so a bad value raises the same :class:`kvb_cache.ConfigError` whichever way it came in.
+    """
+
+    # -- model ---------------------------------------------------------------------------------------------
+    device: str | torch.device | None = option(
+        None, group="model", help="cpu, cuda, cuda:1 ... (default: CUDA when available)"
+    )
+    dtype: str | torch.dtype | None = option(
+        None, group="model", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)"
+    )
+    attn_implementation: str | None = option(
+        None,
+        group="model",
+        metavar="NAME",
+        help="transformers attention for plain forwards: sdpa, eager, or kvb_attention (kvb-kernels' Triton "
+        "kernels: pip install kvboost); the paged engine loop runs its own attention over the block pool",
+    )
+    # -- cache ---------------------------------------------------------------------------------------------
+    chunk_size: int = option(128, group="cache", help="tokens per cached chunk")
+    boundary_window: int = option(
+        0,
+        group="cache",
+        help="let a chunk cut slide up to this many tokens to a natural break (newline, sentence end); "
+        "0 keeps fixed-size chunks",
+    )
+    max_cache_bytes: int = option(
+        DEFAULT_MAX_CACHE_BYTES,
+        group="cache",
+        parse=parse_bytes,
+        cli_default="2GiB",
+        help="byte budget of the in-memory KV cache; also sizes the paged block pool (running requests' KV "
+        "and reusable prefixes) when --num-blocks is not given (0 disables reuse)",
+    )
+    kv_cache_bits: int = option(
+        16,
+        group="cache",
+        choices=(16, 8, 4),
+        help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks per byte, "
+        "approximate reuse)",
+    )
+    kv_group_size: int = option(32, group="cache", help="quantization group of --kv-cache-bits 8/4")
+    block_size: int = option(
+        16,
+        group="cache",
+        parse=positive_int,
+        help="tokens per KV block of the paged pool (the unit of prefix sharing between requests)",
+    )
+    num_blocks: int | None = option(
+        None,
+        group="cache",
+        parse=positive_int,
+        help="KV blocks in the paged pool; unset: as many as --max-cache-bytes holds",
+    )
+    # -- tiers ---------------------------------------------------------------------------------------------
+    disk_cache_dir: str | os.PathLike[str] | None = option(
+        None,
+        group="cache",
+        metavar="DIR",
+        help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier",
+    )
+    disk_cache_bytes: int = option(
+        DEFAULT_DISK_CACHE_BYTES,
+        group="cache",
+        parse=parse_bytes,
+        cli_default="16GiB",
+        help="byte budget of the disk tier",
+    )
+    remote_url: str | None = option(
+        None,
+        group="cache",
+        metavar="URL",
+        help="redis://host:port/db of a Redis shared by several engine processes (pip install "
+        "'kvb-cache[redis]'); default: no remote tier",
+    )
+    remote_codec: str | None = option(
+        None,
+        group="cache",
+        choices=("absmax8",),
+        help="send Redis records through the int8 wire codec (lossy, ~4x fewer bytes); default: as in RAM",
+    )
+    exit_flush_timeout_s: float = option(
+        10.0,
+        group="cache",
+        flag="--exit-flush-timeout",
+        metavar="SECONDS",
+        help="how long engine.close() and the interpreter-exit hook wait for queued disk/Redis writes",
+    )
+    # -- stitching -----------------------------------------------------------------------------------------
+    stitching: StitchConfig | None = option(
+        None,
+        group="stitching",
+        cli=False,
+        help="reuse chunks cached after a *different* history too (approximate): a kvb_cache.StitchConfig; "
+        "None: exact prefix reuse only",
+    )
+    recompute_strategy: str | None = option(
+        None,
+        group="stitching",
+        choices=RECOMPUTE_STRATEGIES,
+        help="turn stitching on (reuse chunks seen after a different history, re-rotated) and repair the "
+        "seams this way; unset: exact prefix reuse only",
+    )
+    # -- scheduling ----------------------------------------------------------------------------------------
+    max_num_seqs: int = option(
+        32, group="scheduling", parse=positive_int, help="most requests decoded together in one engine step"
+    )
+    max_num_batched_tokens: int = option(
+        1024,
+        group="scheduling",
+        parse=positive_int,
+        help="most tokens (prefill + decode) one engine step feeds the model; longer prompts are prefilled "
+        "in slices interleaved with the running requests' decoding",
+    )
+    # -- speculative decoding (the protocol; providers come from kvb-speculative via kvboost) ---------------
+    drafter: SpeculativeDecoder | None = option(
+        None,
+        group="speculative decoding",
+        cli=False,
+        help="a kvb_cache.SpeculativeDecoder the engine decodes with (kvboost builds one from --speculative)",
+    )
+
+    def stitch_config(self) -> StitchConfig | None:
+        """``stitching``, or the one ``recompute_strategy`` stands for.
+
+        Raises:
+            ConfigError: both are given and disagree, or the strategy is unknown.
+        """
+        if self.recompute_strategy is None:
+            return self.stitching
+        if self.stitching is not None and self.stitching.recompute_strategy != self.recompute_strategy:
+            raise ConfigError(
+                f"recompute_strategy={self.recompute_strategy!r} contradicts stitching.recompute_strategy="
+                f"{self.stitching.recompute_strategy!r}: pass one of them"
+            )
+        return self.stitching or StitchConfig(recompute_strategy=self.recompute_strategy)  # type: ignore[arg-type]
+
+    def tier_config(self) -> TierConfig | None:
+        """The disk / Redis tiers asked for; None: RAM only."""
+        tiers = TierConfig(
+            disk_cache_dir=self.disk_cache_dir,
+            disk_cache_bytes=self.disk_cache_bytes,
+            remote_url=self.remote_url,
+            remote_codec=self.remote_codec,
+            exit_flush_timeout_s=self.exit_flush_timeout_s,
+        )
+        return tiers if tiers.enabled else None
+
+    def engine_config(self) -> EngineConfig:
+        """The :class:`EngineConfig` these options describe (validated there)."""
+        return EngineConfig(
+            chunk_size=self.chunk_size,
+            stitching=self.stitch_config(),
+            boundary_window=self.boundary_window,
+            max_cache_bytes=self.max_cache_bytes,
+            kv_cache_bits=self.kv_cache_bits,
+            kv_group_size=self.kv_group_size,
+            tiers=self.tier_config(),
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )

@@ -1,0 +1,113 @@
+"""``EngineArgs`` declares every engine option once; ``from_pretrained``, ``EngineConfig`` and flags follow it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from kvb_cache import ConfigError, EngineArgs, EngineConfig, KVBoost, StitchConfig
+from kvb_cache.options import (
+    add_option_arguments,
+    as_keywords,
+    from_namespace,
+    option,
+    option_fields,
+    options_table,
+    parse_bytes,
+    parser_mismatches,
+    signature_mismatches,
+)
+
+
+def test_from_pretrained_keywords_are_exactly_the_engine_args():
+    assert signature_mismatches(KVBoost.from_pretrained, [EngineArgs]) == []
+
+
+def test_a_drifting_signature_is_reported():
+    def from_pretrained(model, *, chunk_size=64, extra=None): ...
+
+    problems = signature_mismatches(from_pretrained, [EngineArgs])
+    assert any("chunk_size=64" in p for p in problems)
+    assert any("'extra'" in p for p in problems)
+    assert any("lacks keyword 'block_size'" in p for p in problems)
+
+
+def test_engine_config_defaults_are_the_engine_args_defaults():
+    shared = {f.name for f in dataclasses.fields(EngineConfig)} & {
+        f.name for f in dataclasses.fields(EngineArgs)
+    }
+    assert len(shared) >= 10
+    built = EngineArgs().engine_config()
+    assert built == EngineConfig()
+    for name in shared:
+        assert getattr(built, name) == getattr(EngineConfig(), name), name
+
+
+def test_every_option_has_help_and_a_group():
+    for f, spec in option_fields(EngineArgs):
+        assert spec.help and spec.group, f.name
+        if spec.cli_default is not None:
+            assert spec.parse(spec.cli_default) == f.default, f.name
+    assert {f.name for f in dataclasses.fields(EngineArgs)} == {f.name for f, _ in option_fields(EngineArgs)}
+
+
+def test_flags_round_trip_into_engine_args():
+    parser = argparse.ArgumentParser()
+    groups = add_option_arguments(parser, EngineArgs)
+    assert {"model", "cache", "stitching", "scheduling"} <= set(groups)
+    assert parser_mismatches(parser, [EngineArgs]) == []
+    assert from_namespace(EngineArgs, parser.parse_args([])) == EngineArgs()
+    args = from_namespace(
+        EngineArgs,
+        parser.parse_args(
+            [
+                "--max-cache-bytes",
+                "1MiB",
+                "--recompute-strategy",
+                "selective",
+                "--num-blocks",
+                "8",
+                "--dtype",
+                "float32",
+            ]
+        ),
+    )
+    assert (args.max_cache_bytes, args.num_blocks, args.dtype) == (2**20, 8, "float32")
+    config = args.engine_config()
+    assert config.stitching == StitchConfig(recompute_strategy="selective") and config.num_blocks == 8
+    for bad in (["--kv-cache-bits", "3"], ["--block-size", "0"], ["--recompute-strategy", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    text = parser.format_help()
+    assert "--stitching" not in text and "--drafter" not in text  # Python objects have no flag
+
+
+def test_tiers_and_stitching_contradiction():
+    assert EngineArgs().tier_config() is None
+    tiers = EngineArgs(disk_cache_dir="/tmp/x", exit_flush_timeout_s=3.0).tier_config()
+    assert tiers is not None and tiers.exit_flush_timeout_s == 3.0
+    with pytest.raises(ConfigError, match="contradicts"):
+        EngineArgs(recompute_strategy="none", stitching=StitchConfig()).engine_config()
+    with pytest.raises(ConfigError, match="chunk_size"):
+        EngineArgs(chunk_size=0).engine_config()
+
+
+def test_other_groups_share_sections_and_the_docs_table():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Extra:
+        gamma: int = option(5, group="speculative decoding", help="drafted tokens per round")
+        fast: bool = option(False, group="cache", help="go fast", aliases=("--quick",))
+
+    parser = argparse.ArgumentParser()
+    groups = add_option_arguments(parser, EngineArgs)
+    add_option_arguments(parser, Extra, groups)
+    ns = parser.parse_args(["--gamma", "3", "--quick"])
+    assert from_namespace(Extra, ns) == Extra(gamma=3, fast=True)
+    assert parser.parse_args(["--no-fast"]).fast is False
+    assert as_keywords(Extra()) == {"gamma": 5, "fast": False}
+    table = options_table([EngineArgs, Extra])
+    assert "| `--max-cache-bytes` | `max_cache_bytes` | `2GiB` |" in table
+    assert "`--fast` `--quick`" in table and "(Python only)" in table
+    assert parse_bytes("16GiB") == 16 * 2**30

@@ -1,0 +1,132 @@
+"""The option groups of the optional parts, declared once like :class:`kvb_cache.EngineArgs`.
+
+The leaves (kvb-speculative, kvb-streaming, kvb-kernels) import no sibling, so their engine options are
+declared here, where they are composed: :meth:`kvboost.KVBoost.from_pretrained`'s keywords and
+``kvboost serve``'s flags both come from these fields. kvb-kernels has no field of its own: it adds the
+value ``kvb_attention`` to ``EngineArgs.attn_implementation`` (``--attn-implementation``).
+"""
+
+# option() returns a dataclasses.field (with metadata), which RUF009 cannot tell from a shared default.
+# ruff: noqa: RUF009
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvb_cache.options import option, positive_int
+from kvb_streaming import StreamingConfig, StreamingConfigError
+from kvb_streaming.config import QUANT_KERNELS, RESIDENCY_MODES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+SPECULATIVE_MODES = ("prompt_lookup", "draft_model")
+#: The attention implementation kvb-kernels registers with transformers.
+KVB_ATTENTION = "kvb_attention"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeArgs:
+    """Speculative decoding (kvb-speculative): draft several tokens, verify them in one target forward."""
+
+    speculative: str | None = option(
+        None,
+        group="speculative decoding",
+        choices=SPECULATIVE_MODES,
+        help="prompt_lookup: n-gram drafts copied from the prompt (no extra model); draft_model: a small "
+        "model with the target's vocabulary (--draft-model). Outputs stay exactly those of plain decoding; "
+        "requests asking for logprobs decode plainly. Unset: off unless --draft-model is given",
+    )
+    draft_model: str | PreTrainedModel | None = option(
+        None,
+        group="speculative decoding",
+        metavar="PATH",
+        help="the draft model: a local folder or a hub id already in the local cache (in Python also a loaded "
+        "model), loaded on the target's device and dtype",
+    )
+    gamma: int = option(
+        5,
+        group="speculative decoding",
+        parse=positive_int,
+        help="most drafted tokens verified per target forward",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative is not None or self.draft_model is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamingArgs:
+    """AWQ layer streaming (kvb-streaming): decoder layers live in pinned host RAM and stream to the GPU."""
+
+    awq_streaming: bool = option(
+        False,
+        group="AWQ layer streaming",
+        help="load the model as an AWQ int4 (GEMM) checkpoint through kvb_streaming.StreamingCausalLM: layers "
+        "not kept resident stream from pinned host RAM through staging slots (models larger than VRAM)",
+    )
+    streaming_mode: str = option(
+        "full_stream",
+        group="AWQ layer streaming",
+        aliases=("--residency-mode",),
+        choices=RESIDENCY_MODES,
+        help="what stays on the device: full_resident (nothing streamed), partial_resident (the first/last k "
+        "layers), ffn_only_stream (all attention; MLPs of the other layers stream), full_stream (every layer "
+        "streams)",
+    )
+    keep_first_k: int = option(
+        0,
+        group="AWQ layer streaming",
+        help="leading decoder layers kept resident (partial_resident, ffn_only_stream)",
+    )
+    keep_last_k: int = option(
+        0,
+        group="AWQ layer streaming",
+        help="trailing decoder layers kept resident (partial_resident, ffn_only_stream)",
+    )
+    staging_slots: int = option(
+        2,
+        group="AWQ layer streaming",
+        parse=positive_int,
+        help="device buffers streamed layers are copied into; 2 copies the next layer while this one computes",
+    )
+    streaming_quant_kernel: str = option(
+        "auto",
+        group="AWQ layer streaming",
+        choices=QUANT_KERNELS,
+        help="int4 GEMM: torch (dequantize + matmul, everywhere), int4pack (torch's tinygemm), kvb_kernels "
+        "(Triton, from kvb-kernels) or auto (the fastest available)",
+    )
+    streaming_simulate_on_host: bool = option(
+        False,
+        group="AWQ layer streaming",
+        help="run the streaming machinery on CPU too, where device memory is host memory (no speed gain: for "
+        "tests and debugging); without it streaming is off on CPU and every layer is resident",
+    )
+
+    def streaming_config(self) -> StreamingConfig | None:
+        """The :class:`kvb_streaming.StreamingConfig` asked for; None when ``awq_streaming`` is off.
+
+        Raises:
+            StreamingConfigError: a streaming option without ``awq_streaming``, or an inconsistent setting.
+        """
+        if not self.awq_streaming:
+            if self != StreamingArgs():
+                raise StreamingConfigError(
+                    "streaming options were given without awq_streaming=True (--awq-streaming); add it or drop them"
+                )
+            return None
+        return StreamingConfig(
+            residency_mode=self.streaming_mode,  # type: ignore[arg-type]
+            keep_first_k=self.keep_first_k,
+            keep_last_k=self.keep_last_k,
+            n_staging_slots=self.staging_slots,
+            quant_kernel=self.streaming_quant_kernel,  # type: ignore[arg-type]
+            simulate_on_host=self.streaming_simulate_on_host,
+        )
+
+
+#: Every option group the meta-package adds to :class:`kvb_cache.EngineArgs`, in ``--help`` order.
+PART_ARGS: tuple[type, ...] = (SpeculativeArgs, StreamingArgs)

@@ -1,0 +1,124 @@
+"""Options once: ``kvboost.KVBoost.from_pretrained``, ``kvboost serve`` and the option classes agree; the
+full stack composes stitching, speculative decoding, AWQ layer streaming and kvb_attention."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers as T
+from test_compose import PROMPT, _save_tiny_model
+
+import kvboost
+from kvb_cache import EngineArgs
+from kvb_cache import KVBoost as CacheEngine
+from kvb_cache.options import from_namespace, options_table, parser_mismatches, signature_mismatches
+from kvboost import KVBoost, SpeculativeArgs, StreamingArgs
+from kvboost.args import PART_ARGS
+from kvboost.cli import build_parser
+from kvboost.serving import FullStack
+
+ALL_ARGS = (EngineArgs, *PART_ARGS)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return _save_tiny_model(tmp_path_factory.mktemp("target"), seed=0)
+
+
+def test_from_pretrained_signatures_match_the_option_classes():
+    assert signature_mismatches(KVBoost.from_pretrained, ALL_ARGS) == []
+    assert signature_mismatches(CacheEngine.from_pretrained, [EngineArgs]) == []
+
+
+def test_serve_flags_match_the_option_classes():
+    commands = build_parser()._subparsers._group_actions[0].choices
+    serve = commands["serve"]
+    assert parser_mismatches(serve, ALL_ARGS) == []
+    args = serve.parse_args(
+        [
+            "--speculative",
+            "prompt_lookup",
+            "--gamma",
+            "3",
+            "--awq-streaming",
+            "--residency-mode",
+            "partial_resident",
+        ]
+    )
+    assert from_namespace(SpeculativeArgs, args) == SpeculativeArgs(speculative="prompt_lookup", gamma=3)
+    assert from_namespace(StreamingArgs, args).streaming_mode == "partial_resident"
+    text = serve.format_help()
+    for flag in (
+        "--recompute-strategy",
+        "--draft-model",
+        "--keep-first-k",
+        "--staging-slots",
+        "--oom-planning",
+    ):
+        assert flag in text
+
+
+def test_everything_from_pretrained_takes_is_importable_from_kvboost():
+    for name in ("StitchConfig", "EngineArgs", "TierConfig", "SpeculativeDecoder", "CacheBusyError"):
+        assert hasattr(kvboost, name) and name in kvboost.__all__
+    assert "`--awq-streaming`" in options_table(ALL_ARGS)
+
+
+def test_streaming_options_need_awq_streaming(target):
+    from kvb_streaming import StreamingConfigError
+
+    with pytest.raises(StreamingConfigError, match="awq_streaming"):
+        KVBoost.from_pretrained(str(target), device="cpu", keep_first_k=1)
+
+
+def test_full_stack_composer_builds_stitching_and_speculative(target):
+    commands = build_parser()._subparsers._group_actions[0].choices
+    flags = ["--device", "cpu", "--chunk-size", "8", "--recompute-strategy", "selective"]
+    args = commands["serve"].parse_args([*flags, "--speculative", "prompt_lookup", "--gamma", "4"])
+    engine = FullStack().build_engine(str(target), args)
+    assert engine.config.stitching.recompute_strategy == "selective"
+    out = engine.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    assert (
+        out.output_ids
+        == plain.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True).output_ids
+    )
+    stats = engine.cache_stats()
+    assert stats["speculative"]["gamma"] == 4 and stats["speculative"]["drafted_tokens"] > 0
+    assert "streaming" not in stats and engine.streaming_stats() is None
+
+
+def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    awq = save_awq_checkpoint(model, tmp_path / "awq", group_size=32)
+    T.AutoTokenizer.from_pretrained(target).save_pretrained(awq)
+    engine = KVBoost.from_pretrained(
+        str(awq),
+        device="cpu",
+        chunk_size=8,
+        awq_streaming=True,
+        streaming_mode="partial_resident",
+        keep_first_k=1,
+        streaming_quant_kernel="torch",
+        streaming_simulate_on_host=True,
+    )
+    first = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    again = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert first.output_ids == again.output_ids and again.cached_tokens > 0
+    stats = engine.cache_stats()["streaming"]
+    assert stats["streaming_enabled"] and stats["streamed_layers"] == 1
+    assert stats["hits"] + stats["misses"] > 0 and stats["bytes_moved"] > 0
+
+
+def test_kvb_attention_registers_and_falls_back_on_cpu(target, caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = KVBoost.from_pretrained(
+            str(target), device="cpu", chunk_size=8, attn_implementation="kvb_attention"
+        )
+    plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    got = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True).output_ids
+    assert got == plain.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True).output_ids
