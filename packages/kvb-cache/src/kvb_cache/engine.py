@@ -28,6 +28,7 @@ from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptType
 from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
+from kvb_cache.hf_bridge import HFCacheBridge
 from kvb_cache.lifecycle import EngineLifecycle
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
@@ -55,7 +56,7 @@ from kvb_cache.transfers import CacheTransfers
 logger = logging.getLogger(__name__)
 
 
-class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle):
+class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
     Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
