@@ -122,3 +122,16 @@ def test_kvb_attention_registers_and_falls_back_on_cpu(target, caplog):
     plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
     got = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True).output_ids
     assert got == plain.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True).output_ids
+
+
+def test_readme_options_table_is_generated_from_the_classes():
+    from pathlib import Path
+
+    from kvboost.args import TABLE_START, options_markdown, replace_options_table
+
+    readme = Path(__file__).resolve().parents[3] / "README.md"
+    if not readme.exists():
+        pytest.skip("README.md is not above this package (tests run outside the repository)")
+    text = readme.read_text(encoding="utf-8")
+    assert TABLE_START in text
+    assert replace_options_table(text, options_markdown()) == text, "stale: run python tools/options_table.py"

@@ -130,3 +130,23 @@ class StreamingArgs:
 
 #: Every option group the meta-package adds to :class:`kvb_cache.EngineArgs`, in ``--help`` order.
 PART_ARGS: tuple[type, ...] = (SpeculativeArgs, StreamingArgs)
+
+
+# -- the README's options table ---------------------------------------------------------------------------
+TABLE_START, TABLE_END = "<!-- options-table:start -->", "<!-- options-table:end -->"
+
+
+def options_markdown() -> str:
+    """Every option of the full stack (``EngineArgs`` then :data:`PART_ARGS`) as a Markdown table."""
+    from kvb_cache.engine_args import EngineArgs
+    from kvb_cache.options import options_table
+
+    return options_table([EngineArgs, *PART_ARGS])
+
+
+def replace_options_table(text: str, table: str) -> str:
+    """``text`` with ``table`` between the options-table markers (unchanged when they are missing)."""
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        return text
+    return text[: start + len(TABLE_START)] + "\n" + table + "\n" + text[end:]
