@@ -42,10 +42,10 @@ class EngineArgs:
 
     # -- model ---------------------------------------------------------------------------------------------
     device: str | torch.device | None = option(
-        None, group="model", help="cpu, cuda, cuda:1 ... (default: CUDA when available)"
+        None, group="model", help="cpu, cuda, cuda:1 ...; unset: CUDA when available"
     )
     dtype: str | torch.dtype | None = option(
-        None, group="model", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)"
+        None, group="model", choices=DTYPES, help="weights and KV dtype; unset: the checkpoint's"
     )
     attn_implementation: str | None = option(
         None,
@@ -95,7 +95,7 @@ class EngineArgs:
         None,
         group="cache",
         metavar="DIR",
-        help="add a disk tier under RAM in DIR (survives restarts); default: no disk tier",
+        help="add a disk tier under RAM in DIR (survives restarts); unset: no disk tier",
     )
     disk_cache_bytes: int = option(
         DEFAULT_DISK_CACHE_BYTES,
@@ -109,13 +109,13 @@ class EngineArgs:
         group="cache",
         metavar="URL",
         help="redis://host:port/db of a Redis shared by several engine processes (pip install "
-        "'kvb-cache[redis]'); default: no remote tier",
+        "'kvb-cache[redis]'); unset: no remote tier",
     )
     remote_codec: str | None = option(
         None,
         group="cache",
         choices=("absmax8",),
-        help="send Redis records through the int8 wire codec (lossy, ~4x fewer bytes); default: as in RAM",
+        help="send Redis records through the int8 wire codec (lossy, ~4x fewer bytes); unset: as in RAM",
     )
     exit_flush_timeout_s: float = option(
         10.0,
