@@ -11,6 +11,7 @@ free port and stopped by its PID. Parts (``--parts``, default all):
 - ``load``: ``--clients`` concurrent clients for ``--seconds`` (after a warm-up of the same load), 10%
   leaving mid-stream; RSS after warm-up vs after the run, the block pool after the run.
 - ``faults``: Redis outage, corrupted disk and Redis records, kill -9 during disk writes, disk full.
+- ``races``: ``/v1/warm`` while completions run (a bug schemathesis found with 2 workers; not in the default).
 
 Every part uses the embedded SmolLM2-135M on CPU with small ``max_tokens``. Writes ``docs/reliability.json``
 (merged with what is there, part by part) and prints it; docs/reliability.md holds the tables.
@@ -35,6 +36,7 @@ from reliability_faults import (
     disk_full,
     kill9_during_disk_writes,
     redis_outage,
+    warm_during_requests,
 )
 from reliability_fuzz import run_fuzz
 from reliability_load import run_load
@@ -161,7 +163,17 @@ def part_faults(args: argparse.Namespace, log_dir: Path) -> dict:
     return results
 
 
-PARTS = {"schemathesis": part_schemathesis, "fuzz": part_fuzz, "load": part_load, "faults": part_faults}
+def part_races(args: argparse.Namespace, log_dir: Path) -> dict:
+    return {"warm_during_requests": warm_during_requests(log_dir)}
+
+
+PARTS = {
+    "schemathesis": part_schemathesis,
+    "fuzz": part_fuzz,
+    "load": part_load,
+    "faults": part_faults,
+    "races": part_races,
+}
 
 
 def main() -> None:

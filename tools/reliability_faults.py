@@ -333,3 +333,47 @@ def disk_full(log_dir: Path, *, size: str = "2m", prompts: int = 6) -> dict:
         with contextlib.suppress(OSError):
             os.rmdir(mount)
     return out
+
+
+# ------------------------------------------------------------------------------- /v1/warm beside requests
+def warm_during_requests(log_dir: Path, *, rounds: int = 6, warm_words: int = 500) -> dict:
+    """``/v1/warm`` (a long text, several engine steps) sent while short completions run.
+
+    Reproduces a bug found by schemathesis with 2 workers: ``KVBoost.warm`` runs the library loop
+    (``_run_to_end``), which steps the shared engine and files the server's requests' outputs in the
+    library's mailbox, so a request finishing during a warm is never answered: the worker then finds the
+    engine idle with that request in flight and fails it (500 "the engine lost track of requests in
+    flight").
+    """
+    server = Server(flags=("--max-tokens", "4"), log_dir=log_dir, name="warm-race").start()
+    statuses: list[int] = []
+    try:
+        for r in range(rounds):
+            result: dict[str, int] = {}
+
+            def complete(result=result, r=r) -> None:
+                result["completion"] = server.complete(f"short prompt {r}", max_tokens=2)[0]
+
+            def warm(result=result, r=r) -> None:
+                body = {"text": filler_text(3000 + r, warm_words)}
+                result["warm"] = http_json(server.url + "/v1/warm", body, timeout=300)[0]
+
+            threads = [threading.Thread(target=complete), threading.Thread(target=warm)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            statuses.append(result["completion"])
+        alive = server.alive()
+    finally:
+        server.stop()
+    log = server.log.read_text(errors="replace")
+    return {
+        "rounds": rounds,
+        "completion_statuses": statuses,
+        "completion_5xx": sum(s >= 500 for s in statuses),
+        "lost_track_errors_in_log": sum(
+            "ERROR" in line and "lost track of requests" in line for line in log.splitlines()
+        ),
+        "server_alive_after": alive,
+    }
