@@ -16,16 +16,33 @@ from kvb_cache.tiers.factory import codec_label
 _SAMPLE = 4096
 
 
+def _persistent_buffers(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
+    """Buffers saved with the checkpoint: quantized models (AWQ layers, kvb-streaming) keep their int4
+    weights, zeros and scales as buffers, so two checkpoints can differ only there. Non-persistent buffers
+    (rotary tables, causal masks) are derived from the config, which is hashed already."""
+    found = []
+    for module_name, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                found.append((f"{module_name}.{name}" if module_name else name, buf))
+    return found
+
+
 def weights_digest(model: PreTrainedModel) -> str:
-    """SHA-256 over each parameter's name, shape, dtype and its first and last elements."""
+    """SHA-256 over each parameter's and persistent buffer's name, shape, dtype and first and last elements."""
     h = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    tensors = list(model.named_parameters()) + _persistent_buffers(model)
+    for name, param in sorted(tensors, key=lambda item: item[0]):
         h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
         if param.device.type == "meta" or param.numel() == 0:
             continue
         flat = param.detach().reshape(-1)
         sample = torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]]) if flat.numel() > 2 * _SAMPLE else flat
-        h.update(sample.to("cpu", torch.float32).numpy().tobytes())
+        if sample.is_floating_point():
+            h.update(sample.to("cpu", torch.float32).numpy().tobytes())
+        else:  # packed int4 words do not survive a float32 round trip
+            h.update(sample.to("cpu").contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
