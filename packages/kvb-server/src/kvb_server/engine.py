@@ -40,8 +40,9 @@ class ServingEngine(Protocol):
         """A Hugging Face tokenizer (callable: ``tokenizer(text, add_special_tokens=True)["input_ids"]``)."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat conversation through the tokenizer's chat template (generation prompt added)."""
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat conversation through the tokenizer's chat template (generation prompt added
+        unless ``add_generation_prompt`` is False; ``/tokenize`` answers 400 for engines without the keyword)."""
         ...
 
     def token_text(self, token_id: int) -> str:
