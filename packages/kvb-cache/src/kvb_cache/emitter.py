@@ -51,6 +51,15 @@ class Emitter:
         delta, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         return delta
 
+    def end(self, reason: FinishReason) -> str:
+        """Finish now (the grammar is complete): flush the text held back; return what is left to stream."""
+        self.text += self.detok.flush()
+        match = self.stops.find(self.text, self.sent)
+        if match is not None:
+            self.stop_reason = match.stop
+            return self._finish("stop", match.index)
+        return self._finish(reason, len(self.text))
+
     def _finish(self, reason: FinishReason, end: int) -> str:
         self.finish = reason
         self.text = self.text[:end]

@@ -44,12 +44,13 @@ from kvb_cache.request_checks import (
     tokenize_prompt,
 )
 from kvb_cache.results import GenerationResult
-from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.sampling import RequestProcessor, SamplingParams, check_logit_bias_ids
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.stopping import StopStrings
 from kvb_cache.store import ChunkStore
+from kvb_cache.structured.backend import GrammarCache
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
 from kvb_cache.transfers import CacheTransfers
 
@@ -110,6 +111,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
+        # response_format: compiled grammars per (grammar, tokenizer); llguidance is imported on first use.
+        self.grammars = GrammarCache()
         self.stitcher = Stitcher(
             model,
             self.traits,
@@ -262,8 +265,17 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if self.core.scheduler.find(rid) is not None or rid in self.core.solo:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
-        speculative = self.drafter is not None and params.logprobs is None
-        if speculative or bits is not None or self.config.stitching is not None:
+        check_logit_bias_ids(params, self._logits_width)
+        constrained = params.response_format is not None
+        if constrained and bits is not None:
+            raise InvalidRequestError(
+                "response_format cannot be combined with kv_cache_bits (a private quantized cache)",
+                param="response_format",
+            )
+        # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
+        # speculation and exact prefix reuse only, never a stitched prompt.
+        speculative = self.drafter is not None and params.logprobs is None and not constrained
+        if speculative or bits is not None or (self.config.stitching is not None and not constrained):
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
             if speculative or bits is not None or prepared.exact_until is not None:
                 prepared.prefill_chunk_size = prefill_chunk_size
@@ -279,9 +291,10 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
                 max_new_tokens=params.max_new_tokens,
                 context_length=self.kv.pool.num_blocks * self.kv.block_size,
             )
-        self.core.add(
-            new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
-        )
+        req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        if constrained:
+            req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
+        self.core.add(req)
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -372,6 +385,11 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             k[:, : storage.block_size].nbytes + v[:, : storage.block_size].nbytes
             for k, v in zip(storage.keys, storage.values)
         )
+
+    @property
+    def _logits_width(self) -> int:
+        head = self.model.get_output_embeddings()
+        return head.weight.shape[0] if head is not None else self.model.config.get_text_config().vocab_size
 
     def _salted_root(self, cache_salt: object) -> ChunkHash | None:
         """The chain root of requests with ``cache_salt`` (validated); None for unsalted requests."""

@@ -94,6 +94,8 @@ class EngineLoops:
         seed: int | None = None,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        response_format: Any = None,
+        logit_bias: dict[int, float] | None = None,
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
@@ -105,6 +107,9 @@ class EngineLoops:
         ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
         outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
         ``cache_salt`` isolates a tenant: only requests with the same salt share cached KV.
+        ``response_format`` constrains the output (a JSON schema dict, a pydantic model class, ``"json"``,
+        ``{"type": "regex", "pattern": ...}`` or ``{"type": "grammar", "grammar": <Lark/GBNF>}``; see
+        docs/structured.md). ``logit_bias``: token id -> bias in [-100, 100] added to its logit.
         """
         params = SamplingParams.build(
             max_new_tokens=max_new_tokens,
@@ -118,6 +123,8 @@ class EngineLoops:
             seed=seed,
             logprobs=logprobs,
             ignore_eos=ignore_eos,
+            response_format=response_format,
+            logit_bias=logit_bias,
         )
         rid = self.add_request(
             prompt,

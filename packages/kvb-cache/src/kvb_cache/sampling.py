@@ -15,9 +15,12 @@ from transformers import (
 )
 
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.structured.spec import ResponseFormat
 
 #: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
 GREEDY_TEMPERATURE = 1e-5
+#: OpenAI's ``logit_bias`` range; values outside it are clamped.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +32,11 @@ class SamplingParams:
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
     tokens already generated). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
     most likely alternatives (None: off).
+
+    ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
+    a JSON schema dict, a pydantic model class, ``"json"``, a regex or a Lark/GBNF grammar; needs
+    ``kvb-cache[structured]``). ``logit_bias`` maps token ids to a bias added to their logits (OpenAI
+    semantics: clamped to [-100, 100]; -100 bans a token, +100 all but forces it).
     """
 
     max_new_tokens: int = 256
@@ -42,6 +50,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -78,6 +88,8 @@ class SamplingParams:
             or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "must be None or an int in [0, 20]")
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
+        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
 
     @classmethod
     def build(cls, *, stop: str | list[str] | tuple[str, ...] | None = None, **fields) -> SamplingParams:
@@ -99,6 +111,39 @@ class SamplingParams:
         # Below GREEDY_TEMPERATURE the division by the temperature overflows the logits to inf/NaN (a fuzzer's
         # 1.4e-83 crashed multinomial); the distribution is one-hot long before that, so it *is* greedy.
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    """Token id (int, or a decimal string as JSON sends it) -> bias clamped to [-100, 100]; None if empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(
+            f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}", param="logit_bias"
+        )
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidRequestError(
+                f"logit_bias[{token}] must be a finite number, got {value!r}", param="logit_bias"
+            )
+        out[token] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(value)))
+    return out or None
+
+
+def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Every ``logit_bias`` token id must exist in the model's vocabulary (checked at admission)."""
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequestError(
+            f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {vocab_size})",
+            param="logit_bias",
+        )
 
 
 class RequestProcessor:
@@ -123,6 +168,13 @@ class RequestProcessor:
                 processors.append(TopPLogitsWarper(params.top_p))
         self._processors = processors
         self._penalized = bool(params.presence_penalty or params.frequency_penalty)
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        if params.logit_bias:
+            self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            self.bias_values = torch.tensor(
+                list(params.logit_bias.values()), dtype=torch.float32, device=device
+            )
         self._generator: torch.Generator | None = None
         if params.seed is not None:
             self._generator = torch.Generator(device=device)
@@ -139,11 +191,13 @@ class RequestProcessor:
     @property
     def is_identity(self) -> bool:
         """True when processing cannot change the argmax (greedy without penalties): skip it."""
-        return self.greedy and not self._processors and not self._penalized
+        return self.greedy and not self._processors and not self._penalized and self.bias_ids is None
 
     def process(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``history`` ``[S]`` int64, ``logits`` ``[V]`` -> processed ``[V]`` float32."""
         scores = logits.float().unsqueeze(0)
+        if self.bias_ids is not None:
+            scores = scores.index_add(1, self.bias_ids, self.bias_values.unsqueeze(0))
         if self._penalized:
             generated = history[self.prompt_len :]
             if generated.numel():

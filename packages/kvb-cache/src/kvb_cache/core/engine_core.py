@@ -118,6 +118,8 @@ class EngineCore:
         if produced == 1:
             req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
         delta = req.emitter.push(token, produced)
+        if req.grammar is not None and req.grammar.finished and not req.emitter.finish:
+            delta += req.emitter.end("stop")  # the response_format is complete
         result = None
         if req.emitter.finish:
             self.scheduler.remove(req)

@@ -11,6 +11,7 @@ from kvb_cache.emitter import Emitter
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.results import TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Request:
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None
+    #: The ``response_format`` matcher (None: unconstrained); the sampler masks and advances it.
+    grammar: GrammarState | None = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -2,10 +2,12 @@
 
 The processing order and semantics are transformers' logits processors, applied per row with per-row
 values (transformers' warpers take one value for the whole batch, which is why they are not used here;
-``tests/test_core_sampler.py`` checks every row against them): repetition penalty (over prompt and
-output), OpenAI presence/frequency penalties (over the output), temperature, top-k, top-p. Greedy rows take
-the argmax; sampled rows draw from the softmax with the request's own seeded generator, so a row's token
-does not depend on which other rows share the step.
+``tests/test_core_sampler.py`` checks every row against them): OpenAI ``logit_bias``, the grammar mask of
+rows with a ``response_format`` (disallowed tokens ``-inf``, before any filter so top-k/top-p choose among
+allowed tokens), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
+output), temperature, top-k, top-p. Greedy rows take the argmax; sampled rows draw from the softmax with the
+request's own seeded generator, so a row's token does not depend on which other rows share the step.
+Constrained rows then advance their matcher with the chosen token.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kvb_cache.core.request import Request
+from kvb_cache.structured.mask import apply_bitmask, bitmask_words
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -23,6 +26,11 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     vocab = scores.shape[-1]
     device = scores.device
     rows = range(len(requests))
+    for i, req in zip(rows, requests):
+        bias_ids = req.processor.bias_ids
+        if bias_ids is not None:
+            scores[i].index_add_(0, bias_ids, req.processor.bias_values.to(scores.dtype))
+    _mask_grammar_rows(scores, requests)
     for i, req in zip(rows, requests):
         p = req.params
         if p.repetition_penalty != 1.0:
@@ -64,9 +72,22 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return scores
 
 
+def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> None:
+    """``-inf`` for the tokens each constrained row's grammar does not allow next (``scores`` ``[R, V]``)."""
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not constrained:
+        return
+    bitmask = torch.empty(len(constrained), bitmask_words(scores.shape[-1]), dtype=torch.int32)  # [M, W]
+    for j, i in enumerate(constrained):
+        requests[i].grammar.fill_bitmask(bitmask[j])
+    apply_bitmask(scores, torch.tensor(constrained, device=scores.device), bitmask)
+
+
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One token per row of ``logits`` ``[R, V]`` for ``requests`` (same order)."""
-    greedy_fast = all(r.processor.is_identity for r in requests)
+    """One token per row of ``logits`` ``[R, V]`` for ``requests`` (same order); constrained rows' matchers
+    consume their token."""
+    # NOTE: a constrained greedy row is not an identity row: the fast path would skip its mask.
+    greedy_fast = all(r.processor.is_identity and r.grammar is None for r in requests)
     if greedy_fast:
         return torch.argmax(logits, dim=-1).tolist()
     scores = process_logits(logits, requests)
@@ -75,4 +96,6 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         if not req.params.greedy:
             probs = torch.softmax(scores[i], dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=req.processor.generator))
+        if req.grammar is not None:
+            req.grammar.advance(tokens[i])
     return tokens

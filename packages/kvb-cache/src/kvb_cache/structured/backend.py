@@ -1,0 +1,151 @@
+"""llguidance behind a compiled-grammar LRU: one pristine matcher per (grammar, tokenizer), copied per request.
+
+llguidance is an optional extra (``pip install "kvb-cache[structured]"``), imported on first use. Why
+llguidance and not xgrammar: docs/structured.md (measured on this project's tokenizers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NewType
+
+from kvb_cache.errors import InvalidRequestError, KVBoostError
+from kvb_cache.structured.spec import ResponseFormat
+from kvb_cache.structured.state import GrammarState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+TokenizerKey = NewType("TokenizerKey", str)
+
+#: Compact JSON (no optional whitespace): small models otherwise loop on spaces and newlines.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists ``properties`` and says
+    nothing about extra keys (OpenAI's strict mode and xgrammar's default).
+
+    Outputs stay valid against the original schema (they are a subset); without it a model may keep
+    inventing keys until ``max_new_tokens`` cuts the JSON short.
+    """
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict_schema(value) for key, value in schema.items()}
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if isinstance(schema.get("properties"), dict) and not any(key in schema for key in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
+class StructuredOutputsUnavailable(KVBoostError, ImportError):
+    """``response_format`` needs the grammar library: ``pip install "kvb-cache[structured]"``."""
+
+
+def import_llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as e:
+        raise StructuredOutputsUnavailable(
+            f'response_format needs llguidance: pip install "kvb-cache[structured]" ({e})'
+        ) from e
+    return llguidance
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokenizer:
+    key: TokenizerKey
+    ll: Any  # llguidance.LLTokenizer
+    #: Held so the ``id()`` this entry is found by cannot be reused by another tokenizer.
+    source: Any
+
+
+class GrammarCache:
+    """Compiled grammars, least recently used evicted past ``max_entries``; thread-safe.
+
+    Keyed by (:attr:`ResponseFormat.key`, tokenizer key): the tokenizer key hashes the serialized fast
+    tokenizer and the logits width, so engines may share one cache. A grammar that fails to compile raises
+    :class:`InvalidRequestError` naming ``response_format`` (llguidance's message says which feature).
+    """
+
+    def __init__(self, *, max_entries: int = 256) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, TokenizerKey], Any] = OrderedDict()
+        self._tokenizers: dict[tuple[int, int], _Tokenizer] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def state(self, fmt: ResponseFormat, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> GrammarState:
+        """A fresh matcher for one request (``vocab_size``: the model's logits width)."""
+        tok = self._tokenizer(tokenizer, vocab_size)
+        key = (fmt.key, tok.key)
+        with self._lock:
+            template = self._entries.get(key)
+            if template is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        if template is None:
+            template = self._compile(fmt, tok)
+            with self._lock:
+                self.misses += 1
+                self._entries[key] = template
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+        return GrammarState(template.deep_copy(), vocab_size=vocab_size)
+
+    def _tokenizer(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> _Tokenizer:
+        ident = (id(tokenizer), vocab_size)
+        found = self._tokenizers.get(ident)
+        if found is not None:
+            return found
+        llguidance = import_llguidance()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError(
+                "response_format needs a fast (Rust) Hugging Face tokenizer", param="response_format"
+            )
+        serialized = backend.to_str()
+        key = TokenizerKey(hashlib.sha256(f"{vocab_size}\0{serialized}".encode()).hexdigest())
+        # ~1 s for a 50k vocabulary (it builds the token trie), once per tokenizer.
+        ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        found = self._tokenizers[ident] = _Tokenizer(key, ll, tokenizer)
+        return found
+
+    @staticmethod
+    def _compile(fmt: ResponseFormat, tok: _Tokenizer) -> Any:
+        llguidance = import_llguidance()
+        matcher_cls = llguidance.LLMatcher
+        try:
+            if fmt.kind == "json_schema":
+                schema = strict_schema(json.loads(fmt.source))
+                grammar = matcher_cls.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            elif fmt.kind == "regex":
+                grammar = matcher_cls.grammar_from_regex(fmt.source)
+            else:
+                grammar = llguidance.grammar_from("grammar", fmt.source)
+        except ValueError as e:
+            raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
+        matcher = matcher_cls(tok.ll, grammar, log_level=0)
+        if matcher.is_error():
+            message = matcher.get_error().strip().splitlines()
+            raise InvalidRequestError(
+                f"response_format {fmt.kind} is not supported or invalid: {' '.join(message[:4])}",
+                param="response_format",
+            )
+        return matcher

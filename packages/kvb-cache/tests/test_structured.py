@@ -1,0 +1,211 @@
+"""Structured outputs: grammar masks in the batched sampler, logit_bias, response_format errors.
+
+A tiny random Llama whose vocabulary is SmolLM2's (the word-level test tokenizer has no JSON punctuation,
+so the grammar library could not build a JSON object from it).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+import transformers as T
+
+from kvb_cache import InvalidRequestError, KVBoost, SamplingParams
+from kvb_cache.structured import GrammarCache, ResponseFormat, StructuredOutputsUnavailable
+
+pytest.importorskip("llguidance", reason='needs the structured extra: pip install "kvb-cache[structured]"')
+jsonschema = pytest.importorskip("jsonschema")
+
+SMOLLM2 = pathlib.Path.home() / ".cache" / "kvboost" / "smollm2-135m-instruct"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer() -> T.PreTrainedTokenizerFast:
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip(f"needs the embedded SmolLM2 tokenizer in {SMOLLM2}")
+    return T.AutoTokenizer.from_pretrained(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def engine(smol_tokenizer) -> KVBoost:
+    torch.manual_seed(0)
+    config = T.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(smol_tokenizer),
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=smol_tokenizer.eos_token_id,
+    )
+    return KVBoost(T.LlamaForCausalLM(config).eval(), smol_tokenizer)
+
+
+def test_greedy_and_sampled_outputs_validate(engine):
+    for kwargs in (
+        {},
+        {"temperature": 1.0, "seed": 3},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 4},
+    ):
+        result = engine.generate("A person:", response_format=PERSON, max_new_tokens=64, **kwargs)
+        assert result.finish_reason == "stop", result.output_text
+        jsonschema.validate(json.loads(result.output_text), PERSON)
+
+
+def test_json_regex_grammar_and_pydantic_formats(engine):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: bool
+
+    out = engine.generate("p", response_format=Point, max_new_tokens=48).output_text
+    Point.model_validate_json(out)
+    result = engine.generate("j", response_format="json", max_new_tokens=48)
+    # A random model may write one long string value; whatever it wrote is a JSON object so far.
+    assert result.output_text.startswith("{")
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(result.output_text), dict)
+    out = engine.generate("r", response_format={"type": "regex", "pattern": r"[a-c]{3}-\d{2}"}).output_text
+    assert len(out) == 6 and out[3] == "-" and set(out[:3]) <= set("abc") and out[4:].isdigit()
+    lark = {"type": "grammar", "grammar": 'start: "yes" | "no"'}
+    assert engine.generate("g", response_format=lark).output_text in ("yes", "no")
+    gbnf = {"type": "grammar", "grammar": 'root ::= "x" [0-9] [0-9]'}
+    out = engine.generate("g", response_format=gbnf).output_text
+    assert out[0] == "x" and out[1:].isdigit() and len(out) == 3
+    openai_shape = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    jsonschema.validate(json.loads(engine.generate("o", response_format=openai_shape).output_text), PERSON)
+
+
+def test_stream_and_batch_rows(engine):
+    events = list(engine.stream("A person:", response_format=PERSON, max_new_tokens=64))
+    text = "".join(e.delta_text for e in events)
+    assert events[-1].result.output_text == text
+    jsonschema.validate(json.loads(text), PERSON)
+    regex = {"type": "regex", "pattern": r"\d{4}"}
+    results = engine.generate_batch(
+        ["one", "two"], sampling=[{"response_format": PERSON}, {"response_format": regex}], max_new_tokens=64
+    )
+    jsonschema.validate(json.loads(results[0].output_text), PERSON)
+    assert results[1].output_text.isdigit() and len(results[1].output_text) == 4
+
+
+def test_mixed_batch_unconstrained_row_is_unchanged(engine):
+    prompts = ["The weather today", "A person:"]
+    alone = engine.generate(prompts[0], max_new_tokens=12, ignore_eos=True).output_ids
+    alone_sampled = engine.generate(prompts[0], max_new_tokens=12, temperature=1.0, seed=7).output_ids
+    for plain in ({}, {"temperature": 1.0, "seed": 7}):
+        results = engine.generate_batch(
+            prompts,
+            sampling=[{**plain, "ignore_eos": not plain}, {"response_format": PERSON, "max_new_tokens": 64}],
+            max_new_tokens=12,
+        )
+        assert results[0].output_ids == (alone_sampled if plain else alone)
+        jsonschema.validate(json.loads(results[1].output_text), PERSON)
+
+
+def test_stop_strings_still_end_constrained_output(engine):
+    result = engine.generate("A person:", response_format=PERSON, stop=[","], max_new_tokens=64)
+    assert result.finish_reason == "stop" and result.stop_reason == ","
+    assert result.output_text.startswith('{"name":') and "," not in result.output_text
+
+
+def test_logit_bias_bans_and_forces(engine):
+    base = engine.generate("Hello", max_new_tokens=6, ignore_eos=True).output_ids
+    banned = engine.generate(
+        "Hello", max_new_tokens=6, ignore_eos=True, logit_bias={base[0]: -100}
+    ).output_ids
+    assert base[0] not in banned
+    forced = engine.generate("Hello", max_new_tokens=4, ignore_eos=True, logit_bias={"42": 100}).output_ids
+    assert forced == [42] * 4
+    sampled = engine.generate(
+        "Hello", max_new_tokens=4, ignore_eos=True, temperature=1.0, seed=1, logit_bias={42: 250}
+    )
+    assert sampled.output_ids == [42] * 4  # clamped to +100, which still dominates
+
+
+def test_logit_bias_validation():
+    assert SamplingParams(logit_bias={"5": 300, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({-1: 1.0}, {"x": 1.0}, {1: float("nan")}, {1: "a"}, [1, 2]):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(logit_bias=bad)
+        assert info.value.param == "logit_bias"
+
+
+def test_logit_bias_id_outside_vocab(engine):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.generate("x", logit_bias={10**7: 1.0})
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "strin"},  # unknown type
+        {"type": "integer", "minimum": 5, "maximum": 1},  # unsatisfiable
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},  # unsupported keyword
+        {"type": "string", "pattern": "^(?=a)a+$"},  # look-around
+        {"type": "regex", "pattern": "(a"},
+        {"type": "regex"},
+        {"type": "grammar", "grammar": "start: undefined_rule"},
+        "yaml",
+        42,
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+    ],
+)
+def test_bad_response_formats_name_the_param(engine, fmt):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate("x", response_format=fmt, max_new_tokens=4)
+    assert info.value.param == "response_format"
+
+
+def test_text_format_is_unconstrained():
+    assert ResponseFormat.parse({"type": "text"}) is None
+    assert SamplingParams(response_format="json").response_format.kind == "json_schema"
+
+
+def test_kv_cache_bits_refused(engine):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate("x", response_format="json", kv_cache_bits=8)
+    assert info.value.param == "response_format"
+
+
+def test_grammar_cache_is_an_lru(smol_tokenizer):
+    cache = GrammarCache(max_entries=2)
+    formats = [ResponseFormat.parse({"type": "regex", "pattern": p}) for p in ("a+", "b+", "c+")]
+    cache.state(formats[0], smol_tokenizer, len(smol_tokenizer))
+    cache.state(formats[0], smol_tokenizer, len(smol_tokenizer))
+    assert (cache.hits, cache.misses) == (1, 1)
+    cache.state(formats[1], smol_tokenizer, len(smol_tokenizer))
+    cache.state(formats[0], smol_tokenizer, len(smol_tokenizer))  # most recent now: b+ is evicted next
+    cache.state(formats[2], smol_tokenizer, len(smol_tokenizer))
+    assert len(cache) == 2
+    cache.state(formats[0], smol_tokenizer, len(smol_tokenizer))
+    assert cache.misses == 3
+    cache.state(formats[1], smol_tokenizer, len(smol_tokenizer))
+    assert cache.misses == 4
+    # another logits width is another tokenizer key: compiled again
+    cache.state(formats[0], smol_tokenizer, len(smol_tokenizer) + 64)
+    assert cache.misses == 5
+
+
+def test_missing_extra_names_it(monkeypatch, smol_tokenizer):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(StructuredOutputsUnavailable, match=r"kvb-cache\[structured\]"):
+        GrammarCache().state(ResponseFormat.parse("json"), smol_tokenizer, len(smol_tokenizer))
+    assert issubclass(StructuredOutputsUnavailable, ImportError)
