@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import make_model, words
 
-from kvb_cache import EngineConfig, KVBoost
+from kvb_cache import EngineConfig, KVBoost, SamplingParams
 
 
 def test_batch_rows_equal_single_greedy(tokenizer):
@@ -80,3 +80,22 @@ def test_two_interleaved_streams(llama, tokenizer):
         got["a"] += ea.token_ids
         got["b"] += eb.token_ids
     assert [got["a"], got["b"]] == expected
+
+
+def test_a_library_call_between_a_drivers_steps_keeps_the_drivers_outputs(llama, tokenizer):
+    """A server drives its own requests with step() and runs warm() between steps: the outputs warm's loop
+    stepped past (the driver's request may even finish there) must come back through take_unfollowed_outputs."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompt = words(24)
+    alone = engine.generate(prompt, max_new_tokens=8, ignore_eos=True).output_ids
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # the driver's first step
+    engine.warm(words(200, seed=5))  # runs the loop until its own request is done: ours finishes in there
+    outputs = engine.take_unfollowed_outputs()
+    assert outputs and all(o.request_id == rid for o in outputs)
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    finals = [o for o in outputs if o.finished]
+    assert len(finals) == 1
+    assert finals[0].result.output_ids == alone
+    assert engine.take_unfollowed_outputs() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -145,3 +146,46 @@ def test_reset_and_shutdown_flush_on_the_real_engine(tmp_path) -> None:
     second = build_tiny_engine(tiers=TierConfig(disk_cache_dir=tmp_path))
     with serve(create_app(second, config)) as url:
         assert cached_tokens(url) > 0  # from the disk records the first server flushed
+
+
+def _completion_text(response: httpx.Response) -> str:
+    """The text of a completion, non-streamed or streamed (SSE deltas joined)."""
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        return response.json()["choices"][0]["text"]
+    parts = []
+    for line in response.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            parts.extend(choice["text"] for choice in json.loads(line[6:])["choices"])
+    return "".join(parts)
+
+
+def test_warm_between_steps_does_not_lose_requests_in_flight() -> None:
+    """/v1/warm runs the engine loop itself: requests in flight advance (and may finish) inside it, and must
+    still be answered (they used to fail with 'the engine lost track of requests in flight')."""
+    config = ServerConfig(model_names=("tiny-llama",), max_tokens=64)
+    engine = build_tiny_engine()
+
+    async def scenario(url: str) -> list:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {
+                "model": "tiny-llama",
+                "prompt": PROMPT,
+                "max_tokens": 64,
+                "temperature": 0,
+            }
+
+            async def warm_later(i: int) -> httpx.Response:
+                await asyncio.sleep(0.02 * (i + 1))  # land between the generations' steps
+                return await client.post("/v1/warm", json={"text": f"Document {i}. {PROMPT}"})
+
+            gens = [client.post("/v1/completions", json={**body, "stream": i % 2 == 1}) for i in range(4)]
+            responses = await asyncio.gather(*gens, *(warm_later(i) for i in range(6)))
+            bad = [(r.status_code, r.text[:300]) for r in responses if r.status_code != 200]
+            if bad:
+                return bad
+            texts = [_completion_text(r) for r in responses[:4]]
+            return [len(set(texts)) == 1 and bool(texts[0])]
+
+    with serve(create_app(engine, config)) as url:
+        for _ in range(3):
+            assert asyncio.run(scenario(url)) == [True]

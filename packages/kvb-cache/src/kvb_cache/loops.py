@@ -2,7 +2,9 @@
 
 Each is a thin loop over :meth:`~kvb_cache.engine.KVBoost.add_request` and ``step``. Several may interleave
 (open streams share steps): outputs of other requests wait in per-request mailboxes until their loop reads
-them.
+them. Outputs of requests no library loop follows (a server's, added with ``add_request`` and driven by its
+own ``step`` calls) are kept aside for :meth:`EngineLoops.take_unfollowed_outputs`, so a library call made
+between a driver's steps (the server's ``/v1/warm``) never swallows them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,28 @@ class EngineLoops:
             kv_cache_bits=kv_cache_bits,
             cache_salt=cache_salt,
         )
+        self._followed.add(rid)
         return self._follow(rid)
+
+    @property
+    def _followed(self) -> set[RequestId]:
+        """Requests a library loop reads (created on first use: KVBoost's ``__init__`` is not this mixin's)."""
+        return vars(self).setdefault("_followed_ids", set())
+
+    @property
+    def _unfollowed(self) -> list[RequestOutput]:
+        return vars(self).setdefault("_unfollowed_outputs", [])
+
+    def take_unfollowed_outputs(self) -> list[RequestOutput]:
+        """Outputs that library loops stepped past for requests none of them follows, in step order.
+
+        A driver that shares the engine with library calls (the server runs ``warm`` between its own steps)
+        routes these as if its own ``step`` had returned them; otherwise a request finishing during the call
+        would never be answered.
+        """
+        taken = list(self._unfollowed)
+        self._unfollowed.clear()
+        return taken
 
     def _follow(self, rid: RequestId) -> Iterator[StreamEvent]:
         done = False
@@ -63,6 +86,7 @@ class EngineLoops:
                 )
         finally:
             self._mailbox.pop(rid, None)
+            self._followed.discard(rid)
             if not done:
                 self.abort(rid)
 
@@ -76,7 +100,10 @@ class EngineLoops:
             if not self.has_unfinished():
                 raise RuntimeError(f"request {rid} ended without a final output")
             for out in self.step():
-                self._mailbox.setdefault(out.request_id, deque()).append(out)
+                if out.request_id in self._followed:
+                    self._mailbox.setdefault(out.request_id, deque()).append(out)
+                else:
+                    self._unfollowed.append(out)
         return box.popleft()
 
     def generate(
@@ -177,6 +204,7 @@ class EngineLoops:
 
     def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
         results: dict[RequestId, GenerationResult] = {}
+        self._followed.update(rids)
         try:
             for rid in rids:
                 while rid not in results:
@@ -186,6 +214,7 @@ class EngineLoops:
         finally:
             for rid in rids:
                 self._mailbox.pop(rid, None)
+                self._followed.discard(rid)
                 if rid not in results:
                     self.abort(rid)
         return [results[rid] for rid in rids]

@@ -290,7 +290,21 @@ class EngineWorker:
             value = job.fn()
         except BaseException as exc:  # delivered to the awaiting handler, which maps it to a response
             return functools.partial(_resolve, job.future, error=exc)
+        finally:
+            self._route_stepped_past()
         return functools.partial(_resolve, job.future, value=value)
+
+    def _route_stepped_past(self) -> None:
+        """Route outputs an engine call produced for our requests by stepping the engine itself.
+
+        ``KVBoost.warm`` runs the engine loop until its own request is done; every request in flight advances
+        in those steps too, and their outputs (possibly final ones) must reach their handlers.
+        """
+        take = getattr(self._engine, "take_unfollowed_outputs", None)
+        if take is None:
+            return
+        for output in take():
+            self._route(output)
 
     def _abort_expired(self) -> None:
         for request_id, flight in list(self._in_flight.items()):
