@@ -111,6 +111,31 @@ def test_declared_length_over_the_limit_is_answered_without_a_reset(server: tupl
     assert b"body_too_large" in reply
 
 
+def test_chunked_body_over_the_limit_with_connection_close_gets_the_413_not_a_reset(
+    server: tuple[FakeEngine, str],
+) -> None:
+    """The fuzzer's case: a chunked body many times the limit on a `Connection: close` request. Answering
+    before the client finished sending made the kernel reset the connection; the rest is now drained."""
+    _, url = server
+    host = urlparse(url)
+    chunk = b"x" * 65536
+    with socket.create_connection((host.hostname, host.port), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) * 80)  # 5 MiB, far over the limit
+        s.sendall(b"0\r\n\r\n")
+        reply = b""
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            reply += data
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"body_too_large" in reply
+
+
 @pytest.mark.parametrize("path", ROUTES)
 def test_deep_nesting_is_400_not_a_recursion_error(server: tuple[FakeEngine, str], path: str) -> None:
     _, url = server
