@@ -99,3 +99,14 @@ def test_a_library_call_between_a_drivers_steps_keeps_the_drivers_outputs(llama,
     assert len(finals) == 1
     assert finals[0].result.output_ids == alone
     assert engine.take_unfollowed_outputs() == []
+
+
+def test_engine_wide_prefill_chunk_size_slices_every_prompt(llama, tokenizer):
+    prompt = words(120)
+    plain = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    sliced = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, prefill_chunk_size=16))
+    a = plain.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    b = sliced.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    assert a.output_ids == b.output_ids
+    # One step prefills the whole prompt without the option; 16-token slices need one step per slice.
+    assert sliced.paged_stats().steps >= plain.paged_stats().steps + a.prompt_tokens // 16 - 1

@@ -45,6 +45,8 @@ class EngineConfig:
         max_num_seqs: most requests decoded together in one step.
         max_num_batched_tokens: most tokens (prefill + decode) one step feeds the model; long prompts are
             prefilled in slices of at most this size, interleaved with the running requests' decode.
+        prefill_chunk_size: default per-request prefill slice (a request's own value overrides it); None:
+            bounded only by ``max_num_batched_tokens``.
     """
 
     chunk_size: int = 128
@@ -60,12 +62,21 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.prefill_chunk_size is not None and (
+            isinstance(self.prefill_chunk_size, bool)
+            or not isinstance(self.prefill_chunk_size, int)
+            or self.prefill_chunk_size < 1
+        ):
+            raise ConfigError(
+                f"prefill_chunk_size must be a positive int or None, got {self.prefill_chunk_size!r}"
+            )
         if self.num_blocks is not None and (
             isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2
         ):

@@ -151,6 +151,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
+        prefill_chunk_size: int | None = None,
         exit_flush_timeout_s: float = 10.0,
     ) -> KVBoost:
         """Load a model and tokenizer and wrap them.
@@ -173,8 +174,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
                 :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
             recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:
                 ``"none"``, ``"selective"`` or ``"cacheblend"``.
-            block_size, num_blocks, max_num_seqs, max_num_batched_tokens: the paged pool and the scheduler
-                (see :class:`EngineConfig`).
+            block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk_size: the paged pool
+                and the scheduler (see :class:`EngineConfig`).
             exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued
                 disk/Redis writes.
         """
@@ -258,6 +259,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         if not isinstance(params, SamplingParams):
             raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
         prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
+        if prefill_chunk_size is None:
+            prefill_chunk_size = self.config.prefill_chunk_size
         bits = live_bits(check_kv_cache_bits(kv_cache_bits))
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)

@@ -150,6 +150,14 @@ class EngineArgs:
         help="most tokens (prefill + decode) one engine step feeds the model; longer prompts are prefilled "
         "in slices interleaved with the running requests' decoding",
     )
+    prefill_chunk_size: int | None = option(
+        None,
+        group="scheduling",
+        parse=positive_int,
+        help="default slice (tokens) in which each request's uncached prompt is prefilled, bounding its "
+        "activation memory (a request's own prefill_chunk_size overrides it); unset: as large as "
+        "--max-num-batched-tokens allows",
+    )
     # -- speculative decoding (the protocol; providers come from kvb-speculative via kvboost) ---------------
     drafter: SpeculativeDecoder | None = option(
         None,
@@ -198,4 +206,5 @@ class EngineArgs:
             num_blocks=self.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
         )

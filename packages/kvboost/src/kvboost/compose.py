@@ -61,6 +61,7 @@ class KVBoost(_Engine):
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
+        prefill_chunk_size: int | None = None,
         exit_flush_timeout_s: float = 10.0,
         # kvboost.args.SpeculativeArgs
         speculative: str | None = None,
