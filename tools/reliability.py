@@ -181,7 +181,7 @@ def main() -> None:
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument(
-        "--parts", default="fuzz,schemathesis,load,faults", help="comma-separated: " + ", ".join(PARTS)
+        "--parts", default="fuzz,schemathesis,load,faults,races", help="comma-separated: " + ", ".join(PARTS)
     )
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--schemathesis", default="/tmp/st-venv/bin/schemathesis", help="the schemathesis CLI")
