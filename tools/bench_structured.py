@@ -157,11 +157,11 @@ def bench_decode(engine, repeats: int) -> dict:
             [prompts[n] for n in names], sampling=[{"response_format": SCHEMAS[n]} for n in names], **common
         )
         con_s = time.perf_counter() - t0
-        lengths = [len(r.output_ids) for r in con]
+        batch_lengths = [len(r.output_ids) for r in con]
         t0 = time.perf_counter()
         engine.generate_batch(
             [prompts[n] for n in names],
-            sampling=[{"max_new_tokens": k, "ignore_eos": True} for k in lengths],
+            sampling=[{"max_new_tokens": k, "ignore_eos": True} for k in batch_lengths],
             repetition_penalty=1.1,
         )
         plain_s = time.perf_counter() - t0
