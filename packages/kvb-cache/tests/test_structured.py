@@ -209,3 +209,17 @@ def test_missing_extra_names_it(monkeypatch, smol_tokenizer):
     with pytest.raises(StructuredOutputsUnavailable, match=r"kvb-cache\[structured\]"):
         GrammarCache().state(ResponseFormat.parse("json"), smol_tokenizer, len(smol_tokenizer))
     assert issubclass(StructuredOutputsUnavailable, ImportError)
+
+
+def test_constrained_requests_bypass_the_drafter(engine):
+    class Boom:
+        def decode(self, model, cache, input_ids, next_logits, processor):
+            raise AssertionError("a constrained request must not take the speculative path")
+
+    speculative = KVBoost(engine.model, engine.tokenizer, drafter=Boom())
+    result = speculative.generate("A person:", response_format=PERSON, max_new_tokens=64)
+    jsonschema.validate(json.loads(result.output_text), PERSON)
+    assert (
+        result.output_ids
+        == engine.generate("A person:", response_format=PERSON, max_new_tokens=64).output_ids
+    )
