@@ -125,6 +125,9 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         self._ids = itertools.count()
         # Outputs of requests followed by library loops (stream/generate), until their loop reads them.
         self._mailbox: dict[RequestId, deque[RequestOutput]] = {}
+        # Requests those loops follow; outputs of the others (a server's) wait for take_unfollowed_outputs().
+        self._followed: set[RequestId] = set()
+        self._unfollowed: list[RequestOutput] = []
         self._register_exit_flush()
 
     @classmethod

@@ -32,6 +32,8 @@ class EngineLoops:
     core: EngineCore
     kv: KVCacheManager
     _mailbox: dict[RequestId, deque[RequestOutput]]
+    _followed: set[RequestId]
+    _unfollowed: list[RequestOutput]
 
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
@@ -51,15 +53,6 @@ class EngineLoops:
         )
         self._followed.add(rid)
         return self._follow(rid)
-
-    @property
-    def _followed(self) -> set[RequestId]:
-        """Requests a library loop reads (created on first use: KVBoost's ``__init__`` is not this mixin's)."""
-        return vars(self).setdefault("_followed_ids", set())
-
-    @property
-    def _unfollowed(self) -> list[RequestOutput]:
-        return vars(self).setdefault("_unfollowed_outputs", [])
 
     def take_unfollowed_outputs(self) -> list[RequestOutput]:
         """Outputs that library loops stepped past for requests none of them follows, in step order.

@@ -11,7 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvb_cache.errors import InvalidRequestError
-from kvb_cache.sampling import SamplingParams
+from kvb_cache.sampling import GREEDY_TEMPERATURE, SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
@@ -22,8 +22,6 @@ from kvb_server.tenancy import request_salt
 Endpoint = Literal["completions", "chat.completions"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
-#: Temperatures below this sample greedily.
-GREEDY_BELOW_TEMPERATURE = 1e-5
 #: Bodies larger than this are decoded on a worker thread.
 OFFLOAD_PARSE_BYTES = 256 * 2**10
 
@@ -202,9 +200,8 @@ def _max_new_tokens(
 def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
     """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted)."""
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
-    if temperature < GREEDY_BELOW_TEMPERATURE:
-        # logits / 1e-80 overflow to inf and sampling fails the whole engine step: this close to 0 the
-        # distribution is the argmax anyway (vLLM's _SAMPLING_EPS).
+    if temperature < GREEDY_TEMPERATURE:
+        # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
         temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
