@@ -137,6 +137,7 @@ def test_the_exit_flush_is_bounded_by_its_timeout(tokenizer, tmp_path):
 def test_reset_cache_drops_ram_and_keeps_lower_tiers_unless_asked(llama, tokenizer, tmp_path):
     eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
     run(eng)
+    eng.flush()  # the disk records are written behind: wait for them, or the lookup below races the writer
     dropped = eng.reset_cache()
     assert dropped["blocks_dropped"] >= 4
     assert dropped["chunks_dropped"] == 0 and dropped["lower_tier_records_dropped"] == 0
