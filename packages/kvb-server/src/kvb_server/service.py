@@ -272,6 +272,15 @@ class OpenStream:
         self._first = first
 
     async def sse(self) -> AsyncIterator[bytes]:
+        """The stream as Server-Sent Events: each :meth:`chunks` payload, then ``data: [DONE]``."""
+        async for payload in self.chunks():
+            yield sse(payload)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any] | str]:
+        """The stream's payloads: chunk objects, an error object (last), and the ``"[DONE]"`` marker.
+
+        Other API shapes (the Responses API) translate these instead of parsing SSE text.
+        """
         plan, ids = self._plan, ResponseIds.new(self._plan)
         results: list[GenerationResult | None] = [None] * len(self._jobs)
         started: set[int] = set()
@@ -284,42 +293,40 @@ class OpenStream:
                         # Disconnects cancel this generator (Starlette watches the connection): no polling.
                         update = await self._service._next(self._inbox, self._deadline, None)
                     except ServerError as exc:
-                        yield sse(exc.body())
+                        yield exc.body()
                         return
                 if update.error is not None:
                     error = engine_error(update.error)
-                    yield sse(error.body())
+                    yield error.body()
                     if isinstance(error, RequestTooLargeError):
                         # A memory refusal known only after the stream began: the final event, then [DONE].
-                        yield sse("[DONE]")
+                        yield "[DONE]"
                     return
                 event, i = update.event, update.choice
                 assert event is not None
                 if plan.chat_logprobs and i not in started:
                     started.add(i)
-                    yield sse(chunk(plan, ids, index=i, role=True))
+                    yield chunk(plan, ids, index=i, role=True)
                 if event.delta_text or event.logprobs:
-                    yield sse(
-                        chunk(
-                            plan,
-                            ids,
-                            index=i,
-                            text=event.delta_text,
-                            logprobs=event.logprobs,
-                            offset=offsets[i],
-                        )
+                    yield chunk(
+                        plan,
+                        ids,
+                        index=i,
+                        text=event.delta_text,
+                        logprobs=event.logprobs,
+                        offset=offsets[i],
                     )
                     offsets[i] += len(event.delta_text)
                 if event.result is not None:
                     results[i] = event.result
                     self._service._record(update, event.result)
-                    yield sse(chunk(plan, ids, index=i, finish_reason=event.result.finish_reason))
+                    yield chunk(plan, ids, index=i, finish_reason=event.result.finish_reason)
                     if all(r is not None for r in results):
                         break
                 update = None
             if plan.include_usage:
-                yield sse(usage_chunk(plan, ids, results))  # type: ignore[arg-type]
-            yield sse("[DONE]")
+                yield usage_chunk(plan, ids, results)  # type: ignore[arg-type]
+            yield "[DONE]"
         finally:
             for job in self._jobs:
                 job.cancelled.set()
