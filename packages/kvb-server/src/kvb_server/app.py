@@ -22,8 +22,11 @@ from kvb_server.errors import AuthenticationError, InvalidParameterError, Server
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
+from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, ResponseStreamEvent
+from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.routes import admin_router, openai_router, tokenize_router
 from kvb_server.routes.openai import CLIENT_CLOSED
+from kvb_server.routes.responses import responses_router
 from kvb_server.schemas import (
     CacheResetRequest,
     ChatCompletionChunk,
@@ -46,7 +49,7 @@ from kvb_server.worker import EngineWorker
 logger = logging.getLogger(__name__)
 
 #: Routes whose latency is a generation's latency (the histogram is per route).
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 KNOWN_ROUTES = GENERATION_ROUTES | {
     "/health",
     "/metrics",
@@ -150,6 +153,9 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         openai_router(engine=engine, config=config, service=service, keys=keys, created=int(time.time())),
         dependencies=auth,
     )
+    app.include_router(
+        responses_router(engine=engine, config=config, service=service, keys=keys), dependencies=auth
+    )
     app.include_router(tokenize_router(engine=engine, config=config), dependencies=auth)
     install_openapi(
         app,
@@ -166,6 +172,10 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             TokenizeResponse,
             DetokenizeRequest,
             DetokenizeResponse,
+            ResponsesRequest,
+            ResponseObject,
+            ResponseStreamEvent,
+            DeletedResponse,
         ),
         model_names=config.model_names,
         max_n=config.max_n,

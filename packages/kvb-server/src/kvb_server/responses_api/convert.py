@@ -1,0 +1,250 @@
+"""From a Responses request to a chat-completions request, and from chat results back to Responses items.
+
+The Responses route is a translator: every generation goes through the chat route's plan (its validation,
+chat template, caps and refusals). What the chat route names differently is renamed back in errors
+(:func:`responses_error`), so a client reads the parameter it sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from kvb_server.errors import InvalidParameterError, ServerError, UnsupportedFeatureError
+from kvb_server.responses_api.schemas import (
+    FormatJsonObject,
+    FormatJsonSchema,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    RefusalPart,
+    ResponsesRequest,
+    ToolChoiceFunction,
+    UnsupportedItem,
+    UnsupportedPart,
+    UnsupportedTool,
+    UnsupportedToolChoice,
+)
+from kvb_server.responses_api.store import ChatMessage
+from kvb_server.schemas import ChatCompletionRequest
+
+#: Chat parameter names the client of this route knows under another name.
+_PARAM_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+class ChatTranslation(NamedTuple):
+    """A Responses request as a chat request.
+
+    Attributes:
+        request: the chat request (validated as the chat route validates its bodies).
+        conversation: the messages a stored response keeps: the inherited conversation, then this
+            request's input (``instructions`` excluded: OpenAI does not carry them over).
+    """
+
+    request: ChatCompletionRequest
+    conversation: tuple[ChatMessage, ...]
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id: ``resp_...``, ``msg_...``, ``fc_...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat parameter's name as this route's clients know it (``max_tokens``: ``max_output_tokens``)."""
+    return _PARAM_NAMES.get(param, param) if param is not None else None
+
+
+def responses_error(exc: ServerError) -> ServerError:
+    """``exc`` with a chat parameter name (``messages``, ``max_tokens``, ...) renamed to this route's."""
+    exc.param = responses_param(exc.param)
+    exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+    return exc
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """Refuse, by name, what this server does not implement (a 400 rather than a silently ignored field)."""
+    refusals = {
+        "background": (req.background, "background mode is not supported; remove background"),
+        "conversation": (
+            req.conversation,
+            "the Conversations API is not supported; use previous_response_id",
+        ),
+        "prompt": (req.prompt, "prompt templates are not supported; send input"),
+        "include": (req.include, "include is not supported (no logprobs, reasoning or tool outputs to add)"),
+        "top_logprobs": (req.top_logprobs, "top_logprobs is not supported on /v1/responses"),
+        "reasoning": (
+            req.reasoning and any(v is not None for v in req.reasoning.values()),
+            "reasoning options are not supported (the model does not reason separately)",
+        ),
+        "truncation": (
+            req.truncation == "auto",
+            "truncation='auto' is not supported; start the server with --auto-truncate instead",
+        ),
+    }
+    for param, (value, why) in refusals.items():
+        if value:
+            raise UnsupportedFeatureError(f"{param}: {why}.", param=param)
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise UnsupportedFeatureError("text.verbosity: only 'medium' is supported.", param="text.verbosity")
+    for i, tool in enumerate(req.tools or ()):
+        if isinstance(tool, UnsupportedTool):
+            raise UnsupportedFeatureError(
+                f"tools[{i}]: built-in tool type '{tool.type}' is not supported; only function tools "
+                "({'type': 'function', 'name': ..., 'parameters': ...}) are.",
+                param=f"tools[{i}].type",
+            )
+    if isinstance(req.tool_choice, UnsupportedToolChoice):
+        raise UnsupportedFeatureError(
+            f"tool_choice: type '{req.tool_choice.type}' is not supported; use 'none', 'auto', 'required' "
+            "or {'type': 'function', 'name': ...}.",
+            param="tool_choice",
+        )
+
+
+def _text(content: str | Sequence[Any], where: str, *, assistant: bool) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, UnsupportedPart) or (isinstance(part, RefusalPart) and not assistant):
+            raise UnsupportedFeatureError(
+                f"{where}.content[{j}]: content type '{part.type}' is not supported; this server takes "
+                "text only (input_text, output_text).",
+                param=f"{where}.content[{j}].type",
+            )
+        texts.append(part.refusal if isinstance(part, RefusalPart) else part.text)
+    return "".join(texts)
+
+
+def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
+    """The request's ``input`` as chat messages.
+
+    An assistant message and the function calls right after it become one assistant message with
+    ``tool_calls`` (what the model produced in one turn); a ``function_call_output`` becomes a ``tool``
+    message.
+    """
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    out: list[ChatMessage] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if isinstance(item, MessageItem):
+            assistant = item.role == "assistant"
+            out.append({"role": item.role, "content": _text(item.content, where, assistant=assistant)})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            output = _text(item.output, where, assistant=False)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:
+            assert isinstance(item, UnsupportedItem)
+            raise UnsupportedFeatureError(
+                f"{where}: input item type '{item.type}' is not supported; this server takes message, "
+                "function_call and function_call_output items.",
+                param=f"{where}.type",
+            )
+    return out
+
+
+def _tool_fields(req: ResponsesRequest) -> dict[str, Any]:
+    """Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (none at all without tools)."""
+    tools = [t for t in req.tools or () if isinstance(t, FunctionTool)]
+    choice = req.tool_choice
+    if not tools:
+        if choice == "required" or isinstance(choice, ToolChoiceFunction):
+            raise InvalidParameterError(
+                "tool_choice requires tools: declare the function in tools.", param="tool_choice"
+            )
+        return {}
+    if isinstance(choice, ToolChoiceFunction) and choice.name not in {t.name for t in tools}:
+        raise InvalidParameterError(
+            f"tool_choice names function '{choice.name}', which is not in tools.", param="tool_choice"
+        )
+    fields: dict[str, Any] = {
+        "tools": [
+            {
+                "type": "function",
+                "function": t.model_dump(exclude={"type"}, exclude_none=True),
+            }
+            for t in tools
+        ]
+    }
+    if isinstance(choice, ToolChoiceFunction):
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        fields["tool_choice"] = choice
+    if req.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = req.parallel_tool_calls
+    return fields
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if isinstance(fmt, FormatJsonObject):
+        return {"type": "json_object"}
+    if isinstance(fmt, FormatJsonSchema):
+        spec = {"name": fmt.name, "schema": fmt.json_schema}
+        if fmt.description is not None:
+            spec["description"] = fmt.description
+        if fmt.strict is not None:
+            spec["strict"] = fmt.strict
+        return {"type": "json_schema", "json_schema": spec}
+    return None  # plain text: chat's default
+
+
+def to_chat(req: ResponsesRequest, inherited: tuple[ChatMessage, ...] = ()) -> ChatTranslation:
+    """The chat request serving ``req``, whose conversation continues ``inherited``.
+
+    Raises:
+        InvalidParameterError: what the chat route refuses, with this route's parameter names.
+    """
+    refuse_unsupported(req)
+    conversation = (*inherited, *input_messages(req))
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": [*system, *conversation],
+        "stream": bool(req.stream),
+        **_tool_fields(req),
+    }
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_completion_tokens": req.max_output_tokens,
+        "seed": req.seed,
+        "user": req.user,
+        "cache_salt": req.cache_salt,
+        "response_format": _response_format(req),
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = first.get("loc", ())
+        param = _PARAM_NAMES.get(str(loc[0]), str(loc[0])) if loc else None
+        raise InvalidParameterError(
+            f"Invalid value for '{param}': {first.get('msg')}.", param=param
+        ) from None
+    return ChatTranslation(request=chat, conversation=conversation)

@@ -1,0 +1,320 @@
+"""The request body of ``POST /v1/responses`` (OpenAI's Responses API), as strict pydantic models.
+
+As for the chat routes (:mod:`kvb_server.schemas`): types are strict, unknown fields are a 400, and what
+OpenAI defines but this server does not implement is declared so that :mod:`.convert` refuses it by name.
+Input items, content parts and tools whose ``type`` this server does not serve (images, files, reasoning
+items, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
+
+Fields an SDK sends back when a client passes ``response.output`` items as the next ``input`` (``id``,
+``status``, ``annotations``, ``logprobs``, ``phase``) are accepted and not used.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
+
+from kvb_server.schemas import CacheSalt, MaxTokens, Seed, Temperature, TopP
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+# What an unsupported item may carry: anything (it is refused by its type, not by its fields).
+_LOOSE = ConfigDict(strict=True, extra="allow")
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
+def _whole_number(value: Any) -> Any:
+    # As kvb_server.schemas does: JSON does not tell 10 from 10.0. The bounds come before the validator, so
+    # the JSON schema says "minimum" rather than pydantic's raw "ge".
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_whole_number)]
+MaxToolCalls = Annotated[int, Field(ge=1), BeforeValidator(_whole_number)]
+
+
+def _only(accepted: dict[str, Any], what: str) -> WithJsonSchema:
+    """The documented schema of a field declared to be refused by name: only the values this server takes
+    (validation stays loose so that the refusal names the field), so schema-driven fuzzers send those."""
+    return WithJsonSchema({**accepted, "description": f"Not supported: {what}; anything else is a 400."})
+
+
+#: The documented schema of an ``Unsupported*`` union member: nothing (only the supported members are).
+_NONE_ACCEPTED = WithJsonSchema({"not": {}})
+_NULL: dict[str, Any] = {"type": "null"}
+
+
+def _tag(supported: frozenset[str], default: str | None = None):
+    """A discriminator picking the model of ``type``; other types go to the ``"unsupported"`` model."""
+
+    def pick(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        if kind is None:
+            return None  # pydantic reports the missing tag
+        return kind if kind in supported else "unsupported"
+
+    return Discriminator(pick)
+
+
+# -- content parts --------------------------------------------------------------------------------------
+class InputText(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputTextPart(BaseModel):
+    """An assistant message's text, as this server (or OpenAI) returned it in ``output``."""
+
+    model_config = _STRICT
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class RefusalPart(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class UnsupportedPart(BaseModel):
+    """Images, files, audio: refused by type (this server serves text-only models)."""
+
+    model_config = _LOOSE
+
+    type: str
+
+
+ContentPart = Annotated[
+    Annotated[InputText, Tag("input_text")]
+    | Annotated[OutputTextPart, Tag("output_text")]
+    | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[UnsupportedPart, Tag("unsupported"), _NONE_ACCEPTED],
+    _tag(frozenset({"input_text", "output_text", "refusal"})),
+]
+
+
+# -- input items ----------------------------------------------------------------------------------------
+class MessageItem(BaseModel):
+    """A message: OpenAI's "easy" input message (no ``type``), an input message or a previous output one."""
+
+    model_config = _STRICT
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ContentPart] | str
+    id: str | None = None
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallItem(BaseModel):
+    """A function call the model made earlier (from a previous response's ``output``)."""
+
+    model_config = _STRICT
+
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """The result of running a function call, for the model to read."""
+
+    model_config = _STRICT
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1)]
+    output: list[ContentPart] | str
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class UnsupportedItem(BaseModel):
+    """Reasoning items, item references, built-in tool calls and their outputs: refused by type."""
+
+    model_config = _LOOSE
+
+    type: str
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[UnsupportedItem, Tag("unsupported"), _NONE_ACCEPTED],
+    _tag(frozenset({"message", "function_call", "function_call_output"}), default="message"),
+]
+
+
+# -- tools ------------------------------------------------------------------------------------------------
+class FunctionTool(BaseModel):
+    """A function the model may call (the Responses shape: no nested ``function`` object)."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class UnsupportedTool(BaseModel):
+    """Built-in tools (web_search, file_search, code_interpreter, computer use, MCP, ...): refused by type."""
+
+    model_config = _LOOSE
+
+    type: str
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[UnsupportedTool, Tag("unsupported"), _NONE_ACCEPTED],
+    _tag(frozenset({"function"})),
+]
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+
+
+class UnsupportedToolChoice(BaseModel):
+    """``allowed_tools``, built-in tool types, MCP, ...: refused by type."""
+
+    model_config = _LOOSE
+
+    type: str
+
+
+ToolChoiceObject = Annotated[
+    Annotated[ToolChoiceFunction, Tag("function")]
+    | Annotated[UnsupportedToolChoice, Tag("unsupported"), _NONE_ACCEPTED],
+    _tag(frozenset({"function"})),
+]
+
+
+# -- text format ------------------------------------------------------------------------------------------
+class FormatText(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text"]
+
+
+class FormatJsonObject(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["json_object"]
+
+
+class FormatJsonSchema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=False)
+
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    json_schema: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+TextFormat = Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")]
+
+
+class TextConfig(BaseModel):
+    model_config = _STRICT
+
+    format: TextFormat | None = None
+    verbosity: Annotated[
+        Literal["low", "medium", "high"] | None, _only({"enum": ["medium", None]}, "other verbosities")
+    ] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_obfuscation: bool | None = None
+
+
+# -- the request ------------------------------------------------------------------------------------------
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``.
+
+    Extensions beyond OpenAI's fields: ``seed`` and ``cache_salt`` (as on the chat route).
+    """
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        # tool_choice 'required' or a named function needs that function in tools (a 400 otherwise), said
+        # where schema-driven clients look.
+        json_schema_extra={
+            "if": {
+                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                "required": ["tool_choice"],
+            },
+            "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+        },
+    )
+
+    model: str
+    input: Annotated[list[InputItem], Field(min_length=1)] | str
+    instructions: str | None = None
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_output_tokens: MaxTokens | None = None
+    max_tool_calls: MaxToolCalls | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    user: str | None = None
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    seed: Seed | None = None
+    cache_salt: CacheSalt | None = None
+    # Declared only to be refused by name unless they hold their default (see convert.refuse_unsupported).
+    background: Annotated[bool | None, _only({"enum": [False, None]}, "background mode")] = None
+    truncation: Annotated[
+        Literal["auto", "disabled"] | None, _only({"enum": ["disabled", None]}, "truncation='auto'")
+    ] = None
+    include: Annotated[
+        list[str] | None, _only({"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}, "include")
+    ] = None
+    reasoning: Annotated[
+        dict[str, Any] | None,
+        _only(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"effort": _NULL, "summary": _NULL},
+                        "additionalProperties": False,
+                    },
+                    _NULL,
+                ]
+            },
+            "reasoning options",
+        ),
+    ] = None
+    top_logprobs: Annotated[TopLogprobs | None, _only({"enum": [0, None]}, "top_logprobs")] = None
+    conversation: Annotated[str | dict[str, Any] | None, _only(_NULL, "the Conversations API")] = None
+    prompt: Annotated[dict[str, Any] | None, _only(_NULL, "prompt templates")] = None

@@ -1,0 +1,149 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``.
+
+A translator over the chat route: the request becomes a chat request (:mod:`kvb_server.responses_api.convert`)
+served by the same plan and service; its chat completion (or chunks) becomes a response object (or the
+Responses stream events, :mod:`kvb_server.responses_api.events`). Stored responses
+(:mod:`kvb_server.responses_api.store`) let a request continue one with ``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvb_server.config import ServerConfig
+from kvb_server.engine import ServingEngine
+from kvb_server.errors import InvalidParameterError, ServerError
+from kvb_server.openapi import json_body, responses
+from kvb_server.request_plan import GenerationPlan, chat_plan, parse_request
+from kvb_server.responses_api.build import (
+    ResponseEnvelope,
+    assistant_message,
+    output_items,
+    status_of,
+    usage,
+)
+from kvb_server.responses_api.convert import ChatTranslation, responses_error, to_chat
+from kvb_server.responses_api.events import StreamTranslator, sse
+from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, ResponseStreamEvent
+from kvb_server.responses_api.schemas import ResponsesRequest
+from kvb_server.responses_api.store import ResponseNotFoundError, ResponseStore
+from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADERS
+from kvb_server.service import ClientDisconnected, GenerationService, Truncation
+from kvb_server.tenancy import ApiKeys, Caller
+
+
+def responses_router(
+    *,
+    engine: ServingEngine,
+    config: ServerConfig,
+    service: GenerationService,
+    keys: ApiKeys,
+    store: ResponseStore | None = None,
+) -> APIRouter:
+    """The ``/v1/responses`` routes; stored responses live in ``store`` (a new one by default)."""
+    router = APIRouter(prefix="/v1")
+    store = store if store is not None else ResponseStore()
+    authenticated = Depends(keys)
+
+    def translate(req: ResponsesRequest, caller: Caller) -> ChatTranslation:
+        inherited: tuple[dict[str, Any], ...] = ()
+        if req.previous_response_id is not None:
+            previous = store.get(caller.key_salt, req.previous_response_id)
+            if previous is None:
+                # 400, not 404: the route exists; a parameter of the body names nothing (OpenAI's choice too).
+                raise InvalidParameterError(
+                    f"Previous response with id '{req.previous_response_id}' not found. This server keeps "
+                    "responses in memory (not across restarts, only the most recent ones, never with "
+                    "store: false), per API key.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            inherited = previous.conversation
+        return to_chat(req, inherited)
+
+    def keep(caller: Caller, req: ResponsesRequest, response: dict[str, Any], t: ChatTranslation) -> None:
+        if req.store is not False:
+            store.put(caller.key_salt, response, (*t.conversation, assistant_message(response["output"])))
+
+    async def stream_events(
+        plan: GenerationPlan,
+        request: Request,
+        req: ResponsesRequest,
+        caller: Caller,
+        t: ChatTranslation,
+        envelope: ResponseEnvelope,
+    ) -> Response:
+        # Admission errors and failures before the first token are still plain HTTP errors.
+        stream = await service.open_stream(plan, request.is_disconnected)
+        translator = StreamTranslator(envelope)
+
+        async def events() -> AsyncIterator[bytes]:
+            # aclosing: a client that hangs up cancels this generator, and the chat stream's cleanup
+            # (cancelling its engine job) runs at once rather than at garbage collection.
+            async with contextlib.aclosing(stream.chunks()) as chunks:
+                for event in translator.start():
+                    yield sse(event)
+                async for payload in chunks:
+                    if isinstance(payload, str):  # "[DONE]"
+                        break
+                    for event in translator.feed(payload):
+                        yield sse(event)
+                    if translator.failed:
+                        return
+            response, last = translator.final()
+            keep(caller, req, response, t)  # before the last event: a follow-up may come right after it
+            for event in last:
+                yield sse(event)
+
+        headers = {**SSE_HEADERS, **(stream.truncation.headers() if stream.truncation else {})}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @router.post(
+        "/responses",
+        openapi_extra=json_body(ResponsesRequest),
+        responses=responses(ResponseObject, stream=ResponseStreamEvent, errors=GENERATION_ERRORS),
+    )
+    async def create_response(request: Request, caller: Caller = authenticated) -> Response:
+        """OpenAI's Responses API over the chat machinery (``stream: true`` for its Server-Sent Events)."""
+        req = await parse_request(request, ResponsesRequest, config)
+        try:
+            t = translate(req, caller)
+            plan = chat_plan(t.request, engine, config, key_salt=caller.key_salt)
+            envelope = ResponseEnvelope.new(req)
+            if plan.stream:
+                return await stream_events(plan, request, req, caller, t, envelope)
+            body = await service.complete(plan, request.is_disconnected)
+        except ServerError as exc:
+            raise responses_error(exc) from None
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        choice = body["choices"][0]
+        output = output_items(choice["message"], choice["finish_reason"])
+        status = status_of(choice["finish_reason"])
+        response = envelope.object(status, output, usage=usage(body["usage"]))
+        keep(caller, req, response, t)
+        truncation = body.get("prompt_truncation")
+        headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None
+        return JSONResponse(response, headers=headers)
+
+    @router.get("/responses/{response_id}", responses=responses(ResponseObject, errors=(401, 404)))
+    async def get_response(response_id: str, caller: Caller = authenticated) -> dict[str, Any]:
+        """A stored response (this server's lifetime, the most recent ones, per API key)."""
+        stored = store.get(caller.key_salt, response_id)
+        if stored is None:
+            raise ResponseNotFoundError(response_id)
+        return stored.response
+
+    @router.delete("/responses/{response_id}", responses=responses(DeletedResponse, errors=(401, 404)))
+    async def delete_response(response_id: str, caller: Caller = authenticated) -> dict[str, Any]:
+        """Forget a stored response (it can no longer be continued or read)."""
+        if not store.delete(caller.key_salt, response_id):
+            raise ResponseNotFoundError(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router

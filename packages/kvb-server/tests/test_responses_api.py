@@ -1,0 +1,343 @@
+"""``/v1/responses`` over real HTTP on the fake engine: the openai SDK's ``client.responses`` parses what the
+route answers, the prompt is the chat route's, ``previous_response_id`` continues a stored conversation, and
+what is not supported is a 400 naming the parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import serve
+from fakes import FakeEngine
+
+from kvb_server import ServerConfig, create_app
+from kvb_server.config import TenantKey
+from kvb_server.responses_api.objects import ResponseObject, ResponseStreamEvent
+
+MODEL = "fake-model"
+
+
+class StoppingFake(FakeEngine):
+    """Finishes with ``stop`` at the first ``e`` (within 26 tokens), so responses can complete."""
+
+    context_length = 2000
+
+    def add_request(self, prompt, params, **kw):
+        return super().add_request(prompt, dataclasses.replace(params, stop=("e",)), **kw)
+
+
+def prompt_text(fake: FakeEngine, index: int = -1) -> str:
+    return "".join(chr(t) for t in fake.added[index].prompt)
+
+
+def wait_until(pred, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture()
+def fake() -> StoppingFake:
+    return StoppingFake()
+
+
+@pytest.fixture()
+def url(fake: FakeEngine) -> Iterator[str]:
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=100))) as base:
+        yield base
+
+
+@pytest.fixture()
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """Parse SSE text, checking each ``event:`` line names its ``data``'s type."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        data = json.loads(lines["data"])
+        assert lines["event"] == data["type"]
+        ResponseStreamEvent.model_validate(data)  # the OpenAPI document describes it
+        events.append(data)
+    return events
+
+
+def test_create_matches_the_chat_route_and_the_sdk_parses_it(
+    client: openai.OpenAI, url: str, fake: FakeEngine
+) -> None:
+    resp = client.responses.create(model=MODEL, input="Hi there", instructions="Be brief.", temperature=0)
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        },
+    ).json()
+    assert prompt_text(fake) == prompt_text(fake, 0) == "<system>Be brief.<user>Hi there<assistant>"
+    assert resp.output_text == chat["choices"][0]["message"]["content"] == "klmnopqrstuvwxyzabcd"
+    assert resp.id.startswith("resp_") and resp.object == "response"
+    assert resp.status == "completed" and resp.incomplete_details is None and resp.error is None
+    [item] = resp.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.id.startswith("msg_") and item.content[0].type == "output_text"
+    assert resp.instructions == "Be brief." and resp.model == MODEL and resp.temperature == 0
+    assert resp.tool_choice == "auto" and resp.tools == [] and resp.parallel_tool_calls is True
+    assert resp.text.format.type == "text" and resp.store is True and resp.previous_response_id is None
+    usage = resp.usage
+    assert usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert usage.output_tokens == chat["usage"]["completion_tokens"] == 21  # the stop "e" counts
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.input_tokens_details.cached_tokens == chat["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    ResponseObject.model_validate(client.responses.retrieve(resp.id).to_dict())
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI, fake: FakeEngine) -> None:
+    resp = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=3, top_p=0.5, extra_body={"seed": 4}
+    )
+    assert fake.added[-1].params.max_new_tokens == 3 and fake.added[-1].params.seed == 4
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output[0].status == "incomplete" and len(resp.output_text) == 3
+    assert resp.max_output_tokens == 3 and resp.top_p == 0.5
+
+
+def test_input_items_become_chat_messages(client: openai.OpenAI, fake: FakeEngine) -> None:
+    client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "developer", "content": "Rules."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            },
+            {
+                "type": "message",
+                "id": "msg_1",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "c", "annotations": []}],
+            },
+            {"role": "user", "content": "d"},
+        ],
+    )
+    # The chat route renders developer as system.
+    assert prompt_text(fake) == "<system>Rules.<user>ab<assistant>c<user>d<assistant>"
+
+
+def test_previous_response_id_continues_the_stored_conversation(
+    client: openai.OpenAI, fake: FakeEngine
+) -> None:
+    first = client.responses.create(model=MODEL, input="One", instructions="Sys.")
+    first_prompt = prompt_text(fake)
+    second = client.responses.create(
+        model=MODEL, input="Two", previous_response_id=first.id, instructions="Sys."
+    )
+    # The follow-up's prompt starts with the whole first turn (a guaranteed prefix-cache hit).
+    assert prompt_text(fake) == f"{first_prompt}{first.output_text}<user>Two<assistant>"
+    assert second.previous_response_id == first.id
+    third = client.responses.create(model=MODEL, input="Three", previous_response_id=second.id)
+    # Instructions are not carried over (OpenAI's rule); the conversation is.
+    assert prompt_text(fake) == (
+        f"<user>One<assistant>{first.output_text}<user>Two<assistant>{second.output_text}"
+        "<user>Three<assistant>"
+    )
+    assert third.usage.input_tokens == len(fake.added[-1].prompt)
+
+
+def test_store_false_and_unknown_ids(client: openai.OpenAI, url: str) -> None:
+    unstored = client.responses.create(model=MODEL, input="x", store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="y", previous_response_id=unstored.id)
+    assert err.value.body["param"] == "previous_response_id"
+    assert err.value.body["code"] == "previous_response_not_found"
+    kept = client.responses.create(model=MODEL, input="x", metadata={"k": "v"}, user="u1")
+    got = client.responses.retrieve(kept.id)
+    assert got.to_dict() == kept.to_dict() and got.metadata == {"k": "v"} and got.user == "u1"
+    client.responses.delete(kept.id)
+    assert httpx.get(f"{url}/v1/responses/{kept.id}").status_code == 404
+    assert httpx.delete(f"{url}/v1/responses/{kept.id}").status_code == 404
+
+
+def test_stored_responses_are_scoped_by_api_key(fake: FakeEngine) -> None:
+    keys = (TenantKey(key="key-a", salt="a"), TenantKey(key="key-b", salt="b"))
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), tenant_keys=keys))) as url:
+        a = openai.OpenAI(base_url=f"{url}/v1", api_key="key-a", max_retries=0)
+        b = openai.OpenAI(base_url=f"{url}/v1", api_key="key-b", max_retries=0)
+        resp = a.responses.create(model=MODEL, input="secret")
+        assert fake.added[-1].cache_salt is not None
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(resp.id)
+        with pytest.raises(openai.BadRequestError):
+            b.responses.create(model=MODEL, input="more", previous_response_id=resp.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(resp.id)
+        assert a.responses.retrieve(resp.id).id == resp.id
+        a.responses.create(model=MODEL, input="more", previous_response_id=resp.id)
+
+
+def test_stream_events_in_openai_order(url: str, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "input": "Hi there", "stream": True}
+    resp = httpx.post(f"{url}/v1/responses", json=body)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert len(deltas) > 3
+    created, final = events[0]["response"], events[-1]["response"]
+    assert created["status"] == "in_progress" and created["output"] == [] and created["usage"] is None
+    item_id = events[2]["item"]["id"]
+    assert all(e["item_id"] == item_id and e["output_index"] == 0 for e in events[3:-2])
+    text = "".join(e["delta"] for e in deltas)
+    assert events[-4]["text"] == text == final["output"][0]["content"][0]["text"]
+    assert final["id"] == created["id"] and final["status"] == "completed"
+    assert final["usage"]["output_tokens"] == len(text) + 1  # the stop string counts
+    # Streamed and stored: the follow-up continues it, and GET returns the final object.
+    assert client.responses.retrieve(final["id"]).output_text == text
+    assert text == client.responses.create(model=MODEL, input="Hi there").output_text
+
+
+def test_sdk_stream_helpers_parse_the_events(client: openai.OpenAI) -> None:
+    raw = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+    assert raw[-1].type == "response.completed"
+    text = "".join(e.delta for e in raw if e.type == "response.output_text.delta")
+    with client.responses.stream(model=MODEL, input="Hi") as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == text == raw[-1].response.output_text
+    truncated = list(client.responses.create(model=MODEL, input="Hi", stream=True, max_output_tokens=2))
+    assert truncated[-1].type == "response.incomplete"
+    assert truncated[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert truncated[-1].response.output[0].status == "incomplete"
+
+
+def test_failure_after_the_stream_began_is_an_error_event_then_response_failed(fake: FakeEngine) -> None:
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        fake.fail_step(3, RuntimeError("kernel exploded"))
+        resp = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "Hi", "stream": True})
+        assert resp.status_code == 200
+        events = sse_events(resp.text)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert "kernel exploded" in events[-2]["message"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["message"] == events[-2]["message"]
+        assert httpx.get(f"{url}/v1/responses/{failed['id']}").status_code == 404  # not stored
+
+
+def test_stream_disconnect_aborts_the_request() -> None:
+    fake = FakeEngine(token_delay_s=0.02)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 150, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines) == "event: response.created"
+        wait_until(lambda: len(fake.aborted) == 1)  # long before 150 * 20 ms
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"input": []}, "input"),
+        ({"input": 5}, "input"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x" * 1960, "max_output_tokens": 50}, "max_output_tokens"),  # beyond the context window
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"model": "other"}, "model"),
+    ],
+)
+def test_refusals_name_the_parameter(url: str, extra: dict, param: str) -> None:
+    resp = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+    assert resp.status_code == (404 if param == "model" else 400), resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_defaults_and_nulls_an_sdk_may_send_are_accepted(client: openai.OpenAI) -> None:
+    resp = client.responses.create(
+        model=MODEL,
+        input="hi",
+        background=False,
+        truncation="disabled",
+        include=[],
+        reasoning={"effort": None, "summary": None},
+        top_logprobs=0,
+        text={"format": {"type": "text"}, "verbosity": "medium"},
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        service_tier="auto",
+        prompt_cache_key="k",
+        safety_identifier="s",
+        stream_options=None,
+        max_tool_calls=3,
+    )
+    assert resp.status == "completed" and resp.parallel_tool_calls is False
+    assert resp.prompt_cache_key == "k" and resp.max_tool_calls == 3
+
+
+def test_openapi_documents_the_route(url: str) -> None:
+    doc = httpx.get(f"{url}/openapi.json").json()
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesRequest"
+    }
+    assert set(op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["ResponsesRequest"]["additionalProperties"] is False
+    assert set(schemas["ResponsesRequest"]["required"]) == {"model", "input"}
+    assert {"ResponseObject", "ResponseStreamEvent"} <= set(schemas)
+    assert "/v1/responses/{response_id}" in doc["paths"]
