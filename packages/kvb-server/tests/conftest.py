@@ -49,8 +49,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_engine(**engine_config: Any) -> KVBoost:
-    """The tiny Llama behind KVBoost; ``engine_config`` adds :class:`EngineConfig` fields (e.g. ``tiers``)."""
+def build_tiny_engine(*, context: int = 512, **engine_config: Any) -> KVBoost:
+    """The tiny Llama behind KVBoost (``context``: its max_position_embeddings); ``engine_config`` adds
+    :class:`EngineConfig` fields (e.g. ``tiers``)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -60,7 +61,7 @@ def build_tiny_engine(**engine_config: Any) -> KVBoost:
         num_key_value_heads=2,
         intermediate_size=128,
         vocab_size=len(tokenizer),
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )

@@ -100,8 +100,12 @@ class FakeEngine:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        if tools:
+            text = f"<tools>{tools}" + text
         return self.tokenizer(text)["input_ids"]
 
     @property

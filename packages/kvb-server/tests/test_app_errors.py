@@ -89,13 +89,60 @@ def test_invalid_completion_parameters_are_400_naming_the_parameter(url: str, bo
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"tools": [{"type": "web_search", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}
+                        ],
+                    },
+                ]
+            },
+            "messages",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages",
@@ -112,9 +159,11 @@ def test_openai_client_raises_bad_request_with_param(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "xml"},  # type: ignore[arg-type]
         )
-    assert info.value.param == "response_format"
+    assert info.value.param == "response_format.type"
 
 
 def test_unknown_model_is_404_in_openai_shape(url: str) -> None:

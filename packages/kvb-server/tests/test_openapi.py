@@ -100,6 +100,7 @@ def test_documented_values_are_accepted(url: str) -> None:
         "developer",
         "user",
         "assistant",
+        "tool",
     ]
     assert schemas["WarmRequest"]["anyOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
     assert {"type": "integer", "minimum": 1} in schemas["CompletionRequest"]["properties"]["max_tokens"][

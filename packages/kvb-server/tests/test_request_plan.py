@@ -89,7 +89,7 @@ def test_errors_name_the_parameter() -> None:
     with pytest.raises(InvalidParameterError) as info:
         completion(prompt="a", n=17)
     assert info.value.param == "n"
-    with pytest.raises(UnsupportedFeatureError) as info:
+    with pytest.raises(InvalidParameterError) as info:
         chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     assert info.value.param == "messages"
 

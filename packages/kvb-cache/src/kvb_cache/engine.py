@@ -225,14 +225,24 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         return text
 
     # ----------------------------------------------------------------------------------- public API
-    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered by the tokenizer's chat template."""
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template.
+
+        ``tools``: function definitions (OpenAI's ``{"type": "function", "function": {...}}``) handed to the
+        template, for templates that render tools themselves (Qwen2.5, Llama 3.x, Mistral).
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this tokenizer has no chat template; send a plain prompt", param="messages"
             )
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools or None
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -40,9 +40,19 @@ class ServingEngine(Protocol):
         """A Hugging Face tokenizer (callable: ``tokenizer(text, add_special_tokens=True)["input_ids"]``)."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of a chat conversation through the tokenizer's chat template (generation prompt added
-        unless ``add_generation_prompt`` is False; ``/tokenize`` answers 400 for engines without the keyword)."""
+        unless ``add_generation_prompt`` is False; ``/tokenize`` answers 400 for engines without the keyword).
+
+        ``tools`` (OpenAI function definitions) are passed to templates that render tools themselves; the
+        server sends them only for such templates (see :func:`kvb_server.tool_calls.detect`).
+        """
         ...
 
     def token_text(self, token_id: int) -> str:

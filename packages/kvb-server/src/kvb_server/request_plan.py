@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import jinja2
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.sampling import GREEDY_TEMPERATURE, SamplingParams
+from kvb_cache.structured import ResponseFormat
+from kvb_server import constraints
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
 from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvb_server.tenancy import request_salt
+from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, template_messages, tool_grammar, tool_plan
 
 Endpoint = Literal["completions", "chat.completions"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -38,6 +43,7 @@ class GenerationPlan:
             server's caps.
         chat_logprobs: chat-style logprobs (``content`` list) rather than completions-style arrays.
         cache_salt: the engine's prefix-cache salt (:func:`kvb_server.tenancy.request_salt`); None: unsalted.
+        tools: a chat request's tools (its reply is parsed into ``tool_calls``); None: no tools.
     """
 
     endpoint: Endpoint
@@ -49,6 +55,7 @@ class GenerationPlan:
     include_usage: bool
     chat_logprobs: bool
     cache_salt: str | None = None
+    tools: ToolPlan | None = None
 
 
 def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ModelT:
@@ -91,15 +98,7 @@ def check_model(model: str, config: ServerConfig) -> None:
         raise ModelNotFoundError(model, config.model_names)
 
 
-def _reject_common(req: SamplingFields) -> None:
-    if req.logit_bias:
-        raise UnsupportedFeatureError(
-            "logit_bias is not supported by this server; remove it.", param="logit_bias"
-        )
-
-
 def _reject_completion(req: CompletionRequest) -> None:
-    _reject_common(req)
     if req.echo:
         raise UnsupportedFeatureError("echo=true is not supported by this server; remove it.", param="echo")
     if req.suffix:
@@ -111,18 +110,12 @@ def _reject_completion(req: CompletionRequest) -> None:
 
 
 def _reject_chat(req: ChatCompletionRequest) -> None:
-    _reject_common(req)
-    for name in ("tools", "tool_choice", "functions", "function_call"):
+    for name in ("functions", "function_call"):
         if getattr(req, name) not in (None, [], "none"):
             raise UnsupportedFeatureError(
-                f"{name}: tool and function calling are not supported by this server; remove {name}.",
+                f"{name}: the deprecated function calling is not supported; use tools and tool_choice.",
                 param=name,
             )
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise UnsupportedFeatureError(
-            "response_format: only {'type': 'text'} is supported (no JSON mode or structured outputs).",
-            param="response_format",
-        )
     if req.modalities is not None and req.modalities != ["text"]:
         raise UnsupportedFeatureError("modalities: only ['text'] is supported.", param="modalities")
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
@@ -132,30 +125,12 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
         raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the tokenizer's chat template expects them: ``role`` and plain-text ``content``."""
-    out = []
-    for i, msg in enumerate(req.messages):
-        if msg.role in ("tool", "function") or (msg.model_extra or {}).get("tool_calls"):
-            raise UnsupportedFeatureError(
-                f"messages[{i}]: tool and function messages are not supported by this server.",
-                param="messages",
-            )
-        if isinstance(msg.content, list):
-            texts = []
-            for part in msg.content:
-                if part.type != "text" or part.text is None:
-                    raise UnsupportedFeatureError(
-                        f"messages[{i}].content: only text parts are supported, got type '{part.type}'.",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
-        else:
-            content = msg.content or ""
-        # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.
-        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
-    return out
+def chat_messages(
+    req: ChatCompletionRequest, syntax: ToolSyntax, tools: ToolPlan | None = None
+) -> list[dict[str, Any]]:
+    """Messages as the tokenizer's chat template expects them (tool calls and results included; see
+    :func:`kvb_server.tool_calls.template_messages`)."""
+    return template_messages(req.messages, syntax, tools)
 
 
 def _stop(req: SamplingFields) -> tuple[str, ...]:
@@ -197,8 +172,11 @@ def _max_new_tokens(
     return capped
 
 
-def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
-    """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted)."""
+def _sampling(
+    req: SamplingFields, max_new_tokens: int, logprobs: int | None, fmt: ResponseFormat | None = None
+) -> SamplingParams:
+    """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted); ``fmt``
+    constrains the reply (``response_format`` or a tool-call grammar)."""
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
@@ -216,6 +194,8 @@ def _sampling(req: SamplingFields, max_new_tokens: int, logprobs: int | None) ->
             stop=_stop(req),
             seed=req.seed,
             logprobs=logprobs,
+            response_format=fmt,
+            logit_bias=constraints.logit_bias(req.logit_bias),
         )
     except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
         param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
@@ -262,12 +242,61 @@ def completion_plan(
         model=req.model,
         prompts=prompts,
         n=_n(req, config),
-        sampling=_sampling(req, max_new, req.logprobs),
+        sampling=_sampling(req, max_new, req.logprobs, constraints.response_format(req.response_format)),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=False,
         cache_salt=cache_salt,
     )
+
+
+def _marker_token(engine: ServingEngine, syntax: ToolSyntax) -> int | None:
+    """The id of the syntax's marker when the tokenizer has it as one (special) token."""
+    if not syntax.marker:
+        return None
+    tokenizer = engine.tokenizer
+    token = tokenizer.convert_tokens_to_ids(syntax.marker)
+    return None if token is None or token == getattr(tokenizer, "unk_token_id", None) else int(token)
+
+
+def _check_tool_schemas(tools: ToolPlan | None) -> None:
+    """Each tool's ``parameters`` must be a schema the grammar library handles: a 400 naming the tool."""
+    for i, tool in enumerate(tools.tools if tools is not None else ()):
+        schema = ResponseFormat(kind="json_schema", source=json.dumps(tool.parameters, allow_nan=False))
+        constraints.check(schema, f"tools[{i}].function.parameters")
+
+
+def _reply_format(
+    req: ChatCompletionRequest, tools: ToolPlan | None, engine: ServingEngine, syntax: ToolSyntax
+) -> ResponseFormat | None:
+    """What the reply is constrained to: the tools' call grammar, else ``response_format``."""
+    fmt = constraints.response_format(req.response_format)
+    if tools is None or tools.mode == "none":
+        return fmt
+    text_schema = None
+    if tools.mode == "auto" and fmt is not None:
+        text_schema = constraints.json_schema_of(req.response_format)
+        if text_schema is None:
+            raise InvalidParameterError(
+                "response_format: only json_object and json_schema combine with tools (tool_choice 'auto').",
+                param="response_format",
+            )
+    grammar = tool_grammar(tools, marker_token=_marker_token(engine, syntax), text_schema=text_schema)
+    tool_format = ResponseFormat(kind="grammar", source=grammar)
+    constraints.check(tool_format, "tools")
+    return tool_format
+
+
+def _render_chat(engine: ServingEngine, messages: list[dict[str, Any]], tools: ToolPlan | None) -> list[int]:
+    definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
+    try:
+        if definitions:
+            return engine.chat_prompt(messages, tools=definitions)  # type: ignore[call-arg]
+        return engine.chat_prompt(messages)
+    except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)
+        raise InvalidParameterError(
+            f"The chat template refused these messages: {exc}", param="messages"
+        ) from None
 
 
 def chat_plan(
@@ -277,7 +306,11 @@ def chat_plan(
     check_model(req.model, config)
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
-    prompts = (engine.chat_prompt(chat_messages(req)),)
+    syntax = detect(engine.tokenizer)
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
+    _check_tool_schemas(tools)
+    fmt = _reply_format(req, tools, engine, syntax)
+    prompts = (_render_chat(engine, chat_messages(req, syntax, tools), tools),)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_new = _max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -286,9 +319,10 @@ def chat_plan(
         model=req.model,
         prompts=prompts,
         n=_n(req, config),
-        sampling=_sampling(req, max_new, logprobs),
+        sampling=_sampling(req, max_new, logprobs, fmt),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=True,
         cache_salt=cache_salt,
+        tools=tools if tools is not None and tools.parses_calls else None,
     )

@@ -10,6 +10,8 @@ from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_server.request_plan import GenerationPlan
+from kvb_server.tool_calls import ToolPlan, split_reply
+from kvb_server.tool_calls.ids import new_call_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +83,27 @@ def _logprobs(
     return _chat_logprobs(entries) if plan.chat_logprobs else _completion_logprobs(entries, offset)
 
 
+def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's ``message`` and ``finish_reason``: a reply made of tool calls becomes ``tool_calls``
+    (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tools is None:
+        return message, finish_reason
+    reply = split_reply(text, tools.syntax, truncated=finish_reason == "length")
+    if not reply.calls:
+        return message, finish_reason
+    message["content"] = None
+    message["tool_calls"] = [
+        {
+            "id": new_call_id(tools.syntax),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in reply.calls
+    ]
+    return message, "length" if finish_reason == "length" else "tool_calls"
+
+
 def final_response(
     plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]
 ) -> dict[str, Any]:
@@ -93,7 +116,9 @@ def final_response(
             "logprobs": _logprobs(plan, r.logprobs),
         }
         if plan.chat_logprobs:
-            choice["message"] = {"role": "assistant", "content": r.output_text, "refusal": None}
+            choice["message"], choice["finish_reason"] = assistant_message(
+                plan.tools, r.output_text, r.finish_reason
+            )
         else:
             choice["text"] = r.output_text
         choices.append(choice)
@@ -118,11 +143,13 @@ def chunk(
     finish_reason: str | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk for choice ``index``: a text delta, the opening role delta or the finish marker."""
+    """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker, or
+    (chat) an explicit ``delta`` such as a tool-call piece."""
     lp = _logprobs(plan, logprobs, offset) if logprobs else None
     if plan.chat_logprobs:
-        delta: dict[str, Any] = {}
+        delta = dict(delta or {})
         if role:
             delta["role"] = "assistant"
             delta["content"] = ""

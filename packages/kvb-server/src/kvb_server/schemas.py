@@ -79,11 +79,12 @@ class SamplingFields(BaseModel):
     user: str | None = None
     #: vLLM's field: requests with different salts never share cached prefixes (see kvb_server.tenancy).
     cache_salt: CacheSalt | None = None
-    # Declared only to be refused by name (see kvb_server.request_plan).
-    logit_bias: Annotated[
-        dict[str, Any] | None,
-        _only({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}, "logit_bias"),
-    ] = None
+    #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    #: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name",
+    #: "schema", "strict"}}``; kvboost also takes ``{"type": "regex", "pattern"}`` and ``{"type": "grammar",
+    #: "grammar": <Lark or GBNF>}`` (see docs/structured.md). Checked by kvb_server.request_plan.
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -117,10 +118,14 @@ class ChatMessage(BaseModel):
 
     role: Annotated[
         Literal["system", "developer", "user", "assistant", "tool", "function"],
-        _only({"enum": ["system", "developer", "user", "assistant"]}, "tool and function messages"),
+        _only({"enum": ["system", "developer", "user", "assistant", "tool"]}, "function messages"),
     ]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: An assistant turn's calls: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``.
+    tool_calls: list[dict[str, Any]] | None = None
+    #: A ``tool`` message answers the call with this id.
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -143,24 +148,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20), _WHOLE] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    #: Function tools (``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``),
+    #: checked by kvb_server.tool_calls.
+    tools: list[Any] | None = None
+    #: ``"none"`` / ``"auto"`` / ``"required"`` / ``{"type": "function", "function": {"name": ...}}``.
+    tool_choice: str | dict[str, Any] | None = None
+    #: False: at most one call per reply (default: up to kvb_server.tool_calls.MAX_PARALLEL_CALLS).
     parallel_tool_calls: bool | None = None
     # Declared only to be refused by name.
-    tools: Annotated[list[Any] | None, _only(_EMPTY_LIST, "tool calling")] = None
-    tool_choice: Annotated[Any, _only(_NONE_CHOICE, "tool calling")] = None
     functions: Annotated[list[Any] | None, _only(_EMPTY_LIST, "function calling")] = None
     function_call: Annotated[Any, _only(_NONE_CHOICE, "function calling")] = None
-    response_format: Annotated[
-        dict[str, Any] | None,
-        _only(
-            {
-                "anyOf": [
-                    {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
-                    _NULL,
-                ]
-            },
-            "JSON mode and structured outputs",
-        ),
-    ] = None
     modalities: Annotated[
         list[str] | None,
         _only(
@@ -236,7 +233,7 @@ class DetokenizeRequest(BaseModel):
 
 
 # -- responses ----------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -317,10 +314,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -343,9 +352,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_truncation: PromptTruncation | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has ``id``, ``type`` and ``function.name``; later ones pieces of ``arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):

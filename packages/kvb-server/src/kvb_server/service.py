@@ -32,8 +32,9 @@ from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import GenerationPlan, choice_params
-from kvb_server.responses import ResponseIds, chunk, final_response, usage_chunk
+from kvb_server.responses import ResponseIds, assistant_message, chunk, final_response, usage_chunk
 from kvb_server.stats import ThroughputMeter
+from kvb_server.tool_calls import ToolCallStream
 from kvb_server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -285,6 +286,8 @@ class OpenStream:
         results: list[GenerationResult | None] = [None] * len(self._jobs)
         started: set[int] = set()
         offsets = [0] * len(self._jobs)
+        # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
+        tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
         update: JobUpdate | None = self._first
         try:
             while True:
@@ -307,7 +310,13 @@ class OpenStream:
                 if plan.chat_logprobs and i not in started:
                     started.add(i)
                     yield chunk(plan, ids, index=i, role=True)
-                if event.delta_text or event.logprobs:
+                if tool_streams is not None:
+                    deltas = tool_streams[i].push(event.delta_text) if event.delta_text else []
+                    if event.result is not None:
+                        deltas += tool_streams[i].finish()
+                    for k, delta in enumerate(deltas or ([{}] if event.logprobs else [])):
+                        yield chunk(plan, ids, index=i, delta=delta, logprobs=None if k else event.logprobs)
+                elif event.delta_text or event.logprobs:
                     yield chunk(
                         plan,
                         ids,
@@ -320,7 +329,11 @@ class OpenStream:
                 if event.result is not None:
                     results[i] = event.result
                     self._service._record(update, event.result)
-                    yield chunk(plan, ids, index=i, finish_reason=event.result.finish_reason)
+                    finish = event.result.finish_reason
+                    if plan.tools is not None:
+                        # The same reading as the non-streamed message: whole calls finish "tool_calls".
+                        _, finish = assistant_message(plan.tools, event.result.output_text, finish)
+                    yield chunk(plan, ids, index=i, finish_reason=finish)
                     if all(r is not None for r in results):
                         break
                 update = None

@@ -129,18 +129,8 @@ class GrammarCache:
 
     @staticmethod
     def _compile(fmt: ResponseFormat, tok: _Tokenizer) -> Any:
-        llguidance = import_llguidance()
-        matcher_cls = llguidance.LLMatcher
-        try:
-            if fmt.kind == "json_schema":
-                schema = strict_schema(json.loads(fmt.source))
-                grammar = matcher_cls.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            elif fmt.kind == "regex":
-                grammar = matcher_cls.grammar_from_regex(fmt.source)
-            else:
-                grammar = llguidance.grammar_from("grammar", fmt.source)
-        except ValueError as e:
-            raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
+        grammar = grammar_of(fmt)
+        matcher_cls = import_llguidance().LLMatcher
         matcher = matcher_cls(tok.ll, grammar, log_level=0)
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()
@@ -149,3 +139,40 @@ class GrammarCache:
                 param="response_format",
             )
         return matcher
+
+
+def grammar_of(fmt: ResponseFormat) -> Any:
+    """llguidance's grammar object for ``fmt`` (a JSON schema made strict first: :func:`strict_schema`).
+
+    Raises:
+        InvalidRequestError: the schema, regex or grammar does not parse (``param="response_format"``).
+    """
+    llguidance = import_llguidance()
+    matcher_cls = llguidance.LLMatcher
+    try:
+        if fmt.kind == "json_schema":
+            return matcher_cls.grammar_from_json_schema(
+                strict_schema(json.loads(fmt.source)), defaults=JSON_OPTIONS
+            )
+        if fmt.kind == "regex":
+            return matcher_cls.grammar_from_regex(fmt.source)
+        return llguidance.grammar_from("grammar", fmt.source)
+    except ValueError as e:
+        raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
+
+
+def check_grammar(fmt: ResponseFormat) -> None:
+    """Compile-check ``fmt`` without a tokenizer (about as costly as parsing it): a server refuses a bad
+    schema with a 400 before queueing the request, naming the feature llguidance does not support.
+
+    Raises:
+        InvalidRequestError: ``param="response_format"``, llguidance's message (first lines).
+        StructuredOutputsUnavailable: llguidance is not installed.
+    """
+    error = import_llguidance().LLMatcher.validate_grammar(grammar_of(fmt))
+    if error:
+        lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+        raise InvalidRequestError(
+            f"response_format {fmt.kind} is not supported or invalid: {' '.join(lines[:3])}",
+            param="response_format",
+        )

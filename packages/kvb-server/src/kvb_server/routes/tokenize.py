@@ -20,6 +20,7 @@ from kvb_server.openapi import json_body, responses
 from kvb_server.request_plan import chat_messages, check_model, parse_request
 from kvb_server.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvb_server.service import engine_error
+from kvb_server.tool_calls import detect
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidParameterError("Give exactly one of 'prompt' (a string) and 'messages' (a chat).")
     if req.messages is not None:
-        messages = chat_messages(req)  # type: ignore[arg-type]  # reads only .messages
+        messages = chat_messages(req, detect(engine.tokenizer))  # type: ignore[arg-type]  # reads .messages
         if req.add_generation_prompt:
             return _call(lambda: engine.chat_prompt(messages))
         # NOTE: the ServingEngine protocol's chat_prompt always adds the generation prompt; kvb_cache's

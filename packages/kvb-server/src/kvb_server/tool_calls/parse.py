@@ -1,0 +1,158 @@
+"""Reading tool calls out of a reply: complete ones (a finished reply) and partial ones (a stream so far).
+
+The reply was decoded under the grammar of :mod:`kvb_server.tool_calls.grammar`, so a call is always
+``{"name": "<tool>", "<args_key>": {...}}`` with the name first; the scanner only has to find the name and
+the extent of the arguments object, which it does with a string-aware brace counter, so partial text
+(a stream cut mid-string) is read as far as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from kvb_server.tool_calls.syntax import ToolSyntax
+
+ScanState = Literal["done", "partial", "bad"]
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass(frozen=True, slots=True)
+class PartialCall:
+    """One call as far as the text goes: ``arguments`` is the raw JSON text of the arguments so far."""
+
+    name: str
+    arguments: str
+    complete: bool
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object or array starting at ``start``; None when the text ends first."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _skip(text: str, i: int, chars: str = " \t\r\n") -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+def _expect(text: str, i: int, token: str) -> tuple[int, ScanState | None]:
+    """Skip whitespace and ``token``: ``(index after, None)`` when found, else ``(i, "partial")`` when the
+    text ends inside it or ``(i, "bad")`` when something else follows."""
+    i = _skip(text, i)
+    rest = text[i : i + len(token)]
+    if rest == token:
+        return i + len(token), None
+    return i, "partial" if token.startswith(rest) and i + len(rest) == len(text) else "bad"
+
+
+def scan_calls(text: str, syntax: ToolSyntax) -> tuple[list[PartialCall], ScanState]:
+    """The calls in ``text`` so far.
+
+    Returns:
+        ``(calls, state)``: ``"done"`` when the text is exactly well-formed complete calls, ``"partial"``
+        when it ends inside one (the last call may be in ``calls`` with ``complete=False``, or not yet have
+        a whole name), ``"bad"`` when it departs from the syntax (``calls`` are those before).
+    """
+    calls: list[PartialCall] = []
+    i = _skip(text, 0)
+    if syntax.marker:
+        if text.startswith(syntax.marker, i):
+            i += len(syntax.marker)
+        elif text[i:] and syntax.marker.startswith(text[i:]):
+            return calls, "partial"
+    if syntax.bracket:
+        i, state = _expect(text, i, "[")
+        if state:
+            return calls, state
+    while True:
+        if calls:
+            if syntax.bracket:
+                j, state = _expect(text, i, "]")
+                if state is None:
+                    return calls, "done" if _skip(text, j) == len(text) else "bad"
+            j = _skip(text, i, " \t\r\n,;")
+            if j == len(text):
+                return calls, "partial" if syntax.bracket else "done"
+            if j == i and not syntax.call_open:
+                return calls, "bad"
+            i = j
+        if syntax.call_open:
+            i, state = _expect(text, i, syntax.call_open.strip())
+            if state:
+                return calls, state
+        i = _skip(text, i)
+        head = _HEAD.match(text, i)
+        if head is None:
+            # Not a whole head yet (the grammar guarantees one follows; a finished reply without it is text).
+            return calls, "partial" if not text[i:] or text[i] == "{" else "bad"
+        name = json.loads(f'"{head.group(1)}"')
+        start = head.end()
+        end = _json_end(text, start)
+        if end is None:
+            calls.append(PartialCall(name, text[start:], False))
+            return calls, "partial"
+        i, state = _expect(text, end, "}")
+        calls.append(PartialCall(name, text[start:end], state is None))
+        if state:
+            return calls, state
+        if syntax.call_close:
+            i, state = _expect(text, i, syntax.call_close.strip())
+            if state:
+                return calls, state
+        if _skip(text, i) == len(text) and not syntax.bracket:
+            return calls, "done"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallText:
+    """A finished reply split into its text and its calls (``content`` is None when it is only calls)."""
+
+    content: str | None
+    calls: tuple[PartialCall, ...]
+
+
+def split_reply(text: str, syntax: ToolSyntax, *, truncated: bool = False) -> ToolCallText:
+    """Read a finished reply: all complete calls whose arguments are valid JSON, else it is plain text.
+
+    ``truncated``: the reply was cut by ``max_tokens``; its complete calls still count (a partial last one
+    is dropped; the finish reason stays ``"length"`` so the client knows).
+    """
+    stripped = text.strip()
+    starts_like_call = any(stripped.startswith(t) for t in syntax.triggers)
+    if not starts_like_call:
+        return ToolCallText(text, ())
+    calls, state = scan_calls(text, syntax)
+    if truncated and state == "partial":
+        calls = [c for c in calls if c.complete]
+    elif state != "done":
+        return ToolCallText(text, ())
+    if not calls:
+        return ToolCallText(text, ())
+    try:
+        for call in calls:
+            json.loads(call.arguments)
+    except ValueError:
+        return ToolCallText(text, ())
+    return ToolCallText(None, tuple(calls))

@@ -1,0 +1,151 @@
+"""Chat history with tools, as the chat template receives it.
+
+Templates that render tools themselves (:attr:`ToolSyntax.native`) get Hugging Face's message shapes:
+assistant ``tool_calls`` with ``arguments`` as a dict (templates ``tojson`` them) and ``tool`` messages
+with ``tool_call_id`` and the function's ``name``. Other templates get plain text: the tool list and the
+call format in the system prompt (:func:`tools_system_prompt`), earlier calls written back in that format,
+and tool results as a user turn in ``<tool_response>`` tags.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvb_server.errors import InvalidParameterError
+from kvb_server.tool_calls.spec import ToolPlan
+from kvb_server.tool_calls.syntax import ToolSyntax
+
+
+def tools_system_prompt(plan: ToolPlan) -> str:
+    """The system-prompt text teaching a template without tool support our (Hermes-tag) call format."""
+    listing = "\n".join(json.dumps(tool.definition(), ensure_ascii=False) for tool in plan.tools)
+    return (
+        "You can use the following tools. Each line describes one function and the JSON schema of its "
+        f"arguments:\n<tools>\n{listing}\n</tools>\n\n"
+        "To use a tool, reply with one block per call and nothing else, exactly like this:\n"
+        '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>\n'
+        "A tool's result comes back to you inside <tool_response></tool_response> tags. "
+        "When no tool is needed, answer normally."
+    )
+
+
+def call_text(name: str, arguments: Any, syntax: ToolSyntax) -> str:
+    """One call written in ``syntax`` (compact JSON, as the grammar makes the model write it)."""
+    body = json.dumps({"name": name, syntax.args_key: arguments}, ensure_ascii=False, separators=(",", ":"))
+    return f"{syntax.call_open}{body}{syntax.call_close}"
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if getattr(part, "type", None) != "text" or getattr(part, "text", None) is None:
+            raise InvalidParameterError(
+                f"{where}.content: only text parts are supported, got type '{getattr(part, 'type', None)}'.",
+                param="messages",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as ``{"id", "name", "arguments": <parsed JSON>}``."""
+    if not isinstance(raw, list):
+        raise InvalidParameterError(
+            f"Invalid value for '{where}.tool_calls': expected an array.", param="messages"
+        )
+    calls = []
+    for j, call in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidParameterError(
+                f"Invalid value for '{at}': expected {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}.",
+                param="messages",
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise InvalidParameterError(
+                    f"Invalid value for '{at}.function.arguments': not valid JSON.", param="messages"
+                ) from None
+        calls.append({"id": str(call.get("id") or ""), "name": function["name"], "arguments": arguments})
+    return calls
+
+
+def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """``messages`` (the request's :class:`~kvb_server.schemas.ChatMessage` list) for the chat template."""
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool_call_id -> function name, for templates that print it
+    pending_results: list[str] = []
+
+    def flush_results() -> None:
+        if pending_results:
+            body = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in pending_results)
+            out.append({"role": "user", "content": body})
+            pending_results.clear()
+
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        content = _text(msg.content, where)
+        if msg.role == "function":
+            raise InvalidParameterError(
+                f"{where}: 'function' messages (the deprecated function calling) are not supported; use 'tool'.",
+                param="messages",
+            )
+        if msg.role == "tool":
+            call_id = msg.tool_call_id
+            if not isinstance(call_id, str):
+                raise InvalidParameterError(
+                    f"Missing required parameter: '{where}.tool_call_id'.", param="messages"
+                )
+            if syntax.native:
+                message = {"role": "tool", "content": content, "tool_call_id": call_id}
+                if call_id in names:
+                    message["name"] = names[call_id]
+                out.append(message)
+            else:
+                pending_results.append(content)
+            continue
+        flush_results()
+        if msg.role == "assistant" and msg.tool_calls:
+            calls = _tool_calls(msg.tool_calls, where)
+            names.update({c["id"]: c["name"] for c in calls})
+            if syntax.native:
+                out.append(
+                    {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [
+                            {
+                                "id": c["id"],
+                                "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]},
+                            }
+                            for c in calls
+                        ],
+                    }
+                )
+            else:
+                written = "\n".join(call_text(c["name"], c["arguments"], syntax) for c in calls)
+                out.append({"role": "assistant", "content": f"{content}\n{written}" if content else written})
+            continue
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.
+        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
+    flush_results()
+    if plan is not None and not syntax.native:
+        prompt = tools_system_prompt(plan)
+        if out and out[0]["role"] == "system":
+            out[0] = {
+                **out[0],
+                "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt,
+            }
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -1,0 +1,96 @@
+"""Streamed tool calls: turn a reply's text deltas into OpenAI's chat deltas.
+
+OpenAI streams a call as one delta naming it (``{"index", "id", "type": "function", "function": {"name",
+"arguments": ""}}``) followed by deltas carrying pieces of ``arguments`` (``{"index", "function":
+{"arguments": "..."}}``); text replies stream as ``content``. In ``auto`` mode the reply's first characters
+decide: while they could still be the start of a call nothing is sent, then either content or calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvb_server.tool_calls.ids import new_call_id
+from kvb_server.tool_calls.parse import scan_calls
+from kvb_server.tool_calls.spec import ToolPlan
+
+
+class ToolCallStream:
+    """One choice's streamed reply under ``plan`` (``mode`` ``"auto"`` or ``"calls"``)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._syntax = plan.syntax
+        self._text = ""
+        #: "content" or "calls" once decided.
+        self._kind: str | None = "calls" if plan.mode == "calls" else None
+        self._content_sent = 0
+        #: Per streamed call: its id and how much of its arguments were sent.
+        self._sent: list[tuple[str, int]] = []
+
+    @property
+    def is_calls(self) -> bool:
+        return self._kind == "calls"
+
+    def _decide(self) -> None:
+        head = self._text.lstrip()
+        if not head:
+            return
+        triggers = self._syntax.triggers
+        if any(head.startswith(t) for t in triggers):
+            self._kind = "calls"
+        elif not any(t.startswith(head) for t in triggers):
+            self._kind = "content"
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        """The chat deltas for ``text``, the reply's next piece (possibly none yet)."""
+        self._text += text
+        if self._kind is None:
+            self._decide()
+        if self._kind == "content":
+            return self._content()
+        if self._kind == "calls":
+            return self._calls()
+        return []
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Deltas still held back when the reply ends (an undecided start is text after all)."""
+        if self._kind is None:
+            self._kind = "content"
+        return self._content() if self._kind == "content" else self._calls()
+
+    def _content(self) -> list[dict[str, Any]]:
+        piece = self._text[self._content_sent :]
+        self._content_sent = len(self._text)
+        return [{"content": piece}] if piece else []
+
+    def _calls(self) -> list[dict[str, Any]]:
+        calls, _ = scan_calls(self._text, self._syntax)
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            if index == len(self._sent):
+                call_id = new_call_id(self._syntax)
+                self._sent.append((call_id, 0))
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": call_id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            call_id, sent = self._sent[index]
+            if len(call.arguments) > sent:
+                deltas.append(
+                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments[sent:]}}]}
+                )
+                self._sent[index] = (call_id, len(call.arguments))
+        return deltas
+
+    @property
+    def call_ids(self) -> list[str]:
+        return [call_id for call_id, _ in self._sent]

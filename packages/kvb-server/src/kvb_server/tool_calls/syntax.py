@@ -1,0 +1,98 @@
+"""How a model writes tool calls: its chat template's own format where it has one, else Hermes tags.
+
+Three syntaxes cover the templates we know (detected from the template text, see :func:`detect`):
+
+- ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call. Qwen2.5 /
+  Qwen3 / Hermes templates render tools themselves and teach this format; it is also the documented fallback
+  for templates without tool support (SmolLM2 and most small models), where the server writes the tool list
+  and the format into the system prompt (:mod:`kvb_server.tool_calls.prompt`).
+- ``llama3_json``: a bare ``{"name": ..., "parameters": {...}}`` object (Llama 3.1-3.3 JSON tool calling); the
+  templates allow one call per turn, so ``parallel_tool_calls`` cannot add more.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (``[TOOL_CALLS]`` is a special token,
+  dropped from the decoded text, so parsing accepts the array with or without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SyntaxName = Literal["hermes", "llama3_json", "mistral"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSyntax:
+    """One tool-call format.
+
+    Attributes:
+        name: the format's name (reported in docs and ``/v1/models``-style introspection).
+        native: the chat template renders ``tools`` and tool history itself (else the server does).
+        marker: text (usually a special token) written once before the calls; ``""`` for none.
+        bracket: the calls are the items of one JSON array.
+        call_open / call_close: tags around each call's JSON object.
+        separator: what the grammar puts between two calls.
+        args_key: the key holding the arguments (``"arguments"``, Llama's ``"parameters"``).
+        max_calls: most calls in one reply (the template's limit; parallel calls are capped by the server).
+        short_ids: tool-call ids are 9 alphanumerics (Mistral's templates refuse anything else).
+    """
+
+    name: SyntaxName
+    native: bool
+    marker: str = ""
+    bracket: bool = False
+    call_open: str = ""
+    call_close: str = ""
+    separator: str = ""
+    args_key: str = "arguments"
+    max_calls: int | None = None
+    short_ids: bool = False
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        """Text a reply starts with when it is calls, as decoded (special tokens may be dropped)."""
+        if self.call_open:
+            return (self.call_open.strip(),)
+        if self.bracket:
+            return ((self.marker,) if self.marker else ()) + ("[",)
+        return ((self.marker,) if self.marker else ()) + ("{",)
+
+
+def hermes(*, native: bool) -> ToolSyntax:
+    return ToolSyntax(
+        name="hermes", native=native, call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"
+    )
+
+
+LLAMA3_JSON = ToolSyntax(name="llama3_json", native=True, args_key="parameters", max_calls=1)
+MISTRAL = ToolSyntax(
+    name="mistral", native=True, marker="[TOOL_CALLS]", bracket=True, separator=", ", short_ids=True
+)
+
+
+def template_text(tokenizer: Any) -> str:
+    """The chat template's source (all named templates, when there are several)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    if isinstance(template, list):  # the older serialized form: [{"name": ..., "template": ...}]
+        return "\n".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    return template or ""
+
+
+def detect(tokenizer: Any) -> ToolSyntax:
+    """The tool syntax of ``tokenizer``'s chat template (Hermes tags in the system prompt when unknown).
+
+    A template counts as native only when it both mentions ``tools`` and uses a format we parse: templates
+    with another format (Granite, Phi, Command-R...) get the documented system-prompt format instead, so
+    what the server parses is always what the model was told to write.
+    """
+    text = template_text(tokenizer)
+    if "tools" not in text:
+        return hermes(native=False)
+    if "<tool_call>" in text:
+        return hermes(native=True)
+    if "[TOOL_CALLS]" in text:
+        return MISTRAL
+    if "<|python_tag|>" in text or ('"parameters"' in text and "ipython" in text):
+        return LLAMA3_JSON
+    return hermes(native=False)

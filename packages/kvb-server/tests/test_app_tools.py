@@ -1,0 +1,171 @@
+"""Tool calling, response_format and logit_bias end to end on a tiny random Llama (real engine, real grammar).
+
+A random model writes nonsense, but constrained decoding makes the *shape* a guarantee: these tests check
+that every reply is a valid call / schema-valid JSON, whatever the weights. Schemas use enums and bounded
+numbers so that replies end well within max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import build_tiny_engine, serve
+
+from kvb_server import ServerConfig, create_app
+
+MODEL = "tiny-llama"
+UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": UNIT, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["unit", "days"],
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]},
+    },
+}
+USER = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    engine = build_tiny_engine(context=2048)  # the tool prompt of a template without tools is ~800 tokens here
+    config = ServerConfig(model_names=(MODEL,), max_tokens=160)
+    with serve(create_app(engine, config)) as base:
+        yield base
+
+
+@pytest.fixture()
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def check_call(name: str, arguments: str) -> None:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        assert set(args) == {"unit", "days"} and args["unit"] in UNIT["enum"] and 1 <= args["days"] <= 7
+    else:
+        assert name == "set_alarm" and set(args) == {"on"} and isinstance(args["on"], bool)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_required_and_named_choices_return_valid_tool_calls(client: openai.OpenAI, choice) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, ALARM], tool_choice=choice, temperature=0, max_tokens=160
+    )
+    choice0 = resp.choices[0]
+    assert choice0.finish_reason == "tool_calls", choice0
+    assert choice0.message.content is None and choice0.message.tool_calls
+    for call in choice0.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        check_call(call.function.name, call.function.arguments)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in choice0.message.tool_calls] == ["set_alarm"]
+
+
+def test_streamed_tool_calls_equal_the_non_streamed_ones(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, ALARM], tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=160).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, max_tokens=160, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for piece in choice.delta.tool_calls or ():
+            entry = calls.setdefault(piece.index, {"id": piece.id, "name": "", "arguments": ""})
+            entry["name"] += piece.function.name or ""
+            entry["arguments"] += piece.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+    assert all(c["id"] for c in calls.values())
+
+
+def test_response_format_json_schema_is_schema_valid(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "unit": UNIT,
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["unit", "ok", "n"],
+    }
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": schema, "strict": True},
+        },
+        temperature=0,
+        max_tokens=160,
+    )
+    data = json.loads(resp.choices[0].message.content)
+    assert set(data) == {"unit", "ok", "n"} and data["unit"] in UNIT["enum"] and 0 <= data["n"] <= 9
+    text = client.completions.create(
+        model=MODEL,
+        prompt="unit:",
+        temperature=0,
+        max_tokens=20,
+        extra_body={"response_format": {"type": "regex", "pattern": "(celsius|fahrenheit)"}},
+    )
+    assert text.choices[0].text in UNIT["enum"] and text.choices[0].finish_reason == "stop"
+
+
+def test_logit_bias_steers_greedy_decoding(url: str, client: openai.OpenAI) -> None:
+    token = httpx.post(
+        url + "/tokenize", json={"model": MODEL, "prompt": "Z", "add_special_tokens": False}
+    ).json()
+    (z,) = token["tokens"]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, logit_bias={str(z): 100}, temperature=0, max_tokens=5
+    )
+    assert resp.choices[0].message.content == "Z" * 5
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=USER, logit_bias={"999999": 1}, max_tokens=2)
+    assert info.value.param == "logit_bias"
+
+
+def test_tool_history_is_accepted_and_shares_the_prefix(client: openai.OpenAI) -> None:
+    tools = [WEATHER, ALARM]
+    first = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=tools, tool_choice="required", temperature=0, max_tokens=160
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, tools=tools, tool_choice="none", temperature=0, max_tokens=4
+    )
+    assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason == "length"
+    # The tool list and the first turn are a prefix of the second prompt: served from the cache.
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+def test_invalid_schema_is_a_400_before_queueing(client: openai.OpenAI) -> None:
+    bad = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}},
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[bad], tool_choice="required")
+    assert info.value.param == "tools[0].function.parameters"

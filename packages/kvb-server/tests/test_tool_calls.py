@@ -1,0 +1,284 @@
+"""kvb_server.tool_calls without a model: syntax detection, grammars, parsing, streaming, prompt rendering."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import llguidance
+import llguidance.hf
+import pytest
+from conftest import build_tokenizer
+
+from kvb_server.errors import InvalidParameterError
+from kvb_server.schemas import ChatMessage
+from kvb_server.tool_calls import (
+    ToolCallStream,
+    detect,
+    scan_calls,
+    split_reply,
+    template_messages,
+    tool_grammar,
+    tool_plan,
+)
+from kvb_server.tool_calls.syntax import LLAMA3_JSON, MISTRAL, hermes
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Pa\\"ris}","unit":"c"}}\n</tool_call>'
+
+
+def tokenizer_with(template: str) -> SimpleNamespace:
+    return SimpleNamespace(chat_template=template)
+
+
+@pytest.mark.parametrize(
+    ("template", "name", "native"),
+    [
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes", False),
+        (
+            "{% if tools %}<tools>{{ tools | tojson }}</tools> use <tool_call></tool_call>{% endif %}",
+            "hermes",
+            True,
+        ),
+        (
+            "{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]",
+            "mistral",
+            True,
+        ),
+        (
+            '{% if tools %}Environment: ipython {"name": ..., "parameters": ...}{% endif %}',
+            "llama3_json",
+            True,
+        ),
+        ("{% if tools %}<|tool_call|>{{ tools }}{% endif %}", "hermes", False),  # unknown format: our prompt
+    ],
+)
+def test_detect_reads_the_templates_own_format(template: str, name: str, native: bool) -> None:
+    syntax = detect(tokenizer_with(template))
+    assert (syntax.name, syntax.native) == (name, native)
+
+
+def test_scan_reads_partial_and_complete_calls() -> None:
+    syntax = hermes(native=False)
+    two = f"{CALL}\n{CALL.replace('get_weather', 'get_time').replace('Pa', 'Ro')}"
+    seen = []
+    for end in range(len(two) + 1):
+        calls, state = scan_calls(two[:end], syntax)
+        assert state in ("partial", "done"), two[:end]
+        seen.append([(c.name, c.arguments) for c in calls])
+        for call in calls:  # every partial argument text is a prefix of the final one
+            assert ('{"city":"Pa\\"ris}","unit":"c"}' + "}").startswith(
+                call.arguments
+            ) or call.name == "get_time"
+    assert state == "done"
+    assert seen[-1] == [
+        ("get_weather", '{"city":"Pa\\"ris}","unit":"c"}'),
+        ("get_time", '{"city":"Ro\\"ris}","unit":"c"}'),
+    ]
+    assert scan_calls("hello", syntax)[1] == "bad"
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text"),
+    [
+        (LLAMA3_JSON, '{"name":"f","parameters":{"x":[1,{"y":"}"}]}}'),
+        (MISTRAL, '[{"name":"f","arguments":{"x":[1,{"y":"}"}]}}, {"name":"g","arguments":{}}]'),
+        (MISTRAL, '[TOOL_CALLS][{"name":"f","arguments":{"x":[1,{"y":"}"}]}}]'),
+    ],
+)
+def test_split_reply_in_each_syntax(syntax, text: str) -> None:
+    reply = split_reply(text, syntax)
+    assert reply.content is None
+    assert reply.calls[0].name == "f" and json.loads(reply.calls[0].arguments) == {"x": [1, {"y": "}"}]}
+
+
+def test_split_reply_keeps_text_and_cut_calls_as_text_unless_truncated() -> None:
+    syntax = hermes(native=False)
+    assert split_reply("The weather is fine.", syntax).content == "The weather is fine."
+    cut = CALL + "\n<tool_call>\n{" + '"name":"get_weather","argu'
+    assert split_reply(cut, syntax).calls == ()
+    assert [c.name for c in split_reply(cut, syntax, truncated=True).calls] == ["get_weather"]
+
+
+def stream_all(stream: ToolCallStream, text: str, step: int) -> list[dict]:
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += stream.push(text[i : i + step])
+    return deltas + stream.finish()
+
+
+@pytest.mark.parametrize("step", [1, 3, 50])
+def test_stream_sends_a_header_then_argument_pieces(step: int) -> None:
+    plan = tool_plan([WEATHER, TIME], "required", None, hermes(native=False))
+    text = f"{CALL}\n{CALL.replace('get_weather', 'get_time')}"
+    deltas = stream_all(ToolCallStream(plan), text, step)
+    assert all(set(d) == {"tool_calls"} and len(d["tool_calls"]) == 1 for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        piece = d["tool_calls"][0]
+        if "id" in piece:  # OpenAI's first delta of a call: id, type, name and empty arguments
+            assert piece["index"] not in calls and piece["type"] == "function"
+            assert piece["function"]["arguments"] == ""
+            calls[piece["index"]] = {"id": piece["id"], "name": piece["function"]["name"], "arguments": ""}
+        else:
+            assert set(piece["function"]) == {"arguments"}
+            calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [{"city": 'Pa"ris}', "unit": "c"}] * 2
+
+
+def test_auto_stream_holds_a_possible_call_start_then_sends_text() -> None:
+    plan = tool_plan([WEATHER], "auto", None, hermes(native=False))
+    stream = ToolCallStream(plan)
+    assert stream.push("<tool") == []  # could still become a call
+    assert stream.push("box> is a tag") == [{"content": "<toolbox> is a tag"}]
+    assert stream.push("!") == [{"content": "!"}]
+    held = ToolCallStream(plan)
+    assert held.push(" <tool_") == []
+    assert held.finish() == [{"content": " <tool_"}]  # the reply ended: it was text
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer():
+    return build_tokenizer(), llguidance.hf.from_tokenizer(build_tokenizer())
+
+
+def accepts(ll_tokenizer, grammar: str, text: str) -> bool:
+    tokenizer, ll = ll_tokenizer
+    matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+
+def test_required_grammar_admits_exactly_valid_calls(ll_tokenizer) -> None:
+    plan = tool_plan([WEATHER, TIME], "required", None, hermes(native=False))
+    grammar = tool_grammar(plan)
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar)) == ""
+    assert accepts(ll_tokenizer, grammar, CALL)
+    assert accepts(ll_tokenizer, grammar, CALL + "\n" + CALL)
+    assert not accepts(ll_tokenizer, grammar, "Sure!")
+    assert not accepts(ll_tokenizer, grammar, CALL.replace('"unit":"c"', '"unit":"k"'))  # not in the enum
+    assert not accepts(ll_tokenizer, grammar, CALL.replace("get_weather", "get_wether"))  # unknown tool
+    assert not accepts(ll_tokenizer, grammar, CALL.replace('"city"', '"town"'))
+    assert not accepts(ll_tokenizer, grammar, "\n".join([CALL] * 9))  # MAX_PARALLEL_CALLS
+    single = tool_grammar(tool_plan([WEATHER, TIME], "required", False, hermes(native=False)))
+    assert not accepts(ll_tokenizer, single, CALL + "\n" + CALL)
+    named = tool_plan(
+        [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, hermes(native=False)
+    )
+    assert accepts(
+        ll_tokenizer, tool_grammar(named), '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+    )
+    assert not accepts(ll_tokenizer, tool_grammar(named), CALL)
+
+
+def test_auto_grammar_admits_text_or_calls(ll_tokenizer) -> None:
+    plan = tool_plan([WEATHER], "auto", None, hermes(native=False))
+    grammar = tool_grammar(plan)
+    assert accepts(ll_tokenizer, grammar, "It is sunny.")
+    assert accepts(ll_tokenizer, grammar, CALL)
+    assert not accepts(ll_tokenizer, grammar, "<tool_call>\nnot json")
+    with_schema = tool_grammar(plan, text_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert accepts(ll_tokenizer, with_schema, '{"a":1}')
+    assert not accepts(ll_tokenizer, with_schema, "It is sunny.")
+
+
+@pytest.mark.parametrize("syntax", [LLAMA3_JSON, MISTRAL])
+def test_native_syntax_grammars_compile(ll_tokenizer, syntax) -> None:
+    plan = tool_plan([WEATHER], "required", None, syntax)
+    arguments = json.dumps(
+        {"name": "get_weather", syntax.args_key: {"city": "x", "unit": "f"}}, separators=(",", ":")
+    )
+    text = arguments
+    if syntax.bracket:
+        text = f"[TOOL_CALLS][{text}]"
+    assert accepts(ll_tokenizer, tool_grammar(plan), text)
+    assert split_reply(text, syntax).calls[0].name == "get_weather"
+
+
+def messages(*raw: dict) -> list[ChatMessage]:
+    return [ChatMessage.model_validate(m) for m in raw]
+
+
+HISTORY = (
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+)
+
+
+def test_history_for_a_template_without_tools_is_text() -> None:
+    syntax = hermes(native=False)
+    plan = tool_plan([WEATHER], None, None, syntax)
+    out = template_messages(messages(*HISTORY), syntax, plan)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in out[0]["content"]
+    assert (
+        out[2]["content"] == '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    )
+    assert out[3]["content"] == "<tool_response>\n21 C\n</tool_response>"
+    # The system prompt only changes when tools are declared (same prefix for every call of a loop).
+    assert template_messages(messages(*HISTORY), syntax, None)[0]["content"] == "Be brief."
+
+
+def test_history_for_a_native_template_uses_hugging_face_shapes() -> None:
+    out = template_messages(messages(*HISTORY), hermes(native=True), None)
+    assert out[2] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    }
+    assert out[3] == {"role": "tool", "content": "21 C", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+def test_bad_tool_definitions_name_the_parameter() -> None:
+    syntax = hermes(native=False)
+    for tools, choice, param in [
+        ([{"type": "function"}], None, "tools[0].function"),
+        (
+            [{"type": "function", "function": {"name": "x", "parameters": []}}],
+            None,
+            "tools[0].function.parameters",
+        ),
+        ([WEATHER, WEATHER], None, "tools"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        (None, "auto", "tool_choice"),
+    ]:
+        with pytest.raises(InvalidParameterError) as info:
+            tool_plan(tools, choice, None, syntax)
+        assert info.value.param == param
+    assert tool_plan(None, "none", None, syntax) is None
