@@ -43,7 +43,8 @@ USER = [{"role": "user", "content": "weather?"}]
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    engine = build_tiny_engine(context=2048)  # the tool prompt of a template without tools is ~800 tokens here
+    # The tool prompt of a template without tools is ~800 tokens with this tiny vocabulary.
+    engine = build_tiny_engine(context=2048)
     config = ServerConfig(model_names=(MODEL,), max_tokens=160)
     with serve(create_app(engine, config)) as base:
         yield base
