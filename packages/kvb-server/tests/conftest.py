@@ -49,10 +49,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_engine(*, context: int = 512, **engine_config: Any) -> KVBoost:
-    """The tiny Llama behind KVBoost (``context``: its max_position_embeddings); ``engine_config`` adds
-    :class:`EngineConfig` fields (e.g. ``tiers``)."""
-    tokenizer = build_tokenizer()
+def build_tiny_engine(
+    *, context: int = 512, tokenizer: PreTrainedTokenizerFast | None = None, **engine_config: Any
+) -> KVBoost:
+    """The tiny Llama behind KVBoost (``context``: its max_position_embeddings; ``tokenizer``: another than
+    :func:`build_tokenizer`'s); ``engine_config`` adds :class:`EngineConfig` fields (e.g. ``tiers``)."""
+    tokenizer = tokenizer or build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64,
