@@ -192,6 +192,24 @@ def test_chosen_step_reaches_the_engine(fake: FakeEngine) -> None:
     assert gate.stats()["last_plan"]["verdict"] == "run"
 
 
+def test_constrained_requests_are_never_quantized(fake: FakeEngine) -> None:
+    """A response_format request decodes in the batched loop, which has no quantized private KV: the gate
+    plans it with full-precision steps only (here: refused), where a plain one gets 4-bit KV."""
+    ladder = Ladder(steps=(LadderStep(prefill_chunk_size=None), LadderStep(prefill_chunk_size=8, kv_bits=4)))
+    request = PlanRequest(prompt_tokens=150, max_new_tokens=MAX_TOKENS)
+    single, sliced = (estimate_memory(request, step, SHAPE).peak_bytes for step in ladder.steps)
+    profile = DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=(single + sliced) // 2)
+    gate = gate_for(profile, ladder=ladder, safety_margin=0.0)
+    regex = {"response_format": {"type": "regex", "pattern": "[a-z]+"}}
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=100), gate=gate)) as url:
+        assert post(url, "/v1/completions", completion("x" * 150)).status_code == 200
+        assert fake.overrides[-1]["kv_cache_bits"] == 4
+        refused = post(url, "/v1/completions", completion("x" * 150, **regex))
+        assert refused.status_code == 413, refused.text
+        assert post(url, "/v1/completions", completion("x" * 20, **regex)).status_code == 200
+        assert fake.overrides[-1] == {}
+
+
 def test_stats_report_calibration_as_strict_json(fake: FakeEngine) -> None:
     profile = profile_fitting(100)
     meter = FixedMeter(actual=50_000)

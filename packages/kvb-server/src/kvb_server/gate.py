@@ -25,6 +25,8 @@ class AdmissionRequest:
         max_new_tokens: generated-token budget of each choice.
         n: choices per prompt.
         queue_depth: requests not running yet (submitted to the engine thread or waiting inside the engine).
+        constrained: the reply is grammar-constrained (``response_format`` / tools): such requests decode in
+            the engine's batched loop, where a quantized private KV (``kv_cache_bits``) is not available.
     """
 
     endpoint: str
@@ -33,6 +35,7 @@ class AdmissionRequest:
     max_new_tokens: int
     n: int
     queue_depth: int
+    constrained: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -184,11 +184,17 @@ class PlannerGate:
             auto_truncate=self.auto_truncate,
         )
         profile = replace(self.profile, free_bytes=self.free_bytes())
+        ladder = self.ladder
+        if request.constrained:
+            # Grammar-constrained requests cannot take a quantized KV: plan with full-precision steps only
+            # (slicing the prefill is still fine), so such a request is sliced or refused, never quantized.
+            exact = tuple(s for s in ladder.steps if s.kv_bits == 16)
+            ladder = p.Ladder(steps=exact) if exact else ladder
         result = p.plan(
             plan_request,
             profile,
             self.shape,
-            p.PlannerPolicy(safety_margin=self.margin(), ladder=self.ladder),
+            p.PlannerPolicy(safety_margin=self.margin(), ladder=ladder),
         )
         with self._lock:
             self._decisions[result.verdict.value] += 1

@@ -148,6 +148,7 @@ class GenerationService:
                 max_new_tokens=plan.sampling.max_new_tokens,
                 n=plan.n,
                 queue_depth=self._worker.depth,
+                constrained=plan.sampling.response_format is not None,
             )
         )
         if not decision.admitted:
