@@ -47,7 +47,7 @@ _NONE_ACCEPTED = WithJsonSchema({"not": {}})
 _NULL: dict[str, Any] = {"type": "null"}
 
 
-def _tag(supported: frozenset[str], default: str | None = None):
+def _tag(supported: frozenset[str], default: str | None = None) -> Discriminator:
     """A discriminator picking the model of ``type``; other types go to the ``"unsupported"`` model."""
 
     def pick(value: Any) -> str | None:
