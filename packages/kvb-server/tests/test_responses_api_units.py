@@ -174,7 +174,7 @@ def run(payloads: list[dict[str, Any]], **fields: Any) -> tuple[list[dict[str, A
         if translator.failed:
             break
     else:
-        events += translator.final()[1]
+        events += translator.final().events
     for e in events:
         ResponseStreamEvent.model_validate(e)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvb_server.responses_api.build import (
     ResponseEnvelope,
@@ -31,6 +31,14 @@ Event = dict[str, Any]
 def sse(event: Event) -> bytes:
     """One event as SSE: its type on the ``event:`` line, the event (type included) as JSON ``data:``."""
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+class StreamEnd(NamedTuple):
+    """How a stream that did not fail ends: the finished response object, and the events still to send
+    (the open item's ``.done`` events, then ``response.completed`` or ``response.incomplete``)."""
+
+    response: dict[str, Any]
+    events: list[Event]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -91,13 +99,13 @@ class StreamTranslator:
                 events += self._close()
         return events
 
-    def final(self) -> tuple[dict[str, Any], list[Event]]:
-        """The finished response object and its last event (``response.completed`` or ``.incomplete``)."""
+    def final(self) -> StreamEnd:
+        """The finished response and its last events (once the chat stream has ended without an error)."""
         events = self._close()
         status = status_of(self._finish_reason)
         response = self._envelope.object(status, self.output, usage=self._usage)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return response, [*events, self._event(kind, response=response)]
+        return StreamEnd(response=response, events=[*events, self._event(kind, response=response)])
 
     # -- items ----------------------------------------------------------------------------------------------
     def _open_message(self) -> list[Event]:

@@ -95,9 +95,9 @@ def responses_router(
                         yield sse(event)
                     if translator.failed:
                         return
-            response, last = translator.final()
-            keep(caller, req, response, t)  # before the last event: a follow-up may come right after it
-            for event in last:
+            end = translator.final()
+            keep(caller, req, end.response, t)  # before the last event: a follow-up may come right after it
+            for event in end.events:
                 yield sse(event)
 
         headers = {**SSE_HEADERS, **(stream.truncation.headers() if stream.truncation else {})}
