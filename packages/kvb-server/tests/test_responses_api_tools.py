@@ -1,0 +1,118 @@
+"""``/v1/responses`` with function tools and ``text.format`` on a tiny random Llama (real engine, real grammar).
+
+The chat route constrains replies to valid calls / schema-valid JSON whatever the weights; these tests check
+that the Responses route carries that through: ``function_call`` items (and their stream events) with valid
+arguments, a ``function_call_output`` follow-up by ``previous_response_id``, and JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from conftest import build_tiny_engine, serve
+
+from kvb_server import ServerConfig, create_app
+
+MODEL = "tiny-llama"
+UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather now",
+    "parameters": {
+        "type": "object",
+        "properties": {"unit": UNIT, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["unit", "days"],
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    # The tool prompt of a template without tools is ~800 tokens with this tiny vocabulary.
+    engine = build_tiny_engine(context=2048)
+    with serve(create_app(engine, ServerConfig(model_names=(MODEL,), max_tokens=160))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"unit", "days"} and args["unit"] in UNIT["enum"] and 1 <= args["days"] <= 7
+
+
+def test_required_tool_gives_function_calls_and_a_follow_up_reads_their_output(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "tools": [WEATHER], "tool_choice": "required", "temperature": 0}
+    resp = client.responses.create(**kw, input="weather?", parallel_tool_calls=False)
+    assert resp.status == "completed", resp.output
+    [call] = resp.output
+    assert call.type == "function_call" and call.status == "completed" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    check_weather(call.arguments)
+    assert resp.output_text == "" and resp.tools[0].name == "get_weather"
+
+    follow = client.responses.create(
+        model=MODEL,
+        previous_response_id=resp.id,
+        tools=[WEATHER],
+        tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert [item.type for item in follow.output] == ["message"]
+    # The follow-up's prompt starts with the first turn (its tool prompt included): served from the cache.
+    assert follow.usage.input_tokens_details.cached_tokens >= resp.usage.input_tokens // 2
+
+
+def test_streamed_function_calls_equal_the_non_streamed_ones(client: openai.OpenAI) -> None:
+    kw = {
+        "model": MODEL,
+        "input": "weather?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds
+    streamed = events[-1].response.output
+    assert [(i.type, i.name, i.arguments) for i in streamed] == [
+        (i.type, i.name, i.arguments) for i in whole.output
+    ]
+    for index, item in enumerate(streamed):
+        deltas = [
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.output_index == index
+        ]
+        assert "".join(deltas) == item.arguments
+        check_weather(item.arguments)
+    with client.responses.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert [i.arguments for i in final.output] == [i.arguments for i in whole.output]
+
+
+def test_text_format_json_schema_gives_schema_valid_text(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"unit": UNIT, "ok": {"type": "boolean"}},
+        "required": ["unit", "ok"],
+    }
+    resp = client.responses.create(
+        model=MODEL,
+        input="weather?",
+        text={"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}},
+        temperature=0,
+    )
+    data = json.loads(resp.output_text)
+    assert set(data) == {"unit", "ok"} and data["unit"] in UNIT["enum"]
+    assert resp.text.format.type == "json_schema" and resp.text.format.name == "w"
