@@ -170,3 +170,24 @@ def test_invalid_schema_is_a_400_before_queueing(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=USER, tools=[bad], tool_choice="required")
     assert info.value.param == "tools[0].function.parameters"
+
+
+def test_stream_opens_a_call_as_openai_does(url: str) -> None:
+    """The first delta carries the role, content null and the call's id/type/name; no separate role chunk."""
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "tools": [ALARM],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 160,
+        "stream": True,
+    }
+    lines = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and first["content"] is None
+    assert first["tool_calls"][0]["function"] == {"name": "set_alarm", "arguments": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

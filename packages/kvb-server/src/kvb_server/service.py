@@ -308,16 +308,16 @@ class OpenStream:
                     return
                 event, i = update.event, update.choice
                 assert event is not None
-                if plan.chat_logprobs and i not in started:
+                if tool_streams is not None:
+                    deltas = tool_streams[i].deltas(
+                        event.delta_text, final=event.result is not None, force=bool(event.logprobs)
+                    )
+                    for k, delta in enumerate(deltas):
+                        yield chunk(plan, ids, index=i, delta=delta, logprobs=None if k else event.logprobs)
+                elif plan.chat_logprobs and i not in started:
                     started.add(i)
                     yield chunk(plan, ids, index=i, role=True)
-                if tool_streams is not None:
-                    deltas = tool_streams[i].push(event.delta_text) if event.delta_text else []
-                    if event.result is not None:
-                        deltas += tool_streams[i].finish()
-                    for k, delta in enumerate(deltas or ([{}] if event.logprobs else [])):
-                        yield chunk(plan, ids, index=i, delta=delta, logprobs=None if k else event.logprobs)
-                elif event.delta_text or event.logprobs:
+                if tool_streams is None and (event.delta_text or event.logprobs):
                     yield chunk(
                         plan,
                         ids,

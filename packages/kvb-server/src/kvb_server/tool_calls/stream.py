@@ -27,6 +27,7 @@ class ToolCallStream:
         self._content_sent = 0
         #: Per streamed call: its id and how much of its arguments were sent.
         self._sent: list[tuple[str, int]] = []
+        self._opened = False
 
     @property
     def is_calls(self) -> bool:
@@ -52,6 +53,28 @@ class ToolCallStream:
         if self._kind == "calls":
             return self._calls()
         return []
+
+    def deltas(self, text: str, *, final: bool, force: bool = False) -> list[dict[str, Any]]:
+        """The chat deltas to send for ``text`` (and, when ``final``, what was held back), the first one of
+        the reply carrying ``role`` as OpenAI's does (with ``content: null`` when it opens a call).
+
+        ``force``: send at least one (possibly empty) delta, e.g. to carry logprobs; a final call always
+        sends at least the opening one.
+        """
+        out = self.push(text) if text else []
+        if final:
+            out += self.finish()
+        if not out and (force or (final and not self._opened)):
+            out = [{}]
+        if out and not self._opened:
+            self._opened = True
+            first = out[0]
+            out[0] = (
+                {"role": "assistant", "content": None, **first}
+                if "tool_calls" in first
+                else {"role": "assistant", **first}
+            )
+        return out
 
     def finish(self) -> list[dict[str, Any]]:
         """Deltas still held back when the reply ends (an undecided start is text after all)."""
