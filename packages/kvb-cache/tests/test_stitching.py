@@ -89,8 +89,16 @@ def test_selective_recomputes_first_tokens_after_each_seam(llama, tokenizer):
     engine.next_token_logits(first)
     out = engine.generate(second, max_new_tokens=2, ignore_eos=True)
     stitched = [c for c in out.chunks if c.kind is HitKind.STITCHED]
-    assert [c.recomputed_tokens for c in stitched] == [5] * 5
-    assert out.recomputed_tokens == 25
+    # Two true seams: docs[2] (32..48) and docs[0] + docs[1] (72..136), four chunks that were neighbours in
+    # `first` too (each one's parent is the previous one), so they form one run with one seam.
+    assert [(c.start, c.recomputed_tokens) for c in stitched] == [
+        (32, 5),
+        (72, 5),
+        (88, 0),
+        (104, 0),
+        (120, 0),
+    ]
+    assert out.recomputed_tokens == 10
 
 
 def test_selective_positions_are_after_the_seam_and_include_sinks():

@@ -77,6 +77,26 @@ def find_pieces(
     return pieces
 
 
+def chained_runs(pieces: Sequence[StitchedPiece]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each maximal run of pieces that were also neighbours where they were computed.
+
+    A piece whose entry's ``parent`` is the previous piece's ``key`` (and that starts where it ends) was
+    computed right after that chunk's tokens: its KV already saw that neighbour, so the boundary between
+    them is no seam. Only the first piece of a run lost its context (a true seam, which repair targets);
+    a document stitched as ten chunks has one seam, not ten.
+    """
+    runs: list[tuple[int, int]] = []
+    prev: StitchedPiece | None = None
+    for piece in pieces:
+        chained = prev is not None and prev.end == piece.start and piece.entry.parent == prev.entry.key
+        if chained:
+            runs[-1] = (runs[-1][0], piece.end)
+        else:
+            runs.append((piece.start, piece.end))
+        prev = piece
+    return runs
+
+
 def _dense_kv(entry: ChunkEntry):
     """Per layer ``(keys, values)``; quantized tiers keep entries encoded and decode through ``dense()``."""
     dense = getattr(entry, "dense", None)
@@ -174,7 +194,7 @@ class Stitcher:
         covered = set(stitched)
         gaps = [p for p in range(prefix, end) if p not in covered]
         strategy = cfg.recompute_strategy
-        spans = [(piece.start, piece.end) for piece in pieces]
+        spans = chained_runs(pieces)
         if strategy == "none":
             recompute_tokens(self.model, layers, ids, torch.tensor(gaps, dtype=torch.long), self.layout)
             repaired: list[int] = []

@@ -15,7 +15,8 @@ def selective_positions(pieces: Sequence[tuple[int, int]], *, overlap_k: int, si
     recomputed when they are stitched.
 
     Args:
-        pieces: ``(start, end)`` prompt positions of each stitched chunk.
+        pieces: ``(start, end)`` prompt positions of each stitched run (chunks that were neighbours where
+            they were computed form one run: :func:`kvb_cache.stitching.chained_runs`).
     """
     chosen: set[int] = set()
     for start, end in pieces:
