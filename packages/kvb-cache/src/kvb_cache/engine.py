@@ -19,7 +19,7 @@ from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.core.request import Request
+from kvb_cache.core.request import PreparedKV, Request
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.emitter import Emitter
@@ -35,7 +35,7 @@ from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.options import pick_keywords
-from kvb_cache.prepared import NextTokenLogits, Prompt
+from kvb_cache.prepared import NextTokenLogits, PreparedPrompt, Prompt
 from kvb_cache.request_checks import (
     check_cache_salt,
     check_context,
@@ -291,9 +291,10 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
+        prepared = None
         if speculative or bits is not None or (self.config.stitching is not None and not constrained):
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-            if speculative or bits is not None or prepared.exact_until is not None:
+            if speculative or bits is not None:
                 prepared.prefill_chunk_size = prefill_chunk_size
                 self._apply_kv_bits(prepared, bits)
                 self.core.add_solo(rid, generation.run(self, prepared, params, t0))
@@ -310,6 +311,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
+        if prepared is not None and prepared.exact_until is not None:
+            adopt_stitched(req, prepared)
         self.core.add(req)
         return rid
 
@@ -349,15 +352,21 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         """
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
-        if self.config.stitching is not None:
-            return self._stitched_logits(ids, root=root)
+        t0 = time.perf_counter()
         rid = RequestId(f"logits-{next(self._ids)}")
-        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), time.perf_counter(), root=root)
+        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), t0, root=root)
         req.capture_logits = True
+        if self.config.stitching is not None:
+            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
+            if prepared.exact_until is not None:
+                adopt_stitched(req, prepared)
         self.core.add(req)
         result = self._run_to_end([rid])[0]
         return NextTokenLogits(
-            logits=req.last_logits, cached_tokens=result.cached_tokens, prompt_tokens=len(ids)
+            logits=req.last_logits,
+            cached_tokens=result.cached_tokens,
+            prompt_tokens=len(ids),
+            recomputed_tokens=result.recomputed_tokens,
         )
 
     def cache_stats(self) -> dict[str, Any]:
@@ -420,12 +429,13 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
 
     def _paged_result(self, req: Request) -> GenerationResult:
         cached = req.cached_tokens or 0
-        chunks = generation.chunk_hits(req.spans, cached)
+        chunks = req.chunk_hits if req.chunk_hits is not None else generation.chunk_hits(req.spans, cached)
         result = GenerationResult(
             output_text=req.emitter.text,
             output_ids=list(req.output_ids),
             prompt_tokens=req.prompt_len,
             cached_tokens=cached,
+            recomputed_tokens=req.recomputed_tokens,
             ttft_ms=req.ttft_ms,
             total_ms=(time.perf_counter() - req.arrival) * 1e3,
             finish_reason=req.emitter.finish or "length",
@@ -441,6 +451,18 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
+
+
+def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:
+    """Hand a stitched prompt's assembled KV to its loop request: written into the request's private blocks
+    at admission, it then prefills the rest and decodes in the batched step like any other request. Only
+    ``ids[:exact_until]`` may ever be registered under prefix hashes (the store rule)."""
+    layers = tuple((layer.keys, layer.values) for layer in prepared.cache.layers)
+    req.prepared_kv = PreparedKV(layers=layers, length=prepared.cached_tokens)
+    req.exact_until = prepared.exact_until
+    req.cached_tokens = prepared.served_tokens
+    req.chunk_hits = prepared.chunks
+    req.recomputed_tokens = prepared.recomputed_tokens
 
 
 def new_request(

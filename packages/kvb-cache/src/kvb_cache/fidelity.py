@@ -3,6 +3,11 @@
 Exact reuse must show zero drift (fp32: max-abs-diff ~1e-6, KL ~0, identical continuations); stitched
 (approximate) reuse shows what it costs. The default prompts are RAG-shaped: the same documents (Python's
 own ``pydoc_data.topics``) in different orders after one system prompt, so later prompts stitch.
+
+Greedy identity over many tokens is chaotic on a small model (one near-tie flips the rest), so the KV is
+judged *teacher-forced* too (:func:`teacher_forced_logits`, :func:`compare_distributions`): along the
+no-cache continuation, does the cached path pick the same next token at every position, and how far apart
+are the two distributions (KL, nats)?
 """
 
 from __future__ import annotations
@@ -83,6 +88,79 @@ def default_prompts(words_per_doc: int = 120) -> list[str]:
         _SYSTEM + "".join(docs[(i + j) % n] for j in range(n)) + q + "\nAnswer:"
         for i, q in enumerate(questions)
     ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContinuationLogits:
+    """Next-token logits at every position of a continuation, computed through the cache."""
+
+    #: ``[T, V]``: row ``t`` predicts ``continuation[t]`` (after the prompt and ``continuation[:t]``).
+    logits: torch.Tensor
+    #: Prompt tokens served from cache (exact + stitched).
+    cached_tokens: int
+    recomputed_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DistributionAgreement:
+    """Per-position agreement of two ``[T, V]`` logit sequences (reference vs cached)."""
+
+    #: Fraction of positions whose argmax agrees.
+    top1_agreement: float
+    #: ``KL(p_reference || p_cached)`` per position, nats.
+    kl: tuple[float, ...]
+
+    @property
+    def mean_kl(self) -> float:
+        return sum(self.kl) / len(self.kl)
+
+
+def compare_distributions(reference: torch.Tensor, other: torch.Tensor) -> DistributionAgreement:
+    """Top-1 agreement and per-position KL of ``reference`` vs ``other`` logits, both ``[T, V]``."""
+    ref, oth = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
+    kl = torch.sum(ref.exp() * (ref - oth), dim=-1).clamp_min(0.0)
+    agree = (reference.argmax(-1) == other.argmax(-1)).double().mean()
+    return DistributionAgreement(top1_agreement=float(agree), kl=tuple(kl.tolist()))
+
+
+@torch.inference_mode()
+def reference_continuation_logits(model, ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """No-cache ``[T, V]`` logits along ``continuation`` (one plain forward over prompt + continuation)."""
+    tokens = torch.tensor([list(ids) + list(continuation[:-1])], device=model.device)
+    return model(tokens).logits[0, -len(continuation) :]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    engine: KVBoost, prompt: Prompt, continuation: Sequence[int], *, cache_salt: str | None = None
+) -> ContinuationLogits:
+    """The cached path's next-token logits at every position of ``continuation`` (teacher forcing).
+
+    The prompt is prepared exactly as a request's would be (exact prefix, stitched pieces re-positioned and
+    repaired by the engine's :class:`~kvb_cache.StitchConfig`); then its uncached suffix and ``continuation``
+    run in one forward over that KV. Like :meth:`~kvb_cache.KVBoost.next_token_logits`, the prompt's exact
+    part is stored afterwards (never its approximate part).
+    """
+    ids = engine._tokenize(prompt)
+    root = engine._salted_root(cache_salt)
+    prepared = engine._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
+    start = prepared.cached_tokens
+    tokens = ids[start:] + list(continuation[:-1])
+    device = engine.device
+    out = engine.model(
+        input_ids=torch.tensor([tokens], device=device),
+        position_ids=torch.arange(start, start + len(tokens), device=device).unsqueeze(0),
+        past_key_values=prepared.cache,
+        use_cache=True,
+    )
+    engine.store_sequence(prepared.storable(ids), prepared.cache, root=root)
+    return ContinuationLogits(
+        logits=out.logits[0, -len(continuation) :],
+        cached_tokens=prepared.served_tokens,
+        recomputed_tokens=prepared.recomputed_tokens,
+        prompt_tokens=len(ids),
+    )
 
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
 """A solo request (its own ``transformers`` cache): prefill, decode loop, stop handling, store.
 
 The engine loop advances it one event per step beside the batched forward (see ``core/engine_core.py``):
-speculative decoding, per-request quantized KV and stitched prompts need a private cache.
+speculative decoding and per-request quantized KV need a private cache (a stitched prompt runs here only
+combined with one of them; otherwise it decodes in the batched loop).
 """
 
 from __future__ import annotations

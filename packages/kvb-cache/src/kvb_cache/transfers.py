@@ -1,8 +1,9 @@
 """Private ``transformers`` caches to and from the pool: solo requests' prefixes, stores, stitching.
 
-Mixed into :class:`~kvb_cache.engine.KVBoost`. Solo requests (speculative, per-request quantized KV,
-stitched) run on a ``DynamicCache`` assembled from the pool's exact prefix, and write their exact KV back;
-stitching engines also keep finished requests' chunks in a content-indexed ``ChunkStore``.
+Mixed into :class:`~kvb_cache.engine.KVBoost`. Solo requests (speculative, per-request quantized KV) run
+on a ``DynamicCache`` assembled from the pool's exact prefix, and write their exact KV back; a stitched
+prompt is assembled here too, then handed to its loop request (``engine.adopt_stitched``). Stitching
+engines also keep finished requests' chunks in a content-indexed ``ChunkStore``.
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from transformers import Cache, DynamicCache
 
 from kvb_cache import generation
-from kvb_cache.forward import prefill
 from kvb_cache.live_quant import is_live_quantized, quantize_live
 from kvb_cache.pool_io import dense_cache, probe_request
-from kvb_cache.prepared import NextTokenLogits, PreparedPrompt
+from kvb_cache.prepared import PreparedPrompt
 from kvb_cache.writeback import WritebackResult, write_back
 
 if TYPE_CHECKING:
@@ -43,6 +42,8 @@ class CacheTransfers:
     def _store_chunks(self, req: Request) -> None:
         """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
         ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+        if req.exact_until is not None:
+            ids = ids[: req.exact_until]  # a stitched request: only its exact part (the store rule)
         probe = probe_request(ids, root=req.root)
         hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
@@ -84,20 +85,6 @@ class CacheTransfers:
         if stitch:
             self.stitcher.extend(prepared, max_reuse=max_reuse)
         return prepared
-
-    def _stitched_logits(self, ids: list[int], *, root: ChunkHash | None = None) -> NextTokenLogits:
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-        with torch.inference_mode():
-            suffix = torch.tensor([ids[prepared.cached_tokens :]], device=self.device)
-            positions = torch.arange(prepared.cached_tokens, len(ids), device=self.device).unsqueeze(0)
-            logits = prefill(self.model, self.traits, prepared.cache, suffix, positions)[0]
-        self.store_sequence(prepared.storable(ids), prepared.cache, root=root)
-        return NextTokenLogits(
-            logits=logits,
-            cached_tokens=prepared.served_tokens,
-            prompt_tokens=len(ids),
-            recomputed_tokens=prepared.recomputed_tokens,
-        )
 
     def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
         """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""

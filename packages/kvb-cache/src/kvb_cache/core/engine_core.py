@@ -4,10 +4,11 @@ One step = one scheduling decision, one packed model forward for every scheduled
 token for every request whose slice reached the end of its tokens. A finished request releases its blocks
 at once (full ones stay cached for the next request).
 
-Requests that need a private ``transformers`` cache (speculative decoding, per-request quantized KV,
-stitched non-prefix reuse) run as *solo* requests: an iterator of :class:`~kvb_cache.results.StreamEvent`
-advanced by one event per step, beside the batched forward (see docs/server.md for what that means in a
-mixed batch).
+Requests that need a private ``transformers`` cache (speculative decoding, per-request quantized KV) run
+as *solo* requests: an iterator of :class:`~kvb_cache.results.StreamEvent` advanced by one event per step,
+beside the batched forward (see docs/server.md for what that means in a mixed batch). Stitched (non-prefix
+reuse) requests are not solo: their assembled KV is written into their private blocks at admission
+(:meth:`~kvb_cache.core.kv_manager.KVCacheManager.adopt`) and they decode in the batched forward.
 """
 
 from __future__ import annotations

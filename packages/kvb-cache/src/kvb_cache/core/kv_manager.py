@@ -18,7 +18,7 @@ import torch
 from kvb_cache.core.block_pool import BlockPool, NoFreeBlocksError
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.request import Request
+from kvb_cache.core.request import PreparedKV, Request
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash
 from kvb_cache.lookup import common_prefix_len
 from kvb_cache.store import ChunkEntry
@@ -114,6 +114,36 @@ class KVCacheManager:
             self.hits += req.num_computed
         return PrefixHit(tokens=req.num_computed, full_blocks=full, partial=partial, promoted=promoted)
 
+    def adopt(self, req: Request, prepared: PreparedKV) -> PrefixHit | None:
+        """Give ``req`` the KV of its first ``prepared.length`` tokens: the exact prefix the pool holds is
+        mapped as usual (shared blocks), the rest is written into fresh private blocks. None (nothing held)
+        when the pool is short.
+
+        ``req.exact_until`` bounds what :meth:`commit` and :meth:`free` may ever register, so the adopted
+        (approximate) KV never becomes reachable by a prefix hash.
+        """
+        limit = prepared.length if req.exact_until is None else min(req.exact_until, prepared.length)
+        hit = self.admit(req, max_tokens=limit)
+        start = req.num_computed
+        if not self.allocate(req, prepared.length - start):
+            self.free(req)
+            return None
+        slots = self.slots(req, prepared.length)[start:]
+        self.storage.write(
+            slots,
+            [
+                (k[:, :, start : prepared.length], v[:, :, start : prepared.length])
+                for k, v in prepared.layers
+            ],
+        )
+        req.num_computed = prepared.length
+        return hit._replace(tokens=prepared.length)
+
+    def _limit(self, req: Request) -> int:
+        """Tokens of ``req`` whose KV may be registered (prompt only unless ``store_outputs``; exact only)."""
+        limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
+        return limit if req.exact_until is None else min(limit, req.exact_until)
+
     def _promote(self, req: Request, hashes: Sequence[ChunkHash]) -> int:
         assert self.tiers is not None
         run = self.tiers.fetch(hashes)
@@ -182,8 +212,7 @@ class KVCacheManager:
         """Index the full blocks ``req`` has computed so far (call after each forward)."""
         if not self.caching:
             return
-        limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
-        hashes = self.hashes(req, limit)
+        hashes = self.hashes(req, self._limit(req))
         bs = self.block_size
         for i in range(req.registered, len(hashes)):
             block = req.blocks[i]
@@ -205,7 +234,7 @@ class KVCacheManager:
             self.pool.release(reversed(req.blocks))
             req.blocks, req.registered, req.num_computed = [], 0, 0
             return
-        limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
+        limit = self._limit(req)
         last = limit // bs
         tail = limit - last * bs
         if self.store_partial_tail and tail and last < len(req.blocks) and last == req.registered:

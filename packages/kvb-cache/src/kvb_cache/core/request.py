@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from kvb_cache.core.block_pool import Block
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.emitter import Emitter
@@ -18,6 +20,16 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedKV:
+    """KV of a request's first ``length`` tokens assembled outside the pool (a stitched prompt: exact prefix,
+    re-positioned and repaired pieces); written into the request's private blocks when it is admitted."""
+
+    #: Per layer ``(keys, values)``, each ``[1, kv_heads, >= length, head_dim]``.
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    length: int
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -60,6 +72,14 @@ class Request:
     last_logits: object = None
     #: The ``response_format`` matcher (None: unconstrained); the sampler masks and advances it.
     grammar: GrammarState | None = None
+    #: KV to adopt at admission instead of a prefix lookup (stitched prompts); dropped once written.
+    prepared_kv: PreparedKV | None = None
+    #: Only ``tokens[:exact_until]`` hold exact KV (a stitched request): later blocks are never registered
+    #: under a prefix hash. None: all of them are exact.
+    exact_until: int | None = None
+    #: Stitched requests: how each prompt chunk was served and how many stitched tokens were recomputed.
+    chunk_hits: tuple | None = None
+    recomputed_tokens: int = 0
 
     @property
     def output_ids(self) -> list[int]:

@@ -4,7 +4,8 @@ Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most
 
 1. every running request that is decoding (one token each), oldest first, so streams never stall;
 2. waiting requests, longest cached prefix first (their prefill is mostly a cache hit, so they reach their
-   first token soonest), admitted while the token budget, the sequence cap and the pool allow;
+   first token soonest), admitted while the token budget, the sequence cap and the pool allow; a request
+   carrying prepared KV (a stitched prompt) adopts it into private blocks instead of a prefix lookup;
 3. running requests still part-way through a long prompt, with what is left of the budget.
 
 Long prompts are prefilled in slices of at most the remaining budget (and the request's own
@@ -128,12 +129,19 @@ class Scheduler:
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1)
+            if req.prepared_kv is not None:
+                adopted = self.kv.adopt(req, req.prepared_kv)
+                if adopted is None:
+                    break  # the pool is short; retry next step
+                hit = adopted
+            else:
+                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1)
             n = self._slice(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
                 break
             self.waiting.remove(req)
+            req.prepared_kv = None  # written into its blocks
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.cached_tokens is None:
@@ -150,6 +158,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        # NOTE: a stitched request resumes by recomputing everything after its exact prefix, exactly.
+        req.exact_until = None
         req.status = RequestStatus.WAITING
         req.preemptions += 1
         self.waiting.appendleft(req)

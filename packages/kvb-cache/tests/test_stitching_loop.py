@@ -1,0 +1,187 @@
+"""Stitched requests in the engine loop (#16): row-sliced repair attention, true seams, private blocks,
+the store rule, teacher-forced fidelity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import words
+from torch.nn import functional as F
+
+from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
+from kvb_cache.fidelity import compare_distributions, reference_continuation_logits, teacher_forced_logits
+from kvb_cache.repair import rows as repair_rows
+from kvb_cache.repair.rows import RowAttention
+from kvb_cache.stitching import StitchedPiece, chained_runs
+from kvb_cache.store import ChunkEntry
+
+CHUNK = 16
+
+
+def _prompts(tokenizer):
+    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
+    system = tokenizer(words(20, seed=9))["input_ids"]
+    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
+    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
+    return first, second
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def _engine(model, tokenizer, **stitch):
+    return KVBoost(model, tokenizer, config=EngineConfig(chunk_size=CHUNK, stitching=StitchConfig(**stitch)))
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("spread", ["scattered", "runs"])
+def test_row_attention_equals_a_dense_position_mask(groups, spread):
+    """Each recomputed row attends keys up to its position: the same numbers as one SDPA over every key with
+    a dense mask, without paying for the keys after the row."""
+    torch.manual_seed(0)
+    kv_heads, n, d = 2, 300, 8
+    if spread == "scattered":
+        positions = torch.sort(torch.randperm(n)[:90]).values
+    else:
+        positions = torch.cat([torch.arange(0, 40), torch.arange(120, 130), torch.tensor([200, 250, 299])])
+    q = torch.randn(1, kv_heads * groups, positions.numel(), d)
+    k, v = torch.randn(1, kv_heads, n, d), torch.randn(1, kv_heads, n, d)
+    got = RowAttention(positions, groups)(q, k, v, scaling=None, softcap=None)  # [1, Q, H, D]
+    allowed = torch.arange(n)[None, :] <= positions[:, None]
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=allowed[None, None]
+    )
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=0)
+    # Segments stop at their last row's position: no row pays for keys after its segment.
+    ends = [length for _, _, length, _ in RowAttention(positions, groups).segments]
+    assert max(ends) == int(positions[-1]) + 1 and len(ends) > 1
+
+
+def test_repair_uses_row_attention_and_stays_exact(llama, tokenizer, monkeypatch):
+    """Full-attention models repair through the row-sliced path; recomputing every stitched token still
+    equals no-cache (1e-5, fp32)."""
+    calls = []
+    original = repair_rows.RowAttention.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(len(self.segments))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(repair_rows.RowAttention, "__call__", counting)
+    first, second = _prompts(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=10_000)
+    engine.next_token_logits(first)
+    result = engine.next_token_logits(second)
+    assert calls  # one call per layer of the repair forward
+    assert result.recomputed_tokens == 80
+    torch.testing.assert_close(result.logits, _reference(llama, second), atol=1e-5, rtol=0)
+
+
+def _piece(start, end, key, parent):
+    entry = ChunkEntry(key=key, parent=parent, content=b"c", token_ids=(0,) * (end - start), start=0)
+    return StitchedPiece(start=start, end=end, entry=entry)
+
+
+def test_chained_runs_merge_pieces_that_were_neighbours_where_computed():
+    pieces = [
+        _piece(10, 26, b"a", b"root"),
+        _piece(26, 42, b"b", b"a"),  # computed right after "a": no seam
+        _piece(42, 58, b"c", b"x"),  # computed after something else: a seam
+        _piece(60, 76, b"d", b"c"),  # not adjacent here: a seam
+    ]
+    assert chained_runs(pieces) == [(10, 42), (42, 58), (60, 76)]
+
+
+def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):
+    """The stitched KV goes into the request's private blocks; it then decodes in step() beside a plain
+    request (no solo generator), with the same tokens as when it runs alone."""
+    first, second = _prompts(tokenizer)
+    alone = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    alone.next_token_logits(first)
+    expected = alone.generate(second, max_new_tokens=6, ignore_eos=True)
+
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine.next_token_logits(first)
+    other = tokenizer(words(30, seed=11))["input_ids"]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    rid = engine.add_request(second, params)
+    engine.add_request(other, params)
+    assert not engine.core.solo
+    results, batched_steps = {}, 0
+    while engine.has_unfinished():
+        batched_steps += len(engine.core.scheduler.running) == 2
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert batched_steps >= 5  # both rows decoded together
+    got = results[rid]
+    assert got.output_ids == expected.output_ids
+    assert got.recomputed_tokens == expected.recomputed_tokens == 8  # two true seams x 4
+    assert [c.kind for c in got.chunks].count(HitKind.STITCHED) == 5
+    assert got.cached_tokens == expected.cached_tokens == 100
+
+
+def test_stitched_blocks_are_private_and_freed(llama, tokenizer):
+    """Approximate KV is never registered: after the request, the pool indexes only its exact prefix, and
+    every block it held is back."""
+    first, second = _prompts(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="none")
+    engine.next_token_logits(first)
+    free_before = engine.kv.pool.num_free
+    registrations = engine.kv.pool.registrations
+    engine.generate(second, max_new_tokens=4, ignore_eos=True)
+    assert engine.kv.pool.num_free == free_before
+    # At most the exact prefix (before the first stitched piece at 32) got new full blocks.
+    assert engine.kv.pool.registrations - registrations <= 32 // engine.kv.block_size
+    assert engine.paged_stats().blocks_used == 0
+
+
+def test_stitched_request_survives_preemption(llama, tokenizer):
+    """A preempted stitched request resumes by exact recomputation and still finishes."""
+    first, second = _prompts(tokenizer)
+    config = EngineConfig(
+        chunk_size=CHUNK, stitching=StitchConfig(recompute_strategy="none"), num_blocks=14, block_size=16
+    )
+    engine = KVBoost(llama, tokenizer, config=config)
+    engine.next_token_logits(first)
+    other_ids = tokenizer(words(50, seed=12))["input_ids"]
+    engine.next_token_logits(other_ids)  # cached: admitted first, so the stitched request is the newest
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    other = engine.add_request(other_ids, params)
+    rid = engine.add_request(second, params)
+    stitched = engine.core.scheduler.find(rid)
+    assert stitched.prepared_kv is not None and stitched.exact_until == 32
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert stitched.preemptions > 0
+    assert len(results[rid].output_ids) == 40 and len(results[other].output_ids) == 40
+    assert engine.paged_stats().blocks_used == 0
+
+
+def test_teacher_forced_logits_equal_no_cache_for_exact_and_fully_repaired_reuse(llama, tokenizer):
+    first, second = _prompts(tokenizer)
+    continuation = tokenizer(words(7, seed=5))["input_ids"]
+    reference = reference_continuation_logits(llama, second, continuation)
+    exact = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    exact.next_token_logits(second)
+    got = teacher_forced_logits(exact, second, continuation)
+    assert got.logits.shape == (len(continuation), reference.shape[-1])
+    torch.testing.assert_close(got.logits, reference, atol=1e-5, rtol=0)
+
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=10_000)
+    engine.next_token_logits(first)
+    got = teacher_forced_logits(engine, second, continuation)
+    assert got.recomputed_tokens == 80
+    torch.testing.assert_close(got.logits, reference, atol=1e-5, rtol=0)
+    agreement = compare_distributions(reference, got.logits)
+    assert agreement.top1_agreement == 1.0 and agreement.mean_kl < 1e-9
+
+    approx = _engine(llama, tokenizer, recompute_strategy="none")
+    approx.next_token_logits(first)
+    drift = compare_distributions(reference, teacher_forced_logits(approx, second, continuation).logits)
+    assert drift.mean_kl > 1e-6 and len(drift.kl) == len(continuation)
