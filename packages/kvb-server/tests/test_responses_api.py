@@ -321,12 +321,14 @@ def test_defaults_and_nulls_an_sdk_may_send_are_accepted(client: openai.OpenAI) 
         parallel_tool_calls=False,
         service_tier="auto",
         prompt_cache_key="k",
+        prompt_cache_retention="in_memory",
         safety_identifier="s",
         stream_options=None,
         max_tool_calls=3,
     )
     assert resp.status == "completed" and resp.parallel_tool_calls is False
     assert resp.prompt_cache_key == "k" and resp.max_tool_calls == 3
+    assert resp.prompt_cache_retention == "in_memory"
 
 
 def test_openapi_documents_the_route(url: str) -> None:

@@ -33,6 +33,7 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
         "reasoning": {"effort": None, "summary": None},
         "safety_identifier": req.safety_identifier,
         "service_tier": "default",

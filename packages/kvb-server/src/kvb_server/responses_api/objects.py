@@ -86,6 +86,7 @@ class ResponseObject(BaseModel):
     parallel_tool_calls: bool
     previous_response_id: str | None
     prompt_cache_key: str | None
+    prompt_cache_retention: str | None
     reasoning: dict[str, Any]
     safety_identifier: str | None
     service_tier: str

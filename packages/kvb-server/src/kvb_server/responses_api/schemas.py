@@ -288,6 +288,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=128)] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     seed: Seed | None = None
     cache_salt: CacheSalt | None = None
