@@ -125,7 +125,7 @@ def stream_all(stream: ToolCallStream, text: str, step: int) -> list[dict]:
 @pytest.mark.parametrize("step", [1, 3, 50])
 def test_stream_sends_a_header_then_argument_pieces(step: int) -> None:
     plan = tool_plan([WEATHER, TIME], "required", None, hermes(native=False))
-    text = f"{CALL}\n{CALL.replace('get_weather', 'get_time')}"
+    text = f"{CALL}{CALL.replace('get_weather', 'get_time')}"
     deltas = stream_all(ToolCallStream(plan), text, step)
     assert all(set(d) == {"tool_calls"} and len(d["tool_calls"]) == 1 for d in deltas)
     calls: dict[int, dict] = {}
@@ -171,14 +171,17 @@ def test_required_grammar_admits_exactly_valid_calls(ll_tokenizer) -> None:
     grammar = tool_grammar(plan)
     assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar)) == ""
     assert accepts(ll_tokenizer, grammar, CALL)
-    assert accepts(ll_tokenizer, grammar, CALL + "\n" + CALL)
+    assert accepts(ll_tokenizer, grammar, CALL + CALL)  # no newline between calls with our system prompt
+    assert not accepts(ll_tokenizer, grammar, CALL + "\n" + CALL)
+    native = tool_grammar(tool_plan([WEATHER, TIME], "required", None, hermes(native=True)))
+    assert accepts(ll_tokenizer, native, CALL + "\n" + CALL)  # Qwen-style templates write one
     assert not accepts(ll_tokenizer, grammar, "Sure!")
     assert not accepts(ll_tokenizer, grammar, CALL.replace('"unit":"c"', '"unit":"k"'))  # not in the enum
     assert not accepts(ll_tokenizer, grammar, CALL.replace("get_weather", "get_wether"))  # unknown tool
     assert not accepts(ll_tokenizer, grammar, CALL.replace('"city"', '"town"'))
-    assert not accepts(ll_tokenizer, grammar, "\n".join([CALL] * 9))  # MAX_PARALLEL_CALLS
+    assert not accepts(ll_tokenizer, grammar, CALL * 9)  # MAX_PARALLEL_CALLS
     single = tool_grammar(tool_plan([WEATHER, TIME], "required", False, hermes(native=False)))
-    assert not accepts(ll_tokenizer, single, CALL + "\n" + CALL)
+    assert not accepts(ll_tokenizer, single, CALL + CALL)
     named = tool_plan(
         [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, hermes(native=False)
     )

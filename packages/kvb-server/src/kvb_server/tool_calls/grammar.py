@@ -58,7 +58,8 @@ def tool_grammar(
     """
     syntax = plan.syntax
     call = f"{_literal(syntax.call_open)} obj {_literal(syntax.call_close)}" if syntax.call_open else "obj"
-    more = f"({_literal(syntax.separator)} call){{0,{plan.max_calls - 1}}}" if plan.max_calls > 1 else ""
+    sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
+    more = f"({sep}call){{0,{plan.max_calls - 1}}}" if plan.max_calls > 1 else ""
     body = f"call {more}".strip()
     if syntax.bracket:
         body = f'"[" {body} "]"'

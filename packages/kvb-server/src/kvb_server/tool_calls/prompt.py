@@ -133,7 +133,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
                     }
                 )
             else:
-                written = "\n".join(call_text(c["name"], c["arguments"], syntax) for c in calls)
+                written = syntax.separator.join(call_text(c["name"], c["arguments"], syntax) for c in calls)
                 out.append({"role": "assistant", "content": f"{content}\n{written}" if content else written})
             continue
         # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.

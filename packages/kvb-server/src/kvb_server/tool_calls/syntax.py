@@ -58,8 +58,16 @@ class ToolSyntax:
 
 
 def hermes(*, native: bool) -> ToolSyntax:
+    # Between calls: the newline Qwen-style templates write; with our system prompt, nothing. A model that
+    # was never trained on the format treats "\n" after </tool_call> as the natural next token and, with
+    # the grammar offering only "another call" or the end there, repeats its call until max_tokens
+    # (SmolLM2: 3 of 3 prompts); without the newline it ends after its call (3 of 3).
     return ToolSyntax(
-        name="hermes", native=native, call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"
+        name="hermes",
+        native=native,
+        call_open="<tool_call>\n",
+        call_close="\n</tool_call>",
+        separator="\n" if native else "",
     )
 
 
