@@ -297,6 +297,16 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+        # The chat route's own checks, named as this route's fields.
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]},
+            "tools[0].parameters",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+        ),
+        ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools"),
         ({"model": "other"}, "model"),
     ],
 )

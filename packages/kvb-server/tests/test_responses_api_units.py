@@ -120,6 +120,13 @@ def test_chat_parameter_names_are_renamed_in_errors() -> None:
     assert responses_error(InvalidParameterError("x", param="messages")).param == "input"
     assert responses_error(InvalidParameterError("x", param="response_format")).param == "text.format"
     assert responses_error(InvalidParameterError("x", param="temperature")).param == "temperature"
+    nested = responses_error(
+        InvalidParameterError("tools[1].function.parameters: bad", param="tools[1].function.parameters")
+    )
+    assert nested.param == "tools[1].parameters" and nested.message == "tools[1].parameters: bad"
+    schema = responses_error(InvalidParameterError("x", param="response_format.json_schema.schema"))
+    assert schema.param == "text.format.schema"
+    assert responses_error(InvalidParameterError("x", param="messages[3].content")).param == "input"
 
 
 def test_chat_message_with_tool_calls_becomes_function_call_items() -> None:

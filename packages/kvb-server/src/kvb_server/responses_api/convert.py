@@ -7,6 +7,7 @@ chat template, caps and refusals). What the chat route names differently is rena
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -32,13 +33,19 @@ from kvb_server.responses_api.schemas import (
 from kvb_server.responses_api.store import ChatMessage
 from kvb_server.schemas import ChatCompletionRequest
 
-#: Chat parameter names the client of this route knows under another name.
-_PARAM_NAMES = {
-    "messages": "input",
-    "max_tokens": "max_output_tokens",
-    "max_completion_tokens": "max_output_tokens",
-    "response_format": "text.format",
-}
+#: Chat parameter names (and paths) as this route's clients know them: (pattern, replacement), in order.
+_RENAMES = (
+    (re.compile(r"^messages\b.*"), "input"),
+    (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"\b(tools\[\d+\]|tool_choice)\.function\b"), r"\1"),
+)
+#: The renames that also apply inside error messages (a message's "messages" is a plain word).
+_MESSAGE_RENAMES = (
+    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    *_RENAMES[2:],
+)
 
 
 class ChatTranslation(NamedTuple):
@@ -60,14 +67,21 @@ def new_id(prefix: str) -> str:
 
 
 def responses_param(param: str | None) -> str | None:
-    """A chat parameter's name as this route's clients know it (``max_tokens``: ``max_output_tokens``)."""
-    return _PARAM_NAMES.get(param, param) if param is not None else None
+    """A chat parameter as this route's clients know it: ``max_tokens`` is ``max_output_tokens``,
+    ``messages[...]`` is ``input``, ``response_format.json_schema...`` is ``text.format...``,
+    ``tools[i].function.parameters`` is ``tools[i].parameters``."""
+    if param is None:
+        return None
+    for pattern, replacement in _RENAMES:
+        param = pattern.sub(replacement, param)
+    return param
 
 
 def responses_error(exc: ServerError) -> ServerError:
-    """``exc`` with a chat parameter name (``messages``, ``max_tokens``, ...) renamed to this route's."""
+    """``exc`` with chat parameter names renamed to this route's (in ``param`` and in the message)."""
     exc.param = responses_param(exc.param)
-    exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+    for pattern, replacement in _MESSAGE_RENAMES:
+        exc.message = pattern.sub(replacement, exc.message)
     return exc
 
 
@@ -243,7 +257,7 @@ def to_chat(req: ResponsesRequest, inherited: tuple[ChatMessage, ...] = ()) -> C
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = first.get("loc", ())
-        param = _PARAM_NAMES.get(str(loc[0]), str(loc[0])) if loc else None
+        param = responses_param(str(loc[0])) if loc else None
         raise InvalidParameterError(
             f"Invalid value for '{param}': {first.get('msg')}.", param=param
         ) from None
