@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -116,3 +117,48 @@ def test_text_format_json_schema_gives_schema_valid_text(client: openai.OpenAI) 
     data = json.loads(resp.output_text)
     assert set(data) == {"unit", "ok"} and data["unit"] in UNIT["enum"]
     assert resp.text.format.type == "json_schema" and resp.text.format.name == "w"
+
+
+def test_langchain_with_use_responses_api(client: openai.OpenAI) -> None:
+    """LangChain's ``ChatOpenAI(use_responses_api=True)``: text, tool calls (streamed too) and a follow-up
+    that sends the call back as ``function_call`` and ``function_call_output`` items."""
+    chat_openai = pytest.importorskip("langchain_openai").ChatOpenAI
+    messages = pytest.importorskip("langchain_core.messages")
+
+    def get_weather(unit: Literal["celsius", "fahrenheit"], days: int) -> str:
+        """Weather now."""
+        return "sunny"
+
+    def llm(max_tokens: int) -> Any:
+        return chat_openai(
+            model=MODEL,
+            base_url=str(client.base_url),
+            api_key="x",
+            use_responses_api=True,
+            temperature=0,
+            max_tokens=max_tokens,
+        )
+
+    text = llm(6).invoke("hello")
+    assert text.response_metadata["status"] == "incomplete" and text.usage_metadata["output_tokens"] == 6
+    tools = llm(160).bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False)
+    call = tools.invoke("weather?")
+    [tool_call] = call.tool_calls
+    assert tool_call["name"] == "get_weather" and tool_call["args"]["unit"] in UNIT["enum"]
+    streamed = list(tools.stream("weather?"))
+    whole = streamed[0]
+    for piece in streamed[1:]:
+        whole = whole + piece
+    assert [c["args"] for c in whole.tool_calls] == [tool_call["args"]]
+    follow = (
+        llm(6)
+        .bind_tools([get_weather])
+        .invoke(
+            [
+                messages.HumanMessage("weather?"),
+                call,
+                messages.ToolMessage("sunny", tool_call_id=tool_call["id"]),
+            ]
+        )
+    )
+    assert follow.response_metadata["status"] == "incomplete" and follow.text
