@@ -33,6 +33,14 @@ INTEGRATION_DEPS = (
     "redis>=5",
     "jsonschema>=4",
     "llguidance>=1.1,<2",
+    # The client libraries of test_clients_structured.py. instructor (jiter<0.15) and llama-index-llms-openai
+    # (openai<3) resolve openai to 2.x; the module passes on openai 2.54 and 3.54 alike.
+    "langchain-openai>=1.7.3",
+    "langchain-core>=1.7.2",
+    "instructor>=1.17",
+    "llama-index-core>=0.14.25",
+    "llama-index-llms-openai>=0.8.3",
+    "llama-index-llms-openai-like>=0.8.1",
 )
 
 nox.options.default_venv_backend = "venv"
