@@ -287,6 +287,9 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+        ({"input": [{"type": []}]}, "input"),  # never a 500: types are looked up only when strings
+        ({"tools": [{"type": {"a": 1}}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": 5}]}]}, "input"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),

@@ -54,7 +54,8 @@ def _tag(supported: frozenset[str], default: str | None = None) -> Discriminator
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
         if kind is None:
             return None  # pydantic reports the missing tag
-        return kind if kind in supported else "unsupported"
+        # A non-string type (even an unhashable one) goes to the unsupported model, whose str type refuses it.
+        return kind if isinstance(kind, str) and kind in supported else "unsupported"
 
     return Discriminator(pick)
 
