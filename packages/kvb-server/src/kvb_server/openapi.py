@@ -78,7 +78,7 @@ _ERROR_DESCRIPTIONS = {
     400: "invalid body or parameter (also: invalid UTF-8, JSON nested deeper than --max-json-depth)",
     401: "missing or wrong API key",
     403: "the API key may not use this route",
-    404: "unknown model",
+    404: "unknown model (or, on /v1/responses/{id}, unknown or expired response id)",
     409: "the cache cannot be reset while requests are running or waiting; retry when idle",
     413: "body larger than --max-body-bytes, or refused by the memory planner",
     503: "queue full or shutting down",
