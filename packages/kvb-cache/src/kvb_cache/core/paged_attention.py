@@ -9,7 +9,7 @@ request alone (causal inside its new tokens), decoding requests together in one 
 Without a ``kvb_paged`` argument (a plain ``model(...)`` call: references, stitching repair, speculative
 drafts on a ``DynamicCache``), it defers to the implementation the model had before, and the mask
 interface does the same, so such calls compute exactly what they did before installation. A plain call
-may instead pass its own ``kvb_attention`` callable (the stitching repair: only its recomputed rows attend,
+may instead pass its own ``kvb_row_attention`` callable (the stitching repair: only its recomputed rows attend,
 each over the keys up to its position, without a dense mask over every row).
 """
 
@@ -119,13 +119,13 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     kvb_paged: PagedBatch | None = None,
-    kvb_attention: Callable[..., torch.Tensor] | None = None,
+    kvb_row_attention: Callable[..., torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, KVH, T, D]`` ->
     ``([1, T, H, Dv], None)``."""
-    if kvb_attention is not None:
-        return kvb_attention(query, key, value, scaling=scaling, softcap=softcap), None
+    if kvb_row_attention is not None:
+        return kvb_row_attention(query, key, value, scaling=scaling, softcap=softcap), None
     if kvb_paged is None:
         extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         return _fallback(module)(

@@ -9,7 +9,7 @@ queried, so their KV stays what the cache held. With ``S`` = everything this is 
 We drive the model's *own* forward (embedding scaling, per-layer rotary tables, norms stay the model's)
 with a duck-typed cache whose ``update`` scatters the fresh KV instead of appending it, and either of two
 ways to mask attention: on full-attention models served by the engine's ``kvb_paged`` implementation, a
-:class:`~kvb_cache.repair.rows.RowAttention` passed as ``kvb_attention`` (each recomputed row attends only
+:class:`~kvb_cache.repair.rows.RowAttention` passed as ``kvb_row_attention`` (each recomputed row attends only
 the keys up to its position: the pass costs what it recomputes); otherwise (sliding-window and hybrid
 layouts, a model without the engine's attention) a dense 4D mask built from positions (the models return
 a 4D mask as-is).
@@ -145,7 +145,7 @@ def recompute_tokens(
     if layout.sliding_window is None and model.config._attn_implementation == PAGED_ATTENTION:
         config = model.config.get_text_config(decoder=True)
         groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
-        extra = {"kvb_attention": RowAttention(positions, groups)}
+        extra = {"kvb_row_attention": RowAttention(positions, groups)}
         mask = no_mask(device)
     else:
         extra = {}

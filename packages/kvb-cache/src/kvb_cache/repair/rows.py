@@ -24,7 +24,7 @@ MIN_ROWS = 32
 
 
 class RowAttention:
-    """The ``kvb_attention`` of a repair forward: queries at ``positions`` over keys ``[0, N)``.
+    """The ``kvb_row_attention`` of a repair forward: queries at ``positions`` over keys ``[0, N)``.
 
     Built once per forward (the masks are shared by every layer).
 
