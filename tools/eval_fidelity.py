@@ -281,6 +281,9 @@ def main() -> None:
             f"group {i + 1}/{len(groups)} ({source}) done after {time.perf_counter() - t0:.0f}s", flush=True
         )
         gc.collect()  # engines hold reference cycles (engine <-> loop); free their pools between groups
+        # Rows so far, one JSON object a line: a long run that dies (OOM on a shared machine) keeps them.
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fidelity_rows.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for path in args.merge or ():
         rows += json.loads(path.read_text())["rows"]
 
@@ -298,6 +301,7 @@ def main() -> None:
     (args.out / "fidelity.json").write_text(
         json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1)
     )
+    (args.out / "fidelity_rows.partial.jsonl").unlink(missing_ok=True)
     plot(summary, args.out / "fidelity.png")
     print(
         "| set | strategy | prompts | reuse | recomputed | TF top-1 | TF mean KL | TF p95 KL | greedy identical "
