@@ -166,3 +166,11 @@ def test_absolute_position_models_decline_with_reason(tokenizer):
 def test_stitch_config_rejects_bad_values(field, value):
     with pytest.raises(ConfigError, match=field):
         StitchConfig(**{field: value})
+
+
+def test_overlap_defaults_to_each_strategys_measured_setting() -> None:
+    """docs/fidelity.md: seam tokens alone need 64; CacheBlend's selection adds to 32 (its measured row)."""
+    assert StitchConfig().overlap_k == 64 and StitchConfig().recompute_strategy == "selective"
+    assert StitchConfig(recompute_strategy="cacheblend").overlap_k == 32
+    assert StitchConfig(recompute_strategy="none").overlap_k == 0
+    assert StitchConfig(recompute_strategy="cacheblend", overlap_k=8).overlap_k == 8
