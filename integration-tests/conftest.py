@@ -2,8 +2,54 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+#: Model loads take minutes on an oversubscribed CPU.
+SERVER_START_TIMEOUT_S = 1200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(module: str, *flags: str, log: Path | None = None) -> Iterator[str]:
+    """``python -m MODULE FLAGS --port P`` on a free loopback port (2 torch threads; stderr to ``log`` when
+    given); waits for ``/health`` and yields the base URL; terminates the process afterwards."""
+    port = free_port()
+    command = [sys.executable, "-m", module, *flags, "--port", str(port)]
+    with contextlib.ExitStack() as stack:
+        err = stack.enter_context(open(log, "wb")) if log is not None else None
+        proc = subprocess.Popen(command, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while True:
+                if proc.poll() is not None:
+                    tail = log.read_text()[-3000:] if log is not None else ""
+                    raise AssertionError(f"server exited with {proc.returncode}: {tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="session")

@@ -13,18 +13,12 @@ not know (``ValueError: Unknown model`` from its context-window table) before se
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import httpx
 import pytest
+from conftest import server_process
 from pydantic import BaseModel, Field
 
 openai = pytest.importorskip("openai")
@@ -87,47 +81,11 @@ EXTRACT_KEYS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvb_server",
-            "--model",
-            MODEL,
-            "--port",
-            str(port),
-            "--max-tokens",
-            "128",
-            "--chunk-size",
-            "32",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 1200  # model load takes minutes on an oversubscribed CPU
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+    flags = ("--model", MODEL, "--max-tokens", "128", "--chunk-size", "32", "--log-level", "warning")
+    with server_process("kvb_server", *flags) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture()

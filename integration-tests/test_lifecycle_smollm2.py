@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 PROMPT_TOKENS = 1450
 MIN_REUSE = 0.9
@@ -73,12 +73,6 @@ def test_a_disk_folder_survives_a_restart(prompt_file, tmp_path):
     assert _reuse({"disk_cache_dir": str(tmp_path)}, prompt_file) >= MIN_REUSE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def redis_url():
     """A throwaway redis-server on a free loopback port (no persistence), killed by its PID afterwards."""
@@ -88,7 +82,7 @@ def redis_url():
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("redis-server is not installed but CI=true: install the Debian package redis-server")
         pytest.skip("redis-server not installed (apt-get install redis-server)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,

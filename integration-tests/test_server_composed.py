@@ -12,51 +12,24 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
+from conftest import server_process
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def kvboost_serve(*flags: str, log: Path) -> Iterator[str]:
+def kvboost_serve(*flags: str, log: Path) -> contextlib.AbstractContextManager[str]:
     """``python -m kvboost.cli serve FLAGS`` on a free port (stderr to ``log``); yields its base URL."""
-    port = _free_port()
-    command = [sys.executable, "-m", "kvboost.cli", "serve", "--port", str(port), "--device", "cpu"]
-    command += ["--max-tokens", "32", "--log-level", "warning", *flags]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(command, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "2"})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 1200  # model load takes minutes on an oversubscribed CPU
-            while True:
-                assert proc.poll() is None, f"server exited with {proc.returncode}: {log.read_text()[-3000:]}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    base = ("serve", "--device", "cpu", "--max-tokens", "32", "--log-level", "warning")
+    return server_process("kvboost.cli", *base, *flags, log=log)
 
 
 def client(url: str) -> openai.OpenAI:
