@@ -7,6 +7,7 @@ llguidance cannot handle is a 400 naming the parameter instead of an error after
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -82,17 +83,27 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
     return fmt
 
 
+@functools.lru_cache(maxsize=1024)
+def _grammar_error(fmt: ResponseFormat) -> str | None:
+    """llguidance's verdict on ``fmt`` (None: valid), remembered: an agent loop sends the same tools and
+    schemas on every call, and each check costs ~1 ms per schema on the event loop."""
+    try:
+        check_grammar(fmt)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
+
+
 def check(fmt: ResponseFormat, param: str) -> None:
     """Compile-check a grammar; a 400 naming ``param`` when llguidance refuses it."""
     try:
-        check_grammar(fmt)
+        error = _grammar_error(fmt)
     except StructuredOutputsUnavailable as exc:
         raise UnsupportedFeatureError(
             f"{param}: structured outputs need the grammar library on the server ({exc}).", param=param
         ) from None
-    except InvalidRequestError as exc:
-        message = str(exc).replace("response_format", param, 1)
-        raise _bad(message, param) from None
+    if error is not None:
+        raise _bad(error.replace("response_format", param, 1), param)
 
 
 def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
