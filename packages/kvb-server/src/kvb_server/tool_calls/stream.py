@@ -19,7 +19,6 @@ class ToolCallStream:
     """One choice's streamed reply under ``plan`` (``mode`` ``"auto"`` or ``"calls"``)."""
 
     def __init__(self, plan: ToolPlan) -> None:
-        self._plan = plan
         self._syntax = plan.syntax
         self._text = ""
         #: "content" or "calls" once decided.
@@ -28,10 +27,6 @@ class ToolCallStream:
         #: Per streamed call: its id and how much of its arguments were sent.
         self._sent: list[tuple[str, int]] = []
         self._opened = False
-
-    @property
-    def is_calls(self) -> bool:
-        return self._kind == "calls"
 
     def _decide(self) -> None:
         head = self._text.lstrip()
@@ -113,7 +108,3 @@ class ToolCallStream:
                 )
                 self._sent[index] = (call_id, len(call.arguments))
         return deltas
-
-    @property
-    def call_ids(self) -> list[str]:
-        return [call_id for call_id, _ in self._sent]
