@@ -291,7 +291,7 @@ def _render_chat(engine: ServingEngine, messages: list[dict[str, Any]], tools: T
     definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
     try:
         if definitions:
-            return engine.chat_prompt(messages, tools=definitions)  # type: ignore[call-arg]
+            return engine.chat_prompt(messages, tools=definitions)
         return engine.chat_prompt(messages)
     except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)
         raise InvalidParameterError(
