@@ -6,6 +6,10 @@ still hits). Each such run is a *stitched piece*: its cached KV is rotated from 
 at to its new one (:mod:`kvb_cache.rope`) and placed in the assembled cache; the uncached gaps between pieces
 are computed by the recompute forward, then the chosen repair runs (:mod:`kvb_cache.repair`).
 
+:meth:`Stitcher.plan` does the cheap part (lookup, re-positioning, which positions to recompute) and returns
+a :class:`StitchJob` whose repair forward runs in slices (the engine loop runs one bounded slice per step,
+:mod:`kvb_cache.core.preparing`); :meth:`Stitcher.extend` runs the plan and all of its repair at once.
+
 Store rule: KV at or after the first stitched position is approximate (stitched chunks, and everything
 computed over them), so a request that stitched stores only the chunks *before* its first stitched piece.
 Its later chunks are never stored under their prefix hash; an exact hit therefore always serves KV that a
@@ -25,7 +29,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.hashing import ChunkHash, content_hash
 from kvb_cache.model_traits import ModelTraits
-from kvb_cache.repair import RecomputeLayout, cacheblend_repair, recompute_tokens, selective_positions
+from kvb_cache.repair.cacheblend import CacheBlendRepair
+from kvb_cache.repair.recompute import RecomputeLayout, RecomputePass, RepairWork
+from kvb_cache.repair.selective import selective_positions
 from kvb_cache.results import ChunkHit, HitKind
 from kvb_cache.rope import KeyRepositioner
 from kvb_cache.stitch_config import StitchConfig
@@ -103,6 +109,45 @@ def _dense_kv(entry: ChunkEntry):
     return dense() if dense is not None else entry.kv
 
 
+@dataclass(eq=False, slots=True, kw_only=True)
+class StitchJob:
+    """A planned stitch (:meth:`Stitcher.plan`): pieces found, KV assembled, repair pending.
+
+    :meth:`run` advances the repair; when its last slice has run, the repaired KV goes into
+    ``prepared.cache`` and ``prepared``'s telemetry (chunks, ``exact_until``, ``cached_tokens``) is filled
+    in, and the stitch is counted in ``cache_stats()["stitching"]``. Until then ``prepared`` is unchanged
+    but for its cache, which must not be read (a job dropped half-way counts nothing).
+    """
+
+    stitcher: Stitcher
+    prepared: PreparedPrompt
+    pieces: list[StitchedPiece]
+    #: Per layer ``[keys, values]``, each ``[1, kv_heads, end, head_dim]``: positions ``[0, end)``.
+    layers: list[list[torch.Tensor]]
+    work: RepairWork
+    #: Stitched positions recomputed through all layers; None: the work chooses them (CacheBlend).
+    repaired: list[int] | None
+    prefix: int
+    end: int
+    finished: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished
+
+    def run(self, budget: int | None = None) -> int:
+        """Run at most ``budget`` more repair positions (None: all that is left); returns how many ran."""
+        ran = 0 if self.work.done else self.work.run(budget)
+        if self.work.done and not self.finished:
+            self.finished = True
+            repaired = self.repaired
+            if repaired is None:
+                assert isinstance(self.work, CacheBlendRepair)
+                repaired = self.work.repaired
+            self.stitcher._finish(self, repaired)
+        return ran
+
+
 class StitchCounters:
     """Stitching totals for ``cache_stats()`` (thread-safe)."""
 
@@ -167,10 +212,19 @@ class Stitcher:
     def extend(self, prepared: PreparedPrompt, *, max_reuse: int) -> None:
         """Stitch cached chunks after ``prepared``'s exact prefix (in place); a no-op when nothing hits.
 
+        :meth:`plan` and its whole repair at once (the engine loop runs the repair in slices instead)."""
+        job = self.plan(prepared, max_reuse=max_reuse)
+        if job is not None:
+            job.run()
+
+    def plan(self, prepared: PreparedPrompt, *, max_reuse: int) -> StitchJob | None:
+        """Find the pieces after ``prepared``'s exact prefix, assemble and re-position their KV and choose the
+        positions to recompute; the repair forward is left to :meth:`StitchJob.run`. None when nothing hits.
+
         Content hashes are rooted in ``prepared.root`` (the request's salted root), so a salted request only
-        finds chunks stored under the same salt."""
+        finds chunks stored under the same salt. The store is only read here (and its hits touched)."""
         if not self.enabled:
-            return
+            return None
         assert self.config is not None
         cfg = self.config
         ids, prefix = prepared.ids, prepared.cached_tokens
@@ -187,7 +241,7 @@ class Stitcher:
             if p.end - p.start >= cfg.min_reuse_tokens
         ]
         if not pieces:
-            return
+            return None
         end = pieces[-1].end
         layers = self._assemble(prepared.cache, pieces, prefix, end)
         stitched = [p for piece in pieces for p in range(piece.start, piece.end)]
@@ -195,17 +249,17 @@ class Stitcher:
         gaps = [p for p in range(prefix, end) if p not in covered]
         strategy = cfg.recompute_strategy
         spans = chained_runs(pieces)
+        work: RepairWork
+        repaired: list[int] | None
         if strategy == "none":
-            recompute_tokens(self.model, layers, ids, torch.tensor(gaps, dtype=torch.long), self.layout)
-            repaired: list[int] = []
+            work, repaired = RecomputePass(self.model, layers, ids, gaps, self.layout), []
         elif strategy == "selective":
             repaired = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
-            recompute_tokens(
-                self.model, layers, ids, torch.tensor(sorted(set(gaps) | set(repaired))), self.layout
-            )
+            positions = sorted(set(gaps) | set(repaired))
+            work = RecomputePass(self.model, layers, ids, positions, self.layout)
         else:
             seams = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
-            repaired = cacheblend_repair(
+            work = CacheBlendRepair(
                 self.model,
                 layers,
                 ids,
@@ -215,10 +269,26 @@ class Stitcher:
                 recompute_ratio=cfg.recompute_ratio,
                 check_layer=cfg.check_layer,
             )
-        for cache_layer, (keys, values) in zip(prepared.cache.layers, layers):
+            repaired = None  # chosen by the check pass
+        return StitchJob(
+            stitcher=self,
+            prepared=prepared,
+            pieces=pieces,
+            layers=layers,
+            work=work,
+            repaired=repaired,
+            prefix=prefix,
+            end=end,
+        )
+
+    def _finish(self, job: StitchJob, repaired: list[int]) -> None:
+        """Hand the repaired KV and the telemetry to the prepared prompt, and count the stitch."""
+        prepared = job.prepared
+        for cache_layer, (keys, values) in zip(prepared.cache.layers, job.layers):
             cache_layer.keys, cache_layer.values = keys, values
-        self._describe(prepared, pieces, set(repaired), prefix, end)
-        self.counters.record(len(pieces), len(stitched), len(repaired))
+        self._describe(prepared, job.pieces, set(repaired), job.prefix, job.end)
+        stitched = sum(p.end - p.start for p in job.pieces)
+        self.counters.record(len(job.pieces), stitched, len(repaired))
 
     def _assemble(self, cache: DynamicCache, pieces: list[StitchedPiece], prefix: int, end: int):
         """Per layer ``[keys, values]`` covering positions ``[0, end)``: the exact prefix, re-positioned pieces,

@@ -13,6 +13,11 @@ ways to mask attention: on full-attention models served by the engine's ``kvb_pa
 the keys up to its position: the pass costs what it recomputes); otherwise (sliding-window and hybrid
 layouts, a model without the engine's attention) a dense 4D mask built from positions (the models return
 a 4D mask as-is).
+
+Slicing (:class:`RecomputePass`): the positions may be recomputed in ascending slices with the same result
+(up to float summation order). A recomputed row at ``p`` attends only keys at positions ``<= p``; the
+earlier recomputed rows among them were written into every layer by the earlier slices, and the later ones
+are never attended to. The engine loop runs a long repair one slice per step so it never stalls decoding.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -161,3 +167,74 @@ def recompute_tokens(
             **extra,
         )
     return cache.deviation
+
+
+class RepairWork(Protocol):
+    """A repair that runs in slices: :class:`RecomputePass`, :class:`~kvb_cache.repair.CacheBlendRepair`."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def run(self, budget: int | None = None) -> int:
+        """Recompute at most ``budget`` more positions (None: all that is left); returns how many ran."""
+        ...
+
+
+class RecomputePass:
+    """:func:`recompute_tokens` over ``positions``, run in ascending slices (see the module docstring).
+
+    Args:
+        layers: per layer ``[keys, values]``, each ``[1, kv_heads, N, head_dim]`` (written in place).
+        positions: prompt positions to recompute, each ``< N``; sorted here.
+        last_layer, capture_layer: as for :func:`recompute_tokens`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layers: list[list[torch.Tensor]],
+        ids: Sequence[int],
+        positions: Sequence[int],
+        layout: RecomputeLayout,
+        *,
+        last_layer: int | None = None,
+        capture_layer: int | None = None,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.ids = ids
+        self.positions = sorted(positions)
+        self.layout = layout
+        self.last_layer = last_layer
+        self.capture_layer = capture_layer
+        self.cursor = 0
+        self._deviations: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= len(self.positions)
+
+    def run(self, budget: int | None = None) -> int:
+        stop = len(self.positions) if budget is None else min(len(self.positions), self.cursor + budget)
+        if stop <= self.cursor:
+            return 0
+        chunk = torch.tensor(self.positions[self.cursor : stop], dtype=torch.long)
+        deviation = recompute_tokens(
+            self.model,
+            self.layers,
+            self.ids,
+            chunk,
+            self.layout,
+            last_layer=self.last_layer,
+            capture_layer=self.capture_layer,
+        )
+        if deviation is not None:
+            self._deviations.append(deviation)
+        ran, self.cursor = stop - self.cursor, stop
+        return ran
+
+    def deviation(self) -> torch.Tensor | None:
+        """``[len(positions)]`` deviations (``capture_layer`` set and every slice run), else None."""
+        if not self._deviations:
+            return None
+        return torch.cat(self._deviations) if len(self._deviations) > 1 else self._deviations[0]
