@@ -19,7 +19,8 @@ from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.core.request import PreparedKV, Request
+from kvb_cache.core.preparing import adopt_stitched
+from kvb_cache.core.request import Request
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.emitter import Emitter
@@ -35,7 +36,7 @@ from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.options import pick_keywords
-from kvb_cache.prepared import NextTokenLogits, PreparedPrompt, Prompt
+from kvb_cache.prepared import NextTokenLogits, Prompt
 from kvb_cache.request_checks import (
     check_cache_salt,
     check_context,
@@ -279,7 +280,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         ids = self._tokenize(prompt)
         self._check_context(len(ids), params.max_new_tokens)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-        if self.core.scheduler.find(rid) is not None or rid in self.core.solo:
+        if self.core.knows(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
         check_logit_bias_ids(params, self._logits_width)
         constrained = params.response_format is not None
@@ -291,14 +292,12 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
-        prepared = None
-        if speculative or bits is not None or (self.config.stitching is not None and not constrained):
+        if speculative or bits is not None:
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-            if speculative or bits is not None:
-                prepared.prefill_chunk_size = prefill_chunk_size
-                self._apply_kv_bits(prepared, bits)
-                self.core.add_solo(rid, generation.run(self, prepared, params, t0))
-                return rid
+            prepared.prefill_chunk_size = prefill_chunk_size
+            self._apply_kv_bits(prepared, bits)
+            self.core.add_solo(rid, generation.run(self, prepared, params, t0))
+            return rid
         if not self.kv.can_fit(len(ids) + params.max_new_tokens):
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more KV blocks than "
@@ -311,9 +310,13 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
-        if prepared is not None and prepared.exact_until is not None:
-            adopt_stitched(req, prepared)
-        self.core.add(req)
+        # A stitched prompt is planned here; its repair runs in slices, a bounded amount per step (at most
+        # one slice here), so other requests keep decoding while it prepares (core/preparing.py).
+        job = self._plan_stitch(req) if self.config.stitching is not None and not constrained else None
+        if job is None:
+            self.core.add(req)
+        else:
+            self.core.add_preparing(req, job)
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -451,18 +454,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
-
-
-def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:
-    """Hand a stitched prompt's assembled KV to its loop request: written into the request's private blocks
-    at admission, it then prefills the rest and decodes in the batched step like any other request. Only
-    ``ids[:exact_until]`` may ever be registered under prefix hashes (the store rule)."""
-    layers = tuple((layer.keys, layer.values) for layer in prepared.cache.layers)
-    req.prepared_kv = PreparedKV(layers=layers, length=prepared.cached_tokens)
-    req.exact_until = prepared.exact_until
-    req.cached_tokens = prepared.served_tokens
-    req.chunk_hits = prepared.chunks
-    req.recomputed_tokens = prepared.recomputed_tokens
 
 
 def new_request(

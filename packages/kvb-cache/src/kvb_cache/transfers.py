@@ -2,8 +2,9 @@
 
 Mixed into :class:`~kvb_cache.engine.KVBoost`. Solo requests (speculative, per-request quantized KV) run
 on a ``DynamicCache`` assembled from the pool's exact prefix, and write their exact KV back; a stitched
-prompt is assembled here too, then handed to its loop request (``engine.adopt_stitched``). Stitching
-engines also keep finished requests' chunks in a content-indexed ``ChunkStore``.
+prompt is planned here too (:meth:`CacheTransfers._plan_stitch`); its repair then runs in slices across
+steps and the result is handed to its loop request (:mod:`kvb_cache.core.preparing`). Stitching engines
+also keep finished requests' chunks in a content-indexed ``ChunkStore``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from kvb_cache.core.request import Request
     from kvb_cache.hashing import ChunkHash
     from kvb_cache.model_traits import ModelTraits
-    from kvb_cache.stitching import Stitcher
+    from kvb_cache.stitching import Stitcher, StitchJob
     from kvb_cache.store import ChunkStore
 
 
@@ -85,6 +86,13 @@ class CacheTransfers:
         if stitch:
             self.stitcher.extend(prepared, max_reuse=max_reuse)
         return prepared
+
+    def _plan_stitch(self, req: Request) -> StitchJob | None:
+        """The stitch of loop request ``req``'s prompt, planned (exact prefix read, pieces found and
+        re-positioned) with its repair still to run; None when no piece hits (a plain request)."""
+        ids = req.tokens[: req.prompt_len]
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, root=req.root)
+        return self.stitcher.plan(prepared, max_reuse=len(ids) - 1)
 
     def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
         """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""

@@ -9,6 +9,15 @@ as *solo* requests: an iterator of :class:`~kvb_cache.results.StreamEvent` advan
 beside the batched forward (see docs/server.md for what that means in a mixed batch). Stitched (non-prefix
 reuse) requests are not solo: their assembled KV is written into their private blocks at admission
 (:meth:`~kvb_cache.core.kv_manager.KVCacheManager.adopt`) and they decode in the batched forward.
+
+Preparing a stitched prompt (its repair forward) is sliced so it never stalls the running requests for
+long (:mod:`kvb_cache.core.preparing`): ``add_request`` plans it (lookup, re-positioning, recompute
+positions) and runs at most one slice of the repair; a request with work left is *preparing* (not yet
+queued). At the start of every step, before scheduling, the preparing requests (oldest first) run their
+next slices of ascending recompute positions, in all at most ``max_num_batched_tokens`` positions per step
+counting what ``add_request`` ran since the last step (each request at most its ``prefill_chunk_size``);
+one whose repair is done adopts its KV and is queued, so it may be admitted in the same step. Preparing
+requests count as unfinished and running and can be aborted (they hold no pool blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
+from kvb_cache.core.preparing import PrepareWork, Preparing
 from kvb_cache.core.request import Request
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
@@ -48,18 +58,34 @@ class EngineCore:
         self.texts = texts
         self.build_result = build_result
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
+        self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
 
+    def add_preparing(self, req: Request, work: PrepareWork) -> None:
+        """Queue ``req`` once ``work`` (its stitched prompt's repair) is done; one slice may run now."""
+        if self.preparing.add(req, work):
+            self.scheduler.add(req)
+
     def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
         self.solo[request_id] = events
 
+    def knows(self, request_id: RequestId) -> bool:
+        """Whether ``request_id`` is in use by an unfinished request."""
+        return (
+            request_id in self.solo
+            or request_id in self.preparing
+            or self.scheduler.find(request_id) is not None
+        )
+
     def has_unfinished(self) -> bool:
-        return bool(self.solo) or self.scheduler.has_unfinished()
+        return bool(self.solo) or bool(self.preparing) or self.scheduler.has_unfinished()
 
     def abort(self, request_id: RequestId) -> bool:
+        if self.preparing.abort(request_id):
+            return True
         events = self.solo.pop(request_id, None)
         if events is not None:
             close = getattr(events, "close", None)
@@ -75,6 +101,8 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for req in self.preparing.advance():
+            self.scheduler.add(req)
         plan = self.scheduler.schedule()
         for admission in plan.admitted:
             req = admission.request
@@ -153,4 +181,4 @@ class EngineCore:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running) + len(self.solo)
+        return len(self.scheduler.running) + len(self.solo) + len(self.preparing)
