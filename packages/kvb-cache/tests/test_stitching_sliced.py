@@ -227,3 +227,45 @@ def test_a_prompt_with_no_stitched_piece_is_queued_as_a_plain_request(llama, tok
     assert rid not in engine.core.preparing
     req = engine.core.scheduler.find(rid)
     assert req is not None and req.prepared_kv is None and req.exact_until is None
+
+
+def test_repair_and_prefill_share_one_step_budget(llama, tokenizer, monkeypatch):
+    """A step's repair positions come out of its prefill budget (decodes are never held back): repaired +
+    prefilled tokens stay within max_num_batched_tokens while a long plain prompt prefills beside a stitched
+    one that prepares."""
+    budget = 16
+    repaired = []
+    original = repair_recompute.recompute_tokens
+
+    def counting(model, layers, ids, positions, *args, **kwargs):
+        repaired.append(positions.numel())
+        return original(model, layers, ids, positions, *args, **kwargs)
+
+    monkeypatch.setattr(repair_recompute, "recompute_tokens", counting)
+    first, second = _prompts(tokenizer)
+    engine = _engine(llama, tokenizer, STRATEGIES["selective"], max_num_batched_tokens=budget)
+    engine.next_token_logits(first)
+    fed = []
+    forward = engine.core.runner.forward
+
+    def recording(seqs):
+        fed.append([len(s.token_ids) for s in seqs])
+        return forward(seqs)
+
+    monkeypatch.setattr(engine.core.runner, "forward", recording)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    plain = engine.add_request(tokenizer(words(60, seed=12))["input_ids"], params)
+    stitched = engine.add_request(second, params)
+    assert stitched in engine.core.preparing
+    results, shared = {}, 0
+    while engine.has_unfinished():
+        repaired.clear()
+        fed.clear()
+        _collect(engine, engine.step(), results)
+        rows = fed[0] if fed else []
+        prefill = sum(n for n in rows if n > 1)
+        decodes = sum(1 for n in rows if n == 1)
+        assert sum(repaired) + prefill + decodes <= budget + decodes
+        shared += bool(repaired) and prefill > 0
+    assert shared  # some step did both: the split was exercised
+    assert {len(results[r].output_ids) for r in (plain, stitched)} == {3}

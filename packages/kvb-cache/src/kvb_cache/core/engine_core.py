@@ -16,7 +16,9 @@ positions) and runs at most one slice of the repair; a request with work left is
 queued). At the start of every step, before scheduling, the preparing requests (oldest first) run their
 next slices of ascending recompute positions, in all at most ``max_num_batched_tokens`` positions per step
 counting what ``add_request`` ran since the last step (each request at most its ``prefill_chunk_size``);
-one whose repair is done adopts its KV and is queued, so it may be admitted in the same step. Preparing
+one whose repair is done adopts its KV and is queued, so it may be admitted in the same step. The
+positions repaired come out of that step's prefill budget (``Scheduler.schedule(reserved=...)``), so a
+step still does about ``max_num_batched_tokens`` tokens of work plus its decodes. Preparing
 requests count as unfinished and running and can be aborted (they hold no pool blocks).
 """
 
@@ -103,7 +105,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         for req in self.preparing.advance():
             self.scheduler.add(req)
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
         for admission in plan.admitted:
             req = admission.request
             req.cached_tokens = admission.hit.tokens

@@ -54,6 +54,8 @@ class Preparing:
         #: Positions of work per window (the scheduler's ``max_num_batched_tokens``).
         self.budget = budget
         self.spent = 0
+        #: Positions of work the last closed window ran (the scheduler reserves them from its step budget).
+        self.window_spent = 0
         # dicts keep insertion order: oldest first.
         self._jobs: dict[RequestId, tuple[Request, PrepareWork]] = {}
 
@@ -88,7 +90,7 @@ class Preparing:
             if self._run(req, work):
                 del self._jobs[request_id]
                 ready.append(req)
-        self.spent = 0
+        self.window_spent, self.spent = self.spent, 0
         return ready
 
     def abort(self, request_id: RequestId) -> bool:

@@ -76,7 +76,15 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, *, reserved: int = 0) -> StepPlan:
+        """Decide this step: one token for each decoding request, then prefill slices in the budget left.
+
+        Args:
+            reserved: tokens of this step's budget already spent outside the forward (the repair slices of
+                stitched requests being prepared, :mod:`kvb_cache.core.preparing`): prefills get what is
+                left, so a step's work stays about ``max_num_batched_tokens`` tokens; decodes are never held
+                back by it (a running request's next token is what the budget protects).
+        """
         budget = self.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[Request] = []
@@ -105,9 +113,10 @@ class Scheduler:
                 chosen.add(id(req))
                 budget -= 1
 
+        budget = max(0, budget - reserved)
         if not preempted:
             self._admit(budget, scheduled, admitted, chosen)
-            budget = self.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+            budget = max(0, self.max_num_batched_tokens - reserved - sum(s.num_tokens for s in scheduled))
 
         for req in [r for r in self.running if id(r) not in chosen and r.remaining > 1]:
             if budget == 0:
