@@ -9,7 +9,9 @@ test prompt, same cache state), with the recomputed share, so rules can be compa
 - ``ratio-P``: the first P% of each run (at least 16): longer documents get more;
 - ``seam32+tailN``: 32 seam tokens plus the last N stitched tokens before the uncached suffix (recency: the
   question attends its neighbourhood most);
-- ``seam32+stride``: 32 seam tokens plus 32 of every 128 further tokens (spread over the run).
+- ``seam32+stride``: 32 seam tokens plus 32 of every 128 further tokens (spread over the run);
+- ``seam64+quoted (oracle)``: 64 seam tokens plus every stitched token of the document the quote comes from
+  (known here, not to the engine): how much a query-aware selection could at best buy.
 
 Model: the embedded SmolLM2-135M-Instruct, fp32, CPU, one thread. Prints a markdown table.
 """
@@ -63,6 +65,14 @@ def seam_and_stride(k: int, every: int, width: int) -> Rule:
     return rule
 
 
+#: Prompt positions ``[start, end)`` of the quoted document in the current test prompt (the oracle's input).
+QUOTED: list[range] = [range(0)]
+
+
+def seam_and_quoted(k: int) -> Rule:
+    return lambda runs: seam(k)(runs) | {p for a, b in runs for p in range(a, b) if p in QUOTED[0]}
+
+
 RULES: dict[str, Rule] = {
     "none": lambda runs: set(),
     "seam-k32": seam(32),
@@ -73,6 +83,7 @@ RULES: dict[str, Rule] = {
     "seam32+tail96": seam_and_tail(32, 96),
     "seam32+tail192": seam_and_tail(32, 192),
     "seam32+stride": seam_and_stride(32, 128, 32),
+    "seam64+quoted (oracle)": seam_and_quoted(64),
 }
 
 
@@ -101,6 +112,9 @@ def main() -> None:
         order = [*range(1, len(docs), 2), *range(0, len(docs), 2)]
         snippet, _ = qa_item(group[order[1]][1])
         ids = tokenizer(test_prompt(docs, order, snippet))["input_ids"]
+        before = prompt(docs, order[:1], "")[: -len("Question: \nAnswer:")]
+        start = len(tokenizer(before)["input_ids"])
+        QUOTED[0] = range(start, start + len(tokenizer(docs[order[1]])["input_ids"]))
         config = EngineConfig(chunk_size=args.chunk_size, max_cache_bytes=CACHE_BYTES)
         cold = KVBoost(model, tokenizer, config=config).generate(
             ids, max_new_tokens=args.new_tokens, ignore_eos=True
