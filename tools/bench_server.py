@@ -136,6 +136,12 @@ def main() -> None:
     p.add_argument(
         "--library-system-tokens", type=int, default=800, help="shared system prompt tokens (library)"
     )
+    p.add_argument(
+        "--peer-cb-memory",
+        type=float,
+        default=0.3,
+        help="transformers serve --cb-max-memory-percent (its default, 0.6-0.9 of free memory, got it OOM-killed)",
+    )
     p.add_argument("--library-new-tokens", type=int, default=32, help="greedy tokens per prompt (library)")
     p.add_argument("--request-timeout", type=float, default=300, help="seconds one request may take")
     p.add_argument("--phase-timeout", type=float, default=1800, help="seconds one concurrency level may take")
@@ -176,7 +182,10 @@ def main() -> None:
     venv = ensure_transformers_venv(
         args.transformers_venv or cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}"
     )
-    specs = {"kvboost": kvboost_spec(model_path), "transformers": transformers_spec(venv, model_path)}
+    specs = {
+        "kvboost": kvboost_spec(model_path),
+        "transformers": transformers_spec(venv, model_path, cb_max_memory_percent=args.peer_cb_memory),
+    }
     system = system_prompt(args.system_chars)
     workloads, used = {}, 0
     for c in args.sessions:  # disjoint conversations per level, the same ones for both servers

@@ -880,12 +880,12 @@ def main() -> None:
 
     model_path = embedded_model_path()
     venv = ensure_transformers_venv(cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}")
-    peer = transformers_spec(venv, model_path)
-    # At info level transformers serve logs the request fields it ignores (tool_choice, ...). Its paged KV
-    # cache defaults to 60-90% of the free memory: on this shared machine the kernel OOM-killed it (13.4 GB
-    # resident) on its first request; 10% (~2 GB, far more than one agent loop needs) keeps it alive.
-    argv = tuple("info" if a == "warning" else a for a in peer.argv)
-    peer = dataclasses.replace(peer, argv=(*argv, "--cb-max-memory-percent", str(args.peer_cb_memory)))
+    # Its paged KV cache defaults to 60-90% of the free memory: on this shared machine the kernel OOM-killed
+    # it (13.4 GB resident) on its first request; 10% (~2 GB, far more than one agent loop needs) keeps it
+    # alive.
+    peer = transformers_spec(venv, model_path, cb_max_memory_percent=args.peer_cb_memory)
+    # At info level transformers serve logs the request fields it ignores (tool_choice, ...).
+    peer = dataclasses.replace(peer, argv=tuple("info" if a == "warning" else a for a in peer.argv))
     specs = {"kvboost": kvboost_spec(model_path), "transformers": peer}
     results: dict = {
         "config": vars(args) | {"out": str(out), "model_path": model_path},

@@ -81,8 +81,13 @@ def kvboost_spec(model_path: str) -> ServerSpec:
     return ServerSpec(name="kvboost", argv=argv, model_field=model_path, python=sys.executable)
 
 
-def transformers_spec(venv: Path, model_path: str) -> ServerSpec:
+def transformers_spec(
+    venv: Path, model_path: str, *, cb_max_memory_percent: float | None = None
+) -> ServerSpec:
     """``transformers serve`` pinned to ``model_path`` (preloaded before ``/health`` answers).
+
+    ``cb_max_memory_percent``: its paged cache's share of free memory (its default, 0.6-0.9, got the peer
+    OOM-killed on a shared 24 GiB machine); None leaves its default.
 
     NOTE: a pinned server answers 400 unless a request's ``model`` is exactly the pinned string, so the
     folder path is sent as ``model`` (responses name it ``<path>@main``).
@@ -99,6 +104,8 @@ def transformers_spec(venv: Path, model_path: str) -> ServerSpec:
         "--log-level",
         "warning",
     )
+    if cb_max_memory_percent is not None:
+        argv = (*argv, "--cb-max-memory-percent", str(cb_max_memory_percent))
     return ServerSpec(
         name="transformers", argv=argv, model_field=model_path, python=str(venv / "bin" / "python")
     )
