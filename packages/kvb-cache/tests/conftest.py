@@ -70,6 +70,16 @@ def words(n: int, seed: int = 0) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 10, (n,), generator=g))
 
 
+def rag_prompts(tokenizer: T.PreTrainedTokenizerFast) -> tuple[list[int], list[int]]:
+    """The same three documents in two orders after a shared system prompt, then different questions: the
+    second prompt stitches the first one's chunks."""
+    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
+    system = tokenizer(words(20, seed=9))["input_ids"]
+    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
+    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
+    return first, second
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> T.PreTrainedTokenizerFast:
     return make_tokenizer()

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, words
+from conftest import make_model, rag_prompts, words
 
 from kvb_cache import ConfigError, EngineConfig, HitKind, KVBoost, StitchConfig
 from kvb_cache.repair import selective_positions
 
 CHUNK = 16
-
-
-def _prompts(tokenizer):
-    """The same three documents in two orders after a shared system prompt, then different questions."""
-    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
-    system = tokenizer(words(20, seed=9))["input_ids"]
-    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
-    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
-    return first, second
 
 
 def _probe(ids):
@@ -48,7 +39,7 @@ def _engine(model, tokenizer, **stitch):
 def test_recomputing_every_stitched_token_equals_no_cache(arch, stitch, tokenizer):
     """The repair forward is exact: with every stitched token recomputed, logits equal a plain forward."""
     model = make_model(arch)
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(model, tokenizer, **stitch)
     engine.next_token_logits(first)
     result = engine.next_token_logits(second)
@@ -58,7 +49,7 @@ def test_recomputing_every_stitched_token_equals_no_cache(arch, stitch, tokenize
 
 
 def test_strategy_none_reuses_without_recompute_and_differs(llama, tokenizer):
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="none")
     engine.next_token_logits(first)
     out = engine.generate(second, max_new_tokens=4, ignore_eos=True)
@@ -84,7 +75,7 @@ def test_strategy_none_reuses_without_recompute_and_differs(llama, tokenizer):
 
 
 def test_selective_recomputes_first_tokens_after_each_seam(llama, tokenizer):
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=5)
     engine.next_token_logits(first)
     out = engine.generate(second, max_new_tokens=2, ignore_eos=True)
@@ -107,7 +98,7 @@ def test_selective_positions_are_after_the_seam_and_include_sinks():
 
 
 def test_cacheblend_recomputes_the_ratio(llama, tokenizer):
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     ref = _reference(llama, second)
     errors = {}
     for strategy in ("none", "cacheblend"):
@@ -126,7 +117,7 @@ def test_cacheblend_recomputes_the_ratio(llama, tokenizer):
 
 def test_exact_hits_after_a_stitched_request_stay_exact(llama, tokenizer):
     """Stitched (approximate) KV is never stored under prefix hashes: a later exact hit equals no-cache."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="none")
     engine.next_token_logits(first)
     engine.generate(second, max_new_tokens=8, ignore_eos=True)
@@ -139,7 +130,7 @@ def test_exact_hits_after_a_stitched_request_stay_exact(llama, tokenizer):
 
 
 def test_exact_prefix_is_never_repaired(llama, tokenizer):
-    first, _ = _prompts(tokenizer)
+    first, _ = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="cacheblend", check_layer=0)
     engine.next_token_logits(first)
     again = engine.next_token_logits(first)
@@ -149,7 +140,7 @@ def test_exact_prefix_is_never_repaired(llama, tokenizer):
 
 def test_absolute_position_models_decline_with_reason(tokenizer):
     model = make_model("gpt2")
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(model, tokenizer)
     engine.next_token_logits(first)
     result = engine.next_token_logits(second)

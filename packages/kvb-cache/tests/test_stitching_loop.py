@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import words
+from conftest import rag_prompts, words
 from torch.nn import functional as F
 
 from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
@@ -16,14 +16,6 @@ from kvb_cache.stitching import StitchedPiece, chained_runs
 from kvb_cache.store import ChunkEntry
 
 CHUNK = 16
-
-
-def _prompts(tokenizer):
-    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
-    system = tokenizer(words(20, seed=9))["input_ids"]
-    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
-    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
-    return first, second
 
 
 def _reference(model, ids):
@@ -70,7 +62,7 @@ def test_repair_uses_row_attention_and_stays_exact(llama, tokenizer, monkeypatch
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(repair_rows.RowAttention, "__call__", counting)
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=10_000)
     engine.next_token_logits(first)
     result = engine.next_token_logits(second)
@@ -97,7 +89,7 @@ def test_chained_runs_merge_pieces_that_were_neighbours_where_computed():
 def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):
     """The stitched KV goes into the request's private blocks; it then decodes in step() beside a plain
     request (no solo generator), with the same tokens as when it runs alone."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     alone = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
     alone.next_token_logits(first)
     expected = alone.generate(second, max_new_tokens=6, ignore_eos=True)
@@ -126,7 +118,7 @@ def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):
 def test_stitched_blocks_are_private_and_freed(llama, tokenizer):
     """Approximate KV is never registered: after the request, the pool indexes only its exact prefix, and
     every block it held is back."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, recompute_strategy="none")
     engine.next_token_logits(first)
     free_before = engine.kv.pool.num_free
@@ -140,7 +132,7 @@ def test_stitched_blocks_are_private_and_freed(llama, tokenizer):
 
 def test_stitched_request_survives_preemption(llama, tokenizer):
     """A preempted stitched request resumes by exact recomputation and still finishes."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     config = EngineConfig(
         chunk_size=CHUNK, stitching=StitchConfig(recompute_strategy="none"), num_blocks=14, block_size=16
     )
@@ -164,7 +156,7 @@ def test_stitched_request_survives_preemption(llama, tokenizer):
 
 
 def test_teacher_forced_logits_equal_no_cache_for_exact_and_fully_repaired_reuse(llama, tokenizer):
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     continuation = tokenizer(words(7, seed=5))["input_ids"]
     reference = reference_continuation_logits(llama, second, continuation)
     exact = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=CHUNK))

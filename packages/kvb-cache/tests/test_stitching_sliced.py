@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from conftest import _COMMON, words
+from conftest import _COMMON, rag_prompts, words
 from conftest import make_model as make_shallow_model
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, SamplingParams, StitchConfig
@@ -46,14 +46,6 @@ def llama():
     return make_model("llama")
 
 
-def _prompts(tokenizer):
-    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
-    system = tokenizer(words(20, seed=9))["input_ids"]
-    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
-    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
-    return first, second
-
-
 def _engine(model, tokenizer, stitch, **config):
     config = EngineConfig(chunk_size=CHUNK, stitching=StitchConfig(**stitch), **config)
     return KVBoost(model, tokenizer, config=config)
@@ -73,7 +65,7 @@ def test_sliced_repair_equals_unsliced(arch, strategy, budget, tokenizer):
     """Ascending slices of the recompute positions give the KV of one pass (every layer, fp32: 1e-5 on 2 layers,
     5e-5 on 4), and the same telemetry; each slice runs at most ``budget`` positions."""
     model = make_model(arch) if strategy == "cacheblend" else make_shallow_model(arch)
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(model, tokenizer, STRATEGIES[strategy])
     engine.next_token_logits(first)
     whole, whole_job = _plan(engine, second)
@@ -110,7 +102,7 @@ def _collect(engine, outputs, results):
 def test_plain_request_decodes_while_a_stitched_one_prepares(llama, tokenizer):
     """With slices of 8 positions, the stitched request needs several steps to be queued; the plain request
     already decoding gets a token on every one of them."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, STRATEGIES["selective"])
     engine.next_token_logits(first)
     plain = engine.add_request(
@@ -138,7 +130,7 @@ def test_plain_request_decodes_while_a_stitched_one_prepares(llama, tokenizer):
 def test_sliced_stitched_request_equals_one_go(strategy, tokenizer, llama):
     """Greedy output, telemetry and stitching counters of a request prepared over many steps equal those
     of the same request prepared at once; TTFT still counts from add_request."""
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     alone = _engine(llama, tokenizer, STRATEGIES[strategy])
     alone.next_token_logits(first)
@@ -169,10 +161,10 @@ def test_sliced_stitched_request_equals_one_go(strategy, tokenizer, llama):
     assert got.ttft_ms > 0 and got.total_ms >= got.ttft_ms
 
 
-def test_repair_per_step_is_bounded_by_the_token_budget(llama, tokenizer, monkeypatch):
-    """Three stitched requests arriving together share one budget of repaired positions per step (what
-    add_request ran counts against the next step), oldest first; all of them finish."""
-    sizes = []
+@pytest.fixture
+def recomputed(monkeypatch) -> list[int]:
+    """Sizes of the recompute forwards run while the test holds this list (one entry per slice)."""
+    sizes: list[int] = []
     original = repair_recompute.recompute_tokens
 
     def counting(model, layers, ids, positions, *args, **kwargs):
@@ -180,7 +172,14 @@ def test_repair_per_step_is_bounded_by_the_token_budget(llama, tokenizer, monkey
         return original(model, layers, ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(repair_recompute, "recompute_tokens", counting)
-    first, second = _prompts(tokenizer)
+    return sizes
+
+
+def test_repair_per_step_is_bounded_by_the_token_budget(llama, tokenizer, recomputed):
+    """Three stitched requests arriving together share one budget of repaired positions per step (what
+    add_request ran counts against the next step), oldest first; all of them finish."""
+    sizes = recomputed
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, STRATEGIES["selective"], max_num_batched_tokens=16)
     engine.next_token_logits(first)
     sizes.clear()
@@ -199,7 +198,7 @@ def test_repair_per_step_is_bounded_by_the_token_budget(llama, tokenizer, monkey
 
 
 def test_abort_while_preparing_frees_everything(llama, tokenizer):
-    first, second = _prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, STRATEGIES["selective"], max_num_batched_tokens=16)
     engine.next_token_logits(first)
     free = engine.kv.pool.num_free
@@ -229,20 +228,13 @@ def test_a_prompt_with_no_stitched_piece_is_queued_as_a_plain_request(llama, tok
     assert req is not None and req.prepared_kv is None and req.exact_until is None
 
 
-def test_repair_and_prefill_share_one_step_budget(llama, tokenizer, monkeypatch):
+def test_repair_and_prefill_share_one_step_budget(llama, tokenizer, monkeypatch, recomputed):
     """A step's repair positions come out of its prefill budget (decodes are never held back): repaired +
     prefilled tokens stay within max_num_batched_tokens while a long plain prompt prefills beside a stitched
     one that prepares."""
     budget = 16
-    repaired = []
-    original = repair_recompute.recompute_tokens
-
-    def counting(model, layers, ids, positions, *args, **kwargs):
-        repaired.append(positions.numel())
-        return original(model, layers, ids, positions, *args, **kwargs)
-
-    monkeypatch.setattr(repair_recompute, "recompute_tokens", counting)
-    first, second = _prompts(tokenizer)
+    repaired = recomputed
+    first, second = rag_prompts(tokenizer)
     engine = _engine(llama, tokenizer, STRATEGIES["selective"], max_num_batched_tokens=budget)
     engine.next_token_logits(first)
     fed = []

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_model
+from conftest import make_model, rag_prompts
 from test_stitching import _engine as stitching_engine
-from test_stitching import _prompts as stitching_prompts
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost
 from kvb_cache.hashing import prefix_hash, root_hash, salted_root
@@ -100,7 +99,7 @@ def test_salts_are_isolated_through_the_disk_tier(llama, tokenizer, tmp_path):
 
 
 def test_stitching_finds_only_chunks_of_the_same_salt(llama, tokenizer):
-    first, second = stitching_prompts(tokenizer)
+    first, second = rag_prompts(tokenizer)
     eng = stitching_engine(llama, tokenizer, recompute_strategy="selective")
     eng.next_token_logits(first, cache_salt="a")
     other = eng.next_token_logits(second, cache_salt="b")

@@ -17,22 +17,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import PreparedKV, Request, RequestStatus
+from kvb_cache.repair.recompute import RepairWork
 
 if TYPE_CHECKING:
     from kvb_cache.prepared import PreparedPrompt
 
 
-class PrepareWork(Protocol):
-    """Sliced work that fills ``prepared`` (a :class:`~kvb_cache.stitching.StitchJob`)."""
+class PrepareWork(RepairWork, Protocol):
+    """Sliced repair that fills ``prepared`` when done (a :class:`~kvb_cache.stitching.StitchJob`)."""
 
     prepared: PreparedPrompt
-
-    @property
-    def done(self) -> bool: ...
-
-    def run(self, budget: int | None = None) -> int:
-        """Run at most ``budget`` more positions of work (None: all of it); returns how many ran."""
-        ...
 
 
 def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:

@@ -105,34 +105,3 @@ class CacheBlendRepair:
     def _start_blend(self, selected: list[int]) -> None:
         model, layers, ids = self._recompute
         self.blend = RecomputePass(model, layers, ids, sorted(self._forced | set(selected)), self._layout)
-
-
-def cacheblend_repair(
-    model: PreTrainedModel,
-    layers: list[list[torch.Tensor]],
-    ids: Sequence[int],
-    *,
-    stitched: Sequence[int],
-    forced: Sequence[int],
-    layout: RecomputeLayout,
-    recompute_ratio: float,
-    check_layer: int,
-) -> list[int]:
-    """Repair ``stitched`` positions in place, both passes at once; ``forced`` positions (gaps, seams) are
-    always recomputed.
-
-    Returns:
-        The stitched positions recomputed through all layers (selected or forced), ascending.
-    """
-    repair = CacheBlendRepair(
-        model,
-        layers,
-        ids,
-        stitched=stitched,
-        forced=forced,
-        layout=layout,
-        recompute_ratio=recompute_ratio,
-        check_layer=check_layer,
-    )
-    repair.run()
-    return repair.repaired
