@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -40,6 +39,7 @@ from server_procs import (
     ensure_transformers_venv,
     kvboost_spec,
     running,
+    save_results,
     torch_threads_seen,
     transformers_spec,
     versions,
@@ -217,11 +217,7 @@ def main() -> None:
     analyze(results, args.sessions)
     results["elapsed_s"] = time.monotonic() - t_start
     report(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    png = out.with_name("server_ttft.png")
-    wrote = f"{out} and {png}" if plot(results, png) else str(out)
-    print(f"\nwrote {wrote} ({results['elapsed_s']:.0f} s in all)")
+    save_results(results, out, plot, "server_ttft.png")
 
 
 if __name__ == "__main__":

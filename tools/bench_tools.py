@@ -615,6 +615,17 @@ def _med(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _cached_share(records: list[dict]) -> float | None:
+    """Median share of the prompt served from cache, over the records whose server reported it."""
+    return _med(
+        [
+            r["cached_tokens"] / r["prompt_tokens"]
+            for r in records
+            if r["cached_tokens"] is not None and r["prompt_tokens"]
+        ]
+    )
+
+
 def summarize_loops(records: list[dict]) -> dict:
     ok = [r for r in records if r["error"] is None]
     by_call: dict[int, list[dict]] = {}
@@ -625,13 +636,7 @@ def summarize_loops(records: list[dict]) -> dict:
             "n": len(rs),
             "prompt_tokens": _med([r["prompt_tokens"] for r in rs]),
             "cached_tokens": _med([r["cached_tokens"] for r in rs]),
-            "cached_share": _med(
-                [
-                    r["cached_tokens"] / r["prompt_tokens"]
-                    for r in rs
-                    if r["cached_tokens"] is not None and r["prompt_tokens"]
-                ]
-            ),
+            "cached_share": _cached_share(rs),
             "ttft_ms": _med([r["ttft_ms"] for r in rs]),
             "latency_ms": _med([r["latency_ms"] for r in rs]),
             "completion_tokens": _med([r["completion_tokens"] for r in rs]),
@@ -655,13 +660,7 @@ def summarize_loops(records: list[dict]) -> dict:
             f: sum(r["finish_reason"] == f for r in ok) for f in {r["finish_reason"] for r in ok}
         },
         "cached_reported": any(r["cached_tokens"] is not None for r in ok),
-        "cached_share_call2plus": _med(
-            [
-                r["cached_tokens"] / r["prompt_tokens"]
-                for r in later
-                if r["cached_tokens"] is not None and r["prompt_tokens"]
-            ]
-        ),
+        "cached_share_call2plus": _cached_share(later),
         "ttft_ms_call2plus": _med([r["ttft_ms"] for r in later]),
         "latency_ms_all": _med([r["latency_ms"] for r in ok]),
         "per_call": per_call,
@@ -874,7 +873,13 @@ def main() -> None:
     t_start = time.monotonic()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_server import environment
-    from server_procs import TRANSFORMERS_VERSION, ensure_transformers_venv, kvboost_spec, transformers_spec
+    from server_procs import (
+        TRANSFORMERS_VERSION,
+        ensure_transformers_venv,
+        kvboost_spec,
+        save_results,
+        transformers_spec,
+    )
 
     from kvb_cache.embedded import cache_root, embedded_model_path
 
@@ -921,11 +926,7 @@ def main() -> None:
     table = report(results)
     print("\n" + table)
     results["tables_md"] = table
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    png = out.with_name("bench_tools.png")
-    wrote = f"{out} and {png}" if plot(results, png) else str(out)
-    print(f"\nwrote {wrote} ({results['elapsed_s']:.0f} s in all)")
+    save_results(results, out, plot, "bench_tools.png")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,3 +204,13 @@ def ensure_transformers_venv(venv: Path) -> Path:
     subprocess.run([*pip, TORCH_PIN], check=True, timeout=1800)
     subprocess.run([*pip, TORCH_PIN, TRANSFORMERS_PIN], check=True, timeout=1800)
     return venv
+
+
+def save_results(results: dict, out: Path, plot: Callable[[dict, Path], bool], png_name: str) -> None:
+    """Write a benchmark's ``results`` as JSON to ``out`` and its plot beside it (``plot`` returns False when
+    matplotlib is missing), then say where, with the run's ``elapsed_s``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    png = out.with_name(png_name)
+    wrote = f"{out} and {png}" if plot(results, png) else str(out)
+    print(f"\nwrote {wrote} ({results['elapsed_s']:.0f} s in all)")
