@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from eval_fidelity import CACHE_BYTES, WARMUP_QUESTIONS, prompt, pydoc_groups, qa_item, test_prompt
+from eval_fidelity import CACHE_BYTES, SYSTEM, WARMUP_QUESTIONS, prompt, pydoc_groups, qa_item, test_prompt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvb_cache.stitching as stitching
@@ -112,7 +112,7 @@ def main() -> None:
         order = [*range(1, len(docs), 2), *range(0, len(docs), 2)]
         snippet, _ = qa_item(group[order[1]][1])
         ids = tokenizer(test_prompt(docs, order, snippet))["input_ids"]
-        before = prompt(docs, order[:1], "")[: -len("Question: \nAnswer:")]
+        before = SYSTEM + docs[order[0]]  # the text ahead of the quoted document
         start = len(tokenizer(before)["input_ids"])
         QUOTED[0] = range(start, start + len(tokenizer(docs[order[1]])["input_ids"]))
         config = EngineConfig(chunk_size=args.chunk_size, max_cache_bytes=CACHE_BYTES)
