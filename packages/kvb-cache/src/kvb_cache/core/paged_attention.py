@@ -1,22 +1,34 @@
 """Attention over the paged pool, registered with transformers as the ``kvb_paged`` implementation.
 
 The engine calls the model with packed tokens ``[1, T]`` (every scheduled request's new tokens back to
-back), ``use_cache=False`` and a :class:`PagedBatch` keyword argument, which transformers forwards to every
-attention layer unchanged. Per layer this function writes the new keys/values into their pool slots, then
+back) and ``use_cache=False`` inside :func:`paged_call`, which makes a :class:`PagedBatch` current for
+every attention layer. Per layer this function writes the new keys/values into their pool slots, then
 attends each request's queries to its whole context read back through its slot table: a prefilling
 request alone (causal inside its new tokens), decoding requests together in one padded batch.
 
-Without a ``kvb_paged`` argument (a plain ``model(...)`` call: references, stitching repair, speculative
-drafts on a ``DynamicCache``), it defers to the implementation the model had before, and the mask
-interface does the same, so such calls compute exactly what they did before installation. A plain call
-may instead pass its own ``kvb_row_attention`` callable (the stitching repair: only its recomputed rows attend,
-each over the keys up to its position, without a dense mask over every row).
+The batch travels in a context variable, not a keyword argument: some decoder layers (StableLM's, for one)
+do not forward extra keyword arguments to their attention, and a batch lost on the way would silently turn
+the packed forward into a plain one over the new tokens only.
+
+Outside :func:`paged_call` (a plain ``model(...)`` call: references, stitching repair, speculative drafts
+on a ``DynamicCache``) it defers to the implementation the model had before, and the mask interface does
+the same, so such calls compute exactly what they did before installation. Inside :func:`row_call` a plain
+call runs the given row attention instead (the stitching repair: only its recomputed rows attend, each over
+the keys up to its position, without a dense mask over every row).
+
+:func:`install_paged_attention` checks with a one-token probe that every decoder layer's attention goes
+through this function and sees keys/values of the shape its cache holds; models that route attention
+elsewhere (GPT-J, Falcon, Bloom: no ``AttentionInterface``) or cache something else than per-head keys and
+values (DeepSeek's multi-head latent attention caches the compressed latent) are declined with
+:class:`~kvb_cache.errors.UnsupportedModelError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +37,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvb_cache.core.kv_storage import KVStorage
+from kvb_cache.core.kv_storage import KVStorage, LayerShape
+from kvb_cache.errors import UnsupportedModelError
 
 NAME = "kvb_paged"
 #: Config attribute recording the implementation calls without paged metadata go to.
@@ -71,6 +84,13 @@ def _group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, (heads // kv_heads) * q_len, d)
 
 
+def sink_column(sinks: torch.Tensor, kv_heads: int, q_len: int) -> torch.Tensor:
+    """Per-head sink logits ``[H]`` laid out for grouped queries: ``[KVH, G * q_len, 1]`` (row ``g * q + i`` of
+    key head ``h`` is query head ``h * G + g``)."""
+    groups = sinks.shape[0] // kv_heads
+    return sinks.view(kv_heads, groups, 1, 1).expand(kv_heads, groups, q_len, 1).reshape(kv_heads, -1, 1)
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,20 +100,32 @@ def _attend(
     scaling: float | None,
     softcap: float | None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, H, L, D]``, bool ``mask`` ``[B, 1, Q, L]`` -> ``[B, H, Q, Dv]``."""
-    if softcap is None:
+    """``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, H, L, D]``, bool ``mask`` ``[B, 1, Q, L]`` -> ``[B, H, Q, Dv]``.
+
+    ``sinks`` ``[H, Q, 1]`` (gpt-oss): a learned logit per head that joins every row's softmax as one more
+    "key" with a zero value, so a row may give part of its attention to nothing.
+    """
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal)
-    # SDPA has no logit soft-capping (Gemma 2): the eager formula, as transformers' eager path computes it.
+    # SDPA has neither logit soft-capping (Gemma 2) nor sinks (gpt-oss): the eager formula, as transformers'
+    # eager paths compute it.
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(
             k.shape[-2] - q.shape[-2]
         )
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, column], dim=-1).float()
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -108,6 +140,35 @@ def _causal_mask(q_len: int, ctx: int, window: int | None, device: torch.device)
     return mask
 
 
+#: The batch of the packed forward running now (set by :func:`paged_call`).
+_PAGED: ContextVar[PagedBatch | None] = ContextVar("kvb_paged", default=None)
+#: The row attention of the repair forward running now (set by :func:`row_call`).
+_ROWS: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("kvb_row_attention", default=None)
+#: Per layer, the ``(kv_heads, key_dim, value_dim)`` attention saw during :func:`_probe_routing`.
+_PROBE: ContextVar[dict[int, tuple[int, int, int]] | None] = ContextVar("kvb_probe", default=None)
+
+
+@contextlib.contextmanager
+def paged_call(batch: PagedBatch) -> Iterator[None]:
+    """Every attention layer of a model forward run inside reads and writes ``batch``'s pool slots."""
+    token = _PAGED.set(batch)
+    try:
+        yield
+    finally:
+        _PAGED.reset(token)
+
+
+@contextlib.contextmanager
+def row_call(rows: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Every attention layer of a (plain, cached) forward run inside attends with ``rows``:
+    ``rows(query, key, value, scaling=, softcap=, sinks=)`` -> ``[1, Q, H, Dv]``."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,20 +179,27 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    kvb_paged: PagedBatch | None = None,
-    kvb_row_attention: Callable[..., torch.Tensor] | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, KVH, T, D]`` ->
-    ``([1, T, H, Dv], None)``."""
-    if kvb_row_attention is not None:
-        return kvb_row_attention(query, key, value, scaling=scaling, softcap=softcap), None
-    if kvb_paged is None:
-        extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+    ``([1, T, H, Dv], None)``. ``s_aux`` ``[H]``: gpt-oss's per-head attention-sink logits."""
+    probe = _PROBE.get()
+    if probe is not None:
+        probe[getattr(module, "layer_idx", -1)] = (key.shape[1], key.shape[-1], value.shape[-1])
+    rows = _ROWS.get()
+    if rows is not None:
+        return rows(query, key, value, scaling=scaling, softcap=softcap, sinks=s_aux), None
+    batch = _PAGED.get()
+    if batch is None:
+        extra = {
+            k: v
+            for k, v in (("sliding_window", sliding_window), ("softcap", softcap), ("s_aux", s_aux))
+            if v is not None
+        }
         return _fallback(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs
         )
-    batch = kvb_paged
     layer = module.layer_idx
     keys, values = batch.storage.keys[layer], batch.storage.values[layer]
     # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
@@ -145,25 +213,27 @@ def paged_attention_forward(
         q = _group_queries(query[:, :, seq.start : seq.start + q_len], kv_heads)  # [1, KVH, G*q, D]
         k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
         v = values.index_select(1, seq.slots).unsqueeze(0)
+        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
         if ctx == q_len and sliding_window is None and groups == 1:
-            o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True)
+            o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
         else:
             mask = _causal_mask(q_len, ctx, sliding_window, q.device).repeat(groups, 1)[None, None]
-            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap)  # [1, KVH, G*q, Dv]
+            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)  # [1, KVH, G*q, Dv]
         out[seq.start : seq.start + q_len] = o[0].reshape(heads, q_len, -1).transpose(0, 1)
     group = batch.decode
     if group is not None:
-        rows, width = group.slots.shape
-        q = query[0, :, group.rows].transpose(0, 1).reshape(rows, kv_heads, groups, -1)  # [B, KVH, G, D]
+        rows_n, width = group.slots.shape
+        q = query[0, :, group.rows].transpose(0, 1).reshape(rows_n, kv_heads, groups, -1)  # [B, KVH, G, D]
         flat = group.slots.reshape(-1)
-        k = keys.index_select(1, flat).view(kv_heads, rows, width, -1).transpose(0, 1)  # [B, KVH, L, D]
-        v = values.index_select(1, flat).view(kv_heads, rows, width, -1).transpose(0, 1)
+        k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [B, KVH, L, D]
+        v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
         mask = group.valid
         if sliding_window is not None:
             k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
             mask = mask & (k_pos > (group.lengths.unsqueeze(1) - 1 - sliding_window))
-        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap)  # [B, KVH, G, Dv]
-        out[group.rows] = o.reshape(rows, heads, -1)
+        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
+        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
+        out[group.rows] = o.reshape(rows_n, heads, -1)  # o: [B, KVH, G, Dv]
     return out.unsqueeze(0), None
 
 
@@ -206,6 +276,42 @@ def install_paged_attention(model: PreTrainedModel) -> None:
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, current)
     model.set_attn_implementation(NAME)
+
+
+def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]) -> None:
+    """Raise :class:`UnsupportedModelError` unless a one-token forward of the (installed) model calls this
+    module's attention once per layer with keys/values shaped as the layer's cache (``shapes``).
+
+    A layer that never calls it computes attention some other way (the paged pool would never be written:
+    every output wrong); keys that differ from the cached ones mean the cache holds something else (a
+    compressed latent), which the pool's per-head layout cannot serve.
+    """
+    name = type(model).__name__
+    seen: dict[int, tuple[int, int, int]] = {}
+    token = _PROBE.set(seen)
+    try:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=ids, use_cache=False)
+    finally:
+        _PROBE.reset(token)
+    missing = [i for i in range(len(shapes)) if i not in seen]
+    if missing:
+        raise UnsupportedModelError(
+            f"{name} does not compute attention through transformers' AttentionInterface (layers {missing[:4]}"
+            f"{'...' if len(missing) > 4 else ''} never called it), so KVBoost's paged attention cannot serve "
+            "it; supported are models whose attention honours `attn_implementation` (Llama, Qwen, Mistral, "
+            "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
+        )
+    for i, shape in enumerate(shapes):
+        got = seen[i]
+        if got != (shape.kv_heads, shape.key_dim, shape.value_dim):
+            raise UnsupportedModelError(
+                f"{name} caches something other than the keys/values its attention uses (layer {i}: cache "
+                f"{shape.kv_heads} heads x {shape.key_dim}/{shape.value_dim} channels, attention "
+                f"{got[0]} heads x {got[1]}/{got[2]}), e.g. the compressed latent of multi-head latent "
+                "attention; KVBoost's pool stores per-head keys and values and cannot serve it"
+            )
 
 
 #: A prepared (early-exit) 4D mask: transformers returns 4D masks as they are, so paged calls build none.

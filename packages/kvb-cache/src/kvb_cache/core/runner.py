@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask
+from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask, paged_call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,14 +73,14 @@ class ModelRunner:
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         kept = torch.tensor(keep, dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": kept} if self.logits_to_keep else {}
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=no_mask(self.device),
-            use_cache=False,
-            kvb_paged=batch,
-            **extra,
-        )
+        with paged_call(batch):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=no_mask(self.device),
+                use_cache=False,
+                **extra,
+            )
         logits = out.logits[0]
         return logits if self.logits_to_keep else logits[kept]
 

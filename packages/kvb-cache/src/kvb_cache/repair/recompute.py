@@ -9,7 +9,7 @@ queried, so their KV stays what the cache held. With ``S`` = everything this is 
 We drive the model's *own* forward (embedding scaling, per-layer rotary tables, norms stay the model's)
 with a duck-typed cache whose ``update`` scatters the fresh KV instead of appending it, and either of two
 ways to mask attention: on full-attention models served by the engine's ``kvb_paged`` implementation, a
-:class:`~kvb_cache.repair.rows.RowAttention` passed as ``kvb_row_attention`` (each recomputed row attends only
+:class:`~kvb_cache.repair.rows.RowAttention` made current with ``row_call`` (each recomputed row attends only
 the keys up to its position: the pass costs what it recomputes); otherwise (sliding-window and hybrid
 layouts, a model without the engine's attention) a dense 4D mask built from positions (the models return
 a 4D mask as-is).
@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.core.paged_attention import NAME as PAGED_ATTENTION
-from kvb_cache.core.paged_attention import no_mask
+from kvb_cache.core.paged_attention import no_mask, row_call
 from kvb_cache.repair.rows import RowAttention
 
 
@@ -149,14 +149,12 @@ def recompute_tokens(
     tokens = torch.tensor([ids[p] for p in positions.tolist()], device=device).unsqueeze(0)
     cache = _ScatterCache(layers, positions, last_layer=last_layer, capture_layer=capture_layer)
     if layout.sliding_window is None and model.config._attn_implementation == PAGED_ATTENTION:
-        config = model.config.get_text_config(decoder=True)
-        groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
-        extra = {"kvb_row_attention": RowAttention(positions, groups)}
+        attention = row_call(RowAttention(positions))
         mask = no_mask(device)
     else:
-        extra = {}
+        attention = contextlib.nullcontext()
         mask = _mask_for(layout, positions, layers[0][0].shape[2], model.dtype)
-    with contextlib.suppress(_StopForward):
+    with contextlib.suppress(_StopForward), attention:
         # The base model: the LM head is not needed, only the KV the layers write.
         model.base_model(
             input_ids=tokens,
@@ -164,7 +162,6 @@ def recompute_tokens(
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
-            **extra,
         )
     return cache.deviation
 

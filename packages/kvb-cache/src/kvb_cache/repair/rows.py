@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvb_cache.core.paged_attention import _attend, _group_queries
+from kvb_cache.core.paged_attention import _attend, _group_queries, sink_column
 
 #: Rows per segment are ``ceil(Q / SEGMENTS)`` (at least ``MIN_ROWS``): few SDPA calls per layer, and a
 #: segment spans about ``N / SEGMENTS`` positions when the rows are spread out.
@@ -24,32 +24,45 @@ MIN_ROWS = 32
 
 
 class RowAttention:
-    """The ``kvb_row_attention`` of a repair forward: queries at ``positions`` over keys ``[0, N)``.
+    """The row attention of a repair forward (made current with ``row_call``): queries at ``positions``
+    over keys ``[0, N)``.
 
-    Built once per forward (the masks are shared by every layer).
+    Built once per forward; the masks are built for the first layer's grouping and shared by every layer.
 
     Args:
         positions: ``[Q]`` ascending prompt positions of the query rows (cache index == position).
-        groups: query heads per key/value head.
     """
 
-    def __init__(self, positions: torch.Tensor, groups: int) -> None:
+    def __init__(self, positions: torch.Tensor) -> None:
         q = positions.shape[0]
         rows = max(MIN_ROWS, -(-q // SEGMENTS))
+        #: ``(start, end, keys, mask)`` per segment; ``mask`` ``[r, keys]`` bool (row at p sees key j <= p).
         self.segments: list[tuple[int, int, int, torch.Tensor | None]] = []
         for start in range(0, q, rows):
             end = min(q, start + rows)
             pos = positions[start:end]
             first, last = int(pos[0]), int(pos[-1])
-            if end - start == 1:
-                mask = None  # one row at ``last`` sees every key up to it
+            if end - start == 1 or (first == 0 and last + 1 == end - start):
+                mask = None  # one row at ``last`` sees every key up to it / a contiguous run from 0: causal
             else:
                 keys = torch.arange(last + 1, device=positions.device)
-                # [r, last + 1] bool: row at p sees key j <= p; rows are head-major after grouping.
-                mask = (keys[None, :] <= pos[:, None]).repeat(groups, 1)[None, None]
-                if groups == 1 and first == 0 and last + 1 == end - start:
-                    mask = None  # a contiguous run from 0, one query head per key head: plain causal
+                mask = keys[None, :] <= pos[:, None]
             self.segments.append((start, end, last + 1, mask))
+        self._device = positions.device
+        self._grouped: dict[int, list[torch.Tensor | None]] = {}
+
+    def _masks(self, groups: int) -> list[torch.Tensor | None]:
+        """Per segment ``[1, 1, G * r, keys]`` (query rows are head-major after grouping), or None."""
+        if groups not in self._grouped:
+            masks = []
+            for start, end, length, mask in self.segments:
+                if mask is None and groups > 1 and end - start > 1:
+                    # A contiguous run from 0 is plain causal for one query head per key head only.
+                    rows = end - start
+                    mask = torch.ones(rows, length, dtype=torch.bool, device=self._device).tril(length - rows)
+                masks.append(None if mask is None else mask.repeat(groups, 1)[None, None])
+            self._grouped[groups] = masks
+        return self._grouped[groups]
 
     def __call__(
         self,
@@ -59,14 +72,17 @@ class RowAttention:
         *,
         scaling: float | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``query`` ``[1, H, Q, D]``, ``key``/``value`` ``[1, KVH, N, D]`` -> ``[1, Q, H, Dv]``."""
+        """``query`` ``[1, H, Q, D]``, ``key``/``value`` ``[1, KVH, N, D]`` -> ``[1, Q, H, Dv]``; ``sinks``
+        ``[H]`` per-head sink logits (gpt-oss) or None."""
         heads, kv_heads = query.shape[1], key.shape[1]
         out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [Q, H, Dv]
-        for start, end, length, mask in self.segments:
+        for (start, end, length, _), mask in zip(self.segments, self._masks(heads // kv_heads)):
             q = _group_queries(query[:, :, start:end], kv_heads)  # [1, KVH, G*r, D]
             k, v = key[:, :, :length], value[:, :, :length]
             causal = mask is None and end - start > 1
-            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, causal=causal)
+            column = None if sinks is None else sink_column(sinks, kv_heads, end - start)
+            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, causal=causal, sinks=column)
             out[start:end] = o[0].reshape(heads, end - start, -1).transpose(0, 1)
         return out.unsqueeze(0)
