@@ -53,6 +53,17 @@ CONFIGS = {
         rotary_pct=0.25,
     ),
     "gemma3-per-layer-rope": lambda: T.Gemma3TextConfig(**_SMALL, head_dim=16, sliding_window=512),
+    # Split before apply_rotary_pos_emb (Phi, StableLM), inside it (GLM, interleaved), half-width tables
+    # (gpt-oss), interleaved full rotary (Cohere).
+    "phi-partial": lambda: T.PhiConfig(**_SMALL, partial_rotary_factor=0.5),
+    "stablelm-partial": lambda: T.StableLmConfig(**_SMALL),
+    "glm4-partial": lambda: T.Glm4Config(**_SMALL, head_dim=16, pad_token_id=0),
+    "gpt-oss-yarn": lambda: T.GptOssConfig(
+        **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=512
+    ),
+    "cohere-interleaved": lambda: T.CohereConfig(**_SMALL, pad_token_id=0),
+    # Every 4th layer has no RoPE (NoPE): its keys must not be rotated.
+    "smollm3-nope": lambda: T.SmolLM3Config(**{**_SMALL, "num_hidden_layers": 4}, pad_token_id=0),
 }
 
 

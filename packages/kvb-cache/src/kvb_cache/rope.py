@@ -9,7 +9,8 @@ frequencies of its RoPE variant (default, linear, YaRN, llama3, ...) and ``s`` i
 We never hand-roll frequency tables or layouts: the cos/sin come from the model's own rotary-embedding
 module (evaluated at the position *difference*, divided by its attention scaling) and the rotation is the
 model module's own ``apply_rotary_pos_emb``. That function knows the model's layout (half-split
-``rotate_half`` or interleaved) and partial rotary (Phi, GPT-NeoX rotate only ``cos.shape[-1]`` channels).
+``rotate_half`` or interleaved); with partial rotary (Phi, StableLM, GPT-NeoX) only the first
+``cos.shape[-1]`` channels are rotated.
 
 Declined, with a reason: absolute position embeddings (GPT-2: the position is added to the hidden state,
 every layer's KV depends on it), models without a standard rotary module, and RoPE variants whose
@@ -56,6 +57,22 @@ def _apply_function(model: PreTrainedModel) -> Callable | None:
     return fn if params[:4] == ["q", "k", "cos", "sin"] else None
 
 
+def _nope_layers(config) -> frozenset[int]:
+    """Layers that skip RoPE: transformers' ``no_rope_layers`` holds 1 (rotary) or 0 (none) per layer."""
+    flags = getattr(config, "no_rope_layers", None) or ()
+    return frozenset(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
+def _partial_factors(config, per_type: bool) -> dict[str | None, float]:
+    """``partial_rotary_factor`` per layer type (transformers 5 keeps it in ``rope_parameters``, per layer
+    type for models with several RoPE tables; older configs as an attribute or GPT-NeoX's ``rotary_pct``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    default = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None) or 1.0
+    if per_type:
+        return {kind: float(p.get("partial_rotary_factor", default)) for kind, p in params.items()}
+    return {None: float(params.get("partial_rotary_factor", default))}
+
+
 class KeyRepositioner:
     """Rotates cached keys of one model from their stored positions to new ones.
 
@@ -69,8 +86,14 @@ class KeyRepositioner:
         rotary: nn.Module | None = None,
         apply_fn: Callable | None = None,
         layer_types: tuple[str | None, ...] = (),
+        partial: dict[str | None, float] | None = None,
+        nope_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.support = support
+        #: Layers without RoPE (SmolLM3, Llama 4 "NoPE" layers): their keys carry no position to move.
+        self._nope = nope_layers
+        #: Per layer type (None: every layer), the share of each key's channels that rotate.
+        self._partial = partial or {}
         self._rotary = rotary
         self._apply = apply_fn
         self._layer_types = layer_types
@@ -112,6 +135,8 @@ class KeyRepositioner:
             rotary=rotary,
             apply_fn=apply_fn,
             layer_types=layer_types,
+            partial=_partial_factors(config, per_type),
+            nope_layers=_nope_layers(config),
         )
 
     def _cos_sin(
@@ -149,12 +174,22 @@ class KeyRepositioner:
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         out = []
         for layer, (keys, values) in enumerate(layers_kv):
+            if layer in self._nope:
+                out.append((keys, values))
+                continue
             kind = self._layer_types[layer] if layer < len(self._layer_types) else None
             k32 = keys if keys.dtype == torch.float64 else keys.float()
             if kind not in tables:
                 tables[kind] = self._cos_sin(delta, kind, k32.dtype)
             cos, sin = tables[kind]
-            # The model's own rotation: its layout and partial-rotary split (queries unused, k passed twice).
-            _, rotated = self._apply(k32, k32, cos, sin)
+            # Partial rotary (Phi, StableLM, GPT-NeoX, GLM): the first ``factor * head_dim`` channels rotate,
+            # the rest pass through. Some modules split before calling ``apply_rotary_pos_emb`` (Phi,
+            # StableLM), others inside it; splitting here serves both. (Not ``cos.shape[-1]``: gpt-oss's
+            # tables are half the rotated width.)
+            rot = int(k32.shape[-1] * self._partial.get(kind, 1.0))
+            # The model's own rotation and layout (queries unused, k passed twice).
+            _, rotated = self._apply(k32[..., :rot], k32[..., :rot], cos, sin)
+            if rot < k32.shape[-1]:
+                rotated = torch.cat([rotated, k32[..., rot:]], dim=-1)
             out.append((rotated.to(keys.dtype), values))
         return tuple(out)
