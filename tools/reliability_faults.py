@@ -42,8 +42,8 @@ def _ok(server: Server, prompt: str, max_tokens: int = 4) -> dict:
     }
 
 
-def _stored(server: Server, tier: str, at_least: int) -> bool:
-    return _wait(lambda: server.tier(tier)["stores"] >= at_least)
+def _stored(server: Server, tier: str, at_least: int, timeout_s: float = 60.0) -> bool:
+    return _wait(lambda: server.tier(tier)["stores"] >= at_least, timeout_s=timeout_s)
 
 
 # --------------------------------------------------------------------------------------------- Redis outage
@@ -86,11 +86,15 @@ def redis_outage(log_dir: Path, *, down_requests: int = 6, words: int = WORDS) -
             attempt += 1
             prompt = filler_text(500 + attempt, words)
             stores = server.tier("redis")["stores"]
-            _ok(server, prompt)
+            written = _ok(server, prompt)
             out["requests"] += 1
             if not _wait(lambda s=stores: server.tier("redis")["stores"] > s, timeout_s=5):
                 continue  # still inside the 2 s back-off: the write was skipped
-            _stored(server, "redis", stores + 16)
+            # Every full block of this prompt, or try another prompt: a write that began inside the back-off
+            # stores only part of it. (This waited for 16 blocks, more than a short prompt has: the one
+            # attempt then used the whole 60 s, and a partial write meant no hit at all.)
+            if not _stored(server, "redis", stores + written["prompt_tokens"] // 16, timeout_s=10):
+                continue
             server.reset_ram()
             got = _ok(server, prompt)
             out["requests"] += 1
