@@ -10,9 +10,10 @@ from torch.nn import functional as F
 
 from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
 from kvb_cache.fidelity import compare_distributions, reference_continuation_logits, teacher_forced_logits
+from kvb_cache.hashing import ChunkHash, content_hash
 from kvb_cache.repair import rows as repair_rows
 from kvb_cache.repair.rows import RowAttention
-from kvb_cache.stitching import StitchedPiece, chained_runs
+from kvb_cache.stitching import StitchedPiece, chained_runs, find_pieces
 from kvb_cache.store import ChunkEntry
 
 CHUNK = 16
@@ -84,6 +85,68 @@ def test_chained_runs_merge_pieces_that_were_neighbours_where_computed():
         _piece(60, 76, b"d", b"c"),  # not adjacent here: a seam
     ]
     assert chained_runs(pieces) == [(10, 42), (42, 58), (60, 76)]
+
+
+class _ListedStore:
+    """A store stand-in whose ``by_content`` lists copies in insertion order (the test controls which comes
+    first)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, list[ChunkEntry]] = {}
+
+    def add(self, root, tokens, key, parent):
+        entry = ChunkEntry(
+            key=ChunkHash(key),
+            parent=ChunkHash(parent),
+            content=content_hash(root, tokens),
+            token_ids=tuple(tokens),
+            start=0,
+        )
+        self.entries.setdefault(entry.content, []).append(entry)
+        return entry
+
+    def by_content(self, content):
+        return list(self.entries.get(content, ()))
+
+    def touch(self, entry):
+        pass
+
+
+def test_lookup_keeps_a_document_on_one_stored_copy():
+    """A document stored twice (after two different histories): the copy listed first for a later chunk is
+    the other history's, yet the lookup follows the parent links of the copy it started with, so the
+    document is one run (one seam), not a seam at every switch between copies."""
+    root = ChunkHash(b"r" * 32)
+    doc = [list(range(10 * c, 10 * c + 4)) for c in range(6)]  # six 4-token chunks
+    store = _ListedStore()
+    for history in (b"x", b"y"):
+        parent = history
+        for c, tokens in enumerate(doc):
+            key = history + bytes([c])
+            parent = store.add(root, tokens, key, parent).key
+    for copies in store.entries.values():
+        if copies[0].token_ids != tuple(doc[0]):
+            copies.reverse()  # chunks after the first list the y copy first, the first chunk the x copy
+    ids = [99] * 3 + [t for tokens in doc for t in tokens] + [98]
+    pieces = find_pieces(store, root, ids, start=3, stop=len(ids), lengths=[4])
+    assert [p.entry.key[:1] for p in pieces] == [b"x"] * 6
+    assert chained_runs(pieces) == [(3, 27)]
+
+
+def test_lookup_starts_a_run_on_the_copy_whose_neighbours_follow():
+    """Chunk A was stored after two histories, followed by B in one and by C in the other; in a prompt
+    where B follows A, the copy of A computed before B is taken: A and B form one run."""
+    root = ChunkHash(b"r" * 32)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    store = _ListedStore()
+    a_before_c = store.add(root, a, b"y-a", b"y")
+    store.add(root, c, b"y-c", a_before_c.key)
+    a_before_b = store.add(root, a, b"x-a", b"x")
+    store.add(root, b, b"x-b", a_before_b.key)
+    ids = [99, *a, *b, 98]
+    pieces = find_pieces(store, root, ids, start=1, stop=len(ids), lengths=[4])
+    assert [p.entry.key for p in pieces] == [b"x-a", b"x-b"]
+    assert chained_runs(pieces) == [(1, 9)]
 
 
 def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):

@@ -52,31 +52,88 @@ class StitchedPiece:
     entry: ChunkEntry
 
 
+class _Lookup:
+    """Content-hash lookups of one scan, memoised per position (a chain is followed from several starts)."""
+
+    def __init__(
+        self, store: ChunkStore, root: ChunkHash, ids: Sequence[int], stop: int, lengths: Sequence[int]
+    ) -> None:
+        self.store, self.root, self.ids, self.stop, self.lengths = store, root, ids, stop, lengths
+        self._at: dict[int, list[ChunkEntry]] = {}
+        self._children: dict[int, dict[ChunkHash, ChunkEntry]] = {}
+        self._reach: dict[tuple[int, ChunkHash], int] = {}
+
+    def at(self, i: int) -> list[ChunkEntry]:
+        """Entries holding exactly ``ids[i : i + length]`` for one of ``lengths`` (longest first)."""
+        found = self._at.get(i)
+        if found is None:
+            found = []
+            for length in self.lengths:
+                if i + length > self.stop:
+                    continue
+                tokens = tuple(self.ids[i : i + length])
+                found.extend(
+                    e for e in self.store.by_content(content_hash(self.root, tokens)) if e.token_ids == tokens
+                )
+            self._at[i] = found
+        return found
+
+    def child(self, entry: ChunkEntry, i: int) -> ChunkEntry | None:
+        """The entry at ``i`` computed right after ``entry`` (its ``parent`` is ``entry.key``), if any."""
+        children = self._children.get(i)
+        if children is None:
+            children = {}
+            for candidate in self.at(i):
+                children.setdefault(candidate.parent, candidate)
+            self._children[i] = children
+        return children.get(entry.key)
+
+    def reach(self, entry: ChunkEntry, i: int) -> int:
+        """Exclusive end of the run that starts with ``entry`` at ``i`` and follows parent links."""
+        end = i + entry.num_tokens
+        trail = [(i, entry.key)]
+        while end < self.stop:
+            known = self._reach.get((end, entry.key))
+            if known is not None:
+                end = known
+                break
+            nxt = self.child(entry, end)
+            if nxt is None:
+                break
+            trail.append((end, nxt.key))
+            entry, end = nxt, end + nxt.num_tokens
+        for position, key in trail:
+            self._reach[(position, key)] = end
+        return end
+
+
 def find_pieces(
     store: ChunkStore, root: ChunkHash, ids: Sequence[int], *, start: int, stop: int, lengths: Sequence[int]
 ) -> list[StitchedPiece]:
     """Greedy left-to-right scan of ``ids[start:stop]`` for runs that a stored chunk holds.
 
-    At each position the chunk lengths the chunker can produce (``lengths``, longest first) are tried; a hit
-    jumps past the run, a miss advances one token. ``O((stop - start) * len(lengths))`` hashes.
+    At each position the chunk lengths the chunker can produce (``lengths``) are tried; a hit jumps past
+    the piece, a miss advances one token. ``O((stop - start) * len(lengths))`` hashes.
+
+    The same tokens are often stored several times, computed after different histories (a document seen in
+    several prompts). Which copy serves a position decides where the seams are, so the choice is: the copy
+    computed right after the previous piece's chunk (no seam there), else the copy that starts the longest
+    chain of such neighbours (fewest seams ahead), then the longest chunk. Taking whichever copy the store
+    lists first could switch copies inside a document and cut it with seams that each need repair.
     """
+    lookup = _Lookup(store, root, ids, stop, lengths)
     pieces: list[StitchedPiece] = []
     i = start
     while i < stop:
-        hit = None
-        for length in lengths:
-            if i + length > stop:
-                continue
-            tokens = ids[i : i + length]
-            for entry in store.by_content(content_hash(root, tokens)):
-                if entry.token_ids == tuple(tokens):
-                    hit = entry
-                    break
-            if hit is not None:
-                break
-        if hit is None:
+        matches = lookup.at(i)
+        if not matches:
             i += 1
             continue
+        prev = pieces[-1].entry if pieces and pieces[-1].end == i else None
+        hit = lookup.child(prev, i) if prev is not None else None
+        if hit is None:
+            # max() keeps the first of equals: the longest chunk, as at() lists them.
+            hit = max(matches, key=lambda e: lookup.reach(e, i)) if len(matches) > 1 else matches[0]
         store.touch(hit)
         pieces.append(StitchedPiece(start=i, end=i + hit.num_tokens, entry=hit))
         i += hit.num_tokens
