@@ -9,7 +9,7 @@ Quick start::
 """
 
 from kvb_speculative._version import __version__
-from kvb_speculative.cache_ops import extend, rollback
+from kvb_speculative.cache_ops import extend, make_croppable, rollback
 from kvb_speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 from kvb_speculative.draft_model import DraftModelDrafter, DraftModelSession
 from kvb_speculative.errors import (
@@ -56,6 +56,7 @@ __all__ = [
     "__version__",
     "check_vocab_parity",
     "extend",
+    "make_croppable",
     "make_decoder",
     "prefill",
     "rollback",

@@ -35,15 +35,42 @@ def cache_device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def make_croppable(cache: Cache) -> None:
+    """Let ``cache`` drop its newest positions even after a sliding window has filled.
+
+    Call it after the prompt's prefill and before any draft enters the cache. transformers' sliding-window
+    layers (``DynamicCache(config=...)`` of Mistral, gpt-oss, Gemma...) keep only their last ``window - 1``
+    positions, so cropping a rejected draft past the window raises; recording their past (what
+    transformers' own assisted decoding turns on after its prefill) keeps the positions a crop needs until
+    :func:`rollback` trims the layer back to its window. A no-op for caches without sliding layers.
+    """
+    # NOTE: not before the prefill: a recording layer would hold the whole prompt until the first rollback.
+    activate = getattr(cache, "activate_past_recording", None)
+    if callable(activate):
+        activate()
+
+
+def _trim_recorded_past(cache: Cache) -> None:
+    # crop(0) restricts a recording sliding layer to its window and is a no-op on every other layer type;
+    # called only when some layer records, so caches that never saw make_croppable() are left alone.
+    if any(getattr(layer, "record_past", False) for layer in cache.layers):
+        cache.crop(0)
+
+
 def rollback(cache: Cache, length: int) -> None:
     """Cut ``cache`` back to its first ``length`` positions (no-op when it is not longer).
 
+    Layers that record their past (:func:`make_croppable`) are trimmed back to their window either way, so
+    their memory stays bounded by the window plus one round of drafts.
+
     Raises:
         CacheRollbackError: the cache type cannot drop positions (e.g. a sliding-window layer past its
-            window that does not record its past); use a ``DynamicCache``.
+            window that does not record its past: call :func:`make_croppable` after the prefill, or use a
+            ``DynamicCache()`` built without a config).
     """
     excess = cache.get_seq_length() - length
     if excess <= 0:
+        _trim_recorded_past(cache)
         return
     # NOTE: a negative argument means "remove this many positions" in every transformers 5.x release;
     # a positive one is an absolute length in older releases and rejected by newer ones.
@@ -52,7 +79,8 @@ def rollback(cache: Cache, length: int) -> None:
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         raise CacheRollbackError(
             f"{type(cache).__name__} cannot drop its last {excess} positions ({exc}); speculative decoding "
-            "needs a cache that can be cropped, e.g. transformers.DynamicCache."
+            "needs a cache that can be cropped: call kvb_speculative.make_croppable(cache) after the prefill "
+            "(sliding-window layers), or use transformers.DynamicCache()."
         ) from exc
     if cache.get_seq_length() != length:
         raise CacheRollbackError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvb_speculative.cache_ops import extend, rollback
+from kvb_speculative.cache_ops import extend, make_croppable, rollback
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.protocols import Draft, Drafter, DraftSession, TokenProcessor
 from kvb_speculative.sampling import sample_token
@@ -105,6 +105,8 @@ class SpeculativeDecoder:
         stats = self._stats
         device = next_logits.device
         history = input_ids[0]  # [S + committed]
+        # The prompt is prefilled: from here on rejected drafts must be croppable, past a sliding window too.
+        make_croppable(cache)
         session = self.drafter.start(history)
         pending_logits: torch.Tensor | None = next_logits  # raw logits after `history`, when known
         produced = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_speculative.cache_ops import extend, rollback
+from kvb_speculative.cache_ops import extend, make_croppable, rollback
 from kvb_speculative.protocols import Draft, TokenProcessor
 from kvb_speculative.sampling import sample_token
 from kvb_speculative.vocab import check_vocab_parity
@@ -66,7 +66,12 @@ class DraftModelSession:
         assert history.shape[0] > self._cached, "the committed history never shrinks"
         # Self-healing when a caller skipped rollback(): drop any proposal KV beyond the committed prefix.
         rollback(self.cache, self._cached)
+        prefilling = self._cached == 0
         logits = extend(self._model, self.cache, history[self._cached :])[-1]
+        if prefilling:
+            # After the prompt (not before: it would be held whole), so rejected proposals can be cropped
+            # from a sliding-window draft model's cache past its window.
+            make_croppable(self.cache)
         self._history_length = history.shape[0]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
