@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_cache import generation
+from kvb_cache import generation, scoring
 from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
@@ -44,7 +44,7 @@ from kvb_cache.request_checks import (
     live_bits,
     tokenize_prompt,
 )
-from kvb_cache.results import GenerationResult
+from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams, check_logit_bias_ids
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
@@ -370,6 +370,25 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             cached_tokens=result.cached_tokens,
             prompt_tokens=len(ids),
             recomputed_tokens=result.recomputed_tokens,
+        )
+
+    def prompt_logprobs(self, prompt: Prompt, *, top_logprobs: int = 0) -> list[TokenLogprob]:
+        """Log-probability of every prompt token after the first, under the model given the tokens before it,
+        with the ``top_logprobs`` (0-20) most likely tokens at each position: what OpenAI's ``echo`` with
+        ``logprobs`` reports and lm-eval's loglikelihood tasks read. ``len(result) == prompt_tokens - 1``.
+
+        A plain forward over the whole prompt (:mod:`kvb_cache.scoring`): a cached prefix has KV but no
+        logits, so nothing is read from or written to the cache.
+        """
+        ids = self._tokenize(prompt)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+            raise InvalidRequestError(
+                f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}.", param="logprobs"
+            )
+        self._check_context(len(ids), 0)
+        slice_size = self.config.prefill_chunk_size or scoring.SLICE
+        return scoring.prompt_logprobs(
+            self.model, self, ids, top=top_logprobs, slice_size=slice_size, device=self.device
         )
 
     def cache_stats(self) -> dict[str, Any]:
