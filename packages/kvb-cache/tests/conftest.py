@@ -50,6 +50,31 @@ ARCHITECTURES = {
     ),
 }
 
+#: More structurally different configs, for the per-path checks (live quantization, hf_bridge, disk tier):
+#: kept out of ``ARCHITECTURES`` so the suites parametrized over it do not grow.
+MORE_ARCHITECTURES = {
+    # Fused QKV projection.
+    "phi3": lambda: T.Phi3Config(**_COMMON, pad_token_id=0),
+    # Interleaved RoPE, parallel attention/MLP block, a LayerNorm without bias.
+    "cohere": lambda: T.CohereConfig(**_COMMON, pad_token_id=0),
+    # No RoPE on every 4th layer (NoPE).
+    "smollm3": lambda: T.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0),
+}
+#: A representative subset for the per-path checks: RoPE variants, sliding/hybrid windows, sinks, fused
+#: and partial projections, NoPE layers and absolute positions.
+PATH_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt_neox",
+    "stablelm",
+    "gpt_oss",
+    "smollm3",
+    "cohere",
+    "gpt2",
+)
 
 #: Architectures whose SDPA path transformers lacks (soft-capping, sinks).
 _EAGER = frozenset({"gemma2", "gpt_oss"})
@@ -70,7 +95,7 @@ def make_tokenizer() -> T.PreTrainedTokenizerFast:
 
 def make_model(arch: str, seed: int = 0) -> T.PreTrainedModel:
     torch.manual_seed(seed)
-    config = ARCHITECTURES[arch]()
+    config = {**ARCHITECTURES, **MORE_ARCHITECTURES}[arch]()
     config.eos_token_id = 1
     config.pad_token_id = 0
     model = T.AutoModelForCausalLM.from_config(

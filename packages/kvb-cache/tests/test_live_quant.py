@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, words
+from conftest import PATH_ARCHITECTURES, make_model, words
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost
 from kvb_cache.codecs import snr_db
@@ -248,11 +248,60 @@ def test_invalid_bits_are_rejected(llama, tokenizer, bad):
         assert info.value.param == "kv_cache_bits"
 
 
-def test_other_architectures_run_quantized(tokenizer):
-    for arch in ("qwen2", "mistral", "gpt2"):
-        model = make_model(arch)
-        ids = tokenizer(words(50, seed=15))["input_ids"]
-        engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=CHUNK))
-        out = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=8).output_ids
-        expected = reference_greedy(model, ids)
-        assert sum(a == b for a, b in zip(out, expected)) >= NEW - 2, arch
+def teacher_forced_logits(model, ids: list[int], continuation: list[int], cache) -> torch.Tensor:
+    """``[len(continuation), V]`` logits over ``cache``: the prompt in one forward, then one token at a time
+    (the decode steps read the quantized prompt; the prefill itself attends to its KV as computed)."""
+    full = torch.tensor([ids + continuation])
+    with torch.no_grad():
+        rows = [model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]]
+        for t in range(len(ids), full.shape[1] - 1):
+            rows.append(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("arch", PATH_ARCHITECTURES)
+def test_architectures_run_quantized(arch, tokenizer):
+    """Every structurally different architecture decodes over a live-quantized cache: the engine is exactly
+    a greedy loop over it (a cached prefix quantized on the way in), and the error is a quantization error.
+
+    Measured (tools/arch_matrix.py, 12 teacher-forced steps): 8-bit max logit deviation 0.0001-0.15 against
+    a logit scale of 0.3-8, about a tenth of the 4-bit one, except where a MoE router picks another expert
+    at one step; every 8-bit argmax agrees outside such flips.
+    """
+    from transformers import DynamicCache
+
+    model = make_model(arch)
+    layers = model.config.get_text_config().num_hidden_layers
+    ids = tokenizer(words(50, seed=15))["input_ids"]
+    expected = reference_greedy(model, ids)
+    reference = teacher_forced_logits(model, ids, expected, DynamicCache())
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=CHUNK))
+    engine.warm(ids[:32])  # the cached prefix enters the quantized cache through QuantizedLayer.update
+    deviation = {}
+    out = engine.generate(ids, max_new_tokens=NEW, ignore_eos=True, kv_cache_bits=8)
+    assert out.cached_tokens == 32
+    prefix = quantize_live(dense_prefix(model, ids[:32]), num_layers=layers, bits=8)
+    assert out.output_ids == greedy_on(model, ids[32:], prefix)
+    for bits in (8, 4):
+        quantized = teacher_forced_logits(
+            model, ids, expected, LiveQuantizedCache(num_layers=layers, bits=bits)
+        )
+        # The median step: one MoE routing flip (gpt-oss: a different expert at one step, 3.3 there) is a
+        # discrete jump that says nothing about the codec.
+        deviation[bits] = float((quantized - reference).abs().amax(-1)[1:].median())
+        if bits == 8:
+            agree = (quantized.argmax(-1) == torch.tensor(expected)).float().mean()
+            assert agree >= 0.75, (arch, float(agree))
+    scale = float(reference.abs().max())
+    # Sane bounds, far from the measured figures: 8 bits is a small error on the logit scale and well below 4.
+    assert 0 < deviation[8] < 0.1 * scale and deviation[8] < 0.5 * deviation[4], (arch, deviation, scale)
+
+
+def dense_prefix(model, ids: list[int]):
+    """The cache a plain forward over ``ids`` leaves, every layer full (as the engine assembles a prefix)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=True, past_key_values=cache)
+    return cache
