@@ -119,6 +119,16 @@ def rag_prompts(tokenizer: T.PreTrainedTokenizerFast) -> tuple[list[int], list[i
     return first, second
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    # 64-wide matmuls gain nothing from intra-op threads; on shared CI cores they oversubscribe (measured:
+    # a speculative test 6-12 s with the default threads, 0.5-0.8 s with one).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> T.PreTrainedTokenizerFast:
     return make_tokenizer()
