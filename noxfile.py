@@ -41,7 +41,15 @@ INTEGRATION_DEPS = (
     "llama-index-core>=0.14.25",
     "llama-index-llms-openai>=0.8.3",
     "llama-index-llms-openai-like>=0.8.1",
+    # lm-eval's API client (test_lm_eval_client.py) imports only these; the package itself goes in with
+    # --no-deps (LM_EVAL), since its task stack (datasets, evaluate, peft, scikit-learn...) is not needed.
+    "aiohttp>=3.9",
+    "tenacity>=8",
+    "requests>=2.31",
+    "tqdm>=4.66",
 )
+#: lm-evaluation-harness, whose ``local-completions`` model is checked against the server.
+LM_EVAL = "lm-eval==0.4.13"
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
@@ -161,6 +169,7 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests on the embedded SmolLM2 model (and redis-server when installed)."""
     _install_everything(session)
     session.install("-c", CONSTRAINTS, *INTEGRATION_DEPS)
+    session.install("--no-deps", LM_EVAL)
     session.run("python", "-m", "pytest", str(ROOT / "integration-tests"), "-q", *session.posargs)
 
 

@@ -80,6 +80,8 @@ class FakeEngine:
         self.step_log: list[frozenset[RequestId]] = []
         self.aborted: list[RequestId] = []
         self.warmed: list[str] = []
+        #: ``(prompt, top_logprobs, thread name)`` of every ``prompt_logprobs`` call.
+        self.scored: list[tuple[list[int], int, str]] = []
         self.warm_salts: list[str | None] = []
         #: ``lower_tiers`` of every ``reset_cache`` call, and the thread each ran on.
         self.resets: list[bool] = []
@@ -107,6 +109,18 @@ class FakeEngine:
         if tools:
             text = f"<tools>{tools}" + text
         return self.tokenizer(text)["input_ids"]
+
+    def prompt_logprobs(self, prompt: list[int], *, top_logprobs: int = 0) -> list[TokenLogprob]:
+        """A made-up, deterministic score: after token ``p`` the best token is ``p + 1`` (logprob 0), and
+        each step further down the alphabet costs 0.1."""
+        self.scored.append((list(prompt), top_logprobs, threading.current_thread().name))
+        entries = []
+        for prev, tok in itertools.pairwise(prompt):
+            top = tuple((prev + 1 + k, chr(prev + 1 + k), -k / 10) for k in range(top_logprobs))
+            entries.append(
+                TokenLogprob(token_id=tok, token=chr(tok), logprob=-((tok - prev - 1) % 26) / 10, top=top)
+            )
+        return entries
 
     @property
     def overrides(self) -> list[dict[str, int]]:

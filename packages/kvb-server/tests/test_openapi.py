@@ -94,7 +94,7 @@ def test_documented_values_are_accepted(url: str) -> None:
     doc = httpx.get(url + "/openapi.json").json()
     schemas = doc["components"]["schemas"]
     assert schemas["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
-    assert schemas["CompletionRequest"]["properties"]["echo"]["enum"] == [False, None]
+    assert schemas["CompletionRequest"]["properties"]["suffix"]["enum"] == ["", None]
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == [
         "system",
         "developer",
@@ -103,7 +103,11 @@ def test_documented_values_are_accepted(url: str) -> None:
         "tool",
     ]
     assert schemas["WarmRequest"]["anyOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
-    assert {"type": "integer", "minimum": 1} in schemas["CompletionRequest"]["properties"]["max_tokens"][
+    # 0 is valid on completions (with echo: score the prompt only), never on chat.
+    assert {"type": "integer", "minimum": 0} in schemas["CompletionRequest"]["properties"]["max_tokens"][
+        "anyOf"
+    ]
+    assert {"type": "integer", "minimum": 1} in schemas["ChatCompletionRequest"]["properties"]["max_tokens"][
         "anyOf"
     ]
     assert {"type": "integer", "minimum": 1, "maximum": 16} in schemas["CompletionRequest"]["properties"][

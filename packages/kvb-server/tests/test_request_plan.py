@@ -7,7 +7,7 @@ from fakes import FakeEngine
 
 from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
-from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
+from kvb_server.errors import InvalidParameterError, ModelNotFoundError
 from kvb_server.request_plan import chat_plan, choice_params, completion_plan, parse_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -83,9 +83,9 @@ def test_errors_name_the_parameter() -> None:
         completion(prompt="a", foo=1)
     with pytest.raises(InvalidParameterError, match="Missing required parameter: 'prompt'"):
         completion()
-    with pytest.raises(UnsupportedFeatureError) as info:
-        completion(prompt="a", echo=True)
-    assert info.value.param == "echo"
+    with pytest.raises(InvalidParameterError, match="only meaningful with echo") as info:
+        completion(prompt="a", max_tokens=0)
+    assert info.value.param == "max_tokens"
     with pytest.raises(InvalidParameterError) as info:
         completion(prompt="a", n=17)
     assert info.value.param == "n"

@@ -39,6 +39,7 @@ from kvb_server.schemas import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     WarmRequest,
 )
 from kvb_server.service import GenerationService
@@ -119,7 +120,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()
     service = GenerationService(
-        config=config, worker=worker, metrics=metrics, gate=gate, throughput=throughput
+        config=config, worker=worker, metrics=metrics, gate=gate, throughput=throughput, engine=engine
     )
 
     @contextlib.asynccontextmanager
@@ -172,6 +173,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             TokenizeResponse,
             DetokenizeRequest,
             DetokenizeResponse,
+            TokenizerInfoResponse,
             ResponsesRequest,
             ResponseObject,
             ResponseStreamEvent,

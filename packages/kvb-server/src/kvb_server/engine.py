@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.results import WarmResult
+from kvb_cache.results import TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 
 
@@ -57,6 +57,11 @@ class ServingEngine(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI's logprobs report it."""
+        ...
+
+    def prompt_logprobs(self, prompt: list[int], *, top_logprobs: int = 0) -> list[TokenLogprob]:
+        """Log-probability of each prompt token after the first given those before it, with the
+        ``top_logprobs`` most likely tokens there (``len == len(prompt) - 1``): ``echo`` with ``logprobs``."""
         ...
 
     def add_request(

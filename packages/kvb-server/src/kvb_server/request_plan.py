@@ -44,6 +44,10 @@ class GenerationPlan:
         chat_logprobs: chat-style logprobs (``content`` list) rather than completions-style arrays.
         cache_salt: the engine's prefix-cache salt (:func:`kvb_server.tenancy.request_salt`); None: unsalted.
         tools: a chat request's tools (its reply is parsed into ``tool_calls``); None: no tools.
+        echo: a completions request's ``echo``: the text repeated before each choice of prompt ``p`` is
+            ``echo[p]``; None: no echo.
+        generate: False for ``max_tokens: 0`` with echo: nothing is queued (``sampling`` then holds one
+            token, which only the admission gate reads).
     """
 
     endpoint: Endpoint
@@ -56,6 +60,8 @@ class GenerationPlan:
     chat_logprobs: bool
     cache_salt: str | None = None
     tools: ToolPlan | None = None
+    echo: tuple[str, ...] | None = None
+    generate: bool = True
 
 
 def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ModelT:
@@ -99,8 +105,11 @@ def check_model(model: str, config: ServerConfig) -> None:
 
 
 def _reject_completion(req: CompletionRequest) -> None:
-    if req.echo:
-        raise UnsupportedFeatureError("echo=true is not supported by this server; remove it.", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidParameterError(
+            "max_tokens must be at least 1; 0 (generate nothing) is only meaningful with echo=true.",
+            param="max_tokens",
+        )
     if req.suffix:
         raise UnsupportedFeatureError("suffix (insertion) is not supported by this server.", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -148,19 +157,23 @@ def _max_new_tokens(
     config: ServerConfig,
     *,
     prompt_param: str,
+    room_needed: int = 1,
 ) -> int:
-    """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks."""
+    """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks.
+
+    ``room_needed`` is 0 for a prompt that is only scored (echo with ``max_tokens: 0``): it may fill the
+    context. The result is then at least 1 (what the admission gate plans for), never generated."""
     longest = max(len(p) for p in prompts)
     context = engine.context_length
     room = config.max_tokens if context is None else context - longest
-    if room < 1:
+    if room < room_needed:
         raise InvalidParameterError(
             f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
             f"{longest} tokens. Shorten the prompt.",
             param=prompt_param,
         )
     if requested is None:
-        return min(default, config.max_tokens, room)
+        return max(min(default, config.max_tokens, room), 1)
     capped = min(requested, config.max_tokens)
     if capped > room:
         raise InvalidParameterError(
@@ -234,9 +247,21 @@ def completion_plan(
         prompts = tuple(list(p) for p in raw)  # type: ignore[union-attr]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidParameterError("prompt must not be empty.", param="prompt")
+    generate = req.max_tokens != 0
     max_new = _max_new_tokens(
-        req.max_tokens, config.default_completion_max_tokens, prompts, engine, config, prompt_param="prompt"
+        req.max_tokens if generate else None,
+        config.default_completion_max_tokens,
+        prompts,
+        engine,
+        config,
+        prompt_param="prompt",
+        room_needed=1 if generate else 0,
     )
+    echo = None
+    if req.echo:
+        # A text prompt is echoed as sent; token ids as the tokenizer decodes them (special tokens kept).
+        texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
+        echo = tuple(texts) if texts is not None else tuple(engine.tokenizer.decode(p) for p in prompts)  # type: ignore[arg-type]
     return GenerationPlan(
         endpoint="completions",
         model=req.model,
@@ -247,6 +272,8 @@ def completion_plan(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=False,
         cache_salt=cache_salt,
+        echo=echo,
+        generate=generate,
     )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
+from kvb_server.echo import Echo
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.tool_calls import ToolPlan, split_reply
 from kvb_server.tool_calls.ids import new_call_id
@@ -47,17 +48,20 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
     }
 
 
-def _completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    text_offset = []
+def _completion_logprobs(
+    entries: Sequence[TokenLogprob], offset: int = 0, echo: Echo | None = None
+) -> dict[str, Any]:
+    """Completions-style arrays; with ``echo`` the prompt's tokens come first (and offsets run on)."""
+    arrays: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if echo is not None:
+        arrays, offset = echo.logprob_arrays(offset)
     for e in entries:
-        text_offset.append(offset)
+        arrays["tokens"].append(e.token)
+        arrays["token_logprobs"].append(e.logprob)
+        arrays["top_logprobs"].append({text: lp for _, text, lp in e.top})
+        arrays["text_offset"].append(offset)
         offset += len(e.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text: lp for _, text, lp in e.top} for e in entries],
-        "text_offset": text_offset,
-    }
+    return arrays
 
 
 def _chat_logprob_entry(e: TokenLogprob) -> dict[str, Any]:
@@ -76,11 +80,15 @@ def _chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def _logprobs(
-    plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0
+    plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0, echo: Echo | None = None
 ) -> dict[str, Any] | None:
     if plan.sampling.logprobs is None or entries is None:
         return None
-    return _chat_logprobs(entries) if plan.chat_logprobs else _completion_logprobs(entries, offset)
+    if plan.chat_logprobs:
+        return _chat_logprobs(entries)
+    return _completion_logprobs(
+        entries, offset, echo if echo is not None and echo.logprobs is not None else None
+    )
 
 
 def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
@@ -105,22 +113,27 @@ def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> 
 
 
 def final_response(
-    plan: GenerationPlan, ids: ResponseIds, results: Sequence[GenerationResult]
+    plan: GenerationPlan,
+    ids: ResponseIds,
+    results: Sequence[GenerationResult],
+    echoes: Sequence[Echo] | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed ``text_completion`` or ``chat.completion`` object."""
+    """The non-streamed ``text_completion`` or ``chat.completion`` object; ``echoes`` (per prompt) lead each
+    completions choice's text and logprobs."""
     choices = []
     for index, r in enumerate(results):
+        echo = echoes[index // plan.n] if echoes is not None else None
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": r.finish_reason,
-            "logprobs": _logprobs(plan, r.logprobs),
+            "logprobs": _logprobs(plan, r.logprobs, echo=echo),
         }
         if plan.chat_logprobs:
             choice["message"], choice["finish_reason"] = assistant_message(
                 plan.tools, r.output_text, r.finish_reason
             )
         else:
-            choice["text"] = r.output_text
+            choice["text"] = (echo.text if echo is not None else "") + r.output_text
         choices.append(choice)
     return {
         "id": ids.id,
@@ -144,10 +157,15 @@ def chunk(
     logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
     delta: dict[str, Any] | None = None,
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker, or
-    (chat) an explicit ``delta`` such as a tool-call piece."""
-    lp = _logprobs(plan, logprobs, offset) if logprobs else None
+    """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker,
+    (chat) an explicit ``delta`` such as a tool-call piece, or (completions) the ``echo`` of its prompt."""
+    if echo is not None:
+        text = echo.text
+        lp = _logprobs(plan, (), offset, echo) if echo.logprobs is not None else None
+    else:
+        lp = _logprobs(plan, logprobs, offset) if logprobs else None
     if plan.chat_logprobs:
         delta = dict(delta or {})
         if role:

@@ -96,9 +96,12 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: MaxTokens | None = None
+    #: 0 only with ``echo``: the prompt scored, nothing generated (lm-eval's loglikelihood requests).
+    max_tokens: Annotated[int, Field(ge=0), _WHOLE] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5), _WHOLE] | None = None
-    echo: Annotated[bool | None, _only({"enum": [False, None]}, "echo")] = None
+    #: Repeat the prompt before each choice's text; with ``logprobs`` the prompt tokens are scored too
+    #: (the first has ``null``: nothing precedes it).
+    echo: bool | None = None
     suffix: Annotated[str | None, _only({"enum": ["", None]}, "suffix (insertion)")] = None
     best_of: Annotated[
         Int | None,
@@ -408,6 +411,22 @@ class DetokenizeResponse(BaseModel):
     """``POST /detokenize``."""
 
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's route): what a client needs to tokenize as the server does (lm-eval's
+    remote tokenizer reads the special tokens and the chat template here, then calls ``/tokenize``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int | None = Field(description="the served context length (null: unknown)")
+    vocab_size: int | None = Field(description="ids the tokenizer can decode, added tokens included")
 
 
 class ErrorDetail(BaseModel):

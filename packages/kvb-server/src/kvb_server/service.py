@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -19,6 +20,8 @@ import torch
 from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.results import GenerationResult
 from kvb_server.config import ServerConfig
+from kvb_server.echo import Echo, prompt_only_result
+from kvb_server.engine import ServingEngine
 from kvb_server.errors import (
     CacheBusyConflictError,
     EngineError,
@@ -131,7 +134,10 @@ class GenerationService:
         metrics: ServerMetrics,
         gate: RequestGate,
         throughput: ThroughputMeter,
+        engine: ServingEngine | None = None,
     ) -> None:
+        #: Scores echoed prompts (``prompt_logprobs``, on the engine thread) and names their first tokens.
+        self._engine = engine
         self._config = config
         self._throughput = throughput
         self._worker = worker
@@ -166,6 +172,9 @@ class GenerationService:
             kept = tuple(p[-keep:] for p in plan.prompts)
             truncation = Truncation(tuple(len(p) for p in plan.prompts), tuple(len(p) for p in kept))
             plan = dataclasses.replace(plan, prompts=kept)
+            if plan.echo is not None and self._engine is not None:
+                # What is echoed is what the model saw: the kept tokens.
+                plan = dataclasses.replace(plan, echo=tuple(self._engine.tokenizer.decode(p) for p in kept))
         arrival = time.monotonic()
         deadline = arrival + self._config.request_timeout_s
         inbox = Inbox(asyncio.get_running_loop())
@@ -185,8 +194,10 @@ class GenerationService:
             )
             for p, prompt in enumerate(plan.prompts)
             for i in range(plan.n)
+            if plan.generate
         ]
-        self._worker.submit(jobs)  # type: ignore[arg-type]
+        if jobs:
+            self._worker.submit(jobs)  # type: ignore[arg-type]
         return Submitted(jobs, inbox, deadline, plan, truncation)
 
     async def _next(self, inbox: Inbox, deadline: float, is_disconnected: IsDisconnected | None) -> JobUpdate:
@@ -200,6 +211,35 @@ class GenerationService:
                 if is_disconnected is not None and await is_disconnected():
                     raise ClientDisconnected() from None
 
+    async def _echoes(self, plan: GenerationPlan, deadline: float) -> list[Echo] | None:
+        """Each prompt's :class:`Echo`; with logprobs its tokens are scored on the engine thread (one call per
+        prompt, between steps, like ``warm``)."""
+        if plan.echo is None:
+            return None
+        if self._engine is None:
+            raise EngineError("echo needs the service to hold the engine (GenerationService(engine=...)).")
+        engine, top = self._engine, plan.sampling.logprobs
+        echoes = []
+        for prompt, text in zip(plan.prompts, plan.echo):
+            scored = None
+            if top is not None:
+                score = functools.partial(engine.prompt_logprobs, prompt, top_logprobs=top)
+                try:
+                    scored = tuple(
+                        await self._worker.call(score, timeout_s=max(deadline - time.monotonic(), 0.0))
+                    )
+                except ServerError:
+                    raise
+                except Exception as exc:
+                    raise engine_error(exc) from None
+            echoes.append(Echo(text=text, first_token=engine.token_text(prompt[0]), logprobs=scored))
+        return echoes
+
+    def _prompt_only(self, plan: GenerationPlan) -> list[GenerationResult]:
+        """Results of a request that generates nothing (echo with ``max_tokens: 0``), one per choice."""
+        logprobs = plan.sampling.logprobs is not None
+        return [prompt_only_result(len(p), logprobs=logprobs) for p in plan.prompts for _ in range(plan.n)]
+
     def _record(self, update: JobUpdate, result: GenerationResult) -> None:
         self._metrics.observe_result(result, queue_s=update.queue_s)
         self._throughput.add(result.completion_tokens)
@@ -212,6 +252,9 @@ class GenerationService:
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
         results: list[GenerationResult | None] = [None] * len(jobs)
         try:
+            echoes = await self._echoes(plan, deadline)
+            if not plan.generate:
+                results = self._prompt_only(plan)  # type: ignore[assignment]
             for _ in jobs:
                 update = await self._next(inbox, deadline, is_disconnected)
                 if update.error is not None:
@@ -222,7 +265,7 @@ class GenerationService:
         finally:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
-        body = final_response(plan, ResponseIds.new(plan), results)  # type: ignore[arg-type]
+        body = final_response(plan, ResponseIds.new(plan), results, echoes)  # type: ignore[arg-type]
         if truncation is not None:
             body["prompt_truncation"] = truncation.to_dict()
         return body
@@ -231,10 +274,13 @@ class GenerationService:
         """Queue a streamed request and wait for its first update, so that errors and timeouts before the
         first token still get a proper HTTP status (once streaming starts the status is 200)."""
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
+        first = None
         try:
-            first = await self._next(inbox, deadline, is_disconnected)
-            if first.error is not None:
-                raise engine_error(first.error)
+            echoes = await self._echoes(plan, deadline)
+            if jobs:
+                first = await self._next(inbox, deadline, is_disconnected)
+                if first.error is not None:
+                    raise engine_error(first.error)
         except BaseException:
             for job in jobs:
                 job.cancelled.set()
@@ -247,6 +293,7 @@ class GenerationService:
             deadline=deadline,
             first=first,
             truncation=truncation,
+            echoes=echoes,
         )
 
 
@@ -261,8 +308,9 @@ class OpenStream:
         jobs: list[GenerationJob],
         inbox: Inbox,
         deadline: float,
-        first: JobUpdate,
+        first: JobUpdate | None,
         truncation: Truncation | None = None,
+        echoes: list[Echo] | None = None,
     ) -> None:
         #: Set when auto-truncation shortened the prompt (reported in a response header).
         self.truncation = truncation
@@ -272,6 +320,7 @@ class OpenStream:
         self._inbox = inbox
         self._deadline = deadline
         self._first = first
+        self._echoes = echoes
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The stream as Server-Sent Events: each :meth:`chunks` payload, then ``data: [DONE]``."""
@@ -291,6 +340,22 @@ class OpenStream:
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
         update: JobUpdate | None = self._first
         try:
+            if self._echoes is not None:
+                # The echoed prompt opens each choice (OpenAI's order); generated text continues from it.
+                choices = len(plan.prompts) * plan.n
+                for i in range(choices):
+                    echo = self._echoes[i // plan.n]
+                    yield chunk(plan, ids, index=i, echo=echo)
+                    if echo.logprobs is not None:
+                        offsets[i] = echo.logprob_arrays()[1]
+                if not plan.generate:
+                    prompt_only = self._service._prompt_only(plan)
+                    for i in range(choices):
+                        yield chunk(plan, ids, index=i, finish_reason="length")
+                    if plan.include_usage:
+                        yield usage_chunk(plan, ids, prompt_only)
+                    yield "[DONE]"
+                    return
             while True:
                 if update is None:
                     try:

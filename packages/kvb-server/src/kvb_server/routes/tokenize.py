@@ -18,7 +18,13 @@ from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_plan import chat_messages, check_model, parse_request
-from kvb_server.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from kvb_server.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 from kvb_server.service import engine_error
 from kvb_server.tool_calls import detect
 
@@ -29,8 +35,31 @@ TOKENIZE_ERRORS = (400, 401, 404, 413)
 
 
 def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter:
-    """The root-level ``/tokenize`` and ``/detokenize`` routes (mount them behind the API key)."""
+    """The root-level ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` routes (mount them behind the
+    API key)."""
     router = APIRouter()
+
+    @router.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, errors=(401,)))
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's class, special tokens, chat template and limits."""
+        tok = engine.tokenizer
+        template = getattr(tok, "chat_template", None)
+
+        def token(name: str) -> str | None:
+            value = getattr(tok, name, None)
+            return None if value is None else str(value)
+
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": token("eos_token"),
+            "bos_token": token("bos_token"),
+            "pad_token": token("pad_token"),
+            "unk_token": token("unk_token"),
+            # A tokenizer may carry several named templates (a dict); clients render the default one.
+            "chat_template": template.get("default") if isinstance(template, dict) else template,
+            "model_max_length": engine.context_length,
+            "vocab_size": _vocab_size(engine),
+        }
 
     @router.post(
         "/tokenize",

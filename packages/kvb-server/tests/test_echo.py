@@ -1,0 +1,179 @@
+"""``echo`` on ``/v1/completions`` (real engine, tiny Llama, official ``openai`` client and raw HTTP).
+
+The loglikelihood requests below are the ones lm-eval's ``local-completions`` model sends (``echo: true,
+logprobs: 1, max_tokens: 1``, token-id prompts, several per request), read the way it reads them; the
+expected numbers come from one plain forward of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from operator import itemgetter
+
+import httpx
+import openai
+import pytest
+import torch
+
+from kvb_cache import KVBoost
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture()
+def client(tiny_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
+
+
+def _forward_logprobs(engine: KVBoost, ids: list[int]) -> torch.Tensor:
+    """``[n - 1]`` log-probabilities of ``ids[1:]`` from one plain forward."""
+    with torch.no_grad():
+        logp = torch.log_softmax(engine.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _lm_eval_parse(body: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval 0.4's ``LocalCompletionsAPI.parse_logprobs``: the continuation's summed logprob and whether
+    every continuation token was the argmax."""
+    out = []
+    for choice, ctxlen in zip(sorted(body["choices"], key=itemgetter("index")), ctxlens):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        greedy = all(tok == max(top.values()) for tok, top in zip(token_logprobs, top_logprobs))
+        out.append((sum(token_logprobs), greedy))
+    return out
+
+
+def test_echo_repeats_the_prompt_before_the_completion(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
+    prompt = "The quick brown fox"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    plain = tiny_engine.generate(prompt, max_new_tokens=6, temperature=0.0)
+    assert resp.choices[0].text == prompt + plain.output_text
+    assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens == plain.prompt_tokens
+
+
+def test_lm_eval_loglikelihood_request(tiny_url: str, tiny_engine: KVBoost) -> None:
+    """Two (context, continuation) pairs in one request, as token ids: the continuation's summed logprob
+    equals a plain forward's, and the greedy flag is true exactly when the forward's argmax agrees."""
+    tok = tiny_engine.tokenizer
+    pairs = [("The capital of France is", " Paris"), ("One two three four", " five six")]
+    requests = [(tok(c)["input_ids"], tok(x, add_special_tokens=False)["input_ids"]) for c, x in pairs]
+    prompts = [ctx + cont for ctx, cont in requests]
+    body = {
+        "model": MODEL,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    resp = httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    for choice, ids in zip(data["choices"], prompts):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][: len(ids)] == [tiny_engine.token_text(t) for t in ids]
+        torch.testing.assert_close(
+            torch.tensor(lp["token_logprobs"][1 : len(ids)]),
+            _forward_logprobs(tiny_engine, ids),
+            atol=1e-5,
+            rtol=0,
+        )
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+    parsed = _lm_eval_parse(data, [len(ctx) for ctx, _ in requests])
+    for (ctx, cont), (total, greedy) in zip(requests, parsed):
+        ids = ctx + cont
+        want = _forward_logprobs(tiny_engine, ids)[len(ctx) - 1 :]
+        assert total == pytest.approx(float(want.sum()), abs=1e-4)
+        with torch.no_grad():
+            argmax = tiny_engine.model(torch.tensor([ids])).logits[0, len(ctx) - 1 : -1].argmax(-1)
+        assert greedy == (argmax.tolist() == cont)
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(
+    client: openai.OpenAI, tiny_engine: KVBoost
+) -> None:
+    prompt = "Alpha beta gamma delta"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, n=2)
+    ids = tiny_engine.tokenizer(prompt)["input_ids"]
+    assert [c.text for c in resp.choices] == [prompt, prompt]
+    assert [c.finish_reason for c in resp.choices] == ["length", "length"]
+    assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == len(ids)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])  # up to 2 (tokens sharing a text merge)
+
+
+def test_max_tokens_zero_without_echo_is_a_400(tiny_url: str) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 0}
+    resp = httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "max_tokens" and "echo" in resp.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    assert httpx.post(f"{tiny_url}/v1/chat/completions", json=chat, timeout=30).status_code == 400
+
+
+def test_streamed_echo_opens_with_the_prompt(tiny_url: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 5,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+    }
+    whole = httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    chunks = []
+    with httpx.stream(
+        "POST", f"{tiny_url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert chunks[0]["text"] == "Once upon a time"
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens == whole["logprobs"]["tokens"]
+    streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None
+    torch.testing.assert_close(
+        torch.tensor(streamed[1:]), torch.tensor(whole["logprobs"]["token_logprobs"][1:])
+    )
+
+
+def test_streamed_max_tokens_zero(tiny_url: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon",
+        "max_tokens": 0,
+        "echo": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = []
+    with httpx.stream("POST", f"{tiny_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert payloads[0]["choices"][0]["text"] == "Once upon"
+    assert payloads[1]["choices"][0]["finish_reason"] == "length"
+    assert payloads[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_tokenizer_info_lets_a_client_tokenize_as_the_server(tiny_url: str, tiny_engine: KVBoost) -> None:
+    """lm-eval picks its remote tokenizer when ``/tokenizer_info`` names an ``eos_token`` and ``/tokenize``
+    answers; it then encodes with ``add_special_tokens: false`` and decodes through ``/detokenize``."""
+    info = httpx.get(f"{tiny_url}/tokenizer_info", timeout=30).json()
+    tok = tiny_engine.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["model_max_length"] == tiny_engine.context_length and info["vocab_size"] == len(tok)
+    assert info["chat_template"] == tok.chat_template
+    text = "Hello there world"
+    ids = httpx.post(f"{tiny_url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30)
+    assert ids.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    back = httpx.post(f"{tiny_url}/detokenize", json={"tokens": ids.json()["tokens"]}, timeout=30)
+    assert back.json()["prompt"] == tok.decode(ids.json()["tokens"])
