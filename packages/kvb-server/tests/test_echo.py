@@ -177,3 +177,17 @@ def test_tokenizer_info_lets_a_client_tokenize_as_the_server(tiny_url: str, tiny
     assert ids.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
     back = httpx.post(f"{tiny_url}/detokenize", json={"tokens": ids.json()["tokens"]}, timeout=30)
     assert back.json()["prompt"] == tok.decode(ids.json()["tokens"])
+
+
+def test_bad_echo_requests_are_400s(tiny_url: str, tiny_engine: KVBoost) -> None:
+    """An id outside the vocabulary and a prompt longer than the context are refused before scoring."""
+    url = f"{tiny_url}/v1/completions"
+    body = {"model": MODEL, "prompt": [3, 10**6], "max_tokens": 0, "echo": True, "logprobs": 1}
+    resp = httpx.post(url, json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    too_long = [5] * (tiny_engine.context_length + 1)
+    resp = httpx.post(url, json={**body, "prompt": too_long}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    full = [5] * tiny_engine.context_length  # fills the context: scorable, nothing generated
+    resp = httpx.post(url, json={**body, "prompt": full}, timeout=60)
+    assert resp.status_code == 200 and len(resp.json()["choices"][0]["logprobs"]["tokens"]) == len(full)
