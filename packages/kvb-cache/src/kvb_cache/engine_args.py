@@ -74,8 +74,8 @@ class EngineArgs:
         16,
         group="cache",
         choices=(16, 8, 4),
-        help="precision of cached chunks in every tier: 16 exact, 8/4 KIVI-quantized (more chunks per byte, "
-        "approximate reuse)",
+        help="precision of cached blocks in the disk/Redis tiers: 16 exact, 8/4 KIVI-quantized (more blocks "
+        "per byte, approximate reuse); the RAM block pool always holds KV as computed",
     )
     kv_group_size: int = option(32, group="cache", help="quantization group of --kv-cache-bits 8/4")
     block_size: int = option(
