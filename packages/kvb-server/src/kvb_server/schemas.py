@@ -21,6 +21,10 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+#: vLLM's top-k: keep the k most likely tokens; -1 or 0 turn the filter off.
+TopK = Annotated[int, Field(ge=-1)]
+#: vLLM's (Hugging Face's) repetition penalty: divides the positive logits of every token seen; 1 is off.
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 def _whole_number(value: Any) -> Any:
@@ -79,6 +83,12 @@ class SamplingFields(BaseModel):
     user: str | None = None
     #: vLLM's field: requests with different salts never share cached prefixes (see kvb_server.tenancy).
     cache_salt: CacheSalt | None = None
+    # vLLM's sampling extras, which clients send through the SDK's extra_body (benchmark clients send
+    # ignore_eos for fixed-length outputs).
+    top_k: Annotated[TopK, _WHOLE] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    #: Keep generating after end-of-sequence until max_tokens (or a stop string).
+    ignore_eos: bool | None = None
     #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     #: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name",

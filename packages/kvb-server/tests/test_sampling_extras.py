@@ -1,0 +1,98 @@
+"""vLLM's sampling extras (``top_k``, ``repetition_penalty``, ``ignore_eos``) through the SDK's
+``extra_body``, against the real engine on the tiny Llama: each equals the engine called directly."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from kvb_cache import KVBoost
+
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog and"
+
+
+@pytest.fixture()
+def client(tiny_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_top_k_one_samples_the_argmax(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
+    greedy = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for seed in (1, 2, 3):
+        resp = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=1.5,
+            seed=seed,
+            extra_body={"top_k": 1, "ignore_eos": True},
+        )
+        assert resp.choices[0].text == greedy.output_text
+
+
+def test_repetition_penalty_and_top_k_equal_the_engine(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
+    settings = {"top_k": 5, "repetition_penalty": 1.3}
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.8,
+        seed=7,
+        extra_body={**settings, "ignore_eos": True},
+    )
+    ref = tiny_engine.generate(
+        PROMPT, max_new_tokens=10, temperature=0.8, seed=7, ignore_eos=True, **settings
+    )
+    assert resp.choices[0].text == ref.output_text
+    plain = tiny_engine.generate(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    penalized = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"repetition_penalty": 3.0, "ignore_eos": True},
+    )
+    ref_penalized = tiny_engine.generate(
+        PROMPT, max_new_tokens=10, temperature=0.0, repetition_penalty=3.0, ignore_eos=True
+    )
+    assert penalized.choices[0].text == ref_penalized.output_text
+    assert ref_penalized.output_ids != plain.output_ids  # the penalty changed something here
+
+
+def test_ignore_eos_generates_max_tokens(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
+    """With end-of-sequence all but forced (logit_bias +100) a reply stops at once, unless ignore_eos."""
+    messages = [{"role": "user", "content": "Hi"}]
+    bias = {str(tiny_engine.tokenizer.eos_token_id): 100}
+    stopped = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, logit_bias=bias
+    )
+    assert (
+        stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    )  # the EOS itself
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"top_k": -2},
+        {"top_k": 1.5},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": -1.0},
+        {"ignore_eos": "yes"},
+    ],
+)
+def test_bad_extras_are_400s_naming_the_parameter(tiny_url: str, extra: dict) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra}
+    resp = httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == next(iter(extra)), resp.text
