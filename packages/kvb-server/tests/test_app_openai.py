@@ -30,6 +30,7 @@ def client(tiny_url: str) -> openai.OpenAI:
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 512  # the tiny Llama's context
 
 
 def test_completion_greedy_matches_engine(client: openai.OpenAI, tiny_engine: KVBoost) -> None:

@@ -38,7 +38,14 @@ def openai_router(
     router = APIRouter(prefix="/v1")
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "kvboost"}
+        # vLLM's card adds the context length; clients size prompts from it.
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvboost",
+            "max_model_len": engine.context_length,
+        }
 
     @router.get("/models", responses=responses(errors=(401,)))
     async def list_models() -> dict[str, Any]:
