@@ -106,6 +106,8 @@ def test_batched_sampler_matches_transformers_processors_row_by_row(llama, token
         dict(temperature=0.7, top_k=5),
         dict(temperature=1.3, top_p=0.8, repetition_penalty=1.2),
         dict(temperature=0.9, top_k=50, top_p=0.5, presence_penalty=0.5, frequency_penalty=1.0),
+        dict(temperature=1.0, min_p=0.1),
+        dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
     ]
     g = torch.Generator().manual_seed(0)
     reqs = []

@@ -32,6 +32,31 @@ def test_top_k_one_samples_the_argmax(client: openai.OpenAI, tiny_engine: KVBoos
         assert resp.choices[0].text == greedy.output_text
 
 
+def test_min_p_one_samples_the_argmax_and_min_p_equals_the_engine(
+    client: openai.OpenAI, tiny_engine: KVBoost
+) -> None:
+    greedy = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.5,
+        seed=3,
+        extra_body={"min_p": 1.0, "ignore_eos": True},
+    )
+    assert resp.choices[0].text == greedy.output_text
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.2,
+        seed=5,
+        extra_body={"min_p": 0.2, "ignore_eos": True},
+    )
+    ref = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=1.2, seed=5, min_p=0.2, ignore_eos=True)
+    assert resp.choices[0].text == ref.output_text
+
+
 def test_repetition_penalty_and_top_k_equal_the_engine(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     settings = {"top_k": 5, "repetition_penalty": 1.3}
     resp = client.completions.create(
@@ -87,6 +112,8 @@ def test_ignore_eos_generates_max_tokens(client: openai.OpenAI, tiny_engine: KVB
     [
         {"top_k": -2},
         {"top_k": 1.5},
+        {"min_p": 1.5},
+        {"min_p": -0.1},
         {"repetition_penalty": 0},
         {"repetition_penalty": -1.0},
         {"ignore_eos": "yes"},

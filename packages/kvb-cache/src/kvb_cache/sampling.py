@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -27,7 +28,9 @@ MAX_LOGIT_BIAS = 100.0
 class SamplingParams:
     """How one request decodes.
 
-    ``temperature == 0`` (anything below :data:`GREEDY_TEMPERATURE`) is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (anything below :data:`GREEDY_TEMPERATURE`) is greedy. ``top_k == 0``, ``top_p == 1``
+    and ``min_p == 0`` disable those filters (``min_p``: drop tokens less likely than ``min_p`` times the
+    most likely one, after temperature, top-k and top-p, as transformers orders them).
     ``repetition_penalty`` follows Hugging Face (divides positive logits of every token seen, prompt
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
     tokens already generated). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
@@ -43,6 +46,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -73,6 +77,8 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "must be an int >= 0 (0 disables it)")
+        if not 0 <= number("min_p") <= 1:
+            raise bad("min_p", "must be in [0, 1] (0 disables it)")
         if number("repetition_penalty") <= 0:
             raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
         for param in ("presence_penalty", "frequency_penalty"):
@@ -166,6 +172,8 @@ class RequestProcessor:
                 processors.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:
                 processors.append(TopPLogitsWarper(params.top_p))
+            if params.min_p > 0.0:
+                processors.append(MinPLogitsWarper(params.min_p))
         self._processors = processors
         self._penalized = bool(params.presence_penalty or params.frequency_penalty)
         self.bias_ids: torch.Tensor | None = None

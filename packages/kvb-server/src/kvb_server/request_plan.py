@@ -203,6 +203,7 @@ def _sampling(
             temperature=temperature,
             top_p=top_p,
             top_k=max(req.top_k or 0, 0),  # -1 (vLLM's old "off") and 0 both disable it
+            min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             ignore_eos=bool(req.ignore_eos),
             presence_penalty=req.presence_penalty or 0.0,

@@ -83,9 +83,11 @@ class SamplingFields(BaseModel):
     user: str | None = None
     #: vLLM's field: requests with different salts never share cached prefixes (see kvb_server.tenancy).
     cache_salt: CacheSalt | None = None
-    # vLLM's sampling extras, which clients send through the SDK's extra_body (benchmark clients send
+    # vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos), which clients send through the SDK's extra_body (benchmark clients send
     # ignore_eos for fixed-length outputs).
     top_k: Annotated[TopK, _WHOLE] | None = None
+    #: Drop tokens less likely than min_p x the most likely one (0: off).
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
     #: Keep generating after end-of-sequence until max_tokens (or a stop string).
     ignore_eos: bool | None = None

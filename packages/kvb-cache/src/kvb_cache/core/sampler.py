@@ -5,7 +5,7 @@ values (transformers' warpers take one value for the whole batch, which is why t
 ``tests/test_core_sampler.py`` checks every row against them): OpenAI ``logit_bias``, the grammar mask of
 rows with a ``response_format`` (disallowed tokens ``-inf``, before any filter so top-k/top-p choose among
 allowed tokens), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
-output), temperature, top-k, top-p. Greedy rows take the argmax; sampled rows draw from the softmax with the
+output), temperature, top-k, top-p, min-p. Greedy rows take the argmax; sampled rows draw from the softmax with the
 request's own seeded generator, so a row's token does not depend on which other rows share the step.
 Constrained rows then advance their matcher with the chosen token.
 """
@@ -68,6 +68,13 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         drop[:, -1] = False
         drop &= (top_p < 1).unsqueeze(1)
         sub = sub.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+    min_p = torch.tensor([requests[i].params.min_p for i in sampled], device=device, dtype=sub.dtype)
+    if bool((min_p > 0).any()):
+        # transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the top one's
+        # (the top token always stays).
+        probs = sub.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        sub = sub.masked_fill(probs < threshold, -float("inf"))
     scores[idx] = sub
     return scores
 
