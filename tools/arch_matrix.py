@@ -1,10 +1,11 @@
-"""Which transformers architectures the engine serves, checked on tiny random models (CPU, ~1 minute).
+"""Which transformers architectures the engine serves, checked on tiny random models (CPU, ~3 minutes).
 
 For every architecture: exact prefix reuse (fp32 logits vs a plain forward, greedy tokens vs
 ``model.generate``), a batch of three requests through the engine loop (greedy vs ``generate``), and
-stitched reuse (reordered documents; recomputing every stitched token must equal no-cache). An
-architecture the engine cannot serve must be declined when the engine is built, with a reason: never a
-wrong answer or a crash mid-request.
+stitched reuse (reordered documents; recomputing every stitched token must equal no-cache); then the
+engine's other paths (``tools/arch_paths.py``): live KV quantization at 8/4 bits, speculative decoding,
+the ``hf_bridge`` and the disk tier after RAM eviction. An architecture the engine cannot serve must be
+declined when the engine is built, with a reason: never a wrong answer or a crash mid-request.
 
     python tools/arch_matrix.py [--out docs] [name ...]
 
@@ -25,6 +26,7 @@ import transformers as T
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "kvb-cache" / "tests"))
+from arch_paths import path_problems, paths_table, run_paths  # noqa: E402
 from conftest import VOCAB, make_tokenizer, rag_prompts, words  # noqa: E402
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
@@ -158,8 +160,8 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
 _EAGER = {"gemma2", "gpt_oss"}
 
 
-def _model(name: str) -> T.PreTrainedModel:
-    torch.manual_seed(0)
+def _model(name: str, seed: int = 0) -> T.PreTrainedModel:
+    torch.manual_seed(seed)
     config = ARCHS[name][0]()
     config.eos_token_id, config.pad_token_id = 1, 0
     impl = "eager" if name in _EAGER else None
@@ -227,6 +229,12 @@ def check(name: str, tokenizer) -> dict:
     moved_ok = declined or row["moved_key_max_abs_diff"] <= 1e-4
     exact = row["exact_max_abs_diff"] <= 2e-5 and row["stitch_all_max_abs_diff"] <= 2e-5 and moved_ok
     ok = exact and row["exact_greedy_equal"] and row["batch_greedy_equal"]
+    # The other paths; the draft model is the same architecture with other weights (mostly rejected).
+    row["paths"] = run_paths(
+        model, _model(name, seed=1), tokenizer, ids, lambda seed: tokenizer(words(80, seed=seed))["input_ids"]
+    )
+    row["path_problems"] = path_problems(row["paths"])
+    ok = ok and not row["path_problems"]
     return row | {"status": "served" if ok else "WRONG"}
 
 
@@ -274,7 +282,7 @@ def main() -> None:
             row = {"arch": name, "what": ARCHS[name][1], "status": f"error: {type(exc).__name__}: {exc}"}
         rows.append(row)
         print(f"{name:14s} {row['status'][:160]}", flush=True)
-    table = _table(rows)
+    table = _table(rows) + "\n\n" + _PATHS_HEADER + paths_table(rows)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +303,28 @@ the repair forward), and the keys of a lone 20-token chunk computed at position 
 the keys computed at 61 (every layer; the check of re-rotation, RoPE variants and NoPE layers included). *Declined* architectures raise `UnsupportedModelError`
 when the engine is built, with the reason shown; none is served with a wrong answer. The unit tests cover
 Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness, batching, stitching)
-and the declined ones.
+and the declined ones; the paths of the second table are tested on those plus Phi-3, SmolLM3 and Cohere
+(kvb-cache: live KV, hf_bridge, disk tier; kvboost: speculative through the engine; kvb-speculative:
+sliding-window rollback).
+
+"""
+
+_PATHS_HEADER = """## Other engine paths
+
+Per served architecture (`tools/arch_paths.py`). **Live KV**: a request with `kv_cache_bits=8` / `4` after a
+32-token cached prefix (its working cache KIVI-quantized through transformers' `QuantizedLayer`): the max
+|logit| deviation from the unquantized run over 12 teacher-forced decode steps, the free-running greedy
+tokens that match unquantized (of 12; small logit margins of random models make this noisy), and the logit
+scale; every engine run equals a plain greedy loop over the same quantized cache (else *WRONG*). A MoE
+router that picks another expert at one step shows as a jump (Qwen2-MoE at 8 bits); StableLM's free-running
+tokens part at a step whose top-2 logits are 0.002 apart (teacher-forced, 11 of 12 agree). **Speculative**: greedy
+through the engine with a prompt-lookup drafter and with a draft model of the same architecture and other
+weights, against `model.generate` (16 tokens, from a cached prefix; accepted/drafted shows that rollbacks
+ran). **hf_bridge**: `lookup_cache` of a 40-token engine prefix into `model.generate` (tokens and the max
+logit difference over its 12 steps), then `store_cache` of a plain forward's KV hit by the engine.
+**Disk tier**: 48 tokens stored, evicted from a 12-block pool by three other prompts and reloaded from the
+disk tier; `kv_cache_bits` 16 records must be exact, 8 / 4 are KIVI records (the pool itself holds KV as
+computed).
 
 """
 
