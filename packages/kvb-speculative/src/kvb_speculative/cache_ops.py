@@ -53,7 +53,7 @@ def make_croppable(cache: Cache) -> None:
 def _trim_recorded_past(cache: Cache) -> None:
     # crop(0) restricts a recording sliding layer to its window and is a no-op on every other layer type;
     # called only when some layer records, so caches that never saw make_croppable() are left alone.
-    if any(getattr(layer, "record_past", False) for layer in cache.layers):
+    if any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ())):
         cache.crop(0)
 
 
