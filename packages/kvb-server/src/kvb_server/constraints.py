@@ -1,5 +1,9 @@
 """OpenAI's ``response_format`` and ``logit_bias``, checked, as the engine's sampling settings.
 
+vLLM's own ways to ask for the same constraints are accepted too: the ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` fields and (vLLM >= 0.10) ``structured_outputs`` with ``json``,
+``regex``, ``choice``, ``grammar`` or ``json_object`` (:func:`requested_format`).
+
 ``response_format`` becomes a :class:`kvb_cache.structured.ResponseFormat` (decoding is constrained to it, so
 the reply always parses); its grammar is compile-checked here, before the request is queued, so a schema
 llguidance cannot handle is a 400 naming the parameter instead of an error after admission.
@@ -8,6 +12,7 @@ llguidance cannot handle is a 400 naming the parameter instead of an error after
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -81,6 +86,81 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
     if fmt is not None:
         check(fmt, param)
     return fmt
+
+
+#: vLLM's guided-decoding fields, and the ``structured_outputs`` keys that mean the same.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_STRUCTURED_KEYS = {
+    "json": "guided_json",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+}
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    # Lark string literals take JSON's escapes, so any choice text (quotes, backslashes, newlines) is literal.
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _guided_raw(field: str, value: Any, param: str) -> dict[str, Any]:
+    """One vLLM guided-decoding value as the ``response_format`` dict that asks for the same thing."""
+    if field == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise _bad(f"Invalid value for '{param}': not a JSON schema (invalid JSON).", param) from None
+        if not isinstance(value, dict):
+            raise _bad(f"Invalid value for '{param}': expected a JSON schema object.", param)
+        return {"type": "json_schema", "json_schema": {"schema": value}}
+    if field == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _bad(f"Invalid value for '{param}': expected a non-empty list of non-empty strings.", param)
+        return {"type": "grammar", "grammar": _choice_grammar(value)}
+    if not isinstance(value, str) or not value:
+        raise _bad(f"Invalid value for '{param}': expected a non-empty string.", param)
+    if field == "guided_regex":
+        return {"type": "regex", "pattern": value}
+    return {"type": "grammar", "grammar": value}
+
+
+def requested_format(req: Any) -> tuple[dict[str, Any] | None, ResponseFormat | None]:
+    """The constraint a request asks for, from ``response_format`` or vLLM's fields (at most one of them):
+    the ``response_format``-shaped dict (what :func:`json_schema_of` reads) and its checked
+    :class:`ResponseFormat`. A 400 naming the field when two are given or one is invalid."""
+    given: list[tuple[str, str, Any]] = [
+        (f, f, getattr(req, f)) for f in GUIDED_FIELDS if getattr(req, f, None) is not None
+    ]
+    structured = getattr(req, "structured_outputs", None)
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise _bad("Invalid value for 'structured_outputs': expected an object.", "structured_outputs")
+        for key, value in structured.items():
+            if key in _STRUCTURED_KEYS and value is not None:
+                given.append((_STRUCTURED_KEYS[key], f"structured_outputs.{key}", value))
+            elif key == "json_object" and value is True:
+                given.append(("json_object", "structured_outputs.json_object", value))
+            elif key not in ("json_object", *_STRUCTURED_KEYS) and value is not None:
+                raise _bad(f"Unrecognized field in 'structured_outputs': {key}.", f"structured_outputs.{key}")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        given.insert(0, ("response_format", "response_format", req.response_format))
+    if len(given) > 1:
+        names = ", ".join(param for _, param, _ in given)
+        raise _bad(f"Give one output constraint, not several: {names}.", given[1][1])
+    if not given:
+        return req.response_format, response_format(req.response_format)
+    field, param, value = given[0]
+    if field == "response_format":
+        return value, response_format(value)
+    raw = {"type": "json_object"} if field == "json_object" else _guided_raw(field, value, param)
+    try:
+        fmt = ResponseFormat.parse(raw)
+    except InvalidRequestError as exc:
+        raise _bad(str(exc), param) from None
+    if fmt is not None:
+        check(fmt, param)
+    return raw, fmt
 
 
 @functools.lru_cache(maxsize=1024)

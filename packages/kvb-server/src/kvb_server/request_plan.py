@@ -271,7 +271,7 @@ def completion_plan(
         model=req.model,
         prompts=prompts,
         n=_n(req, config),
-        sampling=_sampling(req, max_new, req.logprobs, constraints.response_format(req.response_format)),
+        sampling=_sampling(req, max_new, req.logprobs, constraints.requested_format(req)[1]),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         chat_logprobs=False,
@@ -300,13 +300,14 @@ def _check_tool_schemas(tools: ToolPlan | None) -> None:
 def _reply_format(
     req: ChatCompletionRequest, tools: ToolPlan | None, engine: ServingEngine, syntax: ToolSyntax
 ) -> ResponseFormat | None:
-    """What the reply is constrained to: the tools' call grammar, else ``response_format``."""
-    fmt = constraints.response_format(req.response_format)
+    """What the reply is constrained to: the tools' call grammar, else ``response_format`` (or vLLM's
+    guided-decoding fields)."""
+    raw, fmt = constraints.requested_format(req)
     if tools is None or tools.mode == "none":
         return fmt
     text_schema = None
     if tools.mode == "auto" and fmt is not None:
-        text_schema = constraints.json_schema_of(req.response_format)
+        text_schema = constraints.json_schema_of(raw)
         if text_schema is None:
             raise InvalidParameterError(
                 "response_format: only json_object and json_schema combine with tools (tool_choice 'auto').",

@@ -91,6 +91,14 @@ class SamplingFields(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     #: Keep generating after end-of-sequence until max_tokens (or a stop string).
     ignore_eos: bool | None = None
+    # vLLM's guided decoding (another way to ask for what response_format asks; at most one of them):
+    # a JSON schema (object or JSON text), a regex, one of several strings, a Lark/GBNF grammar; or
+    # structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (vLLM >= 0.10).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     #: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name",

@@ -1,0 +1,123 @@
+"""vLLM's guided decoding fields (``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``)
+and ``structured_outputs`` on a tiny random Llama (real engine, real grammar): a random model writes
+nonsense, so each test checks the guaranteed shape, and that a vLLM field gives exactly what the equivalent
+``response_format`` gives."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import build_tiny_engine, serve
+
+from kvb_server import ServerConfig, create_app
+
+MODEL = "tiny-llama"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["unit", "n"],
+}
+CHOICES = ["yes", 'no "really"', "maybe\nlater"]
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    engine = build_tiny_engine(context=1024)
+    with serve(create_app(engine, ServerConfig(model_names=(MODEL,), max_tokens=64))) as base:
+        yield base
+
+
+@pytest.fixture()
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, **extra) -> str:
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "go"}],
+        temperature=0,
+        max_tokens=60,
+        extra_body=extra,
+    )
+    return resp.choices[0].message.content
+
+
+def test_guided_json_equals_response_format(client: openai.OpenAI) -> None:
+    want = _chat(
+        client, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    )
+    data = json.loads(want)
+    assert data["unit"] in ("celsius", "fahrenheit") and 0 <= data["n"] <= 9
+    assert _chat(client, guided_json=SCHEMA) == want
+    assert _chat(client, guided_json=json.dumps(SCHEMA)) == want  # vLLM also takes the schema as JSON text
+    assert _chat(client, structured_outputs={"json": SCHEMA}) == want
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_guided_choice_returns_one_of_the_choices(client: openai.OpenAI, seed: int) -> None:
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="answer:",
+        temperature=1.0,
+        seed=seed,
+        max_tokens=30,
+        extra_body={"guided_choice": CHOICES},
+    )
+    assert resp.choices[0].text in CHOICES and resp.choices[0].finish_reason == "stop"
+    again = client.completions.create(
+        model=MODEL,
+        prompt="answer:",
+        temperature=1.0,
+        seed=seed,
+        max_tokens=30,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert again.choices[0].text == resp.choices[0].text
+
+
+def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="code:",
+            temperature=0,
+            max_tokens=20,
+            extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"},
+        )
+        .choices[0]
+        .text
+    )
+    assert len(text) == 6 and text[:3].isupper() and text[3] == "-" and text[4:].isdigit()
+    grammar = 'start: "ok" | "fail " CODE\nCODE: /[0-9]{1,2}/'
+    text = _chat(client, guided_grammar=grammar)
+    assert text == "ok" or (text.startswith("fail ") and text[5:].isdigit() and len(text) <= 7), text
+    assert _chat(client, structured_outputs={"json_object": True}).startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_grammar": "start: @@@"}, "guided_grammar"),
+        ({"structured_outputs": {"choise": ["a"]}}, "structured_outputs.choise"),
+        ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),
+    ],
+)
+def test_bad_guided_requests_are_400s_naming_the_field(url: str, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
