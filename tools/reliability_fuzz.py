@@ -198,16 +198,21 @@ def _rand_json(rng: random.Random, depth: int = 0):
     return {rng.choice(keys): _rand_json(rng, depth + 1) for _ in range(rng.randint(0, 5))}
 
 
+#: vLLM's extra sampling and guided-decoding fields, which both routes take.
+VLLM_EXTRAS = (
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs",
+)  # fmt: skip
 FIELDS = {
     "/v1/completions": [
         "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "logprobs", "seed",
         "presence_penalty", "frequency_penalty", "stream_options", "cache_salt", "best_of", "echo",
-        "suffix", "logit_bias", "user", "max_completion_tokens", "model",
+        "suffix", "logit_bias", "user", "max_completion_tokens", "model", *VLLM_EXTRAS,
     ],
     "/v1/chat/completions": [
         "messages", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "logprobs",
         "top_logprobs", "seed", "presence_penalty", "frequency_penalty", "stream_options", "cache_salt",
-        "tools", "tool_choice", "response_format", "user", "max_completion_tokens", "model",
+        "tools", "tool_choice", "response_format", "user", "max_completion_tokens", "model", *VLLM_EXTRAS,
     ],
 }  # fmt: skip
 
