@@ -240,3 +240,68 @@ def test_teacher_forced_logits_equal_no_cache_for_exact_and_fully_repaired_reuse
     approx.next_token_logits(first)
     drift = compare_distributions(reference, teacher_forced_logits(approx, second, continuation).logits)
     assert drift.mean_kl > 1e-6 and len(drift.kl) == len(continuation)
+
+
+def test_lookup_prefers_the_exact_copy_at_equal_reach():
+    """Two copies of a chunk, one computed over stitched KV (approximate), one over a true history: with
+    nothing to tell them apart by seams, the exact one serves."""
+    root = ChunkHash(b"r" * 32)
+    store = _ListedStore()
+    approximate = store.add(root, [1, 2, 3, 4], b"approx", b"y")
+    approximate.exact = False
+    store.add(root, [1, 2, 3, 4], b"exact", b"x")
+    pieces = find_pieces(store, root, [9, 1, 2, 3, 4, 9], start=1, stop=6, lengths=[4])
+    assert [p.entry.key for p in pieces] == [b"exact"]
+
+
+def _docs(tokenizer):
+    system = tokenizer(words(20, seed=9))["input_ids"]
+    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
+    question = [tokenizer(words(6, seed=s))["input_ids"] for s in (7, 8, 10)]
+    return system, docs, question
+
+
+def test_a_document_first_seen_after_a_stitched_one_is_stitched_later(llama, tokenizer):
+    """C is new in the second prompt, which stitches B: C's KV there is computed over re-positioned KV, so
+    it is kept as approximate chunks (content lookup only). The third prompt then stitches C instead of
+    recomputing it, and recomputing every stitched token still equals no-cache."""
+    system, (a, b, c), (q1, q2, q3) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine.next_token_logits(system + a + b + q1)
+    second = system + b + c + q2
+    assert engine.next_token_logits(second).recomputed_tokens > 0  # B was stitched
+    inexact = [e for e in engine.store._entries.values() if not e.exact]
+    c_start = len(system) + len(b)
+    assert any(e.start + e.num_tokens > c_start for e in inexact)  # C's chunks are kept (approximate)
+    third = system + c + a + q3
+    result = engine.generate(third, max_new_tokens=1)
+    stitched = [h for h in result.chunks if h.kind is HitKind.STITCHED]
+    c_range = range(len(system), len(system) + len(c))
+    assert sum(1 for h in stitched for p in range(h.start, h.end) if p in c_range) >= len(c) - CHUNK
+
+    exact_engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=10_000)
+    for prompt in (system + a + b + q1, second):
+        exact_engine.next_token_logits(prompt)
+    logits = exact_engine.next_token_logits(third)
+    assert logits.cached_tokens > len(system) + CHUNK  # C served from the approximate chunks
+    torch.testing.assert_close(logits.logits, _reference(llama, third), atol=1e-5, rtol=0)
+
+
+def test_approximate_chunks_are_never_a_prefix_hit(llama, tokenizer):
+    """Their keys live on the approximate chain: no prefix hash of any prompt names one, and asking the
+    stitched prompt again reuses exactly the same exact prefix as the first time."""
+    from kvb_cache.lookup import chunk_keys
+
+    system, (a, b, c), (q1, q2, _) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    first, second = system + a + b + q1, system + b + c + q2
+    engine.next_token_logits(first)
+    before = engine.generate(second, max_new_tokens=1)
+    again = engine.generate(second, max_new_tokens=1)
+    prefix_keys = set()
+    for ids in (first, second):
+        prefix_keys |= set(chunk_keys(engine.root, ids, engine.chunker.split(ids)).prefix)
+    inexact = {k for k, e in engine.store._entries.items() if not e.exact}
+    assert inexact and not inexact & prefix_keys
+    first_stitched = [min(h.start for h in r.chunks if h.kind is HitKind.STITCHED) for r in (before, again)]
+    assert first_stitched[0] == first_stitched[1] < len(system) + len(b)

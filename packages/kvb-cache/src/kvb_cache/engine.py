@@ -108,7 +108,14 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         # The paged pool is the RAM cache (cached chunks are cached blocks); disk/Redis tiers sit under it.
         parts = build_loop(model, self.traits, self.config, root=self.root, fingerprint=self.fingerprint)
         self.kv, self.tiers = parts.kv, parts.tiers
-        self.core = EngineCore(parts.scheduler, parts.kv, parts.runner, self, build_result=self._paged_result)
+        self.core = EngineCore(
+            parts.scheduler,
+            parts.kv,
+            parts.runner,
+            self,
+            build_result=self._paged_result,
+            before_free=self._store_approximate if self.config.stitching is not None else None,
+        )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)

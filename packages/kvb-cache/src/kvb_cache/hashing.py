@@ -24,6 +24,7 @@ ChunkHash = NewType("ChunkHash", bytes)
 
 _CONTENT_TAG = b"\x00content\x00"
 _SALT_TAG = b"kvboost/salt/v1\x00"
+_APPROX_TAG = b"kvboost/approximate/v1\x00"
 
 
 def token_bytes(ids: Sequence[int]) -> bytes:
@@ -54,3 +55,10 @@ def salted_root(root: ChunkHash, salt: str | None) -> ChunkHash:
     if salt is None:
         return root
     return ChunkHash(hashlib.sha256(_SALT_TAG + root + salt.encode("utf-8", "surrogatepass")).digest())
+
+
+def approximate_root(root: ChunkHash) -> ChunkHash:
+    """The chain root of chunks whose KV is approximate (computed over stitched KV): their keys are prefix
+    hashes from this root, which no prefix lookup starts from, so only a content lookup (stitching) can
+    reach them. Their content hashes stay rooted in ``root``."""
+    return ChunkHash(hashlib.sha256(_APPROX_TAG + root).digest())

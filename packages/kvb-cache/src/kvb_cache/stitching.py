@@ -11,9 +11,11 @@ a :class:`StitchJob` whose repair forward runs in slices (the engine loop runs o
 :mod:`kvb_cache.core.preparing`); :meth:`Stitcher.extend` runs the plan and all of its repair at once.
 
 Store rule: KV at or after the first stitched position is approximate (stitched chunks, and everything
-computed over them), so a request that stitched stores only the chunks *before* its first stitched piece.
-Its later chunks are never stored under their prefix hash; an exact hit therefore always serves KV that a
-forward computed over the true history.
+computed over them), so a request that stitched stores only the chunks *before* its first stitched piece
+under their prefix hashes; an exact hit therefore always serves KV that a forward computed over the true
+history. Its later chunks are kept as *approximate* entries (``ChunkEntry.exact`` False, keys on
+:func:`~kvb_cache.hashing.approximate_root`'s chain, which no prefix lookup walks): only this module's
+content lookup finds them, so a document first seen after a stitched one is reused the next time too.
 """
 
 from __future__ import annotations
@@ -132,8 +134,11 @@ def find_pieces(
         prev = pieces[-1].entry if pieces and pieces[-1].end == i else None
         hit = lookup.child(prev, i) if prev is not None else None
         if hit is None:
-            # max() keeps the first of equals: the longest chunk, as at() lists them.
-            hit = max(matches, key=lambda e: lookup.reach(e, i)) if len(matches) > 1 else matches[0]
+            # Fewest seams ahead first, then KV computed over an exact history; max() keeps the first of
+            # equals: the longest chunk, as at() lists them.
+            hit = (
+                max(matches, key=lambda e: (lookup.reach(e, i), e.exact)) if len(matches) > 1 else matches[0]
+            )
         store.touch(hit)
         pieces.append(StitchedPiece(start=i, end=i + hit.num_tokens, entry=hit))
         i += hit.num_tokens

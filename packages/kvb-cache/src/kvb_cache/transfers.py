@@ -18,7 +18,7 @@ from kvb_cache import generation
 from kvb_cache.live_quant import is_live_quantized, quantize_live
 from kvb_cache.pool_io import dense_cache, probe_request
 from kvb_cache.prepared import PreparedPrompt
-from kvb_cache.writeback import WritebackResult, write_back
+from kvb_cache.writeback import WritebackResult, write_back, write_back_approximate
 
 if TYPE_CHECKING:
     from kvb_cache.chunking import Chunker
@@ -61,6 +61,28 @@ class CacheTransfers:
                 )
         finally:
             self.kv.free(probe)
+
+    def _store_approximate(self, req: Request) -> None:
+        """Stitching engines: keep a finished stitched request's KV from its first stitched position on as
+        approximate chunks (content lookups only; :func:`kvb_cache.writeback.write_back_approximate`), read
+        from its private blocks before they are freed. A document first seen after a stitched one becomes
+        reusable by later stitches instead of being recomputed every time."""
+        if req.exact_until is None or not self.kv.caching:
+            return
+        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+        ids = ids[: min(len(ids), req.num_computed)]
+        if len(ids) <= req.exact_until:
+            return
+        write_back_approximate(
+            self.store,
+            self.chunker,
+            self.kv.root_of(req),
+            ids,
+            dense_cache(self.kv.storage.read(self.kv.slots(req, len(ids)))),
+            start=req.exact_until,
+            num_layers=self.traits.num_layers,
+            store_partial_tail=self.config.store_partial_tail,
+        )
 
     def _prepare(
         self, ids: list[int], *, max_reuse: int, stitch: bool = False, root: ChunkHash | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from transformers import Cache
 
 from kvb_cache.chunking import Chunker
-from kvb_cache.hashing import ChunkHash
+from kvb_cache.hashing import ChunkHash, approximate_root
 from kvb_cache.kv import slice_kv
 from kvb_cache.lookup import chunk_keys
 from kvb_cache.store import ChunkEntry, ChunkStore
@@ -75,4 +75,61 @@ def write_back(
             partial = not span.complete
         stored += span.complete
         parent = key
+    return WritebackResult(stored_chunks=stored, new_chunks=new, partial_tail=partial)
+
+
+def write_back_approximate(
+    store: ChunkStore,
+    chunker: Chunker,
+    root: ChunkHash,
+    ids: Sequence[int],
+    cache: Cache,
+    *,
+    start: int,
+    num_layers: int,
+    store_partial_tail: bool = True,
+) -> WritebackResult:
+    """Store the chunks of ``ids`` that reach past ``start`` (a stitched request's first stitched position)
+    as approximate entries: keys on the approximate chain of ``root`` (never a prefix hash a lookup can
+    match), content hashes rooted in ``root`` (so stitching finds them), ``exact=False``.
+
+    A stitched request's KV from ``start`` on was computed over re-positioned chunks, so it may not serve an
+    exact prefix hit; but a document first seen there is still worth reusing the way every stitched chunk
+    is, approximately, with its seam repaired. ``cache`` holds positions ``[0, len(ids))``.
+    """
+    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
+    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < len(ids):
+        logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
+        return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+    spans = chunker.split(ids)
+    content = chunk_keys(root, ids, spans).content
+    approximate = chunk_keys(approximate_root(root), ids, spans).prefix
+    stored = new = 0
+    partial = False
+    anchor: ChunkHash | None = None  # the parent of the first chunk stored: the run's root in the store
+    for i, span in enumerate(spans):
+        if span.end <= start:
+            continue
+        if not span.complete and not store_partial_tail:
+            break
+        parent = approximate[i - 1] if i else approximate_root(root)
+        anchor = parent if anchor is None else anchor
+        if approximate[i] not in store:
+            entry = ChunkEntry(
+                key=approximate[i],
+                parent=parent,
+                content=content[i],
+                token_ids=tuple(ids[span.start : span.end]),
+                kv=slice_kv(cache, span.start, span.end),
+                start=span.start,
+                complete=span.complete,
+                exact=False,
+            )
+            # The first chunk's parent (on the approximate chain, before ``start``) is never stored: it roots
+            # the run; each later chunk's parent is the chunk before it.
+            if not store.put(entry, root=anchor):
+                break
+            new += span.complete
+            partial = not span.complete
+        stored += span.complete
     return WritebackResult(stored_chunks=stored, new_chunks=new, partial_tail=partial)

@@ -40,6 +40,8 @@ from kvb_cache.emitter import TokenTexts, token_logprob
 from kvb_cache.results import GenerationResult, StreamEvent
 
 ResultHook = Callable[[Request], GenerationResult]
+#: Called with a finished request while it still holds its blocks.
+FinishHook = Callable[[Request], None]
 
 
 class EngineCore:
@@ -53,12 +55,15 @@ class EngineCore:
         texts: TokenTexts,
         *,
         build_result: ResultHook,
+        before_free: FinishHook | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
         self.runner = runner
         self.texts = texts
         self.build_result = build_result
+        #: Reads a finished request's private KV before its blocks go back to the pool (None: nothing).
+        self.before_free = before_free
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
@@ -153,6 +158,8 @@ class EngineCore:
             delta += req.emitter.end("stop")  # the response_format is complete
         result = None
         if req.emitter.finish:
+            if self.before_free is not None:
+                self.before_free(req)
             self.scheduler.remove(req)
             result = self.build_result(req)
         elif not delta and params.logprobs is None:

@@ -37,6 +37,9 @@ class ChunkEntry:
     complete: bool = True
     nbytes: int = 0
     encoded: EncodedKV | None = None
+    #: False for KV computed over stitched (approximate) KV: stored under an approximate chain
+    #: (:func:`kvb_cache.hashing.approximate_root`), reachable by stitching's content lookup only.
+    exact: bool = True
     # Bookkeeping owned by the store (under its lock).
     hits: int = field(default=0)
     last_used: int = field(default=0)

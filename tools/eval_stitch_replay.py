@@ -1,0 +1,142 @@
+"""RAG replay with stitching: does keeping stitched requests' later chunks (approximate entries) pay off?
+
+A corpus of pydoc topics; each request is the system prompt, a random subset of the documents in a random
+order, and a question, so documents keep arriving next to other documents, often first seen in a request
+that already stitches others. Two engines replay the same requests (default ``StitchConfig``): one keeps a
+stitched request's KV from its first stitched position on as approximate chunks (the engine's behaviour),
+one drops it (the behaviour before, emulated by removing the engine's ``before_free`` hook). Per request,
+through the teacher-forced path: served tokens (exact + stitched), recomputed share, and top-1 agreement
+and mean KL against no-cache over the request's own 16-token greedy continuation; each request then runs
+once through the engine loop, which stores its chunks as a served request would.
+
+    python tools/eval_stitch_replay.py [--docs 8] [--per-request 4] [--requests 16] [--out docs]
+
+Writes ``fidelity_replay.json`` under ``--out`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_fidelity import SYSTEM, pydoc_groups
+
+from kvb_cache import EngineConfig, KVBoost, StitchConfig
+from kvb_cache.embedded import embedded_model_path
+from kvb_cache.fidelity import (
+    compare_distributions,
+    reference_continuation_logits,
+    teacher_forced_logits,
+)
+
+NEW_TOKENS = 16
+CACHE_BYTES = 512 << 20
+
+
+def requests(tokenizer, n_docs: int, per_request: int, n_requests: int, seed: int) -> list[list[int]]:
+    docs = [d for group in pydoc_groups(tokenizer, (n_docs + 3) // 4, 300) for d, _ in group][:n_docs]
+    rng = random.Random(seed)
+    out = []
+    for q in range(n_requests):
+        order = rng.sample(range(n_docs), per_request)
+        text = (
+            SYSTEM
+            + "".join(docs[i] for i in order)
+            + f"Question {q}: which document is the most technical?\nAnswer:"
+        )
+        out.append(tokenizer(text)["input_ids"])
+    return out
+
+
+def replay(model, tokenizer, prompts, references, *, keep_approximate: bool) -> list[dict]:
+    engine = KVBoost(
+        model,
+        tokenizer,
+        config=EngineConfig(chunk_size=32, stitching=StitchConfig(), max_cache_bytes=CACHE_BYTES),
+    )
+    if not keep_approximate:
+        engine.core.before_free = None
+    rows = []
+    for ids, (continuation, reference) in zip(prompts, references):
+        forced = teacher_forced_logits(engine, ids, continuation)
+        agreement = compare_distributions(reference, forced.logits)
+        engine.generate(ids, max_new_tokens=1)  # served once: its chunks are stored as a request's would be
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "served": forced.cached_tokens / len(ids),
+                "recomputed": forced.recomputed_tokens / len(ids),
+                "tf_top1": agreement.top1_agreement,
+                "tf_mean_kl": agreement.mean_kl,
+            }
+        )
+    return rows
+
+
+def summary(rows: list[dict], skip: int) -> dict:
+    def mean(key, part):
+        return statistics.mean(r[key] for r in part)
+
+    tail = rows[skip:]
+    return {
+        key: {"all": mean(key, rows), "after_warmup": mean(key, tail)}
+        for key in ("served", "recomputed", "tf_top1", "tf_mean_kl")
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--per-request", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=4, help="requests left out of the 'after warm-up' means")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    started = time.time()
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = requests(tokenizer, args.docs, args.per_request, args.requests, args.seed)
+    references = []
+    for ids in prompts:
+        cold = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32, max_cache_bytes=CACHE_BYTES))
+        out = cold.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).output_ids
+        references.append((out, reference_continuation_logits(model, ids, out)))
+    results = {}
+    for keep in (False, True):
+        rows = replay(model, tokenizer, prompts, references, keep_approximate=keep)
+        results["kept" if keep else "dropped"] = {"rows": rows, "summary": summary(rows, args.warmup)}
+    print(
+        f"| stitched requests' later chunks | served (all / after {args.warmup}) | recomputed | TF top-1 | TF mean KL |"
+    )
+    print("|---|---|---|---|---|")
+    for name, result in results.items():
+        s = result["summary"]
+        print(
+            f"| {name} | {s['served']['all']:.1%} / {s['served']['after_warmup']:.1%} "
+            f"| {s['recomputed']['all']:.1%} | {s['tf_top1']['all']:.1%} | {s['tf_mean_kl']['all']:.4f} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "config": {k: v if not isinstance(v, Path) else str(v) for k, v in vars(args).items()},
+        "new_tokens": NEW_TOKENS,
+        "date": time.strftime("%Y-%m-%d"),
+        "elapsed_s": time.time() - started,
+        "results": results,
+    }
+    (args.out / "fidelity_replay.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
