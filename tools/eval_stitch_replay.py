@@ -2,9 +2,9 @@
 
 A corpus of pydoc topics; each request is the system prompt, a random subset of the documents in a random
 order, and a question, so documents keep arriving next to other documents, often first seen in a request
-that already stitches others. Two engines replay the same requests (default ``StitchConfig``): one keeps a
-stitched request's KV from its first stitched position on as approximate chunks (the engine's behaviour),
-one drops it (the behaviour before, emulated by removing the engine's ``before_free`` hook). Per request,
+that already stitches others. Two engines replay the same requests (``StitchConfig`` defaults otherwise):
+one keeps a stitched request's KV from its first stitched position on as approximate chunks
+(``keep_approximate=True``), one drops it (the default). Per request,
 through the teacher-forced path: served tokens (exact + stitched), recomputed share, and top-1 agreement
 and mean KL against no-cache over the request's own 16-token greedy continuation; each request then runs
 once through the engine loop, which stores its chunks as a served request would.
@@ -61,10 +61,12 @@ def replay(model, tokenizer, prompts, references, *, keep_approximate: bool) -> 
     engine = KVBoost(
         model,
         tokenizer,
-        config=EngineConfig(chunk_size=32, stitching=StitchConfig(), max_cache_bytes=CACHE_BYTES),
+        config=EngineConfig(
+            chunk_size=32,
+            stitching=StitchConfig(keep_approximate=keep_approximate),
+            max_cache_bytes=CACHE_BYTES,
+        ),
     )
-    if not keep_approximate:
-        engine.core.before_free = None
     rows = []
     for ids, (continuation, reference) in zip(prompts, references):
         forced = teacher_forced_logits(engine, ids, continuation)

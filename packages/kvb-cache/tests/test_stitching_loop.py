@@ -266,7 +266,7 @@ def test_a_document_first_seen_after_a_stitched_one_is_stitched_later(llama, tok
     it is kept as approximate chunks (content lookup only). The third prompt then stitches C instead of
     recomputing it, and recomputing every stitched token still equals no-cache."""
     system, (a, b, c), (q1, q2, q3) = _docs(tokenizer)
-    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4, keep_approximate=True)
     engine.next_token_logits(system + a + b + q1)
     second = system + b + c + q2
     assert engine.next_token_logits(second).recomputed_tokens > 0  # B was stitched
@@ -279,7 +279,9 @@ def test_a_document_first_seen_after_a_stitched_one_is_stitched_later(llama, tok
     c_range = range(len(system), len(system) + len(c))
     assert sum(1 for h in stitched for p in range(h.start, h.end) if p in c_range) >= len(c) - CHUNK
 
-    exact_engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=10_000)
+    exact_engine = _engine(
+        llama, tokenizer, recompute_strategy="selective", overlap_k=10_000, keep_approximate=True
+    )
     for prompt in (system + a + b + q1, second):
         exact_engine.next_token_logits(prompt)
     logits = exact_engine.next_token_logits(third)
@@ -293,7 +295,7 @@ def test_approximate_chunks_are_never_a_prefix_hit(llama, tokenizer):
     from kvb_cache.lookup import chunk_keys
 
     system, (a, b, c), (q1, q2, _) = _docs(tokenizer)
-    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4, keep_approximate=True)
     first, second = system + a + b + q1, system + b + c + q2
     engine.next_token_logits(first)
     before = engine.generate(second, max_new_tokens=1)
@@ -305,3 +307,18 @@ def test_approximate_chunks_are_never_a_prefix_hit(llama, tokenizer):
     assert inexact and not inexact & prefix_keys
     first_stitched = [min(h.start for h in r.chunks if h.kind is HitKind.STITCHED) for r in (before, again)]
     assert first_stitched[0] == first_stitched[1] < len(system) + len(b)
+
+
+def test_approximate_chunks_are_kept_only_when_asked(llama, tokenizer):
+    """``keep_approximate`` is off by default: a stitched request then stores nothing after its first
+    stitched piece, and a document first seen there is computed again next time."""
+    system, (a, b, c), (q1, q2, q3) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine.next_token_logits(system + a + b + q1)
+    engine.next_token_logits(system + b + c + q2)
+    assert all(e.exact for e in engine.store._entries.values())
+    result = engine.generate(system + c + a + q3, max_new_tokens=1)
+    c_range = range(len(system), len(system) + len(c))
+    assert not any(
+        p in c_range for h in result.chunks if h.kind is HitKind.STITCHED for p in range(h.start, h.end)
+    )

@@ -114,7 +114,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             parts.runner,
             self,
             build_result=self._paged_result,
-            before_free=self._store_approximate if self.config.stitching is not None else None,
+            before_free=self._store_approximate,
         )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.

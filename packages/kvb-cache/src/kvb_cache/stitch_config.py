@@ -38,6 +38,11 @@ class StitchConfig:
             strategy's measured default (:data:`DEFAULT_OVERLAP_K`: 64 selective, 32 cacheblend).
         sink_tokens: the prompt's first tokens (attention sinks), recomputed when they are stitched.
         min_reuse_tokens: a stitched chunk shorter than this is not worth a seam and is computed instead.
+        keep_approximate: also keep a finished stitched request's chunks from its first stitched position on,
+            as approximate entries that only stitching's content lookup finds (never a prefix hit), so a
+            document first seen next to stitched ones is reused next time. Off by default: in a RAG replay it
+            served 10 points more of each prompt with no fidelity loss, but on ``verify_correctness``'s
+            prompts it flipped the first token of 2 of 3 stitched prompts (docs/fidelity.md).
     """
 
     recompute_strategy: RecomputeStrategy = "selective"
@@ -46,6 +51,7 @@ class StitchConfig:
     overlap_k: int = None  # type: ignore[assignment]  # set in __post_init__ from the strategy
     sink_tokens: int = 4
     min_reuse_tokens: int = 16
+    keep_approximate: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in _STRATEGIES:
@@ -58,6 +64,8 @@ class StitchConfig:
             raise ConfigError(
                 f"recompute_ratio must be a fraction in [0, 1] (e.g. 0.15), got {self.recompute_ratio!r}"
             )
+        if not isinstance(self.keep_approximate, bool):
+            raise ConfigError(f"keep_approximate must be a bool, got {self.keep_approximate!r}")
         for name in ("check_layer", "overlap_k", "sink_tokens", "min_reuse_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

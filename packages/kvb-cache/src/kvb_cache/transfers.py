@@ -63,11 +63,17 @@ class CacheTransfers:
             self.kv.free(probe)
 
     def _store_approximate(self, req: Request) -> None:
-        """Stitching engines: keep a finished stitched request's KV from its first stitched position on as
-        approximate chunks (content lookups only; :func:`kvb_cache.writeback.write_back_approximate`), read
-        from its private blocks before they are freed. A document first seen after a stitched one becomes
-        reusable by later stitches instead of being recomputed every time."""
-        if req.exact_until is None or not self.kv.caching:
+        """With ``StitchConfig.keep_approximate``: keep a finished stitched request's KV from its first
+        stitched position on as approximate chunks (content lookups only; see
+        :func:`kvb_cache.writeback.write_back_approximate`), read from its private blocks before they are
+        freed, so a document first seen after a stitched one is reused by later stitches."""
+        stitching = self.stitcher.config
+        if (
+            stitching is None
+            or not stitching.keep_approximate
+            or req.exact_until is None
+            or not self.kv.caching
+        ):
             return
         ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
         ids = ids[: min(len(ids), req.num_computed)]
