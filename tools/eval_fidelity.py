@@ -158,12 +158,9 @@ def run_group(model, tokenizer, group: list[tuple[str, str]], chunk_size: int, n
     )
     for w in warmups:
         engine.next_token_logits(tokenizer(w)["input_ids"])
-    # The warm-ups ran as any request does: the second one, which stitches from the first, left its later
-    # chunks as approximate entries. The test prompt itself must not: every strategy below would then find
-    # the previous strategy's whole prompt as one approximate run (one seam) and measure that strategy's KV
-    # instead of its own. So from here on nothing approximate is kept (the engine's before_free hook), and
-    # every strategy starts from the same cache state; this call stores the test prompt's exact part.
-    engine.core.before_free = None
+    # Stores the test prompt's exact part (before its first stitched piece), so every strategy below starts
+    # from the same cache state: no strategy here keeps approximate chunks (StitchConfig.keep_approximate is
+    # off), so none of them changes it.
     engine.next_token_logits(ids)
     rows = []
     for name, stitch in CONFIGS.items():

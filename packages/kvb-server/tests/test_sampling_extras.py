@@ -18,71 +18,52 @@ def client(tiny_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
 
 
+def _text(
+    client: openai.OpenAI, max_tokens: int, temperature: float, seed: int | None = None, **extra
+) -> str:
+    """The completion of PROMPT through the server, with ``extra`` as vLLM extras (``extra_body``)."""
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        extra_body=extra,
+    )
+    return resp.choices[0].text
+
+
 def test_top_k_one_samples_the_argmax(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     greedy = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
     for seed in (1, 2, 3):
-        resp = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=1.5,
-            seed=seed,
-            extra_body={"top_k": 1, "ignore_eos": True},
-        )
-        assert resp.choices[0].text == greedy.output_text
+        resp = _text(client, 12, 1.5, seed=seed, top_k=1, ignore_eos=True)
+        assert resp == greedy.output_text
 
 
 def test_min_p_one_samples_the_argmax_and_min_p_equals_the_engine(
     client: openai.OpenAI, tiny_engine: KVBoost
 ) -> None:
     greedy = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    resp = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=12,
-        temperature=1.5,
-        seed=3,
-        extra_body={"min_p": 1.0, "ignore_eos": True},
-    )
-    assert resp.choices[0].text == greedy.output_text
-    resp = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=12,
-        temperature=1.2,
-        seed=5,
-        extra_body={"min_p": 0.2, "ignore_eos": True},
-    )
+    resp = _text(client, 12, 1.5, seed=3, min_p=1.0, ignore_eos=True)
+    assert resp == greedy.output_text
+    resp = _text(client, 12, 1.2, seed=5, min_p=0.2, ignore_eos=True)
     ref = tiny_engine.generate(PROMPT, max_new_tokens=12, temperature=1.2, seed=5, min_p=0.2, ignore_eos=True)
-    assert resp.choices[0].text == ref.output_text
+    assert resp == ref.output_text
 
 
 def test_repetition_penalty_and_top_k_equal_the_engine(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     settings = {"top_k": 5, "repetition_penalty": 1.3}
-    resp = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=10,
-        temperature=0.8,
-        seed=7,
-        extra_body={**settings, "ignore_eos": True},
-    )
+    resp = _text(client, 10, 0.8, seed=7, **settings, ignore_eos=True)
     ref = tiny_engine.generate(
         PROMPT, max_new_tokens=10, temperature=0.8, seed=7, ignore_eos=True, **settings
     )
-    assert resp.choices[0].text == ref.output_text
+    assert resp == ref.output_text
     plain = tiny_engine.generate(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    penalized = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=10,
-        temperature=0,
-        extra_body={"repetition_penalty": 3.0, "ignore_eos": True},
-    )
+    penalized = _text(client, 10, 0, repetition_penalty=3.0, ignore_eos=True)
     ref_penalized = tiny_engine.generate(
         PROMPT, max_new_tokens=10, temperature=0.0, repetition_penalty=3.0, ignore_eos=True
     )
-    assert penalized.choices[0].text == ref_penalized.output_text
+    assert penalized == ref_penalized.output_text
     assert ref_penalized.output_ids != plain.output_ids  # the penalty changed something here
 
 

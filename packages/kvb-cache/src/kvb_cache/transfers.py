@@ -40,9 +40,14 @@ class CacheTransfers:
     store: ChunkStore
     root: bytes
 
+    def _storable(self, req: Request) -> list[int]:
+        """The tokens of a finished request whose KV may be stored: its prompt, plus its output with
+        ``store_outputs`` (the last token was never fed)."""
+        return req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+
     def _store_chunks(self, req: Request) -> None:
         """Stitching engines: also keep the finished request's chunks in the content-indexed store."""
-        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
+        ids = self._storable(req)
         if req.exact_until is not None:
             ids = ids[: req.exact_until]  # a stitched request: only its exact part (the store rule)
         probe = probe_request(ids, root=req.root)
@@ -75,8 +80,7 @@ class CacheTransfers:
             or not self.kv.caching
         ):
             return
-        ids = req.tokens[:-1] if self.config.store_outputs else req.tokens[: req.prompt_len]
-        ids = ids[: min(len(ids), req.num_computed)]
+        ids = self._storable(req)[: req.num_computed]
         if len(ids) <= req.exact_until:
             return
         write_back_approximate(

@@ -25,6 +25,18 @@ class WritebackResult:
     partial_tail: bool
 
 
+_NOTHING = WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+
+
+def _trusted(cache: Cache, num_layers: int, length: int) -> bool:
+    """Whether ``cache`` has every layer, all of one length, holding at least ``length`` positions."""
+    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
+    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < length:
+        logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
+        return False
+    return True
+
+
 def write_back(
     store: ChunkStore,
     chunker: Chunker,
@@ -47,10 +59,8 @@ def write_back(
     layers disagree on length or that lacks layers (a forward that failed midway) is not trusted and nothing is
     stored.
     """
-    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
-    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < offset + len(ids):
-        logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
-        return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+    if not _trusted(cache, num_layers, offset + len(ids)):
+        return _NOTHING
     spans = chunker.split(ids)
     keys = chunk_keys(root, ids, spans)
     stored = new = 0
@@ -97,10 +107,8 @@ def write_back_approximate(
     exact prefix hit; but a document first seen there is still worth reusing the way every stitched chunk
     is, approximately, with its seam repaired. ``cache`` holds positions ``[0, len(ids))``.
     """
-    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
-    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < len(ids):
-        logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
-        return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
+    if not _trusted(cache, num_layers, len(ids)):
+        return _NOTHING
     spans = chunker.split(ids)
     content = chunk_keys(root, ids, spans).content
     approximate = chunk_keys(approximate_root(root), ids, spans).prefix

@@ -228,9 +228,7 @@ class GenerationService:
                     scored = tuple(
                         await self._worker.call(score, timeout_s=max(deadline - time.monotonic(), 0.0))
                     )
-                except ServerError:
-                    raise
-                except Exception as exc:
+                except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
                     raise engine_error(exc) from None
             echoes.append(Echo(text=text, first_token=engine.token_text(prompt[0]), logprobs=scored))
         return echoes
