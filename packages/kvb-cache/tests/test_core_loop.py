@@ -108,6 +108,9 @@ def test_batched_sampler_matches_transformers_processors_row_by_row(llama, token
         dict(temperature=0.9, top_k=50, top_p=0.5, presence_penalty=0.5, frequency_penalty=1.0),
         dict(temperature=1.0, min_p=0.1),
         dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+        dict(temperature=0.0, min_tokens=4),  # 3 tokens generated: end-of-sequence still banned
+        dict(temperature=0.7, top_k=20, min_tokens=6),
+        dict(temperature=0.0, min_tokens=3),  # met: the plain argmax again
     ]
     g = torch.Generator().manual_seed(0)
     reqs = []
@@ -119,10 +122,15 @@ def test_batched_sampler_matches_transformers_processors_row_by_row(llama, token
     logits = torch.randn(len(reqs), 300, generator=g) * 3
     batched = process_logits(logits.clone(), reqs)
     for row, req in enumerate(reqs):
-        one = RequestProcessor(req.params, prompt_len=req.prompt_len, device=torch.device("cpu"))
-        expected = one.process(torch.tensor(req.tokens), logits[row])
-        if req.params.greedy and not one._processors and not one._penalized:
+        one = RequestProcessor(
+            req.params, prompt_len=req.prompt_len, device=torch.device("cpu"), eos=req.emitter.eos
+        )
+        history = torch.tensor(req.tokens)
+        expected = one.process(history, logits[row])
+        if one.is_identity and not one.holds_eos(history):
             expected = logits[row]
+        if req.params.min_tokens > 3:
+            assert bool(torch.isinf(batched[row, sorted(req.emitter.eos)]).all())
         torch.testing.assert_close(batched[row], expected, atol=1e-6, rtol=0)
 
 

@@ -111,6 +111,39 @@ def test_eos_stops_with_reason_stop(llama, tokenizer):
     assert tokenizer_eos  # the tokenizer's eos is always honoured too
 
 
+@pytest.mark.parametrize("path", ["loop", "solo"])
+def test_min_tokens_holds_back_eos_and_stop_strings(llama, tokenizer, path):
+    """vLLM's min_tokens: no end-of-sequence and no stop string before that many tokens."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    # kv_cache_bits routes a request to the solo generator (generation.run) instead of the batched loop.
+    extra = {"kv_cache_bits": 8} if path == "solo" else {}
+    free = engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True, **extra).output_ids
+    eos = free[4]
+    llama.generation_config.eos_token_id = eos
+    try:
+        engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+        early = engine.generate(PROMPT, max_new_tokens=30, **extra)
+        held = engine.generate(PROMPT, max_new_tokens=30, min_tokens=12, **extra)
+    finally:
+        llama.generation_config.eos_token_id = 1
+    assert early.output_ids == free[:5] and early.finish_reason == "stop"
+    assert len(held.output_ids) >= 12 and eos not in held.output_ids[:12]
+    assert held.output_ids[:4] == free[:4]  # nothing else changes before the banned token
+
+    stop = engine.tokenizer.decode(free[2:3])
+    stopped = engine.generate(PROMPT, max_new_tokens=20, stop=stop, ignore_eos=True, **extra)
+    late = engine.generate(PROMPT, max_new_tokens=20, stop=stop, min_tokens=15, ignore_eos=True, **extra)
+    assert len(stopped.output_ids) <= 3
+    assert late.output_ids[:15] == free[:15]
+
+
+@pytest.mark.parametrize(("min_tokens", "max_new_tokens"), [(-1, 10), (11, 10), (True, 10), (2.0, 10)])
+def test_min_tokens_is_checked(engine, min_tokens, max_new_tokens):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate(PROMPT, max_new_tokens=max_new_tokens, min_tokens=min_tokens)
+    assert info.value.param == "min_tokens"
+
+
 def test_logprobs(engine):
     result = engine.generate(PROMPT, max_new_tokens=5, logprobs=3, ignore_eos=True)
     assert result.logprobs is not None and len(result.logprobs) == 5

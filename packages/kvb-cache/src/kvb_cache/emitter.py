@@ -18,12 +18,17 @@ class TokenTexts(Protocol):
 
 @dataclass(slots=True)
 class Emitter:
-    """Turns chosen tokens into text deltas, applying stop strings and end-of-sequence."""
+    """Turns chosen tokens into text deltas, applying stop strings and end-of-sequence.
+
+    ``min_new`` (the request's ``min_tokens``): stop strings count only once that many tokens are generated,
+    as vLLM does; end-of-sequence is held back earlier, in the logits.
+    """
 
     detok: IncrementalDetokenizer
     stops: StopStrings
     eos: frozenset[int]
     max_new: int
+    min_new: int = 0
     text: str = ""
     sent: int = 0
     finish: FinishReason | None = None
@@ -36,7 +41,7 @@ class Emitter:
             return self._finish("stop", len(self.text))
         before = len(self.text)
         self.text += self.detok.push(token)
-        match = self.stops.find(self.text, before)
+        match = self.stops.find(self.text, before) if produced >= self.min_new else None
         if match is not None:
             self.stop_reason = match.stop
             return self._finish("stop", match.index)

@@ -499,13 +499,14 @@ def new_request(
         stops=StopStrings(params.stop),
         eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
         max_new=params.max_new_tokens,
+        min_new=params.min_tokens,
     )
     return Request(
         request_id=rid,
         tokens=list(ids),
         prompt_len=len(ids),
         params=params,
-        processor=RequestProcessor(params, prompt_len=len(ids), device=engine.device),
+        processor=RequestProcessor(params, prompt_len=len(ids), device=engine.device, eos=emitter.eos),
         emitter=emitter,
         arrival=t0,
         prefill_chunk_size=prefill_chunk_size,

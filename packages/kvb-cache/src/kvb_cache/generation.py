@@ -35,13 +35,14 @@ def run(
     cache = prepared.cache
     hist = torch.empty(n + params.max_new_tokens, dtype=torch.long, device=device)
     hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
-    processor = RequestProcessor(params, prompt_len=n, device=device)
     emitter = Emitter(
         detok=IncrementalDetokenizer(engine.tokenizer),
         stops=StopStrings(params.stop),
         eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
         max_new=params.max_new_tokens,
+        min_new=params.min_tokens,
     )
+    processor = RequestProcessor(params, prompt_len=n, device=device, eos=emitter.eos)
     out: list[int] = []
     logprobs: list[TokenLogprob] = []
     ttft_ms = 0.0

@@ -115,6 +115,7 @@ class EngineLoops:
         seed: int | None = None,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
         response_format: Any = None,
         logit_bias: dict[int, float] | None = None,
         prefill_chunk_size: int | None = None,
@@ -131,6 +132,7 @@ class EngineLoops:
         ``response_format`` constrains the output (a JSON schema dict, a pydantic model class, ``"json"``,
         ``{"type": "regex", "pattern": ...}`` or ``{"type": "grammar", "grammar": <Lark/GBNF>}``; see
         docs/structured.md). ``logit_bias``: token id -> bias in [-100, 100] added to its logit.
+        ``min_tokens``: no end-of-sequence and no stop string before that many tokens (vLLM's semantics).
         """
         params = SamplingParams.build(
             max_new_tokens=max_new_tokens,
@@ -145,6 +147,7 @@ class EngineLoops:
             seed=seed,
             logprobs=logprobs,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
             response_format=response_format,
             logit_bias=logit_bias,
         )

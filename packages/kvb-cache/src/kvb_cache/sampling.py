@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -33,7 +34,9 @@ class SamplingParams:
     most likely one, after temperature, top-k and top-p, as transformers orders them).
     ``repetition_penalty`` follows Hugging Face (divides positive logits of every token seen, prompt
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
-    tokens already generated). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
+    tokens already generated). ``min_tokens`` (vLLM) holds end-of-sequence and stop strings back until that
+    many tokens are generated (EOS logits ``-inf``, as transformers' ``MinNewTokensLengthLogitsProcessor``;
+    ``ignore_eos`` leaves EOS alone). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
     most likely alternatives (None: off).
 
     ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
@@ -54,6 +57,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     response_format: ResponseFormat | None = None
     logit_bias: dict[int, float] | None = None
 
@@ -71,6 +75,10 @@ class SamplingParams:
             raise bad("max_new_tokens", "must be an int")
         if self.max_new_tokens <= 0:
             raise bad("max_new_tokens", "must be >= 1")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise bad("min_tokens", "must be an int")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise bad("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if number("temperature") < 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < number("top_p") <= 1:
@@ -159,9 +167,23 @@ class RequestProcessor:
     OpenAI presence/frequency penalties, which transformers lacks, are done here.
     """
 
-    def __init__(self, params: SamplingParams, *, prompt_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        prompt_len: int,
+        device: torch.device,
+        eos: frozenset[int] = frozenset(),
+    ) -> None:
+        """``eos``: the token ids that end this request (empty with ``ignore_eos``), held back by ``min_tokens``."""
         self.params = params
         self.prompt_len = prompt_len
+        # Kept apart from the others so that a greedy request is an identity again once min_tokens is met.
+        self._min_tokens = (
+            MinNewTokensLengthLogitsProcessor(prompt_len, params.min_tokens, sorted(eos), device=device)
+            if params.min_tokens and eos
+            else None
+        )
         processors = LogitsProcessorList()
         if params.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -201,6 +223,10 @@ class RequestProcessor:
         """True when processing cannot change the argmax (greedy without penalties): skip it."""
         return self.greedy and not self._processors and not self._penalized and self.bias_ids is None
 
+    def holds_eos(self, history: torch.Tensor) -> bool:
+        """True while ``min_tokens`` bans end-of-sequence (``history`` ``[S]``: prompt and output so far)."""
+        return self._min_tokens is not None and history.shape[-1] - self.prompt_len < self.params.min_tokens
+
     def process(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``history`` ``[S]`` int64, ``logits`` ``[V]`` -> processed ``[V]`` float32."""
         scores = logits.float().unsqueeze(0)
@@ -215,13 +241,15 @@ class RequestProcessor:
                     - self.params.frequency_penalty * counts
                     - self.params.presence_penalty * (counts > 0)
                 )
+        if self._min_tokens is not None:
+            scores = self._min_tokens(history.unsqueeze(0), scores)
         if self._processors:
             scores = self._processors(history.unsqueeze(0), scores)
         return scores[0]
 
     def choose(self, history: torch.Tensor, logits: torch.Tensor) -> int:
         """Pick the next token from raw ``logits`` ``[V]``."""
-        if self.is_identity:
+        if self.is_identity and not self.holds_eos(history):
             return int(torch.argmax(logits))
         scores = self.process(history, logits)
         if self.greedy:

@@ -4,7 +4,8 @@ The processing order and semantics are transformers' logits processors, applied 
 values (transformers' warpers take one value for the whole batch, which is why they are not used here;
 ``tests/test_core_sampler.py`` checks every row against them): OpenAI ``logit_bias``, the grammar mask of
 rows with a ``response_format`` (disallowed tokens ``-inf``, before any filter so top-k/top-p choose among
-allowed tokens), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
+allowed tokens), end-of-sequence banned while a row has fewer than its ``min_tokens`` (transformers'
+``MinNewTokensLengthLogitsProcessor``), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
 output), temperature, top-k, top-p, min-p. Greedy rows take the argmax; sampled rows draw from the softmax with the
 request's own seeded generator, so a row's token does not depend on which other rows share the step.
 Constrained rows then advance their matcher with the chosen token.
@@ -33,6 +34,8 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     _mask_grammar_rows(scores, requests)
     for i, req in zip(rows, requests):
         p = req.params
+        if _holds_eos(req):
+            scores[i, sorted(req.emitter.eos)] = -float("inf")
         if p.repetition_penalty != 1.0:
             history = torch.tensor(req.tokens, device=device)
             history = history[history < vocab]
@@ -79,6 +82,11 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return scores
 
 
+def _holds_eos(req: Request) -> bool:
+    """True while ``min_tokens`` still bans this request's end-of-sequence tokens."""
+    return bool(req.emitter.eos) and len(req.output_ids) < req.params.min_tokens
+
+
 def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> None:
     """``-inf`` for the tokens each constrained row's grammar does not allow next (``scores`` ``[R, V]``)."""
     constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -94,7 +102,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """One token per row of ``logits`` ``[R, V]`` for ``requests`` (same order); constrained rows' matchers
     consume their token."""
     # NOTE: a constrained greedy row is not an identity row: the fast path would skip its mask.
-    greedy_fast = all(r.processor.is_identity and r.grammar is None for r in requests)
+    greedy_fast = all(r.processor.is_identity and r.grammar is None and not _holds_eos(r) for r in requests)
     if greedy_fast:
         return torch.argmax(logits, dim=-1).tolist()
     scores = process_logits(logits, requests)
