@@ -67,6 +67,7 @@ def speculative_generate(
     top_k: int | None = None,
     top_p: float | None = None,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> SpeculativeOutput:
@@ -81,7 +82,7 @@ def speculative_generate(
         drafter: source of draft tokens.
         gamma: maximum drafted tokens per verification forward.
         max_new_tokens: generation budget (>= 1).
-        temperature, top_k, top_p, repetition_penalty: the sampling rule (see :class:`SamplingParams`).
+        temperature, top_k, top_p, repetition_penalty, min_p: the sampling rule (see :class:`SamplingParams`).
         generator: seeded RNG for sampling.
         eos_token_id: stop token(s); default ``model.generation_config.eos_token_id``.
 
@@ -97,7 +98,11 @@ def speculative_generate(
     decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=gamma))
     processor = LogitsTokenProcessor(
         SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            min_p=min_p,
         ),
         generator,
     )

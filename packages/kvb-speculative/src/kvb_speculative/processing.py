@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -29,12 +30,15 @@ class SamplingParams:
         top_k: keep only the ``top_k`` most likely tokens (None: no limit).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (None: no limit).
         repetition_penalty: CTRL-style penalty on tokens already in the history (1.0: none).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one, after the other filters
+            (0.0: none; transformers' ``MinPLogitsWarper``).
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -49,6 +53,8 @@ class SamplingParams:
             raise SpeculativeConfigError(
                 f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 disables it)."
             )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SpeculativeConfigError(f"min_p={self.min_p} must be in [0, 1] (0 disables it).")
 
 
 class LogitsTokenProcessor:
@@ -74,6 +80,8 @@ class LogitsTokenProcessor:
                 processors.append(TopKLogitsWarper(params.top_k))
             if params.top_p is not None and params.top_p < 1.0:
                 processors.append(TopPLogitsWarper(params.top_p))
+            if params.min_p > 0.0:
+                processors.append(MinPLogitsWarper(params.min_p))
         self._processors = processors
 
     @property
