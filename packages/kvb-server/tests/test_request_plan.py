@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fakes import FakeEngine
@@ -110,3 +111,30 @@ def test_temperatures_near_zero_sample_greedily() -> None:
     """logits / 1e-83 overflow to inf: such a request must not reach the sampler (it failed the step)."""
     assert completion(prompt="hi", temperature=1.4e-83).sampling.temperature == 0.0
     assert completion(prompt="hi", temperature=1e-5).sampling.temperature == 1e-5
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # The list branch says what is wrong, not the string branch pydantic tries first.
+        ({"prompt": "a", "stop": ["s"] * 5}, "Invalid value for 'stop': List should have at most 4 items"),
+        ({"prompt": [[]]}, "Invalid value for 'prompt[0]': List should have at least 1 item"),
+        ({"prompt": ""}, "Invalid value for 'prompt': String should have at least 1 character"),
+    ],
+)
+def test_union_errors_name_the_branch_the_input_matched(body: dict, message: str) -> None:
+    with pytest.raises(InvalidParameterError, match=re.escape(message)) as info:
+        completion(**body)
+    assert info.value.param == list(body)[-1]
+
+
+def test_nested_errors_name_the_full_path() -> None:
+    with pytest.raises(
+        InvalidParameterError, match=re.escape("Missing required parameter: 'messages[0].role'")
+    ):
+        chat(messages=[{"content": "hi"}])
+    with pytest.raises(
+        InvalidParameterError, match=re.escape("'messages[1].content': Input should be")
+    ) as info:
+        chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}])
+    assert info.value.param == "messages"

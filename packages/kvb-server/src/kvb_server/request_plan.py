@@ -23,6 +23,7 @@ from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvb_server.tenancy import request_salt
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, template_messages, tool_grammar, tool_plan
+from kvb_server.validation import invalid_parameter
 
 Endpoint = Literal["completions", "chat.completions"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -75,19 +76,7 @@ def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = first.get("loc", ())
-        param = str(loc[0]) if loc else None
-        if first.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {param}"
-        elif first.get("type") == "missing":
-            message = f"Missing required parameter: '{param}'."
-        else:
-            where = ".".join(str(p) for p in loc)
-            message = (
-                f"Invalid value for '{param}': {first.get('msg')} (at {where}, got {first.get('input')!r})."
-            )
-        raise InvalidParameterError(message, param=param) from None
+        raise invalid_parameter(exc) from None
 
 
 async def parse_request(request: Request, schema: type[ModelT], config: ServerConfig) -> ModelT:
