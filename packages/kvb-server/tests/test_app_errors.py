@@ -175,7 +175,8 @@ def test_unknown_model_is_404_in_openai_shape(url: str) -> None:
     assert_openai_error(httpx.get(url + "/v1/nope"), 404)
 
 
-def test_text_parts_in_chat_content_are_joined(url: str) -> None:
+def test_text_parts_in_chat_content_are_joined_by_newlines(url: str, fake: FakeEngine) -> None:
+    """As vLLM joins them: joined with nothing, "...the document." + "Question" would run together."""
     body = {
         "model": MODEL,
         "messages": [
@@ -185,8 +186,11 @@ def test_text_parts_in_chat_content_are_joined(url: str) -> None:
     }
     resp = post(url, "/v1/chat/completions", body)
     assert resp.status_code == 200
-    # Fake chat template: "<user>ab<assistant>"
-    assert resp.json()["usage"]["prompt_tokens"] == len("<user>ab<assistant>")
+    # Fake chat template: "<user>a\nb<assistant>"
+    assert fake.added[-1].prompt == list(map(ord, "<user>a\nb<assistant>"))
+    missing_text = {**body, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    err = assert_openai_error(post(url, "/v1/chat/completions", missing_text), 400, param="messages")
+    assert "messages[0].content[0].text" in err["message"]
 
 
 def test_api_key_is_enforced_on_v1_routes_only() -> None:

@@ -133,7 +133,8 @@ def test_input_items_become_chat_messages(client: openai.OpenAI, fake: FakeEngin
         ],
     )
     # The chat route renders developer as system.
-    assert prompt_text(fake) == "<system>Rules.<user>ab<assistant>c<user>d<assistant>"
+    # Text parts are joined by newlines, as on the chat route.
+    assert prompt_text(fake) == "<system>Rules.<user>a\nb<assistant>c<user>d<assistant>"
 
 
 def test_previous_response_id_continues_the_stored_conversation(

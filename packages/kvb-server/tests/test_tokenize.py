@@ -103,7 +103,7 @@ def test_messages_tokens_are_what_chat_queues(url: str, fake: TokenizingEngine) 
         {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}
     ]
     assert tokenize(url, messages=parts, add_generation_prompt=False).json()["tokens"] == list(
-        map(ord, "<system>be brief")
+        map(ord, "<system>be \nbrief")
     )
 
 

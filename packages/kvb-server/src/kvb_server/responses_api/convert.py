@@ -137,7 +137,7 @@ def _text(content: str | Sequence[Any], where: str, *, assistant: bool) -> str:
                 param=f"{where}.content[{j}].type",
             )
         texts.append(part.refusal if isinstance(part, RefusalPart) else part.text)
-    return "".join(texts)
+    return "\n".join(texts)  # as the chat route joins text parts (and vLLM)
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:

@@ -37,19 +37,27 @@ def call_text(name: str, arguments: Any, syntax: ToolSyntax) -> str:
 
 
 def _text(content: Any, where: str) -> str:
+    """A message's content as one string: text parts joined by newlines, as vLLM joins them (joined with
+    nothing, a document part and a question part would run into one word)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
-        if getattr(part, "type", None) != "text" or getattr(part, "text", None) is None:
+    for j, part in enumerate(content):
+        kind = getattr(part, "type", None)
+        if kind != "text":
             raise InvalidParameterError(
-                f"{where}.content: only text parts are supported, got type '{getattr(part, 'type', None)}'.",
+                f"{where}.content[{j}]: only text parts are supported, got type '{kind}'; send text parts "
+                "or a string.",
                 param="messages",
             )
+        if getattr(part, "text", None) is None:
+            raise InvalidParameterError(
+                f"Missing required parameter: '{where}.content[{j}].text'.", param="messages"
+            )
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
