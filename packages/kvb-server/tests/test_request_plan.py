@@ -77,6 +77,12 @@ def test_stream_options_and_stop() -> None:
     assert plan.stream and plan.include_usage and plan.sampling.stop == ("\n",)
 
 
+def test_more_than_four_stop_strings_as_vllm_takes_them() -> None:
+    """lm-eval's local-completions sends every stop sequence of a task plus end-of-text (OpenAI caps 4)."""
+    stops = ["Question:", "</s>", "<|im_end|>", "\n\n", "<|endoftext|>"]
+    assert completion(prompt="a", stop=stops).sampling.stop == tuple(stops)
+
+
 def test_errors_name_the_parameter() -> None:
     with pytest.raises(ModelNotFoundError):
         completion(prompt="a", model="other")
@@ -117,7 +123,7 @@ def test_temperatures_near_zero_sample_greedily() -> None:
     ("body", "message"),
     [
         # The list branch says what is wrong, not the string branch pydantic tries first.
-        ({"prompt": "a", "stop": ["s"] * 5}, "Invalid value for 'stop': List should have at most 4 items"),
+        ({"prompt": "a", "stop": ["s"] * 65}, "Invalid value for 'stop': List should have at most 64 items"),
         ({"prompt": [[]]}, "Invalid value for 'prompt[0]': List should have at least 1 item"),
         ({"prompt": ""}, "Invalid value for 'prompt': String should have at least 1 character"),
     ],

@@ -41,7 +41,11 @@ Int = Annotated[int, _WHOLE]
 MaxTokens = Annotated[int, Field(ge=1), _WHOLE]
 TokenId = Annotated[int, Field(ge=0), _WHOLE]
 NonEmpty = Annotated[str, Field(min_length=1)]
-Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)]
+#: Stop strings one request may give. OpenAI takes 4, vLLM any number: lm-eval's local-completions sends a
+#: task's every stop sequence plus the end-of-text token (often 5 or more). Bounded so that matching (each
+#: string against the tail of the text, every token) stays cheap.
+MAX_STOP_STRINGS = 64
+Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)]
 # torch seeds are 64-bit; choice i of n > 1 samples with seed + i, still inside torch's range.
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
