@@ -78,7 +78,7 @@ def test_malformed_json_is_400(url: str) -> None:
         ({"model": MODEL, "prompt": "hi", "logprobs": 9}, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "bogus_param": 1}, "bogus_param"),
         ({"model": MODEL, "prompt": ""}, "prompt"),
-        ({"prompt": "hi"}, "model"),
+        ({"model": 5, "prompt": "hi"}, "model"),
         ({"model": MODEL, "prompt": "x" * 150, "max_tokens": 80}, "max_tokens"),  # 150 + 80 > context 200
     ],
 )
@@ -173,6 +173,18 @@ def test_unknown_model_is_404_in_openai_shape(url: str) -> None:
     assert info.value.code == "model_not_found"
     assert_openai_error(httpx.get(url + "/v1/models/gpt-9"), 404, code="model_not_found")
     assert_openai_error(httpx.get(url + "/v1/nope"), 404)
+
+
+def test_model_left_out_is_the_first_served_one(url: str) -> None:
+    """vLLM serves a body without ``model`` with its (first) model; OpenAI's SDK always sends one."""
+    chat = post(
+        url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == MODEL
+    completion = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True})
+    assert completion.status_code == 200 and f'"model":"{MODEL}"' in completion.text
+    assert_openai_error(post(url, "/v1/completions", {"model": None, "prompt": "hi"}), 400, param="model")
 
 
 def test_text_parts_in_chat_content_are_joined_by_newlines(url: str, fake: FakeEngine) -> None:

@@ -88,9 +88,13 @@ async def parse_request(request: Request, schema: type[ModelT], config: ServerCo
     return parse_body(raw, schema, max_depth=config.max_json_depth)
 
 
-def check_model(model: str, config: ServerConfig) -> None:
+def served_model(model: str | None, config: ServerConfig) -> str:
+    """The served model a request names (404 for another); left out, the first one, as vLLM answers."""
+    if model is None:
+        return config.model_names[0]
     if model not in config.model_names:
         raise ModelNotFoundError(model, config.model_names)
+    return model
 
 
 def _reject_completion(req: CompletionRequest) -> None:
@@ -226,7 +230,7 @@ def completion_plan(
     req: CompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
 ) -> GenerationPlan:
     """The plan of a ``/v1/completions`` request; ``key_salt`` is the caller's API-key salt, if any."""
-    check_model(req.model, config)
+    model = served_model(req.model, config)
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_completion(req)
     raw = req.prompt
@@ -257,7 +261,7 @@ def completion_plan(
         echo = tuple(texts) if texts is not None else tuple(engine.tokenizer.decode(p) for p in prompts)  # type: ignore[arg-type]
     return GenerationPlan(
         endpoint="completions",
-        model=req.model,
+        model=model,
         prompts=prompts,
         n=_n(req, config),
         sampling=_sampling(req, max_new, req.logprobs, constraints.requested_format(req)[1]),
@@ -324,7 +328,7 @@ def chat_plan(
     req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
 ) -> GenerationPlan:
     """The plan of a ``/v1/chat/completions`` request; ``key_salt`` is the caller's API-key salt, if any."""
-    check_model(req.model, config)
+    model = served_model(req.model, config)
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
     syntax = detect(engine.tokenizer)
@@ -337,7 +341,7 @@ def chat_plan(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return GenerationPlan(
         endpoint="chat.completions",
-        model=req.model,
+        model=model,
         prompts=prompts,
         n=_n(req, config),
         sampling=_sampling(req, max_new, logprobs, fmt),

@@ -74,7 +74,8 @@ class SamplingFields(BaseModel):
 
     model_config = _STRICT
 
-    model: str
+    # Left out (vLLM takes that; OpenAI does not): the first served model. Never null, as the schema says.
+    model: str = Field(default=None, description="a served model; left out: the first one")  # type: ignore[assignment]
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Field(ge=1), _WHOLE] | None = None

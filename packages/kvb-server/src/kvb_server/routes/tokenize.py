@@ -17,7 +17,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_plan import chat_messages, check_model, parse_request
+from kvb_server.request_plan import chat_messages, parse_request, served_model
 from kvb_server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -69,8 +69,7 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
     async def tokenize(request: Request) -> dict[str, Any]:
         """Token ids of a ``prompt`` or of chat ``messages``, with their count and the context length."""
         req = await parse_request(request, TokenizeRequest, config)
-        if req.model is not None:
-            check_model(req.model, config)
+        served_model(req.model, config)
         tokens = _encode(engine, req)
         body: dict[str, Any] = {
             "count": len(tokens),
@@ -90,8 +89,7 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
     async def detokenize(request: Request) -> dict[str, Any]:
         """The text of token ids (special tokens included, as vLLM decodes them)."""
         req = await parse_request(request, DetokenizeRequest, config)
-        if req.model is not None:
-            check_model(req.model, config)
+        served_model(req.model, config)
         vocab = _vocab_size(engine)
         bad = next((t for t in req.tokens if vocab is not None and t >= vocab), None)
         if bad is not None:
