@@ -10,6 +10,7 @@ import pytest
 from conftest import serve
 from fakes import FakeEngine
 
+import kvb_server
 from kvb_cache import KVBoost
 from kvb_server import ServerConfig, create_app
 
@@ -31,6 +32,11 @@ def metric(text: str, name: str) -> float:
 def test_health(fake_url: tuple[FakeEngine, str]) -> None:
     _, url = fake_url
     assert httpx.get(url + "/health").json() == {"status": "ok", "model": "fake-model", "queue_depth": 0}
+
+
+def test_version_is_vllms_route_without_a_key() -> None:
+    with serve(create_app(FakeEngine(), ServerConfig(model_names=("fake-model",), api_key="k"))) as url:
+        assert httpx.get(url + "/version").json() == {"version": kvb_server.__version__}
 
 
 def test_stats_are_json_safe_even_with_nan_and_odd_keys(fake_url: tuple[FakeEngine, str]) -> None:

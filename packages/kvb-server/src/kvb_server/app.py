@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 KNOWN_ROUTES = GENERATION_ROUTES | {
     "/health",
+    "/version",
     "/metrics",
     "/v1/models",
     "/v1/stats",

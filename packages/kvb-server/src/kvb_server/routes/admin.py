@@ -1,4 +1,4 @@
-"""Operational routes: ``/health``, ``/metrics``, ``/v1/stats``, ``/v1/warm`` and the cache reset."""
+"""Operational routes: ``/health``, ``/version``, ``/metrics``, ``/v1/stats``, ``/v1/warm`` and the cache reset."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import PlainTextResponse
 
+from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, ServerError
@@ -52,6 +53,11 @@ def admin_router(
     @open_router.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": config.model_names[0], "queue_depth": worker.depth}
+
+    @open_router.get("/version")
+    async def version() -> dict[str, str]:
+        # vLLM's route (clients and dashboards probe it to tell servers apart); never requires a key.
+        return {"version": __version__}
 
     @open_router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
