@@ -178,6 +178,36 @@ def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):
     assert got.cached_tokens == expected.cached_tokens == 100
 
 
+def test_a_request_added_while_another_decodes_stitches_its_prompt(llama, tokenizer):
+    """A running request's prompt chunks are kept once its prompt is computed: a RAG request arriving while
+    it still decodes stitches them (it used to wait for the first request to finish), and the stitched one
+    gets the same tokens as when the first had finished before it came."""
+    first, second = rag_prompts(tokenizer)
+    after = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    after.generate(first, max_new_tokens=2, ignore_eos=True)
+    expected = after.generate(second, max_new_tokens=5, ignore_eos=True)
+
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    long = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    running = engine.add_request(first, long)
+    while not engine.core.scheduler.find(running).output_ids:
+        engine.step()
+    rid = engine.add_request(second, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    got = results[rid]
+    assert len(results[running].output_ids) == 30  # the first was still decoding when the second came
+    assert (
+        [c.kind for c in got.chunks].count(HitKind.STITCHED)
+        == [c.kind for c in expected.chunks].count(HitKind.STITCHED)
+        > 0
+    )
+    assert got.cached_tokens == expected.cached_tokens and got.output_ids == expected.output_ids
+
+
 def test_stitched_blocks_are_private_and_freed(llama, tokenizer):
     """Approximate KV is never registered: after the request, the pool indexes only its exact prefix, and
     every block it held is back."""

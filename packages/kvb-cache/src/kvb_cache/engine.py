@@ -115,6 +115,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             self,
             build_result=self._paged_result,
             before_free=self._store_approximate,
+            after_prefill=self._store_prompt_chunks,
         )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.

@@ -50,19 +50,42 @@ class CacheTransfers:
         ids = self._storable(req)
         if req.exact_until is not None:
             ids = ids[: req.exact_until]  # a stitched request: only its exact part (the store rule)
+        self._write_back_pooled(req, ids, whole=True)
+
+    def _store_prompt_chunks(self, req: Request) -> None:
+        """Stitching engines: keep a request's complete prompt chunks as soon as its prompt is computed, so a
+        request added while it still decodes can stitch them (not only requests after it finishes).
+
+        Only the chunks inside the blocks committed so far (the prompt's full blocks) and no partial tail:
+        the rest is stored when the request finishes (:meth:`_store_chunks`), where already stored chunks
+        are skipped.
+        """
+        if self.stitcher.config is None or not self.kv.caching:
+            return
+        ids = req.tokens[: req.prompt_len]
+        if req.exact_until is not None:
+            ids = ids[: req.exact_until]
+        self._write_back_pooled(req, ids, whole=False)
+
+    def _write_back_pooled(self, req: Request, ids: list[int], *, whole: bool) -> None:
+        """Copy the chunks of ``ids`` (a prefix of ``req``'s tokens) from the pool into the stitching store.
+
+        ``whole``: store only if the pool holds all of ``ids`` (a finished request; partial tail included),
+        else the block-aligned part it holds, complete chunks only.
+        """
         probe = probe_request(ids, root=req.root)
         hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
         try:
-            if hit.tokens == len(ids):
-                slots = self.kv.slots(probe, len(ids))
+            if hit.tokens and (hit.tokens == len(ids) or not whole):
+                slots = self.kv.slots(probe, hit.tokens)
                 write_back(
                     self.store,
                     self.chunker,
                     self.kv.root_of(probe),
-                    ids,
+                    ids[: hit.tokens],
                     dense_cache(self.kv.storage.read(slots)),
                     num_layers=self.traits.num_layers,
-                    store_partial_tail=self.config.store_partial_tail,
+                    store_partial_tail=self.config.store_partial_tail and whole,
                 )
         finally:
             self.kv.free(probe)

@@ -56,6 +56,7 @@ class EngineCore:
         *,
         build_result: ResultHook,
         before_free: FinishHook | None = None,
+        after_prefill: FinishHook | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
@@ -64,6 +65,8 @@ class EngineCore:
         self.build_result = build_result
         #: Reads a finished request's private KV before its blocks go back to the pool (None: nothing).
         self.before_free = before_free
+        #: Called once a loop request's prompt is computed (its first token sampled), its blocks committed.
+        self.after_prefill = after_prefill
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
@@ -153,6 +156,8 @@ class EngineCore:
         produced = len(req.tokens) - req.prompt_len
         if produced == 1:
             req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
+            if self.after_prefill is not None:
+                self.after_prefill(req)
         delta = req.emitter.push(token, produced)
         if req.grammar is not None and req.grammar.finished and not req.emitter.finish:
             delta += req.emitter.end("stop")  # the response_format is complete
