@@ -113,6 +113,24 @@ def test_stop_string_ends_generation_and_is_not_included(client: openai.OpenAI, 
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_names_the_stop_string_as_vllm_does(client: openai.OpenAI) -> None:
+    """The stop string is not in the text; vLLM's ``stop_reason`` says which one ended the choice."""
+    prompt = "The quick brown fox"
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["zzz", "dd"]
+    )
+    assert resp.choices[0].model_extra["stop_reason"] == "dd"
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop="dd", stream=True
+        )
+    )
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks][-2:] == [None, "dd"]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].model_extra["stop_reason"] is None
+
+
 def test_n_choices_each_get_their_own_seed(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     prompt = "Paris is the capital of"
     resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=11, n=3)

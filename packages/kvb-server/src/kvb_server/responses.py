@@ -126,6 +126,7 @@ def final_response(
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": r.finish_reason,
+            "stop_reason": r.stop_reason,
             "logprobs": _logprobs(plan, r.logprobs, echo=echo),
         }
         if plan.chat_logprobs:
@@ -154,13 +155,15 @@ def chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
+    stop_reason: str | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
     delta: dict[str, Any] | None = None,
     echo: Echo | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker,
-    (chat) an explicit ``delta`` such as a tool-call piece, or (completions) the ``echo`` of its prompt."""
+    """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker (with
+    ``stop_reason``, the stop string that ended the choice), (chat) an explicit ``delta`` such as a tool-call
+    piece, or (completions) the ``echo`` of its prompt."""
     if echo is not None:
         text = echo.text
         lp = _logprobs(plan, (), offset, echo) if echo.logprobs is not None else None
@@ -178,9 +181,16 @@ def chunk(
             "delta": delta,
             "logprobs": lp,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
     else:
-        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text or "",
+            "logprobs": lp,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
     out: dict[str, Any] = {
         "id": ids.id,
         "object": "chat.completion.chunk" if plan.chat_logprobs else "text_completion",

@@ -262,6 +262,9 @@ class DetokenizeRequest(BaseModel):
 
 # -- responses ----------------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length", "tool_calls"]
+#: vLLM's ``stop_reason``: the stop string that ended a choice (stop strings are never in its text); null when
+#: it ended otherwise (end-of-sequence, max_tokens) or has not ended.
+StopReason = Annotated[str | None, Field(description="the stop string that ended this choice, else null")]
 
 
 class PromptTokensDetails(BaseModel):
@@ -296,6 +299,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
@@ -365,6 +369,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -405,6 +410,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -397,7 +397,9 @@ class OpenStream:
                     if plan.tools is not None:
                         # The same reading as the non-streamed message: whole calls finish "tool_calls".
                         _, finish = assistant_message(plan.tools, event.result.output_text, finish)
-                    yield chunk(plan, ids, index=i, finish_reason=finish)
+                    yield chunk(
+                        plan, ids, index=i, finish_reason=finish, stop_reason=event.result.stop_reason
+                    )
                     if all(r is not None for r in results):
                         break
                 update = None
