@@ -11,6 +11,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError
 from kvb_server.request_plan import chat_plan, choice_params, completion_plan, parse_body
 from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
+from kvb_server.validation import VLLM_EXTRAS
 
 CONFIG = ServerConfig(model_names=("fake-model",), max_tokens=50)
 
@@ -144,3 +145,17 @@ def test_nested_errors_name_the_full_path() -> None:
     ) as info:
         chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}])
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("name", ["stop_token_ids", "chat_template_kwargs", "include_stop_str_in_output"])
+def test_vllm_extras_this_server_does_not_take_are_400s_naming_the_fix(name: str) -> None:
+    with pytest.raises(InvalidParameterError, match=f"supplied: {name} \\(vLLM's; not supported") as info:
+        chat(messages=[{"role": "user", "content": "a"}], **{name: True})
+    assert info.value.param == name
+    assert VLLM_EXTRAS[name] in str(info.value)
+
+
+def test_vllm_extras_are_not_request_fields() -> None:
+    """A hint for a field the server takes would never be shown: the table names only refused ones."""
+    for schema in (ChatCompletionRequest, CompletionRequest):
+        assert not set(VLLM_EXTRAS) & set(schema.model_fields)

@@ -13,6 +13,34 @@ from pydantic import ValidationError
 
 from kvb_server.errors import InvalidParameterError
 
+_TEMPLATE = (
+    "messages are rendered with the model's own chat template; to render them otherwise, send the prompt "
+    "text to /v1/completions (POST /tokenize with messages shows this server's rendering)"
+)
+#: vLLM's request extras this server does not take, with what to do instead: an unknown field stays a 400
+#: (never silently ignored), and for these the message names the fix.
+VLLM_EXTRAS: dict[str, str] = {
+    "stop_token_ids": "give those tokens' text as stop strings ('stop')",
+    "include_stop_str_in_output": "the stop string is never in the text; 'stop_reason' says which one matched",
+    "skip_special_tokens": "special tokens are always left out of generated text",
+    "spaces_between_special_tokens": "special tokens are always left out of generated text",
+    "chat_template": _TEMPLATE,
+    "chat_template_kwargs": _TEMPLATE,
+    "continue_final_message": _TEMPLATE,
+    "add_generation_prompt": _TEMPLATE,
+    "documents": _TEMPLATE,
+    "use_beam_search": "beam search is not supported; sample several choices with 'n'",
+    "length_penalty": "beam search is not supported; sample several choices with 'n'",
+    "bad_words": "ban tokens with 'logit_bias' (-100)",
+    "allowed_token_ids": "constrain the reply with 'logit_bias' or 'response_format' (e.g. a regex)",
+    "prompt_logprobs": "score the prompt with /v1/completions, 'echo': true and 'logprobs'",
+    "truncate_prompt_tokens": "shorten the prompt on the client (POST /tokenize counts its tokens)",
+    "priority": "requests are served first come, first served",
+    "request_id": "the server assigns response ids",
+    "guided_decoding_backend": "the server picks the grammar library",
+    "guided_whitespace_pattern": "the server picks the grammar library",
+}
+
 
 def _is_type_mismatch(error: Any) -> bool:
     # pydantic names type mismatches "<type>_type" (string_type, list_type, int_type, model_type, ...).
@@ -46,6 +74,8 @@ def invalid_parameter(exc: ValidationError) -> InvalidParameterError:
     where = field_path(loc) or param
     if first.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {where}"
+        if where in VLLM_EXTRAS:
+            message += f" (vLLM's; not supported by this server: {VLLM_EXTRAS[where]})."
     elif first.get("type") == "missing":
         message = f"Missing required parameter: '{where}'."
     else:
