@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,9 @@ from kvb_server.echo import Echo
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.tool_calls import ToolPlan, split_reply
 from kvb_server.tool_calls.ids import new_call_id
+
+#: A token's UTF-8 bytes from its id and decoded text (:class:`kvb_server.token_bytes.TokenBytes`).
+TokenBytesFn = Callable[[int, str], list[int]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,28 +67,37 @@ def _completion_logprobs(
     return arrays
 
 
-def _chat_logprob_entry(e: TokenLogprob) -> dict[str, Any]:
+def utf8(token_id: int, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_logprob_entry(e: TokenLogprob, token_bytes: TokenBytesFn) -> dict[str, Any]:
     return {
         "token": e.token,
         "logprob": e.logprob,
-        "bytes": list(e.token.encode("utf-8")),
+        "bytes": token_bytes(e.token_id, e.token),
         "top_logprobs": [
-            {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))} for _, text, lp in e.top
+            {"token": text, "logprob": lp, "bytes": token_bytes(token_id, text)}
+            for token_id, text, lp in e.top
         ],
     }
 
 
-def _chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    return {"content": [_chat_logprob_entry(e) for e in entries], "refusal": None}
+def _chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytesFn) -> dict[str, Any]:
+    return {"content": [_chat_logprob_entry(e, token_bytes) for e in entries], "refusal": None}
 
 
 def _logprobs(
-    plan: GenerationPlan, entries: Sequence[TokenLogprob] | None, offset: int = 0, echo: Echo | None = None
+    plan: GenerationPlan,
+    entries: Sequence[TokenLogprob] | None,
+    offset: int = 0,
+    echo: Echo | None = None,
+    token_bytes: TokenBytesFn = utf8,
 ) -> dict[str, Any] | None:
     if plan.sampling.logprobs is None or entries is None:
         return None
     if plan.chat_logprobs:
-        return _chat_logprobs(entries)
+        return _chat_logprobs(entries, token_bytes)
     return _completion_logprobs(
         entries, offset, echo if echo is not None and echo.logprobs is not None else None
     )
@@ -117,9 +129,10 @@ def final_response(
     ids: ResponseIds,
     results: Sequence[GenerationResult],
     echoes: Sequence[Echo] | None = None,
+    token_bytes: TokenBytesFn = utf8,
 ) -> dict[str, Any]:
     """The non-streamed ``text_completion`` or ``chat.completion`` object; ``echoes`` (per prompt) lead each
-    completions choice's text and logprobs."""
+    completions choice's text and logprobs; ``token_bytes`` gives chat logprobs' ``bytes``."""
     choices = []
     for index, r in enumerate(results):
         echo = echoes[index // plan.n] if echoes is not None else None
@@ -127,7 +140,7 @@ def final_response(
             "index": index,
             "finish_reason": r.finish_reason,
             "stop_reason": r.stop_reason,
-            "logprobs": _logprobs(plan, r.logprobs, echo=echo),
+            "logprobs": _logprobs(plan, r.logprobs, echo=echo, token_bytes=token_bytes),
         }
         if plan.chat_logprobs:
             choice["message"], choice["finish_reason"] = assistant_message(
@@ -160,6 +173,7 @@ def chunk(
     offset: int = 0,
     delta: dict[str, Any] | None = None,
     echo: Echo | None = None,
+    token_bytes: TokenBytesFn = utf8,
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker (with
     ``stop_reason``, the stop string that ended the choice), (chat) an explicit ``delta`` such as a tool-call
@@ -168,7 +182,7 @@ def chunk(
         text = echo.text
         lp = _logprobs(plan, (), offset, echo) if echo.logprobs is not None else None
     else:
-        lp = _logprobs(plan, logprobs, offset) if logprobs else None
+        lp = _logprobs(plan, logprobs, offset, token_bytes=token_bytes) if logprobs else None
     if plan.chat_logprobs:
         delta = dict(delta or {})
         if role:

@@ -35,8 +35,17 @@ from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import GenerationPlan, choice_params
-from kvb_server.responses import ResponseIds, assistant_message, chunk, final_response, usage_chunk
+from kvb_server.responses import (
+    ResponseIds,
+    TokenBytesFn,
+    assistant_message,
+    chunk,
+    final_response,
+    usage_chunk,
+    utf8,
+)
 from kvb_server.stats import ThroughputMeter
+from kvb_server.token_bytes import TokenBytes
 from kvb_server.tool_calls import ToolCallStream
 from kvb_server.worker import EngineWorker
 
@@ -138,6 +147,8 @@ class GenerationService:
     ) -> None:
         #: Scores echoed prompts (``prompt_logprobs``, on the engine thread) and names their first tokens.
         self._engine = engine
+        #: Chat logprobs' ``bytes``: a token that splits a character has its own bytes, not U+FFFD's.
+        self.token_bytes: TokenBytesFn = TokenBytes(engine.tokenizer) if engine is not None else utf8
         self._config = config
         self._throughput = throughput
         self._worker = worker
@@ -263,7 +274,7 @@ class GenerationService:
         finally:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
-        body = final_response(plan, ResponseIds.new(plan), results, echoes)  # type: ignore[arg-type]
+        body = final_response(plan, ResponseIds.new(plan), results, echoes, self.token_bytes)  # type: ignore[arg-type]
         if truncation is not None:
             body["prompt_truncation"] = truncation.to_dict()
         return body
@@ -376,7 +387,14 @@ class OpenStream:
                         event.delta_text, final=event.result is not None, force=bool(event.logprobs)
                     )
                     for k, delta in enumerate(deltas):
-                        yield chunk(plan, ids, index=i, delta=delta, logprobs=None if k else event.logprobs)
+                        yield chunk(
+                            plan,
+                            ids,
+                            index=i,
+                            delta=delta,
+                            logprobs=None if k else event.logprobs,
+                            token_bytes=self._service.token_bytes,
+                        )
                 elif plan.chat_logprobs and i not in started:
                     started.add(i)
                     yield chunk(plan, ids, index=i, role=True)
@@ -388,6 +406,7 @@ class OpenStream:
                         text=event.delta_text,
                         logprobs=event.logprobs,
                         offset=offsets[i],
+                        token_bytes=self._service.token_bytes,
                     )
                     offsets[i] += len(event.delta_text)
                 if event.result is not None:
