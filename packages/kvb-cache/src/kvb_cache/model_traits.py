@@ -12,8 +12,13 @@ from kvb_cache.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-# Attention layer kinds whose KV is a plain per-token key/value cache the engine can slice and reuse.
-_KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Attention layer kinds whose KV is a plain per-token key/value cache the engine can slice and reuse
+# (chunked attention, Llama 4's local layers, is full attention inside fixed chunks: only the mask differs).
+_KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# transformers' layer kinds (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``) whose cache is a recurrent state:
+# state-space (Mamba), linear attention (DeltaNet, lightning), short convolutions (LFM2), or both a state and
+# KV ("hybrid": Falcon-H1, Zamba2).
+_RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -33,20 +38,51 @@ class ModelTraits:
 def inspect_model(model: PreTrainedModel) -> ModelTraits:
     """Read a model's traits; raise :class:`UnsupportedModelError` for models whose cache is not plain KV."""
     config = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
-            f"{type(model).__name__} is an encoder-decoder model; KVBoost serves decoder-only causal LMs."
+            f"{name} is an encoder-decoder model; KVBoost serves decoder-only causal LMs."
+        )
+    params = inspect.signature(model.forward).parameters
+    if "past_key_values" not in params:
+        raise UnsupportedModelError(
+            f"{name} does not take a transformers Cache (`past_key_values`): it carries its own recurrent state "
+            "(RWKV's `state`, xLSTM's `cache_params`), which summarises the whole prefix in a fixed-size tensor "
+            "instead of per-token keys/values, so a cached prefix cannot be reused block by block."
         )
     layer_types = getattr(config, "layer_types", None) or ()
+    recurrent = sorted(set(layer_types) & _RECURRENT_LAYER_TYPES)
+    if recurrent:
+        raise UnsupportedModelError(
+            f"{name} has {recurrent} layers (state-space / linear-attention / convolution) whose cache is a "
+            "recurrent state of the whole prefix, not a per-token key/value cache: a cached prefix cannot be "
+            "reused block by block (nor a chunk moved). KVBoost serves models whose every layer is attention."
+        )
     unsupported = sorted(set(layer_types) - _KV_LAYER_TYPES)
     if unsupported:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has {unsupported} layers whose cache is not a per-token key/value cache; "
-            "chunk reuse is only defined for full and sliding-window attention."
+            f"{name} has {unsupported} layers whose cache is not a per-token key/value cache; "
+            "chunk reuse is only defined for full, sliding-window and chunked attention."
+        )
+    if "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
+        raise UnsupportedModelError(
+            f"{name} shares keys/values across layers (its last `num_kv_shared_layers` layers attend to an "
+            "earlier layer's cache instead of their own, as Gemma 3n does); KVBoost's pool holds one cache per "
+            "layer and cannot serve them."
+        )
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (
+        getattr(config, "no_rope_layers", None) or ()
+    ):
+        raise UnsupportedModelError(
+            f"{name} scales its NoPE layers' queries by a factor of each token's position that it counts from "
+            "`past_key_values` (attention temperature tuning, from position `floor_scale` on), which the "
+            "engine's packed forward does not pass: those positions would be scored wrong. Below `floor_scale` "
+            "tokens the factor is 1, so a config with `attn_temperature_tuning=False` computes the same there "
+            "and is served."
         )
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
-        raise UnsupportedModelError(f"cannot tell how many decoder layers {type(model).__name__} has")
+        raise UnsupportedModelError(f"cannot tell how many decoder layers {name} has")
     context = next(
         (getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None
     )
@@ -59,12 +95,11 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         logger.info(
             "%s uses sliding-window attention (window %d): the engine keeps full KV for every layer and lets "
             "the model's sliding mask limit attention, so reuse stays exact.",
-            type(model).__name__,
+            name,
             sliding,
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     absolute = rope is None and hasattr(config, "n_positions")
-    params = inspect.signature(model.forward).parameters
     return ModelTraits(
         num_layers=int(num_layers),
         context_length=context,

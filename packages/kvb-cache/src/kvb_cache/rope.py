@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 # Frequencies change with the sequence length: a stored key's rotation is not a function of its position.
 _LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
@@ -57,10 +57,26 @@ def _apply_function(model: PreTrainedModel) -> Callable | None:
     return fn if params[:4] == ["q", "k", "cos", "sin"] else None
 
 
-def _nope_layers(config) -> frozenset[int]:
-    """Layers that skip RoPE: transformers' ``no_rope_layers`` holds 1 (rotary) or 0 (none) per layer."""
-    flags = getattr(config, "no_rope_layers", None) or ()
-    return frozenset(i for i, use_rope in enumerate(flags) if not use_rope)
+@torch.no_grad()
+def _nope_layers(model: PreTrainedModel) -> frozenset[int]:
+    """Layers whose keys carry no position (NoPE), found by computing one token's keys at positions 0 and 1.
+
+    Configs say it in different ways (SmolLM3's and Llama 4's ``no_rope_layers``, Cohere 2's rotary-free
+    full-attention layers, only visible in its modeling code), so the model is asked: with a single token,
+    attention over one key returns its value whatever the position, so every layer's input is the same at
+    both positions and a layer's keys differ exactly when it rotates them.
+    """
+    # Not the padding token: its embedding is often zero, and so would be its keys at every position.
+    pad = model.config.get_text_config(decoder=True).pad_token_id
+    ids = torch.full((1, 1), 2 if pad == 1 else 1, dtype=torch.long, device=model.device)
+    keys = []
+    for position in (0, 1):
+        cache = DynamicCache(config=model.config)
+        model(
+            input_ids=ids, position_ids=torch.full_like(ids, position), past_key_values=cache, use_cache=True
+        )
+        keys.append([layer.keys for layer in cache.layers])
+    return frozenset(i for i, (at0, at1) in enumerate(zip(*keys)) if torch.equal(at0, at1))
 
 
 def _partial_factors(config, per_type: bool) -> dict[str | None, float]:
@@ -90,7 +106,7 @@ class KeyRepositioner:
         nope_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.support = support
-        #: Layers without RoPE (SmolLM3, Llama 4 "NoPE" layers): their keys carry no position to move.
+        #: Layers without RoPE (SmolLM3, Cohere 2, Llama 4 "NoPE" layers): their keys carry no position to move.
         self._nope = nope_layers
         #: Per layer type (None: every layer), the share of each key's channels that rotate.
         self._partial = partial or {}
@@ -128,6 +144,14 @@ class KeyRepositioner:
                 )
             )
         config = model.config.get_text_config(decoder=True)
+        if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+            # NOTE: the stitching repair forward masks causally or by sliding window, never by chunk.
+            return cls(
+                support=RepositionSupport(
+                    supported=False,
+                    reason=f"{name} has chunked-attention layers, which the stitching repair forward cannot mask",
+                )
+            )
         num_layers = int(config.num_hidden_layers)
         layer_types = tuple(config.layer_types) if per_type else (None,) * num_layers
         return cls(
@@ -136,7 +160,7 @@ class KeyRepositioner:
             apply_fn=apply_fn,
             layer_types=layer_types,
             partial=_partial_factors(config, per_type),
-            nope_layers=_nope_layers(config),
+            nope_layers=_nope_layers(model),
         )
 
     def _cos_sin(

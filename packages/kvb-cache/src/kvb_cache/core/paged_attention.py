@@ -4,7 +4,9 @@ The engine calls the model with packed tokens ``[1, T]`` (every scheduled reques
 back) and ``use_cache=False`` inside :func:`paged_call`, which makes a :class:`PagedBatch` current for
 every attention layer. Per layer this function writes the new keys/values into their pool slots, then
 attends each request's queries to its whole context read back through its slot table: a prefilling
-request alone (causal inside its new tokens), decoding requests together in one padded batch.
+request alone (causal inside its new tokens), decoding requests together in one padded batch. The mask
+comes from positions: causal, within the sliding window of sliding layers, within the attention chunk of
+chunked layers (Llama 4).
 
 The batch travels in a context variable, not a keyword argument: some decoder layers (StableLM's, for one)
 do not forward extra keyword arguments to their attention, and a batch lost on the way would silently turn
@@ -16,11 +18,12 @@ the same, so such calls compute exactly what they did before installation. Insid
 call runs the given row attention instead (the stitching repair: only its recomputed rows attend, each over
 the keys up to its position, without a dense mask over every row).
 
-:func:`install_paged_attention` checks with a one-token probe that every decoder layer's attention goes
-through this function and sees keys/values of the shape its cache holds; models that route attention
-elsewhere (GPT-J, Falcon, Bloom: no ``AttentionInterface``) or cache something else than per-head keys and
-values (DeepSeek's multi-head latent attention caches the compressed latent) are declined with
-:class:`~kvb_cache.errors.UnsupportedModelError`.
+:func:`check_attention_routing` checks with a one-token probe that every decoder layer's attention goes
+through this function, sees keys/values of the shape its cache holds and gets the mask the model's mask
+function made; models that route attention elsewhere (GPT-J, Falcon, Bloom: no ``AttentionInterface``),
+cache something else than per-head keys and values (DeepSeek's multi-head latent attention caches the
+compressed latent) or build their own mask inside the attention module (Doge's dynamic mask) are declined
+with :class:`~kvb_cache.errors.UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -129,23 +132,47 @@ def _attend(
     return torch.matmul(probs, v)
 
 
-def _causal_mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
+def _causal_mask(
+    q_len: int, ctx: int, window: int | None, device: torch.device, chunk: int | None = None
+) -> torch.Tensor:
     """``[q_len, ctx]`` bool: query ``i`` (position ``ctx - q_len + i``) sees key ``j <= `` its position,
-    and within the sliding window when there is one."""
+    within the sliding window when there is one and inside its own attention chunk when there is one."""
     q_pos = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
     k_pos = torch.arange(ctx, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
+    if chunk is not None:
+        mask &= k_pos // chunk == q_pos // chunk
     return mask
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """Chunk size of a chunked-attention layer (Llama 4's local layers: a token sees only the keys of its own
+    ``attention_chunk_size``-token chunk), else None. transformers puts the chunking in the mask, which paged
+    calls do not build, so it is read from the config: ``layer_types[layer_idx] == "chunked_attention"``."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", -1)
+    if 0 <= layer < len(layer_types) and layer_types[layer] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
+
+
+def _biased(mask: torch.Tensor | None) -> bool:
+    """Whether a one-token probe's mask does more than let the token see itself (bool True / float 0)."""
+    if not isinstance(mask, torch.Tensor):
+        return False
+    return bool((~mask).any()) if mask.dtype == torch.bool else bool((mask != 0).any())
 
 
 #: The batch of the packed forward running now (set by :func:`paged_call`).
 _PAGED: ContextVar[PagedBatch | None] = ContextVar("kvb_paged", default=None)
 #: The row attention of the repair forward running now (set by :func:`row_call`).
 _ROWS: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("kvb_row_attention", default=None)
-#: Per layer, the ``(kv_heads, key_dim, value_dim)`` attention saw during :func:`_probe_routing`.
-_PROBE: ContextVar[dict[int, tuple[int, int, int]] | None] = ContextVar("kvb_probe", default=None)
+#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` attention saw during
+#: :func:`check_attention_routing`.
+_PROBE: ContextVar[dict[int, tuple[int, int, int, bool]] | None] = ContextVar("kvb_probe", default=None)
 
 
 @contextlib.contextmanager
@@ -186,7 +213,8 @@ def paged_attention_forward(
     ``([1, T, H, Dv], None)``. ``s_aux`` ``[H]``: gpt-oss's per-head attention-sink logits."""
     probe = _PROBE.get()
     if probe is not None:
-        probe[getattr(module, "layer_idx", -1)] = (key.shape[1], key.shape[-1], value.shape[-1])
+        shape = (key.shape[1], key.shape[-1], value.shape[-1], _biased(attention_mask))
+        probe[getattr(module, "layer_idx", -1)] = shape
     rows = _ROWS.get()
     if rows is not None:
         return rows(query, key, value, scaling=scaling, softcap=softcap, sinks=s_aux), None
@@ -207,6 +235,7 @@ def paged_attention_forward(
     values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
     heads, kv_heads = query.shape[1], keys.shape[0]
     groups = heads // kv_heads
+    chunk = _attention_chunk(module)
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
         q_len, ctx = seq.q_len, seq.slots.shape[0]
@@ -214,10 +243,10 @@ def paged_attention_forward(
         k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
         v = values.index_select(1, seq.slots).unsqueeze(0)
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
-        if ctx == q_len and sliding_window is None and groups == 1:
+        if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
             o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
         else:
-            mask = _causal_mask(q_len, ctx, sliding_window, q.device).repeat(groups, 1)[None, None]
+            mask = _causal_mask(q_len, ctx, sliding_window, q.device, chunk).repeat(groups, 1)[None, None]
             o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)  # [1, KVH, G*q, Dv]
         out[seq.start : seq.start + q_len] = o[0].reshape(heads, q_len, -1).transpose(0, 1)
     group = batch.decode
@@ -228,9 +257,12 @@ def paged_attention_forward(
         k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [B, KVH, L, D]
         v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
         mask = group.valid
+        k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
+        q_pos = group.lengths.unsqueeze(1) - 1  # [B, 1]: each row's query is its last context token
         if sliding_window is not None:
-            k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
-            mask = mask & (k_pos > (group.lengths.unsqueeze(1) - 1 - sliding_window))
+            mask = mask & (k_pos > q_pos - sliding_window)
+        if chunk is not None:
+            mask = mask & (k_pos // chunk == q_pos // chunk)
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
         o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
         out[group.rows] = o.reshape(rows_n, heads, -1)  # o: [B, KVH, G, Dv]
@@ -287,7 +319,7 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
     compressed latent), which the pool's per-head layout cannot serve.
     """
     name = type(model).__name__
-    seen: dict[int, tuple[int, int, int]] = {}
+    seen: dict[int, tuple[int, int, int, bool]] = {}
     token = _PROBE.set(seen)
     try:
         ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
@@ -304,8 +336,15 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
             "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
         )
     for i, shape in enumerate(shapes):
-        got = seen[i]
-        if got != (shape.kv_heads, shape.key_dim, shape.value_dim):
+        *got, biased = seen[i]
+        if biased:
+            raise UnsupportedModelError(
+                f"{name} builds its own attention mask inside the attention module (layer {i}: a one-token "
+                "forward's mask already masks or biases the token's own key, e.g. Doge's dynamic mask computed "
+                "from the values of every cached token); KVBoost's paged attention builds the causal / "
+                "sliding-window mask from positions and cannot reproduce it"
+            )
+        if tuple(got) != (shape.kv_heads, shape.key_dim, shape.value_dim):
             raise UnsupportedModelError(
                 f"{name} caches something other than the keys/values its attention uses (layer {i}: cache "
                 f"{shape.kv_heads} heads x {shape.key_dim}/{shape.value_dim} channels, attention "

@@ -1,0 +1,143 @@
+"""Newer architectures: chunked attention served exactly, Cohere 2's NoPE layers kept in place when keys move,
+and the models the pool cannot serve (recurrent state, KV shared across layers, a mask built inside the
+attention module, position-scaled NoPE queries) declined when the engine is built, naming why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from conftest import VOCAB, words
+
+from kvb_cache import EngineConfig, KVBoost, UnsupportedModelError
+from kvb_cache.rope import KeyRepositioner
+
+_SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
+_SSM = dict(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, initializer_range=0.2)
+
+
+def _llama4(**overrides) -> T.Llama4TextConfig:
+    """Three chunked-attention layers (chunks of 24 tokens), the 4th full attention without RoPE (iRoPE)."""
+    return T.Llama4TextConfig(
+        **{**_SMALL, "num_hidden_layers": 4},
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=24,
+        **overrides,
+    )
+
+
+def _build(config: T.PretrainedConfig) -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    config.eos_token_id, config.pad_token_id = 1, 0
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _generate(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_chunked_attention_is_served_exactly(tokenizer):
+    """Before, Llama 4 was declined; served without the chunk mask its logits were off by ~5: every query
+    attended across its chunk's start (the mask transformers builds never reaches a paged call)."""
+    model = _build(_llama4(attn_temperature_tuning=False))
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    ids = tokenizer(words(60, seed=1))["input_ids"]
+    engine.warm(ids[:40])  # the cached prefix ends inside the second 24-token chunk
+    result = engine.next_token_logits(ids)
+    assert result.cached_tokens >= 32
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
+    # Decoding crosses the chunk boundary at 72, solo and batched with other requests.
+    assert engine.generate(ids, max_new_tokens=16, ignore_eos=True).output_ids == _generate(model, ids, 16)
+    prompts = [words(40, seed=1), words(12, seed=2), words(45, seed=3)]
+    outs = engine.generate_batch(prompts, max_new_tokens=14, ignore_eos=True)
+    for out, prompt in zip(outs, prompts):
+        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 14)
+
+
+def test_cohere2_nope_layers_keep_their_keys_when_moved():
+    """Cohere 2's full-attention layers skip RoPE (its config does not say so; its modeling code does): the
+    mover used to rotate their keys anyway (off by ~5 at the moved position)."""
+    model = _build(T.Cohere2Config(**{**_SMALL, "num_hidden_layers": 4}, sliding_window=24))
+    mover = KeyRepositioner.for_model(model, absolute_positions=False)
+    assert mover.support.supported, mover.support.reason
+    ids = torch.randint(2, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def kv_at(start: int):
+        positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+        with torch.no_grad():
+            cache = model(torch.tensor([ids]), position_ids=positions, use_cache=True).past_key_values
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+    moved = mover.reposition(kv_at(5), 5, 61)
+    for layer, ((k, _), (k_ref, _)) in enumerate(zip(moved, kv_at(61))):
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5, msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize(
+    ("make_config", "match"),
+    [
+        # Pure state space: every layer's cache is a recurrent state.
+        (lambda: T.MambaConfig(**_SSM, state_size=8), "recurrent state"),
+        # Mamba-2 in parallel with attention in every layer ("hybrid" cache layers).
+        (
+            lambda: T.FalconH1Config(
+                **_SMALL,
+                mamba_n_heads=8,
+                mamba_d_head=16,
+                mamba_n_groups=1,
+                mamba_d_state=8,
+                mamba_chunk_size=16,
+                mamba_d_ssm=128,
+            ),
+            "recurrent state",
+        ),
+        # Its own recurrent state object, no transformers Cache at all.
+        (
+            lambda: T.RwkvConfig(**_SSM, attention_hidden_size=32, intermediate_size=64, context_length=128),
+            "past_key_values",
+        ),
+        # The last layers read an earlier layer's cache.
+        (
+            lambda: T.Gemma3nTextConfig(
+                **{**_SMALL, "num_hidden_layers": 4},
+                head_dim=16,
+                sliding_window=24,
+                hidden_size_per_layer_input=16,
+                vocab_size_per_layer_input=VOCAB,
+                num_kv_shared_layers=2,
+                laurel_rank=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                activation_sparsity_pattern=[0.0] * 4,
+            ),
+            "shares keys/values across layers",
+        ),
+        # NoPE queries scaled by a position counted from past_key_values, which paged calls do not pass.
+        (lambda: _llama4(), "temperature tuning"),
+        # The mask is computed inside the attention module from every cached token's values.
+        (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
+    ],
+    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "llama4-temperature-tuning", "doge"],
+)
+def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
+    """Served anyway, these crashed when the engine was built (RWKV, Gemma 3n with shared KV) or gave wrong
+    logits (Doge: off by ~6); the recurrent ones were declined with a reason that did not say why."""
+    model = _build(make_config())
+    with pytest.raises(UnsupportedModelError, match=match):
+        KVBoost(model, tokenizer)
