@@ -144,6 +144,57 @@ def test_min_tokens_is_checked(engine, min_tokens, max_new_tokens):
     assert info.value.param == "min_tokens"
 
 
+@pytest.mark.parametrize("path", ["loop", "solo"])
+def test_stop_token_ids_end_generation_and_name_the_token(engine, path):
+    """vLLM's stop_token_ids: like end-of-sequence (even with ignore_eos), the id is the stop_reason, its
+    text is left out unless include_stop_str_in_output; min_tokens holds them back too."""
+    extra = {"kv_cache_bits": 8} if path == "solo" else {}
+    free = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, **extra)
+    stop_id = free.output_ids[3]
+    stopped = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=[stop_id], ignore_eos=True, **extra)
+    assert stopped.output_ids == free.output_ids[:4]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    upto = engine.tokenizer.decode(free.output_ids[:3], skip_special_tokens=True)
+    assert stopped.output_text == upto
+    kept = engine.generate(
+        PROMPT,
+        max_new_tokens=24,
+        stop_token_ids=[stop_id],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        **extra,
+    )
+    assert kept.output_text == engine.tokenizer.decode(free.output_ids[:4], skip_special_tokens=True)
+    held = engine.generate(
+        PROMPT, max_new_tokens=24, stop_token_ids=[stop_id], min_tokens=10, ignore_eos=True, **extra
+    )
+    assert len(held.output_ids) >= 10 and stop_id not in held.output_ids[:10]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine):
+    full = engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True).output_text
+    stop = full.split()[2]
+    kept = engine.generate(
+        PROMPT, max_new_tokens=20, stop=stop, include_stop_str_in_output=True, ignore_eos=True
+    )
+    assert kept.output_text == full[: full.index(stop) + len(stop)] and kept.stop_reason == stop
+
+
+def test_skip_special_tokens_false_keeps_their_text(engine):
+    eos = min(engine.eos_token_ids)
+    forced = {"logit_bias": {eos: 100}, "ignore_eos": True, "max_new_tokens": 3}
+    assert engine.generate(PROMPT, **forced).output_text == ""
+    kept = engine.generate(PROMPT, skip_special_tokens=False, **forced).output_text
+    assert kept == engine.tokenizer.decode([eos] * 3, skip_special_tokens=False) and kept
+
+
+@pytest.mark.parametrize("value", [[-1], ["7"], [True], 7, [10**6]])
+def test_stop_token_ids_are_checked(engine, value):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate(PROMPT, max_new_tokens=4, stop_token_ids=value)
+    assert info.value.param == "stop_token_ids"
+
+
 def test_logprobs(engine):
     result = engine.generate(PROMPT, max_new_tokens=5, logprobs=3, ignore_eos=True)
     assert result.logprobs is not None and len(result.logprobs) == 5

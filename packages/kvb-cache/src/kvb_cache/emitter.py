@@ -1,15 +1,20 @@
-"""Turning chosen tokens into streamed text: stop strings, end-of-sequence, token limits, logprobs."""
+"""Turning chosen tokens into streamed text: stop strings and tokens, end-of-sequence, token limits, logprobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.results import FinishReason, TokenLogprob
-from kvb_cache.stopping import StopStrings
+from kvb_cache.stopping import StopMatch, StopStrings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from kvb_cache.sampling import SamplingParams
 
 
 class TokenTexts(Protocol):
@@ -18,10 +23,13 @@ class TokenTexts(Protocol):
 
 @dataclass(slots=True)
 class Emitter:
-    """Turns chosen tokens into text deltas, applying stop strings and end-of-sequence.
+    """Turns chosen tokens into text deltas, applying stop strings, stop tokens and end-of-sequence.
 
-    ``min_new`` (the request's ``min_tokens``): stop strings count only once that many tokens are generated,
-    as vLLM does; end-of-sequence is held back earlier, in the logits.
+    ``eos`` ends generation (empty with ``ignore_eos``); ``stop_ids`` (the request's ``stop_token_ids``) end
+    it too and become its ``stop_reason``. The text of the token or string that stopped generation is left
+    out unless ``include_stop`` (vLLM's ``include_stop_str_in_output``). ``min_new`` (the request's
+    ``min_tokens``): stop strings count only once that many tokens are generated, as vLLM does; stop
+    tokens are held back earlier, in the logits.
     """
 
     detok: IncrementalDetokenizer
@@ -29,28 +37,52 @@ class Emitter:
     eos: frozenset[int]
     max_new: int
     min_new: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
     text: str = ""
     sent: int = 0
     finish: FinishReason | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @classmethod
+    def build(
+        cls, tokenizer: PreTrainedTokenizerBase, eos: frozenset[int], params: SamplingParams
+    ) -> Emitter:
+        """The emitter of one request (``eos``: the model's end-of-sequence ids)."""
+        return cls(
+            detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
+            stops=StopStrings(params.stop),
+            eos=frozenset() if params.ignore_eos else eos,
+            max_new=params.max_new_tokens,
+            min_new=params.min_tokens,
+            stop_ids=frozenset(params.stop_token_ids),
+            include_stop=params.include_stop_str_in_output,
+        )
+
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        """Every token id that ends generation (what ``min_tokens`` bans)."""
+        return self.eos | self.stop_ids
 
     def push(self, token: int, produced: int) -> str:
         """Account for one generated token; return the text now safe to stream."""
-        if token in self.eos:
+        if token in self.stop_ids or token in self.eos:
+            if self.include_stop:
+                self.text += self.detok.push(token)
             self.text += self.detok.flush()
+            if token in self.stop_ids:
+                self.stop_reason = token
             return self._finish("stop", len(self.text))
         before = len(self.text)
         self.text += self.detok.push(token)
         match = self.stops.find(self.text, before) if produced >= self.min_new else None
         if match is not None:
-            self.stop_reason = match.stop
-            return self._finish("stop", match.index)
+            return self._stopped(match)
         if produced >= self.max_new:
             self.text += self.detok.flush()
             match = self.stops.find(self.text, before)
             if match is not None:
-                self.stop_reason = match.stop
-                return self._finish("stop", match.index)
+                return self._stopped(match)
             return self._finish("length", len(self.text))
         safe = len(self.text) - self.stops.holdback(self.text)
         delta, self.sent = self.text[self.sent : safe], max(self.sent, safe)
@@ -61,9 +93,12 @@ class Emitter:
         self.text += self.detok.flush()
         match = self.stops.find(self.text, self.sent)
         if match is not None:
-            self.stop_reason = match.stop
-            return self._finish("stop", match.index)
+            return self._stopped(match)
         return self._finish(reason, len(self.text))
+
+    def _stopped(self, match: StopMatch) -> str:
+        self.stop_reason = match.stop
+        return self._finish("stop", match.index + (len(match.stop) if self.include_stop else 0))
 
     def _finish(self, reason: FinishReason, end: int) -> str:
         self.finish = reason

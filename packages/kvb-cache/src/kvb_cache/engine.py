@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache import generation, scoring
+from kvb_cache.chat import render_chat
 from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
@@ -22,7 +23,6 @@ from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.preparing import adopt_stitched
 from kvb_cache.core.request import Request
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.emitter import Emitter
 from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
@@ -45,11 +45,10 @@ from kvb_cache.request_checks import (
     tokenize_prompt,
 )
 from kvb_cache.results import GenerationResult, TokenLogprob
-from kvb_cache.sampling import RequestProcessor, SamplingParams, check_logit_bias_ids
+from kvb_cache.sampling import RequestProcessor, SamplingParams, check_token_ids
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
-from kvb_cache.stopping import StopStrings
 from kvb_cache.store import ChunkStore
 from kvb_cache.structured.backend import GrammarCache
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
@@ -241,22 +240,25 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
         ``tools``: function definitions (OpenAI's ``{"type": "function", "function": {...}}``) handed to the
         template, for templates that render tools themselves (Qwen2.5, Llama 3.x, Mistral).
+        ``continue_final_message``: leave the last (assistant) message open so generation continues it
+        (instead of a generation prompt). ``chat_template_kwargs``: extra template variables, e.g. Qwen3's
+        ``{"enable_thinking": False}`` (vLLM's request field).
         """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "this tokenizer has no chat template; send a plain prompt", param="messages"
-            )
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools or None
+        return render_chat(
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
         )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     # -- the engine loop ----------------------------------------------------------------------------------
     def add_request(
@@ -291,7 +293,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if self.core.knows(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
-        check_logit_bias_ids(params, self._logits_width)
+        check_token_ids(params, self._logits_width)
         constrained = params.response_format is not None
         if constrained and bits is not None:
             raise InvalidRequestError(
@@ -495,19 +497,15 @@ def new_request(
     root: ChunkHash | None = None,
 ) -> Request:
     """A loop request with its sampling processor and text emitter (``root``: its salted chain root)."""
-    emitter = Emitter(
-        detok=IncrementalDetokenizer(engine.tokenizer),
-        stops=StopStrings(params.stop),
-        eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
-        max_new=params.max_new_tokens,
-        min_new=params.min_tokens,
-    )
+    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params)
     return Request(
         request_id=rid,
         tokens=list(ids),
         prompt_len=len(ids),
         params=params,
-        processor=RequestProcessor(params, prompt_len=len(ids), device=engine.device, eos=emitter.eos),
+        processor=RequestProcessor(
+            params, prompt_len=len(ids), device=engine.device, eos=emitter.stop_tokens
+        ),
         emitter=emitter,
         arrival=t0,
         prefill_chunk_size=prefill_chunk_size,

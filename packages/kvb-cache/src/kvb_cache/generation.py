@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvb_cache.detokenize import IncrementalDetokenizer
 from kvb_cache.emitter import Emitter, token_logprob
 from kvb_cache.forward import decode_step, prefill
 from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
-from kvb_cache.stopping import StopStrings
 
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost
@@ -35,15 +33,10 @@ def run(
     cache = prepared.cache
     hist = torch.empty(n + params.max_new_tokens, dtype=torch.long, device=device)
     hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
-    emitter = Emitter(
-        detok=IncrementalDetokenizer(engine.tokenizer),
-        stops=StopStrings(params.stop),
-        eos=frozenset() if params.ignore_eos else engine.eos_token_ids,
-        max_new=params.max_new_tokens,
-        min_new=params.min_tokens,
-    )
-    processor = RequestProcessor(params, prompt_len=n, device=device, eos=emitter.eos)
+    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params)
+    processor = RequestProcessor(params, prompt_len=n, device=device, eos=emitter.stop_tokens)
     out: list[int] = []
+    streamed = 0  # tokens of ``out`` already carried by an event
     logprobs: list[TokenLogprob] = []
     ttft_ms = 0.0
     stored = False
@@ -72,14 +65,14 @@ def run(
                 if len(out) == 1:
                     ttft_ms = (time.perf_counter() - t0) * 1e3
                 delta = emitter.push(token, len(out))
-                if delta or emitter.finish:
+                if delta or emitter.finish or params.logprobs is not None:
+                    # Tokens whose text was held back ride on this event (each event covers its tokens).
                     yield StreamEvent(
                         delta_text=delta,
-                        token_ids=(token,),
+                        token_ids=tuple(out[streamed:]),
                         logprobs=tuple(logprobs[-1:]) if logprobs else (),
                     )
-                elif params.logprobs is not None:
-                    yield StreamEvent(delta_text="", token_ids=(token,), logprobs=(logprobs[-1],))
+                    streamed = len(out)
                 if emitter.finish:
                     break
                 if tokens is None:

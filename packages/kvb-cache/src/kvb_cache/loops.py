@@ -116,6 +116,9 @@ class EngineLoops:
         logprobs: int | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: list[int] | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
         response_format: Any = None,
         logit_bias: dict[int, float] | None = None,
         prefill_chunk_size: int | None = None,
@@ -133,6 +136,8 @@ class EngineLoops:
         ``{"type": "regex", "pattern": ...}`` or ``{"type": "grammar", "grammar": <Lark/GBNF>}``; see
         docs/structured.md). ``logit_bias``: token id -> bias in [-100, 100] added to its logit.
         ``min_tokens``: no end-of-sequence and no stop string before that many tokens (vLLM's semantics).
+        ``stop_token_ids`` end generation like end-of-sequence; ``include_stop_str_in_output`` keeps the stop
+        string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
         """
         params = SamplingParams.build(
             max_new_tokens=max_new_tokens,
@@ -148,6 +153,9 @@ class EngineLoops:
             logprobs=logprobs,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=include_stop_str_in_output,
+            skip_special_tokens=skip_special_tokens,
             response_format=response_format,
             logit_bias=logit_bias,
         )

@@ -64,8 +64,9 @@ class GenerationResult:
     recomputed_tokens: int = 0
     #: Per generated token, when logprobs were requested.
     logprobs: tuple[TokenLogprob, ...] | None = None
-    #: The stop string that ended generation, if any.
-    stop_reason: str | None = None
+    #: What ended generation when it was not end-of-sequence or the length: the stop string, or the token id
+    #: of ``stop_token_ids`` (vLLM's ``stop_reason``); None otherwise.
+    stop_reason: str | int | None = None
 
     @property
     def kv_reuse_ratio(self) -> float:

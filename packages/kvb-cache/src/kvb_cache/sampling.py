@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,10 @@ class SamplingParams:
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
     tokens already generated). ``min_tokens`` (vLLM) holds end-of-sequence and stop strings back until that
     many tokens are generated (EOS logits ``-inf``, as transformers' ``MinNewTokensLengthLogitsProcessor``;
-    ``ignore_eos`` leaves EOS alone). ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
+    ``ignore_eos`` leaves EOS alone). vLLM's ``stop_token_ids`` end generation like end-of-sequence (even
+    with ``ignore_eos``) and become the result's ``stop_reason``; ``include_stop_str_in_output`` keeps the
+    stop string or stop token in the text; ``skip_special_tokens=False`` keeps special tokens' text.
+    ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
     most likely alternatives (None: off).
 
     ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
@@ -58,6 +62,9 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     logit_bias: dict[int, float] | None = None
 
@@ -94,6 +101,13 @@ class SamplingParams:
                 raise bad(param, "must be in [-2, 2]")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a tuple of non-empty strings")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "must be a tuple of token ids >= 0")
+        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "must be a bool")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an int or None")
         if self.logprobs is not None and (
@@ -106,8 +120,15 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
 
     @classmethod
-    def build(cls, *, stop: str | list[str] | tuple[str, ...] | None = None, **fields) -> SamplingParams:
-        """Accept ``stop`` as a string, a list or None (as the public API does)."""
+    def build(
+        cls,
+        *,
+        stop: str | list[str] | tuple[str, ...] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        **fields,
+    ) -> SamplingParams:
+        """Accept ``stop`` as a string, a list or None and ``stop_token_ids`` as any sequence (as the public
+        API does)."""
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
@@ -118,7 +139,12 @@ class SamplingParams:
             raise PromptTypeError(
                 f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop"
             )
-        return cls(stop=stops, **fields)
+        if stop_token_ids is not None and not isinstance(stop_token_ids, (list, tuple)):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}",
+                param="stop_token_ids",
+            )
+        return cls(stop=stops, stop_token_ids=tuple(stop_token_ids or ()), **fields)
 
     @property
     def greedy(self) -> bool:
@@ -151,13 +177,14 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
     return out or None
 
 
-def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Every ``logit_bias`` token id must exist in the model's vocabulary (checked at admission)."""
-    if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise InvalidRequestError(
-            f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary (size {vocab_size})",
-            param="logit_bias",
-        )
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Every ``logit_bias`` and ``stop_token_ids`` token id must exist in the model's vocabulary (checked at
+    admission)."""
+    for param, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            raise InvalidRequestError(
+                f"{param} token id {max(ids)} is outside the vocabulary (size {vocab_size})", param=param
+            )
 
 
 class RequestProcessor:

@@ -170,8 +170,10 @@ class EngineCore:
         elif not delta and params.logprobs is None:
             return None
         logprobs = tuple(req.logprobs[-1:]) if params.logprobs is not None else ()
+        token_ids = tuple(req.tokens[req.prompt_len + req.streamed :])
+        req.streamed += len(token_ids)
         return RequestOutput(
-            request_id=req.request_id, delta_text=delta, token_ids=(token,), logprobs=logprobs, result=result
+            request_id=req.request_id, delta_text=delta, token_ids=token_ids, logprobs=logprobs, result=result
         )
 
     def _advance_solo(self, request_id: RequestId) -> list[RequestOutput]:

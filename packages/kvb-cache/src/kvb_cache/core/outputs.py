@@ -14,8 +14,9 @@ RequestId = NewType("RequestId", str)
 class RequestOutput:
     """The progress of one request in one :meth:`KVBoost.step`.
 
-    ``token_ids`` are the tokens generated in this step (usually one; none while a long prompt is still
-    being prefilled, in which case no output is emitted at all). ``delta_text`` is the text now safe to
+    ``token_ids`` are the tokens generated since the request's previous output: usually this step's one,
+    more when the text of earlier ones was held back (no output is emitted for a token that adds no text,
+    nor while a long prompt is still being prefilled). ``delta_text`` is the text now safe to
     show (stop strings and partial UTF-8 characters are held back). ``result`` is set on the request's last
     output, and only then.
     """

@@ -63,6 +63,8 @@ class Request:
     partial_tokens: int = 0
     exact_blocks: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Output tokens already carried by a RequestOutput (tokens whose text is held back ride on the next).
+    streamed: int = 0
     ttft_ms: float = 0.0
     preemptions: int = 0
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).

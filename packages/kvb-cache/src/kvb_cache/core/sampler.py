@@ -35,7 +35,7 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     for i, req in zip(rows, requests):
         p = req.params
         if _holds_eos(req):
-            scores[i, sorted(req.emitter.eos)] = -float("inf")
+            scores[i, sorted(req.emitter.stop_tokens)] = -float("inf")
         if p.repetition_penalty != 1.0:
             history = torch.tensor(req.tokens, device=device)
             history = history[history < vocab]
@@ -83,8 +83,8 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 
 
 def _holds_eos(req: Request) -> bool:
-    """True while ``min_tokens`` still bans this request's end-of-sequence tokens."""
-    return bool(req.emitter.eos) and len(req.output_ids) < req.params.min_tokens
+    """True while ``min_tokens`` still bans this request's end-of-sequence and stop tokens."""
+    return bool(req.emitter.stop_tokens) and len(req.output_ids) < req.params.min_tokens
 
 
 def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -1,0 +1,95 @@
+"""Rendering chat messages with the tokenizer's own chat template (``KVBoost.chat_prompt``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from kvb_cache.errors import InvalidRequestError
+
+#: ``apply_chat_template`` arguments that are not template variables: passing them through
+#: ``chat_template_kwargs`` would change what the call returns or bypass the checks here.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
+
+
+def check_template_kwargs(kwargs: object) -> dict[str, Any]:
+    """``chat_template_kwargs`` as template variables (a dict of names to JSON-like values)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError(
+            "chat_template_kwargs must be a dict of template variable names to values",
+            param="chat_template_kwargs",
+        )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may only set template variables; {', '.join(reserved)} "
+            "are arguments of their own (send them as request fields, where supported)",
+            param="chat_template_kwargs",
+        )
+    return dict(kwargs)
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by ``tokenizer``'s chat template (see ``KVBoost.chat_prompt``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this tokenizer has no chat template; send a plain prompt", param="messages"
+        )
+    extra = check_template_kwargs(chat_template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message continues the last message, so add_generation_prompt must be false",
+            param="continue_final_message",
+        )
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            tools=tools or None,
+            **extra,
+        )
+    except Exception as exc:
+        # A template's own raise_exception() ("roles must alternate"; jinja2's TemplateError, matched by
+        # module so that jinja2 stays transformers' optional import), or a final message that cannot be
+        # continued (ValueError): the request's fault, not the server's.
+        if not isinstance(exc, ValueError) and not type(exc).__module__.startswith("jinja2"):
+            raise
+        raise InvalidRequestError(
+            f"the chat template refused these messages: {exc}", param="messages"
+        ) from None
+    if isinstance(ids, Mapping) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

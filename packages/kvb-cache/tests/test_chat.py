@@ -1,0 +1,62 @@
+"""KVBoost.chat_prompt: the tokenizer's own template, vLLM's template options, template errors as 400s."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import words
+
+from kvb_cache import InvalidRequestError, KVBoost
+
+THINKING = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% if enable_thinking is defined and not enable_thinking %}"
+    "<eos> {% endif %}{% endif %}"
+)
+
+
+@pytest.fixture()
+def engine(llama, tokenizer):
+    own = copy.deepcopy(tokenizer)  # the session tokenizer's template stays as it is
+    own.chat_template = THINKING
+    return KVBoost(llama, own)
+
+
+MESSAGES = [{"role": "user", "content": words(6, seed=1)}]
+
+
+def test_chat_template_kwargs_reach_the_template(engine):
+    plain = engine.chat_prompt(MESSAGES)
+    off = engine.chat_prompt(MESSAGES, chat_template_kwargs={"enable_thinking": False})
+    assert (
+        off
+        == engine.tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=True, enable_thinking=False
+        )["input_ids"]
+    )
+    assert off[: len(plain)] == plain and len(off) > len(plain)
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"tools": []}, {"return_dict": False}, [1], {1: 2}])
+def test_chat_template_kwargs_only_set_template_variables(engine, kwargs):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.chat_prompt(MESSAGES, chat_template_kwargs=kwargs)
+    assert info.value.param == "chat_template_kwargs"
+
+
+def test_continue_final_message_leaves_the_last_message_open(engine):
+    messages = [*MESSAGES, {"role": "assistant", "content": words(4, seed=2)}]
+    closed = engine.chat_prompt(messages, add_generation_prompt=False)
+    open_ = engine.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert closed[: len(open_)] == open_ and len(open_) < len(closed)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.chat_prompt(messages, continue_final_message=True)  # with the generation prompt: contradictory
+    assert info.value.param == "continue_final_message"
+
+
+def test_a_template_that_raises_is_a_request_error(engine):
+    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with pytest.raises(InvalidRequestError, match="roles must alternate") as info:
+        engine.chat_prompt(MESSAGES)
+    assert info.value.param == "messages"
