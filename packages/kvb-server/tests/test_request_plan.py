@@ -147,7 +147,7 @@ def test_nested_errors_name_the_full_path() -> None:
     assert info.value.param == "messages"
 
 
-@pytest.mark.parametrize("name", ["stop_token_ids", "chat_template_kwargs", "include_stop_str_in_output"])
+@pytest.mark.parametrize("name", ["use_beam_search", "chat_template", "bad_words"])
 def test_vllm_extras_this_server_does_not_take_are_400s_naming_the_fix(name: str) -> None:
     with pytest.raises(InvalidParameterError, match=f"supplied: {name} \\(vLLM's; not supported") as info:
         chat(messages=[{"role": "user", "content": "a"}], **{name: True})

@@ -46,12 +46,16 @@ class ServingEngine(Protocol):
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat conversation through the tokenizer's chat template (generation prompt added
         unless ``add_generation_prompt`` is False; ``/tokenize`` answers 400 for engines without the keyword).
 
         ``tools`` (OpenAI function definitions) are passed to templates that render tools themselves; the
         server sends them only for such templates (see :func:`kvb_server.tool_calls.detect`).
+        ``continue_final_message`` and ``chat_template_kwargs`` are vLLM's request options; the server passes
+        each keyword only when a request sets it (raise ``InvalidRequestError`` for a bad one).
         """
         ...
 

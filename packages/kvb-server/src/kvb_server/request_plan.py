@@ -49,6 +49,8 @@ class GenerationPlan:
             ``echo[p]``; None: no echo.
         generate: False for ``max_tokens: 0`` with echo: nothing is queued (``sampling`` then holds one
             token, which only the admission gate reads).
+        continuous_usage: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
+            carries the usage so far.
     """
 
     endpoint: Endpoint
@@ -63,6 +65,7 @@ class GenerationPlan:
     tools: ToolPlan | None = None
     echo: tuple[str, ...] | None = None
     generate: bool = True
+    continuous_usage: bool = False
 
 
 def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ModelT:
@@ -199,6 +202,10 @@ def _sampling(
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             stop=_stop(req),
@@ -210,6 +217,19 @@ def _sampling(
     except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
         param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
         raise InvalidParameterError(str(exc), param=param) from None
+
+
+def _continuous_usage(req: SamplingFields) -> bool:
+    """Whether every chunk carries usage; ``stream_options`` without ``stream`` is a 400 (as OpenAI and vLLM
+    answer: the options would silently do nothing)."""
+    options = req.stream_options
+    if options is None:
+        return False
+    if not req.stream:
+        raise InvalidParameterError(
+            "stream_options is only allowed when stream is true.", param="stream_options"
+        )
+    return options.include_usage and options.continuous_usage_stats
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -267,6 +287,7 @@ def completion_plan(
         sampling=_sampling(req, max_new, req.logprobs, constraints.requested_format(req)[1]),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=_continuous_usage(req),
         chat_logprobs=False,
         cache_salt=cache_salt,
         echo=echo,
@@ -312,16 +333,28 @@ def _reply_format(
     return tool_format
 
 
-def _render_chat(engine: ServingEngine, messages: list[dict[str, Any]], tools: ToolPlan | None) -> list[int]:
+def _render_chat(
+    engine: ServingEngine, messages: list[dict[str, Any]], tools: ToolPlan | None, req: ChatCompletionRequest
+) -> list[int]:
     definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
+    options: dict[str, Any] = {}  # vLLM's template options, passed only when sent (the protocol's defaults)
+    if req.add_generation_prompt is not None:
+        options["add_generation_prompt"] = req.add_generation_prompt
+    if req.continue_final_message:
+        options["continue_final_message"] = True
+        options.setdefault("add_generation_prompt", False)  # vLLM's rule: continuing implies no new turn
+    if req.chat_template_kwargs:
+        options["chat_template_kwargs"] = req.chat_template_kwargs
+    if definitions:
+        options["tools"] = definitions
     try:
-        if definitions:
-            return engine.chat_prompt(messages, tools=definitions)
-        return engine.chat_prompt(messages)
+        return engine.chat_prompt(messages, **options)
     except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)
         raise InvalidParameterError(
             f"The chat template refused these messages: {exc}", param="messages"
         ) from None
+    except InvalidRequestError as exc:  # the engine's checks of those options
+        raise InvalidParameterError(str(exc), param=exc.param or "messages") from None
 
 
 def chat_plan(
@@ -335,7 +368,7 @@ def chat_plan(
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     _check_tool_schemas(tools)
     fmt = _reply_format(req, tools, engine, syntax)
-    prompts = (_render_chat(engine, chat_messages(req, syntax, tools), tools),)
+    prompts = (_render_chat(engine, chat_messages(req, syntax, tools), tools, req),)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_new = _max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -347,6 +380,7 @@ def chat_plan(
         sampling=_sampling(req, max_new, logprobs, fmt),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=_continuous_usage(req),
         chat_logprobs=True,
         cache_salt=cache_salt,
         tools=tools if tools is not None and tools.parses_calls else None,

@@ -168,16 +168,18 @@ def chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
-    stop_reason: str | None = None,
+    stop_reason: str | int | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
     delta: dict[str, Any] | None = None,
     echo: Echo | None = None,
     token_bytes: TokenBytesFn = utf8,
+    usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker (with
     ``stop_reason``, the stop string that ended the choice), (chat) an explicit ``delta`` such as a tool-call
-    piece, or (completions) the ``echo`` of its prompt."""
+    piece, or (completions) the ``echo`` of its prompt. ``usage``: the running usage of the choice
+    (``stream_options.continuous_usage_stats``; see :func:`running_usage`)."""
     if echo is not None:
         text = echo.text
         lp = _logprobs(plan, (), offset, echo) if echo.logprobs is not None else None
@@ -214,8 +216,18 @@ def chunk(
         "choices": [choice],
     }
     if plan.include_usage:
-        out["usage"] = None
+        out["usage"] = usage if plan.continuous_usage else None
     return out
+
+
+def running_usage(plan: GenerationPlan, choice: int, completion_tokens: int) -> dict[str, int]:
+    """vLLM's continuous usage of choice ``choice``: its prompt's tokens and its tokens generated so far."""
+    prompt_tokens = len(plan.prompts[choice // plan.n])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def usage_chunk(

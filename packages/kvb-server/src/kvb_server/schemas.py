@@ -66,6 +66,8 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
+    #: vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens generated).
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None
 
 
@@ -96,6 +98,14 @@ class SamplingFields(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     #: Keep generating after end-of-sequence until max_tokens (or a stop string).
     ignore_eos: bool | None = None
+    #: No end-of-sequence, stop token or stop string before this many tokens.
+    min_tokens: Annotated[int, Field(ge=0), _WHOLE] | None = None
+    #: Token ids that end a choice like end-of-sequence (even with ignore_eos); the id is its stop_reason.
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    #: Keep the stop string (or stop token) that ended a choice in its text.
+    include_stop_str_in_output: bool | None = None
+    #: False: special tokens' text stays in the output (default true: left out).
+    skip_special_tokens: bool | None = None
     # vLLM's guided decoding (another way to ask for what response_format asks; at most one of them):
     # a JSON schema (object or JSON text), a regex, one of several strings, a Lark/GBNF grammar; or
     # structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (vLLM >= 0.10).
@@ -183,6 +193,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     #: False: at most one call per reply (default: up to kvb_server.tool_calls.MAX_PARALLEL_CALLS).
     parallel_tool_calls: bool | None = None
+    # vLLM's template options: extra template variables (e.g. {"enable_thinking": false} for Qwen3), no
+    # generation prompt, or continuing the last (assistant) message instead of starting a new one.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     # Declared only to be refused by name.
     functions: Annotated[list[Any] | None, _only(_EMPTY_LIST, "function calling")] = None
     function_call: Annotated[Any, _only(_NONE_CHOICE, "function calling")] = None
@@ -248,6 +263,14 @@ class TokenizeRequest(BaseModel):
         description="with messages: end with the assistant's turn opener, as /v1/chat/completions "
         "does; no effect with prompt",
     )
+    continue_final_message: bool = Field(
+        default=False,
+        description="with messages: leave the last (assistant) message open instead of adding a generation "
+        "prompt (as /v1/chat/completions does)",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default=None, description="with messages: extra chat template variables (as /v1/chat/completions)"
+    )  # type: ignore[assignment]
     return_token_strs: bool = Field(default=False, description="also return each token's string")
 
 
@@ -262,9 +285,11 @@ class DetokenizeRequest(BaseModel):
 
 # -- responses ----------------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length", "tool_calls"]
-#: vLLM's ``stop_reason``: the stop string that ended a choice (stop strings are never in its text); null when
-#: it ended otherwise (end-of-sequence, max_tokens) or has not ended.
-StopReason = Annotated[str | None, Field(description="the stop string that ended this choice, else null")]
+#: vLLM's ``stop_reason``: the stop string (or ``stop_token_ids`` id) that ended a choice; null when it ended
+#: otherwise (end-of-sequence, max_tokens) or has not ended.
+StopReason = Annotated[
+    str | int | None, Field(description="the stop string or stop token id that ended this choice, else null")
+]
 
 
 class PromptTokensDetails(BaseModel):

@@ -41,6 +41,7 @@ from kvb_server.responses import (
     assistant_message,
     chunk,
     final_response,
+    running_usage,
     usage_chunk,
     utf8,
 )
@@ -345,6 +346,7 @@ class OpenStream:
         results: list[GenerationResult | None] = [None] * len(self._jobs)
         started: set[int] = set()
         offsets = [0] * len(self._jobs)
+        generated = [0] * len(self._jobs)  # tokens streamed so far, per choice
         # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
         update: JobUpdate | None = self._first
@@ -354,13 +356,15 @@ class OpenStream:
                 choices = len(plan.prompts) * plan.n
                 for i in range(choices):
                     echo = self._echoes[i // plan.n]
-                    yield chunk(plan, ids, index=i, echo=echo)
+                    yield chunk(plan, ids, index=i, echo=echo, usage=running_usage(plan, i, 0))
                     if echo.logprobs is not None:
                         offsets[i] = echo.logprob_arrays()[1]
                 if not plan.generate:
                     prompt_only = self._service._prompt_only(plan)
                     for i in range(choices):
-                        yield chunk(plan, ids, index=i, finish_reason="length")
+                        yield chunk(
+                            plan, ids, index=i, finish_reason="length", usage=running_usage(plan, i, 0)
+                        )
                     if plan.include_usage:
                         yield usage_chunk(plan, ids, prompt_only)
                     yield "[DONE]"
@@ -382,6 +386,9 @@ class OpenStream:
                     return
                 event, i = update.event, update.choice
                 assert event is not None
+                generated[i] += len(event.token_ids)
+                # vLLM's continuous_usage_stats: every chunk of the choice carries its usage so far.
+                counted = running_usage(plan, i, generated[i]) if plan.continuous_usage else None
                 if tool_streams is not None:
                     deltas = tool_streams[i].deltas(
                         event.delta_text, final=event.result is not None, force=bool(event.logprobs)
@@ -394,10 +401,11 @@ class OpenStream:
                             delta=delta,
                             logprobs=None if k else event.logprobs,
                             token_bytes=self._service.token_bytes,
+                            usage=counted,
                         )
                 elif plan.chat_logprobs and i not in started:
                     started.add(i)
-                    yield chunk(plan, ids, index=i, role=True)
+                    yield chunk(plan, ids, index=i, role=True, usage=counted)
                 if tool_streams is None and (event.delta_text or event.logprobs):
                     yield chunk(
                         plan,
@@ -407,6 +415,7 @@ class OpenStream:
                         logprobs=event.logprobs,
                         offset=offsets[i],
                         token_bytes=self._service.token_bytes,
+                        usage=counted,
                     )
                     offsets[i] += len(event.delta_text)
                 if event.result is not None:
@@ -416,8 +425,15 @@ class OpenStream:
                     if plan.tools is not None:
                         # The same reading as the non-streamed message: whole calls finish "tool_calls".
                         _, finish = assistant_message(plan.tools, event.result.output_text, finish)
+                    if counted is not None:  # the result's count is the exact one
+                        counted = running_usage(plan, i, event.result.completion_tokens)
                     yield chunk(
-                        plan, ids, index=i, finish_reason=finish, stop_reason=event.result.stop_reason
+                        plan,
+                        ids,
+                        index=i,
+                        finish_reason=finish,
+                        stop_reason=event.result.stop_reason,
+                        usage=counted,
                     )
                     if all(r is not None for r in results):
                         break

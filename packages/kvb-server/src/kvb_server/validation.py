@@ -20,14 +20,8 @@ _TEMPLATE = (
 #: vLLM's request extras this server does not take, with what to do instead: an unknown field stays a 400
 #: (never silently ignored), and for these the message names the fix.
 VLLM_EXTRAS: dict[str, str] = {
-    "stop_token_ids": "give those tokens' text as stop strings ('stop')",
-    "include_stop_str_in_output": "the stop string is never in the text; 'stop_reason' says which one matched",
-    "skip_special_tokens": "special tokens are always left out of generated text",
-    "spaces_between_special_tokens": "special tokens are always left out of generated text",
+    "spaces_between_special_tokens": "special tokens are decoded by the tokenizer's own rule",
     "chat_template": _TEMPLATE,
-    "chat_template_kwargs": _TEMPLATE,
-    "continue_final_message": _TEMPLATE,
-    "add_generation_prompt": _TEMPLATE,
     "documents": _TEMPLATE,
     "use_beam_search": "beam search is not supported; sample several choices with 'n'",
     "length_penalty": "beam search is not supported; sample several choices with 'n'",

@@ -108,17 +108,22 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
         raise InvalidParameterError("Give exactly one of 'prompt' (a string) and 'messages' (a chat).")
     if req.messages is not None:
         messages = chat_messages(req, detect(engine.tokenizer))  # type: ignore[arg-type]  # reads .messages
-        if req.add_generation_prompt:
-            return _call(lambda: engine.chat_prompt(messages))
-        # NOTE: the ServingEngine protocol's chat_prompt always adds the generation prompt; kvb_cache's
-        # KVBoost.chat_prompt takes the keyword (the one engine the server is built with).
+        # Keywords only when they differ from the protocol's defaults (an engine may not take them all).
+        options: dict[str, Any] = {}
+        if not req.add_generation_prompt or req.continue_final_message:
+            options["add_generation_prompt"] = False
+        if req.continue_final_message:
+            options["continue_final_message"] = True
+        if req.chat_template_kwargs:
+            options["chat_template_kwargs"] = req.chat_template_kwargs
         try:
-            return _call(lambda: engine.chat_prompt(messages, add_generation_prompt=False))  # type: ignore[call-arg]
+            return _call(lambda: engine.chat_prompt(messages, **options))
         except EngineError as exc:
-            if isinstance(exc.__cause__, TypeError) and "add_generation_prompt" in str(exc.__cause__):
+            cause = exc.__cause__
+            if isinstance(cause, TypeError) and any(name in str(cause) for name in options):
+                name = next(name for name in options if name in str(cause))
                 raise UnsupportedFeatureError(
-                    "add_generation_prompt=false is not supported by this engine.",
-                    param="add_generation_prompt",
+                    f"{name} is not supported by this engine.", param=name
                 ) from None
             raise
     if req.add_special_tokens:

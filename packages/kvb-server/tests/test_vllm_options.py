@@ -1,0 +1,164 @@
+"""vLLM's request options beyond sampling: min_tokens, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, stream_options.continuous_usage_stats and the chat template options, against the real
+engine on the tiny Llama (each equals the engine called directly)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvb_cache import KVBoost
+
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog and"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def _post(url: str, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **body}, timeout=60)
+
+
+def _eos_bias(engine: KVBoost) -> dict[str, int]:
+    return {str(engine.tokenizer.eos_token_id): 100}  # end-of-sequence all but forced
+
+
+def test_min_tokens_holds_end_of_sequence_back(tiny_url: str, tiny_engine: KVBoost) -> None:
+    body = dict(messages=MESSAGES, max_tokens=20, temperature=0, logit_bias=_eos_bias(tiny_engine))
+    assert _post(tiny_url, "chat/completions", **body).json()["usage"]["completion_tokens"] == 1
+    held = _post(tiny_url, "chat/completions", min_tokens=5, **body).json()
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids_and_include_stop_str_in_output(tiny_url: str, tiny_engine: KVBoost) -> None:
+    free = tiny_engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    stop_id = free.output_ids[3]
+    body = dict(prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    choice = _post(tiny_url, "completions", **body).json()["choices"][0]
+    want = tiny_engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
+    assert choice["text"] == want.output_text and choice["stop_reason"] == stop_id
+    assert choice["finish_reason"] == "stop"
+    kept = _post(tiny_url, "completions", include_stop_str_in_output=True, **body).json()["choices"][0]
+    assert kept["text"] == tiny_engine.tokenizer.decode(free.output_ids[:4], skip_special_tokens=True)
+
+    half = len(free.output_text) // 2
+    stop = free.output_text[half : half + 2]
+    body = dict(prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    kept = _post(tiny_url, "completions", include_stop_str_in_output=True, **body).json()["choices"][0]
+    assert kept["text"] == free.output_text[: free.output_text.index(stop) + len(stop)]
+    assert kept["stop_reason"] == stop
+
+
+def test_skip_special_tokens_false_keeps_their_text(tiny_url: str, tiny_engine: KVBoost) -> None:
+    body = dict(
+        prompt=PROMPT, max_tokens=3, temperature=0, ignore_eos=True, logit_bias=_eos_bias(tiny_engine)
+    )
+    assert _post(tiny_url, "completions", **body).json()["choices"][0]["text"] == ""
+    text = _post(tiny_url, "completions", skip_special_tokens=False, **body).json()["choices"][0]["text"]
+    eos = tiny_engine.tokenizer.eos_token_id
+    assert text == tiny_engine.tokenizer.decode([eos] * 3, skip_special_tokens=False) != ""
+
+
+def _stream(url: str, route: str, **body) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/{route}", json={"model": MODEL, **body}, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny_url: str, route: str) -> None:
+    prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _stream(
+        tiny_url,
+        route,
+        max_tokens=8,
+        temperature=0,
+        ignore_eos=True,
+        stream=True,
+        stream_options=options,
+        **prompt,
+    )
+    *body, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    counts = [c["usage"]["completion_tokens"] for c in body]
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in body)
+    # Without it, chunks keep usage null (include_usage alone: only the last chunk has it).
+    plain = _stream(
+        tiny_url,
+        route,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **prompt,
+    )
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"] is not None
+
+
+def test_continue_final_message_and_chat_template_kwargs(tiny_url: str, tiny_engine: KVBoost) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "The quick brown"}]
+    resp = _post(
+        tiny_url,
+        "chat/completions",
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        continue_final_message=True,
+    ).json()
+    continued = tiny_engine.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    assert resp["usage"]["prompt_tokens"] == len(continued)
+    resp = _post(
+        tiny_url, "chat/completions", messages=MESSAGES, max_tokens=2, add_generation_prompt=False
+    ).json()
+    assert resp["usage"]["prompt_tokens"] == len(
+        tiny_engine.chat_prompt(MESSAGES, add_generation_prompt=False)
+    )
+    resp = _post(
+        tiny_url,
+        "chat/completions",
+        messages=MESSAGES,
+        max_tokens=2,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    assert resp.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (2)
+        ("completions", {"min_tokens": -1}, "min_tokens"),
+        ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+        ("completions", {"stop_token_ids": [10**7]}, "stop_token_ids"),  # outside the vocabulary
+        ("completions", {"stop_token_ids": "7"}, "stop_token_ids"),
+        ("completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ("chat/completions", {"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        ("chat/completions", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        (
+            "chat/completions",
+            {"continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+    ],
+)
+def test_bad_options_are_400s_naming_the_parameter(
+    tiny_url: str, route: str, extra: dict, param: str
+) -> None:
+    prompt = {"prompt": "hi"} if route == "completions" else {"messages": MESSAGES}
+    resp = _post(tiny_url, route, max_tokens=2, **prompt, **extra)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_tokenize_takes_the_chat_template_options(tiny_url: str, tiny_engine: KVBoost) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "The quick brown"}]
+    body = {"model": MODEL, "messages": messages, "continue_final_message": True}
+    got = httpx.post(f"{tiny_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    assert got == tiny_engine.chat_prompt(messages, add_generation_prompt=False, continue_final_message=True)
+    body = {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}
+    resp = httpx.post(f"{tiny_url}/tokenize", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs", resp.text
