@@ -111,7 +111,7 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
         # Its own recurrent state object, no transformers Cache at all.
         (
             lambda: T.RwkvConfig(**_SSM, attention_hidden_size=32, intermediate_size=64, context_length=128),
-            "past_key_values",
+            "own recurrent state",
         ),
         # The last layers read an earlier layer's cache.
         (

@@ -43,20 +43,20 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         raise UnsupportedModelError(
             f"{name} is an encoder-decoder model; KVBoost serves decoder-only causal LMs."
         )
-    params = inspect.signature(model.forward).parameters
-    if "past_key_values" not in params:
-        raise UnsupportedModelError(
-            f"{name} does not take a transformers Cache (`past_key_values`): it carries its own recurrent state "
-            "(RWKV's `state`, xLSTM's `cache_params`), which summarises the whole prefix in a fixed-size tensor "
-            "instead of per-token keys/values, so a cached prefix cannot be reused block by block."
-        )
     layer_types = getattr(config, "layer_types", None) or ()
     recurrent = sorted(set(layer_types) & _RECURRENT_LAYER_TYPES)
     if recurrent:
         raise UnsupportedModelError(
-            f"{name} has {recurrent} layers (state-space / linear-attention / convolution) whose cache is a "
-            "recurrent state of the whole prefix, not a per-token key/value cache: a cached prefix cannot be "
-            "reused block by block (nor a chunk moved). KVBoost serves models whose every layer is attention."
+            f"{name} has {recurrent} layers whose cache is a recurrent state of the whole prefix (state space, "
+            "linear attention or convolution), not a per-token key/value cache: a cached prefix cannot be "
+            "reused block by block, nor a chunk moved. KVBoost serves models whose every layer is attention."
+        )
+    params = inspect.signature(model.forward).parameters
+    if "past_key_values" not in params:
+        raise UnsupportedModelError(
+            f"{name} keeps its own recurrent state instead of a transformers Cache (RWKV's `state`, xLSTM's "
+            "`cache_params`: its forward takes no `past_key_values`): a fixed-size summary of the whole prefix, "
+            "not per-token keys/values, so a cached prefix cannot be reused block by block."
         )
     unsupported = sorted(set(layer_types) - _KV_LAYER_TYPES)
     if unsupported:
