@@ -215,7 +215,9 @@ def plot(results: dict, png: Path) -> bool:
             for u in levels
         ]
         ax.bar([x + i * width for x in range(len(levels))], values, width, label=name)
-    ax.set_xticks([x + width for x in range(len(levels))], [f"{u} users" for u in levels])
+    ax.set_xticks(
+        [x + width for x in range(len(levels))], [f"{u} user{'s' if u > 1 else ''}" for u in levels]
+    )
     ax.set_ylabel("TTFT p50 (s)")
     ax.set_title("RAG prompts (4 of 8 documents, reordered), SmolLM2-135M, CPU")
     ax.legend()
