@@ -606,7 +606,12 @@ Cohere 2, OLMo 3, Ministral) and chunked attention (Llama 4's local layers: the 
 inside its `attention_chunk_size` chunk), with RoPE of any layout, NoPE layers (SmolLM3, Llama 4, Cohere 2's
 full layers, found by a one-token probe: a layer whose keys at positions 0 and 1 are equal is not rotated when
 a chunk moves), sinks, soft-capping, the MoE routers in the table (top-k, grouped, sparsemixer, shared
-experts), and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Stitching (non-prefix reuse) is declined, with the reason in the table, where
+experts), and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
+temperature tuning, row `llama4`: its NoPE layers' queries are scaled by a factor of the position, counted
+from `past_key_values`, which the packed forward does not pass, so the model would take a token's index in
+the packed batch for its position) is served with its context capped at `floor_scale - 1` (8191) tokens and
+every step's packed tokens kept below that, where the factor is exactly 1 (a warning says so when the engine
+is built; `test_architectures_extra.py` shows a larger packed step moving a logprob by 0.02). Stitching (non-prefix reuse) is declined, with the reason in the table, where
 keys cannot be moved: learned absolute positions (GPT-2, OPT), RoPE applied by other code than a rotary
 module plus `apply_rotary_pos_emb(q, k, cos, sin)` (Llama 4's complex rotation, Qwen2-VL's three-section
 multimodal RoPE) and chunked attention (the repair forward's masks are causal or sliding only).
@@ -625,10 +630,6 @@ multimodal RoPE) and chunked attention (the repair forward's masks are causal or
   their source layer's blocks.
 - *A mask built inside the attention module*: Doge (its dynamic mask is computed from every cached token's
   values; the paged attention builds masks from positions).
-- *Queries scaled by a position read from `past_key_values`*: Llama 4 with attention temperature tuning (on
-  by default and in the released checkpoints: NoPE layers' queries are scaled from position `floor_scale`, 8192, on; the
-  packed forward passes no cache to count from). With `attn_temperature_tuning=False`, which computes the
-  same below `floor_scale` tokens, it is served (`llama4-no-tuning`).
 - *Attention outside `AttentionInterface`*: GPT-J, Falcon, Bloom.
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,

@@ -9,7 +9,7 @@ import torch
 import transformers as T
 from conftest import VOCAB, words
 
-from kvb_cache import EngineConfig, KVBoost, UnsupportedModelError
+from kvb_cache import ContextLengthError, EngineConfig, KVBoost, UnsupportedModelError
 from kvb_cache.rope import KeyRepositioner
 
 _SMALL = dict(
@@ -71,6 +71,29 @@ def test_chunked_attention_is_served_exactly(tokenizer):
         assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 14)
 
 
+def test_llama4_temperature_tuning_is_served_below_its_floor_scale(tokenizer):
+    """Llama 4 (as released) scales its NoPE layers' queries by a factor of the position it counts from
+    past_key_values; a packed forward passes none, so the model takes each token's index in the packed batch
+    for its position. Below floor_scale the factor is 1: the engine caps the context and every step's packed
+    tokens there and is exact (was declined). Without the packed cap, a batch whose first step packs more than
+    floor_scale - 1 prompt tokens scales the later ones' queries (the third prompt's first-token logprob moved
+    by 0.02)."""
+    model = _build(_llama4(floor_scale=40, attn_scale=2.0))  # a large attn_scale makes a wrong scale visible
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16, max_num_batched_tokens=512))
+    assert engine.context_length == 39 and engine.core.scheduler.max_num_batched_tokens == 39
+    prompts = [words(20, seed=s) for s in (1, 2, 3)]  # 60 prompt tokens: more than one step may pack
+    outs = engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True, logprobs=0)
+    for out, prompt in zip(outs, prompts):
+        ids = tokenizer(prompt)["input_ids"]
+        assert len(ids) + 10 <= 39
+        assert out.output_ids == _generate(model, ids, 10)
+        with torch.no_grad():
+            first = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], dim=-1)[out.output_ids[0]]
+        assert abs(out.logprobs[0].logprob - float(first)) < 1e-4
+    with pytest.raises(ContextLengthError):
+        engine.generate(words(30, seed=4), max_new_tokens=12)
+
+
 def test_cohere2_nope_layers_keep_their_keys_when_moved():
     """Cohere 2's full-attention layers skip RoPE (its config does not say so; its modeling code does): the
     mover used to rotate their keys anyway (off by ~5 at the moved position)."""
@@ -128,12 +151,10 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
             ),
             "shares keys/values across layers",
         ),
-        # NoPE queries scaled by a position counted from past_key_values, which paged calls do not pass.
-        (lambda: _llama4(), "temperature tuning"),
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
     ],
-    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "llama4-temperature-tuning", "doge"],
+    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "doge"],
 )
 def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
     """Served anyway, these crashed when the engine was built (RWKV, Gemma 3n with shared KV) or gave wrong

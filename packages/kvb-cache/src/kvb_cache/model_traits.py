@@ -33,6 +33,10 @@ class ModelTraits:
     sliding_window: int | None
     #: The forward accepts ``logits_to_keep`` (skip the LM head on all but the last prompt position).
     logits_to_keep: bool
+    #: Positions and packed forwards must stay below this many tokens (Llama 4's temperature tuning reads a
+    #: token's index in the forward call as its position; below the limit that makes no difference). None:
+    #: no such limit.
+    position_limit: int | None = None
 
 
 def inspect_model(model: PreTrainedModel) -> ModelTraits:
@@ -70,15 +74,22 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
             "earlier layer's cache instead of their own, as Gemma 3n does); KVBoost's pool holds one cache per "
             "layer and cannot serve them."
         )
+    # Llama 4's attention temperature tuning scales its NoPE layers' queries by a factor of each token's
+    # position, which it counts from `past_key_values`; the engine's packed forward passes none, so the model
+    # takes a token's index in the packed batch for its position. Below `floor_scale` the factor is exactly 1
+    # either way: served exactly with positions and packed forwards kept below it.
+    position_limit = None
     if getattr(config, "attn_temperature_tuning", False) and 0 in (
         getattr(config, "no_rope_layers", None) or ()
     ):
-        raise UnsupportedModelError(
-            f"{name} scales its NoPE layers' queries by a factor of each token's position that it counts from "
-            "`past_key_values` (attention temperature tuning, from position `floor_scale` on), which the "
-            "engine's packed forward does not pass: those positions would be scored wrong. Below `floor_scale` "
-            "tokens the factor is 1, so a config with `attn_temperature_tuning=False` computes the same there "
-            "and is served."
+        position_limit = int(config.floor_scale) - 1
+        logger.warning(
+            "%s scales its NoPE layers' queries by position from %d tokens on (attention temperature tuning), "
+            "counted from past_key_values, which the engine's packed forward does not pass: context capped at "
+            "%d tokens and each packed forward kept below it, where the factor is 1 and the engine is exact.",
+            name,
+            position_limit + 1,
+            position_limit,
         )
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
@@ -100,9 +111,12 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     absolute = rope is None and hasattr(config, "n_positions")
+    if position_limit is not None:
+        context = min(context, position_limit) if context else position_limit
     return ModelTraits(
         num_layers=int(num_layers),
         context_length=context,
+        position_limit=position_limit,
         absolute_positions=absolute,
         sliding_window=sliding if isinstance(sliding, int) else None,
         logits_to_keep="logits_to_keep" in params,

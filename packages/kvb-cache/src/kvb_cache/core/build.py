@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel
@@ -16,6 +17,8 @@ from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.model_traits import ModelTraits
+
+logger = logging.getLogger(__name__)
 
 #: With ``max_cache_bytes == 0`` (no reuse across requests) the pool still needs room for running requests.
 WORKING_POOL_BYTES = 256 << 20
@@ -39,6 +42,17 @@ def derive_num_blocks(config: EngineConfig, block_bytes: int) -> int:
     return max(2, min(MAX_DERIVED_BLOCKS, budget // max(block_bytes, 1)))
 
 
+def packed_budget(traits: ModelTraits, config: EngineConfig) -> int:
+    """The scheduler's token budget per step (decodes included): ``max_num_batched_tokens``, lowered to
+    ``traits.position_limit`` for models whose packed forwards must stay below it."""
+    if traits.position_limit is not None and traits.position_limit < config.max_num_batched_tokens:
+        logger.info(
+            "max_num_batched_tokens lowered to %d (the model's position limit)", traits.position_limit
+        )
+        return traits.position_limit
+    return config.max_num_batched_tokens
+
+
 def build_loop(
     model: PreTrainedModel, traits: ModelTraits, config: EngineConfig, *, root: ChunkHash, fingerprint: str
 ) -> LoopParts:
@@ -60,7 +74,7 @@ def build_loop(
         store_partial_tail=config.store_partial_tail,
     )
     scheduler = Scheduler(
-        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=packed_budget(traits, config)
     )
     runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep)
     return LoopParts(kv=kv, scheduler=scheduler, runner=runner, tiers=tiers)
