@@ -208,6 +208,48 @@ def test_a_request_added_while_another_decodes_stitches_its_prompt(llama, tokeni
     assert got.cached_tokens == expected.cached_tokens and got.output_ids == expected.output_ids
 
 
+def test_prompts_added_together_stitch_from_each_other(llama, tokenizer):
+    """A prompt whose documents an earlier, still-prefilling request brings waits for that request's prompt
+    (core/deferred.py) and then stitches them, instead of computing them a second time beside it (before,
+    requests added together never stitched from each other)."""
+    first, second = rag_prompts(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    a = engine.add_request(first, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    b = engine.add_request(second, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert b in engine.core.deferred and engine.core.knows(b) and engine.has_unfinished()
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    stitched = [c for c in results[b].chunks if c.kind == HitKind.STITCHED]
+    assert stitched and results[b].cached_tokens > 32  # more than the shared system prompt
+    assert len(results[a].output_ids) == len(results[b].output_ids) == 6
+    # Unrelated prompts are not held back.
+    other = engine.add_request(tokenizer(words(30, seed=21))["input_ids"], SamplingParams(max_new_tokens=2))
+    assert other not in engine.core.deferred
+    engine.abort(other)
+
+
+def test_a_held_request_can_be_aborted_and_outlives_an_aborted_source(llama, tokenizer):
+    first, second = rag_prompts(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    a = engine.add_request(first, params)
+    b = engine.add_request(second, params)
+    assert engine.abort(b) and b not in engine.core.deferred and not engine.core.knows(b)
+    c = engine.add_request(second, params)
+    assert c in engine.core.deferred
+    engine.abort(a)  # its source goes away before computing anything: c is planned without it
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert list(results) == [c] and len(results[c].output_ids) == 3
+    assert engine.paged_stats().blocks_used == 0
+
+
 def test_stitched_blocks_are_private_and_freed(llama, tokenizer):
     """Approximate KV is never registered: after the request, the pool indexes only its exact prefix, and
     every block it held is back."""

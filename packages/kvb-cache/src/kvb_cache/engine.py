@@ -48,6 +48,7 @@ from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams, check_token_ids
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
+from kvb_cache.stitch_sources import stitch_sources
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.structured.backend import GrammarCache
@@ -115,6 +116,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             build_result=self._paged_result,
             before_free=self._store_approximate,
             after_prefill=self._store_prompt_chunks,
+            plan_deferred=self._queue_stitched,
         )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
@@ -321,14 +323,26 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
-        # A stitched prompt is planned here; its repair runs in slices, a bounded amount per step (at most
-        # one slice here), so other requests keep decoding while it prepares (core/preparing.py).
-        job = self._plan_stitch(req) if self.config.stitching is not None and not constrained else None
+        if self.config.stitching is None or constrained or not self.stitcher.enabled:
+            self.core.add(req)
+            return rid
+        # A prompt whose documents an earlier request is still computing waits for them (core/deferred.py)
+        # instead of computing them again beside it; else it is planned now.
+        sources = stitch_sources(self.store, req.root or self.root, req, self.core.pending_prompts())
+        if sources:
+            self.core.defer(req, sources)
+        else:
+            self._queue_stitched(req)
+        return rid
+
+    def _queue_stitched(self, req: Request) -> None:
+        """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
+        one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
+        job = self._plan_stitch(req)
         if job is None:
             self.core.add(req)
         else:
             self.core.add_preparing(req, job)
-        return rid
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: new prefills (sliced to the token budget) and one token for every running

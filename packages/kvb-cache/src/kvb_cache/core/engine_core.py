@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvb_cache.core.deferred import Deferred
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.preparing import PrepareWork, Preparing
-from kvb_cache.core.request import Request
+from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
@@ -57,6 +58,7 @@ class EngineCore:
         build_result: ResultHook,
         before_free: FinishHook | None = None,
         after_prefill: FinishHook | None = None,
+        plan_deferred: FinishHook | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
@@ -67,6 +69,9 @@ class EngineCore:
         self.before_free = before_free
         #: Called once a loop request's prompt is computed (its first token sampled), its blocks committed.
         self.after_prefill = after_prefill
+        #: Plans and queues a deferred request once its sources' prompts are computed (see :meth:`defer`).
+        self.plan_deferred = plan_deferred
+        self.deferred = Deferred()
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
@@ -79,6 +84,26 @@ class EngineCore:
         if self.preparing.add(req, work):
             self.scheduler.add(req)
 
+    def defer(self, req: Request, sources: frozenset[RequestId]) -> None:
+        """Hold ``req`` until the requests ``sources`` have computed their prompts (or ended); then
+        ``plan_deferred`` plans and queues it (a stitched prompt that reuses their documents)."""
+        self.deferred.add(req, sources)
+
+    def pending_prompts(self) -> list[Request]:
+        """Loop requests whose prompts are not computed yet (no token sampled), oldest first."""
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        return [
+            *(r for r in self.deferred.requests()),
+            *self.preparing.requests(),
+            *(r for r in queued if not r.output_ids and r.status is not RequestStatus.FINISHED),
+        ]
+
+    def _prompt_pending(self, request_id: RequestId) -> bool:
+        if request_id in self.deferred or request_id in self.preparing:
+            return True
+        req = self.scheduler.find(request_id)
+        return req is not None and not req.output_ids
+
     def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
         self.solo[request_id] = events
 
@@ -87,14 +112,17 @@ class EngineCore:
         return (
             request_id in self.solo
             or request_id in self.preparing
+            or request_id in self.deferred
             or self.scheduler.find(request_id) is not None
         )
 
     def has_unfinished(self) -> bool:
-        return bool(self.solo) or bool(self.preparing) or self.scheduler.has_unfinished()
+        return (
+            bool(self.solo) or bool(self.preparing) or bool(self.deferred) or self.scheduler.has_unfinished()
+        )
 
     def abort(self, request_id: RequestId) -> bool:
-        if self.preparing.abort(request_id):
+        if self.preparing.abort(request_id) or self.deferred.abort(request_id):
             return True
         events = self.solo.pop(request_id, None)
         if events is not None:
@@ -111,6 +139,9 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if self.deferred and self.plan_deferred is not None:
+            for req in self.deferred.release(self._prompt_pending):
+                self.plan_deferred(req)
         for req in self.preparing.advance():
             self.scheduler.add(req)
         plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
@@ -197,4 +228,4 @@ class EngineCore:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running) + len(self.solo) + len(self.preparing)
+        return len(self.scheduler.running) + len(self.solo) + len(self.preparing) + len(self.deferred)

@@ -59,6 +59,9 @@ class Preparing:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._jobs
 
+    def requests(self) -> list[Request]:
+        return [req for req, _ in self._jobs.values()]
+
     def find(self, request_id: RequestId) -> Request | None:
         entry = self._jobs.get(request_id)
         return None if entry is None else entry[0]
