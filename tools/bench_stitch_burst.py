@@ -22,8 +22,10 @@ from unittest import mock
 import torch
 from bench_rag_server import QUESTIONS, SYSTEM, documents, rag_message
 
+from kvb_cache.chat import render_chat
 
-def prompts(engine, count: int, seed: int) -> list[list[int]]:
+
+def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     docs = documents()
     out = []
@@ -34,7 +36,7 @@ def prompts(engine, count: int, seed: int) -> list[list[int]]:
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": rag_message(chosen, question)},
         ]
-        out.append(engine.chat_prompt(messages))
+        out.append(render_chat(tokenizer, messages))
     return out
 
 
@@ -71,9 +73,7 @@ def main() -> None:
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    from kvb_cache import KVBoost
-
-    ids = prompts(KVBoost(model, tokenizer), args.prompts, args.seed)  # an engine only to render the chat
+    ids = prompts(tokenizer, args.prompts, args.seed)
     rows: dict[bool, list[dict]] = {True: [], False: []}
     for _ in range(args.runs):
         for hold in (False, True):

@@ -93,7 +93,7 @@ class EngineCore:
         """Loop requests whose prompts are not computed yet (no token sampled), oldest first."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]
         return [
-            *(r for r in self.deferred.requests()),
+            *self.deferred.requests(),
             *self.preparing.requests(),
             *(r for r in queued if not r.output_ids and r.status is not RequestStatus.FINISHED),
         ]

@@ -84,7 +84,8 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 
 def _holds_eos(req: Request) -> bool:
     """True while ``min_tokens`` still bans this request's end-of-sequence and stop tokens."""
-    return bool(req.emitter.stop_tokens) and len(req.output_ids) < req.params.min_tokens
+    # min_tokens first: this runs for every row of every step, and it is 0 for most requests.
+    return len(req.output_ids) < req.params.min_tokens and bool(req.emitter.stop_tokens)
 
 
 def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> None:

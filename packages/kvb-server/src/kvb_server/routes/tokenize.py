@@ -120,8 +120,8 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
             return _call(lambda: engine.chat_prompt(messages, **options))
         except EngineError as exc:
             cause = exc.__cause__
-            if isinstance(cause, TypeError) and any(name in str(cause) for name in options):
-                name = next(name for name in options if name in str(cause))
+            name = next((n for n in options if n in str(cause)), None)
+            if isinstance(cause, TypeError) and name is not None:
                 raise UnsupportedFeatureError(
                     f"{name} is not supported by this engine.", param=name
                 ) from None
