@@ -28,6 +28,7 @@ import json
 import re
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -128,7 +129,9 @@ def _cpu_ttft(engine: KVBoost, ids: list[int]) -> float:
     return (time.thread_time() - t0) * 1e3
 
 
-def run_group(model, tokenizer, group: list[tuple[str, str]], chunk_size: int, new_tokens: int) -> list[dict]:
+def run_group(
+    model, tokenizer, group: list[tuple[str, str]], chunk_size: int, new_tokens: int, collect_copies: int = 1
+) -> list[dict]:
     docs = [d for d, _ in group]
     n = len(docs)
     warmups = [
@@ -154,13 +157,18 @@ def run_group(model, tokenizer, group: list[tuple[str, str]], chunk_size: int, n
     engine = KVBoost(
         model,
         tokenizer,
-        config=EngineConfig(chunk_size=chunk_size, stitching=CONFIGS["none"], max_cache_bytes=CACHE_BYTES),
+        config=EngineConfig(
+            chunk_size=chunk_size,
+            stitching=replace(CONFIGS["none"], collect_copies=collect_copies),
+            max_cache_bytes=CACHE_BYTES,
+        ),
     )
     for w in warmups:
         engine.next_token_logits(tokenizer(w)["input_ids"])
     # Stores the test prompt's exact part (before its first stitched piece), so every strategy below starts
     # from the same cache state: no strategy here keeps approximate chunks (StitchConfig.keep_approximate is
-    # off), so none of them changes it.
+    # off, and collect_copies, which keeps the documents it computes, applies to the warm-ups only: the
+    # test prompt is each document's third sighting, which the policy stitches), so none of them changes it.
     engine.next_token_logits(ids)
     rows = []
     for name, stitch in CONFIGS.items():
@@ -269,6 +277,13 @@ def main() -> None:
         type=Path,
         help="also summarize the rows of these fidelity.json files (parallel runs)",
     )
+    parser.add_argument(
+        "--collect-copies",
+        type=int,
+        default=1,
+        help="StitchConfig.collect_copies of the warm-ups (2: the second warm-up computes each document again "
+        "and keeps it, so the test prompt averages two copies)",
+    )
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for fidelity.json / fidelity.png")
     args = parser.parse_args()
     if args.only:
@@ -284,7 +299,9 @@ def main() -> None:
     rows = []
     t0 = time.perf_counter()
     for i, (source, docs) in enumerate(groups):
-        for row in run_group(model, tokenizer, docs, args.chunk_size, args.new_tokens):
+        for row in run_group(
+            model, tokenizer, docs, args.chunk_size, args.new_tokens, collect_copies=args.collect_copies
+        ):
             rows.append({"source": source, "group": i, **row})
         print(
             f"group {i + 1}/{len(groups)} ({source}) done after {time.perf_counter() - t0:.0f}s", flush=True

@@ -1,10 +1,11 @@
-"""RAG replay with stitching: does keeping stitched requests' later chunks (approximate entries) pay off?
+"""RAG replay with stitching: what the store options cost and buy over a stream of requests.
 
 A corpus of pydoc topics; each request is the system prompt, a random subset of the documents in a random
 order, and a question, so documents keep arriving next to other documents, often first seen in a request
-that already stitches others. Two engines replay the same requests (``StitchConfig`` defaults otherwise):
-one keeps a stitched request's KV from its first stitched position on as approximate chunks
-(``keep_approximate=True``), one drops it (the default). Per request,
+that already stitches others. One engine per variant replays the same requests (``StitchConfig`` defaults
+otherwise): ``default``; ``keep_approximate`` (a stitched request's KV from its first stitched position on
+kept as approximate chunks); ``collect_copies=2`` (a document stored once is computed again on its second
+sighting and kept, so later requests average two copies: ``average_copies``); and both. Per request,
 through the teacher-forced path: served tokens (exact + stitched), recomputed share, and top-1 agreement
 and mean KL against no-cache over the request's own 16-token greedy continuation; each request then runs
 once through the engine loop, which stores its chunks as a served request would.
@@ -57,15 +58,19 @@ def requests(tokenizer, n_docs: int, per_request: int, n_requests: int, seed: in
     return out
 
 
-def replay(model, tokenizer, prompts, references, *, keep_approximate: bool) -> list[dict]:
+VARIANTS = {
+    "default": StitchConfig(),
+    "keep_approximate": StitchConfig(keep_approximate=True),
+    "collect_copies=2": StitchConfig(collect_copies=2),
+    "keep_approximate + collect_copies=2": StitchConfig(keep_approximate=True, collect_copies=2),
+}
+
+
+def replay(model, tokenizer, prompts, references, stitching: StitchConfig) -> list[dict]:
     engine = KVBoost(
         model,
         tokenizer,
-        config=EngineConfig(
-            chunk_size=32,
-            stitching=StitchConfig(keep_approximate=keep_approximate),
-            max_cache_bytes=CACHE_BYTES,
-        ),
+        config=EngineConfig(chunk_size=32, stitching=stitching, max_cache_bytes=CACHE_BYTES),
     )
     rows = []
     for ids, (continuation, reference) in zip(prompts, references):
@@ -77,6 +82,8 @@ def replay(model, tokenizer, prompts, references, *, keep_approximate: bool) -> 
                 "prompt_tokens": len(ids),
                 "served": forced.cached_tokens / len(ids),
                 "recomputed": forced.recomputed_tokens / len(ids),
+                # the prompt's prefill work: its uncached tokens plus the stitched ones recomputed
+                "work": 1 - forced.cached_tokens / len(ids) + forced.recomputed_tokens / len(ids),
                 "tf_top1": agreement.top1_agreement,
                 "tf_mean_kl": agreement.mean_kl,
             }
@@ -91,7 +98,7 @@ def summary(rows: list[dict], skip: int) -> dict:
     tail = rows[skip:]
     return {
         key: {"all": mean(key, rows), "after_warmup": mean(key, tail)}
-        for key in ("served", "recomputed", "tf_top1", "tf_mean_kl")
+        for key in ("served", "recomputed", "work", "tf_top1", "tf_mean_kl")
     }
 
 
@@ -102,6 +109,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--warmup", type=int, default=4, help="requests left out of the 'after warm-up' means")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -116,18 +124,25 @@ def main() -> None:
         out = cold.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).output_ids
         references.append((out, reference_continuation_logits(model, ids, out)))
     results = {}
-    for keep in (False, True):
-        rows = replay(model, tokenizer, prompts, references, keep_approximate=keep)
-        results["kept" if keep else "dropped"] = {"rows": rows, "summary": summary(rows, args.warmup)}
+    for name in args.variants:
+        rows = replay(model, tokenizer, prompts, references, VARIANTS[name])
+        results[name] = {"rows": rows, "summary": summary(rows, args.warmup)}
+        print(f"{name} done after {time.time() - started:.0f}s", flush=True)
+    after = f"after {args.warmup}"
     print(
-        f"| stitched requests' later chunks | served (all / after {args.warmup}) | recomputed | TF top-1 | TF mean KL |"
+        f"| variant | served (all / {after}) | recomputed | prefill work (all / {after}) "
+        f"| TF top-1 (all / {after}) | TF mean KL (all / {after}) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, result in results.items():
         s = result["summary"]
+
+        def both(key, fmt, s=s):
+            return f"{s[key]['all']:{fmt}} / {s[key]['after_warmup']:{fmt}}"
+
         print(
-            f"| {name} | {s['served']['all']:.1%} / {s['served']['after_warmup']:.1%} "
-            f"| {s['recomputed']['all']:.1%} | {s['tf_top1']['all']:.1%} | {s['tf_mean_kl']['all']:.4f} |"
+            f"| {name} | {both('served', '.1%')} | {s['recomputed']['all']:.1%} | {both('work', '.1%')} "
+            f"| {both('tf_top1', '.1%')} | {both('tf_mean_kl', '.4f')} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -7,6 +7,9 @@ import torch
 import transformers as T
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from kvb_cache.hashing import ChunkHash, content_hash
+from kvb_cache.store import ChunkEntry
+
 VOCAB = 300
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
@@ -137,3 +140,29 @@ def tokenizer() -> T.PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def llama() -> T.PreTrainedModel:
     return make_model("llama")
+
+
+class ListedStore:
+    """A store stand-in whose ``by_content`` lists copies in insertion order (the test controls which comes
+    first)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, list[ChunkEntry]] = {}
+
+    def add(self, root, tokens, key, parent, *, derived=False):
+        entry = ChunkEntry(
+            key=ChunkHash(key),
+            parent=ChunkHash(parent),
+            content=content_hash(root, tokens),
+            token_ids=tuple(tokens),
+            start=0,
+            derived=derived,
+        )
+        self.entries.setdefault(entry.content, []).append(entry)
+        return entry
+
+    def by_content(self, content):
+        return list(self.entries.get(content, ()))
+
+    def touch(self, entry):
+        pass

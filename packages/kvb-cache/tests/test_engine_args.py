@@ -111,3 +111,21 @@ def test_other_groups_share_sections_and_the_docs_table():
     assert "| `--max-cache-bytes` | `max_cache_bytes` | `2GiB` |" in table
     assert "`--fast` `--quick`" in table and "(Python only)" in table
     assert parse_bytes("16GiB") == 16 * 2**30
+
+
+def test_collect_copies_flag_applies_to_the_stitching_config():
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    args = from_namespace(
+        EngineArgs, parser.parse_args(["--recompute-strategy", "selective", "--collect-copies", "2"])
+    )
+    assert args.engine_config().stitching == StitchConfig(collect_copies=2)
+    assert EngineArgs(stitching=StitchConfig(overlap_k=8), collect_copies=3).stitch_config() == StitchConfig(
+        overlap_k=8, collect_copies=3
+    )
+    with pytest.raises(ConfigError, match="needs stitching"):
+        EngineArgs(collect_copies=2).engine_config()
+    with pytest.raises(ConfigError, match="contradicts"):
+        EngineArgs(stitching=StitchConfig(collect_copies=3), collect_copies=2).engine_config()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--collect-copies", "0"])

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rag_prompts, words
+from conftest import ListedStore, rag_prompts, words
 from torch.nn import functional as F
 
 from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
 from kvb_cache.fidelity import compare_distributions, reference_continuation_logits, teacher_forced_logits
-from kvb_cache.hashing import ChunkHash, content_hash
+from kvb_cache.hashing import ChunkHash
 from kvb_cache.repair import rows as repair_rows
 from kvb_cache.repair.rows import RowAttention
 from kvb_cache.stitching import StitchedPiece, chained_runs, find_pieces
@@ -87,38 +87,13 @@ def test_chained_runs_merge_pieces_that_were_neighbours_where_computed():
     assert chained_runs(pieces) == [(10, 42), (42, 58), (60, 76)]
 
 
-class _ListedStore:
-    """A store stand-in whose ``by_content`` lists copies in insertion order (the test controls which comes
-    first)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[bytes, list[ChunkEntry]] = {}
-
-    def add(self, root, tokens, key, parent):
-        entry = ChunkEntry(
-            key=ChunkHash(key),
-            parent=ChunkHash(parent),
-            content=content_hash(root, tokens),
-            token_ids=tuple(tokens),
-            start=0,
-        )
-        self.entries.setdefault(entry.content, []).append(entry)
-        return entry
-
-    def by_content(self, content):
-        return list(self.entries.get(content, ()))
-
-    def touch(self, entry):
-        pass
-
-
 def test_lookup_keeps_a_document_on_one_stored_copy():
     """A document stored twice (after two different histories): the copy listed first for a later chunk is
     the other history's, yet the lookup follows the parent links of the copy it started with, so the
     document is one run (one seam), not a seam at every switch between copies."""
     root = ChunkHash(b"r" * 32)
     doc = [list(range(10 * c, 10 * c + 4)) for c in range(6)]  # six 4-token chunks
-    store = _ListedStore()
+    store = ListedStore()
     for history in (b"x", b"y"):
         parent = history
         for c, tokens in enumerate(doc):
@@ -138,7 +113,7 @@ def test_lookup_starts_a_run_on_the_copy_whose_neighbours_follow():
     where B follows A, the copy of A computed before B is taken: A and B form one run."""
     root = ChunkHash(b"r" * 32)
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
-    store = _ListedStore()
+    store = ListedStore()
     a_before_c = store.add(root, a, b"y-a", b"y")
     store.add(root, c, b"y-c", a_before_c.key)
     a_before_b = store.add(root, a, b"x-a", b"x")
@@ -318,7 +293,7 @@ def test_lookup_prefers_the_exact_copy_at_equal_reach():
     """Two copies of a chunk, one computed over stitched KV (approximate), one over a true history: with
     nothing to tell them apart by seams, the exact one serves."""
     root = ChunkHash(b"r" * 32)
-    store = _ListedStore()
+    store = ListedStore()
     approximate = store.add(root, [1, 2, 3, 4], b"approx", b"y")
     approximate.exact = False
     store.add(root, [1, 2, 3, 4], b"exact", b"x")
@@ -377,8 +352,12 @@ def test_approximate_chunks_are_never_a_prefix_hit(llama, tokenizer):
         prefix_keys |= set(chunk_keys(engine.root, ids, engine.chunker.split(ids)).prefix)
     inexact = {k for k, e in engine.store._entries.items() if not e.exact}
     assert inexact and not inexact & prefix_keys
-    first_stitched = [min(h.start for h in r.chunks if h.kind is HitKind.STITCHED) for r in (before, again)]
-    assert first_stitched[0] == first_stitched[1] < len(system) + len(b)
+    # Asked again, its exact prefix reaches the first time's first stitched position, never past it.
+    stitched_before = min(h.start for h in before.chunks if h.kind is HitKind.STITCHED)
+    exact_again = max(h.end for h in again.chunks if h.kind in (HitKind.EXACT, HitKind.PARTIAL))
+    assert exact_again == stitched_before < len(system) + len(b)
+    # Asked again, it is served from its own kept chunks after that prefix (computed after its very tokens).
+    assert again.kv_reuse_ratio >= before.kv_reuse_ratio
 
 
 def test_approximate_chunks_are_kept_only_when_asked(llama, tokenizer):

@@ -160,6 +160,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         remote_codec: str | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
+        collect_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
@@ -188,6 +189,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
                 :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
             recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:
                 ``"none"``, ``"selective"`` or ``"cacheblend"``.
+            collect_copies: with stitching, ``StitchConfig.collect_copies`` (compute a document held by
+                fewer stored copies, and keep it, so later prompts average them).
             block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk_size: the paged pool
                 and the scheduler (see :class:`EngineConfig`).
             exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued

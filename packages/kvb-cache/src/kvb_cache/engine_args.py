@@ -14,7 +14,7 @@ no sibling.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, get_args
 
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
@@ -139,6 +139,14 @@ class EngineArgs:
         help="turn stitching on (reuse chunks seen after a different history, re-rotated) and repair the "
         "seams this way; unset: exact prefix reuse only",
     )
+    collect_copies: int | None = option(
+        None,
+        group="stitching",
+        parse=positive_int,
+        metavar="N",
+        help="with stitching: compute a document held by fewer than N stored copies instead of stitching it, "
+        "and keep it, so later prompts average N copies (StitchConfig.collect_copies); unset: 1",
+    )
     # -- scheduling ----------------------------------------------------------------------------------------
     max_num_seqs: int = option(
         32, group="scheduling", parse=positive_int, help="most requests decoded together in one engine step"
@@ -167,19 +175,32 @@ class EngineArgs:
     )
 
     def stitch_config(self) -> StitchConfig | None:
-        """``stitching``, or the one ``recompute_strategy`` stands for.
+        """``stitching``, or the one ``recompute_strategy`` stands for, with ``collect_copies`` applied.
 
         Raises:
-            ConfigError: both are given and disagree, or the strategy is unknown.
+            ConfigError: they disagree, ``collect_copies`` is given without stitching, or the strategy is
+                unknown.
         """
-        if self.recompute_strategy is None:
-            return self.stitching
-        if self.stitching is not None and self.stitching.recompute_strategy != self.recompute_strategy:
+        config = self.stitching
+        if self.recompute_strategy is not None:
+            if config is not None and config.recompute_strategy != self.recompute_strategy:
+                raise ConfigError(
+                    f"recompute_strategy={self.recompute_strategy!r} contradicts stitching.recompute_strategy="
+                    f"{config.recompute_strategy!r}: pass one of them"
+                )
+            config = config or StitchConfig(recompute_strategy=self.recompute_strategy)  # type: ignore[arg-type]
+        if self.collect_copies is None:
+            return config
+        if config is None:
             raise ConfigError(
-                f"recompute_strategy={self.recompute_strategy!r} contradicts stitching.recompute_strategy="
-                f"{self.stitching.recompute_strategy!r}: pass one of them"
+                "collect_copies needs stitching: pass recompute_strategy (--recompute-strategy) too"
             )
-        return self.stitching or StitchConfig(recompute_strategy=self.recompute_strategy)  # type: ignore[arg-type]
+        if self.stitching is not None and self.stitching.collect_copies not in (1, self.collect_copies):
+            raise ConfigError(
+                f"collect_copies={self.collect_copies} contradicts stitching.collect_copies="
+                f"{self.stitching.collect_copies}: pass one of them"
+            )
+        return replace(config, collect_copies=self.collect_copies)
 
     def tier_config(self) -> TierConfig | None:
         """The disk / Redis tiers asked for; None: RAM only."""

@@ -32,6 +32,8 @@ class PreparedPrompt:
     recomputed_tokens: int = 0
     #: Only ``ids[:exact_until]`` hold exact KV (a stitched request); None: all of them.
     exact_until: int | None = None
+    #: Stitched prompt ranges ``(start, end)`` whose KV was copied from stored chunks (not recomputed).
+    copied: tuple[tuple[int, int], ...] = ()
     #: Chain root the prompt was looked up (and is stored) under: the request's salted root; None: the
     #: engine's unsalted root.
     root: ChunkHash | None = None

@@ -43,6 +43,17 @@ class StitchConfig:
             document first seen next to stitched ones is reused next time. Off by default: in a RAG replay it
             served 10 points more of each prompt with no fidelity loss, but on ``verify_correctness``'s
             prompts it flipped the first token of 2 of 3 stitched prompts (docs/fidelity.md).
+        average_copies: a stitched token stored after several histories (a document seen in several
+            prompts) gets the mean KV of up to this many of its copies, each re-positioned, instead of one
+            copy's: what is particular to each foreign history partly cancels (docs/fidelity.md). Only
+            independent copies (computed, not themselves stitched) that saw the prompt's own tokens as far
+            back as the chosen one are averaged (:func:`kvb_cache.stitch_lookup.copy_pieces`). 1 keeps the
+            single chosen copy. Costs nothing when a document has one copy.
+        collect_copies: a stitched run (a document) held by fewer than this many independent copies is
+            computed in the request's own context instead of stitched, and that KV is kept as one more
+            copy (an approximate entry when it follows stitched KV), so later prompts average them. 1 (the
+            default) never computes a run it could stitch; 2 pays one more full computation of each
+            document, on its second sighting, for the averaged KV of every later one.
     """
 
     recompute_strategy: RecomputeStrategy = "selective"
@@ -52,6 +63,8 @@ class StitchConfig:
     sink_tokens: int = 4
     min_reuse_tokens: int = 16
     keep_approximate: bool = False
+    average_copies: int = 4
+    collect_copies: int = 1
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in _STRATEGIES:
@@ -66,6 +79,10 @@ class StitchConfig:
             )
         if not isinstance(self.keep_approximate, bool):
             raise ConfigError(f"keep_approximate must be a bool, got {self.keep_approximate!r}")
+        for name in ("average_copies", "collect_copies"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1 (1: off), got {value!r}")
         for name in ("check_layer", "overlap_k", "sink_tokens", "min_reuse_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvb_cache.hashing import ChunkHash, content_hash
+from kvb_cache.hashing import ChunkHash, approximate_root
+from kvb_cache.lookup import chunk_keys
 from kvb_cache.model_traits import ModelTraits
 from kvb_cache.repair.cacheblend import CacheBlendRepair
 from kvb_cache.repair.recompute import RecomputeLayout, RecomputePass, RepairWork
@@ -37,132 +37,13 @@ from kvb_cache.repair.selective import selective_positions
 from kvb_cache.results import ChunkHit, HitKind
 from kvb_cache.rope import KeyRepositioner
 from kvb_cache.stitch_config import StitchConfig
+from kvb_cache.stitch_lookup import ContentLookup, StitchedPiece, chained_runs, copy_pieces, find_pieces
 from kvb_cache.store import ChunkEntry, ChunkStore
 
 if TYPE_CHECKING:
     from kvb_cache.prepared import PreparedPrompt
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StitchedPiece:
-    """Prompt tokens ``[start, end)`` served by ``entry`` (computed at ``entry.start`` after another history)."""
-
-    start: int
-    end: int
-    entry: ChunkEntry
-
-
-class _Lookup:
-    """Content-hash lookups of one scan, memoised per position (a chain is followed from several starts)."""
-
-    def __init__(
-        self, store: ChunkStore, root: ChunkHash, ids: Sequence[int], stop: int, lengths: Sequence[int]
-    ) -> None:
-        self.store, self.root, self.ids, self.stop, self.lengths = store, root, ids, stop, lengths
-        self._at: dict[int, list[ChunkEntry]] = {}
-        self._children: dict[int, dict[ChunkHash, ChunkEntry]] = {}
-        self._reach: dict[tuple[int, ChunkHash], int] = {}
-
-    def at(self, i: int) -> list[ChunkEntry]:
-        """Entries holding exactly ``ids[i : i + length]`` for one of ``lengths`` (longest first)."""
-        found = self._at.get(i)
-        if found is None:
-            found = []
-            for length in self.lengths:
-                if i + length > self.stop:
-                    continue
-                tokens = tuple(self.ids[i : i + length])
-                found.extend(
-                    e for e in self.store.by_content(content_hash(self.root, tokens)) if e.token_ids == tokens
-                )
-            self._at[i] = found
-        return found
-
-    def child(self, entry: ChunkEntry, i: int) -> ChunkEntry | None:
-        """The entry at ``i`` computed right after ``entry`` (its ``parent`` is ``entry.key``), if any."""
-        children = self._children.get(i)
-        if children is None:
-            children = {}
-            for candidate in self.at(i):
-                children.setdefault(candidate.parent, candidate)
-            self._children[i] = children
-        return children.get(entry.key)
-
-    def reach(self, entry: ChunkEntry, i: int) -> int:
-        """Exclusive end of the run that starts with ``entry`` at ``i`` and follows parent links."""
-        end = i + entry.num_tokens
-        trail = [(i, entry.key)]
-        while end < self.stop:
-            known = self._reach.get((end, entry.key))
-            if known is not None:
-                end = known
-                break
-            nxt = self.child(entry, end)
-            if nxt is None:
-                break
-            trail.append((end, nxt.key))
-            entry, end = nxt, end + nxt.num_tokens
-        for position, key in trail:
-            self._reach[(position, key)] = end
-        return end
-
-
-def find_pieces(
-    store: ChunkStore, root: ChunkHash, ids: Sequence[int], *, start: int, stop: int, lengths: Sequence[int]
-) -> list[StitchedPiece]:
-    """Greedy left-to-right scan of ``ids[start:stop]`` for runs that a stored chunk holds.
-
-    At each position the chunk lengths the chunker can produce (``lengths``) are tried; a hit jumps past
-    the piece, a miss advances one token. ``O((stop - start) * len(lengths))`` hashes.
-
-    The same tokens are often stored several times, computed after different histories (a document seen in
-    several prompts). Which copy serves a position decides where the seams are, so the choice is: the copy
-    computed right after the previous piece's chunk (no seam there), else the copy that starts the longest
-    chain of such neighbours (fewest seams ahead), then the longest chunk. Taking whichever copy the store
-    lists first could switch copies inside a document and cut it with seams that each need repair.
-    """
-    lookup = _Lookup(store, root, ids, stop, lengths)
-    pieces: list[StitchedPiece] = []
-    i = start
-    while i < stop:
-        matches = lookup.at(i)
-        if not matches:
-            i += 1
-            continue
-        prev = pieces[-1].entry if pieces and pieces[-1].end == i else None
-        hit = lookup.child(prev, i) if prev is not None else None
-        if hit is None:
-            # Fewest seams ahead first, then KV computed over an exact history; max() keeps the first of
-            # equals: the longest chunk, as at() lists them.
-            hit = (
-                max(matches, key=lambda e: (lookup.reach(e, i), e.exact)) if len(matches) > 1 else matches[0]
-            )
-        store.touch(hit)
-        pieces.append(StitchedPiece(start=i, end=i + hit.num_tokens, entry=hit))
-        i += hit.num_tokens
-    return pieces
-
-
-def chained_runs(pieces: Sequence[StitchedPiece]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each maximal run of pieces that were also neighbours where they were computed.
-
-    A piece whose entry's ``parent`` is the previous piece's ``key`` (and that starts where it ends) was
-    computed right after that chunk's tokens: its KV already saw that neighbour, so the boundary between
-    them is no seam. Only the first piece of a run lost its context (a true seam, which repair targets);
-    a document stitched as ten chunks has one seam, not ten.
-    """
-    runs: list[tuple[int, int]] = []
-    prev: StitchedPiece | None = None
-    for piece in pieces:
-        chained = prev is not None and prev.end == piece.start and piece.entry.parent == prev.entry.key
-        if chained:
-            runs[-1] = (runs[-1][0], piece.end)
-        else:
-            runs.append((piece.start, piece.end))
-        prev = piece
-    return runs
 
 
 def _dense_kv(entry: ChunkEntry):
@@ -191,6 +72,8 @@ class StitchJob:
     repaired: list[int] | None
     prefix: int
     end: int
+    #: Stitched positions whose KV is the mean of several stored copies.
+    averaged: int = 0
     finished: bool = False
 
     @property
@@ -219,6 +102,8 @@ class StitchCounters:
         self.stitched_chunks = 0
         self.stitched_tokens = 0
         self.recomputed_tokens = 0
+        self.averaged_tokens = 0
+        self.collected_tokens = 0
 
     def record(self, pieces: int, tokens: int, recomputed: int) -> None:
         with self._lock:
@@ -226,6 +111,14 @@ class StitchCounters:
             self.stitched_chunks += pieces
             self.stitched_tokens += tokens
             self.recomputed_tokens += recomputed
+
+    def record_averaged(self, tokens: int) -> None:
+        with self._lock:
+            self.averaged_tokens += tokens
+
+    def record_collected(self, tokens: int) -> None:
+        with self._lock:
+            self.collected_tokens += tokens
 
 
 class Stitcher:
@@ -269,6 +162,10 @@ class Stitcher:
             "stitched_chunks": c.stitched_chunks,
             "stitched_tokens": c.stitched_tokens,
             "recomputed_tokens": c.recomputed_tokens,
+            # stitched tokens that got the mean of several stored copies (StitchConfig.average_copies)
+            "averaged_tokens": c.averaged_tokens,
+            # stitched tokens computed instead to collect another copy (StitchConfig.collect_copies)
+            "collected_tokens": c.collected_tokens,
         }
 
     def extend(self, prepared: PreparedPrompt, *, max_reuse: int) -> None:
@@ -290,22 +187,48 @@ class Stitcher:
         assert self.config is not None
         cfg = self.config
         ids, prefix = prepared.ids, prepared.cached_tokens
-        pieces = [
-            p
-            for p in find_pieces(
+        root = self.root if prepared.root is None else prepared.root
+        lookup = ContentLookup(self.store, root, ids, max_reuse, self.lengths)
+        own_chain = self._own_chain(prepared, root, prefix, max_reuse)
+        if own_chain:
+            # Less than a chunk before it: found in a lookup that stops where the chain starts.
+            before = ContentLookup(self.store, root, ids, own_chain[0].start, self.lengths)
+            found = find_pieces(
                 self.store,
-                self.root if prepared.root is None else prepared.root,
+                root,
                 ids,
                 start=prefix,
-                stop=max_reuse,
+                stop=own_chain[0].start,
                 lengths=self.lengths,
+                lookup=before,
             )
-            if p.end - p.start >= cfg.min_reuse_tokens
-        ]
+            found += own_chain
+            start = own_chain[-1].end
+        else:
+            found, start = [], prefix
+        found += find_pieces(
+            self.store, root, ids, start=start, stop=max_reuse, lengths=self.lengths, lookup=lookup
+        )
+        pieces = [p for p in found if p.end - p.start >= cfg.min_reuse_tokens]
         if not pieces:
             return None
+        wanted = max(cfg.average_copies, cfg.collect_copies)
+        copies = copy_pieces(lookup, pieces, max_copies=wanted, slack=self.lengths[0])
+        # A run whose copy was computed after this very prompt's tokens (its parent is one of the prompt's
+        # own prefix keys, exact or approximate: the same prompt, or one sharing all of it, asked before)
+        # has the best history there is: it is neither averaged with copies after other histories nor
+        # computed again to collect one.
+        history = self._history_keys(prepared, root)
+        firsts = {p.start: p for p in pieces}
+        own = [firsts[start].entry.parent in history for start, _ in chained_runs(pieces)]
+        copies = [[] if same else chains for same, chains in zip(own, copies)]
+        if cfg.collect_copies > 1:
+            pieces, copies = self._collect(pieces, copies, own, cfg.collect_copies)
+            if not pieces:
+                return None
+        copies = [chains[: cfg.average_copies - 1] for chains in copies]
         end = pieces[-1].end
-        layers = self._assemble(prepared.cache, pieces, prefix, end)
+        layers, averaged = self._assemble(prepared.cache, pieces, copies, prefix, end)
         stitched = [p for piece in pieces for p in range(piece.start, piece.end)]
         covered = set(stitched)
         gaps = [p for p in range(prefix, end) if p not in covered]
@@ -341,7 +264,56 @@ class Stitcher:
             repaired=repaired,
             prefix=prefix,
             end=end,
+            averaged=averaged,
         )
+
+    def _own_chain(
+        self, prepared: PreparedPrompt, root: ChunkHash, prefix: int, stop: int
+    ) -> list[StitchedPiece]:
+        """The stored chunks that continue this very prompt after its exact prefix: its approximate-chain
+        prefix keys, from the first chunk starting at or after ``prefix`` for as long as each is stored (the
+        same stitched prompt asked again, with ``keep_approximate`` or ``collect_copies``). They are served
+        as they were computed, so a repeated prompt gets the KV it had."""
+        keys = chunk_keys(approximate_root(root), prepared.ids, prepared.spans).prefix
+        chain: list[StitchedPiece] = []
+        for span, key in zip(prepared.spans, keys):
+            if span.start < prefix:
+                continue
+            entry = self.store.get(key) if span.end <= stop else None
+            if entry is None or entry.token_ids != tuple(prepared.ids[span.start : span.end]):
+                break
+            chain.append(StitchedPiece(start=span.start, end=span.end, entry=entry))
+        return chain
+
+    @staticmethod
+    def _history_keys(prepared: PreparedPrompt, root: ChunkHash) -> set[ChunkHash]:
+        """Every prefix key of the prompt, on the exact chain and on the approximate one."""
+        approx = approximate_root(root)
+        keys = {root, approx}
+        keys.update(chunk_keys(root, prepared.ids, prepared.spans).prefix)
+        keys.update(chunk_keys(approx, prepared.ids, prepared.spans).prefix)
+        return keys
+
+    def _collect(
+        self,
+        pieces: list[StitchedPiece],
+        copies: list[list[list[StitchedPiece]]],
+        own: list[bool],
+        wanted: int,
+    ) -> tuple[list[StitchedPiece], list[list[list[StitchedPiece]]]]:
+        """Drop the runs held by fewer than ``wanted`` independent copies (``collect_copies``): the request
+        computes them in its own context instead, and its finished KV is kept as one more copy. A run whose
+        copy saw this prompt's own history (``own``) is always kept."""
+        kept_pieces: list[StitchedPiece] = []
+        kept_copies: list[list[list[StitchedPiece]]] = []
+        runs = chained_runs(pieces)
+        for (start, end), chains, same in zip(runs, copies, own):
+            if same or 1 + len(chains) >= wanted:
+                kept_pieces.extend(p for p in pieces if start <= p.start < end)
+                kept_copies.append(chains)
+            else:
+                self.counters.record_collected(end - start)
+        return kept_pieces, kept_copies
 
     def _finish(self, job: StitchJob, repaired: list[int]) -> None:
         """Hand the repaired KV and the telemetry to the prepared prompt, and count the stitch."""
@@ -351,12 +323,41 @@ class Stitcher:
         self._describe(prepared, job.pieces, set(repaired), job.prefix, job.end)
         stitched = sum(p.end - p.start for p in job.pieces)
         self.counters.record(len(job.pieces), stitched, len(repaired))
+        self.counters.record_averaged(job.averaged)
 
-    def _assemble(self, cache: DynamicCache, pieces: list[StitchedPiece], prefix: int, end: int):
+    def _assemble(
+        self,
+        cache: DynamicCache,
+        pieces: list[StitchedPiece],
+        copies: list[list[list[StitchedPiece]]],
+        prefix: int,
+        end: int,
+    ) -> tuple[list[list[torch.Tensor]], int]:
         """Per layer ``[keys, values]`` covering positions ``[0, end)``: the exact prefix, re-positioned pieces,
-        zeros for the gaps (overwritten by the recompute forward before anything attends to them)."""
+        zeros for the gaps (overwritten by the recompute forward before anything attends to them).
+
+        ``copies`` (per run of ``pieces``, :func:`~kvb_cache.stitch_lookup.copy_pieces`): other stored copies
+        of the run's tokens; each stitched position gets the mean of every copy that holds it (the run's own
+        piece included), re-positioned the same way. A position no other copy holds keeps its piece's KV
+        exactly (nothing is divided). Returns the layers and how many positions got a mean."""
         moved = [
             self.mover.reposition(_dense_kv(piece.entry), piece.entry.start, piece.start) for piece in pieces
+        ]
+        # (first, last) prompt positions each other copy adds to, clipped to its run.
+        extra: list[tuple[int, int, StitchedPiece]] = []
+        for (run_start, run_end), chains in zip(chained_runs(pieces), copies):
+            for piece in (p for chain in chains for p in chain):
+                lo, hi = max(piece.start, run_start), min(piece.end, run_end)
+                if lo < hi:
+                    extra.append((lo, hi, piece))
+        count = None
+        if extra:
+            count = torch.ones(end - prefix)
+            for lo, hi, _ in extra:
+                count[lo - prefix : hi - prefix] += 1
+        extra_kv = [
+            self.mover.reposition(_dense_kv(piece.entry), piece.entry.start, piece.start)
+            for _, _, piece in extra
         ]
         first = moved[0]
         layers = []
@@ -366,6 +367,17 @@ class Stitcher:
             for piece, kv in zip(pieces, moved):
                 region_k[:, :, piece.start - prefix : piece.end - prefix] = kv[layer][0]
                 region_v[:, :, piece.start - prefix : piece.end - prefix] = kv[layer][1]
+            if count is not None:
+                for (lo, hi, piece), kv in zip(extra, extra_kv):
+                    region_k[:, :, lo - prefix : hi - prefix] += kv[layer][0][
+                        :, :, lo - piece.start : hi - piece.start
+                    ]
+                    region_v[:, :, lo - prefix : hi - prefix] += kv[layer][1][
+                        :, :, lo - piece.start : hi - piece.start
+                    ]
+                scale = count.to(region_k.dtype)[None, None, :, None]
+                region_k /= scale
+                region_v /= scale
             if prefix:
                 cached = cache.layers[layer]
                 region_k = torch.cat([cached.keys, region_k], dim=2)
@@ -376,7 +388,8 @@ class Stitcher:
             empty = [(k[:, :, :0], v[:, :, :0]) for k, v in first]
             fresh = DynamicCache(empty)
             cache.layers[:] = fresh.layers
-        return layers
+        averaged = 0 if count is None else int((count > 1).sum())
+        return layers, averaged
 
     def _describe(self, prepared: PreparedPrompt, pieces, repaired: set[int], prefix: int, end: int) -> None:
         hits: list[ChunkHit] = [
@@ -406,3 +419,13 @@ class Stitcher:
         prepared.recomputed_tokens = len(repaired)
         prepared.exact_until = pieces[0].start
         prepared.cached_tokens = end
+        copied: list[tuple[int, int]] = []
+        for piece in pieces:
+            for p in range(piece.start, piece.end):
+                if p in repaired:
+                    continue
+                if copied and copied[-1][1] == p:
+                    copied[-1] = (copied[-1][0], p + 1)
+                else:
+                    copied.append((p, p + 1))
+        prepared.copied = tuple(copied)

@@ -94,11 +94,13 @@ class CacheTransfers:
         """With ``StitchConfig.keep_approximate``: keep a finished stitched request's KV from its first
         stitched position on as approximate chunks (content lookups only; see
         :func:`kvb_cache.writeback.write_back_approximate`), read from its private blocks before they are
-        freed, so a document first seen after a stitched one is reused by later stitches."""
+        freed, so a document first seen after a stitched one is reused by later stitches. With
+        ``collect_copies`` > 1 alone, only the chunks it computed itself (a document it recomputed to
+        collect another copy, a miss), not the ones holding copied KV."""
         stitching = self.stitcher.config
         if (
             stitching is None
-            or not stitching.keep_approximate
+            or not (stitching.keep_approximate or stitching.collect_copies > 1)
             or req.exact_until is None
             or not self.kv.caching
         ):
@@ -115,6 +117,8 @@ class CacheTransfers:
             start=req.exact_until,
             num_layers=self.traits.num_layers,
             store_partial_tail=self.config.store_partial_tail,
+            copied=req.copied,
+            derived_too=stitching.keep_approximate,
         )
 
     def _prepare(

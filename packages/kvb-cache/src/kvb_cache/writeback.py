@@ -98,6 +98,8 @@ def write_back_approximate(
     start: int,
     num_layers: int,
     store_partial_tail: bool = True,
+    copied: Sequence[tuple[int, int]] = (),
+    derived_too: bool = True,
 ) -> WritebackResult:
     """Store the chunks of ``ids`` that reach past ``start`` (a stitched request's first stitched position)
     as approximate entries: keys on the approximate chain of ``root`` (never a prefix hash a lookup can
@@ -106,6 +108,10 @@ def write_back_approximate(
     A stitched request's KV from ``start`` on was computed over re-positioned chunks, so it may not serve an
     exact prefix hit; but a document first seen there is still worth reusing the way every stitched chunk
     is, approximately, with its seam repaired. ``cache`` holds positions ``[0, len(ids))``.
+
+    ``copied``: the request's ranges whose KV was copied from stored chunks (stitched, not recomputed); a
+    chunk overlapping one is stored ``derived`` (not an independent copy of its tokens), or skipped when
+    ``derived_too`` is False (then only chunks the request computed itself are kept).
     """
     if not _trusted(cache, num_layers, len(ids)):
         return _NOTHING
@@ -120,6 +126,10 @@ def write_back_approximate(
             continue
         if not span.complete and not store_partial_tail:
             break
+        derived = any(a < span.end and span.start < b for a, b in copied)
+        if derived and not derived_too:
+            anchor = None  # the next chunk kept roots a new run (its parent is not stored)
+            continue
         parent = approximate[i - 1] if i else approximate_root(root)
         anchor = parent if anchor is None else anchor
         if approximate[i] not in store:
@@ -132,6 +142,7 @@ def write_back_approximate(
                 start=span.start,
                 complete=span.complete,
                 exact=False,
+                derived=derived,
             )
             # The first chunk's parent (on the approximate chain, before ``start``) is never stored: it roots
             # the run; each later chunk's parent is the chunk before it.

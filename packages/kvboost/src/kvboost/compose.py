@@ -57,6 +57,7 @@ class KVBoost(_Engine):
         remote_codec: str | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
+        collect_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_num_seqs: int = 32,

@@ -36,6 +36,7 @@ def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:
     layers = tuple((layer.keys, layer.values) for layer in prepared.cache.layers)
     req.prepared_kv = PreparedKV(layers=layers, length=prepared.cached_tokens)
     req.exact_until = prepared.exact_until
+    req.copied = prepared.copied
     req.cached_tokens = prepared.served_tokens
     req.chunk_hits = prepared.chunks
     req.recomputed_tokens = prepared.recomputed_tokens

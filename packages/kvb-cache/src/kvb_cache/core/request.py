@@ -79,6 +79,8 @@ class Request:
     #: Only ``tokens[:exact_until]`` hold exact KV (a stitched request): later blocks are never registered
     #: under a prefix hash. None: all of them are exact.
     exact_until: int | None = None
+    #: Stitched requests: prompt ranges ``(start, end)`` whose KV was copied from stored chunks.
+    copied: tuple[tuple[int, int], ...] = ()
     #: Stitched requests: how each prompt chunk was served and how many stitched tokens were recomputed.
     chunk_hits: tuple | None = None
     recomputed_tokens: int = 0

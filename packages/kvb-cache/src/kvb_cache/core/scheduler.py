@@ -169,6 +169,7 @@ class Scheduler:
         self.kv.free(req)
         # NOTE: a stitched request resumes by recomputing everything after its exact prefix, exactly.
         req.exact_until = None
+        req.copied = ()
         req.status = RequestStatus.WAITING
         req.preemptions += 1
         self.waiting.appendleft(req)

@@ -40,6 +40,10 @@ class ChunkEntry:
     #: False for KV computed over stitched (approximate) KV: stored under an approximate chain
     #: (:func:`kvb_cache.hashing.approximate_root`), reachable by stitching's content lookup only.
     exact: bool = True
+    #: True when some of its tokens' KV was copied from another stored chunk (stitched, not recomputed): an
+    #: approximate entry that is not an independent copy of its tokens, so stitching never averages it with
+    #: the copy it came from (:func:`kvb_cache.stitch_lookup.copy_pieces`).
+    derived: bool = False
     # Bookkeeping owned by the store (under its lock).
     hits: int = field(default=0)
     last_used: int = field(default=0)
