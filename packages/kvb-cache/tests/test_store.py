@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
@@ -127,3 +129,33 @@ def test_complete_chunk_replaces_its_partial_tail():
     )
     store.put(full, root=ROOT)
     assert store.peek(partial.key) is None and store.children(ROOT) == [full]
+
+
+def test_approximate_write_back_marks_chunks_holding_copied_kv_derived():
+    """Chunks overlapping a copied range are ``derived``; with ``derived_too=False`` they are skipped and
+    the next chunk kept roots a new run (its parent is not stored)."""
+    from transformers import DynamicCache
+
+    from kvb_cache.chunking import Chunker
+    from kvb_cache.writeback import write_back_approximate
+
+    root = root_hash("m")
+    ids = list(range(100, 140))  # 10 chunks of 4
+    cache = DynamicCache([(torch.randn(1, 1, 40, 2), torch.randn(1, 1, 40, 2))])
+    kwargs = dict(start=8, num_layers=1, store_partial_tail=False)
+
+    store = ChunkStore(max_bytes=1 << 20)
+    write_back_approximate(store, Chunker(4), root, ids, cache, copied=[(10, 18)], **kwargs)
+    stored = sorted(store._entries.values(), key=lambda e: e.start)
+    assert [e.start for e in stored] == list(range(8, 40, 4))
+    assert [e.start for e in stored if e.derived] == [8, 12, 16]
+    assert not any(e.exact for e in stored)
+
+    store = ChunkStore(max_bytes=1 << 20)
+    write_back_approximate(
+        store, Chunker(4), root, ids, cache, copied=[(10, 18)], derived_too=False, **kwargs
+    )
+    stored = sorted(store._entries.values(), key=lambda e: e.start)
+    assert [e.start for e in stored] == list(range(20, 40, 4)) and not any(e.derived for e in stored)
+    # The first one kept is computed after the skipped chunk: it roots its run; the rest chain on it.
+    assert stored[0].parent not in store and all(b.parent == a.key for a, b in pairwise(stored))
