@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ListedStore, words
 
-from kvb_cache import EngineConfig, KVBoost, StitchConfig
+from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
 from kvb_cache.errors import ConfigError
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.stitch_lookup import ContentLookup, StitchedPiece, copy_pieces
@@ -189,3 +189,25 @@ def test_a_copy_computed_after_the_prompts_own_history_is_not_averaged_or_collec
     assert after["averaged_tokens"] == before["averaged_tokens"]
     assert after["collected_tokens"] == before["collected_tokens"]
     assert again.cached_tokens >= first.cached_tokens
+
+
+def test_with_collect_copies_a_prompt_waits_only_for_sources_that_bring_enough_copies(llama, tokenizer):
+    """``collect_copies=2``, three prompts added together: the second is not held (the first alone brings one
+    copy, so it would compute the documents anyway); the third waits for both and stitches from two
+    copies, averaged."""
+    _, _, (p1, p2, p3) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="none", collect_copies=2)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    a = engine.add_request(p1, params)
+    b = engine.add_request(p2, params)
+    c = engine.add_request(p3, params)
+    assert b not in engine.core.deferred and c in engine.core.deferred
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert set(results) == {a, b, c}
+    assert not any(h.kind == HitKind.STITCHED for h in results[b].chunks)
+    assert any(h.kind == HitKind.STITCHED for h in results[c].chunks)
+    assert engine.cache_stats()["stitching"]["averaged_tokens"] > 0

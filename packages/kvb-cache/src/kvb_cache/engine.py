@@ -331,7 +331,10 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             return rid
         # A prompt whose documents an earlier request is still computing waits for them (core/deferred.py)
         # instead of computing them again beside it; else it is planned now.
-        sources = stitch_sources(self.store, req.root or self.root, req, self.core.pending_prompts())
+        wanted = self.stitcher.config.collect_copies if self.stitcher.config is not None else 1
+        sources = stitch_sources(
+            self.store, req.root or self.root, req, self.core.pending_prompts(), wanted=wanted
+        )
         if sources:
             self.core.defer(req, sources)
         else:

@@ -32,17 +32,21 @@ def _occurs(haystack: bytes, needle: bytes) -> bool:
 
 
 def stitch_sources(
-    store: ChunkStore, root: ChunkHash, req: Request, pending: Iterable[Request]
+    store: ChunkStore, root: ChunkHash, req: Request, pending: Iterable[Request], *, wanted: int = 1
 ) -> frozenset[RequestId]:
-    """The ``pending`` requests (earlier ones whose prompts are not computed yet) that will store a complete
-    chunk ``req``'s prompt holds and the store does not: its documents, past the prefix the two share.
+    """The ``pending`` requests (earlier ones whose prompts are not computed yet) whose prompts will bring a
+    complete chunk of ``req``'s prompt, past the prefix the two share, to ``wanted`` stored copies
+    (``StitchConfig.collect_copies``; 1: one copy) where the store holds fewer.
 
     Chunks inside the shared prefix are left out (``req`` reuses them as an exact prefix hit once computed,
-    waiting or not), and so are chunks the store already has under ``root`` (``req``'s salted root).
+    waiting or not), and so are chunks the store already holds ``wanted`` independent copies of under
+    ``root`` (``req``'s salted root). A chunk that the pending requests cannot bring to ``wanted`` copies
+    names none of them: ``req`` would compute it anyway (to collect a copy), so waiting would only delay it.
     """
     prompt = req.tokens[: req.prompt_len]
     haystack = _as_bytes(prompt)
-    sources: set[RequestId] = set()
+    holders: dict[ChunkHash, set[RequestId]] = {}
+    stored: dict[ChunkHash, int] = {}
     for other in pending:
         if other.root != req.root:
             continue  # another tenant's chunks are never stitched into this one
@@ -52,9 +56,14 @@ def stitch_sources(
             if not span.complete or span.start < shared:
                 continue
             tokens = tuple(theirs[span.start : span.end])
-            if store.by_content(content_hash(root, tokens)):
+            key = content_hash(root, tokens)
+            if key not in stored:
+                stored[key] = sum(1 for e in store.by_content(key) if not e.derived and e.token_ids == tokens)
+            if stored[key] >= wanted or not _occurs(haystack, _as_bytes(tokens)):
                 continue
-            if _occurs(haystack, _as_bytes(tokens)):
-                sources.add(other.request_id)
-                break
+            holders.setdefault(key, set()).add(other.request_id)
+    sources: set[RequestId] = set()
+    for key, names in holders.items():
+        if stored[key] + len(names) >= wanted:
+            sources |= names
     return frozenset(sources)
