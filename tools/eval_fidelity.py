@@ -183,6 +183,7 @@ def run_group(
         rows.append(
             {
                 "config": name,
+                "warmup_collect_copies": collect_copies,
                 "prompt_tokens": len(ids),
                 "reuse_ratio": warm.kv_reuse_ratio,
                 "recomputed_tokens": warm.recomputed_tokens,
@@ -322,6 +323,7 @@ def main() -> None:
         "device": "cpu, torch.set_num_threads(1)",
         "chunk_size": args.chunk_size,
         "new_tokens": args.new_tokens,
+        "warmup_collect_copies": sorted({r.get("warmup_collect_copies", 1) for r in rows}),
         "configs": {k: repr(v) for k, v in CONFIGS.items()},
     }
     (args.out / "fidelity.json").write_text(
