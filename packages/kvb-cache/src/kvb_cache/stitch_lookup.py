@@ -3,7 +3,8 @@
 :func:`find_pieces` picks, position by position, one stored copy per piece (the one that keeps a document on
 one chain of neighbours); :func:`chained_runs` cuts the pieces into runs at the true seams;
 :func:`copy_pieces` finds the *other* stored copies of each run's tokens, which :mod:`kvb_cache.stitching`
-averages with the chosen one (``StitchConfig.average_copies``).
+averages with the chosen one (``StitchConfig.average_copies``); :func:`own_chain` finds the chunks kept
+from this very prompt, and :func:`keep_held_runs` drops the runs to compute instead (``collect_copies``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvb_cache.chunking import ChunkSpan
 from kvb_cache.hashing import ChunkHash, content_hash
 from kvb_cache.store import ChunkEntry, ChunkStore
 
@@ -145,7 +147,12 @@ def chained_runs(pieces: Sequence[StitchedPiece]) -> list[tuple[int, int]]:
 
 
 def copy_pieces(
-    lookup: ContentLookup, pieces: Sequence[StitchedPiece], *, max_copies: int, slack: int
+    lookup: ContentLookup,
+    pieces: Sequence[StitchedPiece],
+    *,
+    max_copies: int,
+    slack: int,
+    runs: Sequence[tuple[int, int]] | None = None,
 ) -> list[list[list[StitchedPiece]]]:
     """Per run of ``pieces`` (:func:`chained_runs`), the other stored copies of its tokens, as chains.
 
@@ -162,11 +169,14 @@ def copy_pieces(
     the mean away from it. The chains starting first (then the longest) are kept, at most
     ``max_copies - 1`` per run.
 
+    ``runs``: ``chained_runs(pieces)`` when the caller has it already.
+
     Returns:
         One list per run of ``pieces``: the kept chains, each a list of pieces (full entries; they may reach
         past the run, the caller clips them to it).
     """
-    runs = chained_runs(pieces)
+    if runs is None:
+        runs = chained_runs(pieces)
     own = {p.entry.key for p in pieces}
     found: list[list[list[StitchedPiece]]] = []
     for run_start, run_end in runs:
@@ -193,3 +203,59 @@ def copy_pieces(
                 lookup.store.touch(piece.entry)
         found.append(kept)
     return found
+
+
+def own_chain(
+    store: ChunkStore,
+    ids: Sequence[int],
+    spans: Sequence[ChunkSpan],
+    keys: Sequence[ChunkHash],
+    *,
+    start: int,
+    stop: int,
+) -> list[StitchedPiece]:
+    """The stored chunks that continue this very prompt after its exact prefix: its approximate-chain prefix
+    ``keys`` (one per span), from the first span starting at or after ``start`` for as long as each is
+    stored (the same stitched prompt asked again, with ``keep_approximate`` or ``collect_copies``). They are
+    served as they were computed, so a repeated prompt gets the KV it had."""
+    chain: list[StitchedPiece] = []
+    for span, key in zip(spans, keys):
+        if span.start < start:
+            continue
+        entry = store.get(key) if span.end <= stop else None
+        if entry is None or entry.token_ids != tuple(ids[span.start : span.end]):
+            break
+        chain.append(StitchedPiece(start=span.start, end=span.end, entry=entry))
+    return chain
+
+
+def keep_held_runs(
+    pieces: Sequence[StitchedPiece],
+    runs: Sequence[tuple[int, int]],
+    copies: Sequence[list[list[StitchedPiece]]],
+    own: Sequence[bool],
+    wanted: int,
+) -> tuple[list[StitchedPiece], list[tuple[int, int]], list[list[list[StitchedPiece]]], int]:
+    """Drop the runs held by fewer than ``wanted`` independent copies (``collect_copies``): the request
+    computes them in its own context instead, and its finished KV is kept as one more copy. A run whose copy
+    saw this prompt's own history (``own``) is always kept.
+
+    Returns:
+        The kept pieces, runs and copies, and how many stitched tokens were dropped.
+    """
+    kept_pieces: list[StitchedPiece] = []
+    kept_runs: list[tuple[int, int]] = []
+    kept_copies: list[list[list[StitchedPiece]]] = []
+    dropped = 0
+    i = 0
+    for (start, end), chains, same in zip(runs, copies, own):
+        first = i
+        while i < len(pieces) and pieces[i].start < end:
+            i += 1
+        if same or 1 + len(chains) >= wanted:
+            kept_pieces.extend(pieces[first:i])
+            kept_runs.append((start, end))
+            kept_copies.append(chains)
+        else:
+            dropped += end - start
+    return kept_pieces, kept_runs, kept_copies, dropped

@@ -37,7 +37,15 @@ from kvb_cache.repair.selective import selective_positions
 from kvb_cache.results import ChunkHit, HitKind
 from kvb_cache.rope import KeyRepositioner
 from kvb_cache.stitch_config import StitchConfig
-from kvb_cache.stitch_lookup import ContentLookup, StitchedPiece, chained_runs, copy_pieces, find_pieces
+from kvb_cache.stitch_lookup import (
+    ContentLookup,
+    StitchedPiece,
+    chained_runs,
+    copy_pieces,
+    find_pieces,
+    keep_held_runs,
+    own_chain,
+)
 from kvb_cache.store import ChunkEntry, ChunkStore
 
 if TYPE_CHECKING:
@@ -189,21 +197,17 @@ class Stitcher:
         ids, prefix = prepared.ids, prepared.cached_tokens
         root = self.root if prepared.root is None else prepared.root
         lookup = ContentLookup(self.store, root, ids, max_reuse, self.lengths)
-        own_chain = self._own_chain(prepared, root, prefix, max_reuse)
-        if own_chain:
+        approximate = approximate_root(root)
+        approximate_keys = chunk_keys(approximate, ids, prepared.spans).prefix
+        kept = own_chain(self.store, ids, prepared.spans, approximate_keys, start=prefix, stop=max_reuse)
+        if kept:
             # Less than a chunk before it: found in a lookup that stops where the chain starts.
-            before = ContentLookup(self.store, root, ids, own_chain[0].start, self.lengths)
+            before = ContentLookup(self.store, root, ids, kept[0].start, self.lengths)
             found = find_pieces(
-                self.store,
-                root,
-                ids,
-                start=prefix,
-                stop=own_chain[0].start,
-                lengths=self.lengths,
-                lookup=before,
+                self.store, root, ids, start=prefix, stop=kept[0].start, lengths=self.lengths, lookup=before
             )
-            found += own_chain
-            start = own_chain[-1].end
+            found += kept
+            start = kept[-1].end
         else:
             found, start = [], prefix
         found += find_pieces(
@@ -212,38 +216,39 @@ class Stitcher:
         pieces = [p for p in found if p.end - p.start >= cfg.min_reuse_tokens]
         if not pieces:
             return None
+        runs = chained_runs(pieces)
         wanted = max(cfg.average_copies, cfg.collect_copies)
-        copies = copy_pieces(lookup, pieces, max_copies=wanted, slack=self.lengths[0])
+        copies = copy_pieces(lookup, pieces, max_copies=wanted, slack=self.lengths[0], runs=runs)
         # A run whose copy was computed after this very prompt's tokens (its parent is one of the prompt's
         # own prefix keys, exact or approximate: the same prompt, or one sharing all of it, asked before)
         # has the best history there is: it is neither averaged with copies after other histories nor
         # computed again to collect one.
-        history = self._history_keys(prepared, root)
+        history = {root, approximate, *approximate_keys, *chunk_keys(root, ids, prepared.spans).prefix}
         firsts = {p.start: p for p in pieces}
-        own = [firsts[start].entry.parent in history for start, _ in chained_runs(pieces)]
+        own = [firsts[run_start].entry.parent in history for run_start, _ in runs]
         copies = [[] if same else chains for same, chains in zip(own, copies)]
         if cfg.collect_copies > 1:
-            pieces, copies = self._collect(pieces, copies, own, cfg.collect_copies)
+            pieces, runs, copies, dropped = keep_held_runs(pieces, runs, copies, own, cfg.collect_copies)
+            self.counters.record_collected(dropped)
             if not pieces:
                 return None
         copies = [chains[: cfg.average_copies - 1] for chains in copies]
         end = pieces[-1].end
-        layers, averaged = self._assemble(prepared.cache, pieces, copies, prefix, end)
+        layers, averaged = self._assemble(prepared.cache, pieces, runs, copies, prefix, end)
         stitched = [p for piece in pieces for p in range(piece.start, piece.end)]
         covered = set(stitched)
         gaps = [p for p in range(prefix, end) if p not in covered]
         strategy = cfg.recompute_strategy
-        spans = chained_runs(pieces)
         work: RepairWork
         repaired: list[int] | None
         if strategy == "none":
             work, repaired = RecomputePass(self.model, layers, ids, gaps, self.layout), []
         elif strategy == "selective":
-            repaired = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
+            repaired = selective_positions(runs, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
             positions = sorted(set(gaps) | set(repaired))
             work = RecomputePass(self.model, layers, ids, positions, self.layout)
         else:
-            seams = selective_positions(spans, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
+            seams = selective_positions(runs, overlap_k=cfg.overlap_k, sink_tokens=cfg.sink_tokens)
             work = CacheBlendRepair(
                 self.model,
                 layers,
@@ -267,54 +272,6 @@ class Stitcher:
             averaged=averaged,
         )
 
-    def _own_chain(
-        self, prepared: PreparedPrompt, root: ChunkHash, prefix: int, stop: int
-    ) -> list[StitchedPiece]:
-        """The stored chunks that continue this very prompt after its exact prefix: its approximate-chain
-        prefix keys, from the first chunk starting at or after ``prefix`` for as long as each is stored (the
-        same stitched prompt asked again, with ``keep_approximate`` or ``collect_copies``). They are served
-        as they were computed, so a repeated prompt gets the KV it had."""
-        keys = chunk_keys(approximate_root(root), prepared.ids, prepared.spans).prefix
-        chain: list[StitchedPiece] = []
-        for span, key in zip(prepared.spans, keys):
-            if span.start < prefix:
-                continue
-            entry = self.store.get(key) if span.end <= stop else None
-            if entry is None or entry.token_ids != tuple(prepared.ids[span.start : span.end]):
-                break
-            chain.append(StitchedPiece(start=span.start, end=span.end, entry=entry))
-        return chain
-
-    @staticmethod
-    def _history_keys(prepared: PreparedPrompt, root: ChunkHash) -> set[ChunkHash]:
-        """Every prefix key of the prompt, on the exact chain and on the approximate one."""
-        approx = approximate_root(root)
-        keys = {root, approx}
-        keys.update(chunk_keys(root, prepared.ids, prepared.spans).prefix)
-        keys.update(chunk_keys(approx, prepared.ids, prepared.spans).prefix)
-        return keys
-
-    def _collect(
-        self,
-        pieces: list[StitchedPiece],
-        copies: list[list[list[StitchedPiece]]],
-        own: list[bool],
-        wanted: int,
-    ) -> tuple[list[StitchedPiece], list[list[list[StitchedPiece]]]]:
-        """Drop the runs held by fewer than ``wanted`` independent copies (``collect_copies``): the request
-        computes them in its own context instead, and its finished KV is kept as one more copy. A run whose
-        copy saw this prompt's own history (``own``) is always kept."""
-        kept_pieces: list[StitchedPiece] = []
-        kept_copies: list[list[list[StitchedPiece]]] = []
-        runs = chained_runs(pieces)
-        for (start, end), chains, same in zip(runs, copies, own):
-            if same or 1 + len(chains) >= wanted:
-                kept_pieces.extend(p for p in pieces if start <= p.start < end)
-                kept_copies.append(chains)
-            else:
-                self.counters.record_collected(end - start)
-        return kept_pieces, kept_copies
-
     def _finish(self, job: StitchJob, repaired: list[int]) -> None:
         """Hand the repaired KV and the telemetry to the prepared prompt, and count the stitch."""
         prepared = job.prepared
@@ -329,6 +286,7 @@ class Stitcher:
         self,
         cache: DynamicCache,
         pieces: list[StitchedPiece],
+        runs: list[tuple[int, int]],
         copies: list[list[list[StitchedPiece]]],
         prefix: int,
         end: int,
@@ -336,7 +294,7 @@ class Stitcher:
         """Per layer ``[keys, values]`` covering positions ``[0, end)``: the exact prefix, re-positioned pieces,
         zeros for the gaps (overwritten by the recompute forward before anything attends to them).
 
-        ``copies`` (per run of ``pieces``, :func:`~kvb_cache.stitch_lookup.copy_pieces`): other stored copies
+        ``copies`` (per run in ``runs``, :func:`~kvb_cache.stitch_lookup.copy_pieces`): other stored copies
         of the run's tokens; each stitched position gets the mean of every copy that holds it (the run's own
         piece included), re-positioned the same way. A position no other copy holds keeps its piece's KV
         exactly (nothing is divided). Returns the layers and how many positions got a mean."""
@@ -345,7 +303,7 @@ class Stitcher:
         ]
         # (first, last) prompt positions each other copy adds to, clipped to its run.
         extra: list[tuple[int, int, StitchedPiece]] = []
-        for (run_start, run_end), chains in zip(chained_runs(pieces), copies):
+        for (run_start, run_end), chains in zip(runs, copies):
             for piece in (p for chain in chains for p in chain):
                 lo, hi = max(piece.start, run_start), min(piece.end, run_end)
                 if lo < hi:
