@@ -3,11 +3,14 @@
 Chat users of a RAG service send the same few documents again and again, in another order and after
 another question each time. A prefix cache (the peer's block sharing, kvboost's default) reuses only the
 system prompt before the first document; kvboost with stitching on also reuses the documents it has seen
-elsewhere (docs/fidelity.md). Three servers, one after the other, same model (the embedded
+elsewhere (docs/fidelity.md). Four servers, one after the other, same model (the embedded
 SmolLM2-135M-Instruct), same torch thread count:
 
 - ``kvboost``: exact prefix reuse only (the server's defaults);
-- ``kvboost-stitch``: ``--recompute-strategy selective --chunk-size 32`` (the measured default repair);
+- ``kvboost-stitch``: ``--recompute-strategy selective --chunk-size 32`` (the measured default repair;
+  between requests the worker computes stitched prompts exactly, ``StitchConfig.idle_copies``);
+- ``kvboost-stitch-noidle``: the same with ``--idle-copies 1`` (no idle work: what idle work costs a
+  request that arrives while it runs, and what it buys);
 - ``transformers``: ``transformers serve --continuous-batching`` (paged attention, prefix-block sharing).
 
 Workload: 8 pydoc topics (``pydoc_data.topics``) of ~300 tokens; each request is a system prompt, 4 of the
@@ -49,7 +52,7 @@ from server_procs import (
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a helpful assistant. Answer from the documents the user gives you, briefly."
-SERVERS = ("kvboost", "kvboost-stitch", "transformers")
+SERVERS = ("kvboost", "kvboost-stitch", "kvboost-stitch-noidle", "transformers")
 QUESTIONS = (
     "In one sentence, what is the document titled {title!r} about?",
     "Quote the first sentence of the document titled {title!r}.",
@@ -265,6 +268,11 @@ def main() -> None:
             argv=(*exact.argv, "--recompute-strategy", "selective", "--chunk-size", "32"),
         ),
     }
+    specs["kvboost-stitch-noidle"] = dataclasses.replace(
+        specs["kvboost-stitch"],
+        name="kvboost-stitch-noidle",
+        argv=(*specs["kvboost-stitch"].argv, "--idle-copies", "1"),
+    )
     if "transformers" in args.servers:
         venv = ensure_transformers_venv(
             cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}"

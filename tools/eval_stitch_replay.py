@@ -5,14 +5,18 @@ order, and a question, so documents keep arriving next to other documents, often
 that already stitches others. One engine per variant replays the same requests (``StitchConfig`` defaults
 otherwise): ``default``; ``keep_approximate`` (a stitched request's KV from its first stitched position on
 kept as approximate chunks); ``collect_copies=2`` (a document stored once is computed again on its second
-sighting and kept, so later requests average two copies: ``average_copies``); and both. Per request,
+sighting and kept, so later requests average two copies: ``average_copies``); both; and ``idle`` (the
+default, given idle time after each request: ``KVBoost.run_idle`` computes the stitched prompts whose
+documents were held once, ``idle_copies``), alone and with ``keep_approximate``. Per request,
 through the teacher-forced path: served tokens (exact + stitched), recomputed share, and top-1 agreement
 and mean KL against no-cache over the request's own 16-token greedy continuation; each request then runs
 once through the engine loop, which stores its chunks as a served request would.
 
     python tools/eval_stitch_replay.py [--docs 8] [--per-request 4] [--requests 16] [--out docs]
+        [--variants idle ...] [--merge docs/fidelity_replay.json]
 
-Writes ``fidelity_replay.json`` under ``--out`` and prints a markdown table.
+Writes ``fidelity_replay.json`` under ``--out`` and prints a markdown table; ``--merge`` first loads the
+variants of an earlier run of the same requests (rows are deterministic) and keeps those not rerun.
 """
 
 from __future__ import annotations
@@ -58,15 +62,18 @@ def requests(tokenizer, n_docs: int, per_request: int, n_requests: int, seed: in
     return out
 
 
+#: name -> (stitching, whether the engine gets idle time after each request)
 VARIANTS = {
-    "default": StitchConfig(),
-    "keep_approximate": StitchConfig(keep_approximate=True),
-    "collect_copies=2": StitchConfig(collect_copies=2),
-    "keep_approximate + collect_copies=2": StitchConfig(keep_approximate=True, collect_copies=2),
+    "default": (StitchConfig(), False),
+    "keep_approximate": (StitchConfig(keep_approximate=True), False),
+    "collect_copies=2": (StitchConfig(collect_copies=2), False),
+    "keep_approximate + collect_copies=2": (StitchConfig(keep_approximate=True, collect_copies=2), False),
+    "idle": (StitchConfig(), True),
+    "keep_approximate + idle": (StitchConfig(keep_approximate=True), True),
 }
 
 
-def replay(model, tokenizer, prompts, references, stitching: StitchConfig) -> list[dict]:
+def replay(model, tokenizer, prompts, references, stitching: StitchConfig, idle: bool) -> list[dict]:
     engine = KVBoost(
         model,
         tokenizer,
@@ -77,6 +84,9 @@ def replay(model, tokenizer, prompts, references, stitching: StitchConfig) -> li
         forced = teacher_forced_logits(engine, ids, continuation)
         agreement = compare_distributions(reference, forced.logits)
         engine.generate(ids, max_new_tokens=1)  # served once: its chunks are stored as a request's would be
+        before = engine.idle_stats()["computed_tokens"]
+        if idle:
+            engine.run_idle()  # the gap before the next request: a server's worker runs it when idle
         rows.append(
             {
                 "prompt_tokens": len(ids),
@@ -86,6 +96,8 @@ def replay(model, tokenizer, prompts, references, stitching: StitchConfig) -> li
                 "work": 1 - forced.cached_tokens / len(ids) + forced.recomputed_tokens / len(ids),
                 "tf_top1": agreement.top1_agreement,
                 "tf_mean_kl": agreement.mean_kl,
+                # tokens computed in the idle time after this request, as a share of its prompt
+                "idle_work": (engine.idle_stats()["computed_tokens"] - before) / len(ids),
             }
         )
     return rows
@@ -98,7 +110,7 @@ def summary(rows: list[dict], skip: int) -> dict:
     tail = rows[skip:]
     return {
         key: {"all": mean(key, rows), "after_warmup": mean(key, tail)}
-        for key in ("served", "recomputed", "work", "tf_top1", "tf_mean_kl")
+        for key in ("served", "recomputed", "work", "tf_top1", "tf_mean_kl", "idle_work")
     }
 
 
@@ -111,6 +123,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs")
+    p.add_argument("--merge", type=Path, help="an earlier fidelity_replay.json of the same requests")
     args = p.parse_args()
     torch.set_num_threads(1)
     started = time.time()
@@ -124,16 +137,25 @@ def main() -> None:
         out = cold.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).output_ids
         references.append((out, reference_continuation_logits(model, ids, out)))
     results = {}
+    if args.merge is not None:
+        earlier = json.loads(args.merge.read_text())
+        same = ("docs", "per_request", "requests", "warmup", "seed")
+        if any(earlier["config"][k] != getattr(args, k) for k in same):
+            raise SystemExit(f"--merge {args.merge}: another replay ({earlier['config']})")
+        for name, result in earlier["results"].items():
+            if name not in args.variants:
+                rows = [{"idle_work": 0.0, **row} for row in result["rows"]]
+                results[name] = {"rows": rows, "summary": summary(rows, args.warmup)}
     for name in args.variants:
-        rows = replay(model, tokenizer, prompts, references, VARIANTS[name])
+        rows = replay(model, tokenizer, prompts, references, *VARIANTS[name])
         results[name] = {"rows": rows, "summary": summary(rows, args.warmup)}
         print(f"{name} done after {time.time() - started:.0f}s", flush=True)
     after = f"after {args.warmup}"
     print(
         f"| variant | served (all / {after}) | recomputed | prefill work (all / {after}) "
-        f"| TF top-1 (all / {after}) | TF mean KL (all / {after}) |"
+        f"| TF top-1 (all / {after}) | TF mean KL (all / {after}) | idle work (all / {after}) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, result in results.items():
         s = result["summary"]
 
@@ -142,7 +164,7 @@ def main() -> None:
 
         print(
             f"| {name} | {both('served', '.1%')} | {s['recomputed']['all']:.1%} | {both('work', '.1%')} "
-            f"| {both('tf_top1', '.1%')} | {both('tf_mean_kl', '.4f')} |"
+            f"| {both('tf_top1', '.1%')} | {both('tf_mean_kl', '.4f')} | {both('idle_work', '.1%')} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -129,3 +129,16 @@ def test_collect_copies_flag_applies_to_the_stitching_config():
         EngineArgs(stitching=StitchConfig(collect_copies=3), collect_copies=2).engine_config()
     with pytest.raises(SystemExit):
         parser.parse_args(["--collect-copies", "0"])
+
+
+def test_idle_copies_flag_applies_to_the_stitching_config():
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    argv = ["--recompute-strategy", "selective", "--idle-copies", "1", "--collect-copies", "2"]
+    args = from_namespace(EngineArgs, parser.parse_args(argv))
+    assert args.engine_config().stitching == StitchConfig(idle_copies=1, collect_copies=2)
+    assert EngineArgs(recompute_strategy="none").engine_config().stitching.idle_copies == 2
+    with pytest.raises(ConfigError, match="idle_copies needs stitching"):
+        EngineArgs(idle_copies=3).engine_config()
+    with pytest.raises(ConfigError, match="contradicts"):
+        EngineArgs(stitching=StitchConfig(idle_copies=3), idle_copies=1).engine_config()

@@ -43,3 +43,32 @@ def test_stitched_completion_over_http_matches_the_library() -> None:
     stitching = stats["cache"]["stitching"]
     assert stitching["enabled"] and stitching["strategy"] == "selective" and stitching["stitched_chunks"] > 0
     assert not engine.core.solo and engine.paged_stats().blocks_used == 0
+
+
+def test_the_server_computes_a_stitched_prompt_while_idle() -> None:
+    """Between requests the worker runs the engine's idle work (StitchConfig.idle_copies): the stitched
+    prompt is computed exactly, so asked again it is served from cache past its last token but one, with
+    the same text as a fresh engine's."""
+    import time
+
+    engine = build_tiny_engine(stitching=StitchConfig(recompute_strategy="selective", overlap_k=4))
+    plain = build_tiny_engine().generate(SECOND, max_new_tokens=6)
+    config = ServerConfig(model_names=("tiny-llama",), max_tokens=48)
+    with serve(create_app(engine, config)) as url, httpx.Client(base_url=url, timeout=60) as client:
+        body = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0}
+        assert client.post("/v1/completions", json={**body, "prompt": FIRST}).status_code == 200
+        second = client.post("/v1/completions", json={**body, "prompt": SECOND})
+        assert second.status_code == 200, second.text
+        deadline = time.monotonic() + 60
+        while True:
+            stats = client.get("/v1/stats").json()
+            if stats["cache"]["stitching"]["idle"]["computed_prompts"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert stats["cache"]["stitching"]["idle"]["computed_prompts"] == 1
+        assert stats["queue"]["idle_steps"] > 0
+        again = client.post("/v1/completions", json={**body, "prompt": SECOND})
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert again.json()["choices"][0]["text"] == plain.output_text
+    assert engine.paged_stats().blocks_used == 0 and not engine.has_idle_work()

@@ -30,6 +30,7 @@ from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
+from kvb_cache.idle_work import IdleWork
 from kvb_cache.lifecycle import EngineLifecycle
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
@@ -58,7 +59,7 @@ from kvb_cache.transfers import CacheTransfers
 logger = logging.getLogger(__name__)
 
 
-class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
+class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleWork):
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
     Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
@@ -115,8 +116,9 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             self,
             build_result=self._paged_result,
             before_free=self._store_approximate,
-            after_prefill=self._store_prompt_chunks,
+            after_prefill=self._prompt_computed,
             plan_deferred=self._queue_stitched,
+            make_idle=self._make_idle,
         )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
@@ -161,6 +163,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,
+        idle_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_num_seqs: int = 32,
@@ -191,6 +194,8 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
                 ``"none"``, ``"selective"`` or ``"cacheblend"``.
             collect_copies: with stitching, ``StitchConfig.collect_copies`` (compute a document held by
                 fewer stored copies, and keep it, so later prompts average them).
+            idle_copies: with stitching, ``StitchConfig.idle_copies`` (compute such a stitched prompt
+                exactly while the engine is idle: :meth:`run_idle`); 1: never.
             block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk_size: the paged pool
                 and the scheduler (see :class:`EngineConfig`).
             exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued
@@ -345,6 +350,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
         """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
         one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
         job = self._plan_stitch(req)
+        req.idle_refine = job is not None and job.under_held
         if job is None:
             self.core.add(req)
         else:
@@ -371,7 +377,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             blocks_cached=pool.num_cached,
             blocks_free=pool.num_free - pool.num_cached,
             running=self.core.running,
-            waiting=len(sched.waiting),
+            waiting=sum(not r.internal for r in sched.waiting),
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,
             preemptions=sched.preemptions,
@@ -435,7 +441,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
             "chunk_size": self.config.chunk_size,
             **self.counters.as_dict(),
             "paged": paged.as_dict(),
-            "stitching": self.stitcher.stats(),
+            "stitching": {**self.stitcher.stats(), "idle": self.idle_stats()},
         }
         if self.tiers is not None:
             stats["tiers"] = [t.as_dict() for t in self.tiers.stats()]
@@ -452,6 +458,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
 
     def clear_cache(self) -> None:
         """Forget every cached block (RAM); lower tiers keep their records. See also :meth:`reset_cache`."""
+        self.core.clear_idle()
         self.kv.clear()
         self.store.clear()
 
@@ -480,8 +487,24 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge):
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         check_context(self.context_length, prompt_tokens, max_new_tokens)
 
+    def _prompt_computed(self, req: Request) -> None:
+        self._store_prompt_chunks(req)
+        self._queue_idle(req)
+
     def _paged_result(self, req: Request) -> GenerationResult:
         cached = req.cached_tokens or 0
+        if req.internal:  # an idle prompt: only its chunks are wanted, not its counters
+            if self.config.stitching is not None:
+                self._store_chunks(req)
+            return GenerationResult(
+                output_text="",
+                output_ids=list(req.output_ids),
+                prompt_tokens=req.prompt_len,
+                cached_tokens=cached,
+                ttft_ms=req.ttft_ms,
+                total_ms=(time.perf_counter() - req.arrival) * 1e3,
+                finish_reason="length",
+            )
         chunks = req.chunk_hits if req.chunk_hits is not None else generation.chunk_hits(req.spans, cached)
         result = GenerationResult(
             output_text=req.emitter.text,

@@ -147,6 +147,15 @@ class EngineArgs:
         help="with stitching: compute a document held by fewer than N stored copies instead of stitching it, "
         "and keep it, so later prompts average N copies (StitchConfig.collect_copies); unset: 1",
     )
+    idle_copies: int | None = option(
+        None,
+        group="stitching",
+        parse=positive_int,
+        metavar="N",
+        help="with stitching: while no request is running, compute exactly each stitched prompt that had a "
+        "document held by fewer than N stored copies, so it becomes an exact hit and its documents gain a "
+        "copy to average (StitchConfig.idle_copies); 1: never; unset: 2",
+    )
     # -- scheduling ----------------------------------------------------------------------------------------
     max_num_seqs: int = option(
         32, group="scheduling", parse=positive_int, help="most requests decoded together in one engine step"
@@ -175,11 +184,12 @@ class EngineArgs:
     )
 
     def stitch_config(self) -> StitchConfig | None:
-        """``stitching``, or the one ``recompute_strategy`` stands for, with ``collect_copies`` applied.
+        """``stitching``, or the one ``recompute_strategy`` stands for, with ``collect_copies`` and
+        ``idle_copies`` applied.
 
         Raises:
-            ConfigError: they disagree, ``collect_copies`` is given without stitching, or the strategy is
-                unknown.
+            ConfigError: they disagree, ``collect_copies`` / ``idle_copies`` is given without stitching, or
+                the strategy is unknown.
         """
         config = self.stitching
         if self.recompute_strategy is not None:
@@ -189,18 +199,20 @@ class EngineArgs:
                     f"{config.recompute_strategy!r}: pass one of them"
                 )
             config = config or StitchConfig(recompute_strategy=self.recompute_strategy)  # type: ignore[arg-type]
-        if self.collect_copies is None:
-            return config
-        if config is None:
-            raise ConfigError(
-                "collect_copies needs stitching: pass recompute_strategy (--recompute-strategy) too"
-            )
-        if self.stitching is not None and self.stitching.collect_copies not in (1, self.collect_copies):
-            raise ConfigError(
-                f"collect_copies={self.collect_copies} contradicts stitching.collect_copies="
-                f"{self.stitching.collect_copies}: pass one of them"
-            )
-        return replace(config, collect_copies=self.collect_copies)
+        for name in ("collect_copies", "idle_copies"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if config is None:
+                raise ConfigError(
+                    f"{name} needs stitching: pass recompute_strategy (--recompute-strategy) too"
+                )
+            given = getattr(self.stitching, name, None)
+            default = getattr(StitchConfig(), name)
+            if given is not None and given not in (default, value):
+                raise ConfigError(f"{name}={value} contradicts stitching.{name}={given}: pass one of them")
+            config = replace(config, **{name: value})
+        return config
 
     def tier_config(self) -> TierConfig | None:
         """The disk / Redis tiers asked for; None: RAM only."""

@@ -135,6 +135,7 @@ class EngineLifecycle:
                 running=running,
                 waiting=waiting,
             )
+        self.core.clear_idle()
         blocks = self.kv.clear()
         chunks = len(self.store)
         records = 0

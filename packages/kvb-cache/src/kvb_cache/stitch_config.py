@@ -56,6 +56,13 @@ class StitchConfig:
             copy (an approximate entry when it follows stitched KV), so later prompts average them. 1 (the
             default) never computes a run it could stitch; 2 pays one more full computation of each
             document, on its second sighting, for the averaged KV of every later one.
+        idle_copies: a stitched prompt one of whose runs is held by fewer than this many independent copies
+            is queued to be computed exactly while the engine is idle (:mod:`kvb_cache.core.idle`: the
+            server's worker between requests, or :meth:`kvb_cache.KVBoost.run_idle`): its chunks are then
+            stored under its own prefix keys, so the same prompt asked again is an exact prefix hit and each
+            of its documents has one more copy to average. Default 2: the fidelity of ``collect_copies=2``
+            (docs/fidelity.md) without the second sighting paying for it, when the engine gets idle time. 1:
+            never.
     """
 
     recompute_strategy: RecomputeStrategy = "selective"
@@ -67,6 +74,7 @@ class StitchConfig:
     keep_approximate: bool = False
     average_copies: int = 2
     collect_copies: int = 1
+    idle_copies: int = 2
 
     def __post_init__(self) -> None:
         if self.recompute_strategy not in _STRATEGIES:
@@ -81,7 +89,7 @@ class StitchConfig:
             )
         if not isinstance(self.keep_approximate, bool):
             raise ConfigError(f"keep_approximate must be a bool, got {self.keep_approximate!r}")
-        for name in ("average_copies", "collect_copies"):
+        for name in ("average_copies", "collect_copies", "idle_copies"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1 (1: off), got {value!r}")

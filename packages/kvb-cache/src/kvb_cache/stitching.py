@@ -82,6 +82,9 @@ class StitchJob:
     end: int
     #: Stitched positions whose KV is the mean of several stored copies.
     averaged: int = 0
+    #: A stitched run is held by fewer than ``StitchConfig.idle_copies`` independent copies: computing this
+    #: prompt when the engine is idle would add one (:mod:`kvb_cache.core.idle`).
+    under_held: bool = False
     finished: bool = False
 
     @property
@@ -217,7 +220,7 @@ class Stitcher:
         if not pieces:
             return None
         runs = chained_runs(pieces)
-        wanted = max(cfg.average_copies, cfg.collect_copies)
+        wanted = max(cfg.average_copies, cfg.collect_copies, cfg.idle_copies)
         copies = copy_pieces(lookup, pieces, max_copies=wanted, slack=self.lengths[0], runs=runs)
         # A run whose copy was computed after this very prompt's tokens (its parent is one of the prompt's
         # own prefix keys, exact or approximate: the same prompt, or one sharing all of it, asked before)
@@ -227,6 +230,7 @@ class Stitcher:
         firsts = {p.start: p for p in pieces}
         own = [firsts[run_start].entry.parent in history for run_start, _ in runs]
         copies = [[] if same else chains for same, chains in zip(own, copies)]
+        under_held = any(not same and len(chains) + 1 < cfg.idle_copies for same, chains in zip(own, copies))
         if cfg.collect_copies > 1:
             pieces, runs, copies, dropped = keep_held_runs(pieces, runs, copies, own, cfg.collect_copies)
             self.counters.record_collected(dropped)
@@ -270,6 +274,7 @@ class Stitcher:
             prefix=prefix,
             end=end,
             averaged=averaged,
+            under_held=under_held,
         )
 
     def _finish(self, job: StitchJob, repaired: list[int]) -> None:

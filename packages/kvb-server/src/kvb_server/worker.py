@@ -8,7 +8,9 @@ The engine is not thread-safe, so exactly one thread ever calls it. Request hand
 2. aborts the requests whose client went away or whose deadline passed (a timed-out one is answered 504),
 3. runs one ``engine.step()`` while any of its requests is unfinished and routes each output to its job's
    :class:`~kvb_server.jobs.Inbox` (streamed jobs: every output; others: only the result),
-4. sleeps on a condition variable when it has nothing to do, until the next submission wakes it.
+4. with no request in flight, runs the engine's idle work one step at a time (stitched prompts computed
+   exactly, ``StitchConfig.idle_copies``; a submission takes over at the next step),
+5. sleeps on a condition variable when it has nothing to do, until the next submission wakes it.
 
 So streamed and non-streamed requests share every step, a new request joins at the next step, and a
 disconnect is acted on within one step. A failing ``step()`` fails the requests in flight (each is aborted
@@ -58,7 +60,9 @@ class WorkerStats:
         added / finished / aborted / rejected: requests handed to the engine / completed / dropped
             (client gone, deadline, failed step) / refused by ``add_request``.
         calls: engine calls run between steps (warm, stats).
-        busy_s: seconds spent inside ``step()``.
+        busy_s: seconds spent inside ``step()`` for requests.
+        idle_steps / idle_s: steps (and seconds) of the engine's idle work, run while no request was in
+            flight.
     """
 
     waiting: int
@@ -74,6 +78,8 @@ class WorkerStats:
     rejected: int
     calls: int
     busy_s: float
+    idle_steps: int = 0
+    idle_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -107,6 +113,8 @@ class EngineWorker:
         self._steps = self._step_errors = self._largest_step = 0
         self._added = self._finished = self._aborted = self._rejected = self._calls = 0
         self._busy_s = 0.0
+        self._idle_steps = 0
+        self._idle_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,6 +206,8 @@ class EngineWorker:
             rejected=self._rejected,
             calls=self._calls,
             busy_s=round(self._busy_s, 6),
+            idle_steps=self._idle_steps,
+            idle_s=round(self._idle_s, 6),
         )
 
     def paged_stats(self) -> PagedStats | None:
@@ -217,6 +227,8 @@ class EngineWorker:
                 self._abort_expired()
                 if self._in_flight:
                     self._step()
+                elif self._has_idle_work():
+                    self._idle_step()
         except Exception:  # a bug in the loop itself: nothing else would ever answer the jobs
             logger.exception("engine loop crashed")
             self._fail_in_flight(RuntimeError("the server's engine loop crashed; see the server log"))
@@ -234,6 +246,8 @@ class EngineWorker:
         """
         with self._cond:
             while not self._pending and not self._in_flight and not self._stopping:
+                if self._has_idle_work():
+                    return []
                 self._cond.wait(IDLE_WAIT_S)
             return None if self._stopping else list(self._pending)
 
@@ -340,6 +354,28 @@ class EngineWorker:
             self._route(output)
         self._refresh()
 
+    def _has_idle_work(self) -> bool:
+        # Optional for engines: KVBoost has idle work (StitchConfig.idle_copies); a plain ServingEngine not.
+        has = getattr(self._engine, "has_idle_work", None)
+        return has is not None and has()
+
+    def _idle_step(self) -> None:
+        """One step of the engine's idle work (no request of ours is in flight, so no output is ours)."""
+        started = time.monotonic()
+        try:
+            self._engine.step()
+        except Exception as exc:  # the idle work is the engine's own: log it, keep serving
+            self._step_errors += 1
+            logger.error("engine idle step failed: %r", exc)
+            clear = getattr(self._engine, "clear_idle_work", None)
+            if clear is not None:
+                clear()
+        finally:
+            self._idle_s += time.monotonic() - started
+            self._idle_steps += 1
+        self._route_stepped_past()
+        self._refresh()
+
     def _route(self, output: RequestOutput) -> None:
         flight = self._in_flight.get(output.request_id)
         if flight is None:  # aborted earlier in this iteration, or not ours
@@ -383,6 +419,9 @@ class EngineWorker:
         """On shutdown: free what is in flight, so an engine shared with another server starts clean."""
         for request_id in list(self._in_flight):
             self._abort(request_id)
+        clear = getattr(self._engine, "clear_idle_work", None)
+        if clear is not None:
+            clear()  # the prompt part-way holds blocks too; what it stored stays cached
 
     def _refuse_pending(self) -> None:
         """On shutdown: answer the jobs never handed to the engine, so no handler waits for its timeout."""

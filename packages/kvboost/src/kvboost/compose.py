@@ -58,6 +58,7 @@ class KVBoost(_Engine):
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,
+        idle_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         max_num_seqs: int = 32,

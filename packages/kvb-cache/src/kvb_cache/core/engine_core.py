@@ -20,6 +20,11 @@ one whose repair is done adopts its KV and is queued, so it may be admitted in t
 positions repaired come out of that step's prefill budget (``Scheduler.schedule(reserved=...)``), so a
 step still does about ``max_num_batched_tokens`` tokens of work plus its decodes. Preparing
 requests count as unfinished and running and can be aborted (they hold no pool blocks).
+
+When no request is unfinished, a step computes the next prompt of the idle queue instead
+(:mod:`kvb_cache.core.idle`: stitched prompts computed exactly, to store them); that internal request is
+invisible to callers (no outputs, not unfinished, not running) and is taken out at the start of the first
+step that has a request of theirs to run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvb_cache.core.deferred import Deferred
+from kvb_cache.core.idle import IdleKey, IdleQueue
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.preparing import PrepareWork, Preparing
@@ -43,6 +49,8 @@ from kvb_cache.results import GenerationResult, StreamEvent
 ResultHook = Callable[[Request], GenerationResult]
 #: Called with a finished request while it still holds its blocks.
 FinishHook = Callable[[Request], None]
+#: Builds the internal loop request that computes an idle prompt.
+IdleHook = Callable[[IdleKey], Request]
 
 
 class EngineCore:
@@ -59,6 +67,7 @@ class EngineCore:
         before_free: FinishHook | None = None,
         after_prefill: FinishHook | None = None,
         plan_deferred: FinishHook | None = None,
+        make_idle: IdleHook | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
@@ -75,6 +84,14 @@ class EngineCore:
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
+        #: Prompts to compute when no request is unfinished, and the one being computed.
+        self.idle = IdleQueue()
+        self.make_idle = make_idle
+        self._idle: tuple[Request, IdleKey] | None = None
+        #: Idle prompts computed to the end, taken out part-way, and the prompt tokens they computed.
+        self.idle_done = 0
+        self.idle_yields = 0
+        self.idle_tokens = 0
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -91,7 +108,7 @@ class EngineCore:
 
     def pending_prompts(self) -> list[Request]:
         """Loop requests whose prompts are not computed yet (no token sampled), oldest first."""
-        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        queued = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if not r.internal]
         return [
             *self.deferred.requests(),
             *self.preparing.requests(),
@@ -117,9 +134,17 @@ class EngineCore:
         )
 
     def has_unfinished(self) -> bool:
+        """Whether a caller's request is unfinished (the idle prompt being computed is not one)."""
         return (
-            bool(self.solo) or bool(self.preparing) or bool(self.deferred) or self.scheduler.has_unfinished()
+            bool(self.solo)
+            or bool(self.preparing)
+            or bool(self.deferred)
+            or len(self.scheduler.waiting) + len(self.scheduler.running) > (self._idle is not None)
         )
+
+    def has_idle_work(self) -> bool:
+        """Whether a step with no request unfinished would compute an idle prompt."""
+        return self.make_idle is not None and (self._idle is not None or bool(self.idle))
 
     def abort(self, request_id: RequestId) -> bool:
         if self.preparing.abort(request_id) or self.deferred.abort(request_id):
@@ -131,10 +156,39 @@ class EngineCore:
                 close()  # the solo generator stores what is valid and frees its cache
             return True
         req = self.scheduler.find(request_id)
-        if req is None:
+        if req is None or req.internal:
             return False
         self.scheduler.remove(req)
         return True
+
+    def clear_idle(self) -> None:
+        """Forget the idle work (a cache reset): the prompt part-way is taken out, the queue emptied."""
+        if self._idle is not None:
+            self.scheduler.remove(self._idle[0])
+            self._idle = None
+        self.idle.clear()
+
+    def _schedule_idle(self) -> None:
+        """Take the idle prompt out when a caller's request is unfinished, else start the next one."""
+        if self._idle is not None:
+            if self.has_unfinished():
+                req, key = self._idle
+                self.scheduler.remove(req)  # its committed full blocks stay cached: resuming hits them
+                self.idle.push_front(key)
+                self._idle = None
+                self.idle_yields += 1
+        elif self.idle and self.make_idle is not None and not self.has_unfinished():
+            key = self.idle.pop()
+            req = self.make_idle(key)
+            self._idle = (req, key)
+            self.scheduler.add(req)
+
+    def _idle_output(self, output: RequestOutput) -> None:
+        if output.result is not None and self._idle is not None:
+            req, _ = self._idle
+            self._idle = None
+            self.idle_done += 1
+            self.idle_tokens += req.prompt_len - (req.cached_tokens or 0)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -144,6 +198,7 @@ class EngineCore:
                 self.plan_deferred(req)
         for req in self.preparing.advance():
             self.scheduler.add(req)
+        self._schedule_idle()
         plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
         for admission in plan.admitted:
             req = admission.request
@@ -170,7 +225,11 @@ class EngineCore:
             tokens = sample(logits, sampling)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
                 output = self._emit(req, token, logits[row])
-                if output is not None:
+                if output is None:
+                    continue
+                if req.internal:
+                    self._idle_output(output)
+                else:
                     outputs.append(output)
         for request_id in list(self.solo):
             outputs.extend(self._advance_solo(request_id))
@@ -228,4 +287,5 @@ class EngineCore:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running) + len(self.solo) + len(self.preparing) + len(self.deferred)
+        running = sum(not r.internal for r in self.scheduler.running)
+        return running + len(self.solo) + len(self.preparing) + len(self.deferred)

@@ -84,6 +84,12 @@ class Request:
     #: Stitched requests: how each prompt chunk was served and how many stitched tokens were recomputed.
     chunk_hits: tuple | None = None
     recomputed_tokens: int = 0
+    #: Stitched requests: a document was held by fewer than ``StitchConfig.idle_copies`` copies, so the
+    #: prompt is queued for idle time once computed (:mod:`kvb_cache.core.idle`).
+    idle_refine: bool = False
+    #: The engine's own work (a prompt computed while idle, :mod:`kvb_cache.core.idle`): its outputs are
+    #: never returned and it is left out of the request and prefix-cache counters.
+    internal: bool = False
 
     @property
     def output_ids(self) -> list[int]:

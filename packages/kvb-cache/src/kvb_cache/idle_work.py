@@ -1,0 +1,88 @@
+"""The engine's idle work, as the caller sees it: which prompts are queued, and running it.
+
+What is queued and why is in :mod:`kvb_cache.core.idle`; the engine loop runs it in steps that have no
+caller's request to run. A driver that owns the loop (the server's worker) calls ``KVBoost.step``
+while :meth:`IdleWork.has_idle_work` and nothing else is to do; a library user calls :meth:`IdleWork.run_idle`
+when it has time to spare (between a batch of requests and the next).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvb_cache.core.idle import IDLE_SLICE_TOKENS, IdleKey
+from kvb_cache.core.outputs import RequestId
+from kvb_cache.core.request import Request
+from kvb_cache.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvb_cache.config import EngineConfig
+    from kvb_cache.core.engine_core import EngineCore
+    from kvb_cache.core.kv_manager import KVCacheManager
+
+
+class IdleWork:
+    """Mixed into :class:`~kvb_cache.engine.KVBoost`."""
+
+    core: EngineCore
+    kv: KVCacheManager
+    config: EngineConfig
+    _idle_ids = itertools.count()
+
+    def has_idle_work(self) -> bool:
+        """Whether the engine has prompts to compute while no request is unfinished
+        (``StitchConfig.idle_copies``)."""
+        return self.core.has_idle_work()
+
+    def run_idle(self, max_steps: int | None = None) -> int:
+        """Compute queued idle prompts now, while no request is unfinished: at most ``max_steps`` steps (None:
+        until the queue is empty). Returns the steps run (0 when a request is unfinished: requests first)."""
+        steps = 0
+        while self.core.has_idle_work() and not self.core.has_unfinished():
+            if max_steps is not None and steps >= max_steps:
+                break
+            self.core.step()  # no caller's request is unfinished: it returns no outputs
+            steps += 1
+        return steps
+
+    def clear_idle_work(self) -> None:
+        """Forget the queued idle prompts (and take out the one part-way); the cache keeps what they stored."""
+        self.core.clear_idle()
+
+    def idle_stats(self) -> dict[str, Any]:
+        core = self.core
+        return {
+            "queued": len(core.idle),
+            "computed_prompts": core.idle_done,
+            "computed_tokens": core.idle_tokens,
+            "yields": core.idle_yields,
+            "dropped": core.idle.dropped,
+        }
+
+    def _queue_idle(self, req: Request) -> None:
+        """Queue ``req``'s prompt for idle time when its stitch left a document short of copies (called once
+        its prompt is computed: an aborted request queues nothing)."""
+        if req.idle_refine and self.kv.can_fit(req.prompt_len + 1):
+            self.core.idle.add(req.tokens[: req.prompt_len], req.root)
+
+    def _make_idle(self, key: IdleKey) -> Request:
+        """The internal loop request computing idle prompt ``key``: its prompt, one greedy token (the prompt's
+        chunks are stored once it is computed, :meth:`~kvb_cache.transfers.CacheTransfers._store_prompt_chunks`)."""
+        from kvb_cache.engine import new_request
+
+        root, ids = key
+        chunk = min(self.config.prefill_chunk_size or IDLE_SLICE_TOKENS, IDLE_SLICE_TOKENS)
+        rid = RequestId(f"kvb-idle-{next(self._idle_ids)}")
+        req = new_request(
+            self,  # type: ignore[arg-type]
+            rid,
+            list(ids),
+            SamplingParams(max_new_tokens=1),
+            time.perf_counter(),
+            prefill_chunk_size=chunk,
+            root=root,
+        )
+        req.internal = True
+        return req
