@@ -130,7 +130,13 @@ def _cpu_ttft(engine: KVBoost, ids: list[int]) -> float:
 
 
 def run_group(
-    model, tokenizer, group: list[tuple[str, str]], chunk_size: int, new_tokens: int, collect_copies: int = 1
+    model,
+    tokenizer,
+    group: list[tuple[str, str]],
+    chunk_size: int,
+    new_tokens: int,
+    collect_copies: int = 1,
+    idle: bool = False,
 ) -> list[dict]:
     docs = [d for d, _ in group]
     n = len(docs)
@@ -165,6 +171,10 @@ def run_group(
     )
     for w in warmups:
         engine.next_token_logits(tokenizer(w)["input_ids"])
+        if idle:
+            # Idle time after each warm-up (StitchConfig.idle_copies): the second one, stitched, is then
+            # computed exactly, as a server's worker does between requests. Never after the test prompt.
+            engine.run_idle()
     # Stores the test prompt's exact part (before its first stitched piece), so every strategy below starts
     # from the same cache state: no strategy here keeps approximate chunks (StitchConfig.keep_approximate is
     # off, and collect_copies, which keeps the documents it computes, applies to the warm-ups only: the
@@ -184,6 +194,7 @@ def run_group(
             {
                 "config": name,
                 "warmup_collect_copies": collect_copies,
+                "warmup_idle": idle,
                 "prompt_tokens": len(ids),
                 "reuse_ratio": warm.kv_reuse_ratio,
                 "recomputed_tokens": warm.recomputed_tokens,
@@ -285,6 +296,12 @@ def main() -> None:
         help="StitchConfig.collect_copies of the warm-ups (2: the second warm-up computes each document again "
         "and keeps it, so the test prompt averages two copies)",
     )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="give the engine idle time after each warm-up (KVBoost.run_idle: the stitched second warm-up is "
+        "computed exactly, StitchConfig.idle_copies), as a server has between requests",
+    )
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for fidelity.json / fidelity.png")
     args = parser.parse_args()
     if args.only:
@@ -301,7 +318,13 @@ def main() -> None:
     t0 = time.perf_counter()
     for i, (source, docs) in enumerate(groups):
         for row in run_group(
-            model, tokenizer, docs, args.chunk_size, args.new_tokens, collect_copies=args.collect_copies
+            model,
+            tokenizer,
+            docs,
+            args.chunk_size,
+            args.new_tokens,
+            collect_copies=args.collect_copies,
+            idle=args.idle,
         ):
             rows.append({"source": source, "group": i, **row})
         print(
@@ -324,6 +347,7 @@ def main() -> None:
         "chunk_size": args.chunk_size,
         "new_tokens": args.new_tokens,
         "warmup_collect_copies": sorted({r.get("warmup_collect_copies", 1) for r in rows}),
+        "warmup_idle": sorted({r.get("warmup_idle", False) for r in rows}),
         "configs": {k: repr(v) for k, v in CONFIGS.items()},
     }
     (args.out / "fidelity.json").write_text(

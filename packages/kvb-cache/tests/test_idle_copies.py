@@ -140,3 +140,13 @@ def test_idle_queue_is_bounded_and_deduplicated():
 def test_idle_copies_is_validated(value):
     with pytest.raises(ConfigError, match="idle_copies"):
         StitchConfig(idle_copies=value)
+
+
+def test_next_token_logits_queues_its_stitched_prompt_too(llama, tokenizer):
+    _, _, (p1, p2, _) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer)
+    engine.next_token_logits(p1)
+    assert engine.next_token_logits(p2).recomputed_tokens > 0
+    assert _idle(engine)["queued"] == 1
+    engine.run_idle()
+    assert engine.next_token_logits(p2).cached_tokens == len(p2) - 1

@@ -400,6 +400,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
             if prepared.exact_until is not None:
                 adopt_stitched(req, prepared)
+                req.idle_refine = prepared.under_held
         self.core.add(req)
         result = self._run_to_end([rid])[0]
         return NextTokenLogits(

@@ -34,6 +34,9 @@ class PreparedPrompt:
     exact_until: int | None = None
     #: Stitched prompt ranges ``(start, end)`` whose KV was copied from stored chunks (not recomputed).
     copied: tuple[tuple[int, int], ...] = ()
+    #: A stitched document was held by fewer than ``StitchConfig.idle_copies`` copies (queue the prompt for
+    #: idle time once computed: :mod:`kvb_cache.core.idle`).
+    under_held: bool = False
     #: Chain root the prompt was looked up (and is stored) under: the request's salted root; None: the
     #: engine's unsalted root.
     root: ChunkHash | None = None

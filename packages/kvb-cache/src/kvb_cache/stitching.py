@@ -280,6 +280,7 @@ class Stitcher:
     def _finish(self, job: StitchJob, repaired: list[int]) -> None:
         """Hand the repaired KV and the telemetry to the prepared prompt, and count the stitch."""
         prepared = job.prepared
+        prepared.under_held = job.under_held
         for cache_layer, (keys, values) in zip(prepared.cache.layers, job.layers):
             cache_layer.keys, cache_layer.values = keys, values
         self._describe(prepared, job.pieces, set(repaired), job.prefix, job.end)
