@@ -80,3 +80,23 @@ def test_two_copies_averaged_are_closer_to_no_cache_than_one(smollm2):
     # Measured: 0.0190 -> 0.0165 summed over the two prompts (one improves 0.0113 -> 0.0062, the other gets
     # worse, 0.0077 -> 0.0102: the mean helps on average, not on every prompt; 24 prompts in the docs).
     assert sum(averaged) < 0.9 * sum(single), (single, averaged)
+
+
+def test_a_stitched_prompt_computed_while_idle_is_then_exact(smollm2):
+    """The default's idle copies on SmolLM2: the second warm-up stitches every document and is queued;
+    ``run_idle`` computes it, after which it is an exact prefix hit (logits equal no-cache, 1e-4 on fp32) and
+    the test prompt averages two copies of its documents."""
+    model, tokenizer = smollm2
+    warmups, ids = _pydoc_rag(tokenizer, 0)
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32, stitching=StitchConfig()))
+    for warmup in warmups:
+        engine.generate(warmup, max_new_tokens=1)
+    assert engine.cache_stats()["stitching"]["idle"]["queued"] == 1
+    assert engine.run_idle() > 0
+    again = engine.next_token_logits(warmups[1])
+    assert again.cached_tokens == len(warmups[1]) - 1 and again.recomputed_tokens == 0
+    with torch.no_grad():
+        plain = model(torch.tensor([warmups[1]])).logits[0, -1]
+    assert (again.logits - plain).abs().max().item() < 1e-4
+    engine.generate(ids, max_new_tokens=1)
+    assert engine.cache_stats()["stitching"]["averaged_tokens"] > 0

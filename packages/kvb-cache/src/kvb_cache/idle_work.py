@@ -64,7 +64,8 @@ class IdleWork:
     def _queue_idle(self, req: Request) -> None:
         """Queue ``req``'s prompt for idle time when its stitch left a document short of copies (called once
         its prompt is computed: an aborted request queues nothing)."""
-        if req.idle_refine and self.kv.can_fit(req.prompt_len + 1):
+        # NOTE: an engine that caches nothing (max_cache_bytes=0) would compute the prompt for nothing.
+        if req.idle_refine and self.kv.caching and self.kv.can_fit(req.prompt_len + 1):
             self.core.idle.add(req.tokens[: req.prompt_len], req.root)
 
     def _make_idle(self, key: IdleKey) -> Request:

@@ -88,7 +88,7 @@ class EngineCore:
         self.idle = IdleQueue()
         self.make_idle = make_idle
         self._idle: tuple[Request, IdleKey] | None = None
-        #: Idle prompts computed to the end, taken out part-way, and the prompt tokens they computed.
+        #: Idle prompts computed to the end, taken out part-way, and the tokens computed for them.
         self.idle_done = 0
         self.idle_yields = 0
         self.idle_tokens = 0
@@ -185,10 +185,8 @@ class EngineCore:
 
     def _idle_output(self, output: RequestOutput) -> None:
         if output.result is not None and self._idle is not None:
-            req, _ = self._idle
             self._idle = None
             self.idle_done += 1
-            self.idle_tokens += req.prompt_len - (req.cached_tokens or 0)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -222,6 +220,8 @@ class EngineCore:
             for s in plan.scheduled:
                 s.request.num_computed += s.num_tokens
                 self.kv.commit(s.request)
+                if s.request.internal:
+                    self.idle_tokens += s.num_tokens
             tokens = sample(logits, sampling)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
                 output = self._emit(req, token, logits[row])
