@@ -54,7 +54,9 @@ def test_idle_work_waits_for_the_grace_period_after_requests(monkeypatch: pytest
         fake.idle_left = 3  # the request left idle work behind (as a stitched one does)
         wait_until(lambda: fake.idle_left == 0, timeout=10)
         stats = httpx.get(url + "/v1/stats").json()["queue"]
+        metrics = httpx.get(url + "/metrics").text
     assert len(fake.idle_at) == 3 and stats["idle_steps"] == 3
+    assert "kvboost_idle_steps_total 3.0" in metrics and "kvboost_idle_seconds_total" in metrics
     assert fake.idle_at[0] - fake.request_steps_at[-1] >= 0.3 * 0.95
     assert fake.cleared == 1  # on shutdown: the prompt part-way is let go
 

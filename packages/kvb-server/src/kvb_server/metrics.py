@@ -147,6 +147,16 @@ class EngineLoopCollector(Collector):
             "Engine steps run (one iteration over every running request)",
             None if worker is None else worker.steps,
         )
+        yield counter(
+            "kvboost_idle_steps",
+            "Engine steps of idle work (stitched prompts computed exactly while no request was in flight)",
+            None if worker is None else worker.idle_steps,
+        )
+        yield counter(
+            "kvboost_idle_seconds",
+            "Seconds the engine thread spent on idle work",
+            None if worker is None else worker.idle_s,
+        )
         yield gauge(
             "kvboost:kv_cache_usage_perc",
             "Fraction of KV blocks owned by running requests (1 = all)",
