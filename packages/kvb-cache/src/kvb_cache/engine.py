@@ -23,7 +23,6 @@ from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.preparing import adopt_stitched
 from kvb_cache.core.request import Request
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.emitter import Emitter
 from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.fidelity import CorrectnessReport
@@ -34,6 +33,7 @@ from kvb_cache.idle_work import IdleWork
 from kvb_cache.lifecycle import EngineLifecycle
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
+from kvb_cache.loop_request import new_request
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.options import pick_keywords
@@ -46,7 +46,7 @@ from kvb_cache.request_checks import (
     tokenize_prompt,
 )
 from kvb_cache.results import GenerationResult, TokenLogprob
-from kvb_cache.sampling import RequestProcessor, SamplingParams, check_token_ids
+from kvb_cache.sampling import SamplingParams, check_token_ids
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitch_sources import stitch_sources
@@ -494,18 +494,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
 
     def _paged_result(self, req: Request) -> GenerationResult:
         cached = req.cached_tokens or 0
-        if req.internal:  # an idle prompt: only its chunks are wanted, not its counters
-            if self.config.stitching is not None:
-                self._store_chunks(req)
-            return GenerationResult(
-                output_text="",
-                output_ids=list(req.output_ids),
-                prompt_tokens=req.prompt_len,
-                cached_tokens=cached,
-                ttft_ms=req.ttft_ms,
-                total_ms=(time.perf_counter() - req.arrival) * 1e3,
-                finish_reason="length",
-            )
         chunks = req.chunk_hits if req.chunk_hits is not None else generation.chunk_hits(req.spans, cached)
         result = GenerationResult(
             output_text=req.emitter.text,
@@ -520,39 +508,12 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
             logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
             stop_reason=req.emitter.stop_reason,
         )
-        self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
-        self.record_request(result)
+        if not req.internal:  # an idle prompt (core/idle.py) is the engine's work, not a request
+            self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
+            self.record_request(result)
         if self.config.stitching is not None:
             self._store_chunks(req)
         return result
 
     def record_request(self, result: GenerationResult) -> None:
         self.counters.record_result(result)
-
-
-def new_request(
-    engine: KVBoost,
-    rid: RequestId,
-    ids: list[int],
-    params: SamplingParams,
-    t0: float,
-    *,
-    prefill_chunk_size: int | None = None,
-    root: ChunkHash | None = None,
-) -> Request:
-    """A loop request with its sampling processor and text emitter (``root``: its salted chain root)."""
-    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params)
-    return Request(
-        request_id=rid,
-        tokens=list(ids),
-        prompt_len=len(ids),
-        params=params,
-        processor=RequestProcessor(
-            params, prompt_len=len(ids), device=engine.device, eos=emitter.stop_tokens
-        ),
-        emitter=emitter,
-        arrival=t0,
-        prefill_chunk_size=prefill_chunk_size,
-        spans=tuple(engine.chunker.split(ids)),
-        root=root,
-    )

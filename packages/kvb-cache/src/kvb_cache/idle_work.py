@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvb_cache.core.idle import IDLE_SLICE_TOKENS, IdleKey
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request
+from kvb_cache.loop_request import new_request
 from kvb_cache.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,8 +72,6 @@ class IdleWork:
     def _make_idle(self, key: IdleKey) -> Request:
         """The internal loop request computing idle prompt ``key``: its prompt, one greedy token (the prompt's
         chunks are stored once it is computed, :meth:`~kvb_cache.transfers.CacheTransfers._store_prompt_chunks`)."""
-        from kvb_cache.engine import new_request
-
         root, ids = key
         chunk = min(self.config.prefill_chunk_size or IDLE_SLICE_TOKENS, IDLE_SLICE_TOKENS)
         rid = RequestId(f"kvb-idle-{next(self._idle_ids)}")
