@@ -155,3 +155,16 @@ def test_next_token_logits_queues_its_stitched_prompt_too(llama, tokenizer):
     assert _idle(engine)["queued"] == 1
     engine.run_idle()
     assert engine.next_token_logits(p2).cached_tokens == len(p2) - 1
+
+
+def test_an_idle_prompt_stays_in_its_tenant(llama, tokenizer):
+    """A salted request's prompt is computed under its salt: afterwards it is an exact hit for that salt only
+    (the unsalted chain and another salt share nothing of it)."""
+    _, _, (p1, p2, _) = _docs(tokenizer)
+    engine = _engine(llama, tokenizer)
+    engine.generate(p1, max_new_tokens=1, cache_salt="a")
+    engine.generate(p2, max_new_tokens=1, cache_salt="a")
+    assert engine.run_idle() > 0
+    assert engine.next_token_logits(p2, cache_salt="a").cached_tokens == len(p2) - 1
+    assert engine.next_token_logits(p2, cache_salt="b").cached_tokens == 0
+    assert engine.next_token_logits(p2).cached_tokens == 0
