@@ -350,7 +350,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
         """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
         one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
         job = self._plan_stitch(req)
-        req.idle_refine = job is not None and job.under_held
         if job is None:
             self.core.add(req)
         else:
@@ -400,7 +399,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
             if prepared.exact_until is not None:
                 adopt_stitched(req, prepared)
-                req.idle_refine = prepared.under_held
         self.core.add(req)
         result = self._run_to_end([rid])[0]
         return NextTokenLogits(

@@ -38,8 +38,7 @@ class IdleQueue:
     def __init__(self, max_prompts: int = MAX_IDLE_PROMPTS) -> None:
         self.max_prompts = max_prompts
         self._queue: OrderedDict[IdleKey, None] = OrderedDict()
-        #: Prompts queued, prompts forgotten because the queue was full.
-        self.queued = 0
+        #: Prompts forgotten because the queue was full.
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -51,7 +50,6 @@ class IdleQueue:
         if key in self._queue:
             return False
         self._queue[key] = None
-        self.queued += 1
         while len(self._queue) > self.max_prompts:
             self._queue.popitem(last=False)
             self.dropped += 1

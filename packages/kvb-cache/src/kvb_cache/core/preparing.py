@@ -37,6 +37,7 @@ def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:
     req.prepared_kv = PreparedKV(layers=layers, length=prepared.cached_tokens)
     req.exact_until = prepared.exact_until
     req.copied = prepared.copied
+    req.idle_refine = prepared.under_held
     req.cached_tokens = prepared.served_tokens
     req.chunk_hits = prepared.chunks
     req.recomputed_tokens = prepared.recomputed_tokens
