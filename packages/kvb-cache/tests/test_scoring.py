@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, make_model, words
 
-from kvb_cache import EngineConfig, InvalidRequestError, KVBoost
+from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, SamplingParams
 
 
 def _reference(model, ids):
@@ -59,3 +59,46 @@ def test_scoring_edge_cases_and_bad_input(llama, tokenizer):
         engine.prompt_logprobs([5, 6], top_logprobs=21)
     with pytest.raises(InvalidRequestError):
         engine.prompt_logprobs([])
+
+
+def test_scorer_slices_interleave_with_running_requests(llama, tokenizer):
+    """``prompt_scorer`` scores one ``prefill_chunk_size`` slice per ``advance()``; a request stepped between
+    the slices keeps decoding, and both end as they would alone (scores equal ``prompt_logprobs``, tokens
+    equal a solo greedy run)."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, prefill_chunk_size=8))
+    ids = tokenizer(words(40, seed=5))["input_ids"]
+    other = tokenizer(words(12, seed=6))["input_ids"]
+    alone = engine.generate(other, max_new_tokens=6).output_ids
+    engine.clear_cache()
+    want = engine.prompt_logprobs(ids, top_logprobs=2)
+
+    scorer = engine.prompt_scorer(ids, top_logprobs=2)
+    rid = engine.add_request(other, SamplingParams(max_new_tokens=6))
+    slices, tokens = 0, []
+    while not scorer.done:
+        with pytest.raises(RuntimeError, match="advance"):
+            scorer.result()
+        scorer.advance()
+        slices += 1
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.token_ids]
+    assert slices == -(-(len(ids) - 1) // 8)  # ceil: one slice of at most 8 positions per call
+    # The request decoded on every step taken between slices, once its own prompt was in (8 per step).
+    prefill_steps = -(-len(other) // 8)
+    assert slices > prefill_steps and len(tokens) == min(slices - prefill_steps + 1, 6)
+    got = scorer.result()
+    assert [e.token_id for e in got] == [e.token_id for e in want]
+    torch.testing.assert_close(
+        torch.tensor([e.logprob for e in got]), torch.tensor([e.logprob for e in want]), atol=1e-6, rtol=0
+    )
+    assert scorer.advance() is True and len(scorer.result()) == len(ids) - 1  # done stays done
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.token_ids]
+    assert tokens == alone
+
+
+def test_scorer_validates_when_made(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    with pytest.raises(InvalidRequestError, match="top_logprobs"):
+        engine.prompt_scorer([5, 6], top_logprobs=-1)
+    scorer = engine.prompt_scorer([5])
+    assert scorer.done and scorer.result() == []

@@ -414,8 +414,18 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
         ``logprobs`` reports and lm-eval's loglikelihood tasks read. ``len(result) == prompt_tokens - 1``.
 
         A plain forward over the whole prompt (:mod:`kvb_cache.scoring`): a cached prefix has KV but no
-        logits, so nothing is read from or written to the cache.
+        logits, so nothing is read from or written to the cache. :meth:`prompt_scorer` is the same in
+        slices a caller can interleave with :meth:`step`.
         """
+        scorer = self.prompt_scorer(prompt, top_logprobs=top_logprobs)
+        while not scorer.advance():
+            pass
+        return scorer.result()
+
+    def prompt_scorer(self, prompt: Prompt, *, top_logprobs: int = 0) -> scoring.PromptScorer:
+        """:meth:`prompt_logprobs` one slice (``prefill_chunk_size`` positions, default 256) per
+        ``advance()`` call, so the running requests can take a :meth:`step` between slices; ``result()``
+        once ``done``. Validates now (:class:`InvalidRequestError`, :class:`ContextLengthError`)."""
         ids = self._tokenize(prompt)
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
             raise InvalidRequestError(
@@ -423,7 +433,7 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
             )
         self._check_context(len(ids), 0)
         slice_size = self.config.prefill_chunk_size or scoring.SLICE
-        return scoring.prompt_logprobs(
+        return scoring.PromptScorer(
             self.model, self, ids, top=top_logprobs, slice_size=slice_size, device=self.device
         )
 

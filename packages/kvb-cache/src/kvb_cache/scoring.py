@@ -2,7 +2,8 @@
 
 Scoring needs the model's output at *every* prompt position, and a cached prefix has KV but no outputs, so
 this is a plain forward over the whole prompt (no cache read, nothing stored), in slices with a
-:class:`~transformers.DynamicCache` so the ``[slice, vocab]`` logits stay bounded. vLLM does the same for
+:class:`~transformers.DynamicCache` so the ``[slice, vocab]`` logits stay bounded. :class:`PromptScorer`
+runs those slices one call at a time, so a server can step its running requests between them. vLLM does the same for
 ``prompt_logprobs`` (it skips its prefix cache for such requests).
 
 The numbers follow the generation path's convention (:func:`kvb_cache.emitter.token_logprob`): log-softmax
@@ -23,6 +24,90 @@ from kvb_cache.results import TokenLogprob
 SLICE = 256
 
 
+class PromptScorer:
+    """Scores a prompt one slice at a time, so a caller can interleave other work (the server's engine
+    steps) between slices: :meth:`advance` runs the next forward of at most ``slice_size`` positions.
+
+    Holds the prompt's KV (a :class:`~transformers.DynamicCache`, ``[1, kv_heads, scored, head_dim]`` per
+    layer) until it is done or dropped; dropping it part-way is how a caller cancels.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        texts: TokenTexts,
+        ids: Sequence[int],
+        *,
+        top: int = 0,
+        slice_size: int = SLICE,
+        device: torch.device | None = None,
+    ) -> None:
+        if slice_size < 1:
+            raise ValueError(f"slice_size must be >= 1, got {slice_size}")
+        self._model = model
+        self._texts = texts
+        self._ids = list(ids)
+        self._top = top
+        self._slice = slice_size
+        self._device = model.device if device is None else device
+        self._cache: DynamicCache | None = DynamicCache(config=model.config)
+        #: Positions fed so far; the last prompt token is never fed (nothing in the prompt follows it).
+        self._start = 0
+        self._entries: list[TokenLogprob] = []
+
+    @property
+    def done(self) -> bool:
+        """Whether every prompt token after the first is scored."""
+        return self._start >= len(self._ids) - 1
+
+    @property
+    def scored(self) -> int:
+        """Entries so far (of ``len(ids) - 1``)."""
+        return len(self._entries)
+
+    def advance(self) -> bool:
+        """Score the next slice; returns :attr:`done`. A no-op once done."""
+        if self.done:
+            self._cache = None  # the KV is no longer needed
+            return True
+        start, end = self._start, min(self._start + self._slice, len(self._ids) - 1)
+        device = self._device
+        with torch.inference_mode():
+            logits = self._model(
+                input_ids=torch.tensor([self._ids[start:end]], device=device),
+                position_ids=torch.arange(start, end, device=device)[None],
+                past_key_values=self._cache,
+                use_cache=True,
+            ).logits[0]  # [S, V]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            targets = self._ids[start + 1 : end + 1]
+            chosen = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
+            best: list[list[tuple[int, float]]] = [[] for _ in targets]
+            if self._top:
+                values, indices = torch.topk(logp, self._top, dim=-1)
+                best = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        text = self._texts.token_text
+        for token, logprob, alternatives in zip(targets, chosen, best):
+            self._entries.append(
+                TokenLogprob(
+                    token_id=token,
+                    token=text(token),
+                    logprob=logprob,
+                    top=tuple((i, text(i), v) for i, v in alternatives),
+                )
+            )
+        self._start = end
+        if self.done:
+            self._cache = None
+        return self.done
+
+    def result(self) -> list[TokenLogprob]:
+        """The entries (``len == len(ids) - 1``); raises :class:`RuntimeError` before :attr:`done`."""
+        if not self.done:
+            raise RuntimeError(f"prompt scored {self.scored} of {len(self._ids) - 1} tokens; call advance()")
+        return list(self._entries)
+
+
 def prompt_logprobs(
     model: PreTrainedModel,
     texts: TokenTexts,
@@ -39,35 +124,7 @@ def prompt_logprobs(
     Equal to ``log_softmax(model(ids).logits[0, :-1])`` gathered at ``ids[1:]``, up to float summation
     order across slices.
     """
-    if len(ids) < 2:
-        return []
-    device = model.device if device is None else device
-    cache = DynamicCache(config=model.config)
-    entries: list[TokenLogprob] = []
-    with torch.inference_mode():
-        # The last token is never fed: nothing in the prompt follows it.
-        for start in range(0, len(ids) - 1, slice_size):
-            end = min(start + slice_size, len(ids) - 1)
-            logits = model(
-                input_ids=torch.tensor([ids[start:end]], device=device),
-                position_ids=torch.arange(start, end, device=device)[None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[0]  # [S, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            targets = list(ids[start + 1 : end + 1])
-            chosen = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
-            best: list[list[tuple[int, float]]] = [[] for _ in targets]
-            if top:
-                values, indices = torch.topk(logp, top, dim=-1)
-                best = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-            for token, logprob, alternatives in zip(targets, chosen, best):
-                entries.append(
-                    TokenLogprob(
-                        token_id=token,
-                        token=texts.token_text(token),
-                        logprob=logprob,
-                        top=tuple((i, texts.token_text(i), v) for i, v in alternatives),
-                    )
-                )
-    return entries
+    scorer = PromptScorer(model, texts, ids, top=top, slice_size=slice_size, device=device)
+    while not scorer.advance():
+        pass
+    return scorer.result()
