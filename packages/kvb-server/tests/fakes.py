@@ -48,6 +48,29 @@ class _Request:
         return ord("a") + (start + len(self.out)) % 26
 
 
+class FakeScorer:
+    """``FakeEngine.prompt_scorer``'s result: hands out precomputed entries ``scorer_slice`` at a time."""
+
+    def __init__(self, engine: FakeEngine, prompt: list[int], top: int, entries: list[TokenLogprob]) -> None:
+        self._engine, self._prompt, self._top, self._entries = engine, prompt, top, entries
+        self._scored = 0
+
+    @property
+    def done(self) -> bool:
+        return self._scored >= len(self._entries)
+
+    def advance(self) -> bool:
+        engine = self._engine
+        engine.scored.append((self._prompt, self._top, threading.current_thread().name))
+        self._scored = min(self._scored + engine.scorer_slice, len(self._entries))
+        engine.timeline.append(("score", self._scored))
+        return self.done
+
+    def result(self) -> list[TokenLogprob]:
+        assert self.done
+        return list(self._entries)
+
+
 class FakeEngine:
     """Continuous batching in miniature: every step decodes one token of each running request.
 
@@ -80,8 +103,12 @@ class FakeEngine:
         self.step_log: list[frozenset[RequestId]] = []
         self.aborted: list[RequestId] = []
         self.warmed: list[str] = []
-        #: ``(prompt, top_logprobs, thread name)`` of every ``prompt_logprobs`` call.
+        #: ``(prompt, top_logprobs, thread name)`` of every scorer ``advance()`` call.
         self.scored: list[tuple[list[int], int, str]] = []
+        #: Prompt tokens one scorer ``advance()`` scores.
+        self.scorer_slice = 8
+        #: ``("step", running count)`` and ``("score", scored so far)`` in the order they ran.
+        self.timeline: list[tuple[str, int]] = []
         self.warm_salts: list[str | None] = []
         #: ``lower_tiers`` of every ``reset_cache`` call, and the thread each ran on.
         self.resets: list[bool] = []
@@ -110,17 +137,16 @@ class FakeEngine:
             text = f"<tools>{tools}" + text
         return self.tokenizer(text)["input_ids"]
 
-    def prompt_logprobs(self, prompt: list[int], *, top_logprobs: int = 0) -> list[TokenLogprob]:
+    def prompt_scorer(self, prompt: list[int], *, top_logprobs: int = 0) -> FakeScorer:
         """A made-up, deterministic score: after token ``p`` the best token is ``p + 1`` (logprob 0), and
-        each step further down the alphabet costs 0.1."""
-        self.scored.append((list(prompt), top_logprobs, threading.current_thread().name))
+        each step further down the alphabet costs 0.1; one ``advance()`` per ``scorer_slice`` tokens."""
         entries = []
         for prev, tok in itertools.pairwise(prompt):
             top = tuple((prev + 1 + k, chr(prev + 1 + k), -k / 10) for k in range(top_logprobs))
             entries.append(
                 TokenLogprob(token_id=tok, token=chr(tok), logprob=-((tok - prev - 1) % 26) / 10, top=top)
             )
-        return entries
+        return FakeScorer(self, list(prompt), top_logprobs, entries)
 
     @property
     def overrides(self) -> list[dict[str, int]]:
@@ -181,6 +207,7 @@ class FakeEngine:
             request = self._waiting.popleft()
             self._running[request.added.request_id] = request
         self.step_log.append(frozenset(self._running))
+        self.timeline.append(("step", len(self._running)))
         outputs = [self._decode(request) for request in list(self._running.values())]
         for output in outputs:
             if output.finished:

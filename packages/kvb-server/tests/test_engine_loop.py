@@ -7,6 +7,7 @@ deterministically; waits are bounded polls for a condition, never sleeps that a 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 
@@ -307,3 +308,33 @@ def test_metrics_count_running_and_waiting_requests_mid_flight() -> None:
                 return [r.status_code for r in await asyncio.gather(*requests)]
 
         assert asyncio.run(scenario()) == [200, 200]
+
+
+def test_scoring_an_echoed_prompt_leaves_running_requests_stepping() -> None:
+    """``echo`` + ``logprobs`` scores its prompt one slice per engine-thread call: a request already decoding
+    takes a step between every two slices instead of waiting for the whole prompt, and the scores are
+    the same as in one go."""
+    fake = FakeEngine(token_delay_s=0.002)
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 3  # 77 entries: 10 slices of 8
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                long = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 150)))
+                await until(lambda: len(fake.step_log) >= 2)
+                echo = await c.post(
+                    "/v1/completions", json=completion(prompt, 1, echo=True, logprobs=1, temperature=0)
+                )
+                return echo, await long
+
+        echo, long = asyncio.run(scenario())
+    assert echo.status_code == 200 and long.status_code == 200
+    scores = [i for i, (kind, _) in enumerate(fake.timeline) if kind == "score"]
+    assert [fake.timeline[i][1] for i in scores] == [min(8 * k, 77) for k in range(1, 11)]
+    assert long.json()["usage"]["completion_tokens"] == 150  # it ran all along
+    for a, b in itertools.pairwise(scores):
+        assert any(kind == "step" and running for kind, running in fake.timeline[a + 1 : b]), fake.timeline
+    token_logprobs = echo.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert token_logprobs[0] is None and token_logprobs[1:78] == [
+        -((ord(b) - ord(a) - 1) % 26) / 10 for a, b in itertools.pairwise(prompt)
+    ]

@@ -4,14 +4,25 @@ With ``logprobs`` the prompt's own tokens are scored as well (the first one ``nu
 which is how evaluation harnesses ask a completions server for a loglikelihood: lm-eval's
 ``local-completions`` sends ``echo: true, logprobs: 1, max_tokens: 1`` and sums ``token_logprobs`` over
 the continuation's tokens. ``max_tokens: 0`` scores the prompt and generates nothing.
+
+Scoring is a plain forward over the whole prompt (a cached prefix has KV but no logits). It runs on the
+engine thread one slice per call (:class:`PromptScoring`), so the running requests take a step between
+slices instead of waiting for the whole prompt.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
+
+if TYPE_CHECKING:
+    from kvb_server.engine import ServingEngine
+    from kvb_server.worker import EngineWorker
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,7 +32,7 @@ class Echo:
     text: str
     #: The text of the prompt's first token (it has no log-probability).
     first_token: str
-    #: The prompt's tokens after the first (``KVBoost.prompt_logprobs``); None: logprobs not requested.
+    #: The prompt's tokens after the first (``KVBoost.prompt_scorer``); None: logprobs not requested.
     logprobs: tuple[TokenLogprob, ...] | None = None
 
     def logprob_arrays(self, offset: int = 0) -> tuple[dict[str, list[Any]], int]:
@@ -56,3 +67,38 @@ def prompt_only_result(prompt_tokens: int, *, logprobs: bool) -> GenerationResul
         finish_reason="length",
         logprobs=() if logprobs else None,
     )
+
+
+class PromptScoring:
+    """Scores echoed prompts on the engine thread, one slice per :meth:`EngineWorker.call`.
+
+    Each slice is its own call, so the worker steps its running requests between two slices (a request
+    decoding beside a long scored prompt waits about one slice per token, not the whole prompt). One
+    prompt is scored at a time: a scorer holds its prompt's KV outside the block pool until it is done, so
+    several at once would hold several prompts' KV the pool does not account for.
+    """
+
+    def __init__(self, worker: EngineWorker, engine: ServingEngine) -> None:
+        self._worker = worker
+        self._engine = engine
+        self._one_at_a_time = asyncio.Lock()
+
+    async def score(
+        self, prompt: list[int], *, top_logprobs: int, deadline: float
+    ) -> tuple[TokenLogprob, ...]:
+        """The prompt's tokens after the first, each with its ``top_logprobs`` alternatives.
+
+        Raises what the engine raises for a bad prompt, and the worker's ``QueueFullError`` /
+        ``RequestTimeoutError`` (``deadline`` is ``time.monotonic()``-based); a cancelled caller leaves the
+        scorer half-done, and it is dropped.
+        """
+        async with self._one_at_a_time:
+            make = functools.partial(self._engine.prompt_scorer, prompt, top_logprobs=top_logprobs)
+            scorer = await self._worker.call(make, timeout_s=_left(deadline))
+            while not scorer.done:
+                await self._worker.call(scorer.advance, timeout_s=_left(deadline))
+            return tuple(scorer.result())
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)

@@ -21,6 +21,23 @@ from kvb_cache.results import TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 
 
+class PromptScorer(Protocol):
+    """A prompt being scored one slice per :meth:`advance` (``kvb_cache.scoring.PromptScorer``)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether every prompt token after the first is scored."""
+        ...
+
+    def advance(self) -> bool:
+        """Score the next slice; returns :attr:`done`."""
+        ...
+
+    def result(self) -> list[TokenLogprob]:
+        """The entries once done (``len == len(prompt) - 1``)."""
+        ...
+
+
 @runtime_checkable
 class ServingEngine(Protocol):
     """What the server needs from a generation engine."""
@@ -63,9 +80,10 @@ class ServingEngine(Protocol):
         """The text of one token as OpenAI's logprobs report it."""
         ...
 
-    def prompt_logprobs(self, prompt: list[int], *, top_logprobs: int = 0) -> list[TokenLogprob]:
-        """Log-probability of each prompt token after the first given those before it, with the
-        ``top_logprobs`` most likely tokens there (``len == len(prompt) - 1``): ``echo`` with ``logprobs``."""
+    def prompt_scorer(self, prompt: list[int], *, top_logprobs: int = 0) -> PromptScorer:
+        """A scorer of each prompt token after the first given those before it, with the ``top_logprobs``
+        most likely tokens there: ``echo`` with ``logprobs``. Validates now (bad input raises a
+        ``kvb_cache`` error); the server then calls ``advance()`` once per slice, between steps."""
         ...
 
     def add_request(

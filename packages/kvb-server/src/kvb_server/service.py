@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -20,7 +19,7 @@ import torch
 from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_cache.results import GenerationResult
 from kvb_server.config import ServerConfig
-from kvb_server.echo import Echo, prompt_only_result
+from kvb_server.echo import Echo, PromptScoring, prompt_only_result
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import (
     CacheBusyConflictError,
@@ -146,8 +145,9 @@ class GenerationService:
         throughput: ThroughputMeter,
         engine: ServingEngine | None = None,
     ) -> None:
-        #: Scores echoed prompts (``prompt_logprobs``, on the engine thread) and names their first tokens.
+        #: Names echoed prompts' first tokens; ``_scoring`` scores them (on the engine thread).
         self._engine = engine
+        self._scoring = PromptScoring(worker, engine) if engine is not None else None
         #: Chat logprobs' ``bytes``: a token that splits a character has its own bytes, not U+FFFD's.
         self.token_bytes: TokenBytesFn = TokenBytes(engine.tokenizer) if engine is not None else utf8
         self._config = config
@@ -224,22 +224,19 @@ class GenerationService:
                     raise ClientDisconnected() from None
 
     async def _echoes(self, plan: GenerationPlan, deadline: float) -> list[Echo] | None:
-        """Each prompt's :class:`Echo`; with logprobs its tokens are scored on the engine thread (one call per
-        prompt, between steps, like ``warm``)."""
+        """Each prompt's :class:`Echo`; with logprobs its tokens are scored on the engine thread, one slice
+        per call between steps (:class:`PromptScoring`)."""
         if plan.echo is None:
             return None
-        if self._engine is None:
+        if self._engine is None or self._scoring is None:
             raise EngineError("echo needs the service to hold the engine (GenerationService(engine=...)).")
         engine, top = self._engine, plan.sampling.logprobs
         echoes = []
         for prompt, text in zip(plan.prompts, plan.echo):
             scored = None
             if top is not None:
-                score = functools.partial(engine.prompt_logprobs, prompt, top_logprobs=top)
                 try:
-                    scored = tuple(
-                        await self._worker.call(score, timeout_s=max(deadline - time.monotonic(), 0.0))
-                    )
+                    scored = await self._scoring.score(prompt, top_logprobs=top, deadline=deadline)
                 except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
                     raise engine_error(exc) from None
             echoes.append(Echo(text=text, first_token=engine.token_text(prompt[0]), logprobs=scored))
