@@ -184,7 +184,7 @@ def server_prompt(
     engine: Any, messages: list[dict], tools: list[dict], choice: Any, parallel: bool
 ) -> list[int]:
     """Token ids of ``messages`` exactly as kvb-server renders them for this tool request."""
-    from kvb_server.schemas import ChatMessage
+    from kvb_server.schemas.generation_requests import ChatMessage
     from kvb_server.tool_calls import detect, template_messages, tool_plan
 
     syntax = detect(engine.tokenizer)
@@ -458,7 +458,7 @@ def agent_loop(
     api: Any, model: str, server: str, variant: str, loop: int, task: Task, args: argparse.Namespace
 ) -> list[CallRecord]:
     """One agent loop: ``args.calls`` requests, each answered with tool results (or a nudge)."""
-    from kvb_server.schemas import ChatMessage
+    from kvb_server.schemas.generation_requests import ChatMessage
     from kvb_server.tool_calls import tool_plan
     from kvb_server.tool_calls.prompt import template_messages
     from kvb_server.tool_calls.syntax import hermes

@@ -12,12 +12,12 @@ from conftest import serve
 from fakes import FakeEngine
 
 from kvb_server import ServerConfig, create_app
-from kvb_server.schemas import (
+from kvb_server.schemas.errors import ErrorResponse
+from kvb_server.schemas.generation_responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
-    ErrorResponse,
 )
 
 MODEL = "fake-model"

@@ -10,7 +10,7 @@ from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError
 from kvb_server.request_plan import chat_plan, choice_params, completion_plan, parse_body
-from kvb_server.schemas import ChatCompletionRequest, CompletionRequest
+from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.validation import VLLM_EXTRAS
 
 CONFIG = ServerConfig(model_names=("fake-model",), max_tokens=50)

@@ -14,7 +14,7 @@ from test_app_errors import assert_openai_error
 from kvb_cache import KVBoost
 from kvb_server import ServerConfig, create_app
 from kvb_server.engine import encode_text
-from kvb_server.schemas import DetokenizeResponse, TokenizeResponse
+from kvb_server.schemas.tokenize import DetokenizeResponse, TokenizeResponse
 
 MODEL = "fake-model"
 BOS = 2

@@ -11,7 +11,7 @@ import pytest
 from conftest import build_tokenizer
 
 from kvb_server.errors import InvalidParameterError
-from kvb_server.schemas import ChatMessage
+from kvb_server.schemas.generation_requests import ChatMessage
 from kvb_server.tool_calls import (
     ToolCallStream,
     detect,

@@ -18,7 +18,7 @@ from conftest import build_tiny_engine, build_tokenizer, serve
 
 from kvb_server import ServerConfig, create_app
 from kvb_server.request_plan import chat_plan
-from kvb_server.schemas import ChatCompletionRequest
+from kvb_server.schemas.generation_requests import ChatCompletionRequest
 from kvb_server.tool_calls import detect
 
 HERMES_TEMPLATE = (

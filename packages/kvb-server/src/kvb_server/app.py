@@ -27,20 +27,20 @@ from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.routes import admin_router, openai_router, tokenize_router
 from kvb_server.routes.openai import CLIENT_CLOSED
 from kvb_server.routes.responses import responses_router
-from kvb_server.schemas import (
-    CacheResetRequest,
+from kvb_server.schemas.admin import CacheResetRequest, WarmRequest
+from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
+from kvb_server.schemas.generation_responses import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
+)
+from kvb_server.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfoResponse,
-    WarmRequest,
 )
 from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from kvb_server.schemas import ErrorResponse
+from kvb_server.schemas.errors import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 

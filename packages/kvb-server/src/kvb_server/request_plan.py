@@ -20,7 +20,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
 from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
-from kvb_server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvb_server.tenancy import request_salt
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, template_messages, tool_grammar, tool_plan
 from kvb_server.validation import invalid_parameter

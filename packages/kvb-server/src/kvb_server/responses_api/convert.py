@@ -31,7 +31,7 @@ from kvb_server.responses_api.schemas import (
     UnsupportedToolChoice,
 )
 from kvb_server.responses_api.store import ChatMessage
-from kvb_server.schemas import ChatCompletionRequest
+from kvb_server.schemas.generation_requests import ChatCompletionRequest
 
 #: Chat parameter names (and paths) as this route's clients know them: (pattern, replacement), in order.
 _RENAMES = (

@@ -1,7 +1,8 @@
 """The request body of ``POST /v1/responses`` (OpenAI's Responses API), as strict pydantic models.
 
-As for the chat routes (:mod:`kvb_server.schemas`): types are strict, unknown fields are a 400, and what
-OpenAI defines but this server does not implement is declared so that :mod:`.convert` refuses it by name.
+As for the chat routes (:mod:`kvb_server.schemas.generation_requests`): types are strict, unknown fields
+are a 400, and what OpenAI defines but this server does not implement is declared so that :mod:`.convert`
+refuses it by name.
 Input items, content parts and tools whose ``type`` this server does not serve (images, files, reasoning
 items, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
 
@@ -15,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
-from kvb_server.schemas import CacheSalt, MaxTokens, Seed, Temperature, TopP
+from kvb_server.schemas.fields import CacheSalt, MaxTokens, Seed, Temperature, TopP
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 # What an unsupported item may carry: anything (it is refused by its type, not by its fields).
@@ -27,8 +28,8 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def _whole_number(value: Any) -> Any:
-    # As kvb_server.schemas does: JSON does not tell 10 from 10.0. The bounds come before the validator, so
-    # the JSON schema says "minimum" rather than pydantic's raw "ge".
+    # As kvb_server.schemas.fields does: JSON does not tell 10 from 10.0. The bounds come before the
+    # validator, so the JSON schema says "minimum" rather than pydantic's raw "ge".
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 

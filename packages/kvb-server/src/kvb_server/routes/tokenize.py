@@ -18,7 +18,7 @@ from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_plan import chat_messages, parse_request, served_model
-from kvb_server.schemas import (
+from kvb_server.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,

@@ -88,7 +88,8 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 
 
 def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """``messages`` (the request's :class:`~kvb_server.schemas.ChatMessage` list) for the chat template."""
+    """``messages`` (the request's :class:`~kvb_server.schemas.generation_requests.ChatMessage` list) for
+    the chat template."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for templates that print it
     pending_results: list[str] = []
