@@ -11,7 +11,7 @@ from conftest import serve
 from fakes import FakeEngine
 from test_app_errors import wait_until
 
-from kvb_server import ServerConfig, create_app
+from kvb_server import ServerConfig, create_app, idle_work
 from kvb_server import worker as worker_module
 
 MODEL = "fake-model"
@@ -45,7 +45,7 @@ class IdleFake(FakeEngine):
 
 
 def test_idle_work_waits_for_the_grace_period_after_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "IDLE_GRACE_S", 0.3)
+    monkeypatch.setattr(idle_work, "IDLE_GRACE_S", 0.3)
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 0.01)  # the idle thread notices new idle work at once
     fake = IdleFake(idle_left=0)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:

@@ -8,14 +8,17 @@ The engine is not thread-safe, so exactly one thread ever calls it. Request hand
 2. aborts the requests whose client went away or whose deadline passed (a timed-out one is answered 504),
 3. runs one ``engine.step()`` while any of its requests is unfinished and routes each output to its job's
    :class:`~kvb_server.jobs.Inbox` (streamed jobs: every output; others: only the result),
-4. once no request has been in flight for :data:`IDLE_GRACE_S`, runs the engine's idle work one step at a
-   time (stitched prompts computed exactly, ``StitchConfig.idle_copies``; a submission takes over at the
-   next step),
+4. once no request has been in flight for :data:`~kvb_server.idle_work.IDLE_GRACE_S`, runs the engine's idle
+   work one step at a time (stitched prompts computed exactly, ``StitchConfig.idle_copies``; a submission
+   takes over at the next step),
 5. sleeps on a condition variable when it has nothing to do, until the next submission wakes it.
 
 So streamed and non-streamed requests share every step, a new request joins at the next step, and a
 disconnect is acted on within one step. A failing ``step()`` fails the requests in flight (each is aborted
 in the engine) and the loop goes on serving new ones.
+
+The requests in flight and the routing of their outputs are :class:`~kvb_server.in_flight.InFlight`'s; the
+idle work is :class:`~kvb_server.idle_work.IdleWork`'s. This module owns the queue, the thread and its loop.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.results import StreamEvent
+from kvb_cache.core.outputs import PagedStats
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import QueueFullError, RequestTimeoutError, ShuttingDownError
-from kvb_server.jobs import CallJob, GenerationJob, Job, JobIds, JobUpdate
+from kvb_server.idle_work import IdleWork
+from kvb_server.in_flight import InFlight
+from kvb_server.jobs import CallJob, Job, JobIds, JobUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +47,6 @@ T = TypeVar("T")
 
 #: The idle thread re-checks for shutdown this often; submissions wake it at once.
 IDLE_WAIT_S = 1.0
-#: The engine's idle work starts only after this long with no request in flight. A client sending its next
-#: request as soon as a reply ends (one chat user, an agent loop) would otherwise find an idle step in
-#: progress: in tools/bench_rag_server.py (1 user, back-to-back requests, SmolLM2 on one CPU thread) that
-#: cost +330 ms of TTFT p50 (2.67 s vs 2.35 s) and bought nothing, since each step was taken out at once.
-IDLE_GRACE_S = 0.5
 #: How long :meth:`EngineWorker.stop` waits by default for the thread to finish its step (and close).
 STOP_JOIN_S = 10.0
 
@@ -88,16 +87,6 @@ class WorkerStats:
     idle_s: float = 0.0
 
 
-@dataclass(slots=True)
-class _InFlight:
-    """A job the engine holds."""
-
-    job: GenerationJob
-    queue_s: float
-    #: Still measurable: it entered an idle engine and no other request has joined since.
-    solo: bool
-
-
 class EngineWorker:
     """Owns the submission queue and the engine thread. Start it inside the running event loop."""
 
@@ -113,16 +102,12 @@ class EngineWorker:
         self._close_on_exit = False
         self._stop_deadline = 0.0
         self._thread: threading.Thread | None = None
-        self._in_flight: dict[RequestId, _InFlight] = {}
+        self._in_flight = InFlight(engine, config)
+        self._idle = IdleWork(engine)
         self._paged: PagedStats | None = None
         self._engine_waiting = 0
-        self._steps = self._step_errors = self._largest_step = 0
-        self._added = self._finished = self._aborted = self._rejected = self._calls = 0
+        self._steps = self._step_errors = self._calls = 0
         self._busy_s = 0.0
-        self._idle_steps = 0
-        self._idle_s = 0.0
-        #: When a request was last in flight (the idle work waits IDLE_GRACE_S after it).
-        self._last_busy = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,16 +191,16 @@ class EngineWorker:
             in_flight=len(self._in_flight),
             max_queue_size=self._config.max_queue_size,
             steps=self._steps,
-            step_errors=self._step_errors,
-            largest_step=self._largest_step,
-            added=self._added,
-            finished=self._finished,
-            aborted=self._aborted,
-            rejected=self._rejected,
+            step_errors=self._step_errors + self._idle.errors,
+            largest_step=self._in_flight.largest_step,
+            added=self._in_flight.added,
+            finished=self._in_flight.finished,
+            aborted=self._in_flight.aborted,
+            rejected=self._in_flight.rejected,
             calls=self._calls,
             busy_s=round(self._busy_s, 6),
-            idle_steps=self._idle_steps,
-            idle_s=round(self._idle_s, 6),
+            idle_steps=self._idle.steps,
+            idle_s=round(self._idle.seconds, 6),
         )
 
     def paged_stats(self) -> PagedStats | None:
@@ -232,10 +217,10 @@ class EngineWorker:
                     break
                 if batch:
                     self._hand_over(batch)
-                self._abort_expired()
+                self._in_flight.abort_expired()
                 if self._in_flight:
                     self._step()
-                elif self._idle_due() <= 0:
+                elif self._idle.due() <= 0:
                     self._idle_step()
         except Exception:  # a bug in the loop itself: nothing else would ever answer the jobs
             logger.exception("engine loop crashed")
@@ -254,7 +239,7 @@ class EngineWorker:
         """
         with self._cond:
             while not self._pending and not self._in_flight and not self._stopping:
-                due = self._idle_due()
+                due = self._idle.due()
                 if due <= 0:
                     return []
                 self._cond.wait(min(due, IDLE_WAIT_S))
@@ -266,7 +251,7 @@ class EngineWorker:
             if isinstance(job, CallJob):
                 answers.append(self._run_call(job))
             else:
-                self._add(job)
+                self._in_flight.add(job)
         self._refresh()
         with self._cond:
             for _ in batch:
@@ -274,31 +259,6 @@ class EngineWorker:
         # Calls are answered only now, so a handler reading the queue depth (stats) no longer sees its job.
         for answer in answers:
             answer()
-
-    def _add(self, job: GenerationJob) -> None:
-        if job.expired():
-            self._answer_expired(job)
-            return
-        queue_s = time.monotonic() - job.enqueued_at
-        solo = job.probe is not None and not self._in_flight
-        if solo:
-            _call_probe(job, "start")
-        try:
-            request_id = self._engine.add_request(
-                job.prompt,
-                job.sampling,
-                prefill_chunk_size=job.settings.prefill_chunk_size,
-                kv_cache_bits=job.settings.kv_cache_bits,
-                cache_salt=job.cache_salt,
-            )
-        except Exception as exc:  # invalid for the engine: only this job fails
-            self._rejected += 1
-            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))
-            return
-        for other in self._in_flight.values():
-            other.solo = False  # it now shares steps with this one: its measurement would be mixed
-        self._in_flight[request_id] = _InFlight(job=job, queue_s=queue_s, solo=solo)
-        self._added += 1
 
     def _run_call(self, job: CallJob) -> Callable[[], None]:
         """Run ``job`` now; returns what delivers its value or error to the awaiting handler."""
@@ -327,20 +287,7 @@ class EngineWorker:
         if take is None:
             return
         for output in take():
-            self._route(output)
-
-    def _abort_expired(self) -> None:
-        for request_id, flight in list(self._in_flight.items()):
-            if flight.job.expired():
-                logger.info("job %d aborted: client gone or past its deadline", flight.job.id)
-                self._abort(request_id)
-                self._answer_expired(flight.job, flight.queue_s)
-
-    def _answer_expired(self, job: GenerationJob, queue_s: float = 0.0) -> None:
-        # A cancelled job's handler is gone; a timed-out one may still be waiting for its 504.
-        if job.timed_out():
-            error = RequestTimeoutError(self._config.request_timeout_s)
-            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=error, queue_s=queue_s))
+            self._in_flight.route(output)
 
     def _step(self) -> None:
         if not self._engine.has_unfinished():
@@ -358,83 +305,23 @@ class EngineWorker:
         finally:
             self._busy_s += time.monotonic() - started
             self._steps += 1
-            self._last_busy = time.monotonic()
-        self._largest_step = max(self._largest_step, len({o.request_id for o in outputs}))
-        for output in outputs:
-            self._route(output)
+            self._idle.busy()
+        self._in_flight.route_step(outputs)
         self._refresh()
 
-    def _idle_due(self) -> float:
-        """Seconds until the engine's idle work may run (<= 0: now); infinite when it has none."""
-        # Optional for engines: KVBoost has idle work (StitchConfig.idle_copies); a plain ServingEngine not.
-        has = getattr(self._engine, "has_idle_work", None)
-        if has is None or not has():
-            return float("inf")
-        return self._last_busy + IDLE_GRACE_S - time.monotonic()
-
     def _idle_step(self) -> None:
-        """One step of the engine's idle work (no request of ours is in flight, so no output is ours)."""
-        started = time.monotonic()
-        try:
-            self._engine.step()
-        except Exception as exc:  # the idle work is the engine's own: log it, keep serving
-            self._step_errors += 1
-            logger.error("engine idle step failed: %r", exc)
-            clear = getattr(self._engine, "clear_idle_work", None)
-            if clear is not None:
-                clear()
-        finally:
-            self._idle_s += time.monotonic() - started
-            self._idle_steps += 1
+        self._idle.step()
         self._route_stepped_past()
         self._refresh()
 
-    def _route(self, output: RequestOutput) -> None:
-        flight = self._in_flight.get(output.request_id)
-        if flight is None:  # aborted earlier in this iteration, or not ours
-            return
-        job = flight.job
-        if output.finished:
-            del self._in_flight[output.request_id]
-            self._finished += 1
-            if flight.solo:
-                _call_probe(job, "finish")
-        if job.stream:
-            event = StreamEvent(
-                delta_text=output.delta_text,
-                token_ids=output.token_ids,
-                logprobs=output.logprobs,
-                result=output.result,
-            )
-            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, event=event, queue_s=flight.queue_s))
-        elif output.finished:
-            job.inbox.put_threadsafe(
-                JobUpdate(choice=job.choice, result=output.result, queue_s=flight.queue_s)
-            )
-
     def _fail_in_flight(self, error: BaseException) -> None:
-        for request_id, flight in list(self._in_flight.items()):
-            self._abort(request_id)
-            flight.job.inbox.put_threadsafe(
-                JobUpdate(choice=flight.job.choice, error=error, queue_s=flight.queue_s)
-            )
+        self._in_flight.fail_all(error)
         self._refresh()
-
-    def _abort(self, request_id: RequestId) -> None:
-        del self._in_flight[request_id]
-        self._aborted += 1
-        try:
-            self._engine.abort(request_id)
-        except Exception:  # the request is gone for us either way; the engine may have dropped it already
-            logger.warning("engine.abort(%s) failed", request_id, exc_info=True)
 
     def _abort_all(self) -> None:
         """On shutdown: free what is in flight, so an engine shared with another server starts clean."""
-        for request_id in list(self._in_flight):
-            self._abort(request_id)
-        clear = getattr(self._engine, "clear_idle_work", None)
-        if clear is not None:
-            clear()  # the prompt part-way holds blocks too; what it stored stays cached
+        self._in_flight.abort_all()
+        self._idle.clear()  # the prompt part-way holds blocks too; what it stored stays cached
 
     def _refuse_pending(self) -> None:
         """On shutdown: answer the jobs never handed to the engine, so no handler waits for its timeout."""
@@ -467,16 +354,6 @@ class EngineWorker:
             return
         self._paged = paged
         self._engine_waiting = paged.waiting
-
-
-def _call_probe(job: GenerationJob, method: str) -> None:
-    """Measurement must never fail a request: a probe error is logged and ignored."""
-    if job.probe is None:
-        return
-    try:
-        getattr(job.probe, method)()
-    except Exception:
-        logger.warning("run probe %s failed for job %d", method, job.id, exc_info=True)
 
 
 def _resolve(future: asyncio.Future[Any], *, value: Any = None, error: BaseException | None = None) -> None:
