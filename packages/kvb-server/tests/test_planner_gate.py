@@ -23,7 +23,7 @@ from kvb_planner import (
     plan,
 )
 from kvb_server import PlannerGate, ServerConfig, create_app
-from kvb_server.service import TRUNCATION_HEADER
+from kvb_server.truncation import TRUNCATION_HEADER
 
 MODEL = "fake-model"
 MIB = 1 << 20

@@ -13,13 +13,13 @@ from fastapi.responses import PlainTextResponse
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
+from kvb_server.engine_errors import engine_error
 from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_plan import parse_request
 from kvb_server.schemas.admin import CacheResetRequest, WarmRequest
-from kvb_server.service import engine_error
 from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
 from kvb_server.tenancy import ApiKeys, Caller, request_salt
 from kvb_server.worker import EngineWorker

@@ -19,8 +19,9 @@ from kvb_server.schemas.generation_responses import (
     CompletionChunk,
     CompletionResponse,
 )
-from kvb_server.service import ClientDisconnected, GenerationService, Truncation
+from kvb_server.service import ClientDisconnected, GenerationService
 from kvb_server.tenancy import ApiKeys, Caller
+from kvb_server.truncation import Truncation
 
 #: Status logged for a client that hung up before its response (nginx's convention; never sent).
 CLIENT_CLOSED = 499

@@ -33,8 +33,9 @@ from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, Re
 from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.responses_api.store import ResponseNotFoundError, ResponseStore
 from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADERS
-from kvb_server.service import ClientDisconnected, GenerationService, Truncation
+from kvb_server.service import ClientDisconnected, GenerationService
 from kvb_server.tenancy import ApiKeys, Caller
+from kvb_server.truncation import Truncation
 
 
 def responses_router(

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
+from kvb_server.engine_errors import engine_error
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_plan import chat_messages, parse_request, served_model
@@ -25,7 +26,6 @@ from kvb_server.schemas.tokenize import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
-from kvb_server.service import engine_error
 from kvb_server.tool_calls import detect
 
 T = TypeVar("T")

@@ -1,0 +1,46 @@
+"""What the client gets when the engine raises: each engine exception mapped to its HTTP error."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_server.errors import (
+    CacheBusyConflictError,
+    EngineError,
+    InvalidParameterError,
+    OutOfMemoryDuringRunError,
+    ServerError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def engine_error(exc: BaseException) -> ServerError:
+    """Map an exception raised by the engine to the HTTP error the client gets."""
+    if isinstance(exc, ServerError):
+        return exc
+    if _is_out_of_memory(exc):
+        logger.error("engine ran out of memory: %r", exc)
+        return OutOfMemoryDuringRunError(exc)
+    if isinstance(exc, CacheBusyError):
+        return CacheBusyConflictError(f"The cache was not reset: {exc}.")
+    if isinstance(exc, ContextLengthError):
+        return InvalidParameterError(str(exc), param="max_tokens", code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError | PromptTypeError):
+        return InvalidParameterError(str(exc), param=_openai_param(exc.param))
+    logger.error("engine failed: %r", exc, exc_info=exc)
+    return EngineError(f"The engine failed while serving this request: {type(exc).__name__}: {exc}")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    # CUDA raises its own type; the CPU allocator raises a RuntimeError naming itself.
+    return isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    )
+
+
+def _openai_param(param: str | None) -> str | None:
+    return {"max_new_tokens": "max_tokens", "logprobs": "logprobs"}.get(param or "", param)

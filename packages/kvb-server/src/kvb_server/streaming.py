@@ -1,0 +1,169 @@
+"""A streamed generation request as its Server-Sent Events: chunk objects, a final error object, ``[DONE]``.
+
+:meth:`GenerationService.open_stream <kvb_server.service.GenerationService.open_stream>` queues the request
+and waits for its first update; the :class:`OpenStream` it returns turns the updates into chunks (echoed
+prompts first, tool-call deltas for tool-calling replies, usage when asked).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvb_cache.results import GenerationResult
+from kvb_server.echo import Echo
+from kvb_server.engine_errors import engine_error
+from kvb_server.errors import RequestTooLargeError, ServerError
+from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
+from kvb_server.request_plan import GenerationPlan
+from kvb_server.responses import ResponseIds, assistant_message, chunk, running_usage, usage_chunk
+from kvb_server.tool_calls import ToolCallStream
+from kvb_server.truncation import Truncation
+
+if TYPE_CHECKING:
+    from kvb_server.service import GenerationService
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class OpenStream:
+    """A streamed request whose first update has arrived; :meth:`sse` yields its Server-Sent Events."""
+
+    def __init__(
+        self,
+        *,
+        service: GenerationService,
+        plan: GenerationPlan,
+        jobs: list[GenerationJob],
+        inbox: Inbox,
+        deadline: float,
+        first: JobUpdate | None,
+        truncation: Truncation | None = None,
+        echoes: list[Echo] | None = None,
+    ) -> None:
+        #: Set when auto-truncation shortened the prompt (reported in a response header).
+        self.truncation = truncation
+        self._service = service
+        self._plan = plan
+        self._jobs = jobs
+        self._inbox = inbox
+        self._deadline = deadline
+        self._first = first
+        self._echoes = echoes
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The stream as Server-Sent Events: each :meth:`chunks` payload, then ``data: [DONE]``."""
+        async for payload in self.chunks():
+            yield sse(payload)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any] | str]:
+        """The stream's payloads: chunk objects, an error object (last), and the ``"[DONE]"`` marker.
+
+        Other API shapes (the Responses API) translate these instead of parsing SSE text.
+        """
+        plan, ids = self._plan, ResponseIds.new(self._plan)
+        results: list[GenerationResult | None] = [None] * len(self._jobs)
+        started: set[int] = set()
+        offsets = [0] * len(self._jobs)
+        generated = [0] * len(self._jobs)  # tokens streamed so far, per choice
+        # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
+        tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
+        update: JobUpdate | None = self._first
+        try:
+            if self._echoes is not None:
+                # The echoed prompt opens each choice (OpenAI's order); generated text continues from it.
+                choices = len(plan.prompts) * plan.n
+                for i in range(choices):
+                    echo = self._echoes[i // plan.n]
+                    yield chunk(plan, ids, index=i, echo=echo, usage=running_usage(plan, i, 0))
+                    if echo.logprobs is not None:
+                        offsets[i] = echo.logprob_arrays()[1]
+                if not plan.generate:
+                    prompt_only = self._service.prompt_only(plan)
+                    for i in range(choices):
+                        yield chunk(
+                            plan, ids, index=i, finish_reason="length", usage=running_usage(plan, i, 0)
+                        )
+                    if plan.include_usage:
+                        yield usage_chunk(plan, ids, prompt_only)
+                    yield "[DONE]"
+                    return
+            while True:
+                if update is None:
+                    try:
+                        # Disconnects cancel this generator (Starlette watches the connection): no polling.
+                        update = await self._service.next_update(self._inbox, self._deadline, None)
+                    except ServerError as exc:
+                        yield exc.body()
+                        return
+                if update.error is not None:
+                    error = engine_error(update.error)
+                    yield error.body()
+                    if isinstance(error, RequestTooLargeError):
+                        # A memory refusal known only after the stream began: the final event, then [DONE].
+                        yield "[DONE]"
+                    return
+                event, i = update.event, update.choice
+                assert event is not None
+                generated[i] += len(event.token_ids)
+                # vLLM's continuous_usage_stats: every chunk of the choice carries its usage so far.
+                counted = running_usage(plan, i, generated[i]) if plan.continuous_usage else None
+                if tool_streams is not None:
+                    deltas = tool_streams[i].deltas(
+                        event.delta_text, final=event.result is not None, force=bool(event.logprobs)
+                    )
+                    for k, delta in enumerate(deltas):
+                        yield chunk(
+                            plan,
+                            ids,
+                            index=i,
+                            delta=delta,
+                            logprobs=None if k else event.logprobs,
+                            token_bytes=self._service.token_bytes,
+                            usage=counted,
+                        )
+                elif plan.chat_logprobs and i not in started:
+                    started.add(i)
+                    yield chunk(plan, ids, index=i, role=True, usage=counted)
+                if tool_streams is None and (event.delta_text or event.logprobs):
+                    yield chunk(
+                        plan,
+                        ids,
+                        index=i,
+                        text=event.delta_text,
+                        logprobs=event.logprobs,
+                        offset=offsets[i],
+                        token_bytes=self._service.token_bytes,
+                        usage=counted,
+                    )
+                    offsets[i] += len(event.delta_text)
+                if event.result is not None:
+                    results[i] = event.result
+                    self._service.record(update, event.result)
+                    finish = event.result.finish_reason
+                    if plan.tools is not None:
+                        # The same reading as the non-streamed message: whole calls finish "tool_calls".
+                        _, finish = assistant_message(plan.tools, event.result.output_text, finish)
+                    if counted is not None:  # the result's count is the exact one
+                        counted = running_usage(plan, i, event.result.completion_tokens)
+                    yield chunk(
+                        plan,
+                        ids,
+                        index=i,
+                        finish_reason=finish,
+                        stop_reason=event.result.stop_reason,
+                        usage=counted,
+                    )
+                    if all(r is not None for r in results):
+                        break
+                update = None
+            if plan.include_usage:
+                yield usage_chunk(plan, ids, results)  # type: ignore[arg-type]
+            yield "[DONE]"
+        finally:
+            for job in self._jobs:
+                job.cancelled.set()
