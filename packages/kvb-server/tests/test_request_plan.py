@@ -9,7 +9,9 @@ from fakes import FakeEngine
 from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError
-from kvb_server.request_plan import chat_plan, choice_params, completion_plan, parse_body
+from kvb_server.request_body import parse_body
+from kvb_server.request_plan import chat_plan, completion_plan
+from kvb_server.sampling_params import choice_params
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.validation import VLLM_EXTRAS
 

@@ -22,8 +22,9 @@ from kvb_server.errors import EngineError, RequestTimeoutError, RequestTooLargeE
 from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
-from kvb_server.request_plan import GenerationPlan, choice_params
+from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, TokenBytesFn, final_response, utf8
+from kvb_server.sampling_params import choice_params
 from kvb_server.stats import ThroughputMeter
 from kvb_server.streaming import OpenStream
 from kvb_server.token_bytes import TokenBytes

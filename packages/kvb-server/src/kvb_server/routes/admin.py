@@ -18,7 +18,7 @@ from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_plan import parse_request
+from kvb_server.request_body import parse_request
 from kvb_server.schemas.admin import CacheResetRequest, WarmRequest
 from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
 from kvb_server.tenancy import ApiKeys, Caller, request_salt

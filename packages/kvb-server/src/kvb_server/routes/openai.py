@@ -11,7 +11,8 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import ModelNotFoundError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan, parse_request
+from kvb_server.request_body import parse_request
+from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.schemas.generation_responses import (
     ChatCompletionChunk,

@@ -19,7 +19,8 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_plan import GenerationPlan, chat_plan, parse_request
+from kvb_server.request_body import parse_request
+from kvb_server.request_plan import GenerationPlan, chat_plan
 from kvb_server.responses_api.build import (
     ResponseEnvelope,
     assistant_message,

@@ -13,12 +13,14 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
+from kvb_server.chat_prompt import chat_messages
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.engine_errors import engine_error
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_plan import chat_messages, parse_request, served_model
+from kvb_server.request_body import parse_request
+from kvb_server.request_plan import served_model
 from kvb_server.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,

@@ -1,0 +1,90 @@
+"""A chat request's prompt and reply constraint: its messages rendered by the model's chat template (tool
+definitions, calls and results included) and what its reply is constrained to (the tools' call grammar, else
+``response_format``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jinja2
+
+from kvb_cache.errors import InvalidRequestError
+from kvb_cache.structured import ResponseFormat
+from kvb_server import constraints
+from kvb_server.engine import ServingEngine
+from kvb_server.errors import InvalidParameterError
+from kvb_server.schemas.generation_requests import ChatCompletionRequest
+from kvb_server.tool_calls import ToolPlan, ToolSyntax, template_messages, tool_grammar
+
+
+def chat_messages(
+    req: ChatCompletionRequest, syntax: ToolSyntax, tools: ToolPlan | None = None
+) -> list[dict[str, Any]]:
+    """Messages as the tokenizer's chat template expects them (tool calls and results included; see
+    :func:`kvb_server.tool_calls.template_messages`)."""
+    return template_messages(req.messages, syntax, tools)
+
+
+def _marker_token(engine: ServingEngine, syntax: ToolSyntax) -> int | None:
+    """The id of the syntax's marker when the tokenizer has it as one (special) token."""
+    if not syntax.marker:
+        return None
+    tokenizer = engine.tokenizer
+    token = tokenizer.convert_tokens_to_ids(syntax.marker)
+    return None if token is None or token == getattr(tokenizer, "unk_token_id", None) else int(token)
+
+
+def check_tool_schemas(tools: ToolPlan | None) -> None:
+    """Each tool's ``parameters`` must be a schema the grammar library handles: a 400 naming the tool."""
+    for i, tool in enumerate(tools.tools if tools is not None else ()):
+        schema = ResponseFormat(kind="json_schema", source=json.dumps(tool.parameters, allow_nan=False))
+        constraints.check(schema, f"tools[{i}].function.parameters")
+
+
+def reply_format(
+    req: ChatCompletionRequest, tools: ToolPlan | None, engine: ServingEngine, syntax: ToolSyntax
+) -> ResponseFormat | None:
+    """What the reply is constrained to: the tools' call grammar, else ``response_format`` (or vLLM's
+    guided-decoding fields)."""
+    raw, fmt = constraints.requested_format(req)
+    if tools is None or tools.mode == "none":
+        return fmt
+    text_schema = None
+    if tools.mode == "auto" and fmt is not None:
+        text_schema = constraints.json_schema_of(raw)
+        if text_schema is None:
+            raise InvalidParameterError(
+                "response_format: only json_object and json_schema combine with tools (tool_choice 'auto').",
+                param="response_format",
+            )
+    grammar = tool_grammar(tools, marker_token=_marker_token(engine, syntax), text_schema=text_schema)
+    tool_format = ResponseFormat(kind="grammar", source=grammar)
+    constraints.check(tool_format, "tools")
+    return tool_format
+
+
+def render_chat(
+    engine: ServingEngine, messages: list[dict[str, Any]], tools: ToolPlan | None, req: ChatCompletionRequest
+) -> list[int]:
+    """The prompt's token ids: ``messages`` through the model's chat template, with the tools' definitions
+    (native tool syntaxes) and the request's template options; a 400 when the template refuses them."""
+    definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
+    options: dict[str, Any] = {}  # vLLM's template options, passed only when sent (the protocol's defaults)
+    if req.add_generation_prompt is not None:
+        options["add_generation_prompt"] = req.add_generation_prompt
+    if req.continue_final_message:
+        options["continue_final_message"] = True
+        options.setdefault("add_generation_prompt", False)  # vLLM's rule: continuing implies no new turn
+    if req.chat_template_kwargs:
+        options["chat_template_kwargs"] = req.chat_template_kwargs
+    if definitions:
+        options["tools"] = definitions
+    try:
+        return engine.chat_prompt(messages, **options)
+    except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)
+        raise InvalidParameterError(
+            f"The chat template refused these messages: {exc}", param="messages"
+        ) from None
+    except InvalidRequestError as exc:  # the engine's checks of those options
+        raise InvalidParameterError(str(exc), param=exc.param or "messages") from None

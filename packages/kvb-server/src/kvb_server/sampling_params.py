@@ -1,0 +1,128 @@
+"""The engine's :class:`~kvb_cache.sampling.SamplingParams` from a request's sampling fields.
+
+OpenAI's defaults where a field is omitted (``temperature`` 1, not the engine's 0), the server's caps
+(``max_tokens``, ``n``), OpenAI's token-budget rule against the context window, and the per-choice seeds of
+an ``n > 1`` request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvb_cache.errors import InvalidRequestError
+from kvb_cache.sampling import GREEDY_TEMPERATURE, SamplingParams
+from kvb_cache.structured import ResponseFormat
+from kvb_server import constraints
+from kvb_server.config import ServerConfig
+from kvb_server.engine import ServingEngine
+from kvb_server.errors import InvalidParameterError
+from kvb_server.schemas.generation_requests import SamplingFields
+
+
+def _stop_strings(req: SamplingFields) -> tuple[str, ...]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise InvalidParameterError("stop strings must be non-empty.", param="stop")
+    return tuple(stop)
+
+
+def max_new_tokens(
+    requested: int | None,
+    default: int,
+    prompts: tuple[list[int], ...],
+    engine: ServingEngine,
+    config: ServerConfig,
+    *,
+    prompt_param: str,
+    room_needed: int = 1,
+) -> int:
+    """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks.
+
+    ``room_needed`` is 0 for a prompt that is only scored (echo with ``max_tokens: 0``): it may fill the
+    context. The result is then at least 1 (what the admission gate plans for), never generated."""
+    longest = max(len(p) for p in prompts)
+    context = engine.context_length
+    room = config.max_tokens if context is None else context - longest
+    if room < room_needed:
+        raise InvalidParameterError(
+            f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
+            f"{longest} tokens. Shorten the prompt.",
+            param=prompt_param,
+        )
+    if requested is None:
+        return max(min(default, config.max_tokens, room), 1)
+    capped = min(requested, config.max_tokens)
+    if capped > room:
+        raise InvalidParameterError(
+            f"This model's maximum context length is {engine.context_length} tokens. However, you requested "
+            f"{longest + capped} tokens ({longest} in the prompt, {capped} for the completion). Reduce the "
+            "prompt or max_tokens.",
+            param="max_tokens",
+        )
+    return capped
+
+
+def sampling_params(
+    req: SamplingFields, max_new_tokens: int, logprobs: int | None, fmt: ResponseFormat | None = None
+) -> SamplingParams:
+    """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted); ``fmt``
+    constrains the reply (``response_format`` or a tool-call grammar)."""
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
+    if temperature < GREEDY_TEMPERATURE:
+        # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
+        temperature = 0.0
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(req.top_k or 0, 0),  # -1 (vLLM's old "off") and 0 both disable it
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            stop=_stop_strings(req),
+            seed=req.seed,
+            logprobs=logprobs,
+            response_format=fmt,
+            logit_bias=constraints.logit_bias(req.logit_bias),
+        )
+    except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
+        param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
+        raise InvalidParameterError(str(exc), param=param) from None
+
+
+def continuous_usage(req: SamplingFields) -> bool:
+    """Whether every chunk carries usage; ``stream_options`` without ``stream`` is a 400 (as OpenAI and vLLM
+    answer: the options would silently do nothing)."""
+    options = req.stream_options
+    if options is None:
+        return False
+    if not req.stream:
+        raise InvalidParameterError(
+            "stream_options is only allowed when stream is true.", param="stream_options"
+        )
+    return options.include_usage and options.continuous_usage_stats
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling of choice ``index`` of an ``n > 1`` request: each choice gets its own seed (``seed + index``)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+def choice_count(req: SamplingFields, config: ServerConfig) -> int:
+    """Choices per prompt (``n``; 400 above the server's ``max_n``)."""
+    n = req.n or 1
+    if n > config.max_n:
+        raise InvalidParameterError(f"n must be at most {config.max_n} on this server, got {n}.", param="n")
+    return n
