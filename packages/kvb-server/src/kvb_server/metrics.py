@@ -10,26 +10,26 @@ Two sets of names:
 - ``kvboost_*`` and ``kvboost:*``: this server's own names (per-route HTTP counts and latency, cache chunk
   kinds, block states, engine steps), kept as before; the ``kvboost:*`` engine-loop ones mirror the
   ``vllm:*`` ones without the label.
+
+Per-request metrics are observed here as each choice finishes; the engine-loop ones are read at scrape
+time by :class:`~kvb_server.engine_loop_metrics.EngineLoopCollector`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from kvb_cache.core.outputs import PagedStats
 from kvb_cache.results import GenerationResult
+from kvb_server.engine_loop_metrics import MODEL_LABEL, EngineLoopCollector
 
 if TYPE_CHECKING:
     from kvb_server.worker import WorkerStats
 
-#: vLLM's label on every ``vllm:*`` metric.
-MODEL_LABEL = "model_name"
 #: vLLM's buckets (``vllm/v1/metrics/loggers.py``), so quantiles compare across the two servers.
 VLLM_TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -44,152 +44,6 @@ FINISHED_REASONS = ("stop", "length")
 #: Seconds; TTFT on CPU spans milliseconds (cache hit) to seconds (long cold prompt).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class EngineLoopCollector(Collector):
-    """Engine-loop gauges and counters, read at scrape time from the worker's last snapshot.
-
-    Never from the engine itself: it is not thread-safe, and a scrape must not wait for a step.
-    """
-
-    def __init__(
-        self,
-        worker_stats: Callable[[], WorkerStats],
-        paged_stats: Callable[[], PagedStats | None],
-        *,
-        model_name: str,
-    ) -> None:
-        self._worker_stats = worker_stats
-        self._paged_stats = paged_stats
-        self._model_name = model_name
-
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families(None, None)
-        yield from self._vllm_families(None, None)
-
-    def collect(self) -> Iterator[Metric]:
-        worker, paged = self._worker_stats(), self._paged_stats()
-        yield from self._families(worker, paged)
-        yield from self._vllm_families(worker, paged)
-
-    def _vllm_families(self, worker: WorkerStats | None, paged: PagedStats | None) -> Iterator[Metric]:
-        """The same readings under vLLM's names and ``model_name`` label (no sample until known)."""
-        labels = [self._model_name]
-
-        def family(
-            kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float | None
-        ) -> Metric:
-            metric = kind(name, doc, labels=[MODEL_LABEL])
-            if value is not None:
-                metric.add_metric(labels, value)
-            return metric
-
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield family(
-            gauge,
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            None if worker is None else worker.running,
-        )
-        yield family(
-            gauge,
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            None if worker is None else worker.waiting,
-        )
-        yield family(
-            gauge,
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            None if paged is None else paged.kv_cache_usage,
-        )
-        # NOTE: the engine counts these in tokens, as vLLM does: each admission queries the prompt's tokens
-        # and hits the ones mapped from cached blocks (a preempted request that is readmitted counts again).
-        yield family(
-            counter,
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            None if paged is None else paged.prefix_cache_queries,
-        )
-        yield family(
-            counter,
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            None if paged is None else paged.prefix_cache_hits,
-        )
-        yield family(
-            counter,
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            None if paged is None else paged.preemptions,
-        )
-
-    @staticmethod
-    def _families(worker: WorkerStats | None, paged: PagedStats | None) -> Iterator[Metric]:
-        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        yield gauge(
-            "kvboost:num_requests_running",
-            "Requests the engine is decoding (as of its last step)",
-            None if worker is None else worker.running,
-        )
-        yield gauge(
-            "kvboost:num_requests_waiting",
-            "Requests not running yet: submitted to the engine thread or waiting inside the engine",
-            None if worker is None else worker.waiting,
-        )
-        yield counter(
-            "kvboost_engine_steps",
-            "Engine steps run (one iteration over every running request)",
-            None if worker is None else worker.steps,
-        )
-        yield counter(
-            "kvboost_idle_steps",
-            "Engine steps of idle work (stitched prompts computed exactly while no request was in flight)",
-            None if worker is None else worker.idle_steps,
-        )
-        yield counter(
-            "kvboost_idle_seconds",
-            "Seconds the engine thread spent on idle work",
-            None if worker is None else worker.idle_s,
-        )
-        yield gauge(
-            "kvboost:kv_cache_usage_perc",
-            "Fraction of KV blocks owned by running requests (1 = all)",
-            None if paged is None else paged.kv_cache_usage,
-        )
-        yield counter(
-            "kvboost:prefix_cache_queries",
-            "Prompt tokens looked up in the block pool's prefix cache",
-            None if paged is None else paged.prefix_cache_queries,
-        )
-        yield counter(
-            "kvboost:prefix_cache_hits",
-            "Prompt tokens served from cached KV blocks",
-            None if paged is None else paged.prefix_cache_hits,
-        )
-        yield counter(
-            "kvboost:num_preemptions",
-            "Requests sent back to waiting because the pool ran out of blocks",
-            None if paged is None else paged.preemptions,
-        )
-        blocks = GaugeMetricFamily(
-            "kvboost_kv_blocks",
-            "KV blocks by state: used (running requests), cached (reusable, evictable), free",
-            labels=["state"],
-        )
-        if paged is not None:
-            for state, value in (
-                ("used", paged.blocks_used),
-                ("cached", paged.blocks_cached),
-                ("free", paged.blocks_free),
-            ):
-                blocks.add_metric([state], value)
-        yield blocks
 
 
 class ServerMetrics:
