@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from kvb_cache.core.outputs import PagedStats
 
 if TYPE_CHECKING:
-    from kvb_server.worker import WorkerStats
+    from kvb_server.worker_stats import WorkerStats
 
 #: vLLM's label on every ``vllm:*`` metric.
 MODEL_LABEL = "model_name"

@@ -28,7 +28,7 @@ from kvb_cache.results import GenerationResult
 from kvb_server.engine_loop_metrics import MODEL_LABEL, EngineLoopCollector
 
 if TYPE_CHECKING:
-    from kvb_server.worker import WorkerStats
+    from kvb_server.worker_stats import WorkerStats
 
 #: vLLM's buckets (``vllm/v1/metrics/loggers.py``), so quantiles compare across the two servers.
 VLLM_TTFT_BUCKETS = (
