@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from kvb_cache.config import EngineConfig
+from kvb_cache.core.attention_routing import check_attention_routing
 from kvb_cache.core.block_pool import BlockPool
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
-from kvb_cache.core.paged_attention import check_attention_routing, install_paged_attention
+from kvb_cache.core.paged_attention import install_paged_attention
 from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.hashing import ChunkHash

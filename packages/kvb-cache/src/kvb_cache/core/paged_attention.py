@@ -18,12 +18,9 @@ the same, so such calls compute exactly what they did before installation. Insid
 call runs the given row attention instead (the stitching repair: only its recomputed rows attend, each over
 the keys up to its position, without a dense mask over every row).
 
-:func:`check_attention_routing` checks with a one-token probe that every decoder layer's attention goes
-through this function, sees keys/values of the shape its cache holds and gets the mask the model's mask
-function made; models that route attention elsewhere (GPT-J, Falcon, Bloom: no ``AttentionInterface``),
-cache something else than per-head keys and values (DeepSeek's multi-head latent attention caches the
-compressed latent) or build their own mask inside the attention module (Doge's dynamic mask) are declined
-with :class:`~kvb_cache.errors.UnsupportedModelError`.
+:func:`~kvb_cache.core.attention_routing.check_attention_routing` checks with a one-token probe that every
+decoder layer's attention goes through this function (the attention arithmetic itself is
+:mod:`kvb_cache.core.attend`).
 """
 
 from __future__ import annotations
@@ -35,13 +32,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvb_cache.core.kv_storage import KVStorage, LayerShape
-from kvb_cache.errors import UnsupportedModelError
+from kvb_cache.core.attend import attend, causal_mask, group_queries, sink_column
+from kvb_cache.core.attention_routing import record_layer
+from kvb_cache.core.kv_storage import KVStorage
 
 NAME = "kvb_paged"
 #: Config attribute recording the implementation calls without paged metadata go to.
@@ -80,73 +77,6 @@ class PagedBatch:
     decode: DecodeGroup | None
 
 
-def _group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[B, H, Q, D]`` -> ``[B, KVH, G * Q, D]``: each key/value head attended by its ``G`` query heads at
-    once (grouped-query attention without repeating keys and values; query rows are independent)."""
-    b, heads, q_len, d = q.shape
-    return q.reshape(b, kv_heads, (heads // kv_heads) * q_len, d)
-
-
-def sink_column(sinks: torch.Tensor, kv_heads: int, q_len: int) -> torch.Tensor:
-    """Per-head sink logits ``[H]`` laid out for grouped queries: ``[KVH, G * q_len, 1]`` (row ``g * q + i`` of
-    key head ``h`` is query head ``h * G + g``)."""
-    groups = sinks.shape[0] // kv_heads
-    return sinks.view(kv_heads, groups, 1, 1).expand(kv_heads, groups, q_len, 1).reshape(kv_heads, -1, 1)
-
-
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    scaling: float | None,
-    softcap: float | None,
-    causal: bool = False,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, H, L, D]``, bool ``mask`` ``[B, 1, Q, L]`` -> ``[B, H, Q, Dv]``.
-
-    ``sinks`` ``[H, Q, 1]`` (gpt-oss): a learned logit per head that joins every row's softmax as one more
-    "key" with a zero value, so a row may give part of its attention to nothing.
-    """
-    if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal)
-    # SDPA has neither logit soft-capping (Gemma 2) nor sinks (gpt-oss): the eager formula, as transformers'
-    # eager paths compute it.
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(
-            k.shape[-2] - q.shape[-2]
-        )
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    if sinks is None:
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    else:
-        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
-        combined = torch.cat([scores, column], dim=-1).float()
-        probs = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-def _causal_mask(
-    q_len: int, ctx: int, window: int | None, device: torch.device, chunk: int | None = None
-) -> torch.Tensor:
-    """``[q_len, ctx]`` bool: query ``i`` (position ``ctx - q_len + i``) sees key ``j <= `` its position,
-    within the sliding window when there is one and inside its own attention chunk when there is one."""
-    q_pos = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
-    k_pos = torch.arange(ctx, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    if chunk is not None:
-        mask &= k_pos // chunk == q_pos // chunk
-    return mask
-
-
 def _attention_chunk(module: torch.nn.Module) -> int | None:
     """Chunk size of a chunked-attention layer (Llama 4's local layers: a token sees only the keys of its own
     ``attention_chunk_size``-token chunk), else None. transformers puts the chunking in the mask, which paged
@@ -159,20 +89,10 @@ def _attention_chunk(module: torch.nn.Module) -> int | None:
     return None
 
 
-def _biased(mask: torch.Tensor | None) -> bool:
-    """Whether a one-token probe's mask does more than let the token see itself (bool True / float 0)."""
-    if not isinstance(mask, torch.Tensor):
-        return False
-    return bool((~mask).any()) if mask.dtype == torch.bool else bool((mask != 0).any())
-
-
 #: The batch of the packed forward running now (set by :func:`paged_call`).
 _PAGED: ContextVar[PagedBatch | None] = ContextVar("kvb_paged", default=None)
 #: The row attention of the repair forward running now (set by :func:`row_call`).
 _ROWS: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("kvb_row_attention", default=None)
-#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` attention saw during
-#: :func:`check_attention_routing`.
-_PROBE: ContextVar[dict[int, tuple[int, int, int, bool]] | None] = ContextVar("kvb_probe", default=None)
 
 
 @contextlib.contextmanager
@@ -211,10 +131,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, KVH, T, D]`` ->
     ``([1, T, H, Dv], None)``. ``s_aux`` ``[H]``: gpt-oss's per-head attention-sink logits."""
-    probe = _PROBE.get()
-    if probe is not None:
-        shape = (key.shape[1], key.shape[-1], value.shape[-1], _biased(attention_mask))
-        probe[getattr(module, "layer_idx", -1)] = shape
+    record_layer(module, key, value, attention_mask)
     rows = _ROWS.get()
     if rows is not None:
         return rows(query, key, value, scaling=scaling, softcap=softcap, sinks=s_aux), None
@@ -239,15 +156,15 @@ def paged_attention_forward(
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
         q_len, ctx = seq.q_len, seq.slots.shape[0]
-        q = _group_queries(query[:, :, seq.start : seq.start + q_len], kv_heads)  # [1, KVH, G*q, D]
+        q = group_queries(query[:, :, seq.start : seq.start + q_len], kv_heads)  # [1, KVH, G*q, D]
         k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
         v = values.index_select(1, seq.slots).unsqueeze(0)
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
         if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
-            o = _attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
+            o = attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
         else:
-            mask = _causal_mask(q_len, ctx, sliding_window, q.device, chunk).repeat(groups, 1)[None, None]
-            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)  # [1, KVH, G*q, Dv]
+            mask = causal_mask(q_len, ctx, sliding_window, q.device, chunk).repeat(groups, 1)[None, None]
+            o = attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)  # [1, KVH, G*q, Dv]
         out[seq.start : seq.start + q_len] = o[0].reshape(heads, q_len, -1).transpose(0, 1)
     group = batch.decode
     if group is not None:
@@ -264,7 +181,7 @@ def paged_attention_forward(
         if chunk is not None:
             mask = mask & (k_pos // chunk == q_pos // chunk)
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
-        o = _attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
+        o = attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
         out[group.rows] = o.reshape(rows_n, heads, -1)  # o: [B, KVH, G, Dv]
     return out.unsqueeze(0), None
 
@@ -308,49 +225,6 @@ def install_paged_attention(model: PreTrainedModel) -> None:
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, current)
     model.set_attn_implementation(NAME)
-
-
-def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]) -> None:
-    """Raise :class:`UnsupportedModelError` unless a one-token forward of the (installed) model calls this
-    module's attention once per layer with keys/values shaped as the layer's cache (``shapes``).
-
-    A layer that never calls it computes attention some other way (the paged pool would never be written:
-    every output wrong); keys that differ from the cached ones mean the cache holds something else (a
-    compressed latent), which the pool's per-head layout cannot serve.
-    """
-    name = type(model).__name__
-    seen: dict[int, tuple[int, int, int, bool]] = {}
-    token = _PROBE.set(seen)
-    try:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
-        with torch.inference_mode():
-            model(input_ids=ids, position_ids=ids, use_cache=False)
-    finally:
-        _PROBE.reset(token)
-    missing = [i for i in range(len(shapes)) if i not in seen]
-    if missing:
-        raise UnsupportedModelError(
-            f"{name} does not compute attention through transformers' AttentionInterface (layers {missing[:4]}"
-            f"{'...' if len(missing) > 4 else ''} never called it), so KVBoost's paged attention cannot serve "
-            "it; supported are models whose attention honours `attn_implementation` (Llama, Qwen, Mistral, "
-            "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
-        )
-    for i, shape in enumerate(shapes):
-        *got, biased = seen[i]
-        if biased:
-            raise UnsupportedModelError(
-                f"{name} builds its own attention mask inside the attention module (layer {i}: a one-token "
-                "forward's mask already masks or biases the token's own key, e.g. Doge's dynamic mask computed "
-                "from the values of every cached token); KVBoost's paged attention builds the causal / "
-                "sliding-window mask from positions and cannot reproduce it"
-            )
-        if tuple(got) != (shape.kv_heads, shape.key_dim, shape.value_dim):
-            raise UnsupportedModelError(
-                f"{name} caches something other than the keys/values its attention uses (layer {i}: cache "
-                f"{shape.kv_heads} heads x {shape.key_dim}/{shape.value_dim} channels, attention "
-                f"{got[0]} heads x {got[1]}/{got[2]}), e.g. the compressed latent of multi-head latent "
-                "attention; KVBoost's pool stores per-head keys and values and cannot serve it"
-            )
 
 
 #: A prepared (early-exit) 4D mask: transformers returns 4D masks as they are, so paged calls build none.

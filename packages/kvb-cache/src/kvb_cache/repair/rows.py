@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvb_cache.core.paged_attention import _attend, _group_queries, sink_column
+from kvb_cache.core.attend import attend, group_queries, sink_column
 
 #: Rows per segment are ``ceil(Q / SEGMENTS)`` (at least ``MIN_ROWS``): few SDPA calls per layer, and a
 #: segment spans about ``N / SEGMENTS`` positions when the rows are spread out.
@@ -79,10 +79,10 @@ class RowAttention:
         heads, kv_heads = query.shape[1], key.shape[1]
         out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [Q, H, Dv]
         for (start, end, length, _), mask in zip(self.segments, self._masks(heads // kv_heads)):
-            q = _group_queries(query[:, :, start:end], kv_heads)  # [1, KVH, G*r, D]
+            q = group_queries(query[:, :, start:end], kv_heads)  # [1, KVH, G*r, D]
             k, v = key[:, :, :length], value[:, :, :length]
             causal = mask is None and end - start > 1
             column = None if sinks is None else sink_column(sinks, kv_heads, end - start)
-            o = _attend(q, k, v, mask, scaling=scaling, softcap=softcap, causal=causal, sinks=column)
+            o = attend(q, k, v, mask, scaling=scaling, softcap=softcap, causal=causal, sinks=column)
             out[start:end] = o[0].reshape(heads, end - start, -1).transpose(0, 1)
         return out.unsqueeze(0)

@@ -1,0 +1,85 @@
+"""Whether a model's attention can be served by ``kvb_paged``: the one-token routing probe.
+
+:func:`check_attention_routing` runs a one-token forward of the installed model while a probe is current;
+:func:`~kvb_cache.core.paged_attention.paged_attention_forward` reports each layer's call to it
+(:func:`record_layer`). Every decoder layer must go through that function, see keys/values of the shape its
+cache holds and get the mask the model's mask function made. Models that route attention elsewhere (GPT-J,
+Falcon, Bloom: no ``AttentionInterface``), cache something else than per-head keys and values (DeepSeek's
+multi-head latent attention caches the compressed latent) or build their own mask inside the attention
+module (Doge's dynamic mask) are declined with :class:`~kvb_cache.errors.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextvars import ContextVar
+
+import torch
+from transformers import PreTrainedModel
+
+from kvb_cache.core.kv_storage import LayerShape
+from kvb_cache.errors import UnsupportedModelError
+
+#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` attention saw during
+#: :func:`check_attention_routing`.
+_PROBE: ContextVar[dict[int, tuple[int, int, int, bool]] | None] = ContextVar("kvb_probe", default=None)
+
+
+def _biased(mask: torch.Tensor | None) -> bool:
+    """Whether a one-token probe's mask does more than let the token see itself (bool True / float 0)."""
+    if not isinstance(mask, torch.Tensor):
+        return False
+    return bool((~mask).any()) if mask.dtype == torch.bool else bool((mask != 0).any())
+
+
+def record_layer(
+    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+) -> None:
+    """Note what a layer's attention call saw, when :func:`check_attention_routing` is probing (else nothing)."""
+    probe = _PROBE.get()
+    if probe is not None:
+        shape = (key.shape[1], key.shape[-1], value.shape[-1], _biased(attention_mask))
+        probe[getattr(module, "layer_idx", -1)] = shape
+
+
+def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]) -> None:
+    """Raise :class:`UnsupportedModelError` unless a one-token forward of the (installed) model calls the
+    ``kvb_paged`` attention once per layer with keys/values shaped as the layer's cache (``shapes``).
+
+    A layer that never calls it computes attention some other way (the paged pool would never be written:
+    every output wrong); keys that differ from the cached ones mean the cache holds something else (a
+    compressed latent), which the pool's per-head layout cannot serve.
+    """
+    name = type(model).__name__
+    seen: dict[int, tuple[int, int, int, bool]] = {}
+    token = _PROBE.set(seen)
+    try:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=ids, use_cache=False)
+    finally:
+        _PROBE.reset(token)
+    missing = [i for i in range(len(shapes)) if i not in seen]
+    if missing:
+        raise UnsupportedModelError(
+            f"{name} does not compute attention through transformers' AttentionInterface (layers {missing[:4]}"
+            f"{'...' if len(missing) > 4 else ''} never called it), so KVBoost's paged attention cannot serve "
+            "it; supported are models whose attention honours `attn_implementation` (Llama, Qwen, Mistral, "
+            "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
+        )
+    for i, shape in enumerate(shapes):
+        *got, biased = seen[i]
+        if biased:
+            raise UnsupportedModelError(
+                f"{name} builds its own attention mask inside the attention module (layer {i}: a one-token "
+                "forward's mask already masks or biases the token's own key, e.g. Doge's dynamic mask computed "
+                "from the values of every cached token); KVBoost's paged attention builds the causal / "
+                "sliding-window mask from positions and cannot reproduce it"
+            )
+        if tuple(got) != (shape.kv_heads, shape.key_dim, shape.value_dim):
+            raise UnsupportedModelError(
+                f"{name} caches something other than the keys/values its attention uses (layer {i}: cache "
+                f"{shape.kv_heads} heads x {shape.key_dim}/{shape.value_dim} channels, attention "
+                f"{got[0]} heads x {got[1]}/{got[2]}), e.g. the compressed latent of multi-head latent "
+                "attention; KVBoost's pool stores per-head keys and values and cannot serve it"
+            )
