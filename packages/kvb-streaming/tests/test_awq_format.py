@@ -108,6 +108,14 @@ def test_dequantize_detects_wrong_group_size() -> None:
         dequantize(awq, 16)
 
 
+def test_check_shapes_suggests_group_sizes_that_fit() -> None:
+    # SmolLM2-135M's hidden size: 128 does not divide it, so it must not be suggested.
+    with pytest.raises(AWQFormatError, match=r"such as 64 or 32$"):
+        check_shapes(576, 64, 128)
+    with pytest.raises(AWQFormatError, match=r"that divides it$"):
+        check_shapes(24, 16, 32)
+
+
 def test_check_shapes() -> None:
     check_shapes(64, 16, 32)
     with pytest.raises(AWQFormatError, match="must divide"):

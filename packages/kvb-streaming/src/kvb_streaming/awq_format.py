@@ -146,8 +146,11 @@ def dequantize(tensors: AWQTensors, group_size: int, dtype: torch.dtype = torch.
 def check_shapes(in_features: int, out_features: int, group_size: int) -> None:
     """Raises :class:`AWQFormatError` unless a layer of this shape can be stored in AWQ GEMM format."""
     if group_size < 1 or in_features % group_size:
+        # NOTE: suggest only sizes that fit this layer (576 = 9 x 64 takes 64, not 128).
+        fits = [g for g in (128, 64, 32, 16) if in_features % g == 0][:2]
+        hint = f"such as {' or '.join(str(g) for g in fits)}" if fits else "that divides it"
         raise AWQFormatError(
-            f"group_size={group_size} must divide in_features={in_features}; pick a divisor such as 64 or 128"
+            f"group_size={group_size} must divide in_features={in_features}; pick a group_size {hint}"
         )
     if out_features % _PACK:
         raise AWQFormatError(f"out_features={out_features} must be a multiple of 8 for AWQ GEMM packing")
