@@ -13,7 +13,7 @@ from kvb_cache.fidelity import compare_distributions, reference_continuation_log
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.repair import rows as repair_rows
 from kvb_cache.repair.rows import RowAttention
-from kvb_cache.stitching import StitchedPiece, chained_runs, find_pieces
+from kvb_cache.stitch_lookup import StitchedPiece, chained_runs, find_pieces
 from kvb_cache.store import ChunkEntry
 
 CHUNK = 16

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from kvb_cache.core.request import Request
     from kvb_cache.hashing import ChunkHash
     from kvb_cache.model_traits import ModelTraits
-    from kvb_cache.stitching import Stitcher, StitchJob
+    from kvb_cache.stitch_job import StitchJob
+    from kvb_cache.stitching import Stitcher
     from kvb_cache.store import ChunkStore
 
 

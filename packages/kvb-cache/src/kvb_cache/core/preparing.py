@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class PrepareWork(RepairWork, Protocol):
-    """Sliced repair that fills ``prepared`` when done (a :class:`~kvb_cache.stitching.StitchJob`)."""
+    """Sliced repair that fills ``prepared`` when done (a :class:`~kvb_cache.stitch_job.StitchJob`)."""
 
     prepared: PreparedPrompt
 
