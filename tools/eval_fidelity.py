@@ -59,6 +59,8 @@ CONFIGS = {
     "cacheblend-r15": StitchConfig(recompute_strategy="cacheblend", recompute_ratio=0.15, overlap_k=0),
     "cacheblend-r15-k32": StitchConfig(recompute_strategy="cacheblend", recompute_ratio=0.15, overlap_k=32),
 }
+#: The warm-up engine's stitching (kept apart from CONFIGS, which ``--only`` filters).
+WARMUP_STITCHING = CONFIGS["none"]
 #: Pool and chunk-store budget of each engine (the default 2 GiB per engine adds up over 24 groups).
 CACHE_BYTES = 512 << 20
 
@@ -165,7 +167,7 @@ def run_group(
         tokenizer,
         config=EngineConfig(
             chunk_size=chunk_size,
-            stitching=replace(CONFIGS["none"], collect_copies=collect_copies),
+            stitching=replace(WARMUP_STITCHING, collect_copies=collect_copies),
             max_cache_bytes=CACHE_BYTES,
         ),
     )
