@@ -44,7 +44,7 @@ def run(model, tokenizer, ids: list[list[int]], *, hold: bool, new_tokens: int) 
     from kvb_cache import EngineConfig, KVBoost, StitchConfig
 
     engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32, stitching=StitchConfig()))
-    patch = mock.patch("kvb_cache.engine.stitch_sources", return_value=frozenset())
+    patch = mock.patch("kvb_cache.loop_api.stitch_sources", return_value=frozenset())
     with contextlib.nullcontext() if hold else patch:
         t0 = time.perf_counter()
         results = engine.generate_batch(ids, max_new_tokens=new_tokens, ignore_eos=True)

@@ -5,51 +5,35 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_cache import generation, scoring
 from kvb_cache.chat import render_chat
 from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
-from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
-from kvb_cache.core.preparing import adopt_stitched
-from kvb_cache.core.request import Request
+from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs
-from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
-from kvb_cache.fidelity import CorrectnessReport
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
 from kvb_cache.idle_work import IdleWork
 from kvb_cache.lifecycle import EngineLifecycle
-from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loading import load_model_and_tokenizer
-from kvb_cache.loop_request import new_request
+from kvb_cache.logit_queries import LogitQueries
+from kvb_cache.loop_api import LoopAPI
 from kvb_cache.loops import EngineLoops
 from kvb_cache.model_traits import inspect_model
 from kvb_cache.options import pick_keywords
-from kvb_cache.prepared import NextTokenLogits, Prompt
-from kvb_cache.request_checks import (
-    check_cache_salt,
-    check_context,
-    check_prefill_chunk_size,
-    live_bits,
-    tokenize_prompt,
-)
-from kvb_cache.results import GenerationResult, TokenLogprob
-from kvb_cache.sampling import SamplingParams, check_token_ids
+from kvb_cache.prepared import Prompt
+from kvb_cache.request_checks import check_cache_salt, check_context, tokenize_prompt
 from kvb_cache.stats import EngineCounters
 from kvb_cache.stitch_config import StitchConfig
-from kvb_cache.stitch_sources import stitch_sources
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.structured.backend import GrammarCache
@@ -59,7 +43,7 @@ from kvb_cache.transfers import CacheTransfers
 logger = logging.getLogger(__name__)
 
 
-class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleWork):
+class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleWork):
     """Generation with content-addressed, chunk-level KV reuse across requests.
 
     Every request runs through one iteration-level loop (:meth:`add_request` / :meth:`step` /
@@ -270,173 +254,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
             chat_template_kwargs=chat_template_kwargs,
         )
 
-    # -- the engine loop ----------------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        prefill_chunk_size: int | None = None,
-        kv_cache_bits: int | None = None,
-        cache_salt: str | None = None,
-    ) -> RequestId:
-        """Queue a request; it joins the running batch at the next :meth:`step`.
-
-        ``cache_salt`` (vLLM's name) isolates a tenant: it roots the request's prefix-hash chain, so only
-        requests with the same salt share its cached KV (RAM, stitching store, disk and Redis records).
-
-        Raises (synchronously, nothing queued): :class:`InvalidRequestError`, :class:`PromptTypeError`,
-        :class:`ContextLengthError` for bad input or a request larger than the pool.
-        """
-        t0 = time.perf_counter()
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
-        prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
-        if prefill_chunk_size is None:
-            prefill_chunk_size = self.config.prefill_chunk_size
-        bits = live_bits(check_kv_cache_bits(kv_cache_bits))
-        root = self._salted_root(cache_salt)
-        ids = self._tokenize(prompt)
-        self._check_context(len(ids), params.max_new_tokens)
-        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-        if self.core.knows(rid):
-            raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
-        check_token_ids(params, self._logits_width)
-        constrained = params.response_format is not None
-        if constrained and bits is not None:
-            raise InvalidRequestError(
-                "response_format cannot be combined with kv_cache_bits (a private quantized cache)",
-                param="response_format",
-            )
-        # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
-        # speculation and exact prefix reuse only, never a stitched prompt.
-        speculative = self.drafter is not None and params.logprobs is None and not constrained
-        if speculative or bits is not None:
-            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-            prepared.prefill_chunk_size = prefill_chunk_size
-            self._apply_kv_bits(prepared, bits)
-            self.core.add_solo(rid, generation.run(self, prepared, params, t0))
-            return rid
-        if not self.kv.can_fit(len(ids) + params.max_new_tokens):
-            raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more KV blocks than "
-                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens); raise num_blocks or "
-                "max_cache_bytes, or lower max_new_tokens",
-                prompt_tokens=len(ids),
-                max_new_tokens=params.max_new_tokens,
-                context_length=self.kv.pool.num_blocks * self.kv.block_size,
-            )
-        req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
-        if constrained:
-            req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
-        if self.config.stitching is None or constrained or not self.stitcher.enabled:
-            self.core.add(req)
-            return rid
-        # A prompt whose documents an earlier request is still computing waits for them (core/deferred.py)
-        # instead of computing them again beside it; else it is planned now.
-        wanted = self.stitcher.config.collect_copies if self.stitcher.config is not None else 1
-        sources = stitch_sources(
-            self.store, req.root or self.root, req, self.core.pending_prompts(), wanted=wanted
-        )
-        if sources:
-            self.core.defer(req, sources)
-        else:
-            self._queue_stitched(req)
-        return rid
-
-    def _queue_stitched(self, req: Request) -> None:
-        """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
-        one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
-        job = self._plan_stitch(req)
-        if job is None:
-            self.core.add(req)
-        else:
-            self.core.add_preparing(req, job)
-
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration: new prefills (sliced to the token budget) and one token for every running
-        request. Returns at most one :class:`RequestOutput` per request that produced text or finished."""
-        return self.core.step()
-
-    def abort(self, request_id: RequestId | str) -> bool:
-        """Drop a request now (its blocks are released); False when it is unknown or already finished."""
-        return self.core.abort(RequestId(request_id))
-
-    def has_unfinished(self) -> bool:
-        return self.core.has_unfinished()
-
-    def paged_stats(self) -> PagedStats:
-        pool, sched = self.kv.pool, self.core.scheduler
-        return PagedStats(
-            block_size=pool.block_size,
-            blocks_total=pool.num_blocks,
-            blocks_used=pool.num_blocks - pool.num_free,
-            blocks_cached=pool.num_cached,
-            blocks_free=pool.num_free - pool.num_cached,
-            running=self.core.running,
-            waiting=sum(not r.internal for r in sched.waiting),
-            prefix_cache_queries=self.kv.queries,
-            prefix_cache_hits=self.kv.hits,
-            preemptions=sched.preemptions,
-            steps=self.core.steps,
-        )
-
-    def next_token_logits(self, prompt: Prompt, *, cache_salt: str | None = None) -> NextTokenLogits:
-        """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached
-        (under ``cache_salt``'s chain).
-
-        The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
-        """
-        root = self._salted_root(cache_salt)
-        ids = self._tokenize(prompt)
-        t0 = time.perf_counter()
-        rid = RequestId(f"logits-{next(self._ids)}")
-        req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), t0, root=root)
-        req.capture_logits = True
-        if self.config.stitching is not None:
-            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-            if prepared.exact_until is not None:
-                adopt_stitched(req, prepared)
-        self.core.add(req)
-        result = self._run_to_end([rid])[0]
-        return NextTokenLogits(
-            logits=req.last_logits,
-            cached_tokens=result.cached_tokens,
-            prompt_tokens=len(ids),
-            recomputed_tokens=result.recomputed_tokens,
-        )
-
-    def prompt_logprobs(self, prompt: Prompt, *, top_logprobs: int = 0) -> list[TokenLogprob]:
-        """Log-probability of every prompt token after the first, under the model given the tokens before it,
-        with the ``top_logprobs`` (0-20) most likely tokens at each position: what OpenAI's ``echo`` with
-        ``logprobs`` reports and lm-eval's loglikelihood tasks read. ``len(result) == prompt_tokens - 1``.
-
-        A plain forward over the whole prompt (:mod:`kvb_cache.scoring`): a cached prefix has KV but no
-        logits, so nothing is read from or written to the cache. :meth:`prompt_scorer` is the same in
-        slices a caller can interleave with :meth:`step`.
-        """
-        scorer = self.prompt_scorer(prompt, top_logprobs=top_logprobs)
-        while not scorer.advance():
-            pass
-        return scorer.result()
-
-    def prompt_scorer(self, prompt: Prompt, *, top_logprobs: int = 0) -> scoring.PromptScorer:
-        """:meth:`prompt_logprobs` one slice (``prefill_chunk_size`` positions, default 256) per
-        ``advance()`` call, so the running requests can take a :meth:`step` between slices; ``result()``
-        once ``done``. Validates now (:class:`InvalidRequestError`, :class:`ContextLengthError`)."""
-        ids = self._tokenize(prompt)
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-            raise InvalidRequestError(
-                f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}.", param="logprobs"
-            )
-        self._check_context(len(ids), 0)
-        slice_size = self.config.prefill_chunk_size or scoring.SLICE
-        return scoring.PromptScorer(
-            self.model, self, ids, top=top_logprobs, slice_size=slice_size, device=self.device
-        )
-
     def cache_stats(self) -> dict[str, Any]:
         """Pool, reuse and tier counters (JSON-safe)."""
         paged = self.paged_stats()
@@ -455,15 +272,6 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
         if self.tiers is not None:
             stats["tiers"] = [t.as_dict() for t in self.tiers.stats()]
         return stats
-
-    def verify_correctness(
-        self, prompts: Sequence[Prompt] | None = None, *, new_tokens: int = 16
-    ) -> CorrectnessReport:
-        """Run ``prompts`` through this engine and compare each with no-cache (see :mod:`kvb_cache.fidelity`):
-        reuse ratio, first-token max-abs logit diff and KL, greedy agreement over ``new_tokens``."""
-        from kvb_cache.fidelity import verify_correctness
-
-        return verify_correctness(self, prompts, new_tokens=new_tokens)
 
     def clear_cache(self) -> None:
         """Forget every cached block (RAM); lower tiers keep their records. See also :meth:`reset_cache`."""
@@ -495,33 +303,3 @@ class KVBoost(EngineLoops, CacheTransfers, EngineLifecycle, HFCacheBridge, IdleW
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         check_context(self.context_length, prompt_tokens, max_new_tokens)
-
-    def _prompt_computed(self, req: Request) -> None:
-        self._store_prompt_chunks(req)
-        self._queue_idle(req)
-
-    def _paged_result(self, req: Request) -> GenerationResult:
-        cached = req.cached_tokens or 0
-        chunks = req.chunk_hits if req.chunk_hits is not None else generation.chunk_hits(req.spans, cached)
-        result = GenerationResult(
-            output_text=req.emitter.text,
-            output_ids=list(req.output_ids),
-            prompt_tokens=req.prompt_len,
-            cached_tokens=cached,
-            recomputed_tokens=req.recomputed_tokens,
-            ttft_ms=req.ttft_ms,
-            total_ms=(time.perf_counter() - req.arrival) * 1e3,
-            finish_reason=req.emitter.finish or "length",
-            chunks=chunks,
-            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
-            stop_reason=req.emitter.stop_reason,
-        )
-        if not req.internal:  # an idle prompt (core/idle.py) is the engine's work, not a request
-            self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
-            self.record_request(result)
-        if self.config.stitching is not None:
-            self._store_chunks(req)
-        return result
-
-    def record_request(self, result: GenerationResult) -> None:
-        self.counters.record_result(result)

@@ -1,0 +1,201 @@
+"""The engine loop's request API: admit a request, step, abort, observe; and the loop's result callbacks.
+
+Mixed into :class:`~kvb_cache.engine.KVBoost`. :meth:`LoopAPI.add_request` validates a request and routes
+it: a solo request (speculative decoding, a private quantized cache) runs in its own generator, a stitched
+one is planned (or deferred behind the requests computing its documents, :mod:`kvb_cache.core.deferred`),
+every other one joins the batched loop directly. :meth:`LoopAPI.step` runs one iteration of
+:class:`~kvb_cache.core.engine_core.EngineCore`, which calls back into :meth:`LoopAPI._prompt_computed` and
+:meth:`LoopAPI._paged_result`. The library loops over this API are :mod:`kvb_cache.loops`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from kvb_cache import generation
+from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
+from kvb_cache.core.request import Request
+from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.live_quant import check_kv_cache_bits
+from kvb_cache.loop_request import new_request
+from kvb_cache.prepared import Prompt
+from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
+from kvb_cache.results import GenerationResult
+from kvb_cache.sampling import SamplingParams, check_token_ids
+from kvb_cache.stitch_sources import stitch_sources
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from kvb_cache.config import EngineConfig
+    from kvb_cache.core.engine_core import EngineCore
+    from kvb_cache.core.kv_manager import KVCacheManager
+    from kvb_cache.decoding import SpeculativeDecoder
+    from kvb_cache.hashing import ChunkHash
+    from kvb_cache.stats import EngineCounters
+    from kvb_cache.stitching import Stitcher
+    from kvb_cache.store import ChunkStore
+    from kvb_cache.structured.backend import GrammarCache
+
+
+class LoopAPI:
+    """Mixed into :class:`~kvb_cache.engine.KVBoost` (see the module docstring); relies on its request checks
+    (``_tokenize``, ``_check_context``, ``_salted_root``, ``_logits_width``) and on
+    :class:`~kvb_cache.transfers.CacheTransfers` / :class:`~kvb_cache.idle_work.IdleWork` for the stitch
+    plan and the stores."""
+
+    core: EngineCore
+    kv: KVCacheManager
+    config: EngineConfig
+    counters: EngineCounters
+    drafter: SpeculativeDecoder | None
+    grammars: GrammarCache
+    root: ChunkHash
+    stitcher: Stitcher
+    store: ChunkStore
+    tokenizer: PreTrainedTokenizerBase
+    _ids: itertools.count[int]
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prefill_chunk_size: int | None = None,
+        kv_cache_bits: int | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestId:
+        """Queue a request; it joins the running batch at the next :meth:`step`.
+
+        ``cache_salt`` (vLLM's name) isolates a tenant: it roots the request's prefix-hash chain, so only
+        requests with the same salt share its cached KV (RAM, stitching store, disk and Redis records).
+
+        Raises (synchronously, nothing queued): :class:`InvalidRequestError`, :class:`PromptTypeError`,
+        :class:`ContextLengthError` for bad input or a request larger than the pool.
+        """
+        t0 = time.perf_counter()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
+        prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
+        if prefill_chunk_size is None:
+            prefill_chunk_size = self.config.prefill_chunk_size
+        bits = live_bits(check_kv_cache_bits(kv_cache_bits))
+        root = self._salted_root(cache_salt)
+        ids = self._tokenize(prompt)
+        self._check_context(len(ids), params.max_new_tokens)
+        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        if self.core.knows(rid):
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
+        check_token_ids(params, self._logits_width)
+        constrained = params.response_format is not None
+        if constrained and bits is not None:
+            raise InvalidRequestError(
+                "response_format cannot be combined with kv_cache_bits (a private quantized cache)",
+                param="response_format",
+            )
+        # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
+        # speculation and exact prefix reuse only, never a stitched prompt.
+        speculative = self.drafter is not None and params.logprobs is None and not constrained
+        if speculative or bits is not None:
+            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
+            prepared.prefill_chunk_size = prefill_chunk_size
+            self._apply_kv_bits(prepared, bits)
+            self.core.add_solo(rid, generation.run(self, prepared, params, t0))
+            return rid
+        if not self.kv.can_fit(len(ids) + params.max_new_tokens):
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more KV blocks than "
+                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens); raise num_blocks or "
+                "max_cache_bytes, or lower max_new_tokens",
+                prompt_tokens=len(ids),
+                max_new_tokens=params.max_new_tokens,
+                context_length=self.kv.pool.num_blocks * self.kv.block_size,
+            )
+        req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        if constrained:
+            req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
+        if self.config.stitching is None or constrained or not self.stitcher.enabled:
+            self.core.add(req)
+            return rid
+        # A prompt whose documents an earlier request is still computing waits for them (core/deferred.py)
+        # instead of computing them again beside it; else it is planned now.
+        wanted = self.stitcher.config.collect_copies if self.stitcher.config is not None else 1
+        sources = stitch_sources(
+            self.store, req.root or self.root, req, self.core.pending_prompts(), wanted=wanted
+        )
+        if sources:
+            self.core.defer(req, sources)
+        else:
+            self._queue_stitched(req)
+        return rid
+
+    def _queue_stitched(self, req: Request) -> None:
+        """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
+        one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
+        job = self._plan_stitch(req)
+        if job is None:
+            self.core.add(req)
+        else:
+            self.core.add_preparing(req, job)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: new prefills (sliced to the token budget) and one token for every running
+        request. Returns at most one :class:`RequestOutput` per request that produced text or finished."""
+        return self.core.step()
+
+    def abort(self, request_id: RequestId | str) -> bool:
+        """Drop a request now (its blocks are released); False when it is unknown or already finished."""
+        return self.core.abort(RequestId(request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def paged_stats(self) -> PagedStats:
+        pool, sched = self.kv.pool, self.core.scheduler
+        return PagedStats(
+            block_size=pool.block_size,
+            blocks_total=pool.num_blocks,
+            blocks_used=pool.num_blocks - pool.num_free,
+            blocks_cached=pool.num_cached,
+            blocks_free=pool.num_free - pool.num_cached,
+            running=self.core.running,
+            waiting=sum(not r.internal for r in sched.waiting),
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
+            preemptions=sched.preemptions,
+            steps=self.core.steps,
+        )
+
+    def _prompt_computed(self, req: Request) -> None:
+        self._store_prompt_chunks(req)
+        self._queue_idle(req)
+
+    def _paged_result(self, req: Request) -> GenerationResult:
+        cached = req.cached_tokens or 0
+        chunks = req.chunk_hits if req.chunk_hits is not None else generation.chunk_hits(req.spans, cached)
+        result = GenerationResult(
+            output_text=req.emitter.text,
+            output_ids=list(req.output_ids),
+            prompt_tokens=req.prompt_len,
+            cached_tokens=cached,
+            recomputed_tokens=req.recomputed_tokens,
+            ttft_ms=req.ttft_ms,
+            total_ms=(time.perf_counter() - req.arrival) * 1e3,
+            finish_reason=req.emitter.finish or "length",
+            chunks=chunks,
+            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
+            stop_reason=req.emitter.stop_reason,
+        )
+        if not req.internal:  # an idle prompt (core/idle.py) is the engine's work, not a request
+            self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
+            self.record_request(result)
+        if self.config.stitching is not None:
+            self._store_chunks(req)
+        return result
+
+    def record_request(self, result: GenerationResult) -> None:
+        self.counters.record_result(result)
