@@ -140,7 +140,8 @@ def main() -> None:
         "--peer-cb-memory",
         type=float,
         default=0.3,
-        help="transformers serve --cb-max-memory-percent (its default, 0.6-0.9 of free memory, got it OOM-killed)",
+        help="transformers serve --cb-max-memory-percent, and the same cap for the library phase's "
+        "model.generate_batch (its default, 0.6-0.9 of free memory, got it OOM-killed)",
     )
     p.add_argument("--library-new-tokens", type=int, default=32, help="greedy tokens per prompt (library)")
     p.add_argument("--request-timeout", type=float, default=300, help="seconds one request may take")
@@ -210,6 +211,7 @@ def main() -> None:
                 questions=short_questions(args.library_prompts),
                 system_tokens=args.library_system_tokens,
                 max_new_tokens=args.library_new_tokens,
+                cb_max_memory_percent=args.peer_cb_memory,
             )
         except Exception as exc:  # keep the server numbers when the library phase breaks
             results["library"] = {"error": f"{type(exc).__name__}: {exc}"}

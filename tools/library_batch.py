@@ -79,12 +79,26 @@ def hf_generation_config(model, max_new_tokens: int):
     )
 
 
-def hf_continuous_batch(model, prompts: list[list[int]], max_new_tokens: int) -> BatchRun:
+def hf_continuous_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, cb_max_memory_percent: float | None = None
+) -> BatchRun:
     """``model.generate_batch``: returns ``{request_id: GenerationOutput}`` in input order; a failed or
-    missing request is logged there, not raised, so it is checked here."""
+    missing request is logged there, not raised, so it is checked here.
+
+    ``cb_max_memory_percent``: its paged cache's share of free memory, as ``transformers serve
+    --cb-max-memory-percent`` (NOTE: its default share took 13.6 GB of RSS on the shared 2-core machine
+    and the OOM killer ended the whole benchmark, server numbers included)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cb_config = None
+    if cb_max_memory_percent is not None:
+        cb_config = ContinuousBatchingConfig(max_memory_percent=cb_max_memory_percent)
     t0 = time.perf_counter()
     results = model.generate_batch(
-        inputs=prompts, generation_config=hf_generation_config(model, max_new_tokens), progress_bar=False
+        inputs=prompts,
+        generation_config=hf_generation_config(model, max_new_tokens),
+        progress_bar=False,
+        continuous_batching_config=cb_config,
     )
     wall = time.perf_counter() - t0
     outputs = list(results.values())
@@ -112,7 +126,13 @@ def hf_reference(model, prompts: list[list[int]], max_new_tokens: int) -> BatchR
 
 
 def run_library_phase(
-    *, model_path: str, document: str, questions: list[str], system_tokens: int, max_new_tokens: int
+    *,
+    model_path: str,
+    document: str,
+    questions: list[str],
+    system_tokens: int,
+    max_new_tokens: int,
+    cb_max_memory_percent: float | None = None,
 ) -> dict:
     """Both batch APIs on the same prompts (each warmed once on two unrelated short prompts first), then
     the per-prompt greedy reference. Returns JSON-safe raw numbers and the comparison."""
@@ -134,10 +154,10 @@ def run_library_phase(
         for q in ("Say hello.", "Count to three.")
     ]
     warm_kvb = kvboost_batch(engine, [list(p) for p in warm_prompts], 4)
-    warm_hf = hf_continuous_batch(model, [list(p) for p in warm_prompts], 4)
+    warm_hf = hf_continuous_batch(model, [list(p) for p in warm_prompts], 4, cb_max_memory_percent)
 
     kvb = kvboost_batch(engine, prompts, max_new_tokens)
-    hf = hf_continuous_batch(model, prompts, max_new_tokens)
+    hf = hf_continuous_batch(model, prompts, max_new_tokens, cb_max_memory_percent)
     ref = hf_reference(model, prompts, max_new_tokens)
 
     rows = []
