@@ -155,7 +155,8 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each worker")
     parser.add_argument("--out", type=Path, default=DOCS / "planner_bench.json", help="JSON results path")
-    parser.add_argument("--plot", type=Path, default=DOCS / "planner_bench.png", help="plot path ('' = none)")
+    # NOTE: a str, not a Path: Path('') is '.', so '' would plot to './.png' instead of meaning "none".
+    parser.add_argument("--plot", default=str(DOCS / "planner_bench.png"), help="plot path ('' = none)")
     parser.add_argument("--worker", nargs=2, metavar=("PROMPT", "CHUNK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -236,8 +237,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
     print(f"wrote {args.out}")
-    if args.plot and str(args.plot):
-        _plot(rows, measure, args.plot)
+    if args.plot:
+        _plot(rows, measure, Path(args.plot))
         print(f"wrote {args.plot}")
 
 
