@@ -927,6 +927,9 @@ def main() -> None:
     print("\n" + table)
     results["tables_md"] = table
     save_results(results, out, plot, "bench_tools.png")
+    failed = [name for name, srv in results["servers"].items() if "error" in srv]
+    if failed:  # the numbers of the others are saved; the run still failed (nox, CI scripts see it)
+        sys.exit(f"bench_tools: the {', '.join(failed)} phase failed (see 'error' in {out})")
 
 
 if __name__ == "__main__":
