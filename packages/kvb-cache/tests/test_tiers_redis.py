@@ -5,6 +5,7 @@ Skipped locally when ``redis-server`` is not installed; under CI (``CI=true``) a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -127,6 +128,9 @@ def test_a_chain_is_fetched_in_one_round_trip(redis_server):
     assert got.parent == entries[4].key and torch.equal(got.kv[1][0], entries[5].kv[1][0])
     s = reader.lower[0].tier.stats()
     assert (s.hits, s.misses, s.errors) == (6, 0, 0)
+    # A shared namespace is not counted (that needs a scan): unknown is null, not a made-up number.
+    assert (s.entries, s.bytes) == (None, None)
+    assert json.loads(json.dumps(s.as_dict()))["entries"] is None
 
 
 def test_ttl_is_set_on_records(redis_server):

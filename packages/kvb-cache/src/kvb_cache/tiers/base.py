@@ -16,8 +16,8 @@ class TierStats:
 
     Attributes:
         name: ``"ram"``, ``"disk"`` or ``"redis"``.
-        entries: records held (``-1`` when the tier cannot count cheaply, e.g. a shared Redis).
-        bytes: bytes held (``-1`` when unknown).
+        entries: records held (None when the tier cannot count cheaply, e.g. a shared Redis).
+        bytes: bytes held (None when unknown).
         hits / misses: lookups served / not found.
         errors: failed operations (I/O errors, Redis connection errors and timeouts), each a miss or a
             skipped store, never a failed request.
@@ -27,8 +27,8 @@ class TierStats:
     """
 
     name: str
-    entries: int = 0
-    bytes: int = 0
+    entries: int | None = 0
+    bytes: int | None = 0
     hits: int = 0
     misses: int = 0
     errors: int = 0
@@ -42,7 +42,7 @@ class TierStats:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else 0.0
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | None]:
         return {f: getattr(self, f) for f in self.__slots__} | {"hit_rate": round(self.hit_rate, 4)}
 
 

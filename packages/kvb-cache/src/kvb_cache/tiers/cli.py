@@ -41,8 +41,8 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def _row(tier: str, namespace: str, s: TierStats) -> str:
     unknown = "?"
-    entries = unknown if s.entries < 0 else str(s.entries)
-    size = unknown if s.bytes < 0 else f"{s.bytes / 2**20:.1f}"
+    entries = unknown if s.entries is None else str(s.entries)
+    size = unknown if s.bytes is None else f"{s.bytes / 2**20:.1f}"
     return f"{tier:<6} {namespace:<34} {entries:>8} {size:>10} {s.hits:>8} {s.misses:>8} {s.hit_rate:>7.1%} {s.corrupt:>7}"
 
 

@@ -149,8 +149,8 @@ class RedisTier(RecordTier):
         return sum(name != stats for name in names)
 
     def stats(self) -> TierStats:
-        """This process's counters (``entries``/``bytes`` are -1: counting a shared namespace needs a scan)."""
-        return TierStats(name=self.name, entries=-1, bytes=-1, **self.counters.snapshot())
+        """This process's counters (``entries``/``bytes`` are None: counting a shared namespace needs a scan)."""
+        return TierStats(name=self.name, entries=None, bytes=None, **self.counters.snapshot())
 
     def close(self) -> None:
         self._client.close()
