@@ -60,13 +60,20 @@ def test_two_copies_averaged_are_closer_to_no_cache_than_one(smollm2):
 
     model, tokenizer = smollm2
     single, averaged = [], []
+    # 512 MiB pools (a few such prompts), not the 2 GiB default each: four engines would hold ~9 GB.
+    small = 512 << 20
     for group in (0, 1):
         warmups, ids = _pydoc_rag(tokenizer, group)
-        cold = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32))
+        cold = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32, max_cache_bytes=small))
         continuation = cold.generate(ids, max_new_tokens=16, ignore_eos=True).output_ids
+        del cold
         reference = reference_continuation_logits(model, ids, continuation)
         engine = KVBoost(
-            model, tokenizer, config=EngineConfig(chunk_size=32, stitching=StitchConfig(collect_copies=2))
+            model,
+            tokenizer,
+            config=EngineConfig(
+                chunk_size=32, max_cache_bytes=small, stitching=StitchConfig(collect_copies=2)
+            ),
         )
         for warmup in warmups:
             engine.next_token_logits(warmup)
