@@ -63,6 +63,24 @@ def test_the_exit_hook_does_not_keep_an_engine_alive(llama, tokenizer, tmp_path)
     assert ref() is None
 
 
+@pytest.mark.parametrize("stitching", [None, StitchConfig()])
+def test_del_frees_an_engine_without_the_cyclic_collector(llama, tokenizer, stitching):
+    """No reference cycle holds an engine that has served requests: ``del`` frees it (and its block pool) at
+    once, not when the cyclic garbage collector next runs."""
+    eng = engine(llama, tokenizer, stitching=stitching)
+    eng.generate("the quick brown fox " * 8, max_new_tokens=2)
+    list(eng.stream("the quick brown fox", max_new_tokens=2))
+    eng.next_token_logits("a lazy dog " * 6)
+    ref = weakref.ref(eng)
+    gc.collect()
+    gc.disable()
+    try:
+        del eng
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_engines_without_tiers_register_no_exit_hook(llama, tokenizer):
     assert engine(llama, tokenizer)._exit_hook is None
 

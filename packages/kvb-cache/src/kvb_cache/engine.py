@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import weakref
 from collections import deque
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
 from kvb_cache.idle_work import IdleWork
-from kvb_cache.lifecycle import EngineLifecycle
+from kvb_cache.lifecycle import EngineLifecycle, weak_method
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.logit_queries import LogitQueries
 from kvb_cache.loop_api import LoopAPI
@@ -93,16 +94,18 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         # The paged pool is the RAM cache (cached chunks are cached blocks); disk/Redis tiers sit under it.
         parts = build_loop(model, self.traits, self.config, root=self.root, fingerprint=self.fingerprint)
         self.kv, self.tiers = parts.kv, parts.tiers
+        # The core calls back into the engine through weak references: a cycle engine <-> core would keep
+        # the block pool (2 GiB by default) alive after `del engine` until the cyclic collector happens by.
         self.core = EngineCore(
             parts.scheduler,
             parts.kv,
             parts.runner,
-            self,
-            build_result=self._paged_result,
-            before_free=self._store_approximate,
-            after_prefill=self._prompt_computed,
-            plan_deferred=self._queue_stitched,
-            make_idle=self._make_idle,
+            weakref.proxy(self),
+            build_result=weak_method(self._paged_result),
+            before_free=weak_method(self._store_approximate),
+            after_prefill=weak_method(self._prompt_computed),
+            plan_deferred=weak_method(self._queue_stitched),
+            make_idle=weak_method(self._make_idle),
         )
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.

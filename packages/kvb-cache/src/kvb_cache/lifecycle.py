@@ -15,7 +15,8 @@ import atexit
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvb_cache.errors import CacheBusyError
 from kvb_cache.tiers import TieredStore
@@ -34,6 +35,21 @@ _Engine = TypeVar("_Engine", bound="EngineLifecycle")
 #: Bound of the exit flush when no :class:`~kvb_cache.tiers.TierConfig` says otherwise (a ``TieredStore``
 #: passed in as ``store=``).
 DEFAULT_EXIT_FLUSH_TIMEOUT_S = 10.0
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method) called through a weak reference to its object, for callbacks the engine
+    hands to the parts it owns: a part holding the engine strongly makes a reference cycle, and then
+    ``del engine`` leaves its block pool allocated until the cyclic garbage collector runs."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the engine this callback belongs to was garbage-collected")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class ExitFlush:
