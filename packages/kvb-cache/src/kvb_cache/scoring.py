@@ -2,9 +2,9 @@
 
 Scoring needs the model's output at *every* prompt position, and a cached prefix has KV but no outputs, so
 this is a plain forward over the whole prompt (no cache read, nothing stored), in slices with a
-:class:`~transformers.DynamicCache` so the ``[slice, vocab]`` logits stay bounded. :class:`PromptScorer`
-runs those slices one call at a time, so a server can step its running requests between them. vLLM does the same for
-``prompt_logprobs`` (it skips its prefix cache for such requests).
+:class:`~transformers.DynamicCache` so the ``[slice, vocab]`` logits stay bounded; vLLM does the same for
+``prompt_logprobs`` (it skips its prefix cache for such requests). :class:`PromptScorer` runs those slices
+one call at a time, so a server can step its running requests between them.
 
 The numbers follow the generation path's convention (:func:`kvb_cache.emitter.token_logprob`): log-softmax
 of the model's raw logits in fp32, so a prompt token and a generated token are scored alike.
@@ -27,6 +27,11 @@ SLICE = 256
 class PromptScorer:
     """Scores a prompt one slice at a time, so a caller can interleave other work (the server's engine
     steps) between slices: :meth:`advance` runs the next forward of at most ``slice_size`` positions.
+
+    Entry ``j - 1`` of :meth:`result` is token ``ids[j]`` under the model's distribution after ``ids[:j]``,
+    with the ``top`` most likely tokens there (best first); the first token has no entry (nothing precedes
+    it). Equal to ``log_softmax(model(ids).logits[0, :-1])`` gathered at ``ids[1:]``, up to float summation
+    order across slices.
 
     Holds the prompt's KV (a :class:`~transformers.DynamicCache`, ``[1, kv_heads, scored, head_dim]`` per
     layer) until it is done or dropped; dropping it part-way is how a caller cancels.
@@ -51,14 +56,14 @@ class PromptScorer:
         self._slice = slice_size
         self._device = model.device if device is None else device
         self._cache: DynamicCache | None = DynamicCache(config=model.config)
-        #: Positions fed so far; the last prompt token is never fed (nothing in the prompt follows it).
-        self._start = 0
+        #: One per position fed so far (so also the next position to feed); the last prompt token is never
+        #: fed: nothing in the prompt follows it.
         self._entries: list[TokenLogprob] = []
 
     @property
     def done(self) -> bool:
         """Whether every prompt token after the first is scored."""
-        return self._start >= len(self._ids) - 1
+        return self.scored >= len(self._ids) - 1
 
     @property
     def scored(self) -> int:
@@ -68,9 +73,9 @@ class PromptScorer:
     def advance(self) -> bool:
         """Score the next slice; returns :attr:`done`. A no-op once done."""
         if self.done:
-            self._cache = None  # the KV is no longer needed
             return True
-        start, end = self._start, min(self._start + self._slice, len(self._ids) - 1)
+        start = self.scored
+        end = min(start + self._slice, len(self._ids) - 1)
         device = self._device
         with torch.inference_mode():
             logits = self._model(
@@ -96,9 +101,8 @@ class PromptScorer:
                     top=tuple((i, text(i), v) for i, v in alternatives),
                 )
             )
-        self._start = end
         if self.done:
-            self._cache = None
+            self._cache = None  # the KV is no longer needed
         return self.done
 
     def result(self) -> list[TokenLogprob]:
@@ -106,25 +110,3 @@ class PromptScorer:
         if not self.done:
             raise RuntimeError(f"prompt scored {self.scored} of {len(self._ids) - 1} tokens; call advance()")
         return list(self._entries)
-
-
-def prompt_logprobs(
-    model: PreTrainedModel,
-    texts: TokenTexts,
-    ids: Sequence[int],
-    *,
-    top: int = 0,
-    slice_size: int = SLICE,
-    device: torch.device | None = None,
-) -> list[TokenLogprob]:
-    """Score ``ids[1:]``: entry ``j - 1`` is token ``ids[j]`` under the model's distribution after
-    ``ids[:j]``, with the ``top`` most likely tokens there (best first). The first token has no entry
-    (nothing precedes it), so ``len(result) == len(ids) - 1``.
-
-    Equal to ``log_softmax(model(ids).logits[0, :-1])`` gathered at ``ids[1:]``, up to float summation
-    order across slices.
-    """
-    scorer = PromptScorer(model, texts, ids, top=top, slice_size=slice_size, device=device)
-    while not scorer.advance():
-        pass
-    return scorer.result()
