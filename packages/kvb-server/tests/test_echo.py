@@ -164,6 +164,28 @@ def test_streamed_max_tokens_zero(tiny_url: str) -> None:
     assert payloads[-1]["usage"]["completion_tokens"] == 0
 
 
+def test_streamed_max_tokens_zero_with_logprobs_finishes(tiny_url: str) -> None:
+    """Scoring a prompt streamed (lm-eval's request with ``stream: true``): the stream used to break off
+    after the echo chunk (an IndexError: the choices' offsets were counted by engine jobs, and a prompt that
+    generates nothing has none), without a finish chunk or ``[DONE]``."""
+    body = {
+        "model": MODEL,
+        "prompt": ["Once upon", "a time"],
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 1,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{tiny_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [c["text"] for c in choices[:2]] == ["Once upon", "a time"]
+    assert [c["logprobs"]["token_logprobs"][0] for c in choices[:2]] == [None, None]
+    assert [c["finish_reason"] for c in choices[2:]] == ["length", "length"]
+
+
 def test_tokenizer_info_lets_a_client_tokenize_as_the_server(tiny_url: str, tiny_engine: KVBoost) -> None:
     """lm-eval picks its remote tokenizer when ``/tokenizer_info`` names an ``eos_token`` and ``/tokenize``
     answers; it then encodes with ``add_special_tokens: false`` and decodes through ``/detokenize``."""

@@ -64,3 +64,35 @@ def test_served_chat_logprob_bytes_spell_the_reply(tiny_url: str) -> None:
     ]
     # The same bytes streamed (logprobs agree to float noise: the second request hits the cache).
     assert [(e.token, e.bytes) for e in entries] == [(e.token, e.bytes) for e in content]
+
+
+def _assert_offsets_index_the_text(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Each offset is where its token starts in ``text``: whole tokens read back at their offset, and the
+    parts of a split character (U+FFFD alone) stay inside the text."""
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), (offsets, len(text))
+    for token, offset in zip(tokens, offsets):
+        if "\ufffd" not in token:
+            assert text[offset : offset + len(token)] == token, (token, offset, text)
+
+
+def test_completion_text_offsets_count_split_characters_once(tiny_url: str) -> None:
+    """Byte-level BPE splits "ï", "☕" and "🎉" into 2-4 tokens, each U+FFFD alone; their offsets used to add
+    one character per part (here up to 17 in a 12-character text). Streamed offsets are the same."""
+    client = openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
+    prompt = "naïve ☕ 🎉 ok"
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    choice = client.completions.create(**kw).choices[0]
+    assert choice.text == prompt
+    lp = choice.logprobs
+    assert "\ufffd" in lp.tokens  # the prompt has tokens that are parts of characters
+    _assert_offsets_index_the_text(choice.text, lp.tokens, lp.text_offset)
+
+    # Generated: this seed's greedy reply has split characters and stray bytes (U+FFFD in the text).
+    kw = {**kw, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "echo": False}
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
+    _assert_offsets_index_the_text(choice.text, lp.tokens, lp.text_offset)
+    streamed = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert offsets == lp.text_offset

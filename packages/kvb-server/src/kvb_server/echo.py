@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
+from kvb_server.token_bytes import TextOffsets
 
 if TYPE_CHECKING:
     from kvb_server.engine import ServingEngine
@@ -32,27 +33,27 @@ class Echo:
     text: str
     #: The text of the prompt's first token (it has no log-probability).
     first_token: str
+    #: Its id (its bytes place the next tokens' text offsets).
+    first_token_id: int
     #: The prompt's tokens after the first (``KVBoost.prompt_scorer``); None: logprobs not requested.
     logprobs: tuple[TokenLogprob, ...] | None = None
 
-    def logprob_arrays(self, offset: int = 0) -> tuple[dict[str, list[Any]], int]:
-        """OpenAI's completions-style arrays for the prompt tokens, starting at text offset ``offset``, and
-        the offset after them (where the generated tokens' offsets continue)."""
+    def logprob_arrays(self, offsets: TextOffsets) -> dict[str, list[Any]]:
+        """OpenAI's completions-style arrays for the prompt tokens, their text offsets read from ``offsets``
+        (which then stands where the generated tokens' offsets continue)."""
         assert self.logprobs is not None
         arrays: dict[str, list[Any]] = {
             "tokens": [self.first_token],
             "token_logprobs": [None],
             "top_logprobs": [None],
-            "text_offset": [offset],
+            "text_offset": [offsets.advance(self.first_token_id, self.first_token)],
         }
-        offset += len(self.first_token)
         for e in self.logprobs:
             arrays["tokens"].append(e.token)
             arrays["token_logprobs"].append(e.logprob)
             arrays["top_logprobs"].append({text: lp for _, text, lp in e.top})
-            arrays["text_offset"].append(offset)
-            offset += len(e.token)
-        return arrays, offset
+            arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
+        return arrays
 
 
 def prompt_only_result(prompt_tokens: int, *, logprobs: bool) -> GenerationResult:

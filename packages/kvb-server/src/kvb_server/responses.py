@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_server.echo import Echo
 from kvb_server.request_plan import GenerationPlan
+from kvb_server.token_bytes import TextOffsets, TokenBytesFn, utf8
 from kvb_server.tool_calls import ToolPlan, split_reply
 from kvb_server.tool_calls.ids import new_call_id
-
-#: A token's UTF-8 bytes from its id and decoded text (:class:`kvb_server.token_bytes.TokenBytes`).
-TokenBytesFn = Callable[[int, str], list[int]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,23 +50,18 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
 
 
 def _completion_logprobs(
-    entries: Sequence[TokenLogprob], offset: int = 0, echo: Echo | None = None
+    entries: Sequence[TokenLogprob], offsets: TextOffsets, echo: Echo | None = None
 ) -> dict[str, Any]:
-    """Completions-style arrays; with ``echo`` the prompt's tokens come first (and offsets run on)."""
+    """Completions-style arrays; with ``echo`` the prompt's tokens come first (and ``offsets`` run on)."""
     arrays: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     if echo is not None:
-        arrays, offset = echo.logprob_arrays(offset)
+        arrays = echo.logprob_arrays(offsets)
     for e in entries:
         arrays["tokens"].append(e.token)
         arrays["token_logprobs"].append(e.logprob)
         arrays["top_logprobs"].append({text: lp for _, text, lp in e.top})
-        arrays["text_offset"].append(offset)
-        offset += len(e.token)
+        arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
     return arrays
-
-
-def utf8(token_id: int, text: str) -> list[int]:
-    return list(text.encode("utf-8"))
 
 
 def _chat_logprob_entry(e: TokenLogprob, token_bytes: TokenBytesFn) -> dict[str, Any]:
@@ -90,16 +83,19 @@ def _chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytesFn) -
 def _logprobs(
     plan: GenerationPlan,
     entries: Sequence[TokenLogprob] | None,
-    offset: int = 0,
+    offsets: TextOffsets | None = None,
     echo: Echo | None = None,
     token_bytes: TokenBytesFn = utf8,
 ) -> dict[str, Any] | None:
+    """``offsets``: where a streamed choice's text stands (a fresh one counts from the text's start)."""
     if plan.sampling.logprobs is None or entries is None:
         return None
     if plan.chat_logprobs:
         return _chat_logprobs(entries, token_bytes)
     return _completion_logprobs(
-        entries, offset, echo if echo is not None and echo.logprobs is not None else None
+        entries,
+        offsets if offsets is not None else TextOffsets(token_bytes),
+        echo if echo is not None and echo.logprobs is not None else None,
     )
 
 
@@ -170,7 +166,7 @@ def chunk(
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
-    offset: int = 0,
+    offsets: TextOffsets | None = None,
     delta: dict[str, Any] | None = None,
     echo: Echo | None = None,
     token_bytes: TokenBytesFn = utf8,
@@ -178,13 +174,14 @@ def chunk(
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index``: a text delta, the opening role delta, the finish marker (with
     ``stop_reason``, the stop string that ended the choice), (chat) an explicit ``delta`` such as a tool-call
-    piece, or (completions) the ``echo`` of its prompt. ``usage``: the running usage of the choice
+    piece, or (completions) the ``echo`` of its prompt. ``offsets``: the choice's text offsets so far, which
+    this chunk's completions logprobs advance. ``usage``: the running usage of the choice
     (``stream_options.continuous_usage_stats``; see :func:`running_usage`)."""
     if echo is not None:
         text = echo.text
-        lp = _logprobs(plan, (), offset, echo) if echo.logprobs is not None else None
+        lp = _logprobs(plan, (), offsets, echo, token_bytes) if echo.logprobs is not None else None
     else:
-        lp = _logprobs(plan, logprobs, offset, token_bytes=token_bytes) if logprobs else None
+        lp = _logprobs(plan, logprobs, offsets, token_bytes=token_bytes) if logprobs else None
     if plan.chat_logprobs:
         delta = dict(delta or {})
         if role:

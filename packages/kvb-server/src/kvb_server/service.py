@@ -23,11 +23,11 @@ from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import GenerationPlan
-from kvb_server.responses import ResponseIds, TokenBytesFn, final_response, utf8
+from kvb_server.responses import ResponseIds, final_response
 from kvb_server.sampling_params import choice_params
 from kvb_server.stats import ThroughputMeter
 from kvb_server.streaming import OpenStream
-from kvb_server.token_bytes import TokenBytes
+from kvb_server.token_bytes import TokenBytes, TokenBytesFn, utf8
 from kvb_server.truncation import Truncation, keep_last_tokens
 from kvb_server.worker import EngineWorker
 
@@ -157,7 +157,14 @@ class GenerationService:
                     scored = await self._scoring.score(prompt, top_logprobs=top, deadline=deadline)
                 except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
                     raise engine_error(exc) from None
-            echoes.append(Echo(text=text, first_token=engine.token_text(prompt[0]), logprobs=scored))
+            echoes.append(
+                Echo(
+                    text=text,
+                    first_token=engine.token_text(prompt[0]),
+                    first_token_id=prompt[0],
+                    logprobs=scored,
+                )
+            )
         return echoes
 
     def prompt_only(self, plan: GenerationPlan) -> list[GenerationResult]:

@@ -18,6 +18,7 @@ from kvb_server.errors import RequestTooLargeError, ServerError
 from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, assistant_message, chunk, running_usage, usage_chunk
+from kvb_server.token_bytes import TextOffsets
 from kvb_server.tool_calls import ToolCallStream
 from kvb_server.truncation import Truncation
 
@@ -68,7 +69,9 @@ class OpenStream:
         plan, ids = self._plan, ResponseIds.new(self._plan)
         results: list[GenerationResult | None] = [None] * len(self._jobs)
         started: set[int] = set()
-        offsets = [0] * len(self._jobs)
+        # Each choice's completions text offsets, echoed prompt first, running on across its chunks.
+        # (Echo with max_tokens 0 has choices but no jobs.)
+        offsets = [TextOffsets(self._service.token_bytes) for _ in range(len(plan.prompts) * plan.n)]
         generated = [0] * len(self._jobs)  # tokens streamed so far, per choice
         # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
@@ -79,9 +82,9 @@ class OpenStream:
                 choices = len(plan.prompts) * plan.n
                 for i in range(choices):
                     echo = self._echoes[i // plan.n]
-                    yield chunk(plan, ids, index=i, echo=echo, usage=running_usage(plan, i, 0))
-                    if echo.logprobs is not None:
-                        offsets[i] = echo.logprob_arrays()[1]
+                    yield chunk(
+                        plan, ids, index=i, echo=echo, offsets=offsets[i], usage=running_usage(plan, i, 0)
+                    )
                 if not plan.generate:
                     prompt_only = self._service.prompt_only(plan)
                     for i in range(choices):
@@ -136,11 +139,10 @@ class OpenStream:
                         index=i,
                         text=event.delta_text,
                         logprobs=event.logprobs,
-                        offset=offsets[i],
+                        offsets=offsets[i],
                         token_bytes=self._service.token_bytes,
                         usage=counted,
                     )
-                    offsets[i] += len(event.delta_text)
                 if event.result is not None:
                     results[i] = event.result
                     self._service.record(update, event.result)
