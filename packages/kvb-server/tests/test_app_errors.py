@@ -87,6 +87,30 @@ def test_invalid_completion_parameters_are_400_naming_the_parameter(url: str, bo
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x" * 150, "max_tokens": 80}, "max_tokens"),  # 150 + 80 > 200
+        ("/v1/completions", {"prompt": "x" * 250}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 150}], "max_tokens": 80},
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250}]}, "messages"),
+        ("/v1/responses", {"input": "x" * 150, "max_output_tokens": 80}, "max_output_tokens"),
+    ],
+)
+def test_context_window_overflow_is_context_length_exceeded(
+    url: str, path: str, body: dict, param: str
+) -> None:
+    """OpenAI's code (and what docs/server.md promised) for a prompt, or prompt plus max_tokens, beyond the
+    context window; the check before queueing answered it with ``code: null``."""
+    assert_openai_error(
+        post(url, path, {"model": MODEL, **body}), 400, param=param, code="context_length_exceeded"
+    )
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search", "function": {"name": "f"}}]}, "tools[0].type"),

@@ -8,6 +8,7 @@ import torch
 
 from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
 from kvb_server.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
     CacheBusyConflictError,
     EngineError,
     InvalidParameterError,
@@ -28,7 +29,7 @@ def engine_error(exc: BaseException) -> ServerError:
     if isinstance(exc, CacheBusyError):
         return CacheBusyConflictError(f"The cache was not reset: {exc}.")
     if isinstance(exc, ContextLengthError):
-        return InvalidParameterError(str(exc), param="max_tokens", code="context_length_exceeded")
+        return InvalidParameterError(str(exc), param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(exc, InvalidRequestError | PromptTypeError):
         return InvalidParameterError(str(exc), param=_openai_param(exc.param))
     logger.error("engine failed: %r", exc, exc_info=exc)

@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+#: OpenAI's error code for a prompt (or prompt plus max_tokens) beyond the context window: clients match it
+#: to shorten the conversation and retry.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
 
 class ServerError(Exception):
     """Base class of every error raised by kvb-server; renders as an OpenAI-style error response."""

@@ -15,7 +15,7 @@ from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import InvalidParameterError
+from kvb_server.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameterError
 from kvb_server.schemas.generation_requests import SamplingFields
 
 
@@ -48,6 +48,7 @@ def max_new_tokens(
             f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
             f"{longest} tokens. Shorten the prompt.",
             param=prompt_param,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     if requested is None:
         return max(min(default, config.max_tokens, room), 1)
@@ -58,6 +59,7 @@ def max_new_tokens(
             f"{longest + capped} tokens ({longest} in the prompt, {capped} for the completion). Reduce the "
             "prompt or max_tokens.",
             param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     return capped
 
