@@ -299,6 +299,25 @@ def test_queue_full_is_503_then_recovers() -> None:
         assert len(fake.added) == 2  # the refused request never reached the engine
 
 
+def test_more_choices_than_the_queue_holds_is_400_not_queue_full() -> None:
+    """A request is queued whole or not at all, so one with more choices (prompts x n) than
+    ``--max-queue-size`` could never be queued: it was a 503 ``queue_full`` (which the openai SDK retries)
+    saying the queue already held that many requests, on an idle server."""
+    fake = FakeEngine()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_queue_size=4))) as url:
+        many = {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2}
+        err = assert_openai_error(post(url, "/v1/completions", many), 400, param="prompt")
+        assert "6" in err["message"] and "4" in err["message"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 5}
+        assert_openai_error(post(url, "/v1/chat/completions", chat), 400, param="n")
+        assert fake.added == []
+        fits = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2, "n": 2}
+        assert post(url, "/v1/completions", fits).status_code == 200
+        # Scoring a prompt (echo, max_tokens 0) queues no generation: the limit does not apply.
+        score = {**many, "max_tokens": 0, "echo": True}
+        assert post(url, "/v1/completions", score).status_code == 200
+
+
 def test_timeout_is_504_and_aborts_the_request() -> None:
     fake = FakeEngine(token_delay_s=0.05)
     config = ServerConfig(model_names=(MODEL,), request_timeout_s=0.4)

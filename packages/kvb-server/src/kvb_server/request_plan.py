@@ -99,6 +99,19 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
         raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
+def _check_queue_room(prompts: int, n: int, config: ServerConfig, *, prompt_param: str) -> None:
+    """A request is queued whole or not at all (:meth:`EngineWorker.submit`), so one with more choices than
+    ``max_queue_size`` could never be: a 400 naming what to send less of, not a 503 ``queue_full`` that
+    invites retries which can never succeed."""
+    choices = prompts * n
+    if choices > config.max_queue_size:
+        raise InvalidParameterError(
+            f"This request has {choices} choices ({prompts} prompt(s) x n={n}), but this server queues at "
+            f"most {config.max_queue_size} requests. Send fewer prompts per request, or a smaller n.",
+            param=prompt_param if prompts > 1 else "n",
+        )
+
+
 def completion_plan(
     req: CompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
 ) -> GenerationPlan:
@@ -132,11 +145,14 @@ def completion_plan(
         # A text prompt is echoed as sent; token ids as the tokenizer decodes them (special tokens kept).
         texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
         echo = tuple(texts) if texts is not None else tuple(engine.tokenizer.decode(p) for p in prompts)  # type: ignore[arg-type]
+    n = choice_count(req, config)
+    if generate:  # a prompt that is only scored (echo, max_tokens 0) queues no generation
+        _check_queue_room(len(prompts), n, config, prompt_param="prompt")
     return GenerationPlan(
         endpoint="completions",
         model=model,
         prompts=prompts,
-        n=choice_count(req, config),
+        n=n,
         sampling=sampling_params(req, max_new, req.logprobs, constraints.requested_format(req)[1]),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -163,11 +179,13 @@ def chat_plan(
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_new = max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    n = choice_count(req, config)
+    _check_queue_room(len(prompts), n, config, prompt_param="messages")
     return GenerationPlan(
         endpoint="chat.completions",
         model=model,
         prompts=prompts,
-        n=choice_count(req, config),
+        n=n,
         sampling=sampling_params(req, max_new, logprobs, fmt),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
