@@ -97,6 +97,23 @@ def test_streamed_tool_calls_equal_the_non_streamed_ones(client: openai.OpenAI) 
     assert all(c["id"] for c in calls.values())
 
 
+def test_a_stream_cut_before_its_call_sends_the_text_the_non_streamed_reply_returns(
+    client: openai.OpenAI,
+) -> None:
+    """max_tokens ends the reply inside ``<tool_call>``: the non-streamed reply is that text, finish
+    ``length``; the stream held it back waiting for a call and must still send it before finishing."""
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=2).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content and not whole.message.tool_calls
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**kwargs, max_tokens=2, stream=True):
+        choice = chunk.choices[0]
+        assert not choice.delta.tool_calls
+        content += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+    assert (content, finish) == (whole.message.content, "length")
+
+
 def test_response_format_json_schema_is_schema_valid(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

@@ -154,6 +154,29 @@ def test_auto_stream_holds_a_possible_call_start_then_sends_text() -> None:
     assert held.finish() == [{"content": " <tool_"}]  # the reply ended: it was text
 
 
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_stream_cut_before_a_call_name_ends_with_the_text_the_non_streamed_reply_returns(choice: str) -> None:
+    """max_tokens cut the reply inside ``<tool_call>``: the non-streamed message is that text with finish
+    ``length``, so the stream must send it as content before its finish chunk, not drop it."""
+    plan = tool_plan([WEATHER], choice, None, hermes(native=False))
+    for cut in ("<tool_call>", "<tool_call>\n{", '<tool_call>\n{"name":"get_wea'):
+        stream = ToolCallStream(plan)
+        deltas = stream.deltas(cut[:4], final=False) + stream.deltas(cut[4:], final=True)
+        assert deltas == [{"role": "assistant", "content": cut}], cut
+        assert split_reply(cut, plan.syntax, truncated=True).content == cut
+
+
+def test_stream_cut_inside_a_calls_arguments_keeps_the_partial_call() -> None:
+    """Once a call's header was sent it cannot be taken back: the stream ends with the partial call (as
+    vLLM's does), while the non-streamed reply, cut inside its first call, is text (docs/tools.md)."""
+    plan = tool_plan([WEATHER], "required", None, hermes(native=False))
+    cut = '<tool_call>\n{"name":"get_weather","arguments":{"city'
+    deltas = ToolCallStream(plan).deltas(cut, final=True)
+    assert all("content" not in d or d["content"] is None for d in deltas)
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[-1]["tool_calls"][0]["function"] == {"arguments": '{"city'}
+
+
 @pytest.fixture(scope="module")
 def ll_tokenizer():
     return build_tokenizer(), llguidance.hf.from_tokenizer(build_tokenizer())

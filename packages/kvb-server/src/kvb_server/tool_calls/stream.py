@@ -3,7 +3,8 @@
 OpenAI streams a call as one delta naming it (``{"index", "id", "type": "function", "function": {"name",
 "arguments": ""}}``) followed by deltas carrying pieces of ``arguments`` (``{"index", "function":
 {"arguments": "..."}}``); text replies stream as ``content``. In ``auto`` mode the reply's first characters
-decide: while they could still be the start of a call nothing is sent, then either content or calls.
+decide: while they could still be the start of a call nothing is sent, then either content or calls. Text
+held back that never became a call (the reply ended first) is sent as content when the reply ends.
 """
 
 from __future__ import annotations
@@ -72,10 +73,19 @@ class ToolCallStream:
         return out
 
     def finish(self) -> list[dict[str, Any]]:
-        """Deltas still held back when the reply ends (an undecided start is text after all)."""
+        """Deltas still held back when the reply ends: an undecided start is text after all, and so is a
+        reply that never got as far as a call's name (``max_tokens`` or a stop string cut it inside
+        ``<tool_call>``, say), since the non-streamed reply returns that text as ``content`` and a stream
+        must end with everything its non-streamed twin returns."""
         if self._kind is None:
             self._kind = "content"
-        return self._content() if self._kind == "content" else self._calls()
+        if self._kind == "calls":
+            deltas = self._calls()
+            if deltas or self._sent:
+                # Call deltas were sent: they cannot be taken back, so a call cut short stays a partial call.
+                return deltas
+            self._kind = "content"
+        return self._content()
 
     def _content(self) -> list[dict[str, Any]]:
         piece = self._text[self._content_sent :]
