@@ -146,6 +146,11 @@ def test_context_window_overflow_is_context_length_exceeded(
             },
             "response_format.json_schema.schema",
         ),
+        ({"service_tier": "turbo"}, "service_tier"),
+        ({"verbosity": "loud"}, "verbosity"),
+        ({"prompt_cache_key": 3}, "prompt_cache_key"),
+        ({"safety_identifier": "x" * 129}, "safety_identifier"),
+        ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
         ({"logit_bias": {"one": 5}}, "logit_bias"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -188,6 +193,33 @@ def test_openai_client_raises_bad_request_with_param(url: str) -> None:
             response_format={"type": "xml"},  # type: ignore[arg-type]
         )
     assert info.value.param == "response_format.type"
+
+
+def test_openai_chat_hints_are_accepted_and_service_tier_is_echoed(url: str) -> None:
+    """service_tier, prompt_cache_key, prompt_cache_retention, safety_identifier and verbosity are OpenAI chat
+    parameters the SDK sends when set: accepted (they change nothing here), and a named tier is answered
+    with ``"default"``, the only one, in the completion and every chunk; without one it is null."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    kwargs: dict = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        service_tier="flex",
+        prompt_cache_key="agent-1",
+        prompt_cache_retention="24h",
+        safety_identifier="user-1",
+        verbosity="low",
+    )
+    resp = client.chat.completions.create(**kwargs)
+    assert resp.service_tier == "default" and resp.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks and all(c.service_tier == "default" for c in chunks)
+    plain = post(url, "/v1/chat/completions", {**kwargs, "service_tier": None}).json()
+    assert plain["service_tier"] is None
+    completion = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).json()
+    assert "service_tier" not in completion  # OpenAI's text_completion has no such field
 
 
 def test_unknown_model_is_404_in_openai_shape(url: str) -> None:

@@ -298,7 +298,8 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"verbosity": "loud"}}, "text"),
+        ({"service_tier": "turbo"}, "service_tier"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         # The chat route's own checks, named as this route's fields.
@@ -343,6 +344,14 @@ def test_defaults_and_nulls_an_sdk_may_send_are_accepted(client: openai.OpenAI) 
     assert resp.status == "completed" and resp.parallel_tool_calls is False
     assert resp.prompt_cache_key == "k" and resp.max_tool_calls == 3
     assert resp.prompt_cache_retention == "in_memory"
+
+
+def test_verbosity_is_accepted_and_echoed_as_on_the_chat_route(client: openai.OpenAI) -> None:
+    """The served models have no verbosity control: any of OpenAI's values is accepted and ignored (as chat's
+    ``verbosity``), and echoed as asked."""
+    resp = client.responses.create(model=MODEL, input="hi", text={"verbosity": "low"})
+    assert resp.status == "completed" and resp.text.verbosity == "low"
+    assert client.responses.create(model=MODEL, input="hi").text.verbosity == "medium"
 
 
 def test_openapi_documents_the_route(url: str) -> None:

@@ -43,6 +43,8 @@ class GenerationPlan:
             token, which only the admission gate reads).
         continuous_usage: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
             carries the usage so far.
+        service_tier: the tier a chat response reports (``"default"``, the only one, when the request named
+            one; None otherwise: OpenAI reports it when asked).
     """
 
     endpoint: Endpoint
@@ -58,6 +60,7 @@ class GenerationPlan:
     echo: tuple[str, ...] | None = None
     generate: bool = True
     continuous_usage: bool = False
+    service_tier: str | None = None
 
 
 def served_model(model: str | None, config: ServerConfig) -> str:
@@ -193,4 +196,5 @@ def chat_plan(
         chat_logprobs=True,
         cache_salt=cache_salt,
         tools=tools if tools is not None and tools.parses_calls else None,
+        service_tier="default" if req.service_tier is not None else None,
     )

@@ -120,6 +120,12 @@ def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> 
     return message, "length" if finish_reason == "length" else "tool_calls"
 
 
+def _service_tier(plan: GenerationPlan) -> dict[str, Any]:
+    """OpenAI's ``service_tier`` of a chat completion or chunk: ``"default"`` when the request named a tier,
+    else null. Completions objects have no such field."""
+    return {"service_tier": plan.service_tier} if plan.chat_logprobs else {}
+
+
 def final_response(
     plan: GenerationPlan,
     ids: ResponseIds,
@@ -151,6 +157,7 @@ def final_response(
         "created": ids.created,
         "model": plan.model,
         "system_fingerprint": None,
+        **_service_tier(plan),
         "choices": choices,
         "usage": usage(plan, results),
     }
@@ -210,6 +217,7 @@ def chunk(
         "created": ids.created,
         "model": plan.model,
         "system_fingerprint": None,
+        **_service_tier(plan),
         "choices": [choice],
     }
     if plan.include_usage:
@@ -237,6 +245,7 @@ def usage_chunk(
         "created": ids.created,
         "model": plan.model,
         "system_fingerprint": None,
+        **_service_tier(plan),
         "choices": [],
         "usage": usage(plan, results),
     }

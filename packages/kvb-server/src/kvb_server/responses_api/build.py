@@ -41,7 +41,8 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {
             "format": text_format.model_dump(by_alias=True) if text_format else {"type": "text"},
-            "verbosity": "medium",
+            # Accepted and ignored (as chat's verbosity); echoed as asked, OpenAI's default otherwise.
+            "verbosity": (req.text.verbosity if req.text is not None else None) or "medium",
         },
         "tool_choice": tool_choice,
         "tools": [t.model_dump() for t in req.tools or () if isinstance(t, FunctionTool)],

@@ -108,8 +108,6 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     for param, (value, why) in refusals.items():
         if value:
             raise UnsupportedFeatureError(f"{param}: {why}.", param=param)
-    if req.text is not None and req.text.verbosity not in (None, "medium"):
-        raise UnsupportedFeatureError("text.verbosity: only 'medium' is supported.", param="text.verbosity")
     for i, tool in enumerate(req.tools or ()):
         if isinstance(tool, UnsupportedTool):
             raise UnsupportedFeatureError(

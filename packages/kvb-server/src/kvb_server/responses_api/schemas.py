@@ -16,7 +16,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
-from kvb_server.schemas.fields import CacheSalt, MaxTokens, Seed, Temperature, TopP
+from kvb_server.schemas.fields import (
+    CacheSalt,
+    MaxTokens,
+    PromptCacheRetention,
+    SafetyIdentifier,
+    Seed,
+    ServiceTier,
+    Temperature,
+    TopP,
+    Verbosity,
+)
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 # What an unsupported item may carry: anything (it is refused by its type, not by its fields).
@@ -239,9 +249,8 @@ class TextConfig(BaseModel):
     model_config = _STRICT
 
     format: TextFormat | None = None
-    verbosity: Annotated[
-        Literal["low", "medium", "high"] | None, _only({"enum": ["medium", None]}, "other verbosities")
-    ] = None
+    #: Accepted and echoed, ignored as on the chat route (the served models have no verbosity control).
+    verbosity: Verbosity | None = None
 
 
 class StreamOptions(BaseModel):
@@ -288,10 +297,10 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: MaxToolCalls | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     user: str | None = None
-    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    safety_identifier: SafetyIdentifier | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    service_tier: ServiceTier | None = None
     seed: Seed | None = None
     cache_salt: CacheSalt | None = None
     # Declared only to be refused by name unless they hold their default (see convert.refuse_unsupported).

@@ -7,7 +7,7 @@ to be refused by name.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
@@ -44,6 +44,14 @@ Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)]
 # torch seeds are 64-bit; choice i of n > 1 samples with seed + i, still inside torch's range.
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), WHOLE]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]
+#: OpenAI's processing tiers. This server has one, so a request naming any is answered with ``"default"``.
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+#: OpenAI's ``safety_identifier`` (a stable id of the application's end user, for abuse detection).
+SafetyIdentifier = Annotated[str, Field(max_length=128)]
+#: OpenAI's ``prompt_cache_retention``.
+PromptCacheRetention = Literal["in_memory", "24h"]
+#: OpenAI's ``verbosity`` (chat) / ``text.verbosity`` (Responses): a hint for the reply's length.
+Verbosity = Literal["low", "medium", "high"]
 
 
 def only(accepted: dict[str, Any], what: str) -> WithJsonSchema:

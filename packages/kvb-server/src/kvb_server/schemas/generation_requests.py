@@ -23,13 +23,17 @@ from kvb_server.schemas.fields import (
     MaxTokens,
     NonEmpty,
     Penalty,
+    PromptCacheRetention,
     RepetitionPenalty,
+    SafetyIdentifier,
     Seed,
+    ServiceTier,
     Stop,
     Temperature,
     TokenId,
     TopK,
     TopP,
+    Verbosity,
     only,
 )
 
@@ -173,6 +177,16 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # OpenAI's, accepted as on /v1/responses (the openai SDK sends them when the caller sets them). One
+    # processing tier: any service_tier is served as, and answered with, "default".
+    service_tier: ServiceTier | None = None
+    # They change nothing: the prefix cache is content-addressed (any request with the same prefix hits it,
+    # whatever its key; tenants are kept apart by API key and cache_salt), and there is no abuse detection.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    safety_identifier: SafetyIdentifier | None = None
+    #: Ignored: the served models have no verbosity control (the reply's length is max_tokens' to bound).
+    verbosity: Verbosity | None = None
     # Declared only to be refused by name.
     functions: Annotated[list[Any] | None, only(_EMPTY_LIST, "function calling")] = None
     function_call: Annotated[Any, only(_NONE_CHOICE, "function calling")] = None

@@ -131,6 +131,8 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     system_fingerprint: str | None
+    #: ``"default"`` when the request named a ``service_tier`` (this server has one tier), else null.
+    service_tier: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     prompt_truncation: PromptTruncation | None = None
@@ -176,5 +178,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     system_fingerprint: str | None
+    #: ``"default"`` when the request named a ``service_tier`` (this server has one tier), else null.
+    service_tier: str | None = None
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
