@@ -261,6 +261,44 @@ def test_text_parts_in_chat_content_are_joined_by_newlines(url: str, fake: FakeE
     assert "messages[0].content[0].text" in err["message"]
 
 
+def test_refusals_in_assistant_history_are_its_text(url: str, fake: FakeEngine) -> None:
+    """OpenAI's history may hold an assistant refusal (a ``refusal`` part, or the ``refusal`` field of a
+    message an OpenAI model returned): it is what the assistant said, rendered as its text as /v1/responses
+    renders refusal parts. Only assistants refuse: elsewhere a refusal part is a 400."""
+    history = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}],
+        },
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": None, "refusal": "never"},
+        {"role": "user", "content": "q3"},
+    ]
+    resp = post(url, "/v1/chat/completions", {"model": MODEL, "messages": history, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    # Fake chat template: "<role>content" per message.
+    expected = "<user>q<assistant>a\nno<user>q2<assistant>never<user>q3<assistant>"
+    assert fake.added[-1].prompt == list(map(ord, expected))
+    for role in ("user", "system", "developer"):
+        bad = [
+            {"role": role, "content": [{"type": "refusal", "refusal": "no"}]},
+            {"role": "user", "content": "q"},
+        ]
+        err = assert_openai_error(
+            post(url, "/v1/chat/completions", {"model": MODEL, "messages": bad}), 400, param="messages"
+        )
+        assert (
+            "only allowed in assistant messages" in err["message"]
+            and "messages[0].content[0]" in err["message"]
+        )
+    no_text = [{"role": "assistant", "content": [{"type": "refusal"}]}, {"role": "user", "content": "q"}]
+    err = assert_openai_error(
+        post(url, "/v1/chat/completions", {"model": MODEL, "messages": no_text}), 400, param="messages"
+    )
+    assert "'messages[0].content[0].refusal'" in err["message"]
+
+
 def test_api_key_is_enforced_on_v1_routes_only() -> None:
     fake = FakeEngine()
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), api_key="s3cret"))) as url:

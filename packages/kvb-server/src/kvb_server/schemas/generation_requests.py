@@ -124,10 +124,15 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"required": ["type", "text"]})
+    """A content part: ``{"type": "text", "text"}``, or in an assistant message ``{"type": "refusal",
+    "refusal"}`` (an OpenAI model's refusal, kept in the history as the assistant's text). Other types and
+    the missing text are refused by :mod:`kvb_server.tool_calls.prompt`, naming the message."""
 
-    type: Annotated[str, only({"const": "text"}, "non-text content parts")]
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"required": ["type"]})
+
+    type: Annotated[str, only({"enum": ["text", "refusal"]}, "non-text content parts")]
     text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+    refusal: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessage(BaseModel):
@@ -138,6 +143,8 @@ class ChatMessage(BaseModel):
         only({"enum": ["system", "developer", "user", "assistant", "tool"]}, "function messages"),
     ]
     content: str | list[TextPart] | None = None
+    #: An assistant turn's refusal (OpenAI's models send it instead of content), rendered as its text.
+    refusal: str | None = None
     name: str | None = None
     #: An assistant turn's calls: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``.
     tool_calls: list[dict[str, Any]] | None = None

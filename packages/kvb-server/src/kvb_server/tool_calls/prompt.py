@@ -36,27 +36,40 @@ def call_text(name: str, arguments: Any, syntax: ToolSyntax) -> str:
     return f"{syntax.call_open}{body}{syntax.call_close}"
 
 
-def _text(content: Any, where: str) -> str:
+def _text(msg: Any, where: str) -> str:
     """A message's content as one string: text parts joined by newlines, as vLLM joins them (joined with
-    nothing, a document part and a question part would run into one word)."""
-    if content is None:
-        return ""
+    nothing, a document part and a question part would run into one word).
+
+    An assistant message's refusal (a ``refusal`` part, or OpenAI's ``refusal`` field) is what the assistant
+    said in that turn, so it is rendered as its text, as ``/v1/responses`` renders refusal parts; other
+    roles cannot refuse, so a refusal part there is a 400.
+    """
+    content, assistant = msg.content, msg.role == "assistant"
+    texts: list[str] = []
     if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
+        texts.append(content)
+    for j, part in enumerate(content if isinstance(content, list) else ()):
         kind = getattr(part, "type", None)
-        if kind != "text":
+        if kind == "refusal" and not assistant:
+            raise InvalidParameterError(
+                f"{where}.content[{j}]: 'refusal' parts are only allowed in assistant messages, not in "
+                f"'{msg.role}' messages; send text parts or a string.",
+                param="messages",
+            )
+        if kind not in ("text", "refusal"):
             raise InvalidParameterError(
                 f"{where}.content[{j}]: only text parts are supported, got type '{kind}'; send text parts "
                 "or a string.",
                 param="messages",
             )
-        if getattr(part, "text", None) is None:
+        value = getattr(part, kind, None)
+        if value is None:
             raise InvalidParameterError(
-                f"Missing required parameter: '{where}.content[{j}].text'.", param="messages"
+                f"Missing required parameter: '{where}.content[{j}].{kind}'.", param="messages"
             )
-        texts.append(part.text)
+        texts.append(value)
+    if assistant and msg.refusal is not None:
+        texts.append(msg.refusal)
     return "\n".join(texts)
 
 
@@ -102,7 +115,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
 
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        content = _text(msg.content, where)
+        content = _text(msg, where)
         if msg.role == "function":
             raise InvalidParameterError(
                 f"{where}: 'function' messages (the deprecated function calling) are not supported; use 'tool'.",
