@@ -11,6 +11,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError
 from kvb_server.request_body import parse_body
 from kvb_server.request_plan import chat_plan, completion_plan
+from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.sampling_params import choice_params
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.validation import VLLM_EXTRAS
@@ -123,18 +124,22 @@ def test_temperatures_near_zero_sample_greedily() -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "message"),
+    ("body", "message", "param"),
     [
         # The list branch says what is wrong, not the string branch pydantic tries first.
-        ({"prompt": "a", "stop": ["s"] * 65}, "Invalid value for 'stop': List should have at most 64 items"),
-        ({"prompt": [[]]}, "Invalid value for 'prompt[0]': List should have at least 1 item"),
-        ({"prompt": ""}, "Invalid value for 'prompt': String should have at least 1 character"),
+        (
+            {"prompt": "a", "stop": ["s"] * 65},
+            "Invalid value for 'stop': List should have at most 64 items",
+            "stop",
+        ),
+        ({"prompt": [[]]}, "Invalid value for 'prompt[0]': List should have at least 1 item", "prompt[0]"),
+        ({"prompt": ""}, "Invalid value for 'prompt': String should have at least 1 character", "prompt"),
     ],
 )
-def test_union_errors_name_the_branch_the_input_matched(body: dict, message: str) -> None:
+def test_union_errors_name_the_branch_the_input_matched(body: dict, message: str, param: str) -> None:
     with pytest.raises(InvalidParameterError, match=re.escape(message)) as info:
         completion(**body)
-    assert info.value.param == list(body)[-1]
+    assert info.value.param == param
 
 
 def test_nested_errors_name_the_full_path() -> None:
@@ -146,7 +151,48 @@ def test_nested_errors_name_the_full_path() -> None:
         InvalidParameterError, match=re.escape("'messages[1].content': Input should be")
     ) as info:
         chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}])
-    assert info.value.param == "messages"
+    # As OpenAI's param: the full path, without pydantic's union branch name ("messages[1].content.str").
+    assert info.value.param == "messages[1].content"
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "path"),
+    [
+        # A discriminated union's tag ("json_schema", "message", "input_text", "function_call") is pydantic's
+        # name for the branch it tried, not a field the client sent.
+        (ResponsesRequest, {"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+        (ResponsesRequest, {"input": [{"role": "user"}]}, "input[0].content"),
+        (
+            ResponsesRequest,
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content[0].text",
+        ),
+        (
+            ResponsesRequest,
+            {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+            "input[0].name",
+        ),
+        (ResponsesRequest, {"tools": [{"type": "function"}]}, "tools[0].name"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content",
+        ),
+        (ChatCompletionRequest, {"messages": [{"content": "a"}]}, "messages[0].role"),
+        (ChatCompletionRequest, {"stop": [""]}, "stop[0]"),
+        (ChatCompletionRequest, {"logit_bias": {"7": 500}}, "logit_bias"),  # a key is data, not a parameter
+    ],
+)
+def test_error_paths_leave_out_union_tags(schema: type, body: dict, path: str) -> None:
+    """param and message name the path the client sent, as OpenAI's do, never pydantic's union branch
+    names or discriminator tags (``text.format.json_schema.name``, ``input[0].message.content``)."""
+    defaults = {"model": "m", "input": "hi"} if schema is ResponsesRequest else {"model": "m"}
+    if schema is ChatCompletionRequest:
+        defaults["messages"] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidParameterError) as info:
+        parse_body(json.dumps({**defaults, **body}).encode(), schema)
+    assert info.value.param == path
+    assert f"'{path}'" in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["use_beam_search", "chat_template", "bad_words"])

@@ -273,7 +273,7 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"input": "x" * 1960, "max_output_tokens": 50}, "max_output_tokens"),  # beyond the context window
         ({"metadata": {"k": "v" * 513}}, "metadata"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
         ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
@@ -287,10 +287,10 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-        ({"input": [{"role": "tool", "content": "x"}]}, "input"),
-        ({"input": [{"type": []}]}, "input"),  # never a 500: types are looked up only when strings
-        ({"tools": [{"type": {"a": 1}}]}, "tools"),
-        ({"input": [{"role": "user", "content": [{"type": 5}]}]}, "input"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": []}]}, "input[0].type"),  # never a 500: types are looked up only when strings
+        ({"tools": [{"type": {"a": 1}}]}, "tools[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": 5}]}]}, "input[0].content[0].type"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
@@ -298,9 +298,11 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"text": {"verbosity": "loud"}}, "text"),
+        ({"text": {"verbosity": "loud"}}, "text.verbosity"),
         ({"service_tier": "turbo"}, "service_tier"),
-        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+        ({"input": [{"role": "user"}]}, "input[0].content"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         # The chat route's own checks, named as this route's fields.
         (

@@ -127,8 +127,8 @@ def test_detokenize_round_trips(url: str) -> None:
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
         ("/detokenize", {"tokens": [256]}, 400, "tokens"),
-        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
-        ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+        ("/detokenize", {"tokens": ["a"]}, 400, "tokens[0]"),
         ("/detokenize", {}, 400, "tokens"),
     ],
 )

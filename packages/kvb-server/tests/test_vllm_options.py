@@ -132,7 +132,7 @@ def test_continue_final_message_and_chat_template_kwargs(tiny_url: str, tiny_eng
     [
         ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (2)
         ("completions", {"min_tokens": -1}, "min_tokens"),
-        ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+        ("completions", {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
         ("completions", {"stop_token_ids": [10**7]}, "stop_token_ids"),  # outside the vocabulary
         ("completions", {"stop_token_ids": "7"}, "stop_token_ids"),
         ("completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),

@@ -34,7 +34,7 @@ def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise invalid_parameter(exc) from None
+        raise invalid_parameter(exc, schema) from None
 
 
 async def parse_request(request: Request, schema: type[ModelT], config: ServerConfig) -> ModelT:

@@ -7,9 +7,12 @@ a failure is the one from a branch whose type the input matched, so type mismatc
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic.fields import FieldInfo
 
 from kvb_server.errors import InvalidParameterError
 
@@ -42,30 +45,153 @@ def _is_type_mismatch(error: Any) -> bool:
 
 
 def _is_field(part: str | int) -> bool:
-    # Union branches appear in ``loc`` under their type's name ("str", "list[constrained-str]", "TextPart");
-    # request fields are lower-case identifiers.
+    # Without the model to walk, a guess: union branches appear in ``loc`` under their type's name ("str",
+    # "list[constrained-str]", "TextPart"); request fields are lower-case identifiers.
     return isinstance(part, int) or (
         part.isidentifier() and part[:1].islower() and part not in {"str", "int", "float", "bool", "list"}
     )
 
 
-def field_path(loc: tuple[str | int, ...]) -> str:
-    """``("messages", 0, "role")`` as ``messages[0].role``, without union branch names."""
-    path = ""
-    for part in loc:
-        if not _is_field(part):
+def _unwrap(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``tp`` without its ``Annotated`` layers, and their metadata."""
+    meta: tuple[Any, ...] = ()
+    while get_origin(tp) is Annotated:
+        tp, *extra = get_args(tp)
+        meta += tuple(extra)
+    return tp, meta
+
+
+def _discriminator(meta: tuple[Any, ...]) -> str | Discriminator | None:
+    for item in meta:
+        if isinstance(item, Discriminator):
+            return item
+        if isinstance(item, FieldInfo) and item.discriminator is not None:
+            return item.discriminator
+    return None
+
+
+def _model(tp: Any) -> type[BaseModel] | None:
+    inner = _unwrap(tp)[0]
+    return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+
+
+#: pydantic's names of a smart union's members by kind (``"constrained-str"``, ``"list[TextPart]"``, ...).
+_KIND_NAMES: dict[str, tuple[Any, ...]] = {
+    "list": (list, Sequence),
+    "tuple": (tuple,),
+    "dict": (dict,),
+    "str": (str,),
+    "int": (int,),
+    "float": (float,),
+    "bool": (bool,),
+    "literal": (Literal,),
+}
+
+
+def _branch(members: list[Any], label: str | int, discriminator: str | Discriminator | None) -> Any | None:
+    """The member of a union that pydantic names ``label`` in an error's ``loc``: a discriminated union
+    names it by its tag (a :class:`Tag`, or the value of its discriminator field), a smart union by its
+    type (a model's class name, ``"str"``, ``"constrained-str"``, ``"list[...]"``, ``"tagged-union[...]"``).
+    None when no member fits (the rest of the path is then guessed)."""
+    if not isinstance(label, str):
+        return None
+    for member in members:
+        inner, meta = _unwrap(member)
+        if any(isinstance(m, Tag) and m.tag == label for m in meta):
+            return member
+        model = _model(inner)
+        if model is not None:
+            field = model.model_fields.get(discriminator) if isinstance(discriminator, str) else None
+            if field is not None and label in get_args(field.annotation):
+                return member
+            if model.__name__ == label:
+                return member
+    kind = label.split("[", 1)[0].removeprefix("constrained-")
+    for member in members:
+        inner = _unwrap(member)[0]
+        if kind == "tagged-union" and _is_union(inner):
+            return member
+        origins = _KIND_NAMES.get(kind, ())
+        if inner in origins or get_origin(inner) in origins:
+            return member
+    return None
+
+
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
+
+
+def _field(model: type[BaseModel], name: str | int) -> FieldInfo | None:
+    """The field ``loc`` calls ``name`` (its alias when it has one, as pydantic reports it)."""
+    for field_name, field in model.model_fields.items():
+        if (field.alias or field_name) == name:
+            return field
+    return None
+
+
+def _walk(tp: Any, loc: tuple[str | int, ...]) -> list[str | int]:
+    """The parts of ``loc`` that name fields and indexes, found by following ``loc`` through the type
+    ``tp``: the union branch names and discriminator tags pydantic inserts are left out."""
+    kept: list[str | int] = []
+    discriminator: str | Discriminator | None = None
+    i = 0
+    while i < len(loc):
+        part = loc[i]
+        tp, meta = _unwrap(tp)
+        discriminator = _discriminator(meta) or discriminator
+        if _is_union(tp):
+            members = [m for m in get_args(tp) if m is not type(None)]
+            if len(members) > 1:  # pydantic names the member it tried (X | None is one nullable X: no name)
+                branch = _branch(members, part, discriminator)
+                if branch is None:
+                    break
+                i += 1
+            else:
+                branch = members[0]
+            tp, discriminator = branch, None
             continue
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
+        discriminator = None
+        model = _model(tp)
+        origin = get_origin(tp)
+        if model is not None:
+            field = _field(model, part)
+            if field is None:  # an unknown field (extra_forbidden) is named by itself
+                kept.append(part)
+                i += 1
+                break
+            kept.append(part)
+            tp, discriminator = field.annotation, field.discriminator
+        elif origin in (list, tuple, Sequence) and isinstance(part, int):
+            kept.append(part)
+            tp = (get_args(tp) or (Any,))[0]
+        elif origin is dict:
+            # A key is the client's data, not a parameter's name: the path ends at the mapping.
+            return kept
+        else:
+            break
+        i += 1
+    return kept + [p for p in loc[i:] if _is_field(p)]
+
+
+def field_path(loc: tuple[str | int, ...], model: type[BaseModel] | None = None) -> str:
+    """``("messages", 0, "role")`` as ``messages[0].role``, without pydantic's union branch names and
+    discriminator tags (``("text", "format", "json_schema", "name")`` is ``text.format.name``): followed
+    through ``model``'s types when given, else guessed by :func:`_is_field`."""
+    parts = _walk(model, loc) if model is not None else [p for p in loc if _is_field(p)]
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
 
 
-def invalid_parameter(exc: ValidationError) -> InvalidParameterError:
-    """The 400 for ``exc``: ``param`` is the top-level field, the message names the full path."""
+def invalid_parameter(exc: ValidationError, model: type[BaseModel] | None = None) -> InvalidParameterError:
+    """The 400 for ``exc`` (raised validating ``model``): ``param`` and the message name the full path,
+    as OpenAI's do (``text.format.name``, ``messages[0].content``)."""
     errors = exc.errors()
     first = next((e for e in errors if not _is_type_mismatch(e)), errors[0])
     loc = tuple(first.get("loc", ()))
-    param = str(loc[0]) if loc else None
-    where = field_path(loc) or param
+    param = field_path(loc, model) or (str(loc[0]) if loc else None)
+    where = param
     if first.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {where}"
         if where in VLLM_EXTRAS:
