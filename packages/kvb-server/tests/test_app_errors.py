@@ -261,6 +261,37 @@ def test_text_parts_in_chat_content_are_joined_by_newlines(url: str, fake: FakeE
     assert "messages[0].content[0].text" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user"}],
+        [{"role": "user", "content": None}],
+        [{"role": "system"}, {"role": "user", "content": "hi"}],
+        [{"role": "developer"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c"}],
+    ],
+)
+def test_a_message_without_content_is_a_400_naming_it(url: str, messages: list[dict]) -> None:
+    """OpenAI requires content in every message but an assistant turn with tool_calls (or a refusal); left
+    out, it was rendered as an empty turn the client never meant to send."""
+    at = next(i for i, m in enumerate(messages) if m.get("content") is None)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), 400, param=f"messages[{at}].content")
+    assert f"Missing required parameter: 'messages[{at}].content'" in err["message"]
+
+
+def test_an_assistant_turn_with_tool_calls_may_leave_content_out(url: str) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    resp = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
 def test_refusals_in_assistant_history_are_its_text(url: str, fake: FakeEngine) -> None:
     """OpenAI's history may hold an assistant refusal (a ``refusal`` part, or the ``refusal`` field of a
     message an OpenAI model returned): it is what the assistant said, rendered as its text as /v1/responses

@@ -115,12 +115,26 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
 
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        content = _text(msg, where)
         if msg.role == "function":
             raise InvalidParameterError(
                 f"{where}: 'function' messages (the deprecated function calling) are not supported; use 'tool'.",
                 param="messages",
             )
+        # As on OpenAI, only an assistant turn that made calls or refused may leave its content out; any
+        # other message without it would be rendered as an empty turn the client never meant to send.
+        if msg.content is None and not (
+            msg.role == "assistant" and (msg.tool_calls or msg.refusal is not None)
+        ):
+            raise InvalidParameterError(
+                f"Missing required parameter: '{where}.content'"
+                + (
+                    " (an assistant message needs content, tool_calls or a refusal)."
+                    if msg.role == "assistant"
+                    else "."
+                ),
+                param=f"{where}.content",
+            )
+        content = _text(msg, where)
         if msg.role == "tool":
             call_id = msg.tool_call_id
             if not isinstance(call_id, str):
