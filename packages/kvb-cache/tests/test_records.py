@@ -122,3 +122,39 @@ def test_record_is_not_a_pickle():
     assert data.startswith(MAGIC) and b"\x80\x04" not in data[:64]
     header_len = int.from_bytes(data[40:48], "little")
     assert data[48:49] == b"{" and b'"fingerprint":"' + FINGERPRINT.encode() in data[48 : 48 + header_len]
+
+
+def _forge(data: bytes, mutate) -> bytes:
+    """A record rewritten by someone else: fields changed by ``mutate(tensors, metadata)``, checksum valid."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    blob = data[len(MAGIC) + 32 :]
+    meta = dict(json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"])
+    tensors = st_load(blob)
+    mutate(tensors, meta)
+    forged = st_save(tensors, metadata=meta)
+    return MAGIC + hashlib.sha256(forged).digest() + forged
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda t, m: m.update(num_layers="x"),
+        lambda t, m: m.update(num_layers="0"),
+        lambda t, m: m.pop("start"),
+        lambda t, m: m.update(key="zz"),
+        lambda t, m: t.update(__token_ids__=t["__token_ids__"].float()),
+    ],
+    ids=["layers-not-int", "zero-layers", "no-start", "key-not-hex", "float-token-ids"],
+)
+def test_well_checksummed_record_with_malformed_fields_is_a_record_error(mutate):
+    # The checksum only says the bytes are those written: a record written by another program (or version)
+    # into a shared Redis has a valid one. Its malformed fields raised ValueError / KeyError / TypeError,
+    # which the tiers (catching RecordError) let escape into the request.
+    data = _forge(encode_record(make_entry(), fmt()), mutate)
+    with pytest.raises(RecordError):
+        decode_record(data, fmt())

@@ -61,6 +61,48 @@ def test_corrupted_disk_record_is_recomputed_with_unchanged_output(llama, tokeni
     assert b.cached_tokens == 16  # the chain was used only up to the bad record
 
 
+def _drop_layer(tensors, meta):
+    meta["num_layers"] = "1"
+
+
+def _widen_heads(tensors, meta):
+    tensors["0.k"] = torch.cat([tensors["0.k"], tensors["0.k"]], dim=1)
+
+
+def _narrow_values(tensors, meta):
+    tensors["0.v"] = tensors["0.v"][..., :8].contiguous()
+
+
+def _nan_keys(tensors, meta):
+    tensors["1.k"] = torch.full_like(tensors["1.k"], float("nan"))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [lambda t, m: m.update(num_layers="x"), _drop_layer, _widen_heads, _narrow_values, _nan_keys],
+    ids=["layers-not-int", "fewer-layers", "more-heads", "narrower-values", "nan-keys"],
+)
+def test_record_written_by_someone_else_is_a_miss_not_a_crash(llama, tokenizer, tmp_path, mutate):
+    # A well-checksummed record whose KV does not fit the model's blocks (another program sharing the tier)
+    # crashed the request inside torch (shape mismatch) or, with fewer layers, silently left the other
+    # layers' blocks stale (a different answer). It is dropped as corrupt and recomputed.
+    from test_records import _forge
+
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    first = engine(llama, tokenizer, tiers=tiers)
+    a = first.generate(PROMPTS[2], max_new_tokens=6, ignore_eos=True)
+    first.close()
+    key0 = prefix_hash(first.root, PROMPTS[2][:16])
+    victim = first.tiers.lower[0].tier._path(prefix_hash(key0, PROMPTS[2][16:32]))  # the 2nd block
+    victim.write_bytes(_forge(victim.read_bytes(), mutate))
+    second = engine(llama, tokenizer, tiers=tiers)
+    b = second.generate(PROMPTS[2], max_new_tokens=6, ignore_eos=True)
+    second.flush()
+    assert b.output_ids == a.output_ids
+    assert b.cached_tokens == 16  # the chain was used up to the forged record
+    assert second.tiers.lower[0].tier.stats().corrupt == 1
+
+
 def test_quantized_reuse_agreement_with_uncompressed(llama, tokenizer, tmp_path):
     """First-token top-1 agreement and logit error of int8/int4 prefixes read back from a quantized disk tier
     (the pool holds KV as computed; ``kv_cache_bits`` is the precision of the records below it)."""

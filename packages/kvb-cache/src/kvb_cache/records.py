@@ -98,12 +98,27 @@ def decode_record(data: bytes, fmt: RecordFormat) -> ChunkEntry:
         tensors = st_load(bytes(blob))
     except Exception as exc:  # safetensors raises its own error types for malformed headers
         raise RecordError(f"unreadable safetensors payload: {exc}") from exc
+    # NOTE: the checksum only proves the bytes are those written; whoever can write the tier (another
+    # version, another program sharing the Redis database) can write a well-checksummed record with
+    # malformed fields. Every failure reading one is a RecordError, so tiers drop it as a miss instead of
+    # letting a ValueError/KeyError/TypeError escape into the request.
+    try:
+        return _entry_from(meta, tensors, fmt)
+    except RecordError:
+        raise
+    except Exception as exc:
+        raise RecordError(f"malformed record fields: {type(exc).__name__}: {exc}") from exc
+
+
+def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: RecordFormat) -> ChunkEntry:
+    """The :class:`ChunkEntry` a checksummed record describes, after checking its fields agree."""
     _check(meta.get("format") == FORMAT_VERSION, f"unsupported record format {meta.get('format')!r}")
     _check(meta.get("fingerprint") == fmt.fingerprint, "record belongs to another model fingerprint")
     _check(meta.get("codec") == fmt.codec.name, f"record codec {meta.get('codec')!r} != {fmt.codec.name!r}")
     _check(meta.get("dtype") in _DTYPES, f"unknown dtype {meta.get('dtype')!r}")
     tokens = tensors.pop(_TOKENS, None)
     _check(tokens is not None and tokens.dim() == 1, "record has no token ids")
+    _check(tokens.dtype == torch.int64, f"token ids must be int64, got {tokens.dtype}")
     token_ids = tuple(tokens.tolist())
     num_layers, num_tokens = int(meta["num_layers"]), int(meta["num_tokens"])
     _check(len(token_ids) == num_tokens and num_tokens > 0, "token count does not match the token ids")

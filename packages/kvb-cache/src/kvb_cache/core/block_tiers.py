@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from kvb_cache.config import EngineConfig
+from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.records import RecordError, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
@@ -24,21 +27,47 @@ logger = logging.getLogger(__name__)
 
 
 class BlockTiers:
-    """The lower tiers of an engine, in lookup order (fastest first)."""
+    """The lower tiers of an engine, in lookup order (fastest first).
 
-    def __init__(self, lower: Sequence[LowerTier], writer: BackgroundWriter) -> None:
+    ``shapes`` and ``block_size`` describe the pool's blocks: a record whose KV does not have exactly
+    that layout (layers, heads, tokens, channels) is dropped as invalid rather than written into the pool,
+    where it would fail deep inside torch or, with fewer layers, leave stale KV in the others. None skips
+    the check (records then only pass :func:`~kvb_cache.records.decode_record`'s own validation).
+    """
+
+    def __init__(
+        self,
+        lower: Sequence[LowerTier],
+        writer: BackgroundWriter,
+        *,
+        shapes: Sequence[LayerShape] | None = None,
+        block_size: int | None = None,
+    ) -> None:
         self.lower = tuple(lower)
         self.writer = writer
+        self.shapes = tuple(shapes) if shapes is not None else None
+        self.block_size = block_size
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, fingerprint: str) -> BlockTiers | None:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        fingerprint: str,
+        shapes: Sequence[LayerShape] | None = None,
+    ) -> BlockTiers | None:
         """The tiers ``config.tiers`` asks for, or None when it asks for none."""
         from kvb_cache.tiers.factory import lower_tiers
 
         tiers = config.tiers
         if tiers is None or not tiers.enabled:
             return None
-        return cls(lower_tiers(config, fingerprint=fingerprint), BackgroundWriter(tiers.max_pending_writes))
+        return cls(
+            lower_tiers(config, fingerprint=fingerprint),
+            BackgroundWriter(tiers.max_pending_writes),
+            shapes=shapes,
+            block_size=config.block_size,
+        )
 
     def fetch(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
         """Dense KV of the longest leading run of ``keys`` that some tier holds (valid records only)."""
@@ -53,10 +82,10 @@ class BlockTiers:
         run: list[LayerKV] = []
         for key in keys:
             hit = found.get(key)
-            entry = self._load(key, *hit) if hit is not None else None
-            if entry is None:
+            kv = self._load(key, *hit) if hit is not None else None
+            if kv is None:
                 break
-            run.append(entry.dense())
+            run.append(kv)
         return run
 
     def write_behind(self, entry: ChunkEntry) -> None:
@@ -88,12 +117,14 @@ class BlockTiers:
     def stats(self) -> list[TierStats]:
         return [lower.tier.stats() for lower in self.lower]
 
-    def _load(self, key: ChunkHash, level: int, record: bytes) -> ChunkEntry | None:
+    def _load(self, key: ChunkHash, level: int, record: bytes) -> LayerKV | None:
+        """The dense KV of a valid record for ``key``; None (dropped, counted ``corrupt``) otherwise."""
         lower = self.lower[level]
         try:
             entry = decode_record(record, lower.format)
             if entry.key != key:
                 raise RecordError("record stored under another key")
+            kv = self._dense(entry)
         except RecordError as exc:
             logger.warning("dropping invalid %s record %s: %s", lower.tier.name, key.hex()[:16], exc)
             lower.tier.counters.add("corrupt")
@@ -103,7 +134,33 @@ class BlockTiers:
             # A slower tier had it: fill the faster ones in the background.
             faster = self.lower[:level]
             self.writer.submit(lambda: self._store(entry, faster))
-        return entry
+        return kv
+
+    def _dense(self, entry: ChunkEntry) -> LayerKV:
+        """``entry``'s dense KV, checked against the pool's block layout (RecordError when it differs)."""
+        try:
+            kv = entry.dense()
+        except Exception as exc:  # a codec decoding malformed tensors (bad shapes, missing scales)
+            raise RecordError(f"undecodable KV: {type(exc).__name__}: {exc}") from exc
+        if self.shapes is None:
+            return kv
+        if len(kv) != len(self.shapes):
+            raise RecordError(f"record has {len(kv)} layers, the model {len(self.shapes)}")
+        tokens = self.block_size if self.block_size is not None else entry.num_tokens
+        for i, ((k, v), shape) in enumerate(zip(kv, self.shapes)):
+            want_k = (1, shape.kv_heads, tokens, shape.key_dim)
+            want_v = (1, shape.kv_heads, tokens, shape.value_dim)
+            if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+                raise RecordError(
+                    f"layer {i} KV shapes {tuple(k.shape)}/{tuple(v.shape)} != the pool's {want_k}/{want_v}"
+                )
+            if not k.is_floating_point() or not v.is_floating_point():
+                raise RecordError(f"layer {i} KV is not floating point ({k.dtype}/{v.dtype})")
+            # NaN/inf KV poisons every later token of the request; a forward never stores it, so such a
+            # record was written by someone else. Cheap next to the copy into the pool.
+            if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
+                raise RecordError(f"layer {i} KV holds NaN or inf")
+        return kv
 
     @staticmethod
     def _store(entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:

@@ -63,7 +63,7 @@ def build_loop(
     num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
     storage = KVStorage(shapes, num_blocks=num_blocks, block_size=config.block_size, device=model.device)
     pool = BlockPool(num_blocks, config.block_size)
-    tiers = BlockTiers.from_config(config, fingerprint=fingerprint)
+    tiers = BlockTiers.from_config(config, fingerprint=fingerprint, shapes=shapes)
     caching = config.max_cache_bytes > 0
     kv = KVCacheManager(
         pool,
