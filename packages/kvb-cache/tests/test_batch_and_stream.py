@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import make_model, words
 
-from kvb_cache import EngineConfig, KVBoost, SamplingParams
+from kvb_cache import ContextLengthError, EngineConfig, InvalidRequestError, KVBoost, SamplingParams
 
 
 def test_batch_rows_equal_single_greedy(tokenizer):
@@ -41,6 +42,21 @@ def test_batch_stores_chunks_for_next_request(llama, tokenizer):
     first = engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
     follow = tokenizer(prompts[0])["input_ids"] + first[0].output_ids
     assert engine.generate(follow, max_new_tokens=2).cached_tokens == len(follow) - 1
+
+
+def test_batch_refused_midway_queues_nothing(llama, tokenizer):
+    # add_request checks what generate_batch's own pre-checks do not (the pool's size, stop_token_ids against
+    # the vocabulary); a later prompt failing them left the earlier ones queued with no loop following
+    # them: they ran on later steps, their outputs piling up unread.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.generate_batch(["w1 w2", "w3"], sampling=[{}, {"stop_token_ids": [10**6]}], max_new_tokens=4)
+    assert not engine.has_unfinished()
+    with pytest.raises(ContextLengthError, match="pool"):
+        engine.generate_batch(["w1 w2", words(200)], max_new_tokens=4)
+    assert not engine.has_unfinished()
+    engine.generate("w5 w6", max_new_tokens=3)
+    assert not engine.has_unfinished() and engine.take_unfollowed_outputs() == []
 
 
 def test_stream_concatenates_to_generate(llama, tokenizer):

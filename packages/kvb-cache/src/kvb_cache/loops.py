@@ -196,16 +196,25 @@ class EngineLoops:
         for prompt, p in zip(prompts, params):
             self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
         self._salted_root(cache_salt)  # validated before any prompt is queued
-        ids = [
-            self.add_request(
-                prompt,
-                p,
-                prefill_chunk_size=prefill_chunk_size,
-                kv_cache_bits=kv_cache_bits,
-                cache_salt=cache_salt,
-            )
-            for prompt, p in zip(prompts, params)
-        ]
+        ids: list[RequestId] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(
+                    self.add_request(
+                        prompt,
+                        p,
+                        prefill_chunk_size=prefill_chunk_size,
+                        kv_cache_bits=kv_cache_bits,
+                        cache_salt=cache_salt,
+                    )
+                )
+        except BaseException:
+            # add_request has checks of its own (the pool's size, stop_token_ids against the vocabulary):
+            # when a later prompt fails them, the ones already queued would be left running with no loop
+            # following them (their outputs piling up unread). The batch is all or nothing.
+            for rid in ids:
+                self.abort(rid)
+            raise
         return self._run_to_end(ids)
 
     def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
