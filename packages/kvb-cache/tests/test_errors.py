@@ -51,6 +51,36 @@ def test_context_overflow_says_how_much_fits(engine, tokenizer):
     assert isinstance(info.value, ValueError) and isinstance(info.value, KVBoostError)
 
 
+def test_context_overflow_by_the_prompt_alone_names_a_fix_that_works(engine):
+    # The prompt alone fills the context: lowering max_new_tokens cannot help (it must be >= 1), so the
+    # message must not say "lower max_new_tokens to 0".
+    with pytest.raises(ContextLengthError) as info:
+        engine.generate([5] * 600, max_new_tokens=8)
+    assert "max_new_tokens to 0" not in str(info.value)
+    assert "shorten the prompt to at most 504 tokens" in str(info.value)
+    with pytest.raises(ContextLengthError) as info:
+        engine.prompt_logprobs([5] * 600)
+    assert "shorten the prompt to at most 512 tokens" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seed_wider_than_64_bits_is_a_typed_error(engine, seed):
+    # torch.Generator.manual_seed raised a bare ValueError ("Overflow when unpacking long long").
+    with pytest.raises(InvalidRequestError, match="seed must fit in 64 bits") as info:
+        engine.generate("w1 w2", max_new_tokens=2, temperature=1.0, seed=seed)
+    assert info.value.param == "seed"
+    # The 64-bit extremes are valid seeds.
+    for ok in (2**64 - 1, -(2**63)):
+        assert (
+            len(
+                engine.generate(
+                    "w1 w2", max_new_tokens=2, temperature=1.0, seed=ok, ignore_eos=True
+                ).output_ids
+            )
+            == 2
+        )
+
+
 def test_stop_must_be_strings(engine):
     with pytest.raises(PromptTypeError):
         engine.generate("w1 w2", stop=3)

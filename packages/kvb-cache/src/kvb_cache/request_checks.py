@@ -31,9 +31,20 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
 def check_context(limit: int | None, prompt_tokens: int, max_new_tokens: int) -> None:
     """Raise :class:`ContextLengthError` when prompt + new tokens do not fit the model's context ``limit``."""
     if limit is not None and prompt_tokens + max_new_tokens > limit:
+        # Name a fix that works: lowering max_new_tokens helps only while the prompt leaves room for at
+        # least one new token (it must be >= 1); otherwise only a shorter prompt fits.
+        room = limit - prompt_tokens
+        if max_new_tokens == 0:  # scoring a prompt (prompt_logprobs): no new tokens involved
+            fix = f"shorten the prompt to at most {limit} tokens"
+        elif room >= 1:
+            fix = f"shorten the prompt or lower max_new_tokens to {room}"
+        elif max_new_tokens < limit:
+            fix = f"shorten the prompt to at most {limit - max_new_tokens} tokens (prompt and new tokens share the context)"
+        else:
+            fix = f"shorten the prompt below {limit} tokens and lower max_new_tokens (they share the context)"
         raise ContextLengthError(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-            f"of {limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_tokens, 0)}",
+            f"of {limit} tokens; {fix}",
             prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens,
             context_length=limit,

@@ -110,6 +110,10 @@ class SamplingParams:
                 raise bad(flag, "must be a bool")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an int or None")
+        # torch.Generator.manual_seed takes a 64-bit seed (negative ones wrap); anything wider raised a bare
+        # ValueError ("Overflow when unpacking long long") from inside torch.
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "must fit in 64 bits: an int in [-2**63, 2**64)")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
