@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from test_tiers_disk import FINGERPRINT, chain, record
 from test_tiers_redis import redis_server  # noqa: F401  (fixture)
 
@@ -58,3 +59,56 @@ def test_status_of_an_unreachable_redis_says_so(capsys):
     args = parse(["cache", "status", "--remote-url", "redis://127.0.0.1:1/0"])
     assert args.func(args) == 0
     assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def test_status_survives_counters_written_by_someone_else(tmp_path, redis_server, capsys):  # noqa: F811
+    # The counters are shared reports (a disk stats.json, a Redis hash anyone using the database can write):
+    # a list, a non-integer field or a key of another type crashed `status` with a traceback.
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    entries = chain(2)
+    for e in entries:
+        disk.put(e.key, record(e))
+    disk.close()
+    (disk.directory / "stats.json").write_text("[1, 2]")
+    tier = RedisTier(redis_server.url, namespace=FINGERPRINT)
+    tier.put(entries[0].key, record(entries[0]))
+    client = redis_server.client()
+    client.hset(tier.prefix + "__stats__", "hits", "not-a-number")
+    client.set("kvb:" + "b" * 32 + ":__stats__", "a string, not a hash")
+    args = parse(
+        ["cache", "status", "--disk-cache-dir", str(tmp_path), "--remote-url", redis_server.url, "--json"]
+    )
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["disk"]["namespaces"][FINGERPRINT[:32]]["entries"] == 2
+    redis_ns = report["redis"]["namespaces"][FINGERPRINT[:32]]
+    assert (redis_ns["entries"], redis_ns["stores"], redis_ns["hits"]) == (1, 1, 0)
+    # ... and a store still succeeds (the SET lands; only the counters could not be added).
+    assert tier.put(entries[1].key, record(entries[1])) and tier.stats().errors == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cache", "bench", "--lengths", "-5"],
+        ["cache", "bench", "--lengths", "0"],
+        ["cache", "bench", "--repeats", "0"],
+        ["cache", "bench", "--threads", "0"],
+        ["cache", "bench", "--remote-url", "localhost:6379"],
+        ["cache", "status", "--remote-url", "foo://bar"],
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv, capsys):
+    # --lengths -5 prefilled every pydoc topic (a hang); the others ended in tracebacks.
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_status_of_a_file_is_a_clear_error(tmp_path, capsys):
+    target = tmp_path / "not-a-folder"
+    target.write_text("x")
+    args = parse(["cache", "status", "--disk-cache-dir", str(target)])
+    assert args.func(args) == 2
+    assert "not a disk cache folder" in capsys.readouterr().err

@@ -207,3 +207,19 @@ def test_other_fingerprints_live_in_other_folders(tmp_path):
     entry = chain(1)[0]
     a.put(entry.key, record(entry))
     assert b.get(entry.key) is None and a.get(entry.key) is not None
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "null", '"hits"', '{"hits": "7", "misses": true}'])
+def test_counters_file_of_another_shape_is_ignored(tmp_path, content):
+    # stats.json is a report; valid JSON that is not an object of ints (a foreign or half-rewritten file)
+    # crashed the first request that touched the tier (AttributeError: 'list' object has no attribute 'items').
+    entries = chain(2)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in entries:
+        disk.put(e.key, record(e))
+    disk.close()
+    (disk.directory / "stats.json").write_text(content)
+    again = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    assert again.get(entries[0].key) is not None
+    s = again.stats()
+    assert (s.entries, s.hits, s.misses) == (2, 1, 0)

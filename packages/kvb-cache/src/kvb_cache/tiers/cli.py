@@ -11,6 +11,28 @@ import sys
 
 from kvb_cache.tiers.base import TierStats
 
+#: URL schemes redis-py accepts (``TierConfig`` checks the same).
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (``--lengths -5`` tokenized every pydoc topic and prefilled them all,
+    ``--repeats 0`` crashed on an empty median, ``--threads 0`` inside torch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def redis_url(text: str) -> str:
+    """argparse type: a URL redis-py can open (anything else crashed with a traceback from redis-py)."""
+    if not text.startswith(_REDIS_SCHEMES):
+        raise argparse.ArgumentTypeError(f"must look like redis://host:6379/0, got {text!r}")
+    return text
+
 
 def add_cache_commands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``cache`` with ``status`` and ``bench`` under ``subparsers``; returns the ``cache`` parser."""
@@ -23,18 +45,28 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> argparse.Argum
     status.add_argument(
         "--disk-cache-dir", help="disk tier folder to inspect (one sub-folder per model fingerprint)"
     )
-    status.add_argument("--remote-url", help="Redis to inspect, e.g. redis://127.0.0.1:6379/0")
+    status.add_argument(
+        "--remote-url", type=redis_url, help="Redis to inspect, e.g. redis://127.0.0.1:6379/0"
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=run_status)
 
     bench = sub.add_parser("bench", help="cold prefill vs restoring the prefix from RAM, disk and Redis")
     bench.add_argument("--model", default="smollm2-135m", help="model folder or 'smollm2-135m' (embedded)")
-    bench.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens")
-    bench.add_argument("--remote-url", help="also restore from this Redis (redis://host:port/db)")
+    bench.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=[512, 2048], help="prompt lengths in tokens"
+    )
+    bench.add_argument(
+        "--remote-url", type=redis_url, help="also restore from this Redis (redis://host:port/db)"
+    )
     bench.add_argument("--disk-cache-dir", help="disk tier folder (default: a temporary folder)")
     bench.add_argument("--kv-cache-bits", type=int, default=16, choices=[16, 8, 4], help="codec of stored KV")
-    bench.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
-    bench.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives stable timings)")
+    bench.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs per cell (the median is reported)"
+    )
+    bench.add_argument(
+        "--threads", type=positive_int, default=1, help="torch CPU threads (1 gives stable timings)"
+    )
     bench.set_defaults(func=run_bench)
     return cache
 
@@ -54,7 +86,11 @@ def run_status(args: argparse.Namespace) -> int:
         return 2
     rows, report = [], {}
     if args.disk_cache_dir:
-        found = disk_status(args.disk_cache_dir)
+        try:
+            found = disk_status(args.disk_cache_dir)
+        except NotADirectoryError as exc:
+            print(f"kvboost cache status: {exc}", file=sys.stderr)
+            return 2
         rows += found
         report["disk"] = {
             "dir": str(args.disk_cache_dir),

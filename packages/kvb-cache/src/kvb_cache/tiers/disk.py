@@ -206,7 +206,16 @@ class DiskTier(RecordTier):
             raw = json.loads((self.directory / STATS_FILE).read_text())
         except (OSError, ValueError):
             return {}
-        return {k: int(v) for k, v in raw.items() if k in Counters.FIELDS and isinstance(v, int)}
+        # NOTE: valid JSON that is not an object (a truncated rewrite, another program's file) is ignored
+        # like unreadable JSON: the counters are a report, and raw.items() on a list crashed the first
+        # request that touched the tier.
+        if not isinstance(raw, dict):
+            return {}
+        return {
+            k: int(v)
+            for k, v in raw.items()
+            if k in Counters.FIELDS and isinstance(v, int) and not isinstance(v, bool)
+        }
 
     def _maybe_persist_stats(self) -> None:
         if time.monotonic() - self._last_persist >= _STATS_INTERVAL_S:

@@ -111,10 +111,18 @@ class RedisTier(RecordTier):
             for field, n in (*deltas.items(), ("stores", 1)):
                 if n:
                     pipe.hincrby(self.prefix + STATS_SUFFIX, field, n)
-            pipe.execute()
+            # NOTE: only the SET decides success. The counters hash is shared with every process (and
+            # writable by anyone using the database): a non-integer field or a key of another type made
+            # each HINCRBY fail, which failed every store and took the tier down as if Redis were.
+            replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             self._failed("SET", exc)
             return False
+        if isinstance(replies[0], Exception):
+            self._failed("SET", replies[0])
+            return False
+        if any(isinstance(r, Exception) for r in replies[1:]):
+            logger.debug("Redis counters %s not updated: %s", self.prefix + STATS_SUFFIX, replies[1:])
         self._recovered()
         self.counters.add("stores")
         return True
@@ -173,7 +181,16 @@ class RedisTier(RecordTier):
                 continue
             entries += 1
             size += int(self._client.memory_usage(name) or 0)
-        shared = {k.decode(): int(v) for k, v in self._client.hgetall(self.prefix + STATS_SUFFIX).items()}
+        try:
+            raw = self._client.hgetall(self.prefix + STATS_SUFFIX)
+        except self._errors:  # the counters key holds another type (WRONGTYPE): no counters to report
+            raw = {}
+        shared = {}
+        for k, v in raw.items():
+            try:  # a field someone else wrote may not be an integer: it is skipped, not fatal
+                shared[k.decode(errors="replace")] = int(v)
+            except ValueError:
+                continue
         counts = {k: shared.get(k, 0) for k in ("hits", "misses", "stores")}
         return TierStats(name=self.name, entries=entries, bytes=size, **counts)
 

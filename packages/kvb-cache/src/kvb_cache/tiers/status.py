@@ -27,9 +27,22 @@ class RedisReachability:
     round_trip_ms: float | None
 
 
+def _count(counters: object, name: str) -> int:
+    """Counter ``name`` of a persisted counters object; 0 when absent or not an int (the file is a report,
+    possibly truncated or written by another program: it must not stop ``status``)."""
+    value = counters.get(name, 0) if isinstance(counters, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def disk_status(directory: str | Path) -> list[NamespaceStatus]:
-    """Every namespace folder under a disk cache directory (files and bytes counted from disk)."""
+    """Every namespace folder under a disk cache directory (files and bytes counted from disk).
+
+    Raises:
+        NotADirectoryError: ``directory`` exists but is not a folder.
+    """
     root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"--disk-cache-dir {str(directory)!r} is a file, not a disk cache folder")
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
         files = list(folder.glob(f"*/*{SUFFIX}"))
@@ -38,7 +51,7 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
         except (OSError, ValueError):
             counters = {}
         counts = {
-            k: int(counters.get(k, 0)) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
+            k: _count(counters, k) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
         }
         stats = TierStats(
             name=DiskTier.name, entries=len(files), bytes=sum(f.stat().st_size for f in files), **counts
