@@ -69,7 +69,8 @@ def test_required_and_named_choices_return_valid_tool_calls(client: openai.OpenA
         model=MODEL, messages=USER, tools=[WEATHER, ALARM], tool_choice=choice, temperature=0, max_tokens=160
     )
     choice0 = resp.choices[0]
-    assert choice0.finish_reason == "tool_calls", choice0
+    # A named choice forced the call: "stop", as OpenAI and vLLM answer; "tool_calls" when the model chose.
+    assert choice0.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), choice0
     assert choice0.message.content is None and choice0.message.tool_calls
     for call in choice0.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
@@ -95,6 +96,29 @@ def test_streamed_tool_calls_equal_the_non_streamed_ones(client: openai.OpenAI) 
         (c.function.name, c.function.arguments) for c in whole
     ]
     assert all(c["id"] for c in calls.values())
+
+
+def test_a_named_tool_choice_finishes_stop_streamed_or_not(client: openai.OpenAI) -> None:
+    """OpenAI and vLLM finish a call forced by a named tool_choice with "stop" ("tool_calls" means the model
+    chose to call tools): the same streamed and not, with the call itself unchanged."""
+    kwargs = dict(
+        model=MODEL,
+        messages=USER,
+        tools=[WEATHER, ALARM],
+        tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+        temperature=0,
+        max_tokens=160,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and [c.function.name for c in whole.message.tool_calls] == [
+        "set_alarm"
+    ]
+    finish, names = None, []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        names += [piece.function.name for piece in choice.delta.tool_calls or () if piece.function.name]
+    assert (finish, names) == ("stop", ["set_alarm"])
 
 
 def test_a_stream_cut_before_its_call_sends_the_text_the_non_streamed_reply_returns(

@@ -102,6 +102,26 @@ def test_streamed_function_calls_equal_the_non_streamed_ones(client: openai.Open
     assert [i.arguments for i in final.output] == [i.arguments for i in whole.output]
 
 
+def test_a_named_tool_choice_completes_with_its_call(client: openai.OpenAI) -> None:
+    """Chat finishes a forced call "stop" (not "tool_calls"); the Responses status reads only "length", so
+    the response and its streamed final event stay completed with the call as a completed function_call."""
+    kw = {
+        "model": MODEL,
+        "input": "weather?",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kw)
+    assert whole.status == "completed" and whole.incomplete_details is None
+    [call] = whole.output
+    assert (call.type, call.status, call.name) == ("function_call", "completed", "get_weather")
+    check_weather(call.arguments)
+    events = list(client.responses.create(**kw, stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+    assert [(i.type, i.name) for i in events[-1].response.output] == [("function_call", "get_weather")]
+
+
 def test_text_format_json_schema_gives_schema_valid_text(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

@@ -11,6 +11,7 @@ import pytest
 from conftest import build_tokenizer
 
 from kvb_server.errors import InvalidParameterError
+from kvb_server.responses import assistant_message
 from kvb_server.schemas.generation_requests import ChatMessage
 from kvb_server.tool_calls import (
     ToolCallStream,
@@ -113,6 +114,23 @@ def test_split_reply_keeps_text_and_cut_calls_as_text_unless_truncated() -> None
     cut = CALL + "\n<tool_call>\n{" + '"name":"get_weather","argu'
     assert split_reply(cut, syntax).calls == ()
     assert [c.name for c in split_reply(cut, syntax, truncated=True).calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("choice", "finish"),
+    [
+        ("required", "tool_calls"),
+        ("auto", "tool_calls"),
+        ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+    ],
+)
+def test_a_call_finishes_tool_calls_unless_tool_choice_named_it(choice, finish: str) -> None:
+    """OpenAI and vLLM: "tool_calls" when the model chose to call tools, "stop" when tool_choice forced the
+    named function; a cut reply stays "length" either way."""
+    plan = tool_plan([WEATHER, TIME], choice, None, hermes(native=False))
+    message, reason = assistant_message(plan, CALL, "stop")
+    assert reason == finish and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert assistant_message(plan, CALL + "<tool_call>", "length")[1] == "length"
 
 
 def stream_all(stream: ToolCallStream, text: str, step: int) -> list[dict]:

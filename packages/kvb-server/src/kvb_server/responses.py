@@ -101,7 +101,10 @@ def _logprobs(
 
 def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
     """A chat choice's ``message`` and ``finish_reason``: a reply made of tool calls becomes ``tool_calls``
-    (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off)."""
+    (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off).
+
+    A call forced by a named ``tool_choice`` finishes ``"stop"``, as OpenAI's and vLLM's do: ``"tool_calls"``
+    says the model chose to call tools (``auto`` / ``required``), and clients branch on it that way."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if tools is None:
         return message, finish_reason
@@ -117,7 +120,9 @@ def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> 
         }
         for call in reply.calls
     ]
-    return message, "length" if finish_reason == "length" else "tool_calls"
+    if finish_reason == "length":
+        return message, "length"
+    return message, "stop" if tools.named else "tool_calls"
 
 
 def _service_tier(plan: GenerationPlan) -> dict[str, Any]:

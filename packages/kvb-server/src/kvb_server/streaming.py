@@ -148,7 +148,8 @@ class OpenStream:
                     self._service.record(update, event.result)
                     finish = event.result.finish_reason
                     if plan.tools is not None:
-                        # The same reading as the non-streamed message: whole calls finish "tool_calls".
+                        # The same reading as the non-streamed message: whole calls finish "tool_calls"
+                        # ("stop" for a named tool_choice).
                         _, finish = assistant_message(plan.tools, event.result.output_text, finish)
                     if counted is not None:  # the result's count is the exact one
                         counted = running_usage(plan, i, event.result.completion_tokens)

@@ -52,6 +52,8 @@ class ToolPlan:
         mode: ``"calls"`` (required / named: the reply is calls), ``"auto"`` (text or calls), ``"none"``.
         max_calls: most calls in one reply.
         syntax: how the model writes calls.
+        named: ``tool_choice`` named the function: the reply is that call, and (as on OpenAI and vLLM) it
+            finishes ``"stop"``, not ``"tool_calls"``, which says the model chose to call tools.
     """
 
     tools: tuple[Tool, ...]
@@ -59,6 +61,7 @@ class ToolPlan:
     mode: ChoiceMode
     max_calls: int
     syntax: ToolSyntax
+    named: bool = False
 
     @property
     def parses_calls(self) -> bool:
@@ -165,4 +168,6 @@ def tool_plan(
     max_calls = MAX_PARALLEL_CALLS if (parallel is None or parallel) and not named else 1
     if syntax.max_calls is not None:
         max_calls = min(max_calls, syntax.max_calls)
-    return ToolPlan(tools=tools, callable=callable_, mode=mode, max_calls=max_calls, syntax=syntax)
+    return ToolPlan(
+        tools=tools, callable=callable_, mode=mode, max_calls=max_calls, syntax=syntax, named=named
+    )
