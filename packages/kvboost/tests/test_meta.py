@@ -34,6 +34,25 @@ def test_cli_requires_a_command():
         build_parser().parse_args([])
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--conversations", "0"],
+        ["--turns", "-1"],
+        ["--max-new-tokens", "0"],
+        ["--chunk-size", "0"],
+        ["--turns", "x"],
+    ],
+)
+def test_demo_refuses_counts_below_one(argv, capsys):
+    # --conversations 0 replayed every one of the dataset's 7168 conversations (the count was never met);
+    # --turns -1 silently dropped each conversation's last turn; zeros ended in engine tracebacks.
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["demo", *argv])
+    assert info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
 def test_replay_reads_real_conversations():
     conversations = load_user_turns(5, min_turns=4)
     assert len(conversations) == 5

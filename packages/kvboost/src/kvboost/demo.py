@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from kvb_cache.tiers.cli import positive_int
 from kvboost.compose import KVBoost
 from kvboost.replay import chat_turns, load_user_turns
 
@@ -57,10 +58,12 @@ def run(args: argparse.Namespace) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model folder or the embedded 'smollm2-135m'")
     parser.add_argument(
-        "--conversations", type=int, default=3, help="how many chitchat conversations to replay"
+        "--conversations", type=positive_int, default=3, help="how many chitchat conversations to replay"
     )
-    parser.add_argument("--turns", type=int, default=5, help="user turns per conversation (at most)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="reply length cap per turn")
-    parser.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
+    # NOTE: positive ints only: --conversations 0 never met its count and replayed all 7168 conversations,
+    # --turns -1 silently dropped each conversation's last turn, 0s ended in tracebacks from the engine.
+    parser.add_argument("--turns", type=positive_int, default=5, help="user turns per conversation (at most)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="reply length cap per turn")
+    parser.add_argument("--chunk-size", type=positive_int, default=128, help="tokens per cached chunk")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--show-text", action="store_true", help="print the user message and the reply")
