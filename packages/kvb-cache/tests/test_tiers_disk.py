@@ -223,3 +223,26 @@ def test_counters_file_of_another_shape_is_ignored(tmp_path, content):
     assert again.get(entries[0].key) is not None
     s = again.stats()
     assert (s.entries, s.hits, s.misses) == (2, 1, 0)
+
+
+def test_a_file_in_place_of_a_folder_fails_stores_without_raising(tmp_path):
+    # The failed store's cleanup (unlinking its temp file) raised NotADirectoryError out of put(): the
+    # writer thread logged a traceback per block. A failed store is counted and answered False.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    disk = DiskTier(blocker, namespace=FINGERPRINT, max_bytes=1 << 20)
+    [entry] = chain(1)
+    assert disk.put(entry.key, record(entry)) is False
+    assert disk.get(entry.key) is None
+    assert disk.stats().errors == 2  # the failed store and the failed read
+
+
+def test_disk_cache_dir_naming_a_file_is_a_config_error(tmp_path):
+    from kvb_cache import ConfigError
+    from kvb_cache.tiers import TierConfig
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match="is a file"):
+        TierConfig(disk_cache_dir=blocker)
+    TierConfig(disk_cache_dir=tmp_path / "created-later")  # a missing folder is fine: created on first store

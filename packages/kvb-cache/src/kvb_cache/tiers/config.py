@@ -45,6 +45,13 @@ class TierConfig:
             raise ConfigError(
                 f"disk_cache_bytes must be a positive int of bytes, got {self.disk_cache_bytes!r}"
             )
+        # A file where the folder should be failed every read and write later (each write behind logging a
+        # traceback) while the engine ran without its disk tier: refuse it here, where the fix is obvious.
+        directory = self.disk_cache_dir
+        if directory is not None and os.path.exists(directory) and not os.path.isdir(directory):
+            raise ConfigError(
+                f"disk_cache_dir {os.fspath(directory)!r} is a file; pass a folder (created if missing)"
+            )
         if self.remote_url is not None and not str(self.remote_url).startswith(
             ("redis://", "rediss://", "unix://")
         ):

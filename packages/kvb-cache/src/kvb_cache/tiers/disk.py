@@ -108,7 +108,11 @@ class DiskTier(RecordTier):
             os.replace(tmp, path)
         except OSError as exc:
             self.counters.add("errors")
-            tmp.unlink(missing_ok=True)
+            # NOTE: the cleanup must not raise in turn: when a path component is not a folder, unlink raises
+            # NotADirectoryError (missing_ok covers FileNotFoundError only), which escaped put() and logged
+            # a traceback per block from the writer thread.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             if exc.errno in _FULL_ERRNOS:
                 # NOTE: one warning per pause, not one per block: a full disk would otherwise log every
                 # write behind every request. Reads go on; stores retry after the pause.
