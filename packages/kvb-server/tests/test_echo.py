@@ -144,6 +144,42 @@ def test_streamed_echo_opens_with_the_prompt(tiny_url: str) -> None:
     )
 
 
+def _logprob_arrays(tiny_url: str, body: dict) -> dict[str, list]:
+    """Choice 0's completions logprobs arrays, the chunks' joined when ``body`` streams."""
+    if not body.get("stream"):
+        return httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=60).json()["choices"][0][
+            "logprobs"
+        ]
+    arrays: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    with httpx.stream("POST", f"{tiny_url}/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                for key in arrays:
+                    arrays[key] += logprobs[key] if logprobs else []
+    return arrays
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_hold_the_chosen_token_too(tiny_url: str, stream: bool) -> None:
+    """OpenAI and vLLM: a completions top_logprobs dict holds the logprobs=N most likely tokens *and* the
+    token itself, so up to N + 1 entries, for an echoed prompt token as for a sampled one; the prompt's
+    tokens had only the N best (a random model rarely expects the prompt's next token)."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 8, "stream": stream}
+    arrays = _logprob_arrays(tiny_url, {**body, "temperature": 2.0, "seed": 3})
+    scored = list(zip(arrays["tokens"], arrays["token_logprobs"], arrays["top_logprobs"], strict=True))[1:]
+    prompt_tokens = len(scored) - 8
+    for token, logprob, top in scored[:prompt_tokens]:
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(logprob), (token, top)
+    assert any(len(top) == 2 for _, _, top in scored[:prompt_tokens])  # a prompt token not the model's top-1
+    for token, _, top in scored[prompt_tokens:]:  # sampled at temperature 2: often not the top-1 either
+        assert 1 <= len(top) <= 2 and token in top, (token, top)
+    assert any(len(top) == 2 for _, _, top in scored[prompt_tokens:])
+    zero = _logprob_arrays(tiny_url, {**body, "logprobs": 0, "max_tokens": 1, "temperature": 0})
+    assert [list(top) for top in zero["top_logprobs"][1:]] == [[t] for t in zero["tokens"][1:]]
+
+
 def test_streamed_max_tokens_zero(tiny_url: str) -> None:
     body = {
         "model": MODEL,

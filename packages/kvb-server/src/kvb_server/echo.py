@@ -26,6 +26,20 @@ if TYPE_CHECKING:
     from kvb_server.worker import EngineWorker
 
 
+def completion_top(entry: TokenLogprob) -> dict[str, float]:
+    """A completions ``top_logprobs`` dict: the ``logprobs=N`` most likely tokens, and the token itself.
+
+    OpenAI and vLLM always include the chosen (sampled, or for an echoed prompt the prompt's) token, so a
+    dict holds up to N + 1 entries and a client can read the token's rank from it; the engine's
+    alternatives are only the N best, which leave it out whenever it is not among them (a sampled token
+    below the top N, any prompt token the model did not expect). Added last: it ranks below them all.
+    """
+    top = {text: lp for _, text, lp in entry.top}
+    if not any(token_id == entry.token_id for token_id, _, _ in entry.top):
+        top.setdefault(entry.token, entry.logprob)
+    return top
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Echo:
     """What one prompt contributes to each of its choices."""
@@ -51,7 +65,7 @@ class Echo:
         for e in self.logprobs:
             arrays["tokens"].append(e.token)
             arrays["token_logprobs"].append(e.logprob)
-            arrays["top_logprobs"].append({text: lp for _, text, lp in e.top})
+            arrays["top_logprobs"].append(completion_top(e))
             arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
         return arrays
 

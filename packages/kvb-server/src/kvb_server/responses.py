@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
-from kvb_server.echo import Echo
+from kvb_server.echo import Echo, completion_top
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.token_bytes import TextOffsets, TokenBytesFn, utf8
 from kvb_server.tool_calls import ToolPlan, split_reply
@@ -59,7 +59,7 @@ def _completion_logprobs(
     for e in entries:
         arrays["tokens"].append(e.token)
         arrays["token_logprobs"].append(e.logprob)
-        arrays["top_logprobs"].append({text: lp for _, text, lp in e.top})
+        arrays["top_logprobs"].append(completion_top(e))
         arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
     return arrays
 
