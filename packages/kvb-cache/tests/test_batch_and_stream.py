@@ -59,6 +59,15 @@ def test_batch_refused_midway_queues_nothing(llama, tokenizer):
     assert not engine.has_unfinished() and engine.take_unfollowed_outputs() == []
 
 
+def test_batch_sampling_must_be_a_list_of_dicts(llama, tokenizer):
+    # One dict for the whole batch raised KeyError: 0.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    for sampling in ({"seed": 1}, [3], [{}, {}]):
+        with pytest.raises(InvalidRequestError, match="one dict per prompt"):
+            engine.generate_batch(["w1 w2"], sampling=sampling, max_new_tokens=2)
+    assert not engine.has_unfinished()
+
+
 def test_stream_concatenates_to_generate(llama, tokenizer):
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
     prompt = words(37)

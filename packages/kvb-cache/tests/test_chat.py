@@ -7,7 +7,7 @@ import copy
 import pytest
 from conftest import words
 
-from kvb_cache import InvalidRequestError, KVBoost
+from kvb_cache import InvalidRequestError, KVBoost, PromptTypeError
 
 THINKING = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
@@ -59,4 +59,17 @@ def test_a_template_that_raises_is_a_request_error(engine):
     engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
     with pytest.raises(InvalidRequestError, match="roles must alternate") as info:
         engine.chat_prompt(MESSAGES)
+    assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [None, "hello", [("user", "hi")], [{"role": 5, "content": "hi"}]],
+    ids=["none", "string", "tuple-message", "int-role"],
+)
+def test_messages_of_the_wrong_type_are_a_prompt_type_error(engine, messages):
+    # These reached the template and failed inside transformers/jinja with an untyped TypeError or
+    # AttributeError ("'NoneType' object is not iterable", "'str' object has no attribute 'items'").
+    with pytest.raises(PromptTypeError, match="messages") as info:
+        engine.chat_prompt(messages)
     assert info.value.param == "messages"

@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import InvalidRequestError, PromptTypeError
 
 #: ``apply_chat_template`` arguments that are not template variables: passing them through
 #: ``chat_template_kwargs`` would change what the call returns or bypass the checks here.
@@ -52,6 +52,31 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def check_messages(messages: object) -> None:
+    """Raise :class:`PromptTypeError` unless ``messages`` is a list of dicts whose ``role`` is a string.
+
+    The template itself would fail on anything else with an untyped TypeError/AttributeError from inside
+    transformers or jinja (``None`` is not iterable, a bare string has no ``items``, an int role cannot be
+    concatenated), which names neither the argument nor the fix.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise PromptTypeError(
+            f'messages must be a list of {{"role": ..., "content": ...}} dicts, got {type(messages).__name__}',
+            param="messages",
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise PromptTypeError(
+                f'messages[{i}] must be a {{"role": ..., "content": ...}} dict, got {type(message).__name__}',
+                param="messages",
+            )
+        if "role" in message and not isinstance(message["role"], str):
+            raise PromptTypeError(
+                f"messages[{i}]['role'] must be a string such as 'user', got {message['role']!r}",
+                param="messages",
+            )
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -67,6 +92,7 @@ def render_chat(
             "this tokenizer has no chat template; send a plain prompt", param="messages"
         )
     extra = check_template_kwargs(chat_template_kwargs)
+    check_messages(messages)
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError(
             "continue_final_message continues the last message, so add_generation_prompt must be false",

@@ -187,8 +187,17 @@ class EngineLoops:
         """
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
-        if sampling is not None and len(sampling) != len(prompts):
-            raise InvalidRequestError("sampling must have one dict per prompt", param="sampling")
+        # NOTE: a single dict (an easy slip for "the same options for all") raised KeyError: 0 when indexed.
+        if sampling is not None and (
+            not isinstance(sampling, (list, tuple))
+            or len(sampling) != len(prompts)
+            or not all(isinstance(s, dict) for s in sampling)
+        ):
+            raise InvalidRequestError(
+                "sampling must be a list with one dict per prompt (options shared by every prompt go in as "
+                "keyword arguments)",
+                param="sampling",
+            )
         params = [
             SamplingParams.build(**{**common, **(sampling[i] if sampling else {})})
             for i in range(len(prompts))
