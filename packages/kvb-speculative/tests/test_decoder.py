@@ -147,7 +147,8 @@ def test_stats_accumulate_and_reset(target, prompt):
     assert decoder.speculative_stats().rounds == 0
 
 
-@pytest.mark.parametrize("gamma", [0, 65])
+@pytest.mark.parametrize("gamma", [0, 65, 2.5, "3", True])
 def test_gamma_out_of_range_is_refused(gamma):
+    # 2.5 and "3" were accepted (or failed the comparison untyped) and broke the first decode.
     with pytest.raises(SpeculativeConfigError, match="gamma"):
         SpeculativeConfig(gamma=gamma)

@@ -36,9 +36,12 @@ class SpeculativeConfig:
     gamma: int = 5
 
     def __post_init__(self) -> None:
-        if not 1 <= self.gamma <= 64:
+        # NOTE: an int, checked first: gamma=2.5 passed the range check and failed at the first decode with
+        # "can't multiply sequence by non-int of type 'float'"; gamma="3" with an untyped TypeError.
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
             raise SpeculativeConfigError(
-                f"gamma={self.gamma} must be in 1..64 (typical: 3-10; larger drafts waste target compute)."
+                f"gamma={self.gamma!r} must be an int in 1..64 (typical: 3-10; larger drafts waste target "
+                "compute)."
             )
 
 
