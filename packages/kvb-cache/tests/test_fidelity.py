@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import words
 
-from kvb_cache import EngineConfig, KVBoost, StitchConfig
+from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, StitchConfig
 from kvb_cache.fidelity import default_prompts, kl_divergence
 
 
@@ -53,3 +54,12 @@ def test_default_prompts_share_documents_in_rotated_orders():
     starts = [p.index("Document (assignment)") for p in prompts]
     assert len(set(starts)) == 4  # the same document at four different offsets
     assert all(p.count("Document (") == 4 for p in prompts)
+
+
+@pytest.mark.parametrize("new_tokens", [0, -3, 2.5])
+def test_new_tokens_below_one_is_a_typed_error(llama, tokenizer, new_tokens):
+    # 0 reached the no-cache reference model.generate and raised transformers' bare ValueError.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    with pytest.raises(InvalidRequestError, match="new_tokens") as info:
+        engine.verify_correctness([[5, 6, 7]], new_tokens=new_tokens)
+    assert info.value.param == "new_tokens"

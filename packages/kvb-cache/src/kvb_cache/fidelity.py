@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvb_cache.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost
     from kvb_cache.prepared import Prompt
@@ -186,8 +188,16 @@ def verify_correctness(
 
     Args:
         prompts: strings or token ids; default :func:`default_prompts` (later ones reuse earlier documents).
-        new_tokens: greedy tokens compared per prompt.
+        new_tokens: greedy tokens compared per prompt (>= 1).
+
+    Raises:
+        InvalidRequestError: ``new_tokens`` is not a positive int (0 raised transformers' own ValueError
+            from inside the no-cache reference ``generate``).
     """
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise InvalidRequestError(
+            f"new_tokens must be an int >= 1 (e.g. 16), got {new_tokens!r}", param="new_tokens"
+        )
     rows = []
     for prompt in prompts if prompts is not None else default_prompts():
         ids = engine._tokenize(prompt)
