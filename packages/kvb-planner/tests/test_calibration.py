@@ -96,3 +96,14 @@ def test_rejects_bad_observations_and_settings():
         CalibrationSettings(window=8, min_samples=16)
     with pytest.raises(PlannerConfigError, match="default_margin"):
         CalibrationSettings(default_margin=0.9)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "100", None])
+def test_non_finite_observations_are_refused(bad):
+    # A NaN passed the <= 0 / < 0 checks and poisoned the window: mean_abs became NaN (emitted by to_dict()).
+    tracker = CalibrationTracker()
+    for field in ("predicted_bytes", "actual_bytes"):
+        kwargs = {"predicted_bytes": 100, "actual_bytes": 105, field: bad}
+        with pytest.raises(PlannerConfigError, match=field):
+            tracker.record(**kwargs, step=SINGLE)
+    assert tracker.stats().overall.count == 0

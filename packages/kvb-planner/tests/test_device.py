@@ -65,3 +65,10 @@ def test_cuda_probe(tiny_llama):  # pragma: no cover - not run on the CPU-only C
     assert profile.total_bytes == total and 0 < profile.free_bytes <= total
     assert profile.host_to_device_gbps > 0 and profile.memory_bandwidth_gbps > 0
     assert profile.decode_step_ms > 0
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", None])
+def test_unparseable_device_is_an_unsupported_device_error(device):
+    # torch.device("tpu") raised a bare RuntimeError listing every device type torch knows.
+    with pytest.raises(UnsupportedDeviceError, match="cpu"):
+        DeviceProfile.probe(device)

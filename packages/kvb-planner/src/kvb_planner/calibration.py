@@ -136,8 +136,14 @@ class CalibrationTracker:
         """Add one observation and return its residual ``(actual - predicted) / predicted``.
 
         Raises:
-            PlannerConfigError: ``predicted_bytes <= 0`` or ``actual_bytes < 0``.
+            PlannerConfigError: ``predicted_bytes <= 0`` or ``actual_bytes < 0``, or either is not a finite
+                number.
         """
+        # NOTE: a NaN passed both comparisons below and stayed in the window: mean_abs turned NaN (and
+        # to_dict() emitted it, invalid JSON for /v1/stats) until it rolled out; inf alike.
+        for name, value in (("predicted_bytes", predicted_bytes), ("actual_bytes", actual_bytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise PlannerConfigError(f"{name} must be a finite number of bytes (got {value!r})")
         if predicted_bytes <= 0:
             raise PlannerConfigError(f"predicted_bytes must be > 0 (got {predicted_bytes})")
         if actual_bytes < 0:

@@ -93,7 +93,12 @@ class DeviceProfile:
             UnsupportedDeviceError: not a CPU/CUDA device, or CUDA asked for where it is unavailable.
         """
         settings = settings or ProbeSettings()
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):  # "tpu", "cuda:x", None: torch's own untyped errors
+            raise UnsupportedDeviceError(
+                f"cannot probe device {device!r}: not a device name torch parses; use 'cpu', 'cuda' or 'cuda:N'"
+            ) from None
         results: dict[str, ProbeResult] = {}
         if dev.type == "cpu":
             ram = read_host_memory(cgroup_root=cgroup_root, proc_cgroup=proc_cgroup)
