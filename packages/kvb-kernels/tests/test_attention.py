@@ -5,6 +5,10 @@ import torch
 from conftest import reference_attention, tolerance
 
 from kvb_kernels import DeviceError, DTypeError, ShapeError, flash_attention
+from kvb_kernels.backend import triton_installed
+
+# Without Triton every entry point raises KernelUnavailableError before looking at the device or dtype.
+needs_triton = pytest.mark.skipif(not triton_installed(), reason="Triton is not installed")
 
 # (batch, heads, kv_heads, q_len, kv_len, head_dim): prefill, chunk over a cached prefix, decode, odd sizes.
 CASES = [
@@ -94,6 +98,7 @@ def test_rejects_bad_inputs(device):
         flash_attention(q, k.half(), v)
 
 
+@needs_triton
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 2, 4, 32)
@@ -101,6 +106,16 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
         flash_attention(q, q, q)
 
 
+def test_missing_triton_is_an_import_error_naming_the_extra(monkeypatch):
+    from kvb_kernels import KernelUnavailableError, backend
+
+    monkeypatch.setattr(backend, "triton_installed", lambda: False)
+    q = torch.randn(1, 2, 4, 32)
+    with pytest.raises(KernelUnavailableError, match=r"kvb-kernels\[triton\]"):
+        flash_attention(q, q, q)
+
+
+@needs_triton
 def test_bf16_is_not_served_by_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = torch.randn(1, 2, 4, 32, dtype=torch.bfloat16)
