@@ -68,7 +68,8 @@ def test_from_config_and_uninstall(device, kernel_calls):
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA), attn_implementation=ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-    model.eval().to(device)(torch.arange(8, device=device)[None])
+    with torch.no_grad():  # a forward that tracks gradients goes to SDPA
+        model.eval().to(device)(torch.arange(8, device=device)[None])
     assert kernel_calls == [8, 8]
     assert uninstall_flash_attention(model) == 2
     assert model.config._attn_implementation == "sdpa"
@@ -136,6 +137,26 @@ def test_dropout_goes_to_sdpa(device, monkeypatch):
     module = torch.nn.Module()
     hf.kvb_attention_forward(module, q, q, q, None, dropout=0.5)
     assert reasons == ["attention dropout > 0 (training)"]
+
+
+def test_training_goes_to_sdpa_and_keeps_gradients(device, kernel_calls):
+    """The kernel is forward-only: a forward that needs gradients must not run it (its output has no grad_fn,
+    so q/k/v projections silently got no gradient when fine-tuning with kvb_attention installed)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).to(device).train()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    model(ids, labels=ids).loss.backward()
+    ref = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    model.zero_grad()
+    install_flash_attention(model)
+    model(ids, labels=ids).loss.backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None
+    torch.testing.assert_close(grad, ref)
+    assert kernel_calls == []
+    with torch.no_grad():  # inference still runs in the kernel
+        model(ids)
+    assert kernel_calls
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])

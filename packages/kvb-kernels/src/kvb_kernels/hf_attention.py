@@ -84,7 +84,7 @@ def kvb_attention_forward(
     Returns:
         ``([batch, q_len, heads, head_dim], None)``, like every transformers attention function.
     """
-    reason = _unserved_reason(query, key, attention_mask, dropout, kwargs)
+    reason = _unserved_reason(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         eager = _eager_attention(module) if _sdpa_refuses(kwargs) else None
         if eager is not None:
@@ -120,7 +120,12 @@ def kvb_attention_forward(
 
 
 def _unserved_reason(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict,
 ) -> str | None:
     """Why the kernel cannot serve this call (``None``: it can)."""
     if not device_supported(query.device):
@@ -131,6 +136,10 @@ def _unserved_reason(
         return f"head_dim {query.shape[-1]} (key {key.shape[-1]})"
     if dropout:
         return "attention dropout > 0 (training)"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        # The kernel is forward-only: its output has no grad_fn, so training through it would silently give the
+        # attention projections no gradient.
+        return "autograd (query/key/value require grad; the kernel is forward-only: run inference under torch.no_grad())"
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4):
         return f"non-boolean or non-4D attention mask ({attention_mask.dtype}, {attention_mask.dim()}D)"
     if kwargs.get("output_attentions"):
