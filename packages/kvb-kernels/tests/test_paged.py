@@ -67,3 +67,49 @@ def test_layout_errors(device):
     )
     with pytest.raises(ShapeError, match="add pages"):
         paged_attention(torch.randn(1, 2, 1, 64, device=device), short)
+
+
+def test_strided_kv_lens_are_read_per_sequence(device):
+    """kv_lens as a strided view (e.g. every other entry of a larger tensor) must give each sequence its own
+    length; the kernel reads kv_lens with unit stride, so it used to read the neighbouring entry."""
+    lens = [29, 11]
+    kv = _paged(device, torch.float32, lens=lens, page_size=8)
+    spaced = torch.tensor([29, 0, 11, 0], dtype=torch.int32, device=device)[::2]
+    strided = PagedKV(
+        key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=kv.block_table, kv_lens=spaced
+    )
+    q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    torch.testing.assert_close(paged_attention(q, strided), paged_attention(q, kv), atol=0, rtol=0)
+
+
+def test_page_indices_and_lengths_are_checked(device):
+    kv = _paged(device, torch.float32, lens=[16, 9], page_size=8, spare_pages=0)
+    q = torch.randn(2, 2, 1, 64, device=device)
+    num_pages = kv.key_pages.shape[0]
+    for bad in (num_pages, -1):
+        table = kv.block_table.clone()
+        table[1, 1] = bad  # sequence 1 holds 9 tokens: its second page is in use
+        broken = PagedKV(
+            key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=table, kv_lens=kv.kv_lens
+        )
+        with pytest.raises(ShapeError, match="outside the pool"):
+            paged_attention(q, broken)
+    lens = torch.tensor([16, 8], dtype=torch.int32, device=device)
+    table = kv.block_table.clone()
+    table[1, 1] = -1  # past sequence 1's last page: ignored, as documented
+    padded = PagedKV(key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=table, kv_lens=lens)
+    exact = PagedKV(
+        key_pages=kv.key_pages, value_pages=kv.value_pages, block_table=kv.block_table, kv_lens=lens
+    )
+    torch.testing.assert_close(paged_attention(q, padded), paged_attention(q, exact), atol=0, rtol=0)
+    negative = torch.tensor([16, -2], dtype=torch.int32, device=device)
+    with pytest.raises(ShapeError, match="negative"):
+        paged_attention(
+            q,
+            PagedKV(
+                key_pages=kv.key_pages,
+                value_pages=kv.value_pages,
+                block_table=kv.block_table,
+                kv_lens=negative,
+            ),
+        )

@@ -122,11 +122,20 @@ def paged_attention(
             f"match query batch ({batch}) and head_dim ({head_dim})"
         )
     group = check_group(heads, kv_heads)
-    max_kv_len = kv.max_kv_len
+    # NOTE: the kernel reads kv_lens with unit stride (a strided view would give other sequences' lengths).
+    kv_lens = kv.kv_lens.contiguous()
+    max_kv_len, min_kv_len, bad_pages = _table_summary(kv, kv_lens)
+    if min_kv_len < 0:
+        raise ShapeError(f"kv_lens holds a negative length ({min_kv_len}); lengths are token counts >= 0")
     if max_kv_len > kv.block_table.shape[1] * kv.page_size:
         raise ShapeError(
             f"kv_lens reaches {max_kv_len} tokens but block_table holds only {kv.block_table.shape[1]} pages of "
             f"{kv.page_size}; add pages to the table"
+        )
+    if bad_pages:
+        raise ShapeError(
+            f"block_table has {bad_pages} entries within kv_lens outside the pool's pages "
+            f"0..{kv.key_pages.shape[0] - 1}; point them at pages of key_pages/value_pages"
         )
     qk_scale = softmax_scale(scale, head_dim) * launch.LOG2E
     out = torch.empty(batch, q_len, heads, head_dim, device=query.device, dtype=query.dtype)
@@ -137,7 +146,7 @@ def paged_attention(
             kv.key_pages,
             kv.value_pages,
             kv.block_table,
-            kv.kv_lens,
+            kv_lens,
             out,
             parts.out if parts else out,
             parts.lse if parts else out,
@@ -172,3 +181,20 @@ def paged_attention(
         "paged", call, out=out, kv_heads=kv_heads, group=group, kv_len=max_kv_len, num_splits=num_splits
     )
     return out.transpose(1, 2)
+
+
+def _table_summary(kv: PagedKV, kv_lens: torch.Tensor) -> tuple[int, int, int]:
+    """``(max kv_len, min kv_len, block-table entries in use that are not pool pages)``, in one host sync.
+
+    An out-of-range page index would make the kernel read outside the pool (garbage, or a fault on CUDA).
+    """
+    lens = kv_lens.long()
+    pages_in_use = (lens + kv.page_size - 1) // kv.page_size  # [batch]
+    table = kv.block_table
+    in_use = torch.arange(table.shape[1], device=table.device)[None, :] < pages_in_use[:, None]
+    outside = (table < 0) | (table >= kv.key_pages.shape[0])
+    bad = (in_use & outside).sum()
+    if lens.numel() == 0:
+        return 0, 0, 0
+    max_len, min_len, bad_count = torch.stack([lens.max(), lens.min(), bad]).tolist()
+    return int(max_len), int(min_len), int(bad_count)
