@@ -121,3 +121,21 @@ def test_bf16_is_not_served_by_the_interpreter(monkeypatch):
     q = torch.randn(1, 2, 4, 32, dtype=torch.bfloat16)
     with pytest.raises(DTypeError, match="bfloat16"):
         flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"window": 2.5}, "window must be an int"),
+        ({"window": True}, "window must be an int"),
+        ({"window": "3"}, "window must be an int"),
+        ({"num_splits": 2.5}, "num_splits must be an int"),
+        ({"scale": float("nan")}, "scale must be finite"),
+        ({"scale": float("inf")}, "scale must be finite"),
+    ],
+)
+def test_non_integer_sizes_and_non_finite_scale_are_shape_errors(kwargs, match, device):
+    """These used to reach Triton (an InterpreterError / TypeError) or silently return NaN."""
+    q = torch.randn(1, 2, 4, 32, device=device)
+    with pytest.raises(ShapeError, match=match):
+        flash_attention(q, q, q, **kwargs)

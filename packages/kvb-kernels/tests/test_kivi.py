@@ -63,3 +63,20 @@ def test_layout_errors(device):
         )
     with pytest.raises(ShapeError, match="group_size"):
         kivi_quantize(key, value, group_size=0)
+
+
+def test_non_integer_group_size_is_a_shape_error():
+    key, value = _kv("cpu", length=8)
+    with pytest.raises(ShapeError, match="group_size must be an int"):
+        kivi_quantize(key, value, group_size=2.5)
+    coded = kivi_quantize(key, value, group_size=4)
+    with pytest.raises(ShapeError, match="group_size must be an int"):
+        KiviKV(
+            key_codes=coded.key_codes,
+            key_scale=coded.key_scale,
+            key_zero=coded.key_zero,
+            value_codes=coded.value_codes,
+            value_scale=coded.value_scale,
+            value_zero=coded.value_zero,
+            group_size=4.0,
+        )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 
 from kvb_kernels.backend import device_supported, dtype_supported, interpreter_enabled, require_triton
@@ -53,9 +56,9 @@ def check_same(
 
 def check_window(window: int | None) -> None:
     """A sliding window counts the keys a query sees, itself included, so it must be >= 1."""
-    if window is not None and window < 1:
+    if window is not None and (not is_int(window) or window < 1):
         raise ShapeError(
-            f"window must be >= 1 (keys visible per query, itself included) or None, got {window}"
+            f"window must be an int >= 1 (keys visible per query, itself included) or None, got {window!r}"
         )
 
 
@@ -63,6 +66,17 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     """The softmax scale: ``1/sqrt(head_dim)`` unless given (then it must be positive)."""
     if scale is None:
         return head_dim**-0.5
-    if scale <= 0:
-        raise ShapeError(f"scale must be > 0, got {scale}; pass None for 1/sqrt(head_dim)")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ShapeError(f"scale must be finite and > 0, got {scale}; pass None for 1/sqrt(head_dim)")
     return float(scale)
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python, NumPy or 0-d integer tensor), not a bool or a float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

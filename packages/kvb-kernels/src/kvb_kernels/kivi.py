@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvb_kernels import launch
-from kvb_kernels.checks import check_group, check_query, check_same, check_window, softmax_scale
+from kvb_kernels.checks import check_group, check_query, check_same, check_window, is_int, softmax_scale
 from kvb_kernels.errors import DTypeError, ShapeError
 
 _LEVELS = 255
@@ -36,8 +36,8 @@ class KiviKV:
     group_size: int
 
     def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ShapeError(f"group_size must be >= 1 tokens, got {self.group_size}")
+        if not is_int(self.group_size) or self.group_size < 1:
+            raise ShapeError(f"group_size must be an int >= 1 (tokens), got {self.group_size!r}")
         for name in ("key_codes", "value_codes"):
             codes = getattr(self, name)
             if codes.dtype != torch.uint8 or codes.dim() != 4:
@@ -94,8 +94,8 @@ def kivi_quantize(
             f"key and value must share one [batch, kv_heads, kv_len, head_dim] shape, got "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if group_size < 1:
-        raise ShapeError(f"group_size must be >= 1 tokens, got {group_size}")
+    if not is_int(group_size) or group_size < 1:
+        raise ShapeError(f"group_size must be an int >= 1 (tokens), got {group_size!r}")
     batch, heads, length, dim = key.shape
     groups = -(-length // group_size)
     pad = groups * group_size - length

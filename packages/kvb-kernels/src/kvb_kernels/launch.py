@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvb_kernels.backend import interpreter_enabled
+from kvb_kernels.checks import is_int
 from kvb_kernels.errors import ShapeError
 from kvb_kernels.splits import SplitBuffers, allocate, choose_num_splits, combine_splits
 
@@ -46,8 +47,8 @@ def run(
     if num_splits is None:
         programs = batch * kv_heads * math.ceil(rows / 64)
         num_splits = choose_num_splits(programs=programs, kv_len=kv_len, device=out.device)
-    elif num_splits < 1:
-        raise ShapeError(f"num_splits must be >= 1 or None (automatic), got {num_splits}")
+    elif not is_int(num_splits) or num_splits < 1:
+        raise ShapeError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
     kernel = tuned(kernel_name, decode, interpreter_enabled())
 
     def grid(meta: dict) -> tuple[int, int, int]:
