@@ -80,3 +80,17 @@ def test_non_integer_group_size_is_a_shape_error():
             value_zero=coded.value_zero,
             group_size=4.0,
         )
+
+
+@pytest.mark.parametrize("name", ["key_scale", "key_zero", "value_scale", "value_zero"])
+def test_scales_on_another_device_are_a_device_error(name, device):
+    """Only the codes were checked: scales/zeros left on another device reached the kernel (Triton's untyped
+    'cannot be accessed from Triton' on CUDA)."""
+    import dataclasses
+
+    from kvb_kernels import DeviceError
+
+    coded = kivi_quantize(*_kv(device, length=16), group_size=8)
+    moved = dataclasses.replace(coded, **{name: getattr(coded, name).to("meta")})
+    with pytest.raises(DeviceError, match=name):
+        kivi_attention(torch.randn(2, 2, 1, 64, device=device), moved)

@@ -18,7 +18,7 @@ import torch
 
 from kvb_kernels import launch
 from kvb_kernels.checks import check_group, check_query, check_same, check_window, is_int, softmax_scale
-from kvb_kernels.errors import DTypeError, ShapeError
+from kvb_kernels.errors import DeviceError, DTypeError, ShapeError
 
 _LEVELS = 255
 
@@ -157,6 +157,12 @@ def kivi_attention(
         )
     for name in ("key_codes", "value_codes"):
         check_same(query, name, getattr(kv, name), dtype=torch.uint8)
+    for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
+        if getattr(kv, name).device != query.device:
+            raise DeviceError(
+                f"{name} is on {getattr(kv, name).device} but query is on {query.device}; move the scales and "
+                "zeros with the codes"
+            )
     group = check_group(heads, kv_heads)
     # Scales/zeros are small next to the codes; one layout lets both share a stride set.
     k_scale, k_zero = kv.key_scale.contiguous(), kv.key_zero.contiguous()
