@@ -28,6 +28,22 @@ def test_availability_checks_shapes_and_group_size() -> None:
 
 
 @pytest.mark.skipif(not CPU_OP, reason="torch build without the CPU tinygemm op")
+def test_cpu_needs_out_features_divisible_by_16_and_auto_falls_back() -> None:
+    """The CPU packing op refuses N % 16 != 0 (e.g. an MQA k_proj of 8 outputs): the availability check said
+    yes, so quant_kernel='auto' picked int4pack on CPU and the load crashed with torch's RuntimeError."""
+    from kvb_streaming.kernels.registry import resolve_kernel
+
+    shapes = [LinearShape(64, 8), LinearShape(64, 64)]
+    assert "out_features % 16" in (SPEC.unavailable_reason(context(), shapes) or "")
+    assert SPEC.unavailable_reason(context(), [LinearShape(64, 16)]) is None
+    kernel = resolve_kernel("auto", context(), shapes)
+    assert kernel.name == "torch"
+    awq = quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)), 32)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(kernel.linear(x, kernel.prepare(awq)), x @ dequantize(awq, 32, torch.float32))
+
+
+@pytest.mark.skipif(not CPU_OP, reason="torch build without the CPU tinygemm op")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_awq_dequant_reference_on_cpu(dtype: torch.dtype) -> None:
     awq = quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), 32)

@@ -19,6 +19,8 @@ from kvb_streaming.kernels.base import KernelContext, KernelSpec, LinearShape
 _GROUP_SIZES = (32, 64, 128, 256)
 _K_TILE = 16
 _N_TILE = 8
+# The CPU packing op (_convert_weight_to_int4pack_for_cpu) needs out_features divisible by 16, not 8.
+_N_TILE_CPU = 16
 # torch 2.5 changed the CUDA packing op's input from int32 [n, k] to two nibbles per uint8 [n, k / 2].
 _CUDA_TAKES_UINT8 = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
@@ -87,9 +89,10 @@ def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -
         return f"no tinygemm kernel for device type {context.device.type!r}"
     if context.group_size not in _GROUP_SIZES:
         return f"group_size {context.group_size} is not one of {_GROUP_SIZES}"
+    n_tile = _N_TILE_CPU if context.device.type == "cpu" else _N_TILE
     for shape in shapes:
-        if inner_k_tiles(shape.in_features) is None or shape.out_features % _N_TILE:
-            return f"layer shape {tuple(shape)} needs in_features % 32 == 0 and out_features % 8 == 0"
+        if inner_k_tiles(shape.in_features) is None or shape.out_features % n_tile:
+            return f"layer shape {tuple(shape)} needs in_features % 32 == 0 and out_features % {n_tile} == 0"
     return None
 
 
