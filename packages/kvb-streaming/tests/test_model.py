@@ -162,3 +162,34 @@ def test_cuda_streamed_logits_equal_resident(
     runtime = get_runtime(streamed)
     assert runtime.pinned and runtime.stats().hit_rate == 1.0
     assert runtime.stats().synchronous_prefetches == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device": "gpu"}, "not a torch device"),
+        ({"dtype": torch.int32}, "floating-point"),
+        ({"dtype": "half-ish"}, "floating-point"),
+        ({"streaming_config": {"residency_mode": "full_stream"}}, "must be a StreamingConfig"),
+    ],
+)
+def test_bad_load_arguments_are_typed_errors(awq_llama_dir: Path, kwargs: dict, match: str) -> None:
+    """These failed inside torch / transformers (RuntimeError, ValueError, AttributeError); a dtype given by
+    name failed with "Invalid device string: 'float16'"."""
+    from kvb_streaming.errors import StreamingConfigError
+
+    with pytest.raises(StreamingConfigError, match=match):
+        StreamingCausalLM.from_pretrained(awq_llama_dir, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_a_typed_error(awq_llama_dir: Path) -> None:
+    from kvb_streaming.errors import StreamingConfigError
+
+    with pytest.raises(StreamingConfigError, match="CUDA is not available"):
+        StreamingCausalLM.from_pretrained(awq_llama_dir, device="cuda")
+
+
+def test_dtype_by_name(awq_llama_dir: Path) -> None:
+    model = StreamingCausalLM.from_pretrained(awq_llama_dir, device="cpu", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from kvb_streaming.builder import build_model
 from kvb_streaming.config import StreamingConfig
-from kvb_streaming.errors import NotAStreamingModelError
+from kvb_streaming.errors import NotAStreamingModelError, StreamingConfigError
 from kvb_streaming.loader import AWQLoader
 from kvb_streaming.residency import ResidencyPlan
 from kvb_streaming.scheduler import StreamingScheduler, StreamingStats
@@ -69,7 +69,7 @@ class StreamingCausalLM:
         *,
         streaming_config: StreamingConfig | None = None,
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> PreTrainedModel:
         """Loads an AWQ GEMM checkpoint folder.
 
@@ -79,13 +79,25 @@ class StreamingCausalLM:
             streaming_config: what to stream; default :class:`StreamingConfig()` (stream every layer
                 through 2 slots). On CPU/MPS streaming is disabled (logged) unless ``simulate_on_host``.
             device: compute device; default ``cuda`` when available, else ``cpu``.
-            dtype: activation / non-quantized weight dtype; default fp16 on CUDA, fp32 elsewhere.
+            dtype: activation / non-quantized weight dtype (a ``torch.dtype`` or its name, ``"bfloat16"``);
+                default fp16 on CUDA, fp32 elsewhere.
+
+        Raises:
+            StreamingConfigError: a bad ``streaming_config``, ``device`` (or CUDA asked for where there is none)
+                or ``dtype``, or a configuration that does not fit the model.
+            AWQFormatError: ``path`` is not an AWQ GEMM checkpoint folder.
+            KernelUnavailableError: the requested ``quant_kernel`` cannot run here.
         """
+        if streaming_config is not None and not isinstance(streaming_config, StreamingConfig):
+            raise StreamingConfigError(
+                f"streaming_config must be a StreamingConfig, got {type(streaming_config).__name__}; "
+                "build one with StreamingConfig(residency_mode=..., ...)"
+            )
         requested = streaming_config or StreamingConfig()
-        target = torch.device(device) if device is not None else _default_device()
+        target = _resolve_device(device) if device is not None else _default_device()
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-        dtype = dtype or (torch.float16 if target.type == "cuda" else torch.float32)
+        dtype = _resolve_dtype(dtype) or (torch.float16 if target.type == "cuda" else torch.float32)
         effective = requested
         if target.type in _HOST_MEMORY_DEVICES and not requested.simulate_on_host:
             if requested.residency_mode != "full_resident":
@@ -122,6 +134,37 @@ def get_runtime(model: torch.nn.Module) -> StreamingRuntime:
             f"{type(model).__name__} was not loaded by kvb_streaming.StreamingCausalLM.from_pretrained"
         )
     return runtime
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` that exists in this process."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise StreamingConfigError(
+            f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'"
+        ) from exc
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StreamingConfigError(f"device={device!r} but CUDA is not available here; pass device='cpu'")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise StreamingConfigError(
+                f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return target
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating ``torch.dtype`` from a dtype or its name (``"float16"``, ``"torch.bfloat16"``); None stays None."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise StreamingConfigError(
+            f"dtype={dtype!r} is not a floating-point torch dtype; pass torch.float16, torch.bfloat16 or "
+            "torch.float32 (or None for the device's default)"
+        )
+    return resolved
 
 
 def _default_device() -> torch.device:
