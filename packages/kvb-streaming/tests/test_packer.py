@@ -88,3 +88,20 @@ def test_read_awq_checks_shapes(awq_llama_dir: Path) -> None:
     with pytest.raises(AWQFormatError, match="do not match AWQ GEMM"):
         loader.read_awq("model.layers.0.mlp.up_proj")
     assert isinstance(AWQLoader(awq_llama_dir).read_awq("model.layers.0.mlp.up_proj"), AWQTensors)
+
+
+def test_saving_again_into_a_folder_replaces_its_shards(tiny_llama: torch.nn.Module, tmp_path: Path) -> None:
+    """A second save with larger shards left the first save's extra shards behind; the loader indexes every
+    *.safetensors, so the checkpoint no longer loaded ("tensor ... is in both ...")."""
+    save_awq_checkpoint(tiny_llama, tmp_path, group_size=GROUP_SIZE, max_shard_bytes=20_000)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3
+    save_awq_checkpoint(tiny_llama, tmp_path, group_size=GROUP_SIZE)
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model-00001.safetensors"]
+    loader = AWQLoader(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(loader.index) == set(index["weight_map"])
+
+
+def test_group_size_must_be_an_int(tiny_llama: torch.nn.Module, tmp_path: Path) -> None:
+    with pytest.raises(AWQFormatError, match="must be an int"):
+        save_awq_checkpoint(tiny_llama, tmp_path, group_size=32.0)

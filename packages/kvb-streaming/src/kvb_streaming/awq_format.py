@@ -145,6 +145,8 @@ def dequantize(tensors: AWQTensors, group_size: int, dtype: torch.dtype = torch.
 
 def check_shapes(in_features: int, out_features: int, group_size: int) -> None:
     """Raises :class:`AWQFormatError` unless a layer of this shape can be stored in AWQ GEMM format."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise AWQFormatError(f"group_size must be an int, got {group_size!r}")
     if group_size < 1 or in_features % group_size:
         # NOTE: suggest only sizes that fit this layer (576 = 9 x 64 takes 64, not 128).
         fits = [g for g in (128, 64, 32, 16) if in_features % g == 0][:2]

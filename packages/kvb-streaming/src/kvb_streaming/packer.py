@@ -50,6 +50,12 @@ class _ShardWriter:
     def close(self) -> None:
         if self._pending:
             self._flush()
+        # NOTE: shards of an earlier save into this folder would be indexed with the new ones (the loader reads
+        # every *.safetensors), so a tensor would appear twice; remove the ones this save did not write.
+        written = set(self._weight_map.values())
+        for stale in self._folder.glob("model-*.safetensors"):
+            if stale.name not in written:
+                stale.unlink()
         index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
         (self._folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
