@@ -105,3 +105,28 @@ def test_saving_again_into_a_folder_replaces_its_shards(tiny_llama: torch.nn.Mod
 def test_group_size_must_be_an_int(tiny_llama: torch.nn.Module, tmp_path: Path) -> None:
     with pytest.raises(AWQFormatError, match="must be an int"):
         save_awq_checkpoint(tiny_llama, tmp_path, group_size=32.0)
+
+
+def test_non_llama_layout_is_a_typed_error(tmp_path: Path) -> None:
+    """GPT-2 keeps its blocks in transformer.h: this failed with AttributeError ('GPT2Model' ... 'layers')."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100, n_positions=32))
+    with pytest.raises(AWQFormatError, match="Llama-family"):
+        save_awq_checkpoint(gpt2, tmp_path, group_size=GROUP_SIZE)
+    with pytest.raises(AWQFormatError, match="Llama-family"):
+        save_random_awq_checkpoint(gpt2.config, tmp_path, group_size=GROUP_SIZE)
+
+
+def test_loading_a_non_llama_awq_checkpoint_is_a_typed_error(awq_llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    raw = GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100, n_positions=32).to_dict()
+    raw["quantization_config"] = json.loads((awq_llama_dir / "config.json").read_text())[
+        "quantization_config"
+    ]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for shard in awq_llama_dir.glob("*.safetensors"):
+        (tmp_path / shard.name).write_bytes(shard.read_bytes())
+    with pytest.raises(AWQFormatError, match="Llama-family"):
+        StreamingCausalLM.from_pretrained(tmp_path, device="cpu")

@@ -19,7 +19,7 @@ from kvb_streaming.errors import AWQFormatError
 from kvb_streaming.kernels import KernelContext, LinearShape, QuantKernel, resolve_kernel
 from kvb_streaming.loader import AWQLoader
 from kvb_streaming.qlinear import StreamingQLinear
-from kvb_streaming.residency import LayerIndex, ResidencyPlan, plan_residency
+from kvb_streaming.residency import LayerIndex, ResidencyPlan, decoder_layers, plan_residency
 from kvb_streaming.scheduler import StreamingScheduler
 from kvb_streaming.staging import make_transfer
 
@@ -69,7 +69,7 @@ def build_model(
         del hf_config.quantization_config
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    layers = model.get_decoder().layers
+    layers = decoder_layers(model)
     layer_prefixes = _module_names(model, layers)
 
     linears = [_quantized_linears(layer, prefix, loader) for layer, prefix in zip(layers, layer_prefixes)]

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from kvb_streaming.awq_format import check_shapes, quantize
+from kvb_streaming.residency import decoder_layers
 
 GiB = 1 << 30
 
@@ -173,7 +174,7 @@ def _skeleton_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _decoder_linears(model: PreTrainedModel) -> dict[str, nn.Linear]:
     """Full name -> module for every ``nn.Linear`` inside the decoder layers."""
-    layers = model.get_decoder().layers
+    layers = decoder_layers(model)
     layer_ids = {id(layer) for layer in layers}
     found: dict[str, nn.Linear] = {}
     for name, module in model.named_modules():

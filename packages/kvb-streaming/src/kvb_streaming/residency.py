@@ -6,13 +6,31 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+from torch import nn
+
 from kvb_streaming.config import StreamingConfig
-from kvb_streaming.errors import StreamingConfigError
+from kvb_streaming.errors import AWQFormatError, StreamingConfigError
 
 LayerIndex = NewType("LayerIndex", int)
 
 # Module-name prefix of the feed-forward block in Llama-family decoder layers (Llama, Mistral, Qwen2, ...).
 FFN_PREFIX = "mlp."
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """``model.get_decoder().layers``: the decoder layers of a Llama-family causal LM.
+
+    Raises:
+        AWQFormatError: the model has another layout (GPT-2's ``transformer.h``, encoder-decoders, ...).
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    if not isinstance(layers, nn.ModuleList):
+        raise AWQFormatError(
+            f"{type(model).__name__} has no model.get_decoder().layers; kvb-streaming supports Llama-family "
+            "layouts (Llama, Mistral, Qwen2, ...)"
+        )
+    return layers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
