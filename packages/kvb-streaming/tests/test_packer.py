@@ -130,3 +130,17 @@ def test_loading_a_non_llama_awq_checkpoint_is_a_typed_error(awq_llama_dir: Path
         (tmp_path / shard.name).write_bytes(shard.read_bytes())
     with pytest.raises(AWQFormatError, match="Llama-family"):
         StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
+
+
+def test_generation_config_survives_the_awq_round_trip(tmp_path: Path, make_tiny_config) -> None:
+    """The packer wrote only config.json and the loader built the model from it, so a checkpoint's
+    generation_config.json (e.g. Llama 3's extra EOS <|eot_id|>) was lost: generate ran past end of turn."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(make_tiny_config()).eval()
+    model.generation_config = GenerationConfig(eos_token_id=[7, 9], bos_token_id=1, do_sample=True, top_p=0.9)
+    save_awq_checkpoint(model, tmp_path, group_size=GROUP_SIZE)
+    loaded = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
+    assert loaded.generation_config.eos_token_id == [7, 9]
+    assert loaded.generation_config.do_sample is True and loaded.generation_config.top_p == 0.9

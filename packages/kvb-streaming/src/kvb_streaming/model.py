@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.builder import build_model
 from kvb_streaming.config import StreamingConfig
@@ -123,6 +124,10 @@ class StreamingCausalLM:
             pinned=loader.allocator.pin_failures == 0 and loader.allocator.pin_requested,
         )
         setattr(built.model, _RUNTIME_ATTR, runtime)
+        # Like AutoModelForCausalLM: the checkpoint's generation defaults (extra EOS ids such as Llama 3's
+        # <|eot_id|>, sampling settings) override those derived from config.json.
+        if (loader.path / GENERATION_CONFIG_NAME).is_file():
+            built.model.generation_config = GenerationConfig.from_pretrained(loader.path)
         return built.model
 
 

@@ -107,6 +107,8 @@ def save_awq_checkpoint(
             writer.add(name, tensor.to(torch.float16) if tensor.is_floating_point() else tensor)
     writer.close()
     _write_config(model.config, out, group_size)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)  # extra EOS ids, sampling defaults (as save_pretrained)
     return out
 
 
