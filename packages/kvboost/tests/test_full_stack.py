@@ -114,6 +114,27 @@ def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
     assert stats["hits"] + stats["misses"] > 0 and stats["bytes_moved"] > 0
 
 
+def test_awq_streaming_load_errors_are_model_load_errors(target, tmp_path):
+    """The streamed path skipped the plain path's checks: a folder without a tokenizer (the packer writes
+    none) raised transformers' ValueError after loading the whole model, a bad attn_implementation its
+    ValueError, a None path AttributeError."""
+    from kvb_streaming.packer import save_awq_checkpoint
+    from kvboost import ModelLoadError
+
+    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    awq = save_awq_checkpoint(model, tmp_path / "awq", group_size=32)
+    options = dict(device="cpu", awq_streaming=True, streaming_simulate_on_host=True)
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        KVBoost.from_pretrained(str(awq), **options)
+    T.AutoTokenizer.from_pretrained(target).save_pretrained(awq)
+    with pytest.raises(ModelLoadError, match="bogus"):
+        KVBoost.from_pretrained(str(awq), attn_implementation="bogus", **options)
+    with pytest.raises(ModelLoadError, match="non-empty path"):
+        KVBoost.from_pretrained(None, **options)
+    with pytest.raises(ModelLoadError, match="not a local folder"):
+        KVBoost.from_pretrained(str(tmp_path / "missing"), **options)
+
+
 def test_kvb_attention_registers_and_falls_back_on_cpu(target, caplog):
     with caplog.at_level(logging.WARNING):
         engine = KVBoost.from_pretrained(

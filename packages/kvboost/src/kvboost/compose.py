@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from kvb_cache import StitchConfig
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs
-from kvb_cache.errors import ConfigError
+from kvb_cache.errors import ConfigError, ModelLoadError
 from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.options import pick_keywords
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
@@ -137,17 +138,34 @@ class KVBoost(_Engine):
         from kvb_streaming import StreamingCausalLM
 
         config = engine.engine_config()  # before the model loads: a bad option fails fast
+        if not isinstance(model_name_or_path, str) or not model_name_or_path.strip():
+            raise ModelLoadError(f"model must be a non-empty path, got {model_name_or_path!r}")
         path = resolve_model_path(model_name_or_path)
+        if not Path(path).is_dir():
+            raise ModelLoadError(
+                f"{model_name_or_path!r} is not a local folder; awq_streaming loads a local AWQ checkpoint folder"
+            )
         dtype = resolve_dtype(engine.dtype)
+        device = resolve_device(engine.device)
+        # NOTE: the tokenizer first: the packer writes none, and a missing one should not cost a model load.
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(
+                f"could not load the tokenizer of {model_name_or_path!r}: {exc}. Save it into the AWQ checkpoint "
+                "folder (tokenizer.save_pretrained(folder)); kvb_streaming.packer writes weights and config only."
+            ) from exc
         model = StreamingCausalLM.from_pretrained(
             path,
             streaming_config=streaming,
-            device=resolve_device(engine.device),
+            device=device,
             dtype=None if dtype == "auto" else dtype,  # type: ignore[arg-type]
         )
         if engine.attn_implementation is not None:
-            model.set_attn_implementation(engine.attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+            try:
+                model.set_attn_implementation(engine.attn_implementation)
+            except ValueError as exc:
+                raise ModelLoadError(f"could not load model {model_name_or_path!r}: {exc}") from exc
         return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:
