@@ -10,8 +10,10 @@ import asyncio
 import itertools
 import json
 import math
+import threading
 
 import httpx
+import pytest
 from conftest import serve
 from fakes import FakeEngine
 from test_app_errors import assert_openai_error, wait_until
@@ -338,3 +340,53 @@ def test_scoring_an_echoed_prompt_leaves_running_requests_stepping() -> None:
     assert token_logprobs[0] is None and token_logprobs[1:78] == [
         -((ord(b) - ord(a) - 1) % 26) / 10 for a, b in itertools.pairwise(prompt)
     ]
+
+
+class StallsScoring(FakeEngine):
+    """Its prompt scorer blocks in its ``stall_at``-th ``advance()`` until ``score_hold`` is set."""
+
+    def __init__(self, stall_at: int) -> None:
+        super().__init__()
+        self.score_hold = threading.Event()
+        self.score_stalled = threading.Event()
+        self._stall_at = stall_at
+
+    def prompt_scorer(self, prompt, *, top_logprobs=0):
+        scorer = super().prompt_scorer(prompt, top_logprobs=top_logprobs)
+        advance, calls = scorer.advance, itertools.count(1)
+
+        def stalling_advance() -> bool:
+            if next(calls) == self._stall_at:
+                self.score_stalled.set()
+                self.score_hold.wait()
+            return advance()
+
+        scorer.advance = stalling_advance
+        return scorer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_while_its_echoed_prompt_is_scored_stops_the_scoring(stream: bool) -> None:
+    """A disconnect during ``echo`` + ``logprobs`` scoring ends the request at the slice in progress: the
+    scoring used to run every remaining slice of a prompt nobody would read (and queued prompts behind it)."""
+    fake = StallsScoring(stall_at=2)
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 3  # 10 slices of 8
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                body = completion(prompt, 1, echo=True, logprobs=1, stream=stream)
+                request = asyncio.create_task(c.post("/v1/completions", json=body))
+                await until(fake.score_stalled.is_set)
+                request.cancel()  # the client goes away while slice 2 is scored
+                # The handler gives up while the slice is still running (before the fix: only after
+                # scoring every slice, so never while this one is held).
+                closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
+                await until(lambda: metric(httpx.get(url + "/metrics").text, closed) == 1)
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            fake.score_hold.set()
+        wait_until(lambda: httpx.get(url + "/v1/stats").json()["queue"]["in_flight"] == 0)
+    assert [n for kind, n in fake.timeline if kind == "score"] == [8, 16]

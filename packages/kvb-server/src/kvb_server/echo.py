@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
+from kvb_server.jobs import DISCONNECT_POLL_S, ClientDisconnected, IsDisconnected
 from kvb_server.token_bytes import TextOffsets
 
 if TYPE_CHECKING:
@@ -99,20 +100,40 @@ class PromptScoring:
         self._one_at_a_time = asyncio.Lock()
 
     async def score(
-        self, prompt: list[int], *, top_logprobs: int, deadline: float
+        self,
+        prompt: list[int],
+        *,
+        top_logprobs: int,
+        deadline: float,
+        is_disconnected: IsDisconnected | None = None,
     ) -> tuple[TokenLogprob, ...]:
         """The prompt's tokens after the first, each with its ``top_logprobs`` alternatives.
 
-        Raises what the engine raises for a bad prompt, and the worker's ``QueueFullError`` /
-        ``RequestTimeoutError`` (``deadline`` is ``time.monotonic()``-based); a cancelled caller leaves the
-        scorer half-done, and it is dropped.
+        Raises what the engine raises for a bad prompt, the worker's ``QueueFullError`` /
+        ``RequestTimeoutError`` (``deadline`` is ``time.monotonic()``-based), and ``ClientDisconnected`` once
+        ``is_disconnected`` says so (checked before every slice and while one runs), so a client that hung
+        up stops costing engine time; a cancelled caller leaves the scorer half-done, and it is dropped.
         """
         async with self._one_at_a_time:
             make = functools.partial(self._engine.prompt_scorer, prompt, top_logprobs=top_logprobs)
-            scorer = await self._worker.call(make, timeout_s=_left(deadline))
+            scorer = await self._call(make, deadline, is_disconnected)
             while not scorer.done:
-                await self._worker.call(scorer.advance, timeout_s=_left(deadline))
+                await self._call(scorer.advance, deadline, is_disconnected)
             return tuple(scorer.result())
+
+    async def _call(self, fn: Any, deadline: float, is_disconnected: IsDisconnected | None) -> Any:
+        if is_disconnected is not None and await is_disconnected():
+            raise ClientDisconnected()
+        call = asyncio.ensure_future(self._worker.call(fn, timeout_s=_left(deadline)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return call.result()
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected()
+        finally:
+            call.cancel()  # a no-op once it is done; else the worker skips it if it has not started
 
 
 def _left(deadline: float) -> float:

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -15,6 +15,16 @@ from kvb_cache.sampling import SamplingParams
 from kvb_server.gate import EngineSettings, RunProbe
 
 JobId = NewType("JobId", int)
+
+#: How often a waiting handler checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.2
+
+#: ``Request.is_disconnected`` of the handler's HTTP request.
+IsDisconnected = Callable[[], Awaitable[bool]]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready; its jobs were cancelled."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from kvb_cache.results import GenerationResult
@@ -20,7 +19,15 @@ from kvb_server.engine import ServingEngine
 from kvb_server.engine_errors import engine_error
 from kvb_server.errors import EngineError, RequestTimeoutError, RequestTooLargeError
 from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
-from kvb_server.jobs import GenerationJob, Inbox, JobIds, JobUpdate
+from kvb_server.jobs import (
+    DISCONNECT_POLL_S,
+    ClientDisconnected,
+    GenerationJob,
+    Inbox,
+    IsDisconnected,
+    JobIds,
+    JobUpdate,
+)
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, final_response
@@ -31,11 +38,6 @@ from kvb_server.token_bytes import TokenBytes, TokenBytesFn, utf8
 from kvb_server.truncation import Truncation, keep_last_tokens
 from kvb_server.worker import EngineWorker
 
-#: How often a waiting handler checks whether its client is still connected.
-DISCONNECT_POLL_S = 0.2
-
-IsDisconnected = Callable[[], Awaitable[bool]]
-
 
 class Submitted(NamedTuple):
     """A request's queued jobs and where their updates arrive."""
@@ -45,10 +47,6 @@ class Submitted(NamedTuple):
     deadline: float
     plan: GenerationPlan
     truncation: Truncation | None
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its response was ready; its jobs were cancelled."""
 
 
 class GenerationService:
@@ -141,9 +139,11 @@ class GenerationService:
                 if is_disconnected is not None and await is_disconnected():
                     raise ClientDisconnected() from None
 
-    async def _echoes(self, plan: GenerationPlan, deadline: float) -> list[Echo] | None:
+    async def _echoes(
+        self, plan: GenerationPlan, deadline: float, is_disconnected: IsDisconnected
+    ) -> list[Echo] | None:
         """Each prompt's :class:`Echo`; with logprobs its tokens are scored on the engine thread, one slice
-        per call between steps (:class:`PromptScoring`)."""
+        per call between steps (:class:`PromptScoring`), until the client goes away."""
         if plan.echo is None:
             return None
         if self._engine is None or self._scoring is None:
@@ -154,7 +154,11 @@ class GenerationService:
             scored = None
             if top is not None:
                 try:
-                    scored = await self._scoring.score(prompt, top_logprobs=top, deadline=deadline)
+                    scored = await self._scoring.score(
+                        prompt, top_logprobs=top, deadline=deadline, is_disconnected=is_disconnected
+                    )
+                except ClientDisconnected:
+                    raise
                 except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
                     raise engine_error(exc) from None
             echoes.append(
@@ -185,7 +189,7 @@ class GenerationService:
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
         results: list[GenerationResult | None] = [None] * len(jobs)
         try:
-            echoes = await self._echoes(plan, deadline)
+            echoes = await self._echoes(plan, deadline, is_disconnected)
             if not plan.generate:
                 results = self.prompt_only(plan)  # type: ignore[assignment]
             for _ in jobs:
@@ -209,7 +213,7 @@ class GenerationService:
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
         first = None
         try:
-            echoes = await self._echoes(plan, deadline)
+            echoes = await self._echoes(plan, deadline, is_disconnected)
             if jobs:
                 first = await self.next_update(inbox, deadline, is_disconnected)
                 if first.error is not None:

@@ -146,6 +146,9 @@ class EngineWorker:
         except TimeoutError:
             job.cancelled.set()
             raise RequestTimeoutError(timeout_s) from None
+        except asyncio.CancelledError:  # the caller gave up (its client went away): skip it if not started
+            job.cancelled.set()
+            raise
 
     def stats(self) -> WorkerStats:
         paged = self._paged
