@@ -94,6 +94,16 @@ def test_unknown_speculative_mode_is_a_typed_error(target):
         KVBoost.from_pretrained(str(target), device="cpu", speculative="medusa")
 
 
+def test_gamma_without_speculative_is_a_typed_error(target):
+    """gamma alone was accepted and silently ignored (no drafter was built); streaming options without
+    awq_streaming already raise the same way."""
+    from kvb_speculative import SpeculativeConfigError
+
+    with pytest.raises(SpeculativeConfigError, match="gamma=3 has no effect"):
+        KVBoost.from_pretrained(str(target), device="cpu", gamma=3)
+    assert KVBoost.from_pretrained(str(target), device="cpu", gamma=5).drafter is None  # the default
+
+
 def test_cache_status_cli_reads_a_disk_tier(target, tmp_path, capsys):
     engine = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, disk_cache_dir=tmp_path)
     engine.generate(PROMPT, max_new_tokens=2, temperature=0.0)

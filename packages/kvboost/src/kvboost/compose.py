@@ -88,7 +88,8 @@ class KVBoost(_Engine):
 
         Raises:
             kvb_cache.ConfigError: a bad cache option, or both ``drafter`` and ``speculative``/``draft_model``.
-            kvb_speculative.SpeculativeConfigError: an unknown ``speculative`` mode or an inconsistent setting.
+            kvb_speculative.SpeculativeConfigError: an unknown ``speculative`` mode, an inconsistent setting, or
+                ``gamma`` without ``speculative``/``draft_model``.
             kvb_speculative.VocabularyMismatchError: the draft model's vocabulary differs from the target's.
             kvb_streaming.StreamingConfigError: streaming options without ``awq_streaming``, or inconsistent.
         """
@@ -114,6 +115,13 @@ class KVBoost(_Engine):
         streaming_config = (streaming or StreamingArgs()).streaming_config()
         if speculative.enabled and engine.drafter is not None:
             raise ConfigError("pass either drafter or speculative/draft_model, not both")
+        if not speculative.enabled and speculative != SpeculativeArgs():
+            from kvb_speculative import SpeculativeConfigError
+
+            raise SpeculativeConfigError(
+                f"gamma={speculative.gamma} has no effect without speculative='prompt_lookup'/'draft_model' or "
+                "draft_model (--speculative / --draft-model); add one or drop gamma"
+            )
         if engine.attn_implementation == KVB_ATTENTION:
             from kvb_kernels import register_kvb_attention
 
