@@ -47,6 +47,9 @@ def test_calls_the_packages_awq_gemm_with_the_awq_tensors(monkeypatch: pytest.Mo
 
 
 def test_module_without_the_function_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvb-kernels installed without awq_gemm: the message told users to install kvb-kernels, which they had."""
     monkeypatch.setitem(sys.modules, "kvb_kernels", types.SimpleNamespace())
-    with pytest.raises(KernelUnavailableError):
+    reason = kvb.SPEC.unavailable_reason(context(), [LinearShape(64, 64)])
+    assert reason is not None and "does not provide awq_gemm" in reason and "pip install" not in reason
+    with pytest.raises(KernelUnavailableError, match="does not provide awq_gemm"):
         kvb.KvbKernelsKernel(context())

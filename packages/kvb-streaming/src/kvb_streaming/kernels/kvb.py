@@ -53,6 +53,16 @@ def find_awq_gemm() -> AWQGemm | None:
     return getattr(module, FUNCTION, None)
 
 
+def missing_reason() -> str:
+    """Why :func:`find_awq_gemm` found nothing: the package is absent, or it does not provide the function."""
+    try:
+        importlib.import_module(MODULE)
+    except ImportError:
+        return f"{MODULE} is not installed; {INSTALL_HINT}"
+    # NOTE: installing the extra cannot help here: the installed kvb-kernels has no int4 GEMM (yet).
+    return f"the installed {MODULE} does not provide {FUNCTION} (no int4 GEMM in this release of kvb-kernels)"
+
+
 class KvbKernelsKernel:
     """Calls ``kvb_kernels.awq_gemm`` on the AWQ tensors as stored (no conversion)."""
 
@@ -62,7 +72,7 @@ class KvbKernelsKernel:
     def __init__(self, context: KernelContext) -> None:
         gemm = find_awq_gemm()
         if gemm is None:
-            raise KernelUnavailableError(f"{MODULE}.{FUNCTION} is not available; {INSTALL_HINT}")
+            raise KernelUnavailableError(f"{missing_reason()}; use quant_kernel='auto' or 'torch'")
         self._gemm = gemm
         self._group_size = context.group_size
 
@@ -78,7 +88,7 @@ class KvbKernelsKernel:
 
 def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -> str | None:
     if find_awq_gemm() is None:
-        return f"{MODULE}.{FUNCTION} is not installed; {INSTALL_HINT}"
+        return missing_reason()
     if context.device.type != "cuda":
         return "the Triton kernel runs on CUDA only"
     if context.dtype not in (torch.float16, torch.bfloat16):
