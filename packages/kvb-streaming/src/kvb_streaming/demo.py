@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from kvb_streaming.config import QUANT_KERNELS, RESIDENCY_MODES, StreamingConfig
+from kvb_streaming.errors import AWQFormatError, StreamingError
 from kvb_streaming.model import StreamingCausalLM, get_runtime
 from kvb_streaming.scheduler import StreamingStats
 
@@ -80,17 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="local AWQ GEMM checkpoint folder")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     parser.add_argument("--prompt", required=True, help="prompt text (used as is, no chat template)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (greedy)")
+    parser.add_argument(
+        "--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (greedy)"
+    )
     parser.add_argument(
         "--residency-mode",
         choices=RESIDENCY_MODES,
         default=None,
         help="what stays on the device (default: partial_resident when --keep-* is given, else full_stream)",
     )
-    parser.add_argument("--keep-first-k", type=int, default=0, help="leading decoder layers kept resident")
-    parser.add_argument("--keep-last-k", type=int, default=0, help="trailing decoder layers kept resident")
     parser.add_argument(
-        "--n-staging-slots", type=int, default=2, help="device staging slots for streamed layers"
+        "--keep-first-k", type=_non_negative_int, default=0, help="leading decoder layers kept resident"
+    )
+    parser.add_argument(
+        "--keep-last-k", type=_non_negative_int, default=0, help="trailing decoder layers kept resident"
+    )
+    parser.add_argument(
+        "--n-staging-slots", type=_positive_int, default=2, help="device staging slots for streamed layers"
     )
     parser.add_argument("--quant-kernel", choices=QUANT_KERNELS, default="auto", help="int4 GEMM backend")
     parser.add_argument(
@@ -119,7 +126,13 @@ def run(args: argparse.Namespace) -> DemoReport:
         pin_memory=not args.no_pin,
         simulate_on_host=args.simulate_on_host,
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except (OSError, ValueError) as exc:
+        raise AWQFormatError(
+            f"no tokenizer could be loaded from {args.tokenizer or args.model} ({str(exc).strip()[:200]}); "
+            "pass --tokenizer FOLDER (kvb_streaming.packer saves weights and config only)"
+        ) from exc
     cuda = torch.cuda.is_available() and (args.device is None or str(args.device).startswith("cuda"))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -159,6 +172,20 @@ def run(args: argparse.Namespace) -> DemoReport:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _peak_rss_bytes() -> int:
     try:
         import resource
@@ -170,8 +197,12 @@ def _peak_rss_bytes() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    report = run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = run(args)
+    except StreamingError as exc:  # a bad option or checkpoint: usage error, not a traceback
+        parser.error(str(exc))
     decode = f"{report.decode_tok_s:.2f} tok/s" if report.decode_tok_s is not None else "n/a (< 2 tokens)"
     print(f"load time        : {report.load_s:.2f} s")
     print(f"peak memory      : {report.peak_memory_bytes / 2**30:.2f} GiB ({report.peak_memory_kind})")
