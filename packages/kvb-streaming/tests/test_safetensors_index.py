@@ -52,3 +52,25 @@ def test_unsupported_dtype(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
     with pytest.raises(AWQFormatError, match="unsupported dtype"):
         read_header(path)
+
+
+def _shard(header: bytes, declared: int | None = None) -> bytes:
+    return struct.pack("<Q", len(header) if declared is None else declared) + header
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _shard(b"{not json}"),  # JSONDecodeError
+        _shard(b"\xff\xfe\xfd\xfc"),  # not UTF-8
+        _shard(b"{}", declared=100),  # header cut short
+        _shard(json.dumps({"a": {"dtype": "F32", "shape": [2]}}).encode()),  # KeyError: data_offsets
+        _shard(json.dumps([1, 2]).encode()),  # AttributeError: not an object
+    ],
+)
+def test_corrupt_headers_are_format_errors(tmp_path: Path, data: bytes) -> None:
+    """A damaged shard (an interrupted download) raised json / KeyError / AttributeError from the parser."""
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(data)
+    with pytest.raises(AWQFormatError, match="corrupt safetensors header"):
+        read_header(shard)

@@ -67,23 +67,33 @@ def read_header(shard: Path) -> dict[str, TensorInfo]:
             raise AWQFormatError(
                 f"{shard}: header length {header_len} is implausible; is it a safetensors file?"
             )
-        header = json.loads(f.read(header_len))
+        raw = f.read(header_len)
     data_start = 8 + header_len
     infos: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in _DTYPES:
-            raise AWQFormatError(f"{shard}: tensor {name} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        infos[name] = TensorInfo(
-            name=name,
-            shard=shard,
-            offset=data_start + begin,
-            nbytes=end - begin,
-            shape=tuple(entry["shape"]),
-            dtype=_DTYPES[entry["dtype"]],
-        )
+    try:
+        if len(raw) != header_len:
+            raise ValueError(f"the header is cut short ({len(raw)} of {header_len} bytes)")
+        header = json.loads(raw)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _DTYPES:
+                raise AWQFormatError(f"{shard}: tensor {name} has unsupported dtype {entry['dtype']}")
+            begin, end = entry["data_offsets"]
+            infos[name] = TensorInfo(
+                name=name,
+                shard=shard,
+                offset=data_start + begin,
+                nbytes=end - begin,
+                shape=tuple(entry["shape"]),
+                dtype=_DTYPES[entry["dtype"]],
+            )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+        if isinstance(exc, AWQFormatError):
+            raise
+        raise AWQFormatError(
+            f"{shard} has a corrupt safetensors header ({type(exc).__name__}: {exc}); re-download or re-save it"
+        ) from exc
     return infos
 
 
