@@ -7,6 +7,7 @@ deterministically; waits are bounded polls for a condition, never sleeps that a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import math
@@ -390,3 +391,38 @@ def test_a_client_gone_while_its_echoed_prompt_is_scored_stops_the_scoring(strea
             fake.score_hold.set()
         wait_until(lambda: httpx.get(url + "/v1/stats").json()["queue"]["in_flight"] == 0)
     assert [n for kind, n in fake.timeline if kind == "score"] == [8, 16]
+
+
+def test_aborting_the_last_requests_in_flight_refreshes_the_queue_counts() -> None:
+    """Clients that all go away at once leave nothing in flight, so no step follows their aborts: the
+    queue depth, running count and KV usage stayed as of the last step, and a waiting count at
+    ``max_queue_size`` answered every later request 503 ``queue_full`` on an idle server."""
+    fake = FakeEngine(max_num_seqs=1)
+    fake.pause_before_step = 2
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_queue_size=2))) as url:
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                post = functools.partial(c.post, "/v1/completions")
+                requests = [asyncio.create_task(post(json=completion("a", 100)))]
+                await until(fake.stalled.is_set)  # "a" runs; its second step is held
+                requests += [asyncio.create_task(post(json=completion(p, 100))) for p in "bc"]
+                while await depth(c) < 2:  # "b" and "c" are queued: the queue is full
+                    await asyncio.sleep(0.01)
+                fake.pause_before_step = 3
+                fake.hold.set()  # step 2 ends, "b" and "c" enter the engine (waiting), step 3 is held
+                await until(lambda: len(fake.step_log) == 2 and fake.stalled.is_set())
+                for request in requests:
+                    request.cancel()  # every client goes away
+                closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
+                while metric((await c.get("/metrics")).text, closed) != 3:
+                    await asyncio.sleep(0.02)
+                fake.hold.set()  # step 3 ends ("b" and "c" still waiting); then all three are aborted
+                await until(lambda: len(fake.aborted) == 3)
+                await until(lambda: httpx.get(url + "/health").json()["queue_depth"] == 0)
+                text = (await c.get("/metrics")).text
+                assert metric(text, "kvboost:num_requests_running") == 0
+                assert metric(text, 'kvboost_kv_blocks{state="used"}') == 0
+                return await post(json=completion("d", 2))
+
+        assert asyncio.run(scenario()).status_code == 200

@@ -106,13 +106,18 @@ class InFlight:
                 JobUpdate(choice=job.choice, result=output.result, queue_s=flight.queue_s)
             )
 
-    def abort_expired(self) -> None:
-        """Abort the requests whose client went away or whose deadline passed (a timed-out one gets 504)."""
+    def abort_expired(self) -> int:
+        """Abort the requests whose client went away or whose deadline passed (a timed-out one gets 504).
+
+        Returns how many were aborted."""
+        aborted = 0
         for request_id, flight in list(self._flights.items()):
             if flight.job.expired():
                 logger.info("job %d aborted: client gone or past its deadline", flight.job.id)
                 self._abort(request_id)
                 self._answer_expired(flight.job, flight.queue_s)
+                aborted += 1
+        return aborted
 
     def fail_all(self, error: BaseException) -> None:
         """Abort every request in flight and answer each with ``error``."""

@@ -184,7 +184,11 @@ class EngineWorker:
                     break
                 if batch:
                     self._hand_over(batch)
-                self._in_flight.abort_expired()
+                if self._in_flight.abort_expired():
+                    # The counts (queue depth, running, KV usage) must drop now: with nothing left in
+                    # flight no step follows to refresh them, and a stale waiting count would keep
+                    # refusing new requests as queue_full.
+                    self._refresh()
                 if self._in_flight:
                     self._step()
                 elif self._idle.due() <= 0:
