@@ -21,3 +21,16 @@ def test_cpu_tiers(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_tier():
     assert get_flash_attn_tier() == ("kvb_triton" if triton_installed() else "torch_flash")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False), ("false", False), ("", False)],
+)
+def test_interpreter_flag_is_read_like_triton_reads_it(monkeypatch, value, expected):
+    """Triton takes true/on/yes as well as 1; reading only "1" made this package assume compiled kernels (GPU
+    tuning tables, bf16 served) while Triton interpreted them."""
+    from kvb_kernels.backend import interpreter_enabled
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_enabled() is expected

@@ -22,9 +22,15 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# NOTE: Triton reads the variable as a boolean (1/true/on/yes, any case); "1" alone missed the others, so with
+# TRITON_INTERPRET=true the kernels were interpreted while this package assumed compiled code (GPU tuning tables,
+# bf16 served although the interpreter's bf16 tl.dot is wrong).
+_TRUTHY = ("1", "true", "on", "yes")
+
+
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``, or true/on/yes)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
 
 
 def require_triton() -> ModuleType:
