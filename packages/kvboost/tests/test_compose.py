@@ -79,6 +79,17 @@ def test_speculative_output_equals_plain_greedy(target, other, mode):
     json.dumps(stats)
 
 
+def test_a_loaded_draft_model_is_accepted(target, other):
+    """draft_model may be a loaded model (documented): it always failed with VocabularyMismatchError
+    ("pass both target_tokenizer and draft_tokenizer, or neither") because only the target's was passed."""
+    plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    expected = plain.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True).output_ids
+    draft = T.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    spec = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, draft_model=draft, gamma=3)
+    assert spec.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True).output_ids == expected
+    assert spec.speculative_stats()["drafted_tokens"] > 0
+
+
 def test_draft_model_equal_to_target_accepts_every_draft(target):
     spec = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, draft_model=str(target), gamma=3)
     spec.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -226,6 +226,8 @@ def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | 
         speculative=args.speculative,  # type: ignore[arg-type]
         draft_model=draft_model,
         gamma=args.gamma,
-        target_tokenizer=engine.tokenizer,
+        # NOTE: kvb_speculative compares tokenizers only given both; a loaded draft model comes without one, and
+        # passing the target's alone was itself reported as a vocabulary mismatch.
+        target_tokenizer=engine.tokenizer if draft_tokenizer is not None else None,
         draft_tokenizer=draft_tokenizer,
     )
