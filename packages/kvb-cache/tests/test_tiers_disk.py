@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -99,8 +100,14 @@ def test_leftover_temp_files_are_removed_on_start(tmp_path):
     disk.put(entry.key, record(entry))
     stale = disk._path(entry.key).with_name("x.kvb.123.456.tmp")
     stale.write_bytes(b"half a record")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    # Another process sharing the folder is writing this one right now: it must survive a new tier's scan.
+    in_flight = disk._path(entry.key).with_name("y.kvb.789.1011.tmp")
+    in_flight.write_bytes(b"being written")
     DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20).stats()
     assert not stale.exists()
+    assert in_flight.exists()
 
 
 def test_tiered_store_writes_behind_and_promotes_a_chain_after_restart(tmp_path):

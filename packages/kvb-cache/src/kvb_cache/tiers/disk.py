@@ -24,6 +24,8 @@ _STATS_INTERVAL_S = 5.0
 # A full (or read-only, or over-quota) file system: stores are skipped this long before the next try.
 _FULL_PAUSE_S = 30.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+# A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
+_STALE_TMP_S = 600.0
 
 
 class DiskTier(RecordTier):
@@ -182,8 +184,13 @@ class DiskTier(RecordTier):
     def _scan(self) -> OrderedDict[str, int]:
         found = []
         if self.directory.exists():
+            now = time.time()
             for tmp in self.directory.glob(f"*/*{SUFFIX}.*.tmp"):
-                tmp.unlink(missing_ok=True)  # a writer died between write and rename
+                # A writer died between write and rename. Only stale ones: in a folder shared by several
+                # processes a fresh temp file is another process's write in flight (it renames it next).
+                with contextlib.suppress(FileNotFoundError):
+                    if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                        tmp.unlink(missing_ok=True)
             for path in self.directory.glob(f"*/*{SUFFIX}"):
                 try:
                     st = path.stat()
