@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import make_model
 
-from kvb_cache import CacheBusyError, CPUPagedEngine, EngineConfig, KVBoost, StitchConfig
+from kvb_cache import CacheBusyError, CPUPagedEngine, EngineConfig, InvalidRequestError, KVBoost, StitchConfig
 from kvb_cache.tiers import TierConfig
 
 PROMPT = list(range(5, 75))  # 70 tokens: 4 full blocks of 16
@@ -174,6 +174,18 @@ def test_reset_cache_without_tiers(llama, tokenizer):
     run(eng)
     assert eng.reset_cache(lower_tiers=True)["lower_tier_records_dropped"] == 0
     assert run(eng).cached_tokens == 0
+
+
+def test_reset_cache_lower_tiers_must_be_a_bool(llama, tokenizer, tmp_path):
+    # "no" is truthy: it wiped the disk records of every process sharing the folder.
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
+    run(eng)
+    eng.flush()
+    records = eng.tiers.lower[0].tier.stats().entries
+    for bad in ("no", 1, None):
+        with pytest.raises(InvalidRequestError, match="lower_tiers must be True or False"):
+            eng.reset_cache(lower_tiers=bad)
+    assert eng.tiers.lower[0].tier.stats().entries == records >= 4
 
 
 def test_reset_cache_clears_the_stitching_store(llama, tokenizer):

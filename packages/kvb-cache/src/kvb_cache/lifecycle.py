@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvb_cache.errors import CacheBusyError
+from kvb_cache.errors import CacheBusyError, InvalidRequestError
 from kvb_cache.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -142,7 +142,13 @@ class EngineLifecycle:
 
         Raises:
             CacheBusyError: requests are running or waiting (nothing was dropped).
+            InvalidRequestError: ``lower_tiers`` is not a bool.
         """
+        if not isinstance(lower_tiers, bool):
+            # NOTE: a truthy string ("no", "false") would otherwise wipe every process's disk/Redis records.
+            raise InvalidRequestError(
+                f"lower_tiers must be True or False, got {lower_tiers!r}", param="lower_tiers"
+            )
         if self.core.has_unfinished():
             running, waiting = self.core.running, len(self.core.scheduler.waiting)
             raise CacheBusyError(
