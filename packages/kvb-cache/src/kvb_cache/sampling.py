@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,6 +148,15 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}",
                 param="stop_token_ids",
+            )
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            # NOTE: the dataclass's own TypeError ("unexpected keyword argument") names neither the valid options
+            # nor the usual slip: OpenAI's max_tokens for max_new_tokens (generate_batch passes dicts through).
+            hint = " (the length limit is max_new_tokens)" if "max_tokens" in unknown else ""
+            valid = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise InvalidRequestError(
+                f"unknown sampling option(s) {', '.join(unknown)}{hint}; valid: {valid}", param=unknown[0]
             )
         return cls(stop=stops, stop_token_ids=tuple(stop_token_ids or ()), **fields)
 
