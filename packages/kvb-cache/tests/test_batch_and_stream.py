@@ -71,10 +71,10 @@ def test_batch_sampling_must_be_a_list_of_dicts(llama, tokenizer):
 def test_batch_unknown_sampling_option_is_named(llama, tokenizer):
     # OpenAI's max_tokens (for max_new_tokens) raised the dataclass's bare TypeError from inside the batch.
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
-    with pytest.raises(InvalidRequestError, match="max_tokens.*max_new_tokens") as err:
+    with pytest.raises(InvalidRequestError, match=r"max_tokens.*max_new_tokens") as err:
         engine.generate_batch(["w1 w2"], sampling=[{"max_tokens": 2}])
     assert err.value.param == "max_tokens"
-    with pytest.raises(InvalidRequestError, match="unknown sampling option.*tempreature"):
+    with pytest.raises(InvalidRequestError, match=r"unknown sampling option.*tempreature"):
         engine.generate_batch(["w1 w2"], tempreature=0.5)
     assert not engine.has_unfinished()
 
