@@ -13,6 +13,10 @@ def test_total_tokens_adds_prompt_and_generation():
         ({"prompt_tokens": 0, "max_new_tokens": 1}, "prompt_tokens"),
         ({"prompt_tokens": 1, "max_new_tokens": -1}, "max_new_tokens"),
         ({"prompt_tokens": 1, "max_new_tokens": 1, "batch_size": 0}, "batch_size"),
+        ({"prompt_tokens": 100.5, "max_new_tokens": 1}, "prompt_tokens must be an int"),
+        ({"prompt_tokens": "100", "max_new_tokens": 1}, "prompt_tokens must be an int"),
+        ({"prompt_tokens": 1, "max_new_tokens": 2.0}, "max_new_tokens must be an int"),
+        ({"prompt_tokens": 1, "max_new_tokens": 1, "batch_size": True}, "batch_size must be an int"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):

@@ -28,6 +28,12 @@ class PlanRequest:
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            # NOTE: 100.5 passed the range checks and the binary search then planned fractional prompts; a
+            # string failed the comparison with an untyped TypeError.
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlannerConfigError(f"{name} must be an int, got {value!r}")
         if self.prompt_tokens < 1:
             raise PlannerConfigError(
                 f"prompt_tokens must be >= 1 (got {self.prompt_tokens}); an empty prompt has nothing to plan"
