@@ -90,6 +90,15 @@ def test_a_loaded_draft_model_is_accepted(target, other):
     assert spec.speculative_stats()["drafted_tokens"] > 0
 
 
+@pytest.mark.parametrize("bad", [123, torch.nn.Linear(2, 2)])
+def test_a_draft_model_of_the_wrong_type_is_a_typed_error(target, bad):
+    """It failed inside kvb_speculative with AttributeError ('... has no attribute get_output_embeddings')."""
+    from kvb_speculative import SpeculativeConfigError
+
+    with pytest.raises(SpeculativeConfigError, match="PreTrainedModel"):
+        KVBoost.from_pretrained(str(target), device="cpu", draft_model=bad)
+
+
 def test_draft_model_equal_to_target_accepts_every_draft(target):
     spec = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, draft_model=str(target), gamma=3)
     spec.generate(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True)

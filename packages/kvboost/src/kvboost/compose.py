@@ -210,9 +210,14 @@ class KVBoost(_Engine):
 
 
 def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | None) -> SpeculativeDecoder:
-    from kvb_speculative import make_decoder
+    from kvb_speculative import SpeculativeConfigError, make_decoder
 
     draft_model, draft_tokenizer = args.draft_model, None
+    if draft_model is not None and not isinstance(draft_model, str | PreTrainedModel):
+        raise SpeculativeConfigError(
+            f"draft_model must be a model folder / hub id or a loaded transformers PreTrainedModel, got "
+            f"{type(draft_model).__name__}"
+        )
     if isinstance(draft_model, str):
         loaded = load_model_and_tokenizer(
             draft_model,
