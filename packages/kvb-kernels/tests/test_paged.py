@@ -113,3 +113,19 @@ def test_page_indices_and_lengths_are_checked(device):
                 kv_lens=negative,
             ),
         )
+
+
+def test_gather_ignores_table_entries_past_each_sequence():
+    """gather() (the unfused reference) indexed every table entry: a sentinel past a sequence's last page raised
+    IndexError, and padding was zeroed by multiplying, so an inf in a page slot past kv_lens became NaN."""
+    keys = torch.randn(5, 2, 6, 8)
+    keys[4, :, 0] = float("inf")  # page 4 is listed for sequence 0 but lies past its 12 tokens
+    lens = torch.tensor([12, 15], dtype=torch.int32)
+    listed = torch.tensor([[3, 1, 4], [0, 1, 2]], dtype=torch.int32)
+    dense_k, _ = PagedKV(key_pages=keys, value_pages=keys, block_table=listed, kv_lens=lens).gather()
+    assert dense_k.shape == (2, 2, 15, 8) and torch.isfinite(dense_k).all()
+    assert torch.equal(dense_k[0, :, :6], keys[3]) and torch.equal(dense_k[0, :, 6:12], keys[1])
+    assert bool((dense_k[0, :, 12:] == 0).all())
+    sentinel = torch.tensor([[3, 1, 999], [0, 1, 2]], dtype=torch.int32)
+    dense_s, _ = PagedKV(key_pages=keys, value_pages=keys, block_table=sentinel, kv_lens=lens).gather()
+    assert torch.equal(dense_s, dense_k)

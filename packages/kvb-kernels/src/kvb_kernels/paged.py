@@ -68,16 +68,21 @@ class PagedKV:
 
         This is the unfused equivalent (the ``torch.cat`` the kernel avoids): used by tests and benchmarks.
         """
-        batch = self.block_table.shape[0]
-        pages = self.block_table.long()
+        batch, max_pages = self.block_table.shape
         lens = self.kv_lens.long()
+        # Entries past a sequence's last page are ignored (any value, e.g. a -1 or out-of-range sentinel).
+        in_use = (
+            torch.arange(max_pages, device=lens.device)[None, :]
+            < (lens[:, None] + self.page_size - 1) // self.page_size
+        )
+        pages = torch.where(in_use, self.block_table.long(), 0)
         out = []
         for pool in (self.key_pages, self.value_pages):
             # [batch, max_pages, kv_heads, page, D] -> [batch, kv_heads, max_pages * page, D]
             dense = pool[pages].permute(0, 2, 1, 3, 4).reshape(batch, pool.shape[1], -1, pool.shape[3])
             dense = dense[:, :, : self.max_kv_len]
             valid = torch.arange(dense.shape[2], device=dense.device)[None, :] < lens[:, None]
-            out.append(dense * valid[:, None, :, None].to(dense.dtype))
+            out.append(torch.where(valid[:, None, :, None], dense, torch.zeros((), dtype=dense.dtype)))
         return out[0], out[1]
 
 
