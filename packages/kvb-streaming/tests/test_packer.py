@@ -144,3 +144,9 @@ def test_generation_config_survives_the_awq_round_trip(tmp_path: Path, make_tiny
     loaded = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
     assert loaded.generation_config.eos_token_id == [7, 9]
     assert loaded.generation_config.do_sample is True and loaded.generation_config.top_p == 0.9
+    # A config transformers loads with a warning (temperature without do_sample, common on the hub) is kept
+    # too; GenerationConfig.save_pretrained would refuse it after the weights were written.
+    model.generation_config = GenerationConfig(eos_token_id=[7, 9], temperature=0.6)
+    save_awq_checkpoint(model, tmp_path / "lenient", group_size=GROUP_SIZE)
+    lenient = StreamingCausalLM.from_pretrained(tmp_path / "lenient", device="cpu")
+    assert lenient.generation_config.temperature == 0.6 and lenient.generation_config.eos_token_id == [7, 9]

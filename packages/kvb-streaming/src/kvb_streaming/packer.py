@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.awq_format import check_shapes, quantize
 from kvb_streaming.residency import decoder_layers
@@ -108,7 +109,10 @@ def save_awq_checkpoint(
     writer.close()
     _write_config(model.config, out, group_size)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)  # extra EOS ids, sampling defaults (as save_pretrained)
+        # Extra EOS ids and sampling defaults, as save_pretrained keeps them. NOTE: written as is: save_pretrained
+        # refuses configs transformers only warns about when loading (temperature without do_sample), and the
+        # quantized weights are already on disk by now.
+        model.generation_config.to_json_file(out / GENERATION_CONFIG_NAME, use_diff=True)
     return out
 
 
