@@ -150,3 +150,14 @@ def test_generation_config_survives_the_awq_round_trip(tmp_path: Path, make_tiny
     save_awq_checkpoint(model, tmp_path / "lenient", group_size=GROUP_SIZE)
     lenient = StreamingCausalLM.from_pretrained(tmp_path / "lenient", device="cpu")
     assert lenient.generation_config.temperature == 0.6 and lenient.generation_config.eos_token_id == [7, 9]
+
+
+def test_an_unreadable_generation_config_is_ignored_like_transformers_does(
+    awq_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for item in awq_llama_dir.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    (tmp_path / "generation_config.json").write_text("{not json")
+    model = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
+    assert model.generation_config is not None
+    assert any("generation_config.json" in r.getMessage() for r in caplog.records)

@@ -127,7 +127,10 @@ class StreamingCausalLM:
         # Like AutoModelForCausalLM: the checkpoint's generation defaults (extra EOS ids such as Llama 3's
         # <|eot_id|>, sampling settings) override those derived from config.json.
         if (loader.path / GENERATION_CONFIG_NAME).is_file():
-            built.model.generation_config = GenerationConfig.from_pretrained(loader.path)
+            try:
+                built.model.generation_config = GenerationConfig.from_pretrained(loader.path)
+            except OSError as exc:  # unreadable / invalid JSON: transformers also keeps the derived config
+                logger.warning("ignoring %s: %s", GENERATION_CONFIG_NAME, exc)
         return built.model
 
 
