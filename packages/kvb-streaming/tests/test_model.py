@@ -168,6 +168,7 @@ def test_cuda_streamed_logits_equal_resident(
     ("kwargs", "match"),
     [
         ({"device": "gpu"}, "not a torch device"),
+        ({"device": "meta"}, "holds no data"),
         ({"dtype": torch.int32}, "floating-point"),
         ({"dtype": "half-ish"}, "floating-point"),
         ({"streaming_config": {"residency_mode": "full_stream"}}, "must be a StreamingConfig"),
@@ -188,6 +189,15 @@ def test_cuda_without_cuda_is_a_typed_error(awq_llama_dir: Path) -> None:
 
     with pytest.raises(StreamingConfigError, match="CUDA is not available"):
         StreamingCausalLM.from_pretrained(awq_llama_dir, device="cuda")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the no-MPS message")
+def test_mps_without_mps_is_a_typed_error(awq_llama_dir: Path) -> None:
+    """It failed with torch's RuntimeError ('PyTorch is not linked with support for mps devices')."""
+    from kvb_streaming.errors import StreamingConfigError
+
+    with pytest.raises(StreamingConfigError, match="MPS is not available"):
+        StreamingCausalLM.from_pretrained(awq_llama_dir, device="mps")
 
 
 def test_dtype_by_name(awq_llama_dir: Path) -> None:

@@ -152,6 +152,12 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         raise StreamingConfigError(
             f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'"
         ) from exc
+    if target.type == "meta":
+        raise StreamingConfigError(
+            "device='meta' holds no data; pass a compute device such as 'cuda' or 'cpu'"
+        )
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        raise StreamingConfigError(f"device={device!r} but MPS is not available here; pass device='cpu'")
     if target.type == "cuda":
         if not torch.cuda.is_available():
             raise StreamingConfigError(f"device={device!r} but CUDA is not available here; pass device='cpu'")
