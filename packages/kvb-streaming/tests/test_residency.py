@@ -38,3 +38,14 @@ def test_keep_larger_than_model_is_an_error() -> None:
     config = StreamingConfig(residency_mode="partial_resident", keep_first_k=3, keep_last_k=2)
     with pytest.raises(StreamingConfigError, match="exceeds the model's 4 decoder layers"):
         plan_residency(config, [LINEARS] * 4)
+
+
+def test_ffn_only_stream_without_mlp_linears_is_an_error() -> None:
+    """A model whose feed-forward weights are not AWQ linears under "mlp." (Mixtral's fused experts) streamed
+    nothing in this mode, silently loading everything on the device."""
+    attention_only = ["self_attn.q_proj", "self_attn.o_proj"]
+    with pytest.raises(StreamingConfigError, match="no quantized feed-forward linear"):
+        plan_residency(StreamingConfig(residency_mode="ffn_only_stream"), [attention_only] * 3)
+    # every layer kept: nothing to stream is what was asked for
+    kept = StreamingConfig(residency_mode="ffn_only_stream", keep_first_k=2, keep_last_k=1)
+    assert plan_residency(kept, [attention_only] * 3).streamed_layers == ()

@@ -81,4 +81,11 @@ def plan_residency(config: StreamingConfig, linears_per_layer: Sequence[Sequence
             chosen = tuple(names)
         if chosen:
             streamed[LayerIndex(index)] = chosen
+    if config.residency_mode == "ffn_only_stream" and not streamed and len(kept) < n_layers:
+        # NOTE: e.g. Mixtral in transformers 5 keeps its experts as fused parameters, not nn.Linear under
+        # "mlp.": the mode would silently stream nothing and load every weight on the device.
+        raise StreamingConfigError(
+            f"residency_mode='ffn_only_stream' found no quantized feed-forward linear (under {FFN_PREFIX!r}) in "
+            "the streamed layers of this model; use 'partial_resident' or 'full_stream'"
+        )
     return ResidencyPlan(streamed=streamed)
