@@ -66,6 +66,9 @@ def _shard(header: bytes, declared: int | None = None) -> bytes:
         _shard(b"{}", declared=100),  # header cut short
         _shard(json.dumps({"a": {"dtype": "F32", "shape": [2]}}).encode()),  # KeyError: data_offsets
         _shard(json.dumps([1, 2]).encode()),  # AttributeError: not an object
+        # offsets that do not fit the shape: read_tensor's view / reshape raised RuntimeError
+        _shard(json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}).encode()),
+        _shard(json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}).encode()),
     ],
 )
 def test_corrupt_headers_are_format_errors(tmp_path: Path, data: bytes) -> None:

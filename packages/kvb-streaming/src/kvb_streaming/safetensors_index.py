@@ -7,6 +7,7 @@ gives ``dtype``, ``shape`` and ``data_offsets`` relative to the end of the heade
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,13 +81,19 @@ def read_header(shard: Path) -> dict[str, TensorInfo]:
             if entry["dtype"] not in _DTYPES:
                 raise AWQFormatError(f"{shard}: tensor {name} has unsupported dtype {entry['dtype']}")
             begin, end = entry["data_offsets"]
+            dtype = _DTYPES[entry["dtype"]]
+            expected = math.prod(entry["shape"]) * dtype.itemsize
+            if not 0 <= begin <= end or end - begin != expected:
+                raise ValueError(
+                    f"tensor {name}: data_offsets {[begin, end]} do not hold shape {entry['shape']}"
+                )
             infos[name] = TensorInfo(
                 name=name,
                 shard=shard,
                 offset=data_start + begin,
                 nbytes=end - begin,
                 shape=tuple(entry["shape"]),
-                dtype=_DTYPES[entry["dtype"]],
+                dtype=dtype,
             )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
         if isinstance(exc, AWQFormatError):
