@@ -161,3 +161,22 @@ def test_an_unreadable_generation_config_is_ignored_like_transformers_does(
     model = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
     assert model.generation_config is not None
     assert any("generation_config.json" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"quant_method": "awq"},  # KeyError
+        {"quant_method": "awq", "group_size": None},  # TypeError
+        {"quant_method": "awq", "group_size": "x"},  # ValueError from int()
+        {"quant_method": "awq", "group_size": 128.5},  # silently truncated to 128
+        {"quant_method": "awq", "group_size": 128, "bits": "four"},
+        "awq",  # AttributeError: not an object
+    ],
+)
+def test_malformed_quantization_config_is_a_format_error(raw: object) -> None:
+    from kvb_streaming.loader import AWQQuantConfig
+
+    with pytest.raises(AWQFormatError, match=r"group_size|bits|JSON object"):
+        AWQQuantConfig.from_dict(raw)  # type: ignore[arg-type]
+    assert AWQQuantConfig.from_dict({"quant_method": "awq", "group_size": "64"}).group_size == 64

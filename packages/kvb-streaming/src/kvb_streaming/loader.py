@@ -33,6 +33,8 @@ class AWQQuantConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, object]) -> AWQQuantConfig:
         """Validates a ``config.json`` ``quantization_config`` entry."""
+        if not isinstance(raw, Mapping):
+            raise AWQFormatError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
         method = str(raw.get("quant_method", "")).lower()
         if method != "awq":
             raise AWQFormatError(f"quant_method is {method!r}; this loader reads AWQ checkpoints only")
@@ -43,7 +45,20 @@ class AWQQuantConfig:
             )
         if raw.get("zero_point", True) is not True:
             raise AWQFormatError("AWQ without zero points is not supported; export with zero_point=True")
-        return cls(group_size=int(raw["group_size"]), bits=int(raw.get("bits", 4)))  # type: ignore[arg-type]
+        if "group_size" not in raw:
+            raise AWQFormatError("quantization_config has no group_size; the AWQ export must record it")
+        return cls(group_size=_as_int(raw, "group_size"), bits=_as_int(raw, "bits", 4))
+
+
+def _as_int(raw: Mapping[str, object], key: str, default: int | None = None) -> int:
+    """An integer field of ``quantization_config`` (an int, or a string of digits)."""
+    value = raw.get(key, default)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        # NOTE: int() would truncate 128.5 to 128 and accept True as 1.
+        raise AWQFormatError(f"quantization_config {key} must be an integer, got {value!r}")
+    return value
 
 
 class AWQLoader:
