@@ -69,6 +69,9 @@ def test_random_checkpoint_loads_and_runs(tmp_path: Path, make_tiny_config) -> N
 
 
 def test_loader_rejects_non_awq(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{truncated")  # was json's JSONDecodeError
+    with pytest.raises(AWQFormatError, match="not valid JSON"):
+        AWQLoader(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(AWQFormatError, match="no quantization_config"):
         AWQLoader(tmp_path)

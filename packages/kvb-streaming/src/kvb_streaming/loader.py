@@ -76,8 +76,13 @@ class AWQLoader:
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise AWQFormatError(f"{config_file} not found; pass a Hugging Face checkpoint folder")
-        raw_config = json.loads(config_file.read_text())
-        if "quantization_config" not in raw_config:
+        try:
+            raw_config = json.loads(config_file.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise AWQFormatError(
+                f"{config_file} is not valid JSON ({exc}); re-download or re-save it"
+            ) from exc
+        if not isinstance(raw_config, dict) or "quantization_config" not in raw_config:
             raise AWQFormatError(
                 f"{config_file} has no quantization_config; quantize the model first "
                 "(kvb_streaming.packer.save_awq_checkpoint)"
