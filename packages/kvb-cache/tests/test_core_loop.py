@@ -156,3 +156,22 @@ def test_cpu_paged_engine_keeps_the_seed_constructor(llama, tokenizer):
     stats = engine.paged_stats()
     assert (stats.block_size, stats.blocks_total) == (8, 64)
     assert engine.generate(words(20), max_new_tokens=3, ignore_eos=True).completion_tokens == 3
+
+
+def test_prefix_cache_queries_count_admissions_not_attempts(llama, tokenizer):
+    """A request waiting for blocks is looked up again every step; only the lookup that admits it counts
+    (vllm:prefix_cache_queries_total / hits_total): the retries inflated both by the waiting prompt's
+    length per step, so the hit rate meant nothing on a busy pool."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, block_size=4, num_blocks=14))
+    first, second = (tokenizer(words(30, seed=s))["input_ids"] for s in (5, 6))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engine.add_request(first, params)
+    engine.add_request(second, params)  # no room beside the first one: it waits until the first finishes
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    stats = engine.paged_stats()
+    assert stats.preemptions == 0 and steps > 2 * params.max_new_tokens - 2  # the second one waited
+    assert stats.prefix_cache_queries == (len(first) - 1) + (len(second) - 1)
+    assert stats.prefix_cache_hits < len(first) + len(second)

@@ -138,9 +138,12 @@ class Scheduler:
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            # A failed attempt is retried next step: only the lookup that admits counts as a query.
+            counted = self.kv.queries, self.kv.hits
             if req.prepared_kv is not None:
                 adopted = self.kv.adopt(req, req.prepared_kv)
                 if adopted is None:
+                    self.kv.queries, self.kv.hits = counted
                     break  # the pool is short; retry next step
                 hit = adopted
             else:
@@ -148,6 +151,7 @@ class Scheduler:
             n = self._slice(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
+                self.kv.queries, self.kv.hits = counted
                 break
             self.waiting.remove(req)
             req.prepared_kv = None  # written into its blocks
