@@ -52,7 +52,7 @@ class EngineArgs:
         group="model",
         metavar="NAME",
         help="transformers attention for plain forwards: sdpa, eager, or kvb_attention (kvb-kernels' Triton "
-        "kernels: pip install kvboost); the paged engine loop runs its own attention over the block pool",
+        "kernels: pip install 'kvboost[triton]'); the paged engine loop runs its own attention over the block pool",
     )
     # -- cache ---------------------------------------------------------------------------------------------
     chunk_size: int = option(128, group="cache", help="tokens per cached chunk")
