@@ -45,7 +45,10 @@ class EngineArgs:
         None, group="model", help="cpu, cuda, cuda:1 ...; unset: CUDA when available"
     )
     dtype: str | torch.dtype | None = option(
-        None, group="model", choices=DTYPES, help="weights and KV dtype; unset: the checkpoint's"
+        None,
+        group="model",
+        choices=DTYPES,
+        help="weights and KV dtype; unset: the checkpoint's (with awq_streaming: fp16 on CUDA, fp32 on CPU)",
     )
     attn_implementation: str | None = option(
         None,
