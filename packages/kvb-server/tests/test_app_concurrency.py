@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import openai
+import pytest
+from conftest import serve
+from fakes import CharTokenizer, FakeEngine
 
 from kvb_cache import KVBoost
+from kvb_server import ServerConfig, create_app
 
 MODEL = "tiny-llama"
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely, one sentence at a time."
@@ -64,3 +69,49 @@ def test_32_concurrent_clients_get_their_own_greedy_outputs(tiny_url: str, tiny_
     assert after["steps"] > before["steps"]
     assert after["largest_step"] > 1
     assert after["in_flight"] == 0 and after["finished"] - before["finished"] == clients * turns
+
+
+class StallsOnLongText(CharTokenizer):
+    """Holds a long text's encoding until ``release`` is set (a few MiB of prompt take seconds)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        if len(text) > 100_000:
+            self.entered.set()
+            self.release.wait(30)
+        return super().__call__(text, add_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x" * 200_000, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200_000}], "max_tokens": 1}),
+        ("/tokenize", {"prompt": "x" * 200_000}),
+    ],
+)
+def test_tokenizing_a_huge_prompt_leaves_the_event_loop_serving(path: str, body: dict) -> None:
+    """A large body is tokenized off the event loop: while it is, /health (and every stream) is served.
+    It was tokenized on the loop, so two 4 MiB prompts froze the SmolLM2 server for 5 s."""
+    fake = FakeEngine()
+    fake.tokenizer = tokenizer = StallsOnLongText()
+    with serve(create_app(fake, ServerConfig(model_names=("fake-model",)))) as url:
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                big = asyncio.create_task(c.post(path, json=body))
+                await asyncio.to_thread(tokenizer.entered.wait, 10)
+                assert tokenizer.entered.is_set()
+                health = await asyncio.wait_for(c.get("/health"), 10)  # before: stuck behind the tokenizer
+                tokenizer.release.set()
+                return health, await big
+
+        try:
+            health, big = asyncio.run(scenario())
+        finally:
+            tokenizer.release.set()
+    assert health.status_code == 200
+    assert big.status_code in (200, 400)  # tokenized (then served, or too long for the fake's context)

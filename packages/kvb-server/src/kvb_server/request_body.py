@@ -7,6 +7,7 @@ error becomes the one 400 that :func:`kvb_server.validation.invalid_parameter` w
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -18,9 +19,12 @@ from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
 from kvb_server.validation import invalid_parameter
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 #: Bodies larger than this are decoded on a worker thread.
 OFFLOAD_PARSE_BYTES = 256 * 2**10
+#: Requests whose body is larger than this are tokenized (their plan built) on a worker thread.
+OFFLOAD_PLAN_BYTES = 64 * 2**10
 
 
 def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ModelT:
@@ -40,7 +44,20 @@ def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX
 async def parse_request(request: Request, schema: type[ModelT], config: ServerConfig) -> ModelT:
     """Read the body under ``config``'s size limit, then :func:`parse_body` it (413 / 400 on failure)."""
     raw = await read_body(request, config.max_body_bytes)
+    request.state.body_bytes = len(raw)  # read by off_loop
     if len(raw) > OFFLOAD_PARSE_BYTES:
         # Scanning and decoding a few MiB takes up to ~1 s of CPU: keep it off the event loop.
         return await asyncio.to_thread(parse_body, raw, schema, max_depth=config.max_json_depth)
     return parse_body(raw, schema, max_depth=config.max_json_depth)
+
+
+async def off_loop(request: Request, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """``fn(*args, **kwargs)``, on a worker thread when ``request``'s body was large.
+
+    For the work done before a request is queued (tokenizing a prompt, rendering a chat): a few MiB of
+    prompt take seconds to tokenize, and on the event loop that froze every stream, ``/health`` and
+    ``/metrics`` meanwhile (fast tokenizers release the GIL while they encode).
+    """
+    if getattr(request.state, "body_bytes", 0) > OFFLOAD_PLAN_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)

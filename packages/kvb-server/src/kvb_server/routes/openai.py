@@ -11,7 +11,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import ModelNotFoundError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_body import parse_request
+from kvb_server.request_body import off_loop, parse_request
 from kvb_server.request_plan import GenerationPlan, chat_plan, completion_plan
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.schemas.generation_responses import (
@@ -84,7 +84,8 @@ def openai_router(
     async def completions(request: Request, caller: Caller = authenticated) -> Response:
         """OpenAI's legacy completions (``stream: true`` for Server-Sent Events)."""
         req = await parse_request(request, CompletionRequest, config)
-        return await serve(completion_plan(req, engine, config, key_salt=caller.key_salt), request)
+        plan = await off_loop(request, completion_plan, req, engine, config, key_salt=caller.key_salt)
+        return await serve(plan, request)
 
     @router.post(
         "/chat/completions",
@@ -94,6 +95,7 @@ def openai_router(
     async def chat_completions(request: Request, caller: Caller = authenticated) -> Response:
         """OpenAI's chat completions (``stream: true`` for Server-Sent Events)."""
         req = await parse_request(request, ChatCompletionRequest, config)
-        return await serve(chat_plan(req, engine, config, key_salt=caller.key_salt), request)
+        plan = await off_loop(request, chat_plan, req, engine, config, key_salt=caller.key_salt)
+        return await serve(plan, request)
 
     return router

@@ -19,7 +19,7 @@ from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, ServerError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_body import parse_request
+from kvb_server.request_body import off_loop, parse_request
 from kvb_server.request_plan import GenerationPlan, chat_plan
 from kvb_server.responses_api.build import (
     ResponseEnvelope,
@@ -115,7 +115,7 @@ def responses_router(
         req = await parse_request(request, ResponsesRequest, config)
         try:
             t = translate(req, caller)
-            plan = chat_plan(t.request, engine, config, key_salt=caller.key_salt)
+            plan = await off_loop(request, chat_plan, t.request, engine, config, key_salt=caller.key_salt)
             envelope = ResponseEnvelope.new(req)
             if plan.stream:
                 return await stream_events(plan, request, req, caller, t, envelope)

@@ -19,7 +19,7 @@ from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.engine_errors import engine_error
 from kvb_server.errors import EngineError, InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_body import parse_request
+from kvb_server.request_body import off_loop, parse_request
 from kvb_server.request_plan import served_model
 from kvb_server.schemas.tokenize import (
     DetokenizeRequest,
@@ -72,7 +72,7 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
         """Token ids of a ``prompt`` or of chat ``messages``, with their count and the context length."""
         req = await parse_request(request, TokenizeRequest, config)
         served_model(req.model, config)
-        tokens = _encode(engine, req)
+        tokens = await off_loop(request, _encode, engine, req)
         body: dict[str, Any] = {
             "count": len(tokens),
             "max_model_len": engine.context_length,
