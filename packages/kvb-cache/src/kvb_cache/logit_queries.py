@@ -50,6 +50,9 @@ class LogitQueries:
         """
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
+        # NOTE: this request skips add_request's checks; a prompt larger than the pool was admitted slice by
+        # slice and preempted itself forever (the call never returned).
+        self._check_context(len(ids), 1)
         t0 = time.perf_counter()
         rid = RequestId(f"logits-{next(self._ids)}")
         req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), t0, root=root)

@@ -62,6 +62,13 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
+        if not self.kv.can_fit(req.prompt_len + req.params.max_new_tokens):
+            # Callers check this (ContextLengthError); one that did not would loop forever, the request
+            # preempting itself for want of blocks no one else holds. Fail loudly instead.
+            raise ValueError(
+                f"request {req.request_id} needs {req.prompt_len + req.params.max_new_tokens} tokens of KV, "
+                f"more than the pool's {self.kv.pool.num_blocks} blocks hold"
+            )
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
