@@ -59,6 +59,21 @@ def test_batch_refused_midway_queues_nothing(llama, tokenizer):
     assert not engine.has_unfinished() and engine.take_unfollowed_outputs() == []
 
 
+def test_context_length_is_capped_by_the_pool(llama, tokenizer):
+    # The server reports context_length as max_model_len and sizes default max_tokens by it: a pool smaller
+    # than the model's window must be that limit, for every path (prompt scoring too).
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8))
+    assert engine.context_length == 8 * 16 < llama.config.max_position_embeddings
+    assert len(engine.generate(words(40), max_new_tokens=128 - 41, ignore_eos=True).output_ids) == 128 - 41
+    with pytest.raises(ContextLengthError, match="8 x 16 = 128 tokens") as err:
+        engine.generate(words(40), max_new_tokens=128)
+    assert err.value.context_length == 128
+    with pytest.raises(ContextLengthError, match="pool"):
+        engine.next_token_logits(words(140))
+    big = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=4096))
+    assert big.context_length == llama.config.max_position_embeddings
+
+
 def test_batch_sampling_must_be_a_list_of_dicts(llama, tokenizer):
     # One dict for the whole batch raised KeyError: 0.
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))

@@ -10,8 +10,10 @@ import asyncio
 
 import openai
 import pytest
+from conftest import build_tiny_engine, serve
 
 from kvb_cache import KVBoost
+from kvb_server import ServerConfig, create_app
 
 MODEL = "tiny-llama"
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely, one sentence at a time."
@@ -211,3 +213,22 @@ def test_async_client_concurrent_requests(tiny_url: str, tiny_engine: KVBoost) -
         ).output_text
     )
     assert got == expected
+
+
+def test_a_pool_smaller_than_the_context_is_the_served_length() -> None:
+    """A KV pool of 8 x 16 tokens under a 512-token model: /v1/models reported 512, and a request without
+    max_tokens (sized to the reported context) was answered 400 naming a max_tokens the client never sent."""
+    engine = build_tiny_engine(num_blocks=8, block_size=16)
+    assert engine.context_length == 128
+    with serve(create_app(engine, ServerConfig(model_names=(MODEL,), max_tokens=1000))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 128
+        messages = [{"role": "user", "content": "Where is Paris?"}]
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert resp.choices[0].finish_reason == "length"
+        assert resp.usage.total_tokens == 128
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
+        assert err.value.code == "context_length_exceeded" and "128" in err.value.message

@@ -20,6 +20,7 @@ from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs
+from kvb_cache.errors import ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
@@ -214,7 +215,12 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
 
     @property
     def context_length(self) -> int | None:
-        return self.traits.context_length
+        """Most prompt + generated tokens one request may take: the model's context window, capped by what
+        the KV block pool holds (``num_blocks * block_size``), as vLLM's ``max_model_len`` is by its cache.
+        The server reports it as ``max_model_len`` and shrinks a default ``max_tokens`` to it."""
+        pool = self.kv.pool.num_blocks * self.kv.block_size
+        model = self.traits.context_length
+        return pool if model is None else min(model, pool)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -305,4 +311,16 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         return tokenize_prompt(self.tokenizer, self.model, prompt)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        check_context(self.context_length, prompt_tokens, max_new_tokens)
+        check_context(self.traits.context_length, prompt_tokens, max_new_tokens)
+        pool = self.kv.pool.num_blocks * self.kv.block_size
+        if prompt_tokens + max_new_tokens > pool:
+            # NOTE: every path is held to the pool (speculative and kv_cache_bits requests decode outside it),
+            # so that context_length, which the server reports and sizes default max_tokens by, is one limit.
+            raise ContextLengthError(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) needs more KV blocks than "
+                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} = {pool} tokens); raise "
+                "num_blocks or max_cache_bytes, or shorten the prompt / lower max_new_tokens",
+                prompt_tokens=prompt_tokens,
+                max_new_tokens=max_new_tokens,
+                context_length=pool,
+            )

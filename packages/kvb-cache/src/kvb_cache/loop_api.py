@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvb_cache import generation
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
-from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import Prompt
@@ -106,15 +106,6 @@ class LoopAPI:
             self._apply_kv_bits(prepared, bits)
             self.core.add_solo(rid, generation.run(self, prepared, params, t0))
             return rid
-        if not self.kv.can_fit(len(ids) + params.max_new_tokens):
-            raise ContextLengthError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more KV blocks than "
-                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens); raise num_blocks or "
-                "max_cache_bytes, or lower max_new_tokens",
-                prompt_tokens=len(ids),
-                max_new_tokens=params.max_new_tokens,
-                context_length=self.kv.pool.num_blocks * self.kv.block_size,
-            )
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
