@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvb_cache.results import GenerationResult
 from kvb_server.echo import Echo
 from kvb_server.engine_errors import engine_error
-from kvb_server.errors import RequestTooLargeError, ServerError
+from kvb_server.errors import ServerError
 from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, assistant_message, chunk, running_usage, usage_chunk
@@ -62,7 +62,7 @@ class OpenStream:
             yield sse(payload)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any] | str]:
-        """The stream's payloads: chunk objects, an error object (last), and the ``"[DONE]"`` marker.
+        """The stream's payloads: chunk objects, an error object (the last before the marker), and the ``"[DONE]"`` marker (always last).
 
         Other API shapes (the Responses API) translate these instead of parsing SSE text.
         """
@@ -100,15 +100,15 @@ class OpenStream:
                     try:
                         # Disconnects cancel this generator (Starlette watches the connection): no polling.
                         update = await self._service.next_update(self._inbox, self._deadline, None)
-                    except ServerError as exc:
+                    except ServerError as exc:  # --request-timeout, a shutdown
                         yield exc.body()
+                        yield "[DONE]"
                         return
                 if update.error is not None:
-                    error = engine_error(update.error)
-                    yield error.body()
-                    if isinstance(error, RequestTooLargeError):
-                        # A memory refusal known only after the stream began: the final event, then [DONE].
-                        yield "[DONE]"
+                    # An error known only after the stream began is its final event, then [DONE] (as vLLM
+                    # ends every stream: clients waiting for the marker are not left hanging).
+                    yield engine_error(update.error).body()
+                    yield "[DONE]"
                     return
                 event, i = update.event, update.choice
                 assert event is not None
