@@ -187,3 +187,18 @@ def test_bad_tenant_keys_are_refused_before_the_model_loads(flags: list[str], ma
         main(flags)
     with pytest.raises(ValueError, match=match):
         build_server(build_parser().parse_args(flags))
+
+
+def test_shutdown_timeout_bounds_the_requests_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn waited for every request in flight on SIGINT/SIGTERM, however long (a client that stopped
+    reading held the process open); --shutdown-timeout bounds that wait too."""
+    import uvicorn
+
+    from kvb_server import cli
+
+    seen: dict = {}
+    monkeypatch.setattr(cli, "build_server", lambda args, composer: cli.Server(object(), "127.0.0.1", 8000))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    parser = build_parser()
+    cli.serve(parser.parse_args(["--shutdown-timeout", "7"]), None, error=parser.error)
+    assert seen["timeout_graceful_shutdown"] == 7

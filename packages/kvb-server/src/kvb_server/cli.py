@@ -301,4 +301,13 @@ def serve(
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host
         )
-    uvicorn.run(server.app, host=server.host, port=server.port, log_level=args.log_level)
+    uvicorn.run(
+        server.app,
+        host=server.host,
+        port=server.port,
+        log_level=args.log_level,
+        # Without it uvicorn waits for every request in flight: a client that stops reading held the
+        # process open indefinitely (6 long streams kept a SIGINT'd server up 84 s). Left running then,
+        # they are cancelled, which aborts them in the engine.
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )

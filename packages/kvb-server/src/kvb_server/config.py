@@ -149,8 +149,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on shutdown, how long the engine may take to finish its step and flush queued disk/Redis "
-        "writes (engine.close())",
+        help="on shutdown, how long the requests in flight may take to finish (then they are cancelled), "
+        "then how long the engine may take to finish its step and flush queued disk/Redis writes "
+        "(engine.close())",
     )
 
 
