@@ -119,10 +119,6 @@ _TINY = dict(hidden_size=32, num_attention_heads=2, vocab_size=300)
     ("make_config", "match"),
     [
         # Attention computed inside the module, not through transformers' AttentionInterface.
-        (
-            lambda T: T.GPTJConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=300, rotary_dim=8),
-            "AttentionInterface",
-        ),
         (lambda T: T.FalconConfig(num_hidden_layers=1, **_TINY), "AttentionInterface"),
         (lambda T: T.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=300), "AttentionInterface"),
         # Multi-head latent attention: the cache holds the compressed latent, not per-head keys/values.
@@ -146,7 +142,7 @@ _TINY = dict(hidden_size=32, num_attention_heads=2, vocab_size=300)
             "latent",
         ),
     ],
-    ids=["gptj", "falcon", "bloom", "deepseek-v3-mla"],
+    ids=["falcon", "bloom", "deepseek-v3-mla"],
 )
 def test_models_the_paged_pool_cannot_serve_are_declined(make_config, match, tokenizer):
     """Served anyway, these gave wrong logits (GPT-J, Falcon: the pool was never written) or crashed
@@ -157,6 +153,27 @@ def test_models_the_paged_pool_cannot_serve_are_declined(make_config, match, tok
     model = T.AutoModelForCausalLM.from_config(make_config(T)).eval()
     with pytest.raises(UnsupportedModelError, match=match):
         KVBoost(model, tokenizer)
+
+
+def test_gptj_is_declined_or_served_exactly(tokenizer):
+    """GPT-J computed attention inside its module until transformers 5.24, which routes it through the
+    AttentionInterface: declined before (the pool was never written: wrong logits), served exactly since."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.GPTJConfig(n_embd=32, n_layer=2, n_head=2, vocab_size=len(tokenizer), rotary_dim=8)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    try:
+        engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    except UnsupportedModelError as exc:
+        assert "AttentionInterface" in str(exc)
+        return
+    ids = list(range(5, 60))
+    engine.warm(ids[:40])
+    got = engine.next_token_logits(ids)
+    assert got.cached_tokens >= 32
+    with torch.no_grad():
+        torch.testing.assert_close(got.logits, model(torch.tensor([ids])).logits[0, -1], atol=1e-5, rtol=0)
 
 
 def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):

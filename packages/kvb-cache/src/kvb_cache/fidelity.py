@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def teacher_forced_logits(
     out = engine.model(
         input_ids=torch.tensor([tokens], device=device),
         position_ids=torch.arange(start, start + len(tokens), device=device).unsqueeze(0),
-        past_key_values=prepared.cache,
+        **cache_kwargs(engine.model, prepared.cache),
         use_cache=True,
     )
     engine.store_sequence(prepared.storable(ids), prepared.cache, root=root)

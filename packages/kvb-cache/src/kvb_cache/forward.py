@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.model_traits import ModelTraits
 
 
@@ -42,7 +43,7 @@ def prefill(
             input_ids=input_ids[:, start:end],
             position_ids=position_ids[:, start:end],
             attention_mask=mask,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
             **extra,
         )
@@ -64,7 +65,7 @@ def decode_step(
         input_ids=tokens,
         position_ids=positions,
         attention_mask=attention_mask,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
     )
     return out.logits[:, -1]

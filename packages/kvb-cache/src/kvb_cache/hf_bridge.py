@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 from kvb_cache.lookup import common_prefix_len
 from kvb_cache.pool_io import dense_cache, probe_request
@@ -42,12 +43,15 @@ class PrefixCache:
         cached_tokens: how many leading tokens of ``token_ids`` it covers (0 on a miss).
         token_ids: the sequence that was looked up.
         device: the model's device (where :meth:`generate_inputs` puts its tensors).
+        cache_argument: the keyword the model takes a cache under: ``cache`` from transformers 5.24,
+            ``past_key_values`` before (see :mod:`kvb_cache.cache_kwarg`).
     """
 
     cache: DynamicCache
     cached_tokens: int
     token_ids: tuple[int, ...]
     device: torch.device
+    cache_argument: str = "past_key_values"
 
     @property
     def remaining_ids(self) -> list[int]:
@@ -67,13 +71,14 @@ class PrefixCache:
                 then starts with the suffix, and the assistant and processors see only the suffix).
 
         Returns:
-            ``input_ids`` ``[1, n]``, ``attention_mask`` ``[1, S]`` (ones) and ``past_key_values``.
+            ``input_ids`` ``[1, n]``, ``attention_mask`` ``[1, S]`` (ones) and the cache (under
+            :attr:`cache_argument`).
         """
         ids = self.remaining_ids if suffix_only else list(self.token_ids)
         return {
             "input_ids": torch.tensor([ids], dtype=torch.long, device=self.device),
             "attention_mask": torch.ones((1, len(self.token_ids)), dtype=torch.long, device=self.device),
-            "past_key_values": self.cache,
+            self.cache_argument: self.cache,
         }
 
 
@@ -145,6 +150,7 @@ class HFCacheBridge:
             cached_tokens=hit.tokens,
             token_ids=tuple(ids),
             device=self.model.device,
+            cache_argument=cache_argument(self.model) or "past_key_values",
         )
 
     def store_cache(self, token_ids: TokenIds, cache: Cache, *, cache_salt: str | None = None) -> int:

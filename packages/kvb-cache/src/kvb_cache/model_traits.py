@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
             "reused block by block, nor a chunk moved. KVBoost serves models whose every layer is attention."
         )
     params = inspect.signature(model.forward).parameters
-    if "past_key_values" not in params:
+    if cache_argument(model) is None:
         raise UnsupportedModelError(
             f"{name} keeps its own recurrent state instead of a transformers Cache (RWKV's `state`, xLSTM's "
-            "`cache_params`: its forward takes no `past_key_values`): a fixed-size summary of the whole prefix, "
+            "`cache_params`: its forward takes no `past_key_values` / `cache`): a fixed-size summary of the whole prefix, "
             "not per-token keys/values, so a cached prefix cannot be reused block by block."
         )
     unsupported = sorted(set(layer_types) - _KV_LAYER_TYPES)

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_kwargs
+
 # Frequencies change with the sequence length: a stored key's rotation is not a function of its position.
 _LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
 
@@ -73,7 +75,10 @@ def _nope_layers(model: PreTrainedModel) -> frozenset[int]:
     for position in (0, 1):
         cache = DynamicCache(config=model.config)
         model(
-            input_ids=ids, position_ids=torch.full_like(ids, position), past_key_values=cache, use_cache=True
+            input_ids=ids,
+            position_ids=torch.full_like(ids, position),
+            **cache_kwargs(model, cache),
+            use_cache=True,
         )
         keys.append([layer.keys for layer in cache.layers])
     return frozenset(i for i, (at0, at1) in enumerate(zip(*keys)) if torch.equal(at0, at1))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.emitter import TokenTexts
 from kvb_cache.results import TokenLogprob
 
@@ -81,7 +82,7 @@ class PromptScorer:
             logits = self._model(
                 input_ids=torch.tensor([self._ids[start:end]], device=device),
                 position_ids=torch.arange(start, end, device=device)[None],
-                past_key_values=self._cache,
+                **cache_kwargs(self._model, self._cache),
                 use_cache=True,
             ).logits[0]  # [S, V]
             logp = torch.log_softmax(logits.float(), dim=-1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.errors import ConfigError
 
 
@@ -26,7 +27,7 @@ def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
     cache = DynamicCache(config=model.config)
     token = torch.zeros((1, 1), dtype=torch.long, device=model.device)
     with torch.inference_mode():
-        model(input_ids=token, position_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, position_ids=token, **cache_kwargs(model, cache), use_cache=True)
     return tuple(
         LayerShape(
             kv_heads=layer.keys.shape[1],

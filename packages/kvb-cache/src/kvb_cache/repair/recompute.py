@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.core.paged_attention import NAME as PAGED_ATTENTION
 from kvb_cache.core.paged_attention import no_mask, row_call
 from kvb_cache.repair.rows import RowAttention
@@ -81,7 +82,8 @@ class _ScatterCache:
         #: ``[Q]`` squared L2 distance between fresh and cached KV at ``capture_layer``, per recomputed token.
         self.deviation: torch.Tensor | None = None
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # The extra arguments (``cache_kwargs``; ``kwargs=`` from transformers 5.24) carry nothing used here.
         if self.last_layer is not None and layer_idx > self.last_layer:
             raise _StopForward
         keys, values = self.layers_kv[layer_idx]
@@ -160,7 +162,7 @@ def recompute_tokens(
             input_ids=tokens,
             position_ids=positions.unsqueeze(0),
             attention_mask=mask,
-            past_key_values=cache,
+            **cache_kwargs(model.base_model, cache),
             use_cache=True,
         )
     return cache.deviation
