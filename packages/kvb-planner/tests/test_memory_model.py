@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvb_planner import Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory
+from kvb_planner.probes import cache_keyword
 
 SINGLE = LadderStep(prefill_chunk_size=None)
 
@@ -95,7 +96,12 @@ def _tensor_peak_bytes(model, ids: torch.Tensor, chunk: int) -> int:
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         cache = DynamicCache(config=model.config)
         for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(
+                ids[:, start : start + chunk],
+                **{cache_keyword(model): cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
         key=lambda e: e.start_ns(),
@@ -129,7 +135,7 @@ def test_sliced_prefill_matches_single_shot_logits(tiny_llama):
         full = tiny_llama(ids).logits  # [1, 40, vocab]
         cache = DynamicCache(config=tiny_llama.config)
         parts = [
-            tiny_llama(ids[:, s : s + 7], past_key_values=cache, use_cache=True).logits
+            tiny_llama(ids[:, s : s + 7], **{cache_keyword(tiny_llama): cache}, use_cache=True).logits
             for s in range(0, 40, 7)
         ]
     sliced = torch.cat(parts, dim=1)
@@ -153,7 +159,12 @@ def test_prediction_brackets_cuda_peak(
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         for start in range(0, prompt, chunk):
-            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(
+                ids[:, start : start + chunk],
+                **{cache_keyword(model): cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
     torch.cuda.synchronize()
     actual = torch.cuda.max_memory_allocated() - before
     step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)

@@ -74,7 +74,7 @@ def test_decode_latency_cache_stays_at_the_context_length(tiny_llama):
     original = tiny_llama.forward
 
     def spy(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
             seen.append(cache.get_seq_length())
         return original(*args, **kwargs)
@@ -91,3 +91,18 @@ def test_settings_validation():
         ProbeSettings(budget_s=0)
     with pytest.raises(PlannerConfigError, match="max_samples"):
         ProbeSettings(max_samples=0)
+
+
+def test_cache_keyword_follows_the_forward_signature(tiny_llama):
+    import inspect
+
+    from kvb_planner.probes import cache_keyword
+
+    class TakesCache(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=True):  # transformers >= 5.24
+            return cache
+
+    assert cache_keyword(TakesCache()) == "cache"
+    # The installed transformers' own forward: whichever of the two names it declares.
+    declared = inspect.signature(type(tiny_llama).forward).parameters
+    assert cache_keyword(tiny_llama) == ("cache" if "cache" in declared else "past_key_values")

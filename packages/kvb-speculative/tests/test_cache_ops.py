@@ -32,3 +32,22 @@ def test_uncroppable_cache_raises_a_typed_error():
     cache.update(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), 0)
     with pytest.raises(CacheRollbackError, match="DynamicCache"):
         rollback(cache, 2)
+
+
+class _TakesCache(torch.nn.Module):
+    def forward(self, input_ids, cache=None, use_cache=True):  # transformers >= 5.24
+        return cache
+
+
+class _TakesPastKeyValues(torch.nn.Module):
+    def forward(self, input_ids, past_key_values=None, use_cache=True):  # transformers 5.0-5.23
+        return past_key_values
+
+
+@pytest.mark.parametrize("module_type", [_TakesCache, _TakesPastKeyValues])
+def test_cache_is_passed_under_the_keyword_the_forward_takes(module_type):
+    from kvb_speculative.cache_ops import cache_kwargs
+
+    cache = DynamicCache()
+    module = module_type()
+    assert module(torch.zeros(1, 1), **cache_kwargs(module, cache)) is cache

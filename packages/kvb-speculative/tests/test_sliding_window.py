@@ -27,6 +27,7 @@ from kvb_speculative import (
     rollback,
     speculative_generate,
 )
+from kvb_speculative.cache_ops import cache_kwargs
 
 WINDOW = 8
 _COMMON = dict(
@@ -81,13 +82,13 @@ def test_rollback_past_the_window_continues_exactly_and_stays_bounded(prompt):
     assert sliding_lengths(cache) == [WINDOW - 1] * 2
     make_croppable(cache)
     with torch.no_grad():
-        model(drafts, past_key_values=cache, use_cache=True)
+        model(drafts, **cache_kwargs(model, cache), use_cache=True)
     rollback(cache, prompt.shape[1] + 2)  # two drafts accepted, three rejected
     assert cache.get_seq_length() == prompt.shape[1] + 2
     assert sliding_lengths(cache) == [WINDOW - 1] * 2  # trimmed back to the window
     kept = torch.cat([prompt, drafts[:, :2]], dim=1)
     with torch.no_grad():
-        got = model(torch.tensor([[5]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        got = model(torch.tensor([[5]]), **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
         expected = model(torch.cat([kept, torch.tensor([[5]])], dim=1)).logits[0, -1]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     # Every draft accepted: nothing to crop, but the recorded past is trimmed to the window anyway.
@@ -101,6 +102,6 @@ def test_without_recording_a_crop_past_the_window_is_a_typed_error(prompt):
     model = mistral(0)
     cache, _ = prefill(model, prompt)
     with torch.no_grad():
-        model(prompt[:, -3:], past_key_values=cache, use_cache=True)
+        model(prompt[:, -3:], **cache_kwargs(model, cache), use_cache=True)
     with pytest.raises(CacheRollbackError, match="make_croppable"):
         rollback(cache, prompt.shape[1])

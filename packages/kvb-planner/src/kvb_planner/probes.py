@@ -8,6 +8,7 @@ repetitions: a single repetition is not interrupted, which is why buffers are ke
 
 from __future__ import annotations
 
+import inspect
 import logging
 import statistics
 import time
@@ -131,13 +132,21 @@ def host_to_device_bandwidth(device: torch.device, *, settings: ProbeSettings) -
     return run_bounded(sample, settings=settings, fallback=fallback)
 
 
+def cache_keyword(model: Any) -> str:
+    """``"cache"`` where ``model``'s forward takes its KV cache under that name (transformers >= 5.24, in the
+    forward and its output; the old name warns on every use until 5.40), else ``"past_key_values"``."""
+    # The class's forward, not the instance's: a wrapper patched onto one instance takes **kwargs.
+    forward = getattr(type(model), "forward", None) or model.forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def decode_step_latency(model: Any, *, settings: ProbeSettings) -> ProbeResult:
     """Median milliseconds of one single-token forward after ``decode_context_tokens`` of context.
 
     Args:
-        model: A Hugging Face causal LM (called as ``model(input_ids=..., past_key_values=..., use_cache=True)``)
-            already on its device. Its outputs are discarded; its weights are not modified.
+        model: A Hugging Face causal LM (called as ``model(input_ids=..., cache=..., use_cache=True)``, or
+            ``past_key_values=`` when its forward takes that: transformers < 5.24) already on its device. Its outputs are discarded; its weights are not modified.
     """
     device = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
@@ -145,13 +154,14 @@ def decode_step_latency(model: Any, *, settings: ProbeSettings) -> ProbeResult:
     context = torch.randint(0, vocab, (1, settings.decode_context_tokens), generator=generator).to(device)
     step_ids = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
     cache = None
+    keyword = cache_keyword(model)
 
     def sample() -> float:
         nonlocal cache
         if cache is None:  # the untimed warm-up call prefills the context
-            cache = model(input_ids=context, use_cache=True).past_key_values
+            cache = getattr(model(input_ids=context, use_cache=True), keyword)
         start = time.perf_counter()
-        model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+        model(input_ids=step_ids, use_cache=True, **{keyword: cache})
         _synchronize(device)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         # Keep every step at the same context length. crop(-1) drops the newest token both in the

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import Cache, PreTrainedModel
 
@@ -26,8 +29,22 @@ def extend(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor) -> torch.
     position_ids = torch.arange(start, start + n, device=device).unsqueeze(0)
     # no_grad rather than inference_mode: the engine owns the cache and may edit its tensors in place later.
     with torch.no_grad():
-        out = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids, use_cache=True)
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model, cache)
+        )
     return out.logits[0].float()
+
+
+@functools.cache
+def _cache_keyword(forward_type: type) -> str:
+    # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns on every
+    # call until 5.40); 5.0-5.23 know only ``past_key_values``. Read once per model class.
+    return "cache" if "cache" in inspect.signature(forward_type.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{keyword: cache}`` for ``model(..., **cache_kwargs(model, cache))`` on any transformers 5.x."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def cache_device(model: PreTrainedModel) -> torch.device:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvb_speculative.cache_ops import cache_kwargs
 from kvb_speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.processing import LogitsTokenProcessor, SamplingParams
@@ -52,7 +53,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[DynamicCac
     cache = DynamicCache(config=model.config)
     ids = input_ids.to(model.device)
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     return cache, out.logits[0, -1].float()
 
 
