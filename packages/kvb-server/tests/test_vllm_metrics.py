@@ -153,3 +153,22 @@ def test_real_engine_counts_prefix_cache_tokens(tiny_url: str, tiny_engine: KVBo
     assert delta("vllm:time_to_first_token_seconds_count", **m) == 2
     assert delta("vllm:e2e_request_latency_seconds_count", **m) == 2
     assert 0 <= value(after, "vllm:kv_cache_usage_perc", **m) <= 1
+
+
+def test_aborted_requests_are_counted_as_vllm_counts_them() -> None:
+    fake = FakeEngine(token_delay_s=0.05)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=0.4))) as url:
+        m = {"model_name": MODEL}
+        assert value(scrape(url), "vllm:request_success_total", **m, finished_reason="abort") == 0
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 100}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 504
+        body["max_tokens"] = 3
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        wait_until(
+            lambda: value(scrape(url), "vllm:request_success_total", **m, finished_reason="length") == 1
+        )
+        # The timed-out one was aborted in the engine: finished_reason="abort", not missing.
+        wait_until(
+            lambda: value(scrape(url), "vllm:request_success_total", **m, finished_reason="abort") == 1
+        )
+        assert value(scrape(url), "vllm:request_success_total", **m, finished_reason="stop") == 0

@@ -17,11 +17,14 @@ time by :class:`~kvb_server.engine_loop_metrics.EngineLoopCollector`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvb_cache.core.outputs import PagedStats
 from kvb_cache.results import GenerationResult
@@ -39,7 +42,8 @@ VLLM_E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-#: vLLM's ``finished_reason`` values this engine produces.
+#: vLLM's ``finished_reason`` values this engine produces from finished choices; ``abort`` (client gone,
+#: deadline, shutdown, failed step) is read from the worker's count.
 FINISHED_REASONS = ("stop", "length")
 #: Seconds; TTFT on CPU spans milliseconds (cache hit) to seconds (long cold prompt).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -65,7 +69,7 @@ class ServerMetrics:
         model_name: str,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._vllm = _VllmRequestMetrics(self.registry, model_name)
+        self._vllm = _VllmRequestMetrics(self.registry, model_name, lambda: worker_stats().aborted)
         self.requests = Counter(
             "kvboost_requests",
             "HTTP requests by route and status code",
@@ -127,7 +131,7 @@ class ServerMetrics:
 class _VllmRequestMetrics:
     """Per-request ``vllm:*`` metrics, one series per ``model_name`` (created at zero, as vLLM does)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, aborted: Callable[[], int]) -> None:
         label = [MODEL_LABEL]
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=registry
@@ -135,13 +139,8 @@ class _VllmRequestMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=registry
         ).labels(model_name)
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            [MODEL_LABEL, "finished_reason"],
-            registry=registry,
-        )
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.success = _FinishedRequests(model_name, aborted)
+        registry.register(self.success)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -160,7 +159,47 @@ class _VllmRequestMetrics:
     def observe(self, result: GenerationResult, *, queue_s: float) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(result.completion_tokens)
-        if result.finish_reason in self.success:
-            self.success[result.finish_reason].inc()
+        self.success.count(result.finish_reason)
         self.ttft.observe(queue_s + result.ttft_ms / 1e3)
         self.e2e.observe(queue_s + result.total_ms / 1e3)
+
+
+class _FinishedRequests(Collector):
+    """``vllm:request_success_total{finished_reason}``: choices that finished (``stop`` / ``length``, counted
+    here as they finish) and requests aborted in the engine (``abort``, the worker's count, read at scrape
+    time), as vLLM counts them.
+
+    A collector rather than a ``Counter``: the aborts are counted on the engine thread, by the worker, and
+    a metric family cannot be split between a ``Counter`` and a collector.
+    """
+
+    def __init__(self, model_name: str, aborted: Callable[[], int]) -> None:
+        self._model_name = model_name
+        self._aborted = aborted
+        self._counts = dict.fromkeys(FINISHED_REASONS, 0)
+        self._lock = threading.Lock()
+
+    def count(self, finish_reason: str | None) -> None:
+        if finish_reason in self._counts:
+            with self._lock:
+                self._counts[finish_reason] += 1
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()  # without samples: the worker may not be running yet
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        with self._lock:
+            counts = dict(self._counts)
+        for reason, value in counts.items():
+            family.add_metric([self._model_name, reason], value)
+        family.add_metric([self._model_name, "abort"], self._aborted())
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[MODEL_LABEL, "finished_reason"],
+        )
