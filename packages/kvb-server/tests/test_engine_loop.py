@@ -393,6 +393,55 @@ def test_a_client_gone_while_its_echoed_prompt_is_scored_stops_the_scoring(strea
     assert [n for kind, n in fake.timeline if kind == "score"] == [8, 16]
 
 
+def test_a_request_waiting_for_the_scorer_honours_its_deadline_and_its_client() -> None:
+    """Prompts are scored one at a time; a request queued behind a long one used to notice its deadline
+    or its client going away only once it got its turn (after the whole other prompt was scored)."""
+    fake = StallsScoring(stall_at=2)
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 3
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=60))) as url:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                body = completion(prompt, 1, echo=True, logprobs=1)
+                first = asyncio.create_task(c.post("/v1/completions", json=body))
+                await until(fake.score_stalled.is_set)  # the first holds the scorer, stuck in slice 2
+                second = asyncio.create_task(c.post("/v1/completions", json=body))
+                await asyncio.sleep(0.3)  # queued for the scorer
+                second.cancel()
+                closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
+                await until(lambda: metric(httpx.get(url + "/metrics").text, closed) == 1)
+                fake.score_hold.set()
+                assert (await first).status_code == 200
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            fake.score_hold.set()
+    # The second prompt was never scored: only the first one's 10 slices ran.
+    assert [n for kind, n in fake.timeline if kind == "score"] == [min(8 * k, 77) for k in range(1, 11)]
+
+    fake = StallsScoring(stall_at=2)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=1.5))) as url:
+
+        async def timed_out() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                body = completion(prompt, 1, echo=True, logprobs=1)
+                first = asyncio.create_task(c.post("/v1/completions", json=body))
+                await until(fake.score_stalled.is_set)
+                # Answered while the first still holds the scorer (before: only once it was free, so here
+                # never: the client's own timeout would fire).
+                second = await c.post("/v1/completions", json=body, timeout=20)
+                assert second.status_code == 504 and second.json()["error"]["code"] == "timeout"
+                assert not fake.score_hold.is_set()
+                fake.score_hold.set()
+                await first
+
+        try:
+            asyncio.run(timed_out())
+        finally:
+            fake.score_hold.set()
+
+
 def test_aborting_the_last_requests_in_flight_refreshes_the_queue_counts() -> None:
     """Clients that all go away at once leave nothing in flight, so no step follows their aborts: the
     queue depth, running count and KV usage stayed as of the last step, and a waiting count at

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
+from kvb_server.errors import RequestTimeoutError
 from kvb_server.jobs import DISCONNECT_POLL_S, ClientDisconnected, IsDisconnected
 from kvb_server.token_bytes import TextOffsets
 
@@ -94,9 +95,10 @@ class PromptScoring:
     several at once would hold several prompts' KV the pool does not account for.
     """
 
-    def __init__(self, worker: EngineWorker, engine: ServingEngine) -> None:
+    def __init__(self, worker: EngineWorker, engine: ServingEngine, *, timeout_s: float) -> None:
         self._worker = worker
         self._engine = engine
+        self._timeout_s = timeout_s  # --request-timeout, named in the 504 of a request that waited its turn
         self._one_at_a_time = asyncio.Lock()
 
     async def score(
@@ -114,12 +116,35 @@ class PromptScoring:
         ``is_disconnected`` says so (checked before every slice and while one runs), so a client that hung
         up stops costing engine time; a cancelled caller leaves the scorer half-done, and it is dropped.
         """
-        async with self._one_at_a_time:
+        await self._acquire(deadline, is_disconnected)
+        try:
             make = functools.partial(self._engine.prompt_scorer, prompt, top_logprobs=top_logprobs)
             scorer = await self._call(make, deadline, is_disconnected)
             while not scorer.done:
                 await self._call(scorer.advance, deadline, is_disconnected)
             return tuple(scorer.result())
+        finally:
+            self._one_at_a_time.release()
+
+    async def _acquire(self, deadline: float, is_disconnected: IsDisconnected | None) -> None:
+        """Wait for the scorer's turn, but not past ``deadline`` nor for a client that went away: a
+        request queued behind a long scored prompt used to learn either only once it had the lock."""
+        acquire = asyncio.ensure_future(self._one_at_a_time.acquire())
+        try:
+            while True:
+                done, _ = await asyncio.wait({acquire}, timeout=min(DISCONNECT_POLL_S, _left(deadline)))
+                if done:
+                    return acquire.result()
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected()
+                if _left(deadline) <= 0:
+                    raise RequestTimeoutError(self._timeout_s)
+        except BaseException:
+            if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                self._one_at_a_time.release()  # it was granted as we gave up: pass it on
+            else:
+                acquire.cancel()
+            raise
 
     async def _call(self, fn: Any, deadline: float, is_disconnected: IsDisconnected | None) -> Any:
         if is_disconnected is not None and await is_disconnected():

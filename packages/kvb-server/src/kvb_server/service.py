@@ -64,7 +64,9 @@ class GenerationService:
     ) -> None:
         #: Names echoed prompts' first tokens; ``_scoring`` scores them (on the engine thread).
         self._engine = engine
-        self._scoring = PromptScoring(worker, engine) if engine is not None else None
+        self._scoring = (
+            PromptScoring(worker, engine, timeout_s=config.request_timeout_s) if engine is not None else None
+        )
         #: Chat logprobs' ``bytes``: a token that splits a character has its own bytes, not U+FFFD's.
         self.token_bytes: TokenBytesFn = TokenBytes(engine.tokenizer) if engine is not None else utf8
         self._config = config
