@@ -175,6 +175,19 @@ def test_corrupted_record_in_redis_is_dropped_and_counted(redis_server):
     assert fresh.lower[0].tier.stats().corrupt == 1 and client.get(name) is None
 
 
+def test_a_key_of_another_type_under_a_record_name_is_replaced_not_skipped(redis_server):
+    entries = chain(1)
+    store = tiered(redis_server.url)
+    client = redis_server.client()
+    name = store.lower[0].tier._name(entries[0].key)
+    client.hset(name, "someone", "else")  # not a record: MGET reads it as nil
+    assert not store.lower[0].tier.contains(entries[0].key)
+    store.demote(entries[0])  # the write path that skips keys the tier already holds
+    store.flush()
+    assert client.type(name) == b"string"
+    assert tiered(redis_server.url).prefetch([entries[0].key]) == 1
+
+
 # ---------------------------------------------------------------------------------------- engines
 
 CHILD = textwrap.dedent(

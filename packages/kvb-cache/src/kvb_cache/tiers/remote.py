@@ -131,9 +131,13 @@ class RedisTier(RecordTier):
         if self._is_down():
             return False
         try:
-            return bool(self._client.exists(self._name(key)))
+            # TYPE, not EXISTS: a key some other client left holding a hash or list under our name reads as
+            # a miss (MGET returns nil for it), and must not count as stored, or every write would skip it
+            # and the chunk would miss forever; SET then replaces it.
+            kind = self._client.type(self._name(key))
+            return kind in (b"string", "string")
         except self._errors as exc:
-            self._failed("EXISTS", exc)
+            self._failed("TYPE", exc)
             return False
 
     def delete(self, key: ChunkHash) -> None:
