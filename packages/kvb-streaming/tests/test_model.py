@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvb_streaming.config import StreamingConfig
-from kvb_streaming.errors import NotAStreamingModelError, WeightsNotStagedError
+from kvb_streaming.errors import NotAStreamingModelError, SaveUnsupportedError, WeightsNotStagedError
 from kvb_streaming.model import StreamingCausalLM, get_runtime
 from kvb_streaming.qlinear import StreamingQLinear
 
@@ -126,6 +126,16 @@ def test_streamed_linear_called_outside_its_layer_raises(awq_llama_dir: Path) ->
     with pytest.raises(WeightsNotStagedError):
         model.model.layers[0].mlp(torch.randn(1, 2, 64))
     model.model.layers[0].self_attn.q_proj(torch.randn(1, 2, 64))  # attention stays resident
+
+
+def test_save_pretrained_is_refused_not_written_broken(awq_llama_dir: Path, tmp_path: Path) -> None:
+    """transformers wrote the int4 payloads under names the architecture does not read, and the folder
+    loaded back through AutoModelForCausalLM (warnings only) with random linears."""
+    model = StreamingCausalLM.from_pretrained(awq_llama_dir, device="cpu")
+    with pytest.raises(SaveUnsupportedError, match="save_awq_checkpoint") as info:
+        model.save_pretrained(tmp_path / "saved")
+    assert str(awq_llama_dir) in str(info.value) and isinstance(info.value, NotImplementedError)
+    assert not (tmp_path / "saved").exists()
 
 
 def test_get_runtime_rejects_other_models(tiny_llama: torch.nn.Module) -> None:

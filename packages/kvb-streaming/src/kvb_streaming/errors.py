@@ -33,3 +33,9 @@ class WeightsNotStagedError(StreamingError, RuntimeError):
 
 class NotAStreamingModelError(StreamingError, TypeError):
     """The model was not loaded by :meth:`kvb_streaming.StreamingCausalLM.from_pretrained`."""
+
+
+class SaveUnsupportedError(StreamingError, NotImplementedError):
+    """``save_pretrained`` / ``push_to_hub`` on a model loaded by
+    :meth:`kvb_streaming.StreamingCausalLM.from_pretrained`: its int4 linears are not the architecture's
+    ``nn.Linear`` weights, so what transformers would write loads back with those weights random."""

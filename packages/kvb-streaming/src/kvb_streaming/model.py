@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.builder import build_model
 from kvb_streaming.config import StreamingConfig
-from kvb_streaming.errors import NotAStreamingModelError, StreamingConfigError
+from kvb_streaming.errors import NotAStreamingModelError, SaveUnsupportedError, StreamingConfigError
 from kvb_streaming.loader import AWQLoader
 from kvb_streaming.residency import ResidencyPlan
 from kvb_streaming.scheduler import StreamingScheduler, StreamingStats
@@ -124,6 +125,9 @@ class StreamingCausalLM:
             pinned=loader.allocator.pin_failures == 0 and loader.allocator.pin_requested,
         )
         setattr(built.model, _RUNTIME_ATTR, runtime)
+        # transformers would write the int4 payloads under names no architecture reads, and the model would
+        # load back (AutoModelForCausalLM: warnings only) with random linears. push_to_hub saves through it.
+        built.model.save_pretrained = functools.partial(_refuse_save, loader.path)
         # Like AutoModelForCausalLM: the checkpoint's generation defaults (extra EOS ids such as Llama 3's
         # <|eot_id|>, sampling settings) override those derived from config.json.
         if (loader.path / GENERATION_CONFIG_NAME).is_file():
@@ -132,6 +136,15 @@ class StreamingCausalLM:
             except OSError as exc:  # unreadable / invalid JSON: transformers also keeps the derived config
                 logger.warning("ignoring %s: %s", GENERATION_CONFIG_NAME, exc)
         return built.model
+
+
+def _refuse_save(source: Path, *args: object, **kwargs: object) -> None:
+    raise SaveUnsupportedError(
+        "a model loaded by StreamingCausalLM.from_pretrained cannot be saved with save_pretrained (its int4 "
+        f"linears would load back as random weights); the AWQ checkpoint it was loaded from, {source}, is "
+        "already what to copy or upload (huggingface_hub.upload_folder), or pack a full-precision model with "
+        "kvb_streaming.packer.save_awq_checkpoint"
+    )
 
 
 def get_runtime(model: torch.nn.Module) -> StreamingRuntime:
