@@ -404,7 +404,7 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
     ),
     "gptj": (
         lambda: T.GPTJConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, rotary_dim=8),
-        "attention outside AttentionInterface",
+        "rotary keys inside its own module (AttentionInterface since transformers 5.24)",
     ),
     "falcon": (
         lambda: T.FalconConfig(
@@ -614,7 +614,7 @@ every step's packed tokens kept below that, where the factor is exactly 1 (a war
 is built; `test_architectures_extra.py` shows a larger packed step moving a logprob by 0.02). Stitching (non-prefix reuse) is declined, with the reason in the table, where
 keys cannot be moved: learned absolute positions (GPT-2, OPT), RoPE applied by other code than a rotary
 module plus `apply_rotary_pos_emb(q, k, cos, sin)` (Llama 4's complex rotation, Qwen2-VL's three-section
-multimodal RoPE) and chunked attention (the repair forward's masks are causal or sliding only).
+multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair forward's masks are causal or sliding only).
 
 **Declined** ({declined} rows), by reason:
 - *A recurrent state instead of, or beside, per-token keys/values*: state-space models (Mamba, Mamba-2,
@@ -630,7 +630,8 @@ multimodal RoPE) and chunked attention (the repair forward's masks are causal or
   their source layer's blocks.
 - *A mask built inside the attention module*: Doge (its dynamic mask is computed from every cached token's
   values; the paged attention builds masks from positions).
-- *Attention outside `AttentionInterface`*: GPT-J, Falcon, Bloom.
+- *Attention outside `AttentionInterface`*: Falcon, Bloom; GPT-J before transformers 5.24 (which routes it
+  through the interface: served exactly since).
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4) and Cohere 2's NoPE layers (`test_architectures_extra.py`),

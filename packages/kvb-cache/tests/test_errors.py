@@ -15,6 +15,7 @@ from kvb_cache import (
     KVBoostError,
     ModelLoadError,
     PromptTypeError,
+    StitchConfig,
     UnsupportedModelError,
 )
 
@@ -174,6 +175,11 @@ def test_gptj_is_declined_or_served_exactly(tokenizer):
     assert got.cached_tokens >= 32
     with torch.no_grad():
         torch.testing.assert_close(got.logits, model(torch.tensor([ids])).logits[0, -1], atol=1e-5, rtol=0)
+    # Stitching is declined: its keys rotate (rotary_dim) inside its own module, which cannot re-position
+    # them; the reason said "absolute position embeddings" (its config carries n_positions).
+    stitched = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig()))
+    reason = stitched.cache_stats()["stitching"]["declined_reason"]
+    assert "rotary" in reason and "absolute" not in reason
 
 
 def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):

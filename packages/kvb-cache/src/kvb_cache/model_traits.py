@@ -111,7 +111,8 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
             sliding,
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    absolute = rope is None and hasattr(config, "n_positions")
+    # GPT-J / CodeGen also carry n_positions, but rotate keys (``rotary_dim``): not absolute embeddings.
+    absolute = rope is None and hasattr(config, "n_positions") and not getattr(config, "rotary_dim", None)
     if position_limit is not None:
         context = min(context, position_limit) if context else position_limit
     return ModelTraits(
