@@ -8,7 +8,12 @@ import torch
 from transformers import DynamicCache
 
 from kvb_streaming.config import StreamingConfig
-from kvb_streaming.errors import NotAStreamingModelError, SaveUnsupportedError, WeightsNotStagedError
+from kvb_streaming.errors import (
+    NotAStreamingModelError,
+    SaveUnsupportedError,
+    StreamingConfigError,
+    WeightsNotStagedError,
+)
 from kvb_streaming.model import StreamingCausalLM, get_runtime
 from kvb_streaming.qlinear import StreamingQLinear
 
@@ -119,6 +124,14 @@ def test_streaming_is_disabled_on_cpu_unless_simulated(
     assert any("streaming disabled on cpu" in r.getMessage() for r in caplog.records)
     model(input_ids=torch.tensor([[1, 2, 3]]))
     assert runtime.stats().bytes_moved == 0
+
+
+def test_too_many_kept_layers_fail_on_cpu_too(awq_llama_dir: Path) -> None:
+    """Streaming is off on CPU, so the plan saw only the all-resident config: the same options loaded here
+    and failed on the first GPU."""
+    config = StreamingConfig(residency_mode="partial_resident", keep_first_k=3, keep_last_k=2)
+    with pytest.raises(StreamingConfigError, match="exceeds the model's 4 decoder layers"):
+        StreamingCausalLM.from_pretrained(awq_llama_dir, streaming_config=config, device="cpu")
 
 
 def test_streamed_linear_called_outside_its_layer_raises(awq_llama_dir: Path) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.builder import build_model
@@ -112,6 +112,10 @@ class StreamingCausalLM:
                 requested, residency_mode="full_resident", keep_first_k=0, keep_last_k=0
             )
         loader = AWQLoader(path, pin_memory=effective.pin_memory and target.type == "cuda")
+        if effective is not requested:
+            # The plan checks keep_first_k / keep_last_k against the layers, but it sees the effective
+            # (all-resident) config here: the same options would only fail on a GPU.
+            _check_kept_layers(requested, loader.path)
         built = build_model(loader, effective, device=target, dtype=dtype)
         runtime = StreamingRuntime(
             requested=requested,
@@ -136,6 +140,15 @@ class StreamingCausalLM:
             except OSError as exc:  # unreadable / invalid JSON: transformers also keeps the derived config
                 logger.warning("ignoring %s: %s", GENERATION_CONFIG_NAME, exc)
         return built.model
+
+
+def _check_kept_layers(config: StreamingConfig, path: Path) -> None:
+    layers = getattr(AutoConfig.from_pretrained(path).get_text_config(), "num_hidden_layers", None)
+    if isinstance(layers, int) and config.keep_first_k + config.keep_last_k > layers:
+        raise StreamingConfigError(
+            f"keep_first_k + keep_last_k = {config.keep_first_k + config.keep_last_k} exceeds the model's "
+            f"{layers} decoder layers; lower them, or use residency_mode='full_resident'"
+        )
 
 
 def _refuse_save(source: Path, *args: object, **kwargs: object) -> None:
