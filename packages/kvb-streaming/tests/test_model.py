@@ -126,6 +126,34 @@ def test_streaming_is_disabled_on_cpu_unless_simulated(
     assert runtime.stats().bytes_moved == 0
 
 
+def test_fused_moe_experts_are_loaded_resident_and_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    save_awq_checkpoint(MixtralForCausalLM(config).eval(), tmp_path, group_size=32)
+    with caplog.at_level(logging.WARNING, logger="kvb_streaming.builder"):
+        model = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
+    # transformers 5 keeps the experts as fused parameters: no nn.Linear to quantize or stream.
+    assert any(
+        "fused weight tensors" in r.getMessage() and "experts" in r.getMessage() for r in caplog.records
+    )
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
 def test_too_many_kept_layers_fail_on_cpu_too(awq_llama_dir: Path) -> None:
     """Streaming is off on CPU, so the plan saw only the all-resident config: the same options loaded here
     and failed on the first GPU."""

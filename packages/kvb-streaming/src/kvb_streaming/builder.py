@@ -104,6 +104,7 @@ def build_model(
             bindings[LayerIndex(index)] = LayerBinding(loader.pack_layer(streamed_payload), streamed_modules)
 
     _load_plain_tensors(model, loader, device=device, dtype=dtype)
+    _warn_unquantized_weights(model, layer_prefixes, dtype)
     model.to(device)  # non-persistent buffers (rotary tables) were built on the host
     model.eval()
     scheduler = StreamingScheduler(
@@ -153,6 +154,24 @@ def _load_plain_tensors(
         missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise AWQFormatError(f"the checkpoint at {loader.path} lacks tensors the model needs: {missing[:5]}")
+
+
+def _warn_unquantized_weights(model: nn.Module, layer_prefixes: list[str], dtype: torch.dtype) -> None:
+    """Say so when decoder layers hold fused weights (3-D and more: MoE experts as one parameter, as
+    transformers 5 keeps Mixtral's, Qwen-MoE's...): they are no ``nn.Linear``, so the checkpoint holds them
+    unquantized and they are loaded resident in ``dtype``, neither int4 nor streamed."""
+    prefixes = tuple(f"{prefix}." for prefix in layer_prefixes)
+    fused = [(name, p) for name, p in model.named_parameters() if p.dim() >= 3 and name.startswith(prefixes)]
+    if fused:
+        size = sum(p.numel() * p.element_size() for _, p in fused)
+        logger.warning(
+            "%d fused weight tensors in the decoder layers (%.1f MiB, e.g. %s) are not AWQ linears: they are "
+            "loaded resident in %s, neither int4 nor streamed",
+            len(fused),
+            size / 2**20,
+            fused[0][0],
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def _install_hooks(model: nn.Module, layers: nn.ModuleList, scheduler: StreamingScheduler) -> None:
