@@ -16,7 +16,7 @@ from kvb_streaming.builder import build_model
 from kvb_streaming.config import StreamingConfig
 from kvb_streaming.errors import NotAStreamingModelError, SaveUnsupportedError, StreamingConfigError
 from kvb_streaming.loader import AWQLoader
-from kvb_streaming.residency import ResidencyPlan
+from kvb_streaming.residency import ResidencyPlan, check_kept_layers
 from kvb_streaming.scheduler import StreamingScheduler, StreamingStats
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,8 @@ class StreamingCausalLM:
 
 def _check_kept_layers(config: StreamingConfig, path: Path) -> None:
     layers = getattr(AutoConfig.from_pretrained(path).get_text_config(), "num_hidden_layers", None)
-    if isinstance(layers, int) and config.keep_first_k + config.keep_last_k > layers:
-        raise StreamingConfigError(
-            f"keep_first_k + keep_last_k = {config.keep_first_k + config.keep_last_k} exceeds the model's "
-            f"{layers} decoder layers; lower them, or use residency_mode='full_resident'"
-        )
+    if isinstance(layers, int):
+        check_kept_layers(config, layers)
 
 
 def _refuse_save(source: Path, *args: object, **kwargs: object) -> None:

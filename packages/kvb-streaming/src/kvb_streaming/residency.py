@@ -52,6 +52,15 @@ class ResidencyPlan:
         return linear in self.streamed.get(layer, ())
 
 
+def check_kept_layers(config: StreamingConfig, n_layers: int) -> None:
+    """Raises ``StreamingConfigError`` when ``keep_first_k + keep_last_k`` exceeds ``n_layers``."""
+    if config.keep_first_k + config.keep_last_k > n_layers:
+        raise StreamingConfigError(
+            f"keep_first_k + keep_last_k = {config.keep_first_k + config.keep_last_k} exceeds the model's "
+            f"{n_layers} decoder layers; lower them, or use residency_mode='full_resident'"
+        )
+
+
 def plan_residency(config: StreamingConfig, linears_per_layer: Sequence[Sequence[str]]) -> ResidencyPlan:
     """Applies ``config.residency_mode`` to a model.
 
@@ -63,11 +72,7 @@ def plan_residency(config: StreamingConfig, linears_per_layer: Sequence[Sequence
         StreamingConfigError: ``keep_first_k + keep_last_k`` exceeds the number of layers.
     """
     n_layers = len(linears_per_layer)
-    if config.keep_first_k + config.keep_last_k > n_layers:
-        raise StreamingConfigError(
-            f"keep_first_k + keep_last_k = {config.keep_first_k + config.keep_last_k} exceeds the model's "
-            f"{n_layers} decoder layers; lower them, or use residency_mode='full_resident'"
-        )
+    check_kept_layers(config, n_layers)
     if config.residency_mode == "full_resident":
         return ResidencyPlan(streamed={})
     kept = set(range(config.keep_first_k)) | set(range(n_layers - config.keep_last_k, n_layers))
