@@ -41,6 +41,7 @@ class _Request:
     out: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_at: float | None = None
 
     def next_token(self) -> int:
         # ``a, b, c, ...`` shifted by the last prompt token and the seed.
@@ -219,6 +220,8 @@ class FakeEngine:
         params = request.added.params
         token = request.next_token()
         request.out.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
         piece = chr(token)
         lp = TokenLogprob(
             token_id=token,
@@ -254,7 +257,7 @@ class FakeEngine:
             output_ids=list(request.out),
             prompt_tokens=len(prompt),
             cached_tokens=len(prompt) // 2,
-            ttft_ms=1.0,
+            ttft_ms=((request.first_token_at or request.started) - request.started) * 1e3,
             total_ms=(time.perf_counter() - request.started) * 1e3,
             finish_reason=finish,  # type: ignore[arg-type]
             logprobs=tuple(request.logprobs) if params.logprobs is not None else None,

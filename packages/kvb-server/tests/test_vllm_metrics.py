@@ -27,6 +27,14 @@ VLLM_FAMILIES = {
     "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
 }
 
 
@@ -86,6 +94,24 @@ def test_vllm_metrics_move_with_requests() -> None:
             assert value(s, name + "_bucket", **m, le="+Inf") == 2
             assert value(s, name + "_sum", **m) > 0
         assert value(s, "kvboost_time_to_first_token_seconds_count") == 2  # kvboost names kept
+        # Request-level histograms (vLLM's names and buckets): token counts per request ...
+        assert value(s, "vllm:request_prompt_tokens_count", **m) == 2
+        assert value(s, "vllm:request_prompt_tokens_sum", **m) == 8
+        assert value(s, "vllm:request_prompt_tokens_bucket", **m, le="5.0") == 2  # 4 tokens each
+        assert value(s, "vllm:request_prompt_tokens_bucket", **m, le="2.0") == 0
+        assert value(s, "vllm:request_generation_tokens_sum", **m) == 5
+        # ... one observation per interval between two tokens (2 + 1) ...
+        for name in ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"):
+            assert value(s, name + "_count", **m) == 3
+        # ... and the phases of each request: decode + prefill = inference.
+        for phase in ("queue", "inference", "prefill", "decode"):
+            assert value(s, f"vllm:request_{phase}_time_seconds_count", **m) == 2
+        phases = value(s, "vllm:request_prefill_time_seconds_sum", **m) + value(
+            s, "vllm:request_decode_time_seconds_sum", **m
+        )
+        assert math.isclose(phases, value(s, "vllm:request_inference_time_seconds_sum", **m), rel_tol=1e-9)
+        tpot = value(s, "vllm:inter_token_latency_seconds_sum", **m)
+        assert math.isclose(tpot, value(s, "vllm:request_decode_time_seconds_sum", **m), rel_tol=1e-9)
 
 
 def test_running_and_waiting_mid_flight() -> None:

@@ -116,7 +116,10 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     """
     worker = EngineWorker(engine, config)
     metrics = ServerMetrics(
-        worker_stats=worker.stats, paged_stats=worker.paged_stats, model_name=config.model_names[0]
+        worker_stats=worker.stats,
+        paged_stats=worker.paged_stats,
+        model_name=config.model_names[0],
+        max_model_len=engine.context_length,
     )
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()

@@ -5,8 +5,9 @@ Two sets of names:
 - ``vllm:*``: where vLLM exports the same quantity, under vLLM's exact name, type, unit and
   ``model_name`` label (the first ``--served-model-name``), so dashboards and alerts built for vLLM work
   unchanged: requests running / waiting, KV usage, prefix-cache queries and hits (in tokens), preemptions,
-  prompt and generation tokens, finished requests by reason, time to first token and end-to-end latency
-  (histograms with vLLM's buckets).
+  prompt and generation tokens, finished requests by reason, and the request-level histograms with vLLM's
+  buckets (time to first token, end-to-end latency, tokens per request, inter-token latency, and the
+  queue / prefill / decode / inference phases).
 - ``kvboost_*`` and ``kvboost:*``: this server's own names (per-route HTTP counts and latency, cache chunk
   kinds, block states, engine steps), kept as before; the ``kvboost:*`` engine-loop ones mirror the
   ``vllm:*`` ones without the label.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -45,6 +46,25 @@ VLLM_E2E_BUCKETS = (
 #: vLLM's ``finished_reason`` values this engine produces from finished choices; ``abort`` (client gone,
 #: deadline, shutdown, failed step) is read from the worker's count.
 FINISHED_REASONS = ("stop", "length")
+#: vLLM's ``time_per_output_token`` / ``inter_token_latency`` buckets.
+VLLM_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+def one_two_five_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets, up to ``max_model_len``)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
+
 #: Seconds; TTFT on CPU spans milliseconds (cache hit) to seconds (long cold prompt).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -67,9 +87,12 @@ class ServerMetrics:
         paged_stats: Callable[[], PagedStats | None],
         *,
         model_name: str,
+        max_model_len: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._vllm = _VllmRequestMetrics(self.registry, model_name, lambda: worker_stats().aborted)
+        self._vllm = _VllmRequestMetrics(
+            self.registry, model_name, lambda: worker_stats().aborted, max_model_len=max_model_len
+        )
         self.requests = Counter(
             "kvboost_requests",
             "HTTP requests by route and status code",
@@ -131,8 +154,54 @@ class ServerMetrics:
 class _VllmRequestMetrics:
     """Per-request ``vllm:*`` metrics, one series per ``model_name`` (created at zero, as vLLM does)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, aborted: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        aborted: Callable[[], int],
+        *,
+        max_model_len: int | None,
+    ) -> None:
         label = [MODEL_LABEL]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+
+        token_buckets = one_two_five_buckets(max_model_len or 2**20)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        # vLLM renamed time_per_output_token to inter_token_latency (0.11) and exports both.
+        self.inter_token = [
+            histogram(name, doc, VLLM_TPOT_BUCKETS)
+            for name, doc in (
+                ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."),
+                ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+            )
+        ]
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            VLLM_E2E_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            VLLM_E2E_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            VLLM_E2E_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            VLLM_E2E_BUCKETS,
+        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=registry
         ).labels(model_name)
@@ -162,6 +231,22 @@ class _VllmRequestMetrics:
         self.success.count(result.finish_reason)
         self.ttft.observe(queue_s + result.ttft_ms / 1e3)
         self.e2e.observe(queue_s + result.total_ms / 1e3)
+        self.request_prompt_tokens.observe(result.prompt_tokens)
+        self.request_generation_tokens.observe(result.completion_tokens)
+        # NOTE: the engine's clock starts when the worker hands it the request: time in the server's queue
+        # is the WAITING phase; the engine's own waiting (a full batch) falls in the prefill phase.
+        self.queue_time.observe(queue_s)
+        self.inference_time.observe(result.total_ms / 1e3)
+        self.prefill_time.observe(result.ttft_ms / 1e3)
+        decode_s = max(result.total_ms - result.ttft_ms, 0.0) / 1e3
+        self.decode_time.observe(decode_s)
+        # A finished result carries no per-token times: each of its intervals is observed as their mean,
+        # so count and sum are exact and only the spread within one request is lost.
+        intervals = result.completion_tokens - 1
+        if intervals > 0:
+            for histogram in self.inter_token:
+                for _ in range(intervals):
+                    histogram.observe(decode_s / intervals)
 
 
 class _FinishedRequests(Collector):
