@@ -198,3 +198,26 @@ def test_aborted_requests_are_counted_as_vllm_counts_them() -> None:
             lambda: value(scrape(url), "vllm:request_success_total", **m, finished_reason="abort") == 1
         )
         assert value(scrape(url), "vllm:request_success_total", **m, finished_reason="stop") == 0
+
+
+def test_a_streams_inter_token_latency_is_timed_per_token() -> None:
+    """A streamed choice's intervals are timed as its tokens leave the engine: one step held for 0.5 s
+    shows as one long interval among short ones (each interval as the mean would put all four together)."""
+    fake = FakeEngine()
+    fake.pause_before_step = 3  # the third token waits until the test releases it
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        done: list[httpx.Response] = []
+        body = {"model": MODEL, "prompt": "abcd", "max_tokens": 5, "stream": True}
+        thread = threading.Thread(target=lambda: done.append(httpx.post(url + "/v1/completions", json=body)))
+        thread.start()
+        wait_until(fake.stalled.is_set)
+        threading.Event().wait(0.5)
+        fake.hold.set()
+        thread.join(30)
+        assert done and done[0].status_code == 200
+        m = {"model_name": MODEL}
+        wait_until(lambda: value(scrape(url), "vllm:inter_token_latency_seconds_count", **m) == 4)
+        s = scrape(url)
+        assert value(s, "vllm:inter_token_latency_seconds_bucket", **m, le="0.3") == 3
+        assert value(s, "vllm:inter_token_latency_seconds_bucket", **m, le="+Inf") == 4
+        assert value(s, "vllm:inter_token_latency_seconds_sum", **m) >= 0.5

@@ -42,6 +42,8 @@ class JobUpdate:
     error: BaseException | None = None
     #: Seconds from the request's arrival to the engine accepting it (``add_request``).
     queue_s: float = 0.0
+    #: ``time.perf_counter()`` when the worker routed it, right after the step that produced it.
+    at: float = field(default_factory=time.perf_counter)
 
 
 class Inbox:

@@ -19,7 +19,7 @@ time by :class:`~kvb_server.engine_loop_metrics.EngineLoopCollector`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -137,9 +137,15 @@ class ServerMetrics:
         self.queue_depth.set_function(lambda: worker_stats().waiting)
         self.registry.register(EngineLoopCollector(worker_stats, paged_stats, model_name=model_name))
 
-    def observe_result(self, result: GenerationResult, *, queue_s: float) -> None:
-        """Record one finished choice: TTFT and latency (queueing included), tokens and per-chunk hit kinds."""
-        self._vllm.observe(result, queue_s=queue_s)
+    def observe_result(
+        self, result: GenerationResult, *, queue_s: float, token_intervals: Sequence[float] | None = None
+    ) -> None:
+        """Record one finished choice: TTFT and latency (queueing included), tokens and per-chunk hit kinds.
+
+        ``token_intervals``: seconds between consecutive generated tokens, as a stream saw them (one per
+        token after the first); None, or the wrong count, observes each interval as the choice's mean.
+        """
+        self._vllm.observe(result, queue_s=queue_s, token_intervals=token_intervals)
         self.ttft.observe(queue_s + result.ttft_ms / 1e3)
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_prompt_tokens.inc(result.cached_tokens)
@@ -225,7 +231,9 @@ class _VllmRequestMetrics:
             registry=registry,
         ).labels(model_name)
 
-    def observe(self, result: GenerationResult, *, queue_s: float) -> None:
+    def observe(
+        self, result: GenerationResult, *, queue_s: float, token_intervals: Sequence[float] | None = None
+    ) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(result.completion_tokens)
         self.success.count(result.finish_reason)
@@ -240,13 +248,15 @@ class _VllmRequestMetrics:
         self.prefill_time.observe(result.ttft_ms / 1e3)
         decode_s = max(result.total_ms - result.ttft_ms, 0.0) / 1e3
         self.decode_time.observe(decode_s)
-        # A finished result carries no per-token times: each of its intervals is observed as their mean,
-        # so count and sum are exact and only the spread within one request is lost.
-        intervals = result.completion_tokens - 1
-        if intervals > 0:
-            for histogram in self.inter_token:
-                for _ in range(intervals):
-                    histogram.observe(decode_s / intervals)
+        # A streamed choice's intervals are timed as its tokens left the engine; a non-streamed result
+        # carries no per-token times, so each of its intervals is observed as their mean (count and sum
+        # exact, only the spread within the request lost).
+        count = result.completion_tokens - 1
+        if token_intervals is None or len(token_intervals) != count:
+            token_intervals = [decode_s / count] * count if count > 0 else []
+        for histogram in self.inter_token:
+            for interval in token_intervals:
+                histogram.observe(interval)
 
 
 class _FinishedRequests(Collector):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvb_cache.results import GenerationResult
@@ -178,9 +179,12 @@ class GenerationService:
         logprobs = plan.sampling.logprobs is not None
         return [prompt_only_result(len(p), logprobs=logprobs) for p in plan.prompts for _ in range(plan.n)]
 
-    def record(self, update: JobUpdate, result: GenerationResult) -> None:
-        """Count a finished choice in the metrics and the throughput meter."""
-        self._metrics.observe_result(result, queue_s=update.queue_s)
+    def record(
+        self, update: JobUpdate, result: GenerationResult, token_intervals: Sequence[float] | None = None
+    ) -> None:
+        """Count a finished choice in the metrics and the throughput meter (``token_intervals``: a stream's
+        seconds between consecutive tokens, see :meth:`ServerMetrics.observe_result`)."""
+        self._metrics.observe_result(result, queue_s=update.queue_s, token_intervals=token_intervals)
         self._throughput.add(result.completion_tokens)
 
     async def complete(self, plan: GenerationPlan, is_disconnected: IsDisconnected) -> dict[str, Any]:

@@ -73,6 +73,9 @@ class OpenStream:
         # (Echo with max_tokens 0 has choices but no jobs.)
         offsets = [TextOffsets(self._service.token_bytes) for _ in range(len(plan.prompts) * plan.n)]
         generated = [0] * len(self._jobs)  # tokens streamed so far, per choice
+        # Per choice: when its last tokens left the engine, and the seconds between its tokens (metrics).
+        last_at: list[float | None] = [None] * len(self._jobs)
+        intervals: list[list[float]] = [[] for _ in self._jobs]
         # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
         update: JobUpdate | None = self._first
@@ -113,6 +116,12 @@ class OpenStream:
                 event, i = update.event, update.choice
                 assert event is not None
                 generated[i] += len(event.token_ids)
+                if event.token_ids:
+                    if last_at[i] is not None:
+                        # Tokens held back (a stop-string prefix) arrive together: split the wait evenly.
+                        gap = (update.at - last_at[i]) / len(event.token_ids)
+                        intervals[i].extend([gap] * len(event.token_ids))
+                    last_at[i] = update.at
                 # vLLM's continuous_usage_stats: every chunk of the choice carries its usage so far.
                 counted = running_usage(plan, i, generated[i]) if plan.continuous_usage else None
                 if tool_streams is not None:
@@ -145,7 +154,7 @@ class OpenStream:
                     )
                 if event.result is not None:
                     results[i] = event.result
-                    self._service.record(update, event.result)
+                    self._service.record(update, event.result, intervals[i])
                     finish = event.result.finish_reason
                     if plan.tools is not None:
                         # The same reading as the non-streamed message: whole calls finish "tool_calls"
