@@ -131,14 +131,7 @@ class PromptScoring:
         request queued behind a long scored prompt used to learn either only once it had the lock."""
         acquire = asyncio.ensure_future(self._one_at_a_time.acquire())
         try:
-            while True:
-                done, _ = await asyncio.wait({acquire}, timeout=min(DISCONNECT_POLL_S, _left(deadline)))
-                if done:
-                    return acquire.result()
-                if is_disconnected is not None and await is_disconnected():
-                    raise ClientDisconnected()
-                if _left(deadline) <= 0:
-                    raise RequestTimeoutError(self._timeout_s)
+            await self._watch(acquire, deadline, is_disconnected)
         except BaseException:
             if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
                 self._one_at_a_time.release()  # it was granted as we gave up: pass it on
@@ -151,14 +144,23 @@ class PromptScoring:
             raise ClientDisconnected()
         call = asyncio.ensure_future(self._worker.call(fn, timeout_s=_left(deadline)))
         try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return call.result()
-                if is_disconnected is not None and await is_disconnected():
-                    raise ClientDisconnected()
+            return await self._watch(call, deadline, is_disconnected)
         finally:
             call.cancel()  # a no-op once it is done; else the worker skips it if it has not started
+
+    async def _watch(
+        self, future: asyncio.Future[Any], deadline: float, is_disconnected: IsDisconnected | None
+    ) -> Any:
+        """``future``'s result; ``ClientDisconnected`` / ``RequestTimeoutError`` first if the client goes
+        away (checked every :data:`DISCONNECT_POLL_S`) or ``deadline`` passes."""
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=min(DISCONNECT_POLL_S, _left(deadline)))
+            if done:
+                return future.result()
+            if is_disconnected is not None and await is_disconnected():
+                raise ClientDisconnected()
+            if _left(deadline) <= 0:
+                raise RequestTimeoutError(self._timeout_s)
 
 
 def _left(deadline: float) -> float:

@@ -19,7 +19,13 @@ from kvb_streaming.errors import AWQFormatError
 from kvb_streaming.kernels import KernelContext, LinearShape, QuantKernel, resolve_kernel
 from kvb_streaming.loader import AWQLoader
 from kvb_streaming.qlinear import StreamingQLinear
-from kvb_streaming.residency import LayerIndex, ResidencyPlan, decoder_layers, plan_residency
+from kvb_streaming.residency import (
+    LayerIndex,
+    ResidencyPlan,
+    check_kept_layers,
+    decoder_layers,
+    plan_residency,
+)
 from kvb_streaming.scheduler import StreamingScheduler
 from kvb_streaming.staging import make_transfer
 
@@ -52,6 +58,7 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     kernel_device: torch.device | None = None,
+    requested: StreamingConfig | None = None,
 ) -> BuiltModel:
     """Loads ``loader``'s checkpoint into a model skeleton built on the meta device.
 
@@ -62,6 +69,9 @@ def build_model(
         dtype: dtype of the non-quantized weights and of activations.
         kernel_device: device the int4 kernel computes on, if not ``device`` (e.g. a model kept on the
             host and dispatched to a GPU later by accelerate).
+        requested: the configuration asked for, of which ``config`` may be the adjustment for the device
+            (all resident on host memory): its kept layers are checked against the model before any
+            weight is read, so options that would fail on a GPU fail everywhere.
     """
     hf_config = AutoConfig.from_pretrained(loader.path)
     # The skeleton is plain fp: transformers must not try to apply its own AWQ integration.
@@ -70,6 +80,8 @@ def build_model(
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     layers = decoder_layers(model)
+    if requested is not None:
+        check_kept_layers(requested, len(layers))
     layer_prefixes = _module_names(model, layers)
 
     linears = [_quantized_linears(layer, prefix, loader) for layer, prefix in zip(layers, layer_prefixes)]

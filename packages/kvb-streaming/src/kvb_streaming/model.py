@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.builder import build_model
 from kvb_streaming.config import StreamingConfig
 from kvb_streaming.errors import NotAStreamingModelError, SaveUnsupportedError, StreamingConfigError
 from kvb_streaming.loader import AWQLoader
-from kvb_streaming.residency import ResidencyPlan, check_kept_layers
+from kvb_streaming.residency import ResidencyPlan
 from kvb_streaming.scheduler import StreamingScheduler, StreamingStats
 
 logger = logging.getLogger(__name__)
@@ -112,11 +112,7 @@ class StreamingCausalLM:
                 requested, residency_mode="full_resident", keep_first_k=0, keep_last_k=0
             )
         loader = AWQLoader(path, pin_memory=effective.pin_memory and target.type == "cuda")
-        if effective is not requested:
-            # The plan checks keep_first_k / keep_last_k against the layers, but it sees the effective
-            # (all-resident) config here: the same options would only fail on a GPU.
-            _check_kept_layers(requested, loader.path)
-        built = build_model(loader, effective, device=target, dtype=dtype)
+        built = build_model(loader, effective, device=target, dtype=dtype, requested=requested)
         runtime = StreamingRuntime(
             requested=requested,
             effective=effective,
@@ -140,12 +136,6 @@ class StreamingCausalLM:
             except OSError as exc:  # unreadable / invalid JSON: transformers also keeps the derived config
                 logger.warning("ignoring %s: %s", GENERATION_CONFIG_NAME, exc)
         return built.model
-
-
-def _check_kept_layers(config: StreamingConfig, path: Path) -> None:
-    layers = getattr(AutoConfig.from_pretrained(path).get_text_config(), "num_hidden_layers", None)
-    if isinstance(layers, int):
-        check_kept_layers(config, layers)
 
 
 def _refuse_save(source: Path, *args: object, **kwargs: object) -> None:
