@@ -218,7 +218,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         """Most prompt + generated tokens one request may take: the model's context window, capped by what
         the KV block pool holds (``num_blocks * block_size``), as vLLM's ``max_model_len`` is by its cache.
         The server reports it as ``max_model_len`` and shrinks a default ``max_tokens`` to it."""
-        pool = self.kv.pool.num_blocks * self.kv.block_size
+        pool = self.kv.capacity_tokens
         model = self.traits.context_length
         return pool if model is None else min(model, pool)
 
@@ -312,8 +312,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         check_context(self.traits.context_length, prompt_tokens, max_new_tokens)
-        pool = self.kv.pool.num_blocks * self.kv.block_size
-        if prompt_tokens + max_new_tokens > pool:
+        pool = self.kv.capacity_tokens
+        if not self.kv.can_fit(prompt_tokens + max_new_tokens):
             # NOTE: every path is held to the pool (speculative and kv_cache_bits requests decode outside it),
             # so that context_length, which the server reports and sizes default max_tokens by, is one limit.
             raise ContextLengthError(

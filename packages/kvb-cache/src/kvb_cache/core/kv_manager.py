@@ -204,9 +204,14 @@ class KVCacheManager:
             return False
         return True
 
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of KV the whole pool holds (``num_blocks * block_size``)."""
+        return self.pool.num_blocks * self.block_size
+
     def can_fit(self, tokens: int) -> bool:
         """Whether a request of ``tokens`` tokens can ever fit in the pool."""
-        return -(-tokens // self.block_size) <= self.pool.num_blocks
+        return tokens <= self.capacity_tokens
 
     def commit(self, req: Request) -> None:
         """Index the full blocks ``req`` has computed so far (call after each forward)."""
