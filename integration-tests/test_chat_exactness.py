@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvboost import EngineConfig, KVBoost
 from kvboost.replay import chat_turns, load_user_turns
 
@@ -45,10 +46,10 @@ def test_first_token_logits_match_no_cache_with_small_chunks(smollm2):
     with torch.no_grad():
         single = model(torch.tensor([longer])).logits[0, -1]
         hf_cache = DynamicCache()
-        model(torch.tensor([longer[: cached.cached_tokens]]), past_key_values=hf_cache)
-        incremental = model(torch.tensor([longer[cached.cached_tokens :]]), past_key_values=hf_cache).logits[
-            0, -1
-        ]
+        model(torch.tensor([longer[: cached.cached_tokens]]), **cache_kwargs(model, hf_cache))
+        incremental = model(
+            torch.tensor([longer[cached.cached_tokens :]]), **cache_kwargs(model, hf_cache)
+        ).logits[0, -1]
     hf_own_drift = (incremental - single).abs().max().item()
     torch.testing.assert_close(cached.logits, incremental, atol=1e-5, rtol=0)
     assert (cached.logits - single).abs().max().item() <= max(2 * hf_own_drift, 1e-5)

@@ -10,6 +10,7 @@ import torch
 import transformers as T
 
 from kvb_cache import EngineConfig, KVBoost
+from kvb_cache.cache_kwarg import cache_kwargs, output_cache
 
 NEW_TOKENS = 16
 SYSTEM = (
@@ -27,7 +28,7 @@ def hf(model, ids: list[int], cache=None, **kwargs) -> list[int]:
     x = torch.tensor([ids])
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, **kwargs}
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, **kwargs)
+        out = model.generate(x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), **kwargs)
     return out[0, len(ids) :].tolist()
 
 
@@ -71,13 +72,13 @@ def test_kv_stored_from_hf_generate_serves_the_engine_exactly(smollm2):
         out = model.generate(
             x,
             attention_mask=torch.ones_like(x),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
             return_dict_in_generate=True,
         )
     seq = out.sequences[0].tolist()
-    assert engine.store_cache(seq, out.past_key_values, cache_salt="hf-app") == len(seq) - 1
+    assert engine.store_cache(seq, output_cache(out), cache_salt="hf-app") == len(seq) - 1
     follow = seq + tokenizer("\nAnd screws?", add_special_tokens=False)["input_ids"]
     assert engine.generate(follow, max_new_tokens=1).cached_tokens == 0  # another tenant's chain
     result = engine.generate(follow, max_new_tokens=NEW_TOKENS, cache_salt="hf-app")

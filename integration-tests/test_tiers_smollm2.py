@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvb_cache import EngineConfig, KVBoost, TierConfig
+from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.codecs import AbsmaxInt8Codec, EncodedKV, KiviCodec, chunk_snr_db
 from kvb_cache.kv import slice_kv
 from kvb_cache.tiers.text import benchmark_token_ids
@@ -21,7 +22,7 @@ def real_kv(smollm2, prompt_ids):
     model, _ = smollm2
     with torch.inference_mode():
         out = model(torch.tensor([prompt_ids[:512]]), use_cache=True)
-    return [slice_kv(out.past_key_values, s, s + 128) for s in range(0, 512, 128)]
+    return [slice_kv(output_cache(out), s, s + 128) for s in range(0, 512, 128)]
 
 
 @pytest.mark.parametrize(

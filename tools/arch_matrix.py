@@ -30,6 +30,7 @@ from arch_paths import path_problems, paths_table, run_paths  # noqa: E402
 from conftest import VOCAB, make_tokenizer, rag_prompts, words  # noqa: E402
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
+from kvb_cache.cache_kwarg import output_cache  # noqa: E402
 from kvb_cache.rope import KeyRepositioner  # noqa: E402
 
 _C = dict(
@@ -473,7 +474,7 @@ def _moved_key_error(model, ids: list[int], old: int = 5, new: int = 61) -> floa
     def kv_at(start: int):
         positions = torch.arange(start, start + len(ids)).unsqueeze(0)
         with torch.no_grad():
-            cache = model(torch.tensor([ids]), position_ids=positions, use_cache=True).past_key_values
+            cache = output_cache(model(torch.tensor([ids]), position_ids=positions, use_cache=True))
         return tuple((layer.keys, layer.values) for layer in cache.layers)
 
     mover = KeyRepositioner.for_model(model, absolute_positions=False)

@@ -16,6 +16,7 @@ import torch
 import transformers as T
 
 from kvb_cache import EngineConfig, KVBoost, KVBoostError
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.live_quant import LiveQuantizedCache, quantize_live
 from kvb_cache.pool_io import dense_cache
 from kvb_cache.tiers import TierConfig
@@ -37,9 +38,9 @@ def _teacher_forced(model, ids: list[int], continuation: list[int], cache) -> to
     """``[len(continuation), V]`` logits over ``cache``: the prompt in one forward, then one token per step."""
     full = torch.tensor([ids + continuation])
     with torch.no_grad():
-        rows = [model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]]
+        rows = [model(full[:, : len(ids)], **cache_kwargs(model, cache), use_cache=True).logits[0, -1]]
         for t in range(len(ids), full.shape[1] - 1):
-            rows.append(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+            rows.append(model(full[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[0, -1])
     return torch.stack(rows)
 
 
@@ -48,7 +49,9 @@ def _greedy_loop(model, ids: list[int], cache, n: int = NEW) -> list[int]:
     tokens = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            out.append(int(model(tokens, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+            out.append(
+                int(model(tokens, **cache_kwargs(model, cache), use_cache=True).logits[0, -1].argmax())
+            )
             tokens = torch.tensor([[out[-1]]])
     return out
 
@@ -67,7 +70,7 @@ def live_quant(model, tokenizer, ids: list[int]) -> dict:
     engine.warm(ids[:32])
     with torch.no_grad():
         prefix = T.DynamicCache()
-        model(torch.tensor([ids[:32]]), past_key_values=prefix, use_cache=True)
+        model(torch.tensor([ids[:32]]), **cache_kwargs(model, prefix), use_cache=True)
     prefix_kv = [(layer.keys, layer.values) for layer in prefix.layers]
     row: dict = {"logit_scale": float(reference.abs().max())}
     for bits in (8, 4):
@@ -123,13 +126,13 @@ def hf_bridge(model, tokenizer, ids: list[int]) -> dict:
         attention_mask=torch.ones_like(x),
     )
     with torch.no_grad():
-        cached = model.generate(x, past_key_values=hit.cache, **kwargs)
+        cached = model.generate(x, **cache_kwargs(model, hit.cache), **kwargs)
         plain = model.generate(x, **kwargs)
     lookup_dev = max(float((a - b).abs().max()) for a, b in zip(cached.logits, plain.logits))
     stored = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
     forward = T.DynamicCache()
     with torch.no_grad():
-        model(torch.tensor([ids[:40]]), past_key_values=forward, use_cache=True)
+        model(torch.tensor([ids[:40]]), **cache_kwargs(model, forward), use_cache=True)
     stored.store_cache(ids[:40], forward)
     got = stored.next_token_logits(ids)
     return {

@@ -58,6 +58,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     from kvb_cache import EngineConfig, KVBoost
+    from kvb_cache.cache_kwarg import cache_kwargs
     from kvb_cache.embedded import embedded_model_path
     from kvb_cache.live_quant import cache_kv_bytes
     from kvb_planner import DeviceProfile, LadderStep, ModelShape, PlanRequest, estimate_memory, plan
@@ -103,7 +104,7 @@ def main() -> None:
             # store_sequence is never called): its live KV is the dense KV of the tokens it held.
             dense = DynamicCache()
             with torch.no_grad():
-                model(input_ids=torch.tensor([ids + list(out.output_ids[:-1])]), past_key_values=dense)
+                model(input_ids=torch.tensor([ids + list(out.output_ids[:-1])]), **cache_kwargs(model, dense))
             caches.append(dense)
         predicted = estimate_memory(
             request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape

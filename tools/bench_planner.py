@@ -31,6 +31,8 @@ from pathlib import Path
 
 from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
 
+from kvb_cache.cache_kwarg import cache_kwargs
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MIB = 1 << 20
@@ -69,10 +71,12 @@ def _run_request(model, ids, chunk: int | None, max_new_tokens: int) -> None:
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         for start in range(0, ids.shape[1], step):
-            out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                ids[:, start : start + step], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1
+            )
         for _ in range(max_new_tokens):
             token = out.logits[:, -1].float().argmax(-1, keepdim=True)  # the sampler's fp32 copy
-            out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(token, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
 
 
 def worker(prompt: int, chunk: int | None, max_new_tokens: int, device: str, threads: int) -> dict:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kvb_cache.cache_kwarg import cache_kwargs
+
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 
@@ -71,12 +73,12 @@ def decode_tok_s(model: torch.nn.Module, *, prompt_len: int, new_tokens: int, vo
     cache = DynamicCache(config=model.config)
     times = []
     with torch.inference_mode():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvb_cache import EngineConfig, KVBoost
+from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.codecs import AbsmaxInt8Codec, EncodedKV, KiviCodec, bytes_ratio, chunk_snr_db
 from kvb_cache.embedded import embedded_model_path
 from kvb_cache.fingerprint import model_fingerprint
@@ -99,7 +100,7 @@ def codec_snr(model, ids: list[int]) -> list[dict]:
     ):
         snrs, ratios = [], []
         for start in range(0, len(ids) - 127, 128):
-            kv = slice_kv(out.past_key_values, start, start + 128)
+            kv = slice_kv(output_cache(out), start, start + 128)
             enc = EncodedKV.from_dense(codec, kv)
             snrs.append(chunk_snr_db(kv, enc))
             ratios.append(bytes_ratio(kv, enc, element_size=2))

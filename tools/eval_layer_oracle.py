@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_fidelity as ef
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig
+from kvb_cache.cache_kwarg import cache_kwargs, output_cache
 from kvb_cache.fidelity import compare_distributions, reference_continuation_logits
 
 NEW_TOKENS = 32
@@ -56,9 +57,7 @@ def substitute(model, tokenizer, group: list[tuple[str, str]]) -> dict[str, tupl
     prepared = engine._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=engine._salted_root(None))
     start = prepared.cached_tokens
     stitched = [(layer.keys, layer.values) for layer in prepared.cache.layers]
-    exact = [
-        (layer.keys, layer.values) for layer in model(torch.tensor([ids[:start]])).past_key_values.layers
-    ]
+    exact = [(layer.keys, layer.values) for layer in output_cache(model(torch.tensor([ids[:start]]))).layers]
     tokens = torch.tensor([ids[start:] + list(continuation[:-1])])
     positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
     out = {}
@@ -68,7 +67,7 @@ def substitute(model, tokenizer, group: list[tuple[str, str]]) -> dict[str, tupl
             for k, v in (exact[i] if i in layers else stitched[i] for i in range(len(stitched)))
         ]
         cache = DynamicCache(kv, config=model.config)
-        logits = model(input_ids=tokens, position_ids=positions, past_key_values=cache).logits
+        logits = model(input_ids=tokens, position_ids=positions, **cache_kwargs(model, cache)).logits
         agreement = compare_distributions(reference, logits[0, -len(continuation) :])
         out[name] = (agreement.top1_agreement, agreement.mean_kl)
     return out

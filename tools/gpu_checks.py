@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvb_cache.cache_kwarg import cache_kwargs
+
 LOG = logging.getLogger("gpu_checks")
 #: Where everything runs; ``--device cpu`` is a smoke test of this script only (the kernels then fall back).
 DEVICE = "cuda"
@@ -213,12 +215,12 @@ def spec_streaming(args: argparse.Namespace) -> dict:
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = streamed(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = streamed(input_ids=ids, **cache_kwargs(streamed, cache), use_cache=True).logits
             tokens = [int(logits[0, -1].argmax())]
             while len(tokens) < new:
                 logits = streamed(
                     input_ids=torch.tensor([[tokens[-1]]], device=DEVICE),
-                    past_key_values=cache,
+                    **cache_kwargs(streamed, cache),
                     use_cache=True,
                 ).logits
                 tokens.append(int(logits[0, -1].argmax()))

@@ -10,6 +10,7 @@ import transformers as T
 from conftest import VOCAB, words
 
 from kvb_cache import ContextLengthError, EngineConfig, KVBoost, UnsupportedModelError
+from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.rope import KeyRepositioner
 
 _SMALL = dict(
@@ -105,7 +106,7 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
     def kv_at(start: int):
         positions = torch.arange(start, start + len(ids)).unsqueeze(0)
         with torch.no_grad():
-            cache = model(torch.tensor([ids]), position_ids=positions, use_cache=True).past_key_values
+            cache = output_cache(model(torch.tensor([ids]), position_ids=positions, use_cache=True))
         return tuple((layer.keys, layer.values) for layer in cache.layers)
 
     moved = mover.reposition(kv_at(5), 5, 61)

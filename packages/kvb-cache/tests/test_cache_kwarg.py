@@ -50,3 +50,42 @@ def test_cache_kwargs_names_the_cache():
     cache = DynamicCache()
     assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
     assert cache_kwargs(New(), cache) == {"cache": cache}
+
+
+def test_output_cache_reads_whichever_field_the_output_has():
+    import dataclasses
+
+    from kvb_cache.cache_kwarg import output_cache
+
+    @dataclasses.dataclass
+    class OldOutput:
+        logits: torch.Tensor | None = None
+        past_key_values: Cache | None = None
+
+    @dataclasses.dataclass
+    class NewOutput:
+        logits: torch.Tensor | None = None
+        cache: Cache | None = None
+
+    cache = DynamicCache()
+    assert output_cache(OldOutput(past_key_values=cache)) is cache
+    assert output_cache(NewOutput(cache=cache)) is cache
+    assert output_cache(NewOutput()) is None
+
+
+def test_a_real_forward_and_its_output_through_the_helpers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvb_cache.cache_kwarg import output_cache
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]]), use_cache=True, **cache_kwargs(model, cache))
+    assert output_cache(out) is cache
+    assert cache.get_seq_length() == 3

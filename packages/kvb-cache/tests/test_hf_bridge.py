@@ -1,6 +1,6 @@
 """``lookup_cache`` / ``store_cache``: the pool as plain ``transformers`` caches for any Hugging Face code path.
 
-The contract: ``model.generate(ids, past_key_values=hit.cache, ...)`` on a hit gives exactly what the same
+The contract: ``model.generate(ids, **cache_kwargs(model, hit.cache), ...)`` on a hit gives exactly what the same
 call gives without a cache (its own logits processors, streamers, assisted decoding included), and KV
 stored from a Hugging Face cache is hit by the engine's own requests.
 """
@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.streamers import BaseStreamer
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, PromptTypeError
+from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.hf_bridge import PrefixCache
 from kvb_cache.tiers import TierConfig
 
@@ -29,7 +30,7 @@ def prefilled(model, ids) -> T.DynamicCache:
     """The cache a plain forward over ``ids`` leaves (every layer full, whatever the architecture)."""
     cache = T.DynamicCache()
     with torch.no_grad():
-        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True)
     return cache
 
 
@@ -37,7 +38,7 @@ def hf_generate(model, ids, cache=None, **kwargs):
     x = torch.tensor([ids])
     kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, **kwargs}
     with torch.no_grad():
-        return model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, **kwargs)
+        return model.generate(x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), **kwargs)
 
 
 class Collect(BaseStreamer):
@@ -165,7 +166,7 @@ def test_first_token_logits_equal_no_cache(warm, llama):
     hit = warm.lookup_cache(PROMPT)
     with torch.no_grad():
         ref = llama(torch.tensor([PROMPT])).logits[0, -1]
-        got = llama(torch.tensor([hit.remaining_ids]), past_key_values=hit.cache).logits[0, -1]
+        got = llama(torch.tensor([hit.remaining_ids]), **cache_kwargs(llama, hit.cache)).logits[0, -1]
     assert torch.allclose(got, ref, atol=1e-5)
     cached = hf_generate(
         llama, PROMPT, warm.lookup_cache(PROMPT).cache, output_logits=True, return_dict_in_generate=True

@@ -7,6 +7,7 @@ import torch
 from conftest import PATH_ARCHITECTURES, make_model, words
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost
+from kvb_cache.cache_kwarg import cache_kwargs, output_cache
 from kvb_cache.codecs import snr_db
 from kvb_cache.live_quant import (
     KiviLiveLayer,
@@ -110,7 +111,7 @@ def greedy_on(model, ids: list[int], cache, n: int = NEW) -> list[int]:
     tokens = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            logits = model(tokens, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(tokens, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
             out.append(int(logits.argmax()))
             tokens = torch.tensor([[out[-1]]])
     return out
@@ -120,11 +121,15 @@ def teacher_forced_agreement(model, ids: list[int], continuation: list[int], cac
     """Share of positions where the argmax over ``cache`` picks the reference's next token."""
     full = torch.tensor([ids + continuation])
     with torch.no_grad():
-        logits = model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(full[:, : len(ids)], **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
         preds = [int(logits.argmax())]
         for t in range(len(ids), full.shape[1] - 1):
             preds.append(
-                int(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+                int(
+                    model(full[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
+                    .logits[0, -1]
+                    .argmax()
+                )
             )
     return sum(p == r for p, r in zip(preds, continuation)) / len(continuation)
 
@@ -160,7 +165,7 @@ def test_working_cache_bytes_drop(llama, tokenizer):
     engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=8)
     engine.generate(ids, max_new_tokens=4, ignore_eos=True, kv_cache_bits=4)
     with torch.no_grad():  # the exact path's KV for the same tokens, as a plain transformers cache holds it
-        dense_cache = llama(torch.tensor([[*ids, 5, 6, 7]]), use_cache=True).past_key_values
+        dense_cache = output_cache(llama(torch.tensor([[*ids, 5, 6, 7]]), use_cache=True))
     caches.insert(0, dense_cache)
     dense, q8, q4 = (cache_kv_bytes(c) for c in caches)
     assert all(c.get_seq_length() == len(ids) + 3 for c in caches)
@@ -253,9 +258,9 @@ def teacher_forced_logits(model, ids: list[int], continuation: list[int], cache)
     (the decode steps read the quantized prompt; the prefill itself attends to its KV as computed)."""
     full = torch.tensor([ids + continuation])
     with torch.no_grad():
-        rows = [model(full[:, : len(ids)], past_key_values=cache, use_cache=True).logits[0, -1]]
+        rows = [model(full[:, : len(ids)], **cache_kwargs(model, cache), use_cache=True).logits[0, -1]]
         for t in range(len(ids), full.shape[1] - 1):
-            rows.append(model(full[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+            rows.append(model(full[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[0, -1])
     return torch.stack(rows)
 
 
@@ -303,5 +308,5 @@ def dense_prefix(model, ids: list[int]):
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(torch.tensor([ids]), use_cache=True, past_key_values=cache)
+        model(torch.tensor([ids]), use_cache=True, **cache_kwargs(model, cache))
     return cache

@@ -7,6 +7,7 @@ import torch
 import transformers as T
 from conftest import VOCAB, make_model
 
+from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.rope import KeyRepositioner
 
 _SMALL = dict(
@@ -76,7 +77,7 @@ def _kv_at(model, ids: list[int], start: int):
     """Per layer ``(keys, values)`` of ``ids`` computed alone at positions ``[start, start + len)``."""
     positions = torch.arange(start, start + len(ids)).unsqueeze(0)
     with torch.no_grad():
-        cache = model(torch.tensor([ids]), position_ids=positions, use_cache=True).past_key_values
+        cache = output_cache(model(torch.tensor([ids]), position_ids=positions, use_cache=True))
     return tuple((layer.keys, layer.values) for layer in cache.layers)
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import ListedStore, words
 
 from kvb_cache import EngineConfig, HitKind, KVBoost, SamplingParams, StitchConfig
+from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.errors import ConfigError
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.stitch_lookup import ContentLookup, StitchedPiece, copy_pieces
@@ -30,7 +31,7 @@ def _docs(tokenizer):
 def _values(model, ids):
     """Per layer ``[kv_heads, len(ids), head_dim]`` values of one plain forward."""
     with torch.no_grad():
-        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        cache = output_cache(model(torch.tensor([ids]), use_cache=True))
     return [layer.values[0] for layer in cache.layers]
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -79,9 +80,9 @@ def test_generate_with_dynamic_cache_matches_resident(awq_llama_dir: Path) -> No
     streamed = load(awq_llama_dir, residency_mode="full_stream", n_staging_slots=2)
     expected = resident.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     cache = DynamicCache(config=streamed.config)
-    got = streamed.generate(
-        prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache
-    )
+    # transformers 5.24 renamed generate's and forward's past_key_values to cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(streamed.forward).parameters else "past_key_values"
+    got = streamed.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, **{name: cache})
     assert torch.equal(got, expected)
     assert cache.get_seq_length() == prompt.shape[1] + 8 - 1
     stats = get_runtime(streamed).stats()

@@ -6,6 +6,7 @@ on every call); 5.0-5.23 know only ``past_key_values``. Callers pass ``**cache_k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -46,3 +47,12 @@ def cache_argument(module: torch.nn.Module) -> str | None:
 def cache_kwargs(module: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
     """``{name: cache}`` for ``module(**..., **cache_kwargs(module, cache))``."""
     return {cache_argument(module) or "past_key_values": cache}
+
+
+def output_cache(output: object) -> Cache | None:
+    """The ``Cache`` a forward or ``generate`` returned: ``output.cache`` on transformers >= 5.24, else
+    ``output.past_key_values`` (reading the old name on 5.24 logs a deprecation warning)."""
+    names = (
+        {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+    )
+    return getattr(output, "cache" if "cache" in names else "past_key_values", None)

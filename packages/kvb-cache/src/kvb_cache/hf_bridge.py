@@ -106,8 +106,9 @@ class HFCacheBridge:
     ) -> PrefixCache:
         """The longest cached prefix of ``token_ids`` as a prefilled ``DynamicCache``.
 
-        Feed it with the *whole* sequence: ``model.generate(input_ids, past_key_values=hit.cache)`` runs
-        only ``input_ids[:, hit.cached_tokens:]`` through the model. An exact hit gives the same logits as
+        Feed it with the *whole* sequence: ``model.generate(input_ids, **cache_kwargs(model, hit.cache))``
+        (:func:`kvb_cache.cache_kwarg.cache_kwargs`: ``cache=`` on transformers >= 5.24, else
+        ``past_key_values=``) runs only ``input_ids[:, hit.cached_tokens:]`` through the model. An exact hit gives the same logits as
         no cache (fp32: within 1e-5). Assisted generation needs the suffix-only form instead
         (:meth:`PrefixCache.generate_inputs`).
 
