@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvb_cache.codecs import DenseCodec, KiviCodec
+from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.hashing import content_hash, prefix_hash, root_hash
 from kvb_cache.records import RecordFormat, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, ChunkStore
@@ -42,7 +43,7 @@ def chain(n: int, tag: int = 0, tokens: int = 4) -> list[ChunkEntry]:
     return out
 
 
-def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None) -> TieredStore:
+def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None, shapes=None) -> TieredStore:
     codec = codec or DenseCodec()
     disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=disk_bytes)
     ram = ChunkStore(ram_bytes)
@@ -52,6 +53,7 @@ def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None) -> Ti
         codec=codec,
         lower=[LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
         writer=BackgroundWriter(16),
+        shapes=shapes,
     )
     ram.on_evict = store.demote
     return store
@@ -253,3 +255,110 @@ def test_disk_cache_dir_naming_a_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="is a file"):
         TierConfig(disk_cache_dir=blocker)
     TierConfig(disk_cache_dir=tmp_path / "created-later")  # a missing folder is fine: created on first store
+
+
+#: The KV layout of the model ``chain()`` stands for: 2 layers of 2 KV heads of 8 channels, fp32.
+SHAPES = (LayerShape(kv_heads=2, key_dim=8, value_dim=8, dtype=torch.float32),) * 2
+
+
+def shaped(
+    parent=ROOT,
+    *,
+    tag=50,
+    tokens=4,
+    start=0,
+    layers=2,
+    heads=2,
+    key_dim=8,
+    value_dim=8,
+    dtype=torch.float32,
+    kv_tokens=None,
+) -> ChunkEntry:
+    """A chunk whose KV has the given layout (``kv_tokens`` KV positions for its ``tokens`` token ids), as
+    a store of another model (or another program) sharing the tier would write it."""
+    ids = tuple(tag * 1000 + start + j for j in range(tokens))
+    g = torch.Generator().manual_seed(tag)
+    t = tokens if kv_tokens is None else kv_tokens
+    kv = tuple(
+        (
+            torch.randn(1, heads, t, key_dim, generator=g).to(dtype),
+            torch.randn(1, heads, t, value_dim, generator=g).to(dtype),
+        )
+        for _ in range(layers)
+    )
+    return ChunkEntry(
+        key=prefix_hash(parent, ids),
+        parent=parent,
+        content=content_hash(ROOT, ids),
+        token_ids=ids,
+        kv=kv,
+        start=start,
+    )
+
+
+WRONG_LAYOUTS = {
+    "more-kv-heads": dict(heads=4),
+    "fewer-kv-heads": dict(heads=1),
+    "wider-keys": dict(key_dim=16),
+    "narrower-values": dict(value_dim=4),
+    "fewer-layers": dict(layers=1),
+    "more-layers": dict(layers=3),
+    "fp16": dict(dtype=torch.float16),
+    "bf16": dict(dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("layout", WRONG_LAYOUTS.values(), ids=WRONG_LAYOUTS.keys())
+def test_record_of_another_kv_layout_is_dropped_counted_and_a_miss(tmp_path, layout):
+    # A well-checksummed record of this fingerprint whose KV does not fit the model (another model's store
+    # or another program writing into the shared namespace) was promoted and served: the forward using it
+    # then crashed inside torch or, with fewer layers, silently read stale KV for the others.
+    good, bad = shaped(tag=1), shaped(tag=2, **layout)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in (good, bad):
+        assert disk.put(e.key, record(e))
+    disk.close()
+    store = tiered(tmp_path, shapes=SHAPES)
+    disk = store.lower[0].tier
+    assert store.get(bad.key) is None  # a miss, not an exception and not the record
+    store.flush()  # the invalid record's deletion is queued on the writer
+    assert bad.key not in store
+    assert disk.stats().corrupt == 1
+    assert not disk.contains(bad.key) and not disk._path(bad.key).exists()
+    # Positive control: a record of the model's layout is still promoted and served as written.
+    got = store.get(good.key)
+    assert got is not None and good.key in store
+    assert all(torch.equal(a, b) for pa, pb in zip(got.kv, good.kv) for a, b in zip(pa, pb))
+    assert disk.stats().corrupt == 1 and disk.contains(good.key)
+
+
+def test_prefetch_cuts_a_chain_at_a_record_of_another_kv_layout(tmp_path):
+    first = shaped(tag=3)
+    second = shaped(first.key, tag=3, start=4, heads=4)
+    third = shaped(second.key, tag=3, start=8)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in (first, second, third):
+        disk.put(e.key, record(e))
+    store = tiered(tmp_path, shapes=SHAPES)
+    assert store.prefetch([first.key, second.key, third.key]) == 1
+    store.flush()
+    assert first.key in store and second.key not in store and third.key not in store
+    assert store.lower[0].tier.stats().corrupt == 1 and not store.lower[0].tier.contains(second.key)
+    assert store.lower[0].tier.contains(third.key)  # valid, only unreachable until its parent is recomputed
+
+
+def test_quantized_record_whose_kv_length_is_not_its_token_count_is_a_miss(tmp_path):
+    # decode_record checks the KV length of dense records only; a quantized record's values decode to
+    # however many tokens were encoded.
+    codec = KiviCodec(bits=8, group_size=4)
+    bad = shaped(tag=4, tokens=8, kv_tokens=12)
+    good = shaped(tag=5, tokens=8)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in (good, bad):
+        disk.put(e.key, encode_record(e, RecordFormat(fingerprint=FINGERPRINT, codec=codec)))
+    store = tiered(tmp_path, codec=codec, shapes=SHAPES)
+    assert store.get(bad.key) is None
+    store.flush()
+    assert store.lower[0].tier.stats().corrupt == 1 and not store.lower[0].tier.contains(bad.key)
+    got = store.get(good.key)
+    assert got is not None and got.layer(1)[1].shape == (1, 2, 8, 8)

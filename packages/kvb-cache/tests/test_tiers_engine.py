@@ -155,3 +155,50 @@ def test_blocks_evicted_from_ram_come_back_from_disk_exactly(arch, tokenizer, tm
         eng.close()
     assert deviation[16] <= 1e-5, deviation
     assert 0 < deviation[8] < deviation[4] < float(ref.abs().max()), deviation
+
+
+def test_tiered_store_passed_as_store_checks_promoted_records_against_the_model(llama, tokenizer, tmp_path):
+    # build_store knows no model: the engine given its TieredStore hands it the model's KV layout, so a
+    # record of another layout in its disk tier is a counted miss instead of KV served to the stitcher.
+    from kvb_cache.fingerprint import model_fingerprint
+    from kvb_cache.hashing import content_hash, root_hash
+    from kvb_cache.records import encode_record
+    from kvb_cache.store import ChunkEntry
+    from kvb_cache.tiers import TieredStore, build_store
+
+    config = EngineConfig(chunk_size=16)
+    fingerprint = model_fingerprint(llama, config)
+    store = build_store(
+        EngineConfig(chunk_size=16, tiers=TierConfig(disk_cache_dir=tmp_path)),
+        fingerprint=fingerprint,
+        root=root_hash(fingerprint),
+    )
+    assert isinstance(store, TieredStore) and store.shapes is None
+    eng = KVBoost(llama, tokenizer, config=config, store=store)
+    assert store.shapes == eng.kv.storage.shapes and len(store.shapes) == llama.config.num_hidden_layers
+
+    def chunk(ids, heads):
+        kv = tuple(
+            (torch.randn(1, heads, len(ids), s.key_dim), torch.randn(1, heads, len(ids), s.value_dim))
+            for s in store.shapes
+        )
+        key = prefix_hash(eng.root, ids)
+        return ChunkEntry(
+            key=key,
+            parent=eng.root,
+            content=content_hash(eng.root, ids),
+            token_ids=tuple(ids),
+            kv=kv,
+            start=0,
+        )
+
+    heads = store.shapes[0].kv_heads
+    good, bad = chunk(PROMPTS[3][:16], heads), chunk(PROMPTS[4][:16], 2 * heads)
+    disk = store.lower[0]
+    for e in (good, bad):
+        disk.tier.put(e.key, encode_record(e, disk.format))
+    assert store.get(bad.key) is None
+    store.flush()
+    assert disk.tier.stats().corrupt == 1 and not disk.tier.contains(bad.key)
+    assert store.get(good.key) is not None
+    eng.close()

@@ -39,7 +39,7 @@ from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.structured.backend import GrammarCache
-from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TieredStore
 from kvb_cache.transfers import CacheTransfers
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
+        if isinstance(self.store, TieredStore) and self.store.shapes is None:
+            # Built without a model (build_store): check the records it promotes against this model's KV.
+            self.store.shapes = self.kv.storage.shapes
         # response_format: compiled grammars per (grammar, tokenizer); llguidance is imported on first use.
         self.grammars = GrammarCache()
         self.stitcher = Stitcher(

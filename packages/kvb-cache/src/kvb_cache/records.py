@@ -6,14 +6,17 @@ model fingerprint, codec, dense dtype, layer and token counts, the chunk's hashe
 token ids travel as an int64 tensor. Nothing is pickled: safetensors is plain JSON plus raw bytes.
 
 A record is trusted only when the checksum matches, the fingerprint and codec are the reader's, and the
-stored hashes recompute from the stored tokens (so a record can never be served under another key).
+stored hashes recompute from the stored tokens (so a record can never be served under another key). A tier
+that knows the model's KV layout also passes the decoded KV through :func:`checked_kv` before serving it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as st_load
@@ -22,7 +25,10 @@ from safetensors.torch import save as st_save
 from kvb_cache.codecs import DenseCodec, EncodedKV, KVCodec
 from kvb_cache.errors import KVBoostError
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
-from kvb_cache.store import ChunkEntry
+from kvb_cache.store import ChunkEntry, LayerKV
+
+if TYPE_CHECKING:
+    from kvb_cache.core.kv_storage import LayerShape
 
 MAGIC = b"KVBREC\x00\x01"
 FORMAT_VERSION = "1"
@@ -151,6 +157,44 @@ def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: Rec
         kv=kv,
         encoded=None if kv else encoded,
     )
+
+
+def checked_kv(
+    entry: ChunkEntry, shapes: Sequence[LayerShape] | None, *, tokens: int | None = None
+) -> LayerKV:
+    """``entry``'s dense KV, checked against the model's KV layout; RecordError when it differs.
+
+    Every layer ``i`` must hold keys ``[1, kv_heads, tokens, key_dim]`` and values ``[1, kv_heads, tokens,
+    value_dim]`` of ``shapes[i]`` (one entry per layer, no more, no fewer) in ``shapes[i].dtype``, with
+    finite values. ``tokens`` defaults to the entry's own token count (a pool block passes ``block_size``).
+    A record passing :func:`decode_record` can still fail this: another program (or another model's store
+    pointed at the same namespace) may write a well-checksummed record of another layout, which would crash
+    a later forward inside torch or, with fewer layers, leave the others' KV stale. ``shapes`` None (no
+    model known) only decodes: a codec failing on malformed tensors is still a RecordError.
+    """
+    try:
+        kv = entry.dense()
+    except Exception as exc:  # a codec decoding malformed tensors (bad shapes, missing scales)
+        raise RecordError(f"undecodable KV: {type(exc).__name__}: {exc}") from exc
+    if shapes is None:
+        return kv
+    if len(kv) != len(shapes):
+        raise RecordError(f"record has {len(kv)} layers, the model {len(shapes)}")
+    tokens = entry.num_tokens if tokens is None else tokens
+    for i, ((k, v), shape) in enumerate(zip(kv, shapes)):
+        want_k = (1, shape.kv_heads, tokens, shape.key_dim)
+        want_v = (1, shape.kv_heads, tokens, shape.value_dim)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise RecordError(
+                f"layer {i} KV shapes {tuple(k.shape)}/{tuple(v.shape)} != the model's {want_k}/{want_v}"
+            )
+        if k.dtype != shape.dtype or v.dtype != shape.dtype:
+            raise RecordError(f"layer {i} KV dtype {k.dtype}/{v.dtype} != the model's {shape.dtype}")
+        # NaN/inf KV poisons every later token of the request; a forward never stores it, so such a
+        # record was written by someone else. Cheap next to the copy the reader makes of it.
+        if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
+            raise RecordError(f"layer {i} KV holds NaN or inf")
+    return kv
 
 
 def _metadata(blob: memoryview) -> dict[str, str]:

@@ -12,12 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch
-
 from kvb_cache.config import EngineConfig
 from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.hashing import ChunkHash
-from kvb_cache.records import RecordError, decode_record, encode_record
+from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
 from kvb_cache.tiers.tiered import LowerTier
@@ -29,10 +27,11 @@ logger = logging.getLogger(__name__)
 class BlockTiers:
     """The lower tiers of an engine, in lookup order (fastest first).
 
-    ``shapes`` and ``block_size`` describe the pool's blocks: a record whose KV does not have exactly
-    that layout (layers, heads, tokens, channels) is dropped as invalid rather than written into the pool,
-    where it would fail deep inside torch or, with fewer layers, leave stale KV in the others. None skips
-    the check (records then only pass :func:`~kvb_cache.records.decode_record`'s own validation).
+    ``shapes`` and ``block_size`` describe the pool's blocks: a record whose KV does not have exactly that
+    layout (layers, heads, tokens, channels, dtype; finite values: :func:`~kvb_cache.records.checked_kv`) is
+    dropped as invalid rather than written into the pool, where it would fail deep inside torch or, with
+    fewer layers, leave stale KV in the others. None skips the check (records then only pass
+    :func:`~kvb_cache.records.decode_record`'s own validation).
     """
 
     def __init__(
@@ -138,29 +137,7 @@ class BlockTiers:
 
     def _dense(self, entry: ChunkEntry) -> LayerKV:
         """``entry``'s dense KV, checked against the pool's block layout (RecordError when it differs)."""
-        try:
-            kv = entry.dense()
-        except Exception as exc:  # a codec decoding malformed tensors (bad shapes, missing scales)
-            raise RecordError(f"undecodable KV: {type(exc).__name__}: {exc}") from exc
-        if self.shapes is None:
-            return kv
-        if len(kv) != len(self.shapes):
-            raise RecordError(f"record has {len(kv)} layers, the model {len(self.shapes)}")
-        tokens = self.block_size if self.block_size is not None else entry.num_tokens
-        for i, ((k, v), shape) in enumerate(zip(kv, self.shapes)):
-            want_k = (1, shape.kv_heads, tokens, shape.key_dim)
-            want_v = (1, shape.kv_heads, tokens, shape.value_dim)
-            if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-                raise RecordError(
-                    f"layer {i} KV shapes {tuple(k.shape)}/{tuple(v.shape)} != the pool's {want_k}/{want_v}"
-                )
-            if not k.is_floating_point() or not v.is_floating_point():
-                raise RecordError(f"layer {i} KV is not floating point ({k.dtype}/{v.dtype})")
-            # NaN/inf KV poisons every later token of the request; a forward never stores it, so such a
-            # record was written by someone else. Cheap next to the copy into the pool.
-            if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
-                raise RecordError(f"layer {i} KV holds NaN or inf")
-        return kv
+        return checked_kv(entry, self.shapes, tokens=self.block_size)
 
     @staticmethod
     def _store(entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:

@@ -56,6 +56,7 @@ class KVStorage:
     def __init__(
         self, shapes: Sequence[LayerShape], *, num_blocks: int, block_size: int, device: torch.device
     ) -> None:
+        self.shapes = tuple(shapes)
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size

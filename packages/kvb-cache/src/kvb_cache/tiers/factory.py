@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from kvb_cache.codecs import KVCodec, codec_for_bits, codec_from_name
 from kvb_cache.config import EngineConfig
 from kvb_cache.hashing import ChunkHash
@@ -11,6 +14,9 @@ from kvb_cache.tiers.disk import DiskTier
 from kvb_cache.tiers.remote import RedisTier
 from kvb_cache.tiers.tiered import LowerTier, TieredStore
 from kvb_cache.tiers.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from kvb_cache.core.kv_storage import LayerShape
 
 
 def storage_codec(config: EngineConfig) -> KVCodec:
@@ -27,8 +33,18 @@ def codec_label(config: EngineConfig) -> str:
     return label
 
 
-def build_store(config: EngineConfig, *, fingerprint: str, root: ChunkHash) -> ChunkStore | TieredStore:
-    """A plain RAM store for exact KV without tiers (the zero-overhead default), else a TieredStore."""
+def build_store(
+    config: EngineConfig,
+    *,
+    fingerprint: str,
+    root: ChunkHash,
+    shapes: Sequence[LayerShape] | None = None,
+) -> ChunkStore | TieredStore:
+    """A plain RAM store for exact KV without tiers (the zero-overhead default), else a TieredStore.
+
+    ``shapes`` (the model's per-layer KV shapes) makes the TieredStore drop promoted records of another KV
+    layout as corrupt; without it no layout check runs until an engine given the store fills it in.
+    """
     codec = storage_codec(config)
     tiers = config.tiers
     if codec.exact and (tiers is None or not tiers.enabled):
@@ -36,7 +52,7 @@ def build_store(config: EngineConfig, *, fingerprint: str, root: ChunkHash) -> C
     lower = lower_tiers(config, fingerprint=fingerprint)
     writer = BackgroundWriter(tiers.max_pending_writes if tiers is not None else 256)
     ram = ChunkStore(config.max_cache_bytes)
-    store = TieredStore(ram, root=root, codec=codec, lower=lower, writer=writer)
+    store = TieredStore(ram, root=root, codec=codec, lower=lower, writer=writer, shapes=shapes)
     ram.on_evict = store.demote
     return store
 

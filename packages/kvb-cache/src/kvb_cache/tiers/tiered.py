@@ -7,14 +7,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvb_cache.codecs import KVCodec
 from kvb_cache.hashing import ChunkHash, content_hash
-from kvb_cache.records import RecordError, RecordFormat, decode_record, encode_record
+from kvb_cache.records import RecordError, RecordFormat, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, ChunkStore, StoreStats
 from kvb_cache.tiers.base import RecordTier, TierStats
 from kvb_cache.tiers.transcode import with_codec
 from kvb_cache.tiers.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from kvb_cache.core.kv_storage import LayerShape
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,10 @@ class TieredStore:
       tier on the background writer; a RAM eviction queues a demotion for tiers missing the record. A
       full queue drops the write (counted), never blocking a request.
     - ``children``, ``by_content`` and the radix tail match are RAM-only: lower tiers are key -> record.
-    - A record failing validation is dropped from its tier, counted, and treated as a miss (recomputed).
+    - A record failing validation is dropped from its tier, counted (``corrupt``), and treated as a miss
+      (recomputed), never served or raised: the checks of :func:`~kvb_cache.records.decode_record` and,
+      when ``shapes`` is known, its KV layout (:func:`~kvb_cache.records.checked_kv`: layer count, KV
+      heads, head dims, dtype, the chunk's token count, finite values).
 
     Args:
         ram: the in-memory store (its ``on_evict`` hook must call :meth:`demote`; :func:`build_store`
@@ -50,6 +57,9 @@ class TieredStore:
         codec: the codec RAM entries are held in.
         lower: tiers in lookup order (fastest first).
         writer: the write-behind queue.
+        shapes: the model's per-layer KV shapes (:func:`~kvb_cache.core.kv_storage.probe_layer_shapes`)
+            every promoted record is checked against. None (no model known yet) skips that check;
+            :class:`~kvb_cache.engine.KVBoost` fills it in with its model's shapes when given such a store.
     """
 
     def __init__(
@@ -60,12 +70,14 @@ class TieredStore:
         codec: KVCodec,
         lower: Sequence[LowerTier],
         writer: BackgroundWriter,
+        shapes: Sequence[LayerShape] | None = None,
     ) -> None:
         self.ram = ram
         self.root = root
         self.codec = codec
         self.lower = tuple(lower)
         self.writer = writer
+        self.shapes = tuple(shapes) if shapes is not None else None
         self._negative: dict[ChunkHash, float] = {}
         self._neg_lock = threading.Lock()
 
@@ -198,6 +210,8 @@ class TieredStore:
             entry = decode_record(record, lower.format)
             if entry.key != key:
                 raise RecordError("record stored under another key")
+            if self.shapes is not None:
+                checked_kv(entry, self.shapes)
         except RecordError as exc:
             logger.warning("dropping invalid %s record %s: %s", lower.tier.name, key.hex()[:16], exc)
             lower.tier.counters.add("corrupt")
