@@ -72,7 +72,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         tokenizer: PreTrainedTokenizerBase,
         *,
         config: EngineConfig | None = None,
-        store: ChunkStore | None = None,
+        store: ChunkStore | TieredStore | None = None,
         drafter: SpeculativeDecoder | None = None,
         model_name: str | None = None,
     ) -> None:
