@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -156,3 +157,120 @@ def test_plan_to_dict_is_json_safe_on_a_probed_cpu(tiny_shape):
 def test_policy_validation():
     with pytest.raises(PlannerConfigError, match="safety_margin"):
         PlannerPolicy(safety_margin=1.0)
+
+
+# ----------------------------------------------------------------------------------- context length
+
+
+def test_request_over_the_context_length_is_refused(smollm2_shape):
+    shape = replace(smollm2_shape, context_length=2048)
+    request = PlanRequest(prompt_tokens=2000, max_new_tokens=100)
+    assert plan(request, gpu(8 << 30), smollm2_shape).verdict is Verdict.RUN  # memory is not the problem
+    result = plan(request, gpu(8 << 30), shape)
+    assert result.verdict is Verdict.REFUSE and not result.admitted and result.step is None
+    refusal = result.refusal
+    assert refusal.code == "context_length_exceeded" and refusal.exceeds_context
+    # Either fix alone fits the context: prompt <= 2048 - 100, new tokens <= 2048 - 2000.
+    assert (refusal.suggested_max_tokens, refusal.suggested_max_new_tokens) == (1948, 48)
+    body = refusal.to_dict()
+    assert json.loads(json.dumps(body, allow_nan=False)) == body
+    error = body["error"]
+    assert (error["code"], error["type"], error["param"]) == (
+        "context_length_exceeded",
+        "invalid_request_error",
+        "max_tokens",
+    )
+    assert error["context_length"] == 2048
+    assert error["message"] == (
+        "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2000 in the "
+        "prompt, 100 for the completion). Shorten the prompt to at most 1948 tokens or lower max_tokens to at "
+        "most 48."
+    )
+    summary = result.to_dict()
+    json.dumps(summary, allow_nan=False)
+    assert summary["verdict"] == "refuse" and summary["refusal"]["code"] == "context_length_exceeded"
+
+
+def test_request_filling_the_context_exactly_runs(smollm2_shape):
+    shape = replace(smollm2_shape, context_length=2048)
+    result = plan(PlanRequest(prompt_tokens=1948, max_new_tokens=100), gpu(8 << 30), shape)
+    assert result.verdict is Verdict.RUN and result.prompt_tokens == 1948
+
+
+def test_auto_truncate_cuts_the_prompt_to_the_context(smollm2_shape):
+    shape = replace(smollm2_shape, context_length=2048)
+    request = PlanRequest(prompt_tokens=5000, max_new_tokens=100, auto_truncate=True)
+    result = plan(request, gpu(8 << 30), shape)
+    assert result.verdict is Verdict.TRUNCATE and result.admitted
+    assert (result.prompt_tokens, result.dropped_tokens) == (2048 - 100, 5000 - 1948)
+    assert (result.prefill_chunk_size, result.kv_bits) == (None, 16)  # memory is roomy: the first step
+    truncated = PlanRequest(prompt_tokens=1948, max_new_tokens=100)
+    assert result.estimate == estimate_memory(truncated, result.step, shape)
+
+
+@pytest.mark.parametrize("context", [8192, 32_768])
+def test_memory_and_context_truncation_compose(smollm2_shape, context):
+    request = PlanRequest(prompt_tokens=80_000, max_new_tokens=100, auto_truncate=True)
+    by_memory = plan(request, gpu(300 * MIB), smollm2_shape).prompt_tokens  # no context length: memory only
+    assert 8192 - 100 < by_memory < 32_768 - 100  # the context binds at 8k, memory at 32k
+    result = plan(request, gpu(300 * MIB), replace(smollm2_shape, context_length=context))
+    assert result.verdict is Verdict.TRUNCATE
+    assert result.prompt_tokens == min(by_memory, context - 100)
+    assert result.dropped_tokens == 80_000 - result.prompt_tokens
+    assert result.estimate.peak_bytes <= result.budget_bytes
+
+
+def test_suggestions_never_exceed_the_context(smollm2_shape):
+    # The prompt: memory alone would allow ~18k tokens, the 8k context only 8092 with 100 new tokens.
+    memory_only = plan(PlanRequest(prompt_tokens=80_000, max_new_tokens=100), gpu(300 * MIB), smollm2_shape)
+    assert memory_only.refusal.suggested_max_tokens > 8192
+    refusal = plan(
+        PlanRequest(prompt_tokens=80_000, max_new_tokens=100),
+        gpu(300 * MIB),
+        replace(smollm2_shape, context_length=8192),
+    ).refusal
+    assert refusal.code == "context_length_exceeded" and refusal.to_dict()["error"]["param"] == "messages"
+    assert (refusal.suggested_max_tokens, refusal.suggested_max_new_tokens) == (8092, 0)
+    # The generation length: memory allows more new tokens than the 4k context leaves after the prompt.
+    request = PlanRequest(prompt_tokens=1000, max_new_tokens=200_000)
+    memory_new = plan(request, gpu(300 * MIB), smollm2_shape).refusal.suggested_max_new_tokens
+    assert memory_new > 4096
+    capped = plan(request, gpu(300 * MIB), replace(smollm2_shape, context_length=4096)).refusal
+    assert capped.suggested_max_new_tokens == 4096 - 1000
+    assert capped.suggested_max_tokens == 0  # 200k new tokens leave no room for any prompt
+
+
+def test_memory_refusal_within_the_context_is_unchanged(smollm2_shape):
+    request = PlanRequest(prompt_tokens=80_000, max_new_tokens=100)
+    without = plan(request, gpu(300 * MIB), smollm2_shape).refusal
+    within = plan(request, gpu(300 * MIB), replace(smollm2_shape, context_length=131_072)).refusal
+    assert within.code == without.code == "request_too_large_for_memory"
+    assert within.message == without.message
+    assert (within.suggested_max_tokens, within.suggested_max_new_tokens) == (
+        without.suggested_max_tokens,
+        without.suggested_max_new_tokens,
+    )
+    assert within.to_dict()["error"]["context_length"] == 131_072
+
+
+def test_unknown_context_length_plans_as_before(tiny_shape):
+    assert tiny_shape.context_length is None
+    result = plan(PlanRequest(prompt_tokens=1_000_000, max_new_tokens=1000), gpu(80 << 30), tiny_shape)
+    assert result.verdict is Verdict.RUN and result.prompt_tokens == 1_000_000
+    refusal = plan(PlanRequest(prompt_tokens=10**9, max_new_tokens=10), gpu(1 << 30), tiny_shape).refusal
+    assert (
+        refusal.code == "request_too_large_for_memory" and "context_length" not in refusal.to_dict()["error"]
+    )
+
+
+def test_max_new_tokens_alone_over_the_context_is_refused_even_with_auto_truncate(smollm2_shape):
+    shape = replace(smollm2_shape, context_length=2048)
+    for max_new in (2048, 5000):
+        result = plan(
+            PlanRequest(prompt_tokens=1, max_new_tokens=max_new, auto_truncate=True), gpu(8 << 30), shape
+        )
+        assert result.verdict is Verdict.REFUSE  # no prompt is short enough: truncation cannot help
+        refusal = result.refusal
+        assert refusal.code == "context_length_exceeded"
+        assert (refusal.suggested_max_tokens, refusal.suggested_max_new_tokens) == (0, 2047)
+        assert refusal.message.endswith("Lower max_tokens to at most 2047.")

@@ -1,3 +1,6 @@
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -82,3 +85,32 @@ def test_rejects_non_decoder_configs_and_bad_values():
         )
     with pytest.raises(PlannerConfigError, match="unknown dtype"):
         ModelShape.from_config(LlamaConfig(), dtype="float17")
+
+
+def test_from_config_reads_the_context_length():
+    dims = dict(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=100
+    )
+    assert ModelShape.from_config(LlamaConfig(**dims, max_position_embeddings=4096)).context_length == 4096
+    # GPT-2 style configs name it n_positions.
+    assert ModelShape.from_config(SimpleNamespace(**dims, n_positions=1024)).context_length == 1024
+    # A multimodal config keeps it in its text config.
+    nested = SimpleNamespace(**dims, text_config=SimpleNamespace(max_position_embeddings=8192))
+    assert ModelShape.from_config(nested).context_length == 8192
+    # Absent (or not a positive int): unknown, no context check.
+    assert ModelShape.from_config(SimpleNamespace(**dims)).context_length is None
+    assert (
+        ModelShape.from_config(SimpleNamespace(**dims, max_position_embeddings=None)).context_length is None
+    )
+
+
+def test_from_model_keeps_the_context_length_and_it_can_be_overridden(tiny_llama):
+    shape = ModelShape.from_model(tiny_llama)
+    assert shape.context_length == tiny_llama.config.max_position_embeddings
+    assert replace(shape, context_length=512).context_length == 512
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4096"])
+def test_context_length_must_be_a_positive_int_or_none(tiny_shape, bad):
+    with pytest.raises(PlannerConfigError, match="context_length"):
+        replace(tiny_shape, context_length=bad)

@@ -22,7 +22,7 @@ from kvb_planner import (
     estimate_memory,
     plan,
 )
-from kvb_server import PlannerGate, ServerConfig, create_app
+from kvb_server import AdmissionRequest, PlannerGate, ServerConfig, create_app
 from kvb_server.truncation import TRUNCATION_HEADER
 
 MODEL = "fake-model"
@@ -260,3 +260,20 @@ def test_margin_follows_the_tracker_and_free_memory_shrinks_with_use() -> None:
     assert gate.free_bytes() == before - 1000
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         PlannerGate(shape=SHAPE, profile=profile_fitting(40), safety_margin=1.0)
+
+
+def test_gate_leaves_the_context_check_to_the_server() -> None:
+    """The server checks the context before the gate and lets a prompt that is only scored fill it (echo with
+    ``max_tokens: 0``), asking the gate about one new token: the gate plans memory only, so that prompt is
+    admitted although prompt + 1 exceeds the shape's context length (the planner's own rule would refuse)."""
+    context = SHAPE.context_length
+    assert context == LlamaConfig().max_position_embeddings
+    gate = PlannerGate(
+        shape=SHAPE, profile=DeviceProfile(device="cpu", total_bytes=8 << 30, free_bytes=4 << 30)
+    )
+    full = AdmissionRequest(
+        endpoint="completions", model=MODEL, prompt_tokens=(context,), max_new_tokens=1, n=1, queue_depth=0
+    )
+    decision = gate.admit(full)
+    assert decision.admitted and decision.keep_last_tokens is None, decision.message
+    assert gate.shape is SHAPE  # what it was given, context length included

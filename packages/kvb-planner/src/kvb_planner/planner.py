@@ -28,7 +28,8 @@ class Verdict(str, enum.Enum):
 
     #: Run as asked, with the plan's chunk size and KV bits.
     RUN = "run"
-    #: Run with the prompt cut to its last ``RequestPlan.prompt_tokens`` tokens (``auto_truncate`` asked).
+    #: Run with the prompt cut to its last ``RequestPlan.prompt_tokens`` tokens (``auto_truncate`` asked), to
+    #: fit memory and/or the model's context length.
     TRUNCATE = "truncate"
     #: Do not run; ``RequestPlan.refusal`` says why and what would fit.
     REFUSE = "refuse"
@@ -68,7 +69,8 @@ class RequestPlan:
         estimate: Predicted memory at ``step`` (``None`` when refused).
         free_bytes: Free memory the profile reported.
         budget_bytes: ``free * (1 - safety_margin)``.
-        refusal: Payload for the client (``REFUSE`` only).
+        refusal: Payload for the client (``REFUSE`` only); its ``code`` is ``context_length_exceeded`` when
+            the request is longer than ``ModelShape.context_length``.
     """
 
     verdict: Verdict
@@ -143,11 +145,18 @@ def plan(
     Pure: the result depends only on the arguments. When no step fits, the answer is a ``TRUNCATE`` plan
     if ``request.auto_truncate`` is set and a shorter prompt fits, else a ``REFUSE`` plan whose
     :class:`PlanRefusal` carries the binary-searched ``suggested_max_tokens``.
+
+    When ``shape.context_length`` is known, a request whose ``prompt_tokens + max_new_tokens`` exceeds it
+    never runs as asked: it is truncated to at most ``context_length - max_new_tokens`` prompt tokens (if
+    ``auto_truncate`` and that is >= 1; the memory limit may cut it further), else refused with code
+    ``context_length_exceeded``. Suggestions never exceed what the context allows.
     """
     policy = policy or PlannerPolicy()
     free = profile.free_bytes
     budget = int(free * (1.0 - policy.safety_margin))
-    found = _first_fit(request, shape, policy, budget)
+    context = shape.context_length
+    over_context = context is not None and request.total_tokens > context
+    found = None if over_context else _first_fit(request, shape, policy, budget)
     if found is not None:
         step, estimate = found
         return RequestPlan(
@@ -163,11 +172,16 @@ def plan(
     def peak(req: PlanRequest, step: LadderStep) -> int:
         return estimate_memory(req, step, shape, layout=policy.kv_layout).peak_bytes
 
+    # Longest prompt / largest max_new_tokens worth searching: shorter than asked (the request as asked
+    # does not fit), and within the context: prompt <= context - max_new_tokens, new <= context - prompt.
+    prompt_cap = request.prompt_tokens - 1
+    new_cap = request.max_new_tokens - 1
+    if context is not None:
+        prompt_cap = min(prompt_cap, context - request.max_new_tokens)
+        new_cap = min(new_cap, context - request.prompt_tokens)
     steps = policy.ladder.steps
     max_prompt = max(
-        _largest_fitting(
-            1, request.prompt_tokens - 1, lambda n, s=s: peak(replace(request, prompt_tokens=n), s) <= budget
-        )
+        _largest_fitting(1, prompt_cap, lambda n, s=s: peak(replace(request, prompt_tokens=n), s) <= budget)
         for s in steps
     )
     if request.auto_truncate and max_prompt >= 1:
@@ -176,10 +190,11 @@ def plan(
         assert fit is not None, "binary search found a length that no step fits"
         step, estimate = fit
         logger.info(
-            "Truncating a %d-token prompt to %d tokens to fit %d bytes",
+            "Truncating a %d-token prompt to %d tokens to fit %d bytes (context length: %s tokens)",
             request.prompt_tokens,
             max_prompt,
             budget,
+            context,
         )
         return RequestPlan(
             verdict=Verdict.TRUNCATE,
@@ -191,11 +206,7 @@ def plan(
             budget_bytes=budget,
         )
     max_new = max(
-        _largest_fitting(
-            1,
-            request.max_new_tokens - 1,
-            lambda n, s=s: peak(replace(request, max_new_tokens=n), s) <= budget,
-        )
+        _largest_fitting(1, new_cap, lambda n, s=s: peak(replace(request, max_new_tokens=n), s) <= budget)
         for s in steps
     )
     refusal = PlanRefusal(
@@ -206,6 +217,7 @@ def plan(
         budget_bytes=budget,
         suggested_max_tokens=max_prompt,
         suggested_max_new_tokens=max_new,
+        context_length=context,
     )
     return RequestPlan(
         verdict=Verdict.REFUSE,

@@ -15,7 +15,8 @@ class PlanRequest:
         prompt_tokens: Prompt length per sequence, in tokens (>= 1).
         max_new_tokens: Tokens the request may generate (>= 0); their KV is reserved up front.
         batch_size: Sequences decoded together (>= 1), each of ``prompt_tokens`` tokens.
-        auto_truncate: When nothing on the ladder fits, plan a truncated prompt (keeping its last
+        auto_truncate: When nothing on the ladder fits, or prompt + ``max_new_tokens`` exceed the model's
+            context length (``ModelShape.context_length``), plan a truncated prompt (keeping its last
             tokens) instead of refusing.
         prompt_logprobs: The caller needs logits for every prompt position (echo/logprobs), so each
             prefill slice materialises ``[batch, slice, vocab]`` logits instead of ``[batch, 1, vocab]``.

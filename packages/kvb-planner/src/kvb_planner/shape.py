@@ -11,6 +11,8 @@ from kvb_planner.errors import PlannerConfigError
 
 #: Attention implementation assumed when a config does not name one (transformers' own default).
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+#: Config fields that hold a model's context length, in the order kvb-cache's ``model_traits`` reads them.
+CONTEXT_LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def _dtype_bytes(dtype: Any) -> int:
@@ -36,6 +38,25 @@ def _require(config: Any, name: str) -> int:
     return value
 
 
+def _context_length(config: Any) -> int | None:
+    """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the text (decoder) config of a
+    multimodal config (``text_config``) and else from ``config`` itself; None when no field holds one."""
+    text = None
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        try:
+            text = get_text_config(decoder=True)
+        except TypeError:  # an older transformers without the keyword
+            text = get_text_config()
+    text = text if text is not None else getattr(config, "text_config", None)
+    for source in (text, config):
+        for name in CONTEXT_LENGTH_FIELDS:
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                return value
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelShape:
     """Dimensions that drive memory use. Build with :meth:`from_config` or :meth:`from_model`.
@@ -52,6 +73,12 @@ class ModelShape:
         weight_bytes: Parameter bytes (tied weights counted once).
         attn_implementation: transformers' attention backend name (``"sdpa"``, ``"eager"``, ...); decides
             whether attention scores are materialised.
+        context_length: Most prompt + generated tokens one request may take (the model's context window),
+            or None when unknown: then :func:`~kvb_planner.plan` checks no context. :meth:`from_config` reads
+            ``max_position_embeddings`` (or ``n_positions`` / ``max_sequence_length`` / ``seq_length``, also
+            inside a multimodal config's ``text_config``). It is a fact of the model, so it lives here, not
+            on the request; to plan against a tighter limit (an engine whose KV pool holds fewer tokens,
+            e.g. ``KVBoost.context_length``), override it: ``dataclasses.replace(shape, context_length=n)``.
     """
 
     num_layers: int
@@ -64,6 +91,7 @@ class ModelShape:
     dtype_bytes: int
     weight_bytes: int
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+    context_length: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,6 +114,11 @@ class ModelShape:
             raise PlannerConfigError(f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes})")
         if self.weight_bytes < 0:
             raise PlannerConfigError(f"weight_bytes must be >= 0 (got {self.weight_bytes})")
+        ctx = self.context_length
+        if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
+            raise PlannerConfigError(
+                f"context_length must be an int >= 1 or None (unknown: no context check), got {ctx!r}"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -100,7 +133,8 @@ class ModelShape:
 
         ``weight_bytes`` is computed from the Llama layout (embeddings, q/k/v/o, gated MLP, two norms per
         layer, untied ``lm_head`` when ``tie_word_embeddings`` is false); biases are ignored. Use
-        :meth:`from_model` for an exact count.
+        :meth:`from_model` for an exact count. ``context_length`` is the config's ``max_position_embeddings``
+        (see :class:`ModelShape`), None when the config has none.
 
         Args:
             config: A transformers ``PretrainedConfig`` (any object with the same attributes).
@@ -134,6 +168,7 @@ class ModelShape:
             dtype_bytes=elem,
             weight_bytes=params * elem,
             attn_implementation=impl,
+            context_length=_context_length(config),
         )
 
     @classmethod

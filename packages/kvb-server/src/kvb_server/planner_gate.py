@@ -95,7 +95,10 @@ class PlannerGate:
     """A :class:`kvb_server.RequestGate` backed by kvb-planner.
 
     Args:
-        shape: the served model's dimensions.
+        shape: the served model's dimensions. Its ``context_length`` is not planned against: the server checks
+            the context itself before the gate (against the engine's limit, which the KV pool may lower),
+            and lets a prompt that is only scored fill the whole context while the gate is asked about one
+            new token, which the planner's own context rule would refuse.
         profile: the device's memory, probed once (at start-up by :meth:`for_engine`; injected in tests).
         auto_truncate: cut prompts that do not fit to their last tokens instead of refusing them.
         safety_margin: fixed fraction of free memory kept back, in ``[0, 1)``; None: the calibration
@@ -125,6 +128,7 @@ class PlannerGate:
                 f"safety_margin must be in [0, 1) (e.g. 0.1 keeps 10% back), got {safety_margin}"
             )
         self.shape = shape
+        self._plan_shape = replace(shape, context_length=None)
         self.profile = profile
         self.auto_truncate = auto_truncate
         self.safety_margin = safety_margin
@@ -193,7 +197,7 @@ class PlannerGate:
         result = p.plan(
             plan_request,
             profile,
-            self.shape,
+            self._plan_shape,
             p.PlannerPolicy(safety_margin=self.margin(), ladder=ladder),
         )
         with self._lock:
