@@ -95,7 +95,7 @@ def test_from_config_reads_the_context_length():
     # GPT-2 style configs name it n_positions.
     assert ModelShape.from_config(SimpleNamespace(**dims, n_positions=1024)).context_length == 1024
     # A multimodal config keeps it in its text config.
-    nested = SimpleNamespace(**dims, text_config=SimpleNamespace(max_position_embeddings=8192))
+    nested = SimpleNamespace(text_config=SimpleNamespace(**dims, max_position_embeddings=8192))
     assert ModelShape.from_config(nested).context_length == 8192
     # Absent (or not a positive int): unknown, no context check.
     assert ModelShape.from_config(SimpleNamespace(**dims)).context_length is None
@@ -114,3 +114,18 @@ def test_from_model_keeps_the_context_length_and_it_can_be_overridden(tiny_llama
 def test_context_length_must_be_a_positive_int_or_none(tiny_shape, bad):
     with pytest.raises(PlannerConfigError, match="context_length"):
         replace(tiny_shape, context_length=bad)
+
+
+def test_a_multimodal_config_is_read_from_its_text_config():
+    from transformers import Gemma3Config
+
+    text = {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "max_position_embeddings": 2048,
+    }  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config={"hidden_size": 32, "num_hidden_layers": 1})
+    shape = ModelShape.from_config(config)
+    decoder = ModelShape.from_config(config.text_config)
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim) == (3, 64, 2, 16)
+    assert (shape.vocab_size, shape.context_length) == (300, 2048)
+    assert shape.kv_bytes_per_token == decoder.kv_bytes_per_token

@@ -38,9 +38,8 @@ def _require(config: Any, name: str) -> int:
     return value
 
 
-def _context_length(config: Any) -> int | None:
-    """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the text (decoder) config of a
-    multimodal config (``text_config``) and else from ``config`` itself; None when no field holds one."""
+def _text_config(config: Any) -> Any:
+    """The decoder's config: ``text_config`` of a multimodal config (Gemma 3, Llava, ...), else ``config``."""
     text = None
     get_text_config = getattr(config, "get_text_config", None)
     if callable(get_text_config):
@@ -49,9 +48,15 @@ def _context_length(config: Any) -> int | None:
         except TypeError:  # an older transformers without the keyword
             text = get_text_config()
     text = text if text is not None else getattr(config, "text_config", None)
-    for source in (text, config):
+    return text if text is not None else config
+
+
+def _context_length(config: Any) -> int | None:
+    """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the text (decoder) config of a
+    multimodal config and else from ``config`` itself; None when no field holds one."""
+    for source in (_text_config(config), config):
         for name in CONTEXT_LENGTH_FIELDS:
-            value = getattr(source, name, None) if source is not None else None
+            value = getattr(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
                 return value
     return None
@@ -141,16 +146,22 @@ class ModelShape:
             dtype: Element type the model runs in; defaults to ``config.dtype``, else fp32.
             attn_implementation: Overrides ``config._attn_implementation`` (default ``"sdpa"``).
         """
-        hidden = _require(config, "hidden_size")
-        heads = _require(config, "num_attention_heads")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        layers = _require(config, "num_hidden_layers")
-        inter = _require(config, "intermediate_size")
-        vocab = _require(config, "vocab_size")
-        elem = _dtype_bytes(dtype if dtype is not None else getattr(config, "dtype", None))
+        # A multimodal config (Gemma 3, Llava, ...) keeps the decoder's sizes in its text config; the
+        # vision tower's weights are not counted here (from_model counts every parameter).
+        text = _text_config(config)
+        hidden = _require(text, "hidden_size")
+        heads = _require(text, "num_attention_heads")
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        layers = _require(text, "num_hidden_layers")
+        inter = _require(text, "intermediate_size")
+        vocab = _require(text, "vocab_size")
+        config_dtype = getattr(config, "dtype", None) or getattr(text, "dtype", None)
+        elem = _dtype_bytes(dtype if dtype is not None else config_dtype)
         per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
-        embeddings = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+        tied = getattr(text, "tie_word_embeddings", None)
+        tied = getattr(config, "tie_word_embeddings", False) if tied is None else tied
+        embeddings = vocab * hidden * (1 if tied else 2)
         params = embeddings + layers * per_layer + hidden
         impl = (
             attn_implementation
