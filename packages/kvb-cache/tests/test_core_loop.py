@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import ARCHITECTURES, make_model, words
@@ -175,3 +177,56 @@ def test_prefix_cache_queries_count_admissions_not_attempts(llama, tokenizer):
     assert stats.preemptions == 0 and steps > 2 * params.max_new_tokens - 2  # the second one waited
     assert stats.prefix_cache_queries == (len(first) - 1) + (len(second) - 1)
     assert stats.prefix_cache_hits < len(first) + len(second)
+
+
+def test_queued_ms_is_arrival_to_first_scheduling(llama, tokenizer):
+    """vLLM's WAITING phase: a request the batch cannot admit yet waits in the engine's queue, and that wait
+    is its ``queued_ms`` (part of its TTFT), not prefill. With two sequences per step, the third request
+    waits until one of the first two finishes: its wait covers every step it sat out."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=2))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    t_add = time.perf_counter()
+    rids = [engine.add_request(words(20, seed=s), params) for s in range(3)]
+    last = engine.core.scheduler.find(rids[-1])
+    results = {}
+    spans: list[tuple[float, float]] = []  # (start, end) of each step
+    admitted_after = None  # steps run before the last request was admitted
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        outputs = engine.step()
+        spans.append((start, time.perf_counter()))
+        if admitted_after is None and last.scheduled_at is not None:
+            admitted_after = len(spans) - 1
+        results.update({o.request_id: o.result for o in outputs if o.result is not None})
+    first, third = results[rids[0]], results[rids[-1]]
+    assert admitted_after is not None and admitted_after >= params.max_new_tokens  # it sat out 4 steps
+    # It arrived before the first step and was scheduled after the steps it sat out had ended.
+    assert third.queued_ms >= (spans[admitted_after - 1][1] - spans[0][0]) * 1e3 > 0
+    # The first one was scheduled in the first step, before its forward, so before its first token.
+    assert first.queued_ms <= (spans[0][1] - t_add) * 1e3
+    assert first.queued_ms < first.ttft_ms and first.queued_ms < third.queued_ms
+    for result in results.values():
+        assert 0 <= result.queued_ms <= result.ttft_ms <= result.total_ms
+
+
+def test_a_preempted_request_keeps_its_first_scheduling_time(llama, tokenizer):
+    """As in vLLM v1 (only the first SCHEDULED event counts): readmission after a preemption does not move
+    ``scheduled_at``, so the wait after a preemption is not queue time."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, block_size=4, num_blocks=40))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    reqs = []
+    for s in range(4):
+        ids = tokenizer(words(30, seed=s))["input_ids"]
+        req = new_request(engine, f"r{s}", ids, params, time.perf_counter())
+        engine.core.add(req)
+        reqs.append(req)
+    first_scheduled: dict[str, float] = {}
+    while engine.has_unfinished():
+        engine.step()
+        for req in reqs:
+            if req.scheduled_at is not None:
+                first_scheduled.setdefault(req.request_id, req.scheduled_at)
+    assert any(req.preemptions for req in reqs)
+    for req in reqs:
+        assert req.scheduled_at == first_scheduled[req.request_id]
+        assert 0 <= req.queued_ms <= req.ttft_ms

@@ -3,6 +3,8 @@ keep decoding while it prepares, abort and stats."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers as T
@@ -124,6 +126,29 @@ def test_plain_request_decodes_while_a_stitched_one_prepares(llama, tokenizer):
     while engine.has_unfinished():
         _collect(engine, engine.step(), results)
     assert len(results[rid].output_ids) == 4 and len(results[plain].output_ids) == 30
+
+
+def test_a_stitched_requests_repair_counts_as_queue_time(llama, tokenizer):
+    """A stitched prompt's preparing (its repair, sliced across steps) comes before its first admission, so
+    it is in ``queued_ms`` (vLLM's WAITING phase, loop_api.py says why), not in the prefill after it."""
+    first, second = rag_prompts(tokenizer)
+    engine = _engine(llama, tokenizer, STRATEGIES["selective"])
+    engine.next_token_logits(first)
+    rid = engine.add_request(second, SamplingParams(max_new_tokens=2, ignore_eos=True), prefill_chunk_size=8)
+    added = time.perf_counter()  # after its arrival
+    assert rid in engine.core.preparing
+    starts: list[float] = []
+    results: dict = {}
+    while rid in engine.core.preparing:
+        starts.append(time.perf_counter())
+        _collect(engine, engine.step(), results)
+    while engine.has_unfinished():
+        _collect(engine, engine.step(), results)
+    result = results[rid]
+    # Every preparing step but the last (which may admit it) ran before its first scheduling.
+    assert len(starts) > 1
+    assert result.queued_ms >= (starts[-1] - added) * 1e3
+    assert 0 < result.queued_ms <= result.ttft_ms <= result.total_ms
 
 
 @pytest.mark.parametrize("strategy", ["selective", "cacheblend"])

@@ -66,6 +66,9 @@ class Request:
     #: Output tokens already carried by a RequestOutput (tokens whose text is held back ride on the next).
     streamed: int = 0
     ttft_ms: float = 0.0
+    #: When the scheduler first admitted this request into the running batch (``time.perf_counter()``, the
+    #: clock of ``arrival``); None while it never was. Kept across preemptions (see ``queued_ms``).
+    scheduled_at: float | None = None
     preemptions: int = 0
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
     spans: tuple = ()
@@ -94,6 +97,16 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    @property
+    def queued_ms(self) -> float:
+        """Arrival to first scheduling (vLLM's WAITING phase; 0 while never scheduled).
+
+        As in vLLM v1 (``IterationStats``: the first SCHEDULED event counts, later ones are ignored), a
+        preempted request that is scheduled again keeps its first time: its wait after a preemption falls
+        in the prefill or decode phase it interrupted, not in the queue time.
+        """
+        return 0.0 if self.scheduled_at is None else max(self.scheduled_at - self.arrival, 0.0) * 1e3
 
     @property
     def remaining(self) -> int:

@@ -13,10 +13,14 @@ Long prompts are prefilled in slices of at most the remaining budget (and the re
 When a running request needs a block and the pool has none, the newest other running request is
 preempted: its blocks are released (full ones stay cached, so its resumption is mostly a prefix hit) and it
 goes back to the front of the waiting queue; it keeps its generated tokens and recomputes their KV.
+
+A request's first admission is stamped (``Request.scheduled_at``, the end of its WAITING phase in the
+vLLM metrics); a preempted request readmitted later keeps that first time, as vLLM v1 does.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -163,6 +167,8 @@ class Scheduler:
             self.waiting.remove(req)
             req.prepared_kv = None  # written into its blocks
             req.status = RequestStatus.RUNNING
+            if req.scheduled_at is None:  # first admission only: a preempted request keeps its time
+                req.scheduled_at = time.perf_counter()
             self.running.append(req)
             if req.cached_tokens is None:
                 admitted.append(Admission(req, hit))
