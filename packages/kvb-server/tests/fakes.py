@@ -42,6 +42,8 @@ class _Request:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_at: float | None = None
+    #: When a step first moved it from waiting to running (its ``queued_ms`` ends there).
+    scheduled_at: float | None = None
 
     def next_token(self) -> int:
         # ``a, b, c, ...`` shifted by the last prompt token and the seed.
@@ -206,6 +208,7 @@ class FakeEngine:
             time.sleep(self.token_delay_s)
         while self._waiting and len(self._running) < self.max_num_seqs:
             request = self._waiting.popleft()
+            request.scheduled_at = time.perf_counter()
             self._running[request.added.request_id] = request
         self.step_log.append(frozenset(self._running))
         self.timeline.append(("step", len(self._running)))
@@ -258,6 +261,7 @@ class FakeEngine:
             prompt_tokens=len(prompt),
             cached_tokens=len(prompt) // 2,
             ttft_ms=((request.first_token_at or request.started) - request.started) * 1e3,
+            queued_ms=((request.scheduled_at or request.started) - request.started) * 1e3,
             total_ms=(time.perf_counter() - request.started) * 1e3,
             finish_reason=finish,  # type: ignore[arg-type]
             logprobs=tuple(request.logprobs) if params.logprobs is not None else None,

@@ -12,7 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_app_errors import wait_until
 
 from kvb_cache import KVBoost
+from kvb_cache.results import GenerationResult
 from kvb_server import ServerConfig, create_app
+from kvb_server.metrics import ServerMetrics
+from kvb_server.worker_stats import WorkerStats
 
 MODEL = "fake-model"
 VLLM_FAMILIES = {
@@ -221,3 +224,81 @@ def test_a_streams_inter_token_latency_is_timed_per_token() -> None:
         assert value(s, "vllm:inter_token_latency_seconds_bucket", **m, le="0.3") == 3
         assert value(s, "vllm:inter_token_latency_seconds_bucket", **m, le="+Inf") == 4
         assert value(s, "vllm:inter_token_latency_seconds_sum", **m) >= 0.5
+
+
+def _phase_sums(registry_text: str) -> dict[str, float]:
+    m = {"model_name": MODEL}
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(registry_text)
+        for s in family.samples
+    }
+    return {
+        phase: value(samples, f"vllm:request_{phase}_time_seconds_sum", **m)
+        for phase in ("queue", "prefill", "decode", "inference")
+    } | {
+        name: value(samples, f"vllm:{name}_sum", **m)
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds")
+    }
+
+
+def test_the_engines_queue_time_is_waiting_not_prefill() -> None:
+    """vLLM's phases: WAITING is arrival to first scheduling, so the engine's own queue (``queued_ms``: a full
+    batch or pool) is queue time on top of the server's, and prefill starts at the scheduling; TTFT and e2e
+    still cover everything."""
+    stats = WorkerStats(
+        waiting=0, running=0, in_flight=0, max_queue_size=1, steps=0, step_errors=0, largest_step=0,
+        added=0, finished=0, aborted=0, rejected=0, calls=0, busy_s=0.0,
+    )  # fmt: skip
+    metrics = ServerMetrics(lambda: stats, lambda: None, model_name=MODEL)
+    result = GenerationResult(
+        output_text="abc", output_ids=[1, 2, 3], prompt_tokens=4, cached_tokens=0,
+        queued_ms=300.0, ttft_ms=500.0, total_ms=900.0, finish_reason="length",
+    )  # fmt: skip
+    metrics.observe_result(result, queue_s=0.25)
+    sums = _phase_sums(metrics.render().decode())
+    expected = {
+        "queue": 0.25 + 0.3,  # the server's queue, then the engine's
+        "prefill": 0.2,  # first scheduling to first token
+        "decode": 0.4,
+        "inference": 0.6,  # first scheduling to last token
+        "time_to_first_token_seconds": 0.75,
+        "e2e_request_latency_seconds": 1.15,
+    }
+    for name, seconds in expected.items():
+        assert math.isclose(sums[name], seconds, rel_tol=1e-9), name
+    # A queue time past the first token (not produced by the engine) never makes a phase negative.
+    odd = GenerationResult(
+        output_text="a", output_ids=[1], prompt_tokens=4, cached_tokens=0,
+        queued_ms=800.0, ttft_ms=500.0, total_ms=500.0, finish_reason="length",
+    )  # fmt: skip
+    metrics.observe_result(odd, queue_s=0.0)
+    after = _phase_sums(metrics.render().decode())
+    assert math.isclose(after["prefill"], sums["prefill"], rel_tol=1e-9)
+    assert math.isclose(after["queue"], sums["queue"] + 0.5, rel_tol=1e-9)
+
+
+def test_a_request_waiting_for_a_batch_slot_shows_in_queue_time() -> None:
+    """Through the server: two prompts of one request reach the (fake) engine together; the second waits in
+    its queue while the first, holding the only sequence slot, is stalled for a wait the test controls.
+    That wait is queue time, not prefill."""
+    fake = FakeEngine(max_num_seqs=1)
+    fake.pause_before_step = 2
+    hold_s = 0.5
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        m = {"model_name": MODEL}
+        done: list[httpx.Response] = []
+        body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 3}
+        thread = threading.Thread(target=lambda: done.append(httpx.post(url + "/v1/completions", json=body)))
+        thread.start()
+        wait_until(fake.stalled.is_set)
+        assert fake.paged_stats().waiting == 1  # "b" is inside the engine, not in the server's queue
+        threading.Event().wait(hold_s)
+        fake.hold.set()
+        thread.join(30)
+        assert done and done[0].status_code == 200
+        wait_until(lambda: value(scrape(url), "vllm:request_queue_time_seconds_count", **m) == 2)
+        sums = _phase_sums(httpx.get(url + "/metrics").text)
+        # The fake samples a request's first token in the step that schedules it: its prefill is ~0.
+        assert sums["queue"] >= hold_s > sums["prefill"]
+        assert math.isclose(sums["prefill"] + sums["decode"], sums["inference"], rel_tol=1e-9)

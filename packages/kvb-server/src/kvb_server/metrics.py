@@ -241,11 +241,16 @@ class _VllmRequestMetrics:
         self.e2e.observe(queue_s + result.total_ms / 1e3)
         self.request_prompt_tokens.observe(result.prompt_tokens)
         self.request_generation_tokens.observe(result.completion_tokens)
-        # NOTE: the engine's clock starts when the worker hands it the request: time in the server's queue
-        # is the WAITING phase; the engine's own waiting (a full batch) falls in the prefill phase.
-        self.queue_time.observe(queue_s)
-        self.inference_time.observe(result.total_ms / 1e3)
-        self.prefill_time.observe(result.ttft_ms / 1e3)
+        # NOTE: vLLM's phases: WAITING = arrival to first scheduling, PREFILL = first scheduling to first
+        # token, DECODE = first to last token, RUNNING (inference) = first scheduling to last token. The
+        # engine's clock starts when the worker hands it the request, so WAITING is the server's queue
+        # (queue_s) plus the engine's own (queued_ms: a full batch or pool, a stitched prompt's repair);
+        # ttft_ms and total_ms include the latter, so it is taken out of prefill and inference (clamped to
+        # [0, ttft_ms], so no phase is negative and queue + inference = e2e).
+        queued_ms = min(max(result.queued_ms, 0.0), result.ttft_ms)
+        self.queue_time.observe(max(queue_s, 0.0) + queued_ms / 1e3)
+        self.inference_time.observe(max(result.total_ms - queued_ms, 0.0) / 1e3)
+        self.prefill_time.observe(max(result.ttft_ms - queued_ms, 0.0) / 1e3)
         decode_s = max(result.total_ms - result.ttft_ms, 0.0) / 1e3
         self.decode_time.observe(decode_s)
         # A streamed choice's intervals are timed as its tokens left the engine; a non-streamed result
