@@ -176,13 +176,9 @@ class LoopAPI:
             recomputed_tokens=req.recomputed_tokens,
             ttft_ms=req.ttft_ms,
             total_ms=(time.perf_counter() - req.arrival) * 1e3,
-            # Arrival to the first admission into the batch (Request.queued_ms). A stitched prompt's
-            # deferral and repair (core/deferred.py, core/preparing.py) come before its admission, so they
-            # count as waiting, not prefill: the repair is compute for this request, but it holds no pool
-            # blocks or batch slot and runs in a per-step budget the preparing requests share oldest first;
-            # and a repair done at once still leaves the request in the scheduler's queue, a wait that
-            # counting from the repair's start would put back into prefill. One event, the first
-            # admission, marks the end of the wait for every loop request.
+            # Arrival to the engine's first work on the request (Request.queued_ms): its first admission into
+            # the batch, or for a stitched prompt the first slice of its repair (that is its prefill compute,
+            # and preparing requests count as running); a deferred stitched prompt waits until then.
             queued_ms=req.queued_ms,
             finish_reason=req.emitter.finish or "length",
             chunks=chunks,

@@ -59,9 +59,9 @@ class GenerationResult:
     ttft_ms: float
     total_ms: float
     finish_reason: FinishReason
-    #: Wall time from the call to the engine loop's first scheduling of the request (admitted into the
-    #: running batch), part of ``ttft_ms``: vLLM's WAITING phase (the queue of a full batch or pool, and a
-    #: stitched prompt's deferral and repair, see docs/server.md). 0 where nothing queues (the solo path).
+    #: Wall time from the call to the engine loop's first work on the request (admitted into the running
+    #: batch, or a stitched prompt's first repair slice), part of ``ttft_ms``: vLLM's WAITING phase (the
+    #: queue of a full batch or pool, a deferred stitched prompt; docs/server.md). 0 on the solo path.
     queued_ms: float = 0.0
     chunks: tuple[ChunkHit, ...] = ()
     #: Tokens recomputed by seam repair (stitched chunks only).

@@ -66,8 +66,9 @@ class Request:
     #: Output tokens already carried by a RequestOutput (tokens whose text is held back ride on the next).
     streamed: int = 0
     ttft_ms: float = 0.0
-    #: When the scheduler first admitted this request into the running batch (``time.perf_counter()``, the
-    #: clock of ``arrival``); None while it never was. Kept across preemptions (see ``queued_ms``).
+    #: When the engine first worked on this request (``time.perf_counter()``, the clock of ``arrival``): its
+    #: first admission into the running batch, or a stitched prompt's first repair slice; None until then.
+    #: Kept across preemptions (see ``queued_ms``).
     scheduled_at: float | None = None
     preemptions: int = 0
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
