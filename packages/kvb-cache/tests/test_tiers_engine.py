@@ -202,3 +202,26 @@ def test_tiered_store_passed_as_store_checks_promoted_records_against_the_model(
     assert disk.tier.stats().corrupt == 1 and not disk.tier.contains(bad.key)
     assert store.get(good.key) is not None
     eng.close()
+
+
+def test_tiered_store_built_for_another_kv_layout_is_refused(llama, tokenizer, tmp_path):
+    # Its shapes= would make it drop every record it promotes for this model: a ConfigError naming the fix.
+    from dataclasses import replace
+
+    from kvb_cache.core.kv_storage import probe_layer_shapes
+    from kvb_cache.errors import ConfigError
+    from kvb_cache.fingerprint import model_fingerprint
+    from kvb_cache.hashing import root_hash
+    from kvb_cache.tiers import build_store
+
+    config = EngineConfig(chunk_size=16)
+    fingerprint = model_fingerprint(llama, config)
+    tiers = EngineConfig(chunk_size=16, tiers=TierConfig(disk_cache_dir=tmp_path))
+    own = probe_layer_shapes(llama)
+    other = tuple(replace(shape, kv_heads=2 * shape.kv_heads) for shape in own)
+    store = build_store(tiers, fingerprint=fingerprint, root=root_hash(fingerprint), shapes=other)
+    with pytest.raises(ConfigError, match="shapes=None"):
+        KVBoost(llama, tokenizer, config=config, store=store)
+    store.close()
+    matching = build_store(tiers, fingerprint=fingerprint, root=root_hash(fingerprint), shapes=own)
+    KVBoost(llama, tokenizer, config=config, store=matching).close()

@@ -20,7 +20,7 @@ from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs
-from kvb_cache.errors import ContextLengthError
+from kvb_cache.errors import ConfigError, ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
@@ -111,9 +111,16 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
-        if isinstance(self.store, TieredStore) and self.store.shapes is None:
-            # Built without a model (build_store): check the records it promotes against this model's KV.
-            self.store.shapes = self.kv.storage.shapes
+        if isinstance(self.store, TieredStore):
+            if self.store.shapes is None:
+                # Built without a model (build_store): check the records it promotes against this model's KV.
+                self.store.shapes = self.kv.storage.shapes
+            elif tuple(self.store.shapes) != tuple(self.kv.storage.shapes):
+                raise ConfigError(
+                    "store= is a TieredStore built for another KV layout (its shapes= differ from this "
+                    "model's): it would drop every record it promotes. Build it with shapes=None (the engine "
+                    "fills them in) or with this model's probe_layer_shapes(model)."
+                )
         # response_format: compiled grammars per (grammar, tokenizer); llguidance is imported on first use.
         self.grammars = GrammarCache()
         self.stitcher = Stitcher(
