@@ -51,10 +51,10 @@ def _text_config(config: Any) -> Any:
     return text if text is not None else config
 
 
-def _context_length(config: Any) -> int | None:
-    """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the text (decoder) config of a
-    multimodal config and else from ``config`` itself; None when no field holds one."""
-    for source in (_text_config(config), config):
+def _context_length(text: Any, config: Any) -> int | None:
+    """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the decoder's config ``text``
+    (:func:`_text_config`) and else from ``config`` itself; None when no field holds one."""
+    for source in (text, config):
         for name in CONTEXT_LENGTH_FIELDS:
             value = getattr(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -179,7 +179,7 @@ class ModelShape:
             dtype_bytes=elem,
             weight_bytes=params * elem,
             attn_implementation=impl,
-            context_length=_context_length(config),
+            context_length=_context_length(text, config),
         )
 
     @classmethod

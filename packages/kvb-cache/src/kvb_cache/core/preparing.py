@@ -13,7 +13,6 @@ share is also capped by its ``prefill_chunk_size``. A request whose work is done
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Protocol
 
 from kvb_cache.core.outputs import RequestId
@@ -109,10 +108,10 @@ class Preparing:
         """One slice of ``req``'s work; True (and ``req`` adopted) once all of it has run."""
         # A zero budget still lets work with no positions left finish (its result is handed over).
         size = self._slice(req)
-        if size and req.scheduled_at is None:
+        if size:
             # Its repair is this request's first compute: the end of its WAITING phase (Request.queued_ms),
             # as preparing requests count as running in the engine's gauges.
-            req.scheduled_at = time.perf_counter()
+            req.mark_scheduled()
         self.spent += work.run(size)
         if not work.done:
             return False

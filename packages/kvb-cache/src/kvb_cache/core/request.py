@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,12 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def mark_scheduled(self) -> None:
+        """The engine works on this request now (admitted into the batch, or a stitched prompt's repair
+        slice): the end of its WAITING phase. Only the first call counts (see ``queued_ms``)."""
+        if self.scheduled_at is None:
+            self.scheduled_at = time.perf_counter()
 
     @property
     def queued_ms(self) -> float:

@@ -20,7 +20,6 @@ vLLM metrics); a preempted request readmitted later keeps that first time, as vL
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -167,8 +166,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.prepared_kv = None  # written into its blocks
             req.status = RequestStatus.RUNNING
-            if req.scheduled_at is None:  # first admission only: a preempted request keeps its time
-                req.scheduled_at = time.perf_counter()
+            req.mark_scheduled()  # first admission only: a preempted request keeps its time
             self.running.append(req)
             if req.cached_tokens is None:
                 admitted.append(Admission(req, hit))
