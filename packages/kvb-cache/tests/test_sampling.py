@@ -234,3 +234,24 @@ def test_vanishing_temperature_decodes_greedily_instead_of_overflowing(engine, t
     )
     assert tiny.output_ids == greedy.output_ids
     assert [r.output_ids for r in batch] == [greedy.output_ids, greedy.output_ids]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.5, "seed": 3},
+        {"temperature": 1.0, "top_k": 2, "seed": 3},
+        {"temperature": 0.0, "repetition_penalty": 1.5},
+    ],
+)
+def test_logprobs_are_the_raw_distribution_whatever_the_sampling(engine, llama, tokenizer, sampling):
+    # Regression: in the batched step the sampler edited fp32 logits in place (temperature, top-k -inf,
+    # penalties), so an fp32 model's logprobs were the processed distribution while bf16/fp16 ones were raw.
+    result = engine.generate(PROMPT, max_new_tokens=1, logprobs=3, ignore_eos=True, **sampling)
+    with torch.no_grad():
+        raw = llama(torch.tensor([tokenizer(PROMPT)["input_ids"]])).logits[0, -1].log_softmax(-1)
+    step = result.logprobs[0]
+    assert abs(step.logprob - float(raw[step.token_id])) < 1e-4
+    top = raw.topk(3)
+    assert [t[0] for t in step.top] == top.indices.tolist()
+    assert [t[2] for t in step.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -42,7 +42,8 @@ class SamplingParams:
     with ``ignore_eos``) and become the result's ``stop_reason``; ``include_stop_str_in_output`` keeps the
     stop string or stop token in the text; ``skip_special_tokens=False`` keeps special tokens' text.
     ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
-    most likely alternatives (None: off).
+    most likely alternatives, under the model's raw distribution (before penalties, temperature and
+    filters, as vLLM's default ``raw_logprobs``; None: off).
 
     ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
     a JSON schema dict, a pydantic model class, ``"json"``, a regex or a Lark/GBNF grammar; needs

@@ -22,8 +22,11 @@ from kvb_cache.structured.mask import apply_bitmask, bitmask_words
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """``logits`` ``[R, V]`` raw -> ``[R, V]`` float32 processed (filtered tokens ``-inf``)."""
-    scores = logits.float()
+    """``logits`` ``[R, V]`` raw -> ``[R, V]`` float32 processed (filtered tokens ``-inf``); ``logits`` is
+    left as it was."""
+    # A copy even for fp32 logits (where .float() is the same tensor): the rows are edited in place below,
+    # and the caller still reads the raw rows afterwards (logprobs, captured logits).
+    scores = logits.to(torch.float32, copy=True)
     vocab = scores.shape[-1]
     device = scores.device
     rows = range(len(requests))
