@@ -634,6 +634,14 @@ multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair for
 - *Attention outside `AttentionInterface`*: Falcon, Bloom; GPT-J before transformers 5.24 (which routes it
   through the interface: served exactly since).
 
+**Served with a capped context**: LongRoPE models (Phi-3-128k, Phi-3.5) up to their
+`original_max_position_embeddings`. LongRoPE takes its short or long frequencies from the longest position of
+each forward call, so a prefix cached by a short request is not what a long one computes (a 40-token prefix
+reused by a 100-token prompt past a 64-token switch: logits off by ~6.5) and one packed step would rotate a short
+request's keys with the long factors. Below the switch every forward uses the short factors and the engine is
+exact; longer prompts get a `ContextLengthError` that says why. Llama 4 with attention temperature tuning is
+capped below its `floor_scale` the same way.
+
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4) and Cohere 2's NoPE layers (`test_architectures_extra.py`),
 and a representative of every decline reason; the paths of the second table are tested on those plus Phi-3,

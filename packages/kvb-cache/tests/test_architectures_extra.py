@@ -95,6 +95,33 @@ def test_llama4_temperature_tuning_is_served_below_its_floor_scale(tokenizer):
         engine.generate(words(30, seed=4), max_new_tokens=12)
 
 
+def test_longrope_is_served_exactly_up_to_its_switch_and_refused_past_it(tokenizer):
+    """LongRoPE (Phi-3-128k, Phi-3.5) picks short or long frequencies from each forward's longest position.
+    Served to max_position_embeddings, a 40-token prefix cached by a short request and reused by a 100-token
+    one (past the 64-token switch) gave logits off by ~6.5, and a packed step rotated a short request's keys
+    with a long one's factors. Now the context stops at the switch, where every forward is exact."""
+    config = T.Phi3Config(
+        **{**_SMALL, "max_position_embeddings": 256},
+        original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [3.0] * 8},
+    )
+    model = _build(config)
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16, block_size=8))
+    assert engine.context_length == 64
+    ids = tokenizer(words(60, seed=2))["input_ids"]
+    engine.warm(ids[:40])
+    result = engine.next_token_logits(ids)
+    assert result.cached_tokens >= 32
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
+    prompts = [words(20, seed=s) for s in (3, 4)] + [words(50, seed=2)]
+    for out, prompt in zip(engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True), prompts):
+        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 10)
+    with pytest.raises(ContextLengthError, match="LongRoPE"):
+        engine.generate(words(100, seed=2), max_new_tokens=4)
+
+
 def test_cohere2_nope_layers_keep_their_keys_when_moved():
     """Cohere 2's full-attention layers skip RoPE (its config does not say so; its modeling code does): the
     mover used to rotate their keys anyway (off by ~5 at the moved position)."""

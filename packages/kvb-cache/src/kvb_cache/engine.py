@@ -321,7 +321,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         return tokenize_prompt(self.tokenizer, self.model, prompt)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        check_context(self.traits.context_length, prompt_tokens, max_new_tokens)
+        check_context(
+            self.traits.context_length, prompt_tokens, max_new_tokens, reason=self.traits.context_reason
+        )
         pool = self.kv.capacity_tokens
         if not self.kv.can_fit(prompt_tokens + max_new_tokens):
             # NOTE: every path is held to the pool (speculative and kv_cache_bits requests decode outside it),

@@ -38,6 +38,8 @@ class ModelTraits:
     #: token's index in the forward call as its position; below the limit that makes no difference). None:
     #: no such limit.
     position_limit: int | None = None
+    #: Why ``context_length`` is below the model's own window (shown in every ContextLengthError); None: it is not.
+    context_reason: str | None = None
 
 
 def inspect_model(model: PreTrainedModel) -> ModelTraits:
@@ -115,11 +117,40 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
     absolute = rope is None and hasattr(config, "n_positions") and not getattr(config, "rotary_dim", None)
     if position_limit is not None:
         context = min(context, position_limit) if context else position_limit
+    reason = None
+    short = _longrope_original_length(config)
+    if short is not None and (context is None or context > short):
+        # LongRoPE picks its short or long frequencies from the longest position of each forward call, so
+        # a key's rotation depends on how far that call reached: a block cached by a short request is not
+        # what a long request would compute, and one packed step mixing both would rotate the short one's
+        # keys with the long factors. Below the switch every forward uses the short factors: exact.
+        reason = (
+            f"{name} uses LongRoPE, whose frequencies switch at {short} tokens "
+            "(original_max_position_embeddings) depending on each forward's length, which cached and "
+            "batched prefixes cannot follow; KVBoost serves it exactly up to that length"
+        )
+        logger.warning("%s: context capped at %d tokens.", reason, short)
+        context = short
     return ModelTraits(
         num_layers=int(num_layers),
         context_length=context,
+        context_reason=reason,
         position_limit=position_limit,
         absolute_positions=absolute,
         sliding_window=sliding if isinstance(sliding, int) else None,
         logits_to_keep="logits_to_keep" in params,
     )
+
+
+def _longrope_original_length(config: object) -> int | None:
+    """``original_max_position_embeddings`` of a LongRoPE model (any layer type); None for other RoPE."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # Per-layer-type models (Gemma 3) hold one parameter dict per layer type.
+    groups = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    lengths = [
+        g.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        for g in groups
+        if isinstance(g, dict) and g.get("rope_type", g.get("type")) == "longrope"
+    ]
+    lengths = [n for n in lengths if isinstance(n, int)]
+    return min(lengths) if lengths else None

@@ -28,8 +28,11 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
     return ids
 
 
-def check_context(limit: int | None, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Raise :class:`ContextLengthError` when prompt + new tokens do not fit the model's context ``limit``."""
+def check_context(
+    limit: int | None, prompt_tokens: int, max_new_tokens: int, *, reason: str | None = None
+) -> None:
+    """Raise :class:`ContextLengthError` when prompt + new tokens do not fit the model's context ``limit``
+    (``reason``: why the limit is below the model's own window, appended to the message)."""
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         # Name a fix that works: lowering max_new_tokens helps only while the prompt leaves room for at
         # least one new token (it must be >= 1); otherwise only a shorter prompt fits.
@@ -44,7 +47,7 @@ def check_context(limit: int | None, prompt_tokens: int, max_new_tokens: int) ->
             fix = f"shorten the prompt below {limit} tokens and lower max_new_tokens (they share the context)"
         raise ContextLengthError(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-            f"of {limit} tokens; {fix}",
+            f"of {limit} tokens; {fix}" + (f" ({reason})" if reason else ""),
             prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens,
             context_length=limit,
