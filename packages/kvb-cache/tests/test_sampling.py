@@ -137,6 +137,19 @@ def test_min_tokens_holds_back_eos_and_stop_strings(llama, tokenizer, path):
     assert late.output_ids[:15] == free[:15]
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 1}])
+def test_min_tokens_with_an_eos_id_past_the_vocabulary(llama, tokenizer, sampling):
+    """Phi-3's default generation config names eos 32000; with a smaller vocabulary, banning it under
+    min_tokens indexed past the logits and failed the whole batched step (IndexError)."""
+    llama.generation_config.eos_token_id = [1, 32000]
+    try:
+        engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+        held = engine.generate(PROMPT, max_new_tokens=6, min_tokens=3, **sampling)
+    finally:
+        llama.generation_config.eos_token_id = 1
+    assert 3 <= len(held.output_ids) <= 6 and 1 not in held.output_ids[:3]
+
+
 @pytest.mark.parametrize(("min_tokens", "max_new_tokens"), [(-1, 10), (11, 10), (True, 10), (2.0, 10)])
 def test_min_tokens_is_checked(engine, min_tokens, max_new_tokens):
     with pytest.raises(InvalidRequestError) as info:

@@ -38,7 +38,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     for i, req in zip(rows, requests):
         p = req.params
         if _holds_eos(req):
-            scores[i, sorted(req.emitter.stop_tokens)] = -float("inf")
+            # An end-of-sequence id past the logits (a generation config or tokenizer naming a token the
+            # model cannot produce) needs no ban; indexing it would fail the whole step.
+            scores[i, [t for t in sorted(req.emitter.stop_tokens) if t < vocab]] = -float("inf")
         if p.repetition_penalty != 1.0:
             history = torch.tensor(req.tokens, device=device)
             history = history[history < vocab]
