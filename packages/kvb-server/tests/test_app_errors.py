@@ -98,6 +98,19 @@ def test_invalid_completion_parameters_are_400_naming_the_parameter(url: str, bo
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 250}]}, "messages"),
         ("/v1/responses", {"input": "x" * 150, "max_output_tokens": 80}, "max_output_tokens"),
+        # Beyond the window but above --max-tokens (100): checked before the clamp, as vLLM checks it.
+        ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000},
+            "max_completion_tokens",
+        ),
+        ("/v1/responses", {"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
     ],
 )
 def test_context_window_overflow_is_context_length_exceeded(
@@ -108,6 +121,24 @@ def test_context_window_overflow_is_context_length_exceeded(
     assert_openai_error(
         post(url, path, {"model": MODEL, **body}), 400, param=param, code="context_length_exceeded"
     )
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_tokens_above_the_budget_names_the_request_fields(url: str, path: str) -> None:
+    """The engine's check said ``max_new_tokens=2``, a name no client sends."""
+    body = {"model": MODEL, "max_tokens": 2, "min_tokens": 5}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    err = assert_openai_error(post(url, path, body), 400, param="min_tokens")
+    assert "max_new_tokens" not in err["message"] and "max_tokens" in err["message"]
+
+
+def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake: FakeEngine) -> None:
+    """Only a budget the window cannot hold is refused: one that fits is still served at ``--max-tokens``
+    (100 here), the operator's cap, as vLLM caps a request by its generation config."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 150}
+    resp = post(url, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert fake.added[-1].params.max_new_tokens == 100
 
 
 @pytest.mark.parametrize(

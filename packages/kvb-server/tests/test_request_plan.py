@@ -40,7 +40,10 @@ def test_openai_defaults_and_prompt_forms() -> None:
 
 
 def test_max_tokens_capped_by_server_and_context() -> None:
-    assert completion(prompt="a", max_tokens=500).sampling.max_new_tokens == 50  # --max-tokens clamps
+    assert completion(prompt="a", max_tokens=150).sampling.max_new_tokens == 50  # --max-tokens clamps
+    with pytest.raises(InvalidParameterError) as info:  # ... what fits the context window (200) only
+        completion(prompt="a", max_tokens=500)
+    assert info.value.param == "max_tokens"
     # Chat default: as much as the server allows and the context leaves (context 200).
     assert chat(messages=[{"role": "user", "content": "x" * 160}]).sampling.max_new_tokens == 200 - len(
         "<user>" + "x" * 160 + "<assistant>"

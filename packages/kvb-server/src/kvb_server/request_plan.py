@@ -179,8 +179,16 @@ def chat_plan(
     check_tool_schemas(tools)
     fmt = reply_format(req, tools, engine, syntax)
     prompts = (render_chat(engine, chat_messages(req, syntax, tools), tools, req),)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_new = max_new_tokens(requested, config.max_tokens, prompts, engine, config, prompt_param="messages")
+    budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_new = max_new_tokens(
+        getattr(req, budget_param),
+        config.max_tokens,
+        prompts,
+        engine,
+        config,
+        prompt_param="messages",
+        budget_param=budget_param,
+    )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n = choice_count(req, config)
     _check_queue_room(len(prompts), n, config, prompt_param="messages")

@@ -34,12 +34,17 @@ def max_new_tokens(
     config: ServerConfig,
     *,
     prompt_param: str,
+    budget_param: str = "max_tokens",
     room_needed: int = 1,
 ) -> int:
     """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks.
 
-    ``room_needed`` is 0 for a prompt that is only scored (echo with ``max_tokens: 0``): it may fill the
-    context. The result is then at least 1 (what the admission gate plans for), never generated."""
+    The request is checked against the window before the server's ``--max-tokens`` clamp, as vLLM checks
+    it: clamped first, ``max_tokens: 100000`` on an 8192-token model was served 1024 tokens as if that were
+    what the client asked for. ``budget_param`` names the field the client sent (``max_tokens`` or
+    ``max_completion_tokens``). ``room_needed`` is 0 for a prompt that is only scored (echo with
+    ``max_tokens: 0``): it may fill the context. The result is then at least 1 (what the admission gate
+    plans for), never generated."""
     longest = max(len(p) for p in prompts)
     context = engine.context_length
     room = config.max_tokens if context is None else context - longest
@@ -52,16 +57,15 @@ def max_new_tokens(
         )
     if requested is None:
         return max(min(default, config.max_tokens, room), 1)
-    capped = min(requested, config.max_tokens)
-    if capped > room:
+    if context is not None and requested > room:
         raise InvalidParameterError(
-            f"This model's maximum context length is {engine.context_length} tokens. However, you requested "
-            f"{longest + capped} tokens ({longest} in the prompt, {capped} for the completion). Reduce the "
-            "prompt or max_tokens.",
-            param="max_tokens",
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
+            f"Reduce the prompt or {budget_param}.",
+            param=budget_param,
             code=CONTEXT_LENGTH_EXCEEDED,
         )
-    return capped
+    return min(requested, config.max_tokens)
 
 
 def sampling_params(
@@ -73,6 +77,14 @@ def sampling_params(
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
         temperature = 0.0
+    if req.min_tokens is not None and req.min_tokens > max_new_tokens:
+        # Checked here so the message names the request's fields; the engine's own check names its
+        # internal ``max_new_tokens``, which no client sent.
+        raise InvalidParameterError(
+            f"min_tokens must be at most the completion's token budget ({max_new_tokens}: max_tokens or "
+            f"max_completion_tokens, capped by the context window and the server), got {req.min_tokens}.",
+            param="min_tokens",
+        )
     top_p = 1.0 if req.top_p is None else req.top_p
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
         temperature, top_p = 0.0, 1.0
