@@ -187,8 +187,8 @@ def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
         (
             {
                 "messages": [
@@ -201,11 +201,11 @@ def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake:
                     },
                 ]
             },
-            "messages",
+            "messages[1].tool_calls[0].function.arguments",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages",
+            "messages[0].content[0].type",  # the full path, as the schema's own errors name it
         ),
     ],
 )
@@ -288,7 +288,9 @@ def test_text_parts_in_chat_content_are_joined_by_newlines(url: str, fake: FakeE
     # Fake chat template: "<user>a\nb<assistant>"
     assert fake.added[-1].prompt == list(map(ord, "<user>a\nb<assistant>"))
     missing_text = {**body, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
-    err = assert_openai_error(post(url, "/v1/chat/completions", missing_text), 400, param="messages")
+    err = assert_openai_error(
+        post(url, "/v1/chat/completions", missing_text), 400, param="messages[0].content[0].text"
+    )
     assert "messages[0].content[0].text" in err["message"]
 
 
@@ -348,7 +350,9 @@ def test_refusals_in_assistant_history_are_its_text(url: str, fake: FakeEngine) 
             {"role": "user", "content": "q"},
         ]
         err = assert_openai_error(
-            post(url, "/v1/chat/completions", {"model": MODEL, "messages": bad}), 400, param="messages"
+            post(url, "/v1/chat/completions", {"model": MODEL, "messages": bad}),
+            400,
+            param="messages[0].content[0].type",
         )
         assert (
             "only allowed in assistant messages" in err["message"]
@@ -356,7 +360,9 @@ def test_refusals_in_assistant_history_are_its_text(url: str, fake: FakeEngine) 
         )
     no_text = [{"role": "assistant", "content": [{"type": "refusal"}]}, {"role": "user", "content": "q"}]
     err = assert_openai_error(
-        post(url, "/v1/chat/completions", {"model": MODEL, "messages": no_text}), 400, param="messages"
+        post(url, "/v1/chat/completions", {"model": MODEL, "messages": no_text}),
+        400,
+        param="messages[0].content[0].refusal",
     )
     assert "'messages[0].content[0].refusal'" in err["message"]
 

@@ -105,7 +105,7 @@ def test_errors_name_the_parameter() -> None:
     assert info.value.param == "n"
     with pytest.raises(InvalidParameterError) as info:
         chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
-    assert info.value.param == "messages"
+    assert info.value.param == "messages[0].tool_calls[0]"
 
 
 def test_sampling_is_the_engines_and_each_choice_gets_its_own_seed() -> None:

@@ -125,7 +125,7 @@ def test_detokenize_round_trips(url: str) -> None:
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "temperature": 1}, 400, "temperature"),
         ("/tokenize", {"messages": []}, 400, "messages"),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
         ("/detokenize", {"tokens": [256]}, 400, "tokens"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens[0]"),

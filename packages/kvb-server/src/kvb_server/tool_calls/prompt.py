@@ -5,6 +5,9 @@ assistant ``tool_calls`` with ``arguments`` as a dict (templates ``tojson`` them
 with ``tool_call_id`` and the function's ``name``. Other templates get plain text: the tool list and the
 call format in the system prompt (:func:`tools_system_prompt`), earlier calls written back in that format,
 and tool results as a user turn in ``<tool_response>`` tags.
+
+A message the server cannot render is a 400 whose ``param`` is the full path of what is wrong
+(``messages[1].tool_call_id``), as OpenAI names it and as the schema's own errors do.
 """
 
 from __future__ import annotations
@@ -54,18 +57,19 @@ def _text(msg: Any, where: str) -> str:
             raise InvalidParameterError(
                 f"{where}.content[{j}]: 'refusal' parts are only allowed in assistant messages, not in "
                 f"'{msg.role}' messages; send text parts or a string.",
-                param="messages",
+                param=f"{where}.content[{j}].type",
             )
         if kind not in ("text", "refusal"):
             raise InvalidParameterError(
                 f"{where}.content[{j}]: only text parts are supported, got type '{kind}'; send text parts "
                 "or a string.",
-                param="messages",
+                param=f"{where}.content[{j}].type",
             )
         value = getattr(part, kind, None)
         if value is None:
             raise InvalidParameterError(
-                f"Missing required parameter: '{where}.content[{j}].{kind}'.", param="messages"
+                f"Missing required parameter: '{where}.content[{j}].{kind}'.",
+                param=f"{where}.content[{j}].{kind}",
             )
         texts.append(value)
     if assistant and msg.refusal is not None:
@@ -77,7 +81,7 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` as ``{"id", "name", "arguments": <parsed JSON>}``."""
     if not isinstance(raw, list):
         raise InvalidParameterError(
-            f"Invalid value for '{where}.tool_calls': expected an array.", param="messages"
+            f"Invalid value for '{where}.tool_calls': expected an array.", param=f"{where}.tool_calls"
         )
     calls = []
     for j, call in enumerate(raw):
@@ -86,7 +90,7 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise InvalidParameterError(
                 f"Invalid value for '{at}': expected {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}.",
-                param="messages",
+                param=at,
             )
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
@@ -94,7 +98,8 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
                 raise InvalidParameterError(
-                    f"Invalid value for '{at}.function.arguments': not valid JSON.", param="messages"
+                    f"Invalid value for '{at}.function.arguments': not valid JSON.",
+                    param=f"{at}.function.arguments",
                 ) from None
         calls.append({"id": str(call.get("id") or ""), "name": function["name"], "arguments": arguments})
     return calls
@@ -118,7 +123,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
         if msg.role == "function":
             raise InvalidParameterError(
                 f"{where}: 'function' messages (the deprecated function calling) are not supported; use 'tool'.",
-                param="messages",
+                param=f"{where}.role",
             )
         # As on OpenAI, only an assistant turn that made calls or refused may leave its content out; any
         # other message without it would be rendered as an empty turn the client never meant to send.
@@ -139,7 +144,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
             call_id = msg.tool_call_id
             if not isinstance(call_id, str):
                 raise InvalidParameterError(
-                    f"Missing required parameter: '{where}.tool_call_id'.", param="messages"
+                    f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id"
                 )
             if syntax.native:
                 message = {"role": "tool", "content": content, "tool_call_id": call_id}
