@@ -38,6 +38,21 @@ def test_non_string_prompt(engine, prompt):
         engine.generate(prompt)
 
 
+def test_token_id_tensors_and_numpy_ints_are_prompts_like_lookup_cache_takes(engine, tokenizer):
+    """``tokenizer(text, return_tensors="pt")["input_ids"]`` (a [1, S] tensor) and lists of numpy ints were
+    refused ("got Tensor", "got list": the list itself named as the problem) while lookup_cache took them."""
+    text = words(20)
+    expected = engine.generate(text, max_new_tokens=4).output_ids
+    as_tensor = tokenizer(text, return_tensors="pt")["input_ids"]
+    as_numpy = tokenizer(text, return_tensors="np")["input_ids"]
+    for prompt in (as_tensor, as_tensor[0], as_numpy, list(as_numpy[0])):
+        assert engine.generate(prompt, max_new_tokens=4).output_ids == expected
+    with pytest.raises(PromptTypeError, match=r"prompt\[0\] is float"):
+        engine.generate(as_tensor.float())
+    with pytest.raises(PromptTypeError, match=r"1-D or \[1, S\].*generate_batch"):
+        engine.generate(torch.cat([as_tensor, as_tensor]))
+
+
 def test_out_of_vocabulary_token_ids(engine):
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         engine.generate([1, 2, 10_000])

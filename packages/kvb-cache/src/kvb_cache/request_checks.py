@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
@@ -9,22 +11,51 @@ from kvb_cache.prepared import Prompt
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, prompt: Prompt) -> list[int]:
-    """Token ids of ``prompt`` (a string, or ids checked against the model's vocabulary)."""
+    """Token ids of ``prompt`` (a string, or ids checked against the model's vocabulary).
+
+    Ids may be a list or tuple of ints, or a 1-D / ``[1, S]`` integer tensor or array (what
+    ``tokenizer(text, return_tensors="pt")["input_ids"]`` gives, and what ``lookup_cache`` takes too)."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    elif isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        ids = list(prompt)
+    else:
+        ids = _token_ids(prompt)
         vocab = model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
-    else:
-        raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
+    return ids
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """``prompt`` as a list of Python ints, or a :class:`PromptTypeError` naming what is wrong."""
+    if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):  # a torch tensor or a numpy array
+        shape = tuple(prompt.shape)
+        if len(shape) == 2 and shape[0] == 1:
+            prompt = prompt[0]
+        elif len(shape) != 1:
+            raise PromptTypeError(
+                f"a token-id {type(prompt).__name__} prompt must be 1-D or [1, S], got shape {shape}; "
+                "pass one sequence per request (generate_batch takes a list of them)",
+                param="prompt",
+            )
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    ids: list[int] = []
+    for i, t in enumerate(prompt):
+        # NOTE: numpy / 0-d tensor ints are ints too (operator.index); bools and floats are not token ids.
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise PromptTypeError(
+                f"prompt must be a str or a list of int token ids; prompt[{i}] is {type(t).__name__} {t!r}",
+                param="prompt",
+            ) from None
     return ids
 
 
