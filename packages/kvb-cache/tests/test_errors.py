@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, words
+from transformers.utils import is_flash_attn_2_available
 
 from kvb_cache import (
     ConfigError,
@@ -107,6 +108,26 @@ def test_stop_must_be_strings(engine):
 def test_unknown_model_path(tmp_path):
     with pytest.raises(ModelLoadError, match="could not load model"):
         KVBoost.from_pretrained(str(tmp_path / "no-such-model"), device="cpu")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_a_device_this_torch_lacks_is_a_config_error_before_loading():
+    """device='mps' on a torch without MPS used to load the weights, then fail in model.to() with an untyped
+    RuntimeError; the path is not even read now."""
+    with pytest.raises(ConfigError, match="no mps support; use device='cpu'"):
+        KVBoost.from_pretrained("/nonexistent", device="mps")
+
+
+def test_an_attention_implementation_whose_package_is_missing_is_a_model_load_error(
+    llama, tokenizer, tmp_path
+):
+    """flash_attention_2 without flash-attn escaped as transformers' bare ImportError."""
+    if is_flash_attn_2_available():
+        pytest.skip("flash-attn is installed here")
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="attn_implementation='sdpa'"):
+        KVBoost.from_pretrained(str(tmp_path), device="cpu", attn_implementation="flash_attention_2")
 
 
 def test_bad_config_values():

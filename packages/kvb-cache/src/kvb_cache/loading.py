@@ -48,6 +48,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ConfigError(f"device must look like 'cpu', 'cuda' or 'cuda:0', got {device!r}") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' was requested but CUDA is not available; use device='cpu'")
+    # Checked here, not left to model.to(): that fails only after the weights are loaded, with an untyped
+    # RuntimeError ("PyTorch is not linked with support for mps devices").
+    probes = (getattr(torch.backends, resolved.type, None), getattr(torch, resolved.type, None))
+    available = next((p.is_available for p in probes if callable(getattr(p, "is_available", None))), None)
+    if resolved.type != "cpu" and available is not None and not available():
+        raise ConfigError(
+            f"device={str(device)!r} was requested but this torch build or machine has no {resolved.type} "
+            "support; use device='cpu'"
+        )
     return resolved
 
 
@@ -69,6 +78,14 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ImportError as exc:
+        # An optional package the load asked for (attn_implementation="flash_attention_2" without flash-attn).
+        raise ModelLoadError(
+            f"could not load model {name_or_path!r}: {exc} Install that package, or pass "
+            "attn_implementation='sdpa' (or leave it unset)."
+            if attn_implementation is not None
+            else f"could not load model {name_or_path!r}: {exc}"
+        ) from exc
     except (OSError, ValueError, KeyError) as exc:
         hint = (
             ""
