@@ -6,6 +6,7 @@ them structurally and import nothing from kvb_cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -65,5 +66,43 @@ class SpeculativeDecoder(Protocol):
 
         When the i-th token is yielded, ``cache`` must hold KV for at least ``input_ids`` and the ``i - 1``
         tokens yielded before it (possibly more, from rejected drafts); the engine crops it afterwards.
+
+        A decoder whose ``decode`` also takes a ``max_new_tokens`` keyword is given the request's budget:
+        it must never run the model on more than ``S + max_new_tokens`` positions (``kvb_speculative``
+        shortens its drafts), since the engine admitted the request for that many only.
         """
         ...
+
+
+def start_decode(
+    decoder: SpeculativeDecoder,
+    model: PreTrainedModel,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    next_logits: torch.Tensor,
+    processor: TokenProcessor,
+    *,
+    max_new_tokens: int,
+) -> Iterator[int]:
+    """``decoder.decode(...)``, passing ``max_new_tokens`` when its ``decode`` accepts that keyword.
+
+    Without the budget a drafter proposes ``gamma`` tokens past the request's last position: beyond the
+    context window that is an ``IndexError`` on learned absolute positions (GPT-2) and a different RoPE
+    scaling for the whole verification forward on LongRoPE models. Decoders written against the older
+    five-argument protocol still work (without the bound).
+    """
+    if _accepts_max_new_tokens(decoder):
+        return decoder.decode(model, cache, input_ids, next_logits, processor, max_new_tokens=max_new_tokens)
+    return decoder.decode(model, cache, input_ids, next_logits, processor)
+
+
+def _accepts_max_new_tokens(decoder: SpeculativeDecoder) -> bool:
+    try:
+        parameters = inspect.signature(decoder.decode).parameters.values()
+    except (TypeError, ValueError):  # builtins / C callables without a signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "max_new_tokens" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )

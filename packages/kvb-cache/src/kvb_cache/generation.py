@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvb_cache.decoding import start_decode
 from kvb_cache.emitter import Emitter, token_logprob
 from kvb_cache.forward import decode_step, prefill
 from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, TokenLogprob
@@ -49,7 +50,15 @@ def run(
             )[0]
             speculative = engine.drafter is not None and params.logprobs is None
             tokens = (
-                engine.drafter.decode(engine.model, cache, hist[:n].unsqueeze(0), logits, processor)
+                start_decode(
+                    engine.drafter,
+                    engine.model,
+                    cache,
+                    hist[:n].unsqueeze(0),
+                    logits,
+                    processor,
+                    max_new_tokens=params.max_new_tokens,
+                )
                 if speculative
                 else None
             )

@@ -1,0 +1,118 @@
+"""The engine hands a speculative decoder the request's token budget, so drafts never run past the context
+window (GPT-2's learned positions raised ``IndexError: index out of range`` on the last rounds), and decoders
+written against the five-argument protocol keep working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from conftest import VOCAB
+
+from kvb_cache import EngineConfig, KVBoost
+from kvb_cache.cache_kwarg import cache_kwargs
+from kvb_cache.decoding import start_decode
+
+N_POSITIONS = 64
+
+
+class _BudgetedDecoder:
+    """Greedy decoding that, like a speculative decoder, runs ``gamma`` positions per forward: the tokens it
+    has committed plus ``gamma - 1`` look-ahead tokens, but never past the budget when it gets one."""
+
+    def __init__(self, gamma: int = 6) -> None:
+        self.gamma = gamma
+        self.budgets: list[int | None] = []
+
+    def decode(self, model, cache, input_ids, next_logits, processor, *, max_new_tokens=None):
+        self.budgets.append(max_new_tokens)
+        history = input_ids[0].tolist()
+        prompt_len = len(history)
+        logits = next_logits
+        while True:
+            token = int(torch.argmax(processor.process(torch.tensor(history), logits)))
+            history.append(token)
+            produced = len(history) - prompt_len
+            # Look-ahead positions a drafter would verify after this token (dropped again: cropped below).
+            room = self.gamma if max_new_tokens is None else min(self.gamma, max_new_tokens - produced)
+            start = cache.get_seq_length()
+            ids = torch.tensor([[token] * max(room, 1)])
+            positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+            with torch.no_grad():
+                out = model(
+                    input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)
+                )
+            cache.crop(-(cache.get_seq_length() - start - 1)) if ids.shape[1] > 1 else None
+            logits = out.logits[0, 0].float()
+            yield token
+
+
+class _LegacyDecoder:
+    """The five-argument protocol: no budget keyword."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, model, cache, input_ids, next_logits, processor):
+        self.calls += 1
+        history = input_ids[0]
+        logits = next_logits
+        while True:
+            token = int(torch.argmax(processor.process(history, logits)))
+            history = torch.cat([history, torch.tensor([token])])
+            start = cache.get_seq_length()
+            with torch.no_grad():
+                out = model(
+                    input_ids=torch.tensor([[token]]),
+                    position_ids=torch.tensor([[start]]),
+                    use_cache=True,
+                    **cache_kwargs(model, cache),
+                )
+            logits = out.logits[0, -1].float()
+            yield token
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> T.PreTrainedModel:
+    torch.manual_seed(0)
+    config = T.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=N_POSITIONS, initializer_range=0.2
+    )
+    config.eos_token_id, config.pad_token_id = 1, 0
+    return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_decoder_gets_the_budget_and_stays_inside_the_context(gpt2, tokenizer):
+    prompt = list(range(20, 20 + N_POSITIONS - 12))
+    plain = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        prompt, max_new_tokens=12, ignore_eos=True
+    )
+    decoder = _BudgetedDecoder()
+    engine = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16), drafter=decoder)
+    out = engine.generate(prompt, max_new_tokens=12, ignore_eos=True)  # prompt + 12 == n_positions
+    assert decoder.budgets == [12]
+    assert out.output_ids == plain.output_ids
+
+
+def test_a_decoder_without_the_budget_keyword_still_works(gpt2, tokenizer):
+    prompt = list(range(20, 40))
+    plain = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        prompt, max_new_tokens=8, ignore_eos=True
+    )
+    decoder = _LegacyDecoder()
+    engine = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16), drafter=decoder)
+    assert engine.generate(prompt, max_new_tokens=8, ignore_eos=True).output_ids == plain.output_ids
+    assert decoder.calls == 1
+
+
+def test_start_decode_passes_the_budget_only_where_accepted():
+    seen: list[dict] = []
+
+    class Kwargs:
+        def decode(self, model, cache, input_ids, next_logits, processor, **extra):
+            seen.append(extra)
+            return iter(())
+
+    start_decode(Kwargs(), None, None, None, None, None, max_new_tokens=3)
+    start_decode(_LegacyDecoder(), None, None, None, None, None, max_new_tokens=3)  # no TypeError
+    assert seen == [{"max_new_tokens": 3}]
