@@ -121,3 +121,28 @@ def test_bad_guided_requests_are_400s_naming_the_field(url: str, extra: dict, pa
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+#: Compiles, but past llguidance's limits at the first token (an Earley row of 3001 items; max 2000).
+TOO_WIDE = {"type": "grammar", "grammar": "start: " + " | ".join(f'"choice{i}"' for i in range(3000))}
+
+
+def test_a_grammar_that_fails_while_decoding_is_a_400_not_a_stop(client: openai.OpenAI) -> None:
+    """The engine ended such a choice as ``finish_reason: "stop"`` with text matching none of the
+    alternatives (``"choice"``): a silently wrong answer. Non-streamed it is a 400 naming the format."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="go", max_tokens=8, temperature=0, extra_body={"response_format": TOO_WIDE}
+        )
+    assert info.value.param == "response_format" and "could not be followed" in info.value.message
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_stream_with_the_error(url: str) -> None:
+    """Streamed, the text already sent stays sent; the error replaces the "stop" finish chunk, then [DONE]."""
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 8, "response_format": TOO_WIDE, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["param"] == "response_format"
+    finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]]
+    assert "stop" not in finishes

@@ -184,6 +184,7 @@ class LoopAPI:
             chunks=chunks,
             logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
             stop_reason=req.emitter.stop_reason,
+            grammar_error=req.grammar.error if req.grammar is not None else None,
         )
         if not req.internal:  # an idle prompt (core/idle.py) is the engine's work, not a request
             self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)

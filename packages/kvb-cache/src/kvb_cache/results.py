@@ -71,6 +71,10 @@ class GenerationResult:
     #: What ended generation when it was not end-of-sequence or the length: the stop string, or the token id
     #: of ``stop_token_ids`` (vLLM's ``stop_reason``); None otherwise.
     stop_reason: str | int | None = None
+    #: Set when the ``response_format`` grammar's matcher failed while decoding (the grammar outgrew the
+    #: library's limits): the output then does not complete the grammar, although ``finish_reason`` is
+    #: ``"stop"``. None otherwise.
+    grammar_error: str | None = None
 
     @property
     def kv_reuse_ratio(self) -> float:

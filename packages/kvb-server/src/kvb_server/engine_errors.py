@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kvb_cache.errors import CacheBusyError, ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.results import GenerationResult
 from kvb_server.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     CacheBusyConflictError,
@@ -34,6 +35,25 @@ def engine_error(exc: BaseException) -> ServerError:
         return InvalidParameterError(str(exc), param=_openai_param(exc.param))
     logger.error("engine failed: %r", exc, exc_info=exc)
     return EngineError(f"The engine failed while serving this request: {type(exc).__name__}: {exc}")
+
+
+def grammar_failure(result: GenerationResult, *, tools: bool) -> InvalidParameterError | None:
+    """The 400 of a choice whose grammar (``response_format``, or the tool-call grammar when ``tools``)
+    failed while decoding, or None.
+
+    The engine ends such a choice as ``"stop"`` with text that does not complete the grammar; served as is,
+    a client asking for a schema would get an answer that silently breaks it. The grammar is the client's
+    (it outgrew the grammar library's limits), hence 400, not 500.
+    """
+    error = getattr(result, "grammar_error", None)  # engines that never fail a grammar may lack the field
+    if error is None:
+        return None
+    param = "tools" if tools else "response_format"
+    return InvalidParameterError(
+        f"The {param} grammar could not be followed while decoding ({error}); the output would not match "
+        "it. Use a simpler schema, regex or grammar (fewer alternatives, smaller repetition counts).",
+        param=param,
+    )
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

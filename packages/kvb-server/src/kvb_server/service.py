@@ -17,7 +17,7 @@ from kvb_cache.results import GenerationResult
 from kvb_server.config import ServerConfig
 from kvb_server.echo import Echo, PromptScoring, prompt_only_result
 from kvb_server.engine import ServingEngine
-from kvb_server.engine_errors import engine_error
+from kvb_server.engine_errors import engine_error, grammar_failure
 from kvb_server.errors import EngineError, RequestTimeoutError, RequestTooLargeError
 from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import (
@@ -205,6 +205,9 @@ class GenerationService:
                 assert update.result is not None
                 results[update.choice] = update.result
                 self.record(update, update.result)
+                failure = grammar_failure(update.result, tools=plan.tools is not None)
+                if failure is not None:
+                    raise failure
         finally:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvb_cache.results import GenerationResult
 from kvb_server.echo import Echo
-from kvb_server.engine_errors import engine_error
+from kvb_server.engine_errors import engine_error, grammar_failure
 from kvb_server.errors import ServerError
 from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
 from kvb_server.request_plan import GenerationPlan
@@ -155,6 +155,13 @@ class OpenStream:
                 if event.result is not None:
                     results[i] = event.result
                     self._service.record(update, event.result, intervals[i])
+                    failure = grammar_failure(event.result, tools=plan.tools is not None)
+                    if failure is not None:
+                        # Its text is out already: the error replaces the finish chunk (no "stop" for an
+                        # output that does not match), as any error after the first chunk ends a stream.
+                        yield failure.body()
+                        yield "[DONE]"
+                        return
                     finish = event.result.finish_reason
                     if plan.tools is not None:
                         # The same reading as the non-streamed message: whole calls finish "tool_calls"

@@ -14,15 +14,24 @@ class GrammarState:
     """Wraps an ``llguidance.LLMatcher`` (a per-request copy of a cached compiled grammar).
 
     :attr:`finished` turns true once the grammar admits nothing more (the output is complete): the engine
-    then finishes the request with ``finish_reason="stop"``.
+    then finishes the request with ``finish_reason="stop"``. It also turns true when the matcher fails
+    (:attr:`error`): the output is then *not* complete, and the result says so
+    (:attr:`GenerationResult.grammar_error <kvb_cache.results.GenerationResult.grammar_error>`).
     """
 
-    __slots__ = ("_matcher", "failed", "vocab_size")
+    __slots__ = ("_matcher", "error", "vocab_size")
 
     def __init__(self, matcher: Any, *, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self.failed = False
+        #: Why the matcher failed, or None. llguidance refuses a token the mask allowed when the grammar
+        #: outgrows its limits while decoding (``a{1000000}``: "too many expressions constructed"; 20000
+        #: alternatives: "Current row has 20001 items; max is 2000"), which compiling does not catch.
+        self.error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Write the allowed-token bitmask into ``row`` (``[ceil(V / 32)]`` int32, CPU, contiguous)."""
@@ -32,10 +41,10 @@ class GrammarState:
     def advance(self, token: int) -> None:
         """Consume the sampled ``token``."""
         if not self._matcher.consume_token(token):
-            # Only reachable if a token outside the mask was forced in (cannot happen through the
-            # sampler); end the request rather than fail the whole engine step.
-            logger.warning("grammar rejected token %d: %s", token, self._matcher.get_error()[:200])
-            self.failed = True
+            # A grammar past the library's limits (see ``error``), or a token forced in outside the mask:
+            # end this request rather than fail the whole engine step.
+            self.error = self._matcher.get_error().split("\n", 1)[0][:500] or "the grammar matcher failed"
+            logger.warning("grammar rejected token %d: %s", token, self.error)
 
     @property
     def finished(self) -> bool:
