@@ -322,6 +322,9 @@ def test_refusals_name_the_parameter(url: str, extra: dict, param: str) -> None:
     assert resp.status_code == (404 if param == "model" else 400), resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["message"]
+    # Messages speak this route's names too: max_output_tokens was worded as the chat route's
+    # max_completion_tokens (the field the translated request carries).
+    assert "max_completion_tokens" not in error["message"] and "max_tokens" not in error["message"]
 
 
 def test_defaults_and_nulls_an_sdk_may_send_are_accepted(client: openai.OpenAI) -> None:

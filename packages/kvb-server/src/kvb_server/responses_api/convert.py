@@ -43,7 +43,7 @@ _RENAMES = (
 )
 #: The renames that also apply inside error messages (a message's "messages" is a plain word).
 _MESSAGE_RENAMES = (
-    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
     *_RENAMES[2:],
 )
 
