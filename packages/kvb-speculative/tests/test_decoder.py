@@ -8,6 +8,7 @@ from fakes import ScriptedDrafter
 from helpers import greedy, plain_decode
 
 from kvb_speculative import (
+    Draft,
     DraftModelDrafter,
     LogitsTokenProcessor,
     PromptLookupConfig,
@@ -145,6 +146,40 @@ def test_stats_accumulate_and_reset(target, prompt):
     assert stats.as_dict()["acceptance_rate"] == 1.0
     decoder.reset_stats()
     assert decoder.speculative_stats().rounds == 0
+
+
+def test_reset_during_a_request_counts_everything_after_it(target, prompt):
+    # The decode loop held the recorder it started with: after reset_stats() a request in flight recorded its
+    # plain steps into the discarded recorder and its rounds into the new one (committed != rounds' tokens).
+    reference = plain_decode(target, prompt, greedy(), 16)
+    script = reference[:4] + [-1] * 4 + reference[8:]  # no draft for tokens 5..8: plain steps there
+    drafter = ScriptedDrafter([t if t >= 0 else 0 for t in script])
+    drafter.start = lambda ids, start=drafter.start: _gapped(start(ids), range(4, 8))
+    decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=2))
+    cache, logits = prefill(target, prompt)
+    stream = decoder.decode(target, cache, prompt, logits, greedy())
+    assert list(itertools.islice(stream, 3)) == reference[:3]  # one round of 3 (2 drafts + bonus)
+    decoder.reset_stats()
+    rest = list(itertools.islice(stream, 13))
+    stream.close()
+    assert rest == reference[3:16]
+    stats = decoder.speculative_stats()
+    assert stats.plain_steps > 0 and stats.rounds > 0
+    # Every token since the reset (the last round may commit past the 13 consumed).
+    assert stats.committed_tokens == stats.plain_steps + stats.accepted_tokens + stats.rounds >= 13
+
+
+def _gapped(session, gap):
+    """``session`` proposing nothing while the output length is in ``gap``."""
+    propose = session.propose
+
+    def gapped(history, max_tokens, processor):
+        if history.shape[0] - session.offset in gap:
+            return Draft(torch.empty(0, dtype=torch.long), None)
+        return propose(history, max_tokens, processor)
+
+    session.propose = gapped
+    return session
 
 
 @pytest.mark.parametrize("gamma", [0, 65, 2.5, "3", True])

@@ -105,7 +105,8 @@ class SpeculativeDecoder:
         When the i-th token is yielded, ``cache`` holds KV for ``input_ids`` and at least the ``i - 1``
         tokens yielded before it (the last committed token of a round enters it in the next round).
         """
-        stats = self._stats
+        # NOTE: self._stats is read at each use, never held: reset_stats() swaps the recorder, and a request
+        # in flight across a reset recorded its plain steps into the discarded one (its rounds into the new).
         device = next_logits.device
         history = input_ids[0]  # [S + committed]
         # The prompt is prefilled: from here on rejected drafts must be croppable, past a sliding window too.
@@ -121,11 +122,11 @@ class SpeculativeDecoder:
                 else:
                     draft = Draft(torch.empty(0, dtype=torch.long), None)
                 _synchronize(device)
-            stats.draft_seconds += sw.seconds
+            self._stats.draft_seconds += sw.seconds
             k = draft.tokens.shape[0]
             if k == 0:
                 committed = self._plain_step(model, cache, history, pending_logits, processor)
-                stats.record_plain_step()
+                self._stats.record_plain_step()
             else:
                 committed = self._round(model, cache, history, pending_logits, processor, session, draft)
             pending_logits = None
