@@ -43,9 +43,16 @@ class GrammarState:
         if not self._matcher.consume_token(token):
             # A grammar past the library's limits (see ``error``), or a token forced in outside the mask:
             # end this request rather than fail the whole engine step.
-            self.error = self._matcher.get_error().split("\n", 1)[0][:500] or "the grammar matcher failed"
+            self._record_error()
             logger.warning("grammar rejected token %d: %s", token, self.error)
+
+    def _record_error(self) -> None:
+        self.error = self._matcher.get_error().split("\n", 1)[0][:500] or "the grammar matcher failed"
 
     @property
     def finished(self) -> bool:
+        # A limit can also be hit while computing a mask (the matcher then allows only end-of-sequence,
+        # which it may accept): an errored matcher is a failure however it stopped.
+        if self.error is None and self._matcher.is_error():
+            self._record_error()
         return self.failed or self._matcher.is_stopped()
