@@ -218,6 +218,24 @@ def test_other_fingerprints_live_in_other_folders(tmp_path):
     assert b.get(entry.key) is None and a.get(entry.key) is not None
 
 
+def test_clear_drops_records_another_process_wrote_after_the_scan(tmp_path):
+    # reset_cache(lower_tiers=True) cleared only the files this tier had indexed: a record another process
+    # wrote into the shared folder afterwards survived and the next engine was served it.
+    ours = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    theirs = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    other_model = DiskTier(tmp_path, namespace="b" * 64, max_bytes=1 << 20)
+    mine, foreign = chain(2)
+    ours.put(mine.key, record(mine))  # indexes the folder (empty until now)
+    theirs.put(foreign.key, record(foreign))
+    other_model.put(foreign.key, record(foreign))
+    assert ours.clear() == 2
+    assert not list((tmp_path / FINGERPRINT[:32]).rglob("*.kvb"))
+    fresh = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    assert fresh.get(mine.key) is None and fresh.get(foreign.key) is None
+    assert fresh.stats().entries == 0 and ours.stats().bytes == 0
+    assert other_model.get(foreign.key) is not None  # another namespace is untouched
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", "null", '"hits"', '{"hits": "7", "misses": true}'])
 def test_counters_file_of_another_shape_is_ignored(tmp_path, content):
     # stats.json is a report; valid JSON that is not an object of ints (a foreign or half-rewritten file)

@@ -144,11 +144,19 @@ class DiskTier(RecordTier):
 
     def clear(self) -> int:
         with self._lock:
-            names = list(self._loaded())
+            # NOTE: the folder, not just the index: records another process (or another engine on the same
+            # folder) wrote after this one scanned it were left behind, so ``reset_cache(lower_tiers=True)``
+            # kept serving them to the next engine.
+            names = set(self._loaded()) | {
+                path.name[: -len(SUFFIX)] for path in self.directory.glob(f"*/*{SUFFIX}")
+            }
+            removed = 0
             for name in names:
-                self._file(name).unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    self._file(name).unlink()
+                    removed += 1
                 self._forget(name)
-        return len(names)
+        return removed
 
     def stats(self) -> TierStats:
         index = self._loaded()
