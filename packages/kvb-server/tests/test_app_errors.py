@@ -183,6 +183,8 @@ def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake:
         ({"safety_identifier": "x" * 129}, "safety_identifier"),
         ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
         ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),  # "²": str.isdigit() but not int(): was a 500
+        ({"logit_bias": {"\uff14\uff12": 5}}, "logit_bias"),  # full-width "42"
         ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),

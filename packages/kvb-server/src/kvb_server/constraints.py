@@ -193,7 +193,9 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in raw.items():
-        if not key.isdigit():
+        # ASCII digits only: str.isdigit() also admits "²" (int() then raised, a 500) and other scripts'
+        # digits, which are no token id's spelling.
+        if not (key.isascii() and key.isdigit()):
             raise _bad(
                 f"Invalid value for 'logit_bias': keys are token ids (digits as strings), got {key!r}.",
                 "logit_bias",
