@@ -140,6 +140,34 @@ def test_ttl_is_set_on_records(redis_server):
     assert 0 < redis_server.client().ttl(tier._name(e.key)) <= 120
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["redis://:s3cret@127.0.0.1:{port}/0", "redis://kvb:s3cret@127.0.0.1:{port}/0"],
+)
+def test_outage_warning_and_status_never_show_the_password(url, caplog):
+    # No server on the port: the first call fails. The warning printed the URL as given, password included,
+    # into every log that collects warnings (and `kvboost cache status` printed it too).
+    from kvb_cache.tiers.status import redis_status
+
+    url = url.format(port=_free_port())
+    tier = RedisTier(url, namespace=FINGERPRINT, timeout_s=0.5)
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.remote"):
+        assert tier.get(chain(1)[0].key) is None
+    assert "failed" in caplog.text and "***@127.0.0.1" in caplog.text
+    assert "s3cret" not in caplog.text
+    reach, _ = redis_status(url)
+    assert not reach.reachable and "s3cret" not in reach.url and "***" in reach.url
+    assert tier.url == url  # the connection itself still uses the real one
+
+
+def test_redact_url_masks_only_the_password():
+    from kvb_cache.tiers.remote import redact_url
+
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_url("rediss://bob:p@ss@host/1") == "rediss://bob:***@host/1"
+    assert redact_url("unix:///run/r.sock?db=0&password=s3cret") == "unix:///run/r.sock?db=0&password=***"
+
+
 def test_redis_down_degrades_to_misses_with_a_counter_then_recovers(redis_server, caplog):
     entries = chain(3)
     store = tiered(redis_server.url)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.tiers.base import Counters, RecordTier, TierStats
@@ -21,6 +22,32 @@ logger = logging.getLogger(__name__)
 
 #: Hash holding cumulative counters of every process sharing the namespace (for ``kvboost cache status``).
 STATS_SUFFIX = "__stats__"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://user:secret@host``, or ``?password=`` on ``unix://``) masked.
+
+    Outage warnings and ``kvboost cache status`` print the URL: a password in it ended up in every log.
+    """
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user = parts.username or ""
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:***@{host}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+        if (netloc, query) == (parts.netloc, parts.query):
+            return url
+        shown = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        if not netloc and url.startswith(f"{parts.scheme}://"):  # urlunsplit drops unix:///'s empty host
+            shown = f"{parts.scheme}://{shown[len(parts.scheme) + 1 :]}"
+        return shown
+    except ValueError:  # unparsable (a bad port): show nothing of it rather than a secret
+        return "<redis url>"
 
 
 def _redis_module() -> Any:
@@ -63,6 +90,7 @@ class RedisTier(RecordTier):
             raise ValueError(f"remote_ttl_s must be None or >= 1 second, got {ttl_s!r}")
         redis = _redis_module()
         self.url = url
+        self._shown_url = redact_url(url)  # what logs print: never the password
         self.prefix = f"kvb:{namespace[:32]}:"
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
@@ -215,7 +243,7 @@ class RedisTier(RecordTier):
             logger.warning(
                 "Redis %s at %s failed (%s: %s); serving without the remote tier, retrying in %.0fs",
                 op,
-                self.url,
+                self._shown_url,
                 type(exc).__name__,
                 exc,
                 self.retry_after_s,
@@ -225,4 +253,4 @@ class RedisTier(RecordTier):
         if self._outage_logged:
             with self._lock:
                 self._outage_logged = False
-            logger.warning("Redis at %s is reachable again", self.url)
+            logger.warning("Redis at %s is reachable again", self._shown_url)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvb_cache.tiers.base import TierStats
 from kvb_cache.tiers.disk import STATS_FILE, SUFFIX, DiskTier
-from kvb_cache.tiers.remote import RedisTier
+from kvb_cache.tiers.remote import RedisTier, redact_url
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +64,7 @@ def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
     """PING round trip, then every ``kvb:<namespace>:`` prefix with its entries, bytes and shared counters."""
     probe = RedisTier(url, namespace="probe", timeout_s=1.0)
     rtt = probe.ping_ms()
-    reach = RedisReachability(url=url, reachable=rtt is not None, round_trip_ms=rtt)
+    reach = RedisReachability(url=redact_url(url), reachable=rtt is not None, round_trip_ms=rtt)
     if rtt is None:
         return reach, []
     namespaces = sorted(
