@@ -132,6 +132,22 @@ def test_min_tokens_above_the_budget_names_the_request_fields(url: str, path: st
     assert "max_new_tokens" not in err["message"] and "max_tokens" in err["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 2**63), ("top_k", 1e308), ("repetition_penalty", 1e-308), ("repetition_penalty", 1e308)],
+)
+def test_sampling_values_the_batched_sampler_cannot_hold_are_400(
+    url: str, fake: FakeEngine, path: str, field: str, value: float
+) -> None:
+    """Accepted, each failed the engine step (int64 overflow; NaN probabilities), and with it every request
+    decoding beside it: one client could end everybody's streams."""
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert_openai_error(post(url, path, body), 400, param=field)
+    assert not fake.added
+
+
 def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake: FakeEngine) -> None:
     """Only a budget the window cannot hold is refused: one that fits is still served at ``--max-tokens``
     (100 here), the operator's cap, as vLLM caps a request by its generation config."""

@@ -16,10 +16,14 @@ STRICT = ConfigDict(strict=True, extra="forbid")
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
-#: vLLM's top-k: keep the k most likely tokens; -1 or 0 turn the filter off.
-TopK = Annotated[int, Field(ge=-1)]
+#: vLLM's top-k: keep the k most likely tokens; -1 or 0 turn the filter off. At most int64's largest: the
+#: batched sampler puts every row's k in one int64 tensor, and a larger one raised there, failing the step
+#: of every request decoding beside it (any k past the vocabulary keeps every token anyway).
+TopK = Annotated[int, Field(ge=-1, lt=2**63)]
 #: vLLM's (Hugging Face's) repetition penalty: divides the positive logits of every token seen; 1 is off.
-RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+#: Bounded so the penalized logits stay finite in float32 (``1e-308`` is 0 there: logits / 0 = inf, and
+#: the softmax's NaN failed the step of every request decoding beside it); 1.0-2.0 is the useful range.
+RepetitionPenalty = Annotated[float, Field(ge=1e-3, le=1e3, allow_inf_nan=False)]
 
 
 def _whole_number(value: Any) -> Any:
