@@ -225,6 +225,9 @@ def test_logprobs(engine):
         ("temperature", -1.0),
         ("top_p", 0.0),
         ("top_k", -1),
+        ("top_k", 2**63),  # past int64: failed the batched step of every request beside it
+        ("repetition_penalty", 1e-308),  # 0 in float32: NaN probabilities in the batched step
+        ("repetition_penalty", 1e4),
         ("temperature", float("nan")),
         ("logprobs", 50),
         ("presence_penalty", 3.0),
@@ -234,6 +237,15 @@ def test_invalid_sampling_values_name_the_parameter(engine, field, value):
     with pytest.raises(InvalidRequestError) as info:
         engine.generate(PROMPT, **{field: value})
     assert info.value.param == field and field in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["²", "４２", "-1", "1.0"])
+def test_logit_bias_keys_are_ascii_decimal_token_ids(key):
+    """``"²"`` passed str.isdigit() and then failed int() with a bare ValueError; ``"４２"`` was read as 42."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias={key: 1.0})
+    assert info.value.param == "logit_bias"
+    assert SamplingParams(logit_bias={"42": 1.0}).logit_bias == {42: 1.0}
 
 
 @pytest.mark.parametrize("temperature", [1.4e-83, 5e-324, 9e-6])

@@ -25,6 +25,9 @@ from kvb_cache.structured.spec import ResponseFormat
 GREEDY_TEMPERATURE = 1e-5
 #: OpenAI's ``logit_bias`` range; values outside it are clamped.
 MAX_LOGIT_BIAS = 100.0
+#: ``repetition_penalty`` bounds (the server's schema has the same): outside them float32 logits overflow.
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,12 +95,19 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < number("top_p") <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an int >= 0 (0 disables it)")
+        # The batched sampler holds every row's k in one int64 tensor: a wider k failed the step of every
+        # request decoding beside this one (any k past the vocabulary keeps every token anyway).
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+            raise bad("top_k", "must be an int in [0, 2**63) (0 disables it)")
         if not 0 <= number("min_p") <= 1:
             raise bad("min_p", "must be in [0, 1] (0 disables it)")
-        if number("repetition_penalty") <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
+        # Bounded so penalized logits stay finite in float32 (1e-308 is 0 there: logits / 0 = inf, and the
+        # softmax's NaN failed the step of every request decoding beside this one); 1.0-2.0 is the useful range.
+        if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise bad(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1.0 disables it)",
+            )
         for param in ("presence_penalty", "frequency_penalty"):
             if not -2 <= number(param) <= 2:
                 raise bad(param, "must be in [-2, 2]")
@@ -178,7 +188,9 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
         )
     out: dict[int, float] = {}
     for token, value in bias.items():
-        if isinstance(token, str) and token.isdigit():
+        # ASCII digits only: str.isdigit() also accepts "²" and "４２", which int() rejects or reads as
+        # another id.
+        if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InvalidRequestError(
