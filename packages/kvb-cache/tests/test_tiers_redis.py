@@ -160,6 +160,27 @@ def test_outage_warning_and_status_never_show_the_password(url, caplog):
     assert tier.url == url  # the connection itself still uses the real one
 
 
+@pytest.mark.parametrize("timeout", [None, "2", True, float("inf"), float("nan"), 0, -1.0])
+def test_remote_timeout_must_be_a_finite_positive_number(timeout):
+    # None and "2" raised a bare TypeError; inf passed and every Redis call then raised OverflowError.
+    from kvb_cache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="remote_timeout_s must be a finite number"):
+        TierConfig(remote_url="redis://127.0.0.1:6379/0", remote_timeout_s=timeout)
+    assert TierConfig(remote_url="redis://127.0.0.1:6379/0", remote_timeout_s=1).remote_timeout_s == 1
+
+
+def test_stores_skipped_while_redis_is_down_are_counted_as_dropped():
+    # After the first failure the tier skips Redis for retry_after_s: those skipped stores were counted
+    # nowhere (one error for the whole outage).
+    tier = RedisTier(f"redis://127.0.0.1:{_free_port()}/0", namespace=FINGERPRINT, timeout_s=0.5)
+    entries = chain(3)
+    assert not tier.put(entries[0].key, b"x")  # connection refused: an error, the tier pauses
+    assert not tier.put(entries[1].key, b"x") and not tier.put(entries[2].key, b"x")
+    s = tier.stats()
+    assert (s.errors, s.dropped, s.stores) == (1, 2, 0)
+
+
 def test_redact_url_masks_only_the_password():
     from kvb_cache.tiers.remote import redact_url
 

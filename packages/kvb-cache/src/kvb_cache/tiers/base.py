@@ -22,7 +22,8 @@ class TierStats:
         errors: failed operations (I/O errors, Redis connection errors and timeouts), each a miss or a
             skipped store, never a failed request.
         corrupt: records that failed validation (dropped and recomputed).
-        stores / dropped: records written, and writes dropped because the write-behind queue was full.
+        stores / dropped: records written, and writes dropped (the write-behind queue was full, or the tier
+            was paused: disk full, Redis down since an error).
         evictions: records removed to stay within the byte budget.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -64,8 +65,18 @@ class TierConfig:
             raise ConfigError(
                 f"remote_ttl_s must be None or a positive int of seconds, got {self.remote_ttl_s!r}"
             )
-        if not self.remote_timeout_s > 0:
-            raise ConfigError(f"remote_timeout_s must be > 0 seconds, got {self.remote_timeout_s!r}")
+        # NOTE: a finite number, checked before comparing: None or "2" raised a bare TypeError, and inf (meant
+        # as "no timeout", i.e. a request hanging on a stalled Redis) an OverflowError from the socket layer.
+        timeout = self.remote_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ConfigError(
+                f"remote_timeout_s must be a finite number of seconds > 0 (e.g. 2.0), got {timeout!r}"
+            )
         if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:
             raise ConfigError(f"max_pending_writes must be a positive int, got {self.max_pending_writes!r}")
         if isinstance(self.exit_flush_timeout_s, bool) or not (

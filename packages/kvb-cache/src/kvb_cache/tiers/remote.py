@@ -130,6 +130,9 @@ class RedisTier(RecordTier):
 
     def put(self, key: ChunkHash, record: bytes) -> bool:
         if self._is_down():
+            # NOTE: counted like the disk tier's stores skipped while it is full: uncounted, the records an
+            # outage cost showed nowhere (one error for the whole outage, then silence).
+            self.counters.add("dropped")
             return False
         with self._lock:
             deltas, self._unsent = self._unsent, dict.fromkeys(self._unsent, 0)
