@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB
+from conftest import VOCAB, words
 
 from kvb_cache import EngineConfig, KVBoost
 from kvb_cache.cache_kwarg import cache_kwargs
@@ -116,3 +116,21 @@ def test_start_decode_passes_the_budget_only_where_accepted():
     start_decode(Kwargs(), None, None, None, None, None, max_new_tokens=3)
     start_decode(_LegacyDecoder(), None, None, None, None, None, max_new_tokens=3)  # no TypeError
     assert seen == [{"max_new_tokens": 3}]
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(repetition_penalty=0.7, frequency_penalty=-0.5),
+        dict(repetition_penalty=1.5, presence_penalty=-2.0),
+    ],
+)
+def test_a_decoder_sees_the_batched_samplers_penalty_order(llama, tokenizer, penalties):
+    # The processor handed to decoders (the solo path) applied presence/frequency penalties before the
+    # repetition penalty; the batched sampler (and vLLM) apply repetition first. When a subtraction flips a
+    # logit's sign the two differ, so a speculative request's greedy output was not plain greedy's.
+    prompt = tokenizer(words(30, 3) + " " + words(30, 3))["input_ids"]
+    plain = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    solo = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=_LegacyDecoder())
+    want = plain.generate(prompt, max_new_tokens=24, ignore_eos=True, **penalties).output_ids
+    assert solo.generate(prompt, max_new_tokens=24, ignore_eos=True, **penalties).output_ids == want

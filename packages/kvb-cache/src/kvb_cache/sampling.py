@@ -238,9 +238,15 @@ class RequestProcessor:
             if params.min_tokens and eos
             else None
         )
+        # NOTE: apart from the warpers, and applied before the presence/frequency penalties: that is the
+        # batched sampler's order (core/sampler.py, vLLM's too). Inside the list it ran after them, so a
+        # solo request (speculative decoding) with both kinds of penalty decoded other tokens than plain.
+        self._repetition = (
+            RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+            if params.repetition_penalty != 1.0
+            else None
+        )
         processors = LogitsProcessorList()
-        if params.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
         if not params.greedy:
             if params.temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(params.temperature))
@@ -275,7 +281,13 @@ class RequestProcessor:
     @property
     def is_identity(self) -> bool:
         """True when processing cannot change the argmax (greedy without penalties): skip it."""
-        return self.greedy and not self._processors and not self._penalized and self.bias_ids is None
+        return (
+            self.greedy
+            and self._repetition is None
+            and not self._processors
+            and not self._penalized
+            and self.bias_ids is None
+        )
 
     def holds_eos(self, history: torch.Tensor) -> bool:
         """True while ``min_tokens`` bans end-of-sequence (``history`` ``[S]``: prompt and output so far)."""
@@ -286,6 +298,8 @@ class RequestProcessor:
         scores = logits.float().unsqueeze(0)
         if self.bias_ids is not None:
             scores = scores.index_add(1, self.bias_ids, self.bias_values.unsqueeze(0))
+        if self._repetition is not None:
+            scores = self._repetition(history.unsqueeze(0), scores)
         if self._penalized:
             generated = history[self.prompt_len :]
             if generated.numel():
