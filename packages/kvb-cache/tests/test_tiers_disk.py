@@ -159,6 +159,9 @@ def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
     fresh.flush()
     disk = fresh.lower[0].tier
     assert disk.stats().corrupt == 1 and not path.exists()
+    # The corrupt record was found (a tier hit) but served nothing: the hit rate counts 1 of 2 lookups.
+    stats = disk.stats()
+    assert (stats.hits, stats.misses, stats.hit_rate) == (2, 0, 0.5)
     assert fresh.put(entries[1], root=ROOT)  # recomputed KV is stored again
     fresh.flush()
     assert path.exists()

@@ -18,7 +18,8 @@ class TierStats:
         name: ``"ram"``, ``"disk"`` or ``"redis"``.
         entries: records held (None when the tier cannot count cheaply, e.g. a shared Redis).
         bytes: bytes held (None when unknown).
-        hits / misses: lookups served / not found.
+        hits / misses: lookups that found a record / found none. A record found and then refused by
+            validation counts in ``hits`` and in ``corrupt``, so :attr:`hit_rate` takes it out.
         errors: failed operations (I/O errors, Redis connection errors and timeouts), each a miss or a
             skipped store, never a failed request.
         corrupt: records that failed validation (dropped and recomputed).
@@ -40,8 +41,11 @@ class TierStats:
 
     @property
     def hit_rate(self) -> float:
+        """Share of lookups served a valid record: ``(hits - corrupt) / (hits + misses)``."""
         lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
+        # A corrupt record was a lookup that found bytes (a hit to the tier) but served nothing. A shared
+        # Redis tier's hits are every process's and its corrupt count this process's, hence the floor.
+        return max(self.hits - self.corrupt, 0) / lookups if lookups else 0.0
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         return {f: getattr(self, f) for f in self.__slots__} | {"hit_rate": round(self.hit_rate, 4)}
