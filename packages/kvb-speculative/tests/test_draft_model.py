@@ -45,3 +45,34 @@ def test_full_acceptance_keeps_every_computed_position(target, other_model, prom
     session.rollback(3)
     # The last proposal never had KV computed, so at most gamma - 1 draft positions remain.
     assert session.cache.get_seq_length() == prompt.shape[1] + 2
+
+
+def test_a_draft_model_with_a_shorter_context_stops_proposing_at_its_end(target, prompt):
+    """A GPT-2 draft (learned positions, 28 of them) behind a longer-context target: proposals are cut where
+    its positions end and stop past them (it raised IndexError there), and the output is still the
+    target's own greedy continuation."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvb_speculative import speculative_generate
+
+    torch.manual_seed(3)
+    config = GPT2Config(
+        vocab_size=128,
+        n_positions=28,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    draft_model = GPT2LMHeadModel(config).eval()
+    drafter = DraftModelDrafter(target, draft_model)
+    session = drafter.start(prompt[0])
+    assert session.propose(prompt[0], 8, greedy()).tokens.shape[0] == 5  # positions 24..27 hold 4 + 1
+    longer = torch.cat([prompt[0], torch.arange(3, 8)])  # 29 tokens: past the draft's context
+    assert drafter.start(longer).propose(longer, 4, greedy()).tokens.shape[0] == 0
+    out = speculative_generate(target, prompt, drafter, gamma=4, max_new_tokens=12)
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert out.tokens.tolist() == expected[0, prompt.shape[1] :].tolist()
+    assert out.stats.plain_steps > 0  # past position 28 the target decoded alone

@@ -35,17 +35,28 @@ class DraftModelDrafter:
             target_model, draft_model, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer
         )
         self.draft_model = draft_model
+        self.context_length = _context_length(draft_model)
 
     def start(self, prompt_ids: torch.Tensor) -> DraftModelSession:
         """Open a session with an empty draft cache; the prompt is prefilled on the first proposal."""
-        return DraftModelSession(self.draft_model)
+        return DraftModelSession(self.draft_model, self.context_length)
+
+
+def _context_length(model: PreTrainedModel) -> int | None:
+    """The draft model's trained context (``max_position_embeddings``; GPT-2 maps ``n_positions`` to it)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 class DraftModelSession:
     """The draft model's KV cache for one request, kept equal to a prefix of the committed tokens."""
 
-    def __init__(self, draft_model: PreTrainedModel) -> None:
+    def __init__(self, draft_model: PreTrainedModel, context_length: int | None = None) -> None:
         self._model = draft_model
+        #: Positions the draft model may take (None: no limit). A draft model with a shorter context than
+        #: the target stops proposing past it: learned absolute positions (GPT-2) raised IndexError there,
+        #: and RoPE models past their trained length propose little worth verifying.
+        self._context_length = context_length
         self.cache = DynamicCache(config=draft_model.config)
         # Committed tokens whose KV ``cache`` holds: always a prefix of the history passed to propose().
         self._cached = 0
@@ -61,9 +72,16 @@ class DraftModelSession:
             processor: the request's sampling rule, applied to the draft logits.
 
         Returns:
-            ``max_tokens`` tokens and, when sampling, ``[k, V]`` their proposal distributions.
+            ``k <= max_tokens`` tokens and, when sampling, ``[k, V]`` their proposal distributions; fewer
+            (none once ``history`` outgrows it) where the draft model's context ends, since a proposal's
+            KV sits one position past the token before it.
         """
         assert history.shape[0] > self._cached, "the committed history never shrinks"
+        if self._context_length is not None:
+            # The forward computes positions up to len(history) + max_tokens - 2.
+            max_tokens = min(max_tokens, self._context_length - history.shape[0] + 1)
+            if max_tokens <= 0:
+                return Draft(torch.empty(0, dtype=torch.long), None)
         # Self-healing when a caller skipped rollback(): drop any proposal KV beyond the committed prefix.
         rollback(self.cache, self._cached)
         prefilling = self._cached == 0
