@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from kvb_streaming.config import StreamingConfig
 from kvb_streaming.errors import (
+    AWQFormatError,
     NotAStreamingModelError,
     SaveUnsupportedError,
     StreamingConfigError,
@@ -255,3 +256,22 @@ def test_mps_without_mps_is_a_typed_error(awq_llama_dir: Path) -> None:
 def test_dtype_by_name(awq_llama_dir: Path) -> None:
     model = StreamingCausalLM.from_pretrained(awq_llama_dir, device="cpu", dtype="bfloat16")
     assert model.dtype == torch.bfloat16
+
+
+def test_a_config_group_size_that_disagrees_with_the_tensors_names_the_right_one(
+    awq_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The error listed three shapes and the configured group size, leaving the user to work out that the
+    tensors say group_size=32 and config.json is what to fix."""
+    import json
+    import shutil
+
+    folder = tmp_path / "awq"
+    shutil.copytree(awq_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        AWQFormatError, match=r"quantized with group_size=32: set quantization_config\.group_size"
+    ):
+        StreamingCausalLM.from_pretrained(str(folder), device="cpu")

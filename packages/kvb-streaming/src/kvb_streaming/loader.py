@@ -123,9 +123,30 @@ class AWQLoader:
             raise AWQFormatError(
                 f"{module_prefix}: shapes qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                 f"scales {tuple(scales.shape)} do not match AWQ GEMM with group_size={g}"
+                + _group_size_hint(in_features, words, qzeros.shape, scales.shape, g)
             )
         return AWQTensors(qweight=qweight, qzeros=qzeros, scales=scales)
 
     def pack_layer(self, tensors: Mapping[str, torch.Tensor]) -> PackedLayer:
         """Packs already-prepared tensors of one layer into one host (pinned if possible) buffer."""
         return pack_layer(tensors, self.allocator)
+
+
+def _group_size_hint(
+    in_features: int, words: int, qzeros: tuple[int, ...], scales: tuple[int, ...], configured: int
+) -> str:
+    """The fix when the tensors are consistent with another group size (a config.json edited or copied from
+    another export): without it the error listed shapes and left the arithmetic to the user."""
+    groups = scales[0] if len(scales) == 2 else 0
+    if (
+        groups < 1
+        or in_features % groups
+        or tuple(qzeros) != (groups, words)
+        or tuple(scales) != (groups, words * 8)
+    ):
+        return ""
+    actual = in_features // groups
+    return (
+        f"; the tensors were quantized with group_size={actual}: set quantization_config.group_size to "
+        f"{actual} in config.json (it says {configured})"
+    )
