@@ -106,8 +106,40 @@ def test_stop_must_be_strings(engine):
 
 
 def test_unknown_model_path(tmp_path):
-    with pytest.raises(ModelLoadError, match="could not load model"):
+    with pytest.raises(ModelLoadError, match="does not exist"):
         KVBoost.from_pretrained(str(tmp_path / "no-such-model"), device="cpu")
+
+
+def test_a_path_that_is_no_model_folder_says_why(tmp_path):
+    """transformers' own messages misled: a folder without config.json read "Couldn't instantiate the backend
+    tokenizer", a GGUF file "the config file ... is not a valid JSON file"."""
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        KVBoost.from_pretrained(str(tmp_path), device="cpu")
+    gguf = tmp_path / "model.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"is a GGUF file.*gguf_file="):
+        KVBoost.from_pretrained(str(gguf), device="cpu")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        KVBoost.from_pretrained(str(tmp_path / "weights.bin"), device="cpu")
+
+
+def test_a_hub_id_missing_from_the_local_cache_is_not_fetched(monkeypatch):
+    """The documented contract is "a hub id already in the local cache": the loader went to the hub
+    (offline: five retries, ~45 s) and then blamed the internet connection."""
+    import transformers
+
+    seen = []
+
+    def tokenizer_from_pretrained(path, **kwargs):
+        seen.append(kwargs)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_from_pretrained)
+    with pytest.raises(ModelLoadError, match="neither a local folder nor a hub id in the local") as info:
+        KVBoost.from_pretrained("some-org/some-model", device="cpu")
+    assert seen == [{"local_files_only": True}]
+    assert "huggingface.co" not in str(info.value)
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")

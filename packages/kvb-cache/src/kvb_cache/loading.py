@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -60,6 +61,49 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def check_local_model(name_or_path: str) -> None:
+    """Refuse a local path that cannot be a model folder, saying why.
+
+    Left to transformers, a missing path reads "Repo id must use alphanumeric chars" (it is taken for a hub
+    id), a folder without config.json "Couldn't instantiate the backend tokenizer", and a GGUF file "the
+    config file ... is not a valid JSON file". A name that does not look like a path ("org/name") is left
+    to transformers: it may be a hub id in the local cache.
+
+    Raises:
+        ModelLoadError: the path does not exist, is a (GGUF) file, or is a folder without config.json.
+    """
+    path = Path(name_or_path).expanduser()
+    looks_local = (
+        path.exists()
+        or path.is_absolute()
+        or name_or_path.startswith((".", "~"))
+        or name_or_path.count("/") > 1
+        or name_or_path.lower().endswith(".gguf")
+    )
+    if not looks_local:
+        return
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {name_or_path!r} does not exist; pass a local folder with config.json and weights, "
+            "a hub id already in your local Hugging Face cache, or 'smollm2-135m' for the embedded model"
+        )
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        raise ModelLoadError(
+            f"{name_or_path!r} is a GGUF file, which is not loaded directly (only the embedded smollm2-135m "
+            "is converted for you); convert it once with transformers: AutoModelForCausalLM.from_pretrained("
+            "folder, gguf_file=name).save_pretrained(out) and the same for AutoTokenizer, then pass out"
+        )
+    if path.is_file():
+        raise ModelLoadError(
+            f"{name_or_path!r} is a file; pass the folder that holds config.json, the tokenizer and the weights"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{name_or_path!r} has no config.json; pass the folder that holds config.json, the tokenizer "
+            "and the weights (*.safetensors)"
+        )
+
+
 def load_model_and_tokenizer(
     name_or_path: str,
     *,
@@ -73,11 +117,15 @@ def load_model_and_tokenizer(
     path = resolve_model_path(name_or_path)
     torch_device = resolve_device(device)
     kwargs = {"dtype": resolve_dtype(dtype)}
+    if not is_embedded_name(name_or_path):
+        check_local_model(name_or_path)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # local_files_only: a hub id is read from the local Hugging Face cache, as documented; without it a
+        # name missing there was fetched from the hub, or, offline, retried for ~45 s before failing.
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     except ImportError as exc:
         # An optional package the load asked for (attn_implementation="flash_attention_2" without flash-attn).
         raise ModelLoadError(
@@ -86,7 +134,16 @@ def load_model_and_tokenizer(
             if attn_implementation is not None
             else f"could not load model {name_or_path!r}: {exc}"
         ) from exc
-    except (OSError, ValueError, KeyError) as exc:
+    except OSError as exc:
+        if Path(path).exists():
+            raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}") from exc
+        # transformers' own message here is about connecting to huggingface.co, which is never tried.
+        raise ModelLoadError(
+            f"model {name_or_path!r} is neither a local folder nor a hub id in the local Hugging Face cache "
+            f"(nothing is downloaded); fetch it first (hf download {name_or_path}) or pass a local folder "
+            "with config.json and weights, or 'smollm2-135m' for the embedded model"
+        ) from exc
+    except (ValueError, KeyError) as exc:
         hint = (
             ""
             if is_embedded_name(name_or_path)
