@@ -274,3 +274,14 @@ def test_max_new_tokens_alone_over_the_context_is_refused_even_with_auto_truncat
         assert refusal.code == "context_length_exceeded"
         assert (refusal.suggested_max_tokens, refusal.suggested_max_new_tokens) == (0, 2047)
         assert refusal.message.endswith("Lower max_tokens to at most 2047.")
+
+
+def test_arguments_of_the_wrong_type_are_typed_errors(smollm2_shape):
+    """plan(request, "cpu", shape) failed with an AttributeError deep inside the ladder walk."""
+    request = PlanRequest(prompt_tokens=8, max_new_tokens=8)
+    with pytest.raises(PlannerConfigError, match=r"profile must be a DeviceProfile \(DeviceProfile\.probe"):
+        plan(request, "cpu", smollm2_shape)
+    with pytest.raises(PlannerConfigError, match="shape must be a ModelShape"):
+        plan(request, gpu(8 << 30), {"num_layers": 2})
+    with pytest.raises(PlannerConfigError, match="request must be a PlanRequest"):
+        plan(8, gpu(8 << 30), smollm2_shape)

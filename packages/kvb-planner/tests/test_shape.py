@@ -129,3 +129,19 @@ def test_a_multimodal_config_is_read_from_its_text_config():
     assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim) == (3, 64, 2, 16)
     assert (shape.vocab_size, shape.context_length) == (300, 2048)
     assert shape.kv_bytes_per_token == decoder.kv_bytes_per_token
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("num_layers", 1.5),
+        ("num_layers", "2"),
+        ("head_dim", True),
+        ("dtype_bytes", 2.0),
+        ("weight_bytes", None),
+    ],
+)
+def test_sizes_must_be_ints(tiny_shape, field, bad):
+    """A float size was accepted (fractional byte counts) and a string failed with a bare TypeError."""
+    with pytest.raises(PlannerConfigError, match=f"{field} must be an int"):
+        replace(tiny_shape, **{field: bad})

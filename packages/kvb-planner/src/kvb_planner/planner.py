@@ -151,6 +151,17 @@ def plan(
     ``auto_truncate`` and that is >= 1; the memory limit may cut it further), else refused with code
     ``context_length_exceeded``. Suggestions never exceed what the context allows.
     """
+    # Checked here because they are positional and easy to swap or pass as names (plan(req, "cpu", shape)):
+    # the mistake surfaced as an AttributeError deep inside the ladder walk.
+    for name, value, cls in (
+        ("request", request, PlanRequest),
+        ("profile", profile, DeviceProfile),
+        ("shape", shape, ModelShape),
+        ("policy", policy if policy is not None else PlannerPolicy(), PlannerPolicy),
+    ):
+        if not isinstance(value, cls):
+            hint = " (DeviceProfile.probe(device) builds one)" if cls is DeviceProfile else ""
+            raise PlannerConfigError(f"{name} must be a {cls.__name__}{hint}, got {type(value).__name__}")
     policy = policy or PlannerPolicy()
     free = profile.free_bytes
     budget = int(free * (1.0 - policy.safety_margin))

@@ -99,6 +99,22 @@ class ModelShape:
     context_length: int | None = None
 
     def __post_init__(self) -> None:
+        # Every size is checked to be an int first: a float (num_layers=1.5) was accepted and gave fractional
+        # byte counts, a string ("2", as read from a JSON file by hand) failed with a bare TypeError.
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "dtype_bytes",
+            "weight_bytes",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlannerConfigError(f"{name} must be an int, got {value!r}")
         for name in (
             "num_layers",
             "hidden_size",
