@@ -198,7 +198,130 @@ def test_shutdown_timeout_bounds_the_requests_in_flight(monkeypatch: pytest.Monk
 
     seen: dict = {}
     monkeypatch.setattr(cli, "build_server", lambda args, composer: cli.Server(object(), "127.0.0.1", 8000))
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     parser = build_parser()
     cli.serve(parser.parse_args(["--shutdown-timeout", "7"]), None, error=parser.error)
     assert seen["timeout_graceful_shutdown"] == 7
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "-1"], "not a TCP port"),
+        (["--port", "70000"], "not a TCP port"),
+        (["--max-queue-size", "-5"], "integer >= 1"),
+        (["--max-tokens", "0"], "integer >= 1"),
+        (["--request-timeout", "-1"], "seconds > 0"),
+        (["--shutdown-timeout", "0"], "seconds > 0"),
+        (["--max-json-depth", "0"], "nesting depth in 1..512"),
+    ],
+)
+def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str, capsys) -> None:
+    """These were int/float flags checked only by ServerConfig after the model loaded (a ValueError
+    traceback; a bad --port only inside uvicorn)."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(flags)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-model-len", "4096"], "--max-model-len (a vLLM flag) is not supported: the context length"),
+        (["--gpu-memory-utilization", "0.9"], "--max-cache-bytes"),
+        (["--enable-prefix-caching"], "prefix caching is always on"),
+        (["--seed", "1"], "send 'seed' in each request"),
+        (["--chat-template", "t.jinja"], "tokenizer_config.json"),
+        (["--generation-config", "auto"], "per request"),
+        (["--tensor-parallel-size", "2"], "one server per GPU"),
+        (["--tok", "x"], "--tokenizer (a vLLM flag)"),  # an abbreviation names the full flag
+    ],
+)
+def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], message: str, capsys) -> None:
+    """argparse answered "unrecognized arguments", which says nothing about the equivalent here."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(flags)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert "--max-model-len" not in build_parser().format_help()  # hidden: they are not options
+
+
+def _serve(monkeypatch: pytest.MonkeyPatch, flags: list[str], load=None, *, check_port=False) -> list[dict]:
+    """Run cli.main(flags) with uvicorn stubbed and the engine load replaced by ``load``."""
+    import uvicorn
+
+    from kvb_server import cli
+
+    runs: list[dict] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
+    monkeypatch.setattr(cli, "find_composer", lambda: None)  # the plain engine, with or without kvboost
+    if not check_port:  # other processes on this machine may hold any fixed port
+        monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    if load is not None:
+        monkeypatch.setattr(kvb_cache.KVBoost, "from_pretrained", staticmethod(load))
+    cli.main(["--no-oom-planning", *flags])
+    return runs
+
+
+def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys) -> None:
+    """A ModelLoadError (or any typed user error raised while the server is built) escaped as a traceback."""
+
+    def load(model: str, **kwargs) -> FakeEngine:
+        raise kvb_cache.ModelLoadError(f"model path {model!r} does not exist;\nsecond line")
+
+    with pytest.raises(SystemExit) as info:
+        _serve(monkeypatch, ["--model", "/nonexistent"], load)
+    assert info.value.code == 2
+    assert "error: model path '/nonexistent' does not exist; second line" in capsys.readouterr().err
+
+
+def test_engine_options_are_checked_before_the_model_loads(monkeypatch, capsys) -> None:
+    loads: list[str] = []
+    with pytest.raises(SystemExit) as info:
+        _serve(monkeypatch, ["--chunk-size", "0"], lambda model, **kw: loads.append(model))
+    assert info.value.code == 2 and loads == []
+    assert "chunk_size must be a positive int" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:
+    import socket
+
+    loads: list[str] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            _serve(
+                monkeypatch, ["--port", str(port)], lambda model, **kw: loads.append(model), check_port=True
+            )
+    assert info.value.code == 2 and loads == []
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_served_model_names_come_first_as_in_vllm(monkeypatch) -> None:
+    """vLLM answers as the first --served-model-name: /v1/models' first entry, the `model` of requests that
+    leave it out and the metrics' model_name label. The engine's id (a checkpoint path) was first."""
+    import kvb_server.app
+
+    monkeypatch.setattr(kvb_cache.KVBoost, "from_pretrained", staticmethod(lambda model, **kw: FakeEngine()))
+    configs = []
+    monkeypatch.setattr(
+        kvb_server.app, "create_app", lambda engine, config, gate=None: configs.append(config)
+    )
+    flags = [
+        "--no-oom-planning",
+        "--model",
+        "/ckpt/m",
+        "--served-model-name",
+        "gpt-x",
+        "--served-model-name",
+        "y",
+    ]
+    build_server(build_parser().parse_args(flags))
+    (config,) = configs
+    assert config.model_names[:2] == ("gpt-x", "y")
+    assert {FakeEngine().model_name, "/ckpt/m"} <= set(config.model_names)

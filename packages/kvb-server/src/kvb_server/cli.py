@@ -10,21 +10,36 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple, NoReturn
 
 from kvb_cache.engine_args import EngineArgs
+from kvb_cache.errors import KVBoostError
 from kvb_cache.options import add_option_arguments, as_keywords, from_namespace, positive_int
 from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
-from kvb_server.config import ServerConfig, add_server_arguments, tenant_keys
+from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, tenant_keys
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.gate import RequestGate
+from kvb_server.vllm_flags import add_refused_vllm_flags
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "KVBOOST_API_KEY"
+
+
+def port(text: str) -> int:
+    """``--port``: a TCP port, 1..65535 (uvicorn otherwise fails after the model loaded, with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
+    return value
 
 
 def margin(text: str) -> float:
@@ -144,7 +159,7 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         default="127.0.0.1",
         help="interface to bind; the default serves this machine only, use 0.0.0.0 to expose it",
     )
-    http.add_argument("--port", type=int, default=8000, help="TCP port")
+    http.add_argument("--port", type=port, default=8000, help="TCP port")
     http.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -156,6 +171,7 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
     add_server_arguments(p)
+    add_refused_vllm_flags(p)
     sched.add_argument(
         "--backend",
         default="cpu-paged",
@@ -182,21 +198,21 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     )
     sched.add_argument(
         "--max-queue-size",
-        type=int,
+        type=positive_int,
         default=256,
         help="requests not running yet (queued or waiting inside the engine) before new ones get "
         "HTTP 503; running requests do not count",
     )
     sched.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_seconds,
         default=600.0,
         metavar="SECONDS",
         help="a request not finished this long after arrival gets HTTP 504 and is stopped",
     )
     sched.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=1024,
         help="server-side cap on generated tokens per choice (larger requests are clamped)",
     )
@@ -215,27 +231,42 @@ def build_server(args: argparse.Namespace, composer: EngineComposer | None = Non
     (everything but binding the socket)."""
     from kvb_server.app import create_app
 
-    tenants = tenant_keys(args)  # before the model loads: a bad keys file fails fast
+    config = server_config(args)  # before the model loads: bad limits or keys fail fast
     engine = build_engine(args, composer)
     for text in args.warm:
         result = engine.warm(text)
         logger.info(
             "warmed %d tokens (%d new chunks) in %.0f ms", result.tokens, result.new_chunks, result.elapsed_ms
         )
-    names = tuple(dict.fromkeys([engine.model_name, args.model, *args.served_model_name]))
-    config = ServerConfig(
-        model_names=names,
+    # vLLM's order: the --served-model-name values come first, so /v1/models' first entry, the `model` of a
+    # request that leaves it out and the metrics' model_name label are the name the operator chose (the
+    # engine's id was first, so `--served-model-name gpt-x` still answered as the checkpoint's path).
+    config = replace(
+        config,
+        model_names=tuple(dict.fromkeys([*args.served_model_name, engine.model_name, args.model])),
+    )
+    return Server(
+        app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP layer's settings from the flags (model names: ``--served-model-name`` and ``--model``; the
+    engine's own id joins them once it is loaded).
+
+    Raises:
+        ValueError: a malformed tenant key or keys file, or a limit ServerConfig refuses.
+    """
+    return ServerConfig(
+        model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
         max_queue_size=args.max_queue_size,
         request_timeout_s=args.request_timeout,
         max_tokens=args.max_tokens,
         api_key=args.api_key or None,
-        tenant_keys=tenants,
+        tenant_keys=tenant_keys(args),
         max_body_bytes=args.max_body_bytes,
         max_json_depth=args.max_json_depth,
         shutdown_timeout_s=args.shutdown_timeout,
-    )
-    return Server(
-        app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
     )
 
 
@@ -274,6 +305,37 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
     return gate
 
 
+#: What a bad flag value, model or environment raises while the server is built (each part's typed errors
+#: subclass one of these: ConfigError / StreamingConfigError / PlannerConfigError are ValueErrors,
+#: ModelLoadError an OSError, KernelUnavailableError an ImportError). Anything else is a bug and keeps its
+#: traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (KVBoostError, ValueError, ImportError, OSError)
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (transformers' load errors span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, so a port in use is refused before the model loads (uvicorn
+    finds out only after, and exits 1 with its own log line).
+
+    Raises:
+        OSError: the address is in use or cannot be bound here (names both).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # uvicorn sets SO_REUSEADDR too: a port left in TIME_WAIT by a server just stopped is not "in use".
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise OSError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port or --host"
+            ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``kvboost-server``: the full stack when an engine composer (the ``kvboost`` meta-package) is installed."""
     composer = find_composer()
@@ -284,19 +346,27 @@ def main(argv: Sequence[str] | None = None) -> None:
 def serve(
     args: argparse.Namespace, composer: EngineComposer | None, *, error: Callable[[str], NoReturn]
 ) -> None:
-    """Check the parsed flags (``error`` exits with a usage message), build the server and run it."""
+    """Check the parsed flags (``error`` exits with a usage message), build the server and run it.
+
+    A user mistake found on the way (a flag value the engine refuses, a model that does not load, a port
+    in use) exits through ``error`` too: one line and status 2, never a traceback.
+    """
     if args.oom_planning is False and (args.auto_truncate or args.planner_safety_margin is not None):
         error("--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning")
-    try:
-        tenant_keys(args)
-    except ValueError as exc:
-        error(str(exc))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import uvicorn
 
-    server = build_server(args, composer)
+    try:
+        # Everything that can be checked without the model, checked before it loads (that takes minutes
+        # on a large checkpoint): the HTTP settings, the engine options, the port.
+        server_config(args)
+        from_namespace(EngineArgs, args).engine_config()
+        check_port_free(args.host, args.port)
+        server = build_server(args, composer)
+    except USER_ERRORS as exc:
+        error(one_line(exc))
     if server.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or tenant_keys(args)):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host

@@ -107,6 +107,30 @@ class ServerConfig:
 
 
 # -- command-line flags of the fields above ------------------------------------------------------------
+# Their types refuse what ServerConfig would refuse: checked there only, a bad value failed after the model
+# had loaded, with a ValueError traceback instead of a usage error.
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, > 0 (``--request-timeout``, ``--shutdown-timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0, e.g. 30")
+    return value
+
+
+def json_depth_flag(text: str) -> int:
+    """``--max-json-depth``: 1..MAX_JSON_DEPTH_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_JSON_DEPTH_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a nesting depth in 1..{MAX_JSON_DEPTH_LIMIT}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The input-limit, tenant-key and shutdown flags (``--api-key`` itself stays with the http flags)."""
     limits = parser.add_argument_group("input limits")
@@ -119,7 +143,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--max-json-depth",
-        type=int,
+        type=json_depth_flag,
         default=DEFAULT_MAX_JSON_DEPTH,
         help=f"JSON bodies nesting arrays/objects deeper get HTTP 400, checked before parsing (at most "
         f"{MAX_JSON_DEPTH_LIMIT})",
@@ -146,7 +170,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         metavar="SECONDS",
         help="on shutdown, how long the requests in flight may take to finish (then they are cancelled), "
