@@ -142,3 +142,17 @@ def test_idle_copies_flag_applies_to_the_stitching_config():
         EngineArgs(idle_copies=3).engine_config()
     with pytest.raises(ConfigError, match="contradicts"):
         EngineArgs(stitching=StitchConfig(idle_copies=3), idle_copies=1).engine_config()
+
+
+@pytest.mark.parametrize(("flag", "loaded"), [("auto", "auto"), ("half", "float16")])
+def test_vllm_dtype_spellings_are_accepted(flag, loaded):
+    """`--dtype auto` is in most vLLM command lines and was an "invalid choice" here."""
+    import torch
+
+    from kvb_cache.loading import resolve_dtype
+
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    dtype = from_namespace(EngineArgs, parser.parse_args(["--dtype", flag])).dtype
+    assert dtype == flag
+    assert resolve_dtype(dtype) == (loaded if loaded == "auto" else getattr(torch, loaded))

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
     from kvb_cache.decoding import SpeculativeDecoder
 
-DTYPES = ("float32", "bfloat16", "float16")
+#: ``auto`` (the checkpoint's, as when unset) and ``half`` are vLLM's spellings: ``--dtype auto`` is in most
+#: vLLM command lines and was an "invalid choice" here.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 RECOMPUTE_STRATEGIES: tuple[str, ...] = get_args(RecomputeStrategy)
 
 
@@ -48,7 +50,8 @@ class EngineArgs:
         None,
         group="model",
         choices=DTYPES,
-        help="weights and KV dtype; unset: the checkpoint's (with awq_streaming: fp16 on CUDA, fp32 on CPU)",
+        help="weights and KV dtype (half: float16); unset or auto: the checkpoint's (with awq_streaming: fp16 on "
+        "CUDA, fp32 on CPU)",
     )
     attn_implementation: str | None = option(
         None,
