@@ -145,3 +145,12 @@ def test_sizes_must_be_ints(tiny_shape, field, bad):
     """A float size was accepted (fractional byte counts) and a string failed with a bare TypeError."""
     with pytest.raises(PlannerConfigError, match=f"{field} must be an int"):
         replace(tiny_shape, **{field: bad})
+
+
+def test_multi_head_latent_attention_is_refused_not_misread():
+    """A DeepSeek-V3 config was read as 128 per-head K/V of head_dim 64: 2.0 MB of KV per token where
+    transformers caches a 576-element latent (70 KB), and the per-layer expansion was not counted."""
+    from transformers import DeepseekV3Config
+
+    with pytest.raises(PlannerConfigError, match=r"multi-head latent attention \(kv_lora_rank=512\)"):
+        ModelShape.from_config(DeepseekV3Config())

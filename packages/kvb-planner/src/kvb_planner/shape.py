@@ -165,6 +165,17 @@ class ModelShape:
         # A multimodal config (Gemma 3, Llava, ...) keeps the decoder's sizes in its text config; the
         # vision tower's weights are not counted here (from_model counts every parameter).
         text = _text_config(config)
+        if isinstance(getattr(text, "kv_lora_rank", None), int):
+            # Read as per-head K/V, a DeepSeek-V3 config gave 2 * 128 heads * 64 = 16384 elements per token
+            # and layer, where transformers caches the 576-element latent (28x too much KV) and then expands
+            # it for every layer's attention (a transient not modelled at all): wrong either way, so refused.
+            raise PlannerConfigError(
+                f"{type(text).__name__} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): "
+                "its cache holds a latent of kv_lora_rank + qk_rope_head_dim elements per token and layer, "
+                "expanded per layer for attention, which this memory model (per-head keys and values) does not "
+                "describe. Build a ModelShape(...) by hand and check it against measured peaks, or serve without "
+                "the planner (kvboost-server --no-oom-planning)"
+            )
         hidden = _require(text, "hidden_size")
         heads = _require(text, "num_attention_heads")
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
