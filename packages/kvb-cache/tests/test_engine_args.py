@@ -156,3 +156,19 @@ def test_vllm_dtype_spellings_are_accepted(flag, loaded):
     dtype = from_namespace(EngineArgs, parser.parse_args(["--dtype", flag])).dtype
     assert dtype == flag
     assert resolve_dtype(dtype) == (loaded if loaded == "auto" else getattr(torch, loaded))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"kv_cache_bits": 8}, r"kv_cache_bits=8 quantizes disk/Redis records only.*--disk-cache-dir"),
+        ({"kv_group_size": 64}, "kv_group_size=64 has no effect with kv_cache_bits=16"),
+        ({"disk_cache_bytes": 2**20}, "disk_cache_bytes sizes the disk tier, and there is none"),
+    ],
+)
+def test_options_that_would_do_nothing_are_refused(options, match, tmp_path):
+    """Each was accepted and silently ignored (`--kv-cache-bits 8` without a tier reads like vLLM's
+    --kv-cache-dtype but changed nothing); with what they apply to they are fine."""
+    with pytest.raises(ConfigError, match=match):
+        EngineArgs(**options).engine_config()
+    EngineArgs(**{"kv_cache_bits": 8, **options, "disk_cache_dir": str(tmp_path)}).engine_config()

@@ -81,9 +81,12 @@ class EngineArgs:
         group="cache",
         choices=(16, 8, 4),
         help="precision of cached blocks in the disk/Redis tiers: 16 exact, 8/4 KIVI-quantized (more blocks "
-        "per byte, approximate reuse); the RAM block pool always holds KV as computed",
+        "per byte, approximate reuse), so 8/4 need --disk-cache-dir or --remote-url; the RAM block pool always "
+        "holds KV as computed",
     )
-    kv_group_size: int = option(32, group="cache", help="quantization group of --kv-cache-bits 8/4")
+    kv_group_size: int = option(
+        32, group="cache", help="quantization group of --kv-cache-bits 8/4 (only with them)"
+    )
     block_size: int = option(
         16,
         group="cache",
@@ -108,7 +111,7 @@ class EngineArgs:
         group="cache",
         parse=parse_bytes,
         cli_default="16GiB",
-        help="byte budget of the disk tier",
+        help="byte budget of the disk tier (only with --disk-cache-dir)",
     )
     remote_url: str | None = option(
         None,
@@ -221,7 +224,18 @@ class EngineArgs:
         return config
 
     def tier_config(self) -> TierConfig | None:
-        """The disk / Redis tiers asked for; None: RAM only."""
+        """The disk / Redis tiers asked for; None: RAM only.
+
+        Raises:
+            ConfigError: a tier option without its tier (``disk_cache_bytes`` without ``disk_cache_dir``).
+        """
+        if self.disk_cache_dir is None and self.disk_cache_bytes != DEFAULT_DISK_CACHE_BYTES:
+            # Accepted, it was silently ignored (there is no disk tier to size), as remote_codec without
+            # remote_url is refused.
+            raise ConfigError(
+                "disk_cache_bytes sizes the disk tier, and there is none: add disk_cache_dir (--disk-cache-dir) "
+                "or drop disk_cache_bytes"
+            )
         tiers = TierConfig(
             disk_cache_dir=self.disk_cache_dir,
             disk_cache_bytes=self.disk_cache_bytes,
@@ -232,7 +246,27 @@ class EngineArgs:
         return tiers if tiers.enabled else None
 
     def engine_config(self) -> EngineConfig:
-        """The :class:`EngineConfig` these options describe (validated there)."""
+        """The :class:`EngineConfig` these options describe (validated there).
+
+        Raises:
+            ConfigError: an invalid value, or an option that would have no effect: ``kv_cache_bits`` 8/4
+                without a disk or Redis tier (it quantizes their records only), ``kv_group_size`` without
+                ``kv_cache_bits`` 8/4.
+        """
+        tiers = self.tier_config()
+        # Both were accepted and silently did nothing; "--kv-cache-bits 8" reads like vLLM's
+        # --kv-cache-dtype (smaller live KV), which is a per-request kv_cache_bits here.
+        if self.kv_cache_bits != 16 and tiers is None:
+            raise ConfigError(
+                f"kv_cache_bits={self.kv_cache_bits} quantizes disk/Redis records only, and no tier is "
+                "configured: add disk_cache_dir (--disk-cache-dir) or remote_url (--remote-url), or drop it "
+                "(a request's own kv_cache_bits quantizes its live KV)"
+            )
+        if self.kv_cache_bits == 16 and self.kv_group_size != EngineConfig().kv_group_size:
+            raise ConfigError(
+                f"kv_group_size={self.kv_group_size} has no effect with kv_cache_bits=16: add kv_cache_bits 8 "
+                "or 4 (--kv-cache-bits), or drop it"
+            )
         return EngineConfig(
             chunk_size=self.chunk_size,
             stitching=self.stitch_config(),
@@ -240,7 +274,7 @@ class EngineArgs:
             max_cache_bytes=self.max_cache_bytes,
             kv_cache_bits=self.kv_cache_bits,
             kv_group_size=self.kv_group_size,
-            tiers=self.tier_config(),
+            tiers=tiers,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             max_num_seqs=self.max_num_seqs,
