@@ -325,3 +325,38 @@ def test_served_model_names_come_first_as_in_vllm(monkeypatch) -> None:
     (config,) = configs
     assert config.model_names[:2] == ("gpt-x", "y")
     assert {FakeEngine().model_name, "/ckpt/m"} <= set(config.model_names)
+
+
+def test_an_empty_api_key_is_refused_not_authentication_off(monkeypatch, capsys) -> None:
+    """`--api-key "$KEY"` with KEY unset served without authentication, silently."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--api-key", " "])
+    assert info.value.code == 2 and "the key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("KVBOOST_API_KEY", "")  # an empty variable is as unset
+    assert build_parser().parse_args([]).api_key is None
+    monkeypatch.setenv("KVBOOST_API_KEY", "k1")
+    assert build_parser().parse_args([]).api_key == "k1"
+
+
+def test_log_level_applies_when_the_root_logger_is_already_configured(monkeypatch) -> None:
+    """`kvboost serve` configures logging (WARNING) before the server's basicConfig, which then did nothing:
+    --log-level was ignored and the default info lines never showed."""
+    import uvicorn
+
+    from kvb_server import cli
+
+    monkeypatch.setattr(cli, "build_server", lambda args, composer: cli.Server(object(), "127.0.0.1", 8000))
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    root = logging.getLogger()
+    handler = logging.NullHandler()
+    before = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        parser = build_parser()
+        cli.serve(parser.parse_args(["--log-level", "debug"]), None, error=parser.error)
+        assert root.level == logging.DEBUG
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(before)

@@ -42,6 +42,16 @@ def port(text: str) -> int:
     return value
 
 
+def api_key(text: str) -> str:
+    """``--api-key``: a non-blank key. ``--api-key ""`` (``--api-key "$KEY"`` with KEY unset) started the
+    server without authentication and without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "the key is empty; pass a key, or leave --api-key out to serve without one"
+        )
+    return text
+
+
 def margin(text: str) -> float:
     """``--planner-safety-margin``: a fraction in [0, 1)."""
     try:
@@ -162,7 +172,10 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     http.add_argument("--port", type=port, default=8000, help="TCP port")
     http.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        type=api_key,
+        # An empty $KVBOOST_API_KEY counts as unset (shells export empty variables); an empty --api-key is
+        # refused by its type.
+        default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (default: ${API_KEY_ENV}; "
         "unset: no authentication unless tenant keys are given); the operator's key, the only one that may "
         "reset the cache",
@@ -356,6 +369,9 @@ def serve(
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # basicConfig does nothing when the root logger is already set up, as `kvboost serve`'s CLI does (at
+    # WARNING): --log-level was then ignored there, and even the default info lines never showed.
+    logging.getLogger().setLevel(args.log_level.upper())
     import uvicorn
 
     try:
