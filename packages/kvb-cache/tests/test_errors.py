@@ -276,3 +276,17 @@ def test_failure_midway_leaves_cache_consistent(tokenizer, monkeypatch):
     assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).output_ids == reference.output_ids
     with torch.no_grad():
         assert engine.next_token_logits(prompt).cached_tokens == 39
+
+
+def test_a_pool_smaller_than_the_context_is_said_at_load_time(llama, tokenizer, caplog):
+    """The pool caps every request (and max_model_len) below the model's context; that was found out only
+    from the first refusal."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvb_cache.engine"):
+        KVBoost(llama, tokenizer, config=EngineConfig(num_blocks=2, block_size=16))
+    assert "the KV block pool holds 32 tokens, less than the model's context" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvb_cache.engine"):
+        KVBoost(llama, tokenizer)
+    assert "block pool holds" not in caplog.text
