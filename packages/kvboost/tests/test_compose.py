@@ -159,3 +159,19 @@ def test_recompute_strategy_turns_stitching_on(target):
         )
     with pytest.raises(ConfigError, match="recompute_strategy"):
         KVBoost.from_pretrained(str(target), device="cpu", recompute_strategy="bogus")
+
+
+def test_a_draft_model_path_that_cannot_load_is_named_before_the_target_loads(target, monkeypatch, tmp_path):
+    """The draft's load error read like the target's and came only after the target had loaded."""
+    import kvb_cache
+
+    def no_target_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the draft path was checked")
+
+    monkeypatch.setattr(kvb_cache.KVBoost, "from_engine_args", classmethod(no_target_load))
+    with pytest.raises(
+        kvb_cache.ModelLoadError, match=r"^draft_model \(--draft-model\): model path .* does not exist"
+    ):
+        KVBoost.from_pretrained(
+            target, device="cpu", speculative="draft_model", draft_model=str(tmp_path / "nope")
+        )

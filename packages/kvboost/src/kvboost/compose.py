@@ -27,7 +27,7 @@ from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import ConfigError, ModelLoadError
-from kvb_cache.loading import load_model_and_tokenizer
+from kvb_cache.loading import check_local_model, load_model_and_tokenizer
 from kvb_cache.options import pick_keywords
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
 from kvb_streaming import StreamingConfig
@@ -122,6 +122,13 @@ class KVBoost(_Engine):
                 f"gamma={speculative.gamma} has no effect without speculative='prompt_lookup'/'draft_model' or "
                 "draft_model (--speculative / --draft-model); add one or drop gamma"
             )
+        if isinstance(speculative.draft_model, str):
+            # Checked before the target loads (minutes on a large model), and named: the draft's load error
+            # read like the target's ("model path '/x' does not exist") and came only after that load.
+            try:
+                check_local_model(speculative.draft_model)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"draft_model (--draft-model): {exc}") from None
         if engine.attn_implementation == KVB_ATTENTION:
             from kvb_kernels import register_kvb_attention
 
@@ -219,12 +226,15 @@ def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | 
             f"{type(draft_model).__name__}"
         )
     if isinstance(draft_model, str):
-        loaded = load_model_and_tokenizer(
-            draft_model,
-            device=engine.device,
-            dtype=engine.model.dtype,
-            attn_implementation=attn_implementation,
-        )
+        try:
+            loaded = load_model_and_tokenizer(
+                draft_model,
+                device=engine.device,
+                dtype=engine.model.dtype,
+                attn_implementation=attn_implementation,
+            )
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"draft_model (--draft-model): {exc}") from exc
         draft_model, draft_tokenizer = loaded.model, loaded.tokenizer
     return make_decoder(
         engine.model,
