@@ -275,3 +275,17 @@ def test_a_config_group_size_that_disagrees_with_the_tensors_names_the_right_one
         AWQFormatError, match=r"quantized with group_size=32: set quantization_config\.group_size"
     ):
         StreamingCausalLM.from_pretrained(str(folder), device="cpu")
+
+
+def test_a_file_or_no_path_is_a_typed_error_about_the_folder(awq_llama_dir: Path, tmp_path: Path) -> None:
+    """A file gave "<file>/config.json not found" and None a bare TypeError."""
+    gguf = tmp_path / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(
+        AWQFormatError, match=r"is a file; pass the AWQ checkpoint folder.*GGUF files are not read"
+    ):
+        StreamingCausalLM.from_pretrained(str(gguf), device="cpu")
+    with pytest.raises(AWQFormatError, match="is a file"):
+        StreamingCausalLM.from_pretrained(str(awq_llama_dir / "config.json"), device="cpu")
+    with pytest.raises(AWQFormatError, match="must be a checkpoint folder"):
+        StreamingCausalLM.from_pretrained(None, device="cpu")  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,19 @@ class AWQLoader:
     """
 
     def __init__(self, path: str | Path, *, pin_memory: bool = True) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise AWQFormatError(f"path must be a checkpoint folder (str or Path), got {type(path).__name__}")
         self.path = Path(path)
+        if self.path.is_file():
+            # Said of the file itself: "<file>/config.json not found" pointed at a path that cannot exist.
+            raise AWQFormatError(
+                f"{self.path} is a file; pass the AWQ checkpoint folder that holds config.json and *.safetensors"
+                + (
+                    " (GGUF files are not read: use an AWQ GEMM safetensors export)"
+                    if self.path.suffix == ".gguf"
+                    else ""
+                )
+            )
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise AWQFormatError(f"{config_file} not found; pass a Hugging Face checkpoint folder")
