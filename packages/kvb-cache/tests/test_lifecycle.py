@@ -88,6 +88,8 @@ def test_engines_without_tiers_register_no_exit_hook(llama, tokenizer):
 def test_bad_exit_flush_timeout_is_refused():
     with pytest.raises(ValueError, match="exit_flush_timeout_s"):
         TierConfig(disk_cache_dir="x", exit_flush_timeout_s=0)
+    with pytest.raises(ValueError, match="finite"):  # the flush's join raised OverflowError at exit
+        TierConfig(disk_cache_dir="x", exit_flush_timeout_s=float("inf"))
 
 
 # A "process A" that generates and exits without close(); its disk is slow (sleep per record), so writes

@@ -79,11 +79,15 @@ class TierConfig:
             )
         if not isinstance(self.max_pending_writes, int) or self.max_pending_writes < 1:
             raise ConfigError(f"max_pending_writes must be a positive int, got {self.max_pending_writes!r}")
+        # Finite too: inf (meant as "wait for every write") passed, and the flush's thread join then raised
+        # OverflowError at close() / interpreter exit, losing the queued writes it was meant to keep.
         if isinstance(self.exit_flush_timeout_s, bool) or not (
-            isinstance(self.exit_flush_timeout_s, (int, float)) and self.exit_flush_timeout_s > 0
+            isinstance(self.exit_flush_timeout_s, (int, float))
+            and 0 < self.exit_flush_timeout_s < float("inf")
         ):
             raise ConfigError(
-                f"exit_flush_timeout_s must be > 0 seconds (e.g. 10.0), got {self.exit_flush_timeout_s!r}"
+                f"exit_flush_timeout_s must be a finite number > 0 seconds (e.g. 10.0), got "
+                f"{self.exit_flush_timeout_s!r}"
             )
 
     @property
