@@ -360,3 +360,22 @@ def test_log_level_applies_when_the_root_logger_is_already_configured(monkeypatc
     finally:
         root.removeHandler(handler)
         root.setLevel(before)
+
+
+def test_a_model_the_planner_cannot_describe_serves_without_planning_by_default(monkeypatch, caplog) -> None:
+    """The engine serves GPT-2, the planner models Llama-style decoders (no intermediate_size): with the
+    planner installed (planning on by default) such a model did not start without --no-oom-planning."""
+    planner = pytest.importorskip("kvb_planner")
+    from kvb_server import cli
+    from kvb_server.planner_gate import PlannerGate
+
+    def for_engine(engine, **kwargs):
+        raise planner.PlannerConfigError("config has no integer 'intermediate_size'")
+
+    monkeypatch.setattr(PlannerGate, "for_engine", staticmethod(for_engine))
+    with caplog.at_level(logging.WARNING, logger="kvb_server.cli"):
+        assert cli.build_gate(build_parser().parse_args([]), FakeEngine()) is None
+    assert "OOM planning off: the planner cannot describe this model" in caplog.text
+    for asked in (["--oom-planning"], ["--auto-truncate"], ["--planner-safety-margin", "0.2"]):
+        with pytest.raises(ValueError, match="OOM planning cannot plan for this model"):
+            cli.build_gate(build_parser().parse_args(asked), FakeEngine())

@@ -298,7 +298,9 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
 
     Raises:
         ImportError: ``--oom-planning`` was given but kvb-planner is not installed (names the extra).
-        ValueError: ``--auto-truncate`` / ``--planner-safety-margin`` without OOM planning.
+        ValueError: ``--auto-truncate`` / ``--planner-safety-margin`` without OOM planning, or planning asked
+            for (one of the three flags) on a model the planner cannot describe. Planning on by default
+            only is turned off with a warning then.
     """
     from kvb_server.planner_gate import PlannerGate, planner_available
 
@@ -311,9 +313,23 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
             )
         logger.info("OOM planning off: every valid request is admitted")
         return None
-    gate = PlannerGate.for_engine(
-        engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin
-    )
+    from kvb_server.planner_gate import require_planner
+
+    try:
+        gate = PlannerGate.for_engine(
+            engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin
+        )
+    except require_planner().PlannerError as exc:
+        # The planner models Llama-style decoders; the engine serves more (GPT-2 has no intermediate_size).
+        # Planning being only on by default, such a model failed to start until --no-oom-planning was found.
+        asked = args.oom_planning or args.auto_truncate or args.planner_safety_margin is not None
+        if asked:
+            raise ValueError(
+                f"OOM planning cannot plan for this model: {exc}; drop --oom-planning / --auto-truncate / "
+                "--planner-safety-margin"
+            ) from exc
+        logger.warning("OOM planning off: the planner cannot describe this model (%s)", exc)
+        return None
     logger.info("OOM planning on: %s", gate.profile.to_dict())
     return gate
 
