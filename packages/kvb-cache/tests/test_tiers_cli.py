@@ -96,6 +96,9 @@ def test_status_survives_counters_written_by_someone_else(tmp_path, redis_server
         ["cache", "bench", "--threads", "0"],
         ["cache", "bench", "--remote-url", "localhost:6379"],
         ["cache", "status", "--remote-url", "foo://bar"],
+        # redis-py's own URL parse raised ValueError (a traceback) when the tier was opened.
+        ["cache", "status", "--remote-url", "redis://127.0.0.1:notaport/0"],
+        ["cache", "bench", "--remote-url", "redis://127.0.0.1:99999/0"],
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, capsys):
@@ -112,3 +115,31 @@ def test_status_of_a_file_is_a_clear_error(tmp_path, capsys):
     args = parse(["cache", "status", "--disk-cache-dir", str(target)])
     assert args.func(args) == 2
     assert "not a disk cache folder" in capsys.readouterr().err
+
+
+def test_status_of_a_missing_folder_is_a_clear_error(tmp_path, capsys):
+    # A typo in the path listed nothing and exited 0, as if it were an empty cache.
+    args = parse(["cache", "status", "--disk-cache-dir", str(tmp_path / "typo"), "--json"])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "does not exist" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # It benchmarked anyway, and the redis row read "0 cached" after a logged warning.
+        (["--remote-url", "redis://127.0.0.1:1/0"], "unreachable"),
+        # These three were tracebacks (the last two after loading the model).
+        (["--model", "/nonexistent/model"], "does not exist"),
+        (["--disk-cache-dir", "FILE"], "is a file"),
+    ],
+)
+def test_bench_that_cannot_run_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    argv = [str(afile) if a == "FILE" else a for a in argv]
+    args = parse(["cache", "bench", "--model", "/nonexistent/model", *argv])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvboost cache bench: ") and said in err and "\n" not in err

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_cache.config import EngineConfig
 from kvb_cache.engine import KVBoost
+from kvb_cache.errors import InvalidRequestError
 from kvb_cache.tiers.config import TierConfig
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ def bench_restore(
         for n in lengths:
             ids = list(prompt_ids[: n + 1])
             if len(ids) < n + 1:
-                raise ValueError(f"the benchmark text has only {len(prompt_ids)} tokens; lower --lengths")
+                raise InvalidRequestError(
+                    f"the benchmark text has only {len(prompt_ids)} tokens; lower --lengths"
+                )
             cold = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16))
             cold_ms, _ = _median_ms(
                 lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None

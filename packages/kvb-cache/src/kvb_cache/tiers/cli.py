@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from kvb_cache.tiers.base import TierStats
 
@@ -28,9 +29,18 @@ def positive_int(text: str) -> int:
 
 
 def redis_url(text: str) -> str:
-    """argparse type: a URL redis-py can open (anything else crashed with a traceback from redis-py)."""
+    """argparse type: a URL redis-py can open (anything else crashed with a traceback from redis-py, as
+    did ``redis://host:notaport/0``: redis-py's own parse raised ValueError when the tier was opened)."""
     if not text.startswith(_REDIS_SCHEMES):
         raise argparse.ArgumentTypeError(f"must look like redis://host:6379/0, got {text!r}")
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the tier itself says redis-py is missing
+        return text
+    try:
+        parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} in {text!r}; expected redis://host:6379/0") from None
     return text
 
 
@@ -86,6 +96,13 @@ def run_status(args: argparse.Namespace) -> int:
         return 2
     rows, report = [], {}
     if args.disk_cache_dir:
+        if not Path(args.disk_cache_dir).exists():
+            # A typo listed nothing and exited 0, as if the folder were an empty cache.
+            print(
+                f"kvboost cache status: --disk-cache-dir {args.disk_cache_dir!r} does not exist",
+                file=sys.stderr,
+            )
+            return 2
         try:
             found = disk_status(args.disk_cache_dir)
         except NotADirectoryError as exc:
@@ -121,25 +138,53 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_precheck(args: argparse.Namespace) -> str | None:
+    """What makes ``bench`` unable to run, found before the model loads (None when nothing does)."""
+    if args.disk_cache_dir and Path(args.disk_cache_dir).exists() and not Path(args.disk_cache_dir).is_dir():
+        return f"--disk-cache-dir {args.disk_cache_dir!r} is a file; pass a folder (created if missing)"
+    if args.remote_url:
+        from kvb_cache.tiers.remote import RedisTier, redact_url
+
+        probe = RedisTier(args.remote_url, namespace="probe", timeout_s=2.0)
+        try:
+            reachable = probe.ping_ms() is not None
+        finally:
+            probe.close()
+        if not reachable:
+            # It benchmarked anyway: the tier logged a warning and the redis row read "0 cached, 0.9x".
+            return f"Redis at {redact_url(args.remote_url)} is unreachable (no PING reply within 2 s)"
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
+    from kvb_cache.errors import KVBoostError
     from kvb_cache.loading import load_model_and_tokenizer
     from kvb_cache.tiers.bench import bench_restore, format_table
     from kvb_cache.tiers.text import benchmark_token_ids
 
+    problem = _bench_precheck(args)
+    if problem is not None:
+        print(f"kvboost cache bench: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
-    loaded = load_model_and_tokenizer(args.model, device="cpu", dtype=None, attn_implementation=None)
-    ids = benchmark_token_ids(loaded.tokenizer, max(args.lengths) + 1)
-    rows = bench_restore(
-        loaded.model,
-        loaded.tokenizer,
-        ids,
-        lengths=args.lengths,
-        remote_url=args.remote_url,
-        disk_cache_dir=args.disk_cache_dir,
-        kv_cache_bits=args.kv_cache_bits,
-        repeats=args.repeats,
-    )
+    try:
+        loaded = load_model_and_tokenizer(args.model, device="cpu", dtype=None, attn_implementation=None)
+        ids = benchmark_token_ids(loaded.tokenizer, max(args.lengths) + 1)
+        rows = bench_restore(
+            loaded.model,
+            loaded.tokenizer,
+            ids,
+            lengths=args.lengths,
+            remote_url=args.remote_url,
+            disk_cache_dir=args.disk_cache_dir,
+            kv_cache_bits=args.kv_cache_bits,
+            repeats=args.repeats,
+        )
+    except KVBoostError as exc:
+        # An unknown --model, a --lengths beyond the model's context: one line, not a traceback.
+        print(f"kvboost cache bench: {exc}", file=sys.stderr)
+        return 2
     print(format_table(rows))
     return 0
