@@ -23,6 +23,9 @@ from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, tenant_keys
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.gate import RequestGate
+from kvb_server.generation_config import AUTO
+from kvb_server.generation_config import check_flag as check_generation_config
+from kvb_server.generation_config import resolve as resolve_generation_config
 from kvb_server.vllm_flags import add_refused_vllm_flags
 
 logger = logging.getLogger(__name__)
@@ -229,6 +232,14 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         default=1024,
         help="server-side cap on generated tokens per choice (larger requests are clamped)",
     )
+    sched.add_argument(
+        "--generation-config",
+        default=AUTO,
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults of requests that omit temperature, top_p, top_k, min_p, repetition_penalty "
+        "or max_tokens: auto takes those the model's generation_config.json sets (as vLLM), vllm the "
+        "OpenAI API's, a folder its own generation_config.json",
+    )
 
 
 class Server(NamedTuple):
@@ -257,7 +268,15 @@ def build_server(args: argparse.Namespace, composer: EngineComposer | None = Non
     config = replace(
         config,
         model_names=tuple(dict.fromkeys([*args.served_model_name, engine.model_name, args.model])),
+        sampling_defaults=resolve_generation_config(args.generation_config, engine, args.model),
     )
+    if config.sampling_defaults.as_dict():
+        logger.info(
+            "sampling defaults from --generation-config %s (a request's own values win; "
+            "--generation-config vllm for OpenAI's): %s",
+            args.generation_config,
+            config.sampling_defaults.as_dict(),
+        )
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
     )
@@ -268,8 +287,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     engine's own id joins them once it is loaded).
 
     Raises:
-        ValueError: a malformed tenant key or keys file, or a limit ServerConfig refuses.
+        ValueError: a malformed tenant key or keys file, a limit ServerConfig refuses, or a
+            ``--generation-config`` that is not auto, vllm or a folder holding generation_config.json.
     """
+    check_generation_config(args.generation_config)
     return ServerConfig(
         model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
         max_queue_size=args.max_queue_size,
@@ -280,6 +301,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         max_json_depth=args.max_json_depth,
         shutdown_timeout_s=args.shutdown_timeout,
+        generation_config=args.generation_config,
     )
 
 

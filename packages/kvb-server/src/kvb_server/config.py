@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvb_cache.options import parse_bytes
+from kvb_server.generation_config import NO_DEFAULTS, VLLM, SamplingDefaults
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 
 
@@ -54,6 +55,12 @@ class ServerConfig:
             ``engine.close()`` (flushing queued disk/Redis writes).
         close_engine: call ``engine.close()`` on shutdown (off for an engine the caller goes on using
             with its lower tiers open).
+        generation_config: ``--generation-config`` as given (``auto``, ``vllm`` or a folder): where
+            ``sampling_defaults`` came from, as ``/v1/stats`` reports it. Only a label: the CLI resolves
+            the defaults (:func:`kvb_server.generation_config.resolve`); a ServerConfig built directly
+            has none unless given, hence ``vllm`` here (the flag's default is ``auto``).
+        sampling_defaults: what a request omitting a sampling field gets instead of OpenAI's default (the
+            generation config's recommendation, :mod:`kvb_server.generation_config`); empty: OpenAI's.
     """
 
     model_names: tuple[str, ...]
@@ -68,6 +75,8 @@ class ServerConfig:
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     shutdown_timeout_s: float = 30.0
     close_engine: bool = True
+    generation_config: str = VLLM
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):

@@ -16,7 +16,13 @@ from kvb_server.chat_prompt import chat_messages, check_tool_schemas, render_cha
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
-from kvb_server.sampling_params import choice_count, continuous_usage, max_new_tokens, sampling_params
+from kvb_server.sampling_params import (
+    choice_count,
+    continuous_usage,
+    default_max_tokens,
+    max_new_tokens,
+    sampling_params,
+)
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.tenancy import request_salt
 from kvb_server.tool_calls import ToolPlan, detect, tool_plan
@@ -136,7 +142,7 @@ def completion_plan(
     generate = req.max_tokens != 0
     max_new = max_new_tokens(
         req.max_tokens if generate else None,
-        config.default_completion_max_tokens,
+        default_max_tokens(config.default_completion_max_tokens, config.sampling_defaults),
         prompts,
         engine,
         config,
@@ -156,7 +162,9 @@ def completion_plan(
         model=model,
         prompts=prompts,
         n=n,
-        sampling=sampling_params(req, max_new, req.logprobs, constraints.requested_format(req)[1]),
+        sampling=sampling_params(
+            req, max_new, req.logprobs, constraints.requested_format(req)[1], config.sampling_defaults
+        ),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),
@@ -182,7 +190,7 @@ def chat_plan(
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_new = max_new_tokens(
         getattr(req, budget_param),
-        config.max_tokens,
+        default_max_tokens(config.max_tokens, config.sampling_defaults),
         prompts,
         engine,
         config,
@@ -197,7 +205,7 @@ def chat_plan(
         model=model,
         prompts=prompts,
         n=n,
-        sampling=sampling_params(req, max_new, logprobs, fmt),
+        sampling=sampling_params(req, max_new, logprobs, fmt, config.sampling_defaults),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),

@@ -1,6 +1,7 @@
 """The engine's :class:`~kvb_cache.sampling.SamplingParams` from a request's sampling fields.
 
-OpenAI's defaults where a field is omitted (``temperature`` 1, not the engine's 0), the server's caps
+OpenAI's defaults where a field is omitted (``temperature`` 1, not the engine's 0) unless the model's generation
+config recommends another (``--generation-config``, :mod:`kvb_server.generation_config`), the server's caps
 (``max_tokens``, ``n``), OpenAI's token-budget rule against the context window, and the per-choice seeds of
 an ``n > 1`` request.
 """
@@ -8,6 +9,7 @@ an ``n > 1`` request.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.sampling import GREEDY_TEMPERATURE, SamplingParams
@@ -16,7 +18,10 @@ from kvb_server import constraints
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import CONTEXT_LENGTH_EXCEEDED, InvalidParameterError
+from kvb_server.generation_config import NO_DEFAULTS, SamplingDefaults
 from kvb_server.schemas.generation_requests import SamplingFields
+
+T = TypeVar("T")
 
 
 def _stop_strings(req: SamplingFields) -> tuple[str, ...]:
@@ -68,12 +73,32 @@ def max_new_tokens(
     return min(requested, config.max_tokens)
 
 
+def default_max_tokens(endpoint_default: int, defaults: SamplingDefaults) -> int:
+    """The budget of a request without ``max_tokens``: the endpoint's default (completions: 16, chat: the
+    server cap), or the generation config's ``max_new_tokens`` when smaller (vLLM takes the least of them)."""
+    if defaults.max_tokens is None:
+        return endpoint_default
+    return min(endpoint_default, defaults.max_tokens)
+
+
+def _or(value: T | None, default: T | None, builtin: T) -> T:
+    """A request's field, else the generation config's default, else OpenAI's."""
+    if value is not None:
+        return value
+    return builtin if default is None else default
+
+
 def sampling_params(
-    req: SamplingFields, max_new_tokens: int, logprobs: int | None, fmt: ResponseFormat | None = None
+    req: SamplingFields,
+    max_new_tokens: int,
+    logprobs: int | None,
+    fmt: ResponseFormat | None = None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
-    """OpenAI's parameters as the engine's sampling settings (OpenAI's defaults where omitted); ``fmt``
-    constrains the reply (``response_format`` or a tool-call grammar)."""
-    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default, not the engine's 0
+    """OpenAI's parameters as the engine's sampling settings; a field the request omits (or sends as null)
+    gets ``defaults``' value (``--generation-config``), else OpenAI's default. ``fmt`` constrains the reply
+    (``response_format`` or a tool-call grammar)."""
+    temperature = _or(req.temperature, defaults.temperature, 1.0)  # OpenAI's default, not the engine's 0
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
         temperature = 0.0
@@ -85,7 +110,7 @@ def sampling_params(
             f"max_completion_tokens, capped by the context window and the server), got {req.min_tokens}.",
             param="min_tokens",
         )
-    top_p = 1.0 if req.top_p is None else req.top_p
+    top_p = _or(req.top_p, defaults.top_p, 1.0)
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
         temperature, top_p = 0.0, 1.0
     try:
@@ -93,9 +118,9 @@ def sampling_params(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            top_k=max(req.top_k or 0, 0),  # -1 (vLLM's old "off") and 0 both disable it
-            min_p=req.min_p or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            top_k=max(_or(req.top_k, defaults.top_k, 0), 0),  # -1 (vLLM's old "off") and 0 both disable it
+            min_p=_or(req.min_p, defaults.min_p, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             ignore_eos=bool(req.ignore_eos),
             min_tokens=req.min_tokens or 0,
             stop_token_ids=tuple(req.stop_token_ids or ()),

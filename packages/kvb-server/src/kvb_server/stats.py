@@ -139,8 +139,10 @@ def stats_snapshot(
     worker: EngineWorker,
     throughput: ThroughputMeter,
     gate: object = None,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``/v1/stats``; ``cache`` is what :func:`engine_cache_stats` returned.
+    """``/v1/stats``; ``cache`` is what :func:`engine_cache_stats` returned; ``sampling`` the request
+    sampling defaults in effect (``--generation-config``).
 
     Its ``tiers`` move up a level, and so do the parts a composed engine reports there when they are on
     (``speculative``: ``speculative_stats()``, ``streaming``: ``streaming_stats()``).
@@ -153,6 +155,7 @@ def stats_snapshot(
         **parts,
         "planner": planner_info(gate),
         "model": _guarded("model", lambda: engine.model_name),
+        "sampling_defaults": sampling,
         "queue": _guarded("queue", worker.stats),
         "paged": paged_info(worker),
         "cache": cache,

@@ -22,7 +22,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--seed": "there is no server-wide seed: send 'seed' in each request (greedy decoding needs none)",
     "--chat-template": "the tokenizer's own chat template is applied; put another one in the model folder's "
     "tokenizer_config.json ('chat_template')",
-    "--generation-config": "sampling defaults are the OpenAI API's; send temperature, top_p, ... per request",
     "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
     "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",
     "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV quantization of "

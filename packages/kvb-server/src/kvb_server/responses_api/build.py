@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvb_server.generation_config import NO_DEFAULTS, SamplingDefaults
 from kvb_server.responses_api.convert import new_id
 from kvb_server.responses_api.schemas import FunctionTool, ResponsesRequest, ToolChoiceFunction
 from kvb_server.responses_api.store import ChatMessage
@@ -19,8 +20,11 @@ from kvb_server.responses_api.store import ChatMessage
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
-def _echo(req: ResponsesRequest) -> dict[str, Any]:
-    """The request settings a response object repeats, in OpenAI's order, defaults filled in."""
+def _echo(req: ResponsesRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> dict[str, Any]:
+    """The request settings a response object repeats, in OpenAI's order, defaults filled in (the
+    generation config's ``temperature`` / ``top_p`` where ``defaults`` sets them, as the chat plan does)."""
+    temperature = req.temperature if req.temperature is not None else defaults.temperature
+    top_p = req.top_p if req.top_p is not None else defaults.top_p
     text_format = req.text.format if req.text is not None else None
     tool_choice: Any = req.tool_choice or "auto"
     if isinstance(tool_choice, ToolChoiceFunction):
@@ -38,7 +42,7 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "safety_identifier": req.safety_identifier,
         "service_tier": "default",
         "store": req.store is not False,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": 1.0 if temperature is None else temperature,
         "text": {
             "format": text_format.model_dump(by_alias=True) if text_format else {"type": "text"},
             # Accepted and ignored (as chat's verbosity); echoed as asked, OpenAI's default otherwise.
@@ -47,7 +51,7 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "tool_choice": tool_choice,
         "tools": [t.model_dump() for t in req.tools or () if isinstance(t, FunctionTool)],
         "top_logprobs": 0,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": 1.0 if top_p is None else top_p,
         "truncation": "disabled",
         "user": req.user,
         "metadata": dict(req.metadata or {}),
@@ -63,8 +67,8 @@ class ResponseEnvelope:
     echo: dict[str, Any]
 
     @classmethod
-    def new(cls, req: ResponsesRequest) -> ResponseEnvelope:
-        return cls(id=new_id("resp"), created_at=int(time.time()), echo=_echo(req))
+    def new(cls, req: ResponsesRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> ResponseEnvelope:
+        return cls(id=new_id("resp"), created_at=int(time.time()), echo=_echo(req, defaults))
 
     def object(
         self,

@@ -66,7 +66,13 @@ def admin_router(
     @v1.get("/stats", responses=responses(errors=(401,)))
     async def stats() -> dict[str, Any]:
         cache = await engine_cache_stats(engine, worker, min(STATS_TIMEOUT_S, config.request_timeout_s))
-        return stats_snapshot(engine=engine, cache=cache, worker=worker, throughput=throughput, gate=gate)
+        sampling = {
+            "generation_config": config.generation_config,
+            "overrides": config.sampling_defaults.as_dict(),
+        }
+        return stats_snapshot(
+            engine=engine, cache=cache, worker=worker, throughput=throughput, gate=gate, sampling=sampling
+        )
 
     @v1.post(
         "/warm", openapi_extra=json_body(WarmRequest), responses=responses(errors=(400, 401, 413, 503, 504))

@@ -116,7 +116,7 @@ def responses_router(
         try:
             t = translate(req, caller)
             plan = await off_loop(request, chat_plan, t.request, engine, config, key_salt=caller.key_salt)
-            envelope = ResponseEnvelope.new(req)
+            envelope = ResponseEnvelope.new(req, config.sampling_defaults)
             if plan.stream:
                 return await stream_events(plan, request, req, caller, t, envelope)
             body = await service.complete(plan, request.is_disconnected)
