@@ -143,3 +143,19 @@ def test_bench_that_cannot_run_is_one_line_and_exit_2(argv, said, tmp_path, caps
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvboost cache bench: ") and said in err and "\n" not in err
+
+
+def test_status_counts_the_hits_of_a_reader_that_never_stores(redis_server):  # noqa: F811
+    # Hit/miss counts rode along with the next store only: a process that only restored (a replica,
+    # `kvboost cache bench`'s restore runs) closed with its hits unsent, and status showed 0 hits.
+    writer = RedisTier(redis_server.url, namespace=FINGERPRINT)
+    entries = chain(2)
+    for e in entries:
+        writer.put(e.key, record(e))
+    writer.close()
+    reader = RedisTier(redis_server.url, namespace=FINGERPRINT)
+    assert all(reader.get_many([e.key for e in entries]))
+    assert reader.get(b"\x00" * 32) is None
+    reader.close()
+    _, [ns] = redis_status(redis_server.url)
+    assert (ns.stats.hits, ns.stats.misses, ns.stats.stores) == (2, 1, 2)
