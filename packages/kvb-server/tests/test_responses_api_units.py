@@ -285,3 +285,37 @@ def test_store_entries_belong_to_their_api_key() -> None:
     assert store.get("salt-b", "resp_1") is None and store.get(None, "resp_1") is None
     assert not store.delete("salt-b", "resp_1")
     assert store.delete("salt-a", "resp_1") and store.get("salt-a", "resp_1") is None
+
+
+def _call(arguments: str) -> dict[str, Any]:
+    return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def test_a_stored_call_cut_off_mid_arguments_does_not_block_follow_ups() -> None:
+    # A stream stopped at max_output_tokens inside a call's arguments stored '{"city":"'; every
+    # previous_response_id follow-up was then the chat route's 400 on 'messages[1].tool_calls[0]...'.
+    cut = {"role": "assistant", "content": None, "tool_calls": [_call('{"city":"')]}
+    both = {"role": "assistant", "content": "x", "tool_calls": [_call('{"city":"Paris"}'), _call("{")]}
+    inherited = ({"role": "user", "content": "Weather?"}, cut, both)
+    t = to_chat(request(input="ok", tools=[WEATHER]), inherited)
+    _user, first, second, new = t.request.messages
+    assert (first.content, first.tool_calls) == ("", None)
+    assert [c["function"]["arguments"] for c in second.tool_calls] == ['{"city":"Paris"}']
+    assert new.content == "ok"
+    # Stored messages are shared between responses: they are left as they were.
+    assert cut["tool_calls"] and len(both["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("status", [None, "incomplete"])
+def test_a_function_call_item_with_arguments_that_are_not_json_names_its_input_item(
+    status: str | None,
+) -> None:
+    item = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"'}
+    if status:
+        item["status"] = status
+    with pytest.raises(InvalidParameterError) as info:
+        to_chat(request(input=[{"role": "user", "content": "x"}, item], tools=[WEATHER]))
+    assert info.value.param == "input[1].arguments"
+    assert ("max_output_tokens" in info.value.message) == (status == "incomplete")
+    # Blank arguments are no arguments, as on the chat route.
+    to_chat(request(input=[{"role": "user", "content": "x"}, {**item, "arguments": " "}], tools=[WEATHER]))

@@ -7,6 +7,7 @@ chat template, caps and refusals). What the chat route names differently is rena
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -138,6 +139,38 @@ def _text(content: str | Sequence[Any], where: str, *, assistant: bool) -> str:
     return "\n".join(texts)  # as the chat route joins text parts (and vLLM)
 
 
+def _json_arguments(arguments: str) -> bool:
+    """Whether the chat route takes ``arguments`` (JSON, or blank for no arguments)."""
+    if not arguments.strip():
+        return True
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
+
+
+def _callable_history(conversation: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+    """A stored conversation without the function calls whose arguments are not JSON.
+
+    Only a call cut off by ``max_output_tokens`` in a stream has such arguments (a streamed call is output
+    as it is generated). Kept, it made every ``previous_response_id`` follow-up a 400 the client could not
+    fix. The messages are shared with other stored responses: changed ones are copies.
+    """
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        kept = [c for c in calls or () if _json_arguments(c["function"]["arguments"])]
+        if calls and len(kept) < len(calls):
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            if kept:
+                message["tool_calls"] = kept
+            elif message.get("content") is None:
+                message["content"] = ""
+        out.append(message)
+    return tuple(out)
+
+
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     """The request's ``input`` as chat messages.
 
@@ -154,6 +187,18 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             assistant = item.role == "assistant"
             out.append({"role": item.role, "content": _text(item.content, where, assistant=assistant)})
         elif isinstance(item, FunctionCallItem):
+            if not _json_arguments(item.arguments):
+                # The chat route refused it naming 'messages[...].tool_calls[0].function.arguments'.
+                raise InvalidParameterError(
+                    f"Invalid value for '{where}.arguments': not valid JSON"
+                    + (
+                        " (a function call cut off by max_output_tokens has incomplete arguments: leave it "
+                        "out, or ask again with a larger max_output_tokens)."
+                        if item.status == "incomplete"
+                        else "."
+                    ),
+                    param=f"{where}.arguments",
+                )
             call = {
                 "id": item.call_id,
                 "type": "function",
@@ -230,7 +275,7 @@ def to_chat(req: ResponsesRequest, inherited: tuple[ChatMessage, ...] = ()) -> C
         InvalidParameterError: what the chat route refuses, with this route's parameter names.
     """
     refuse_unsupported(req)
-    conversation = (*inherited, *input_messages(req))
+    conversation = (*_callable_history(inherited), *input_messages(req))
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body: dict[str, Any] = {
         "model": req.model,
