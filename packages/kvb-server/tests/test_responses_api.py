@@ -174,6 +174,22 @@ def test_store_false_and_unknown_ids(client: openai.OpenAI, url: str) -> None:
     assert httpx.delete(f"{url}/v1/responses/{kept.id}").status_code == 404
 
 
+def test_retrieve_options_this_server_cannot_serve_are_refused_by_name(
+    client: openai.OpenAI, url: str
+) -> None:
+    # retrieve(id, stream=True) got the stored JSON and read it as an empty stream: no events, no error.
+    kept = client.responses.create(model=MODEL, input="x")
+    with pytest.raises(openai.BadRequestError) as err:
+        list(client.responses.retrieve(kept.id, stream=True))
+    assert (err.value.body["param"], err.value.body["code"]) == ("stream", "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.retrieve(kept.id, include=["message.output_text.logprobs"])
+    assert err.value.body["param"] == "include"
+    got = httpx.get(f"{url}/v1/responses/{kept.id}", params={"starting_after": 3})
+    assert (got.status_code, got.json()["error"]["param"]) == (400, "starting_after")
+    assert client.responses.retrieve(kept.id, extra_query={"stream": "false"}).id == kept.id
+
+
 def test_stored_responses_are_scoped_by_api_key(fake: FakeEngine) -> None:
     keys = (TenantKey(key="key-a", salt="a"), TenantKey(key="key-b", salt="b"))
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), tenant_keys=keys))) as url:

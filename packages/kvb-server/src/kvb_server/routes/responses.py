@@ -9,7 +9,7 @@ Responses stream events, :mod:`kvb_server.responses_api.events`). Stored respons
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import InvalidParameterError, ServerError
+from kvb_server.errors import InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_body import off_loop, parse_request
 from kvb_server.request_plan import GenerationPlan, chat_plan
@@ -37,6 +37,27 @@ from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADE
 from kvb_server.service import ClientDisconnected, GenerationService
 from kvb_server.tenancy import ApiKeys, Caller
 from kvb_server.truncation import Truncation
+
+
+def refuse_retrieve_options(query: Mapping[str, str]) -> None:
+    """Refuse, by name, what ``GET /v1/responses/{id}`` cannot do. The openai SDK's
+    ``responses.retrieve(id, stream=True)`` sent ``?stream=true`` and got the stored JSON, which it read as an
+    empty stream (no events, no error); ``include[]`` was ignored likewise."""
+    if query.get("stream", "false").lower() not in ("false", "0", ""):
+        raise UnsupportedFeatureError(
+            "stream: resuming a response's stream is not supported; GET without stream returns the stored "
+            "response.",
+            param="stream",
+        )
+    if "starting_after" in query:
+        raise UnsupportedFeatureError(
+            "starting_after: resuming a response's stream is not supported.", param="starting_after"
+        )
+    if any(query.get(name) for name in ("include", "include[]")):
+        raise UnsupportedFeatureError(
+            "include: include is not supported (no logprobs, reasoning or tool outputs to add).",
+            param="include",
+        )
 
 
 def responses_router(
@@ -133,9 +154,12 @@ def responses_router(
         headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None
         return JSONResponse(response, headers=headers)
 
-    @router.get("/responses/{response_id}", responses=responses(ResponseObject, errors=(401, 404)))
-    async def get_response(response_id: str, caller: Caller = authenticated) -> dict[str, Any]:
+    @router.get("/responses/{response_id}", responses=responses(ResponseObject, errors=(400, 401, 404)))
+    async def get_response(
+        response_id: str, request: Request, caller: Caller = authenticated
+    ) -> dict[str, Any]:
         """A stored response (this server's lifetime, the most recent ones, per API key)."""
+        refuse_retrieve_options(request.query_params)
         stored = store.get(caller.key_salt, response_id)
         if stored is None:
             raise ResponseNotFoundError(response_id)
