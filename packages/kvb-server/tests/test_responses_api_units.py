@@ -319,3 +319,18 @@ def test_a_function_call_item_with_arguments_that_are_not_json_names_its_input_i
     assert ("max_output_tokens" in info.value.message) == (status == "incomplete")
     # Blank arguments are no arguments, as on the chat route.
     to_chat(request(input=[{"role": "user", "content": "x"}, {**item, "arguments": " "}], tools=[WEATHER]))
+
+
+def test_function_call_output_items_dumped_by_the_sdk_are_accepted_as_input() -> None:
+    # model_dump(by_alias=True) of the SDK's ResponseFunctionToolCall adds async, caller and namespace
+    # (null): a 400 naming input[1].async, although the item came from this server's own output.
+    from openai.types.responses import ResponseFunctionToolCall
+
+    call = ResponseFunctionToolCall(
+        type="function_call", id="fc_1", call_id="call_1", name="get_weather", arguments='{"city":"Paris"}'
+    )
+    dumped = call.model_dump(by_alias=True)
+    assert {"async", "caller", "namespace"} <= dumped.keys()
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    chat = to_chat(request(input=[{"role": "user", "content": "x"}, dumped, output], tools=[WEATHER])).request
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool"]

@@ -7,7 +7,8 @@ Input items, content parts and tools whose ``type`` this server does not serve (
 items, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
 
 Fields an SDK sends back when a client passes ``response.output`` items as the next ``input`` (``id``,
-``status``, ``annotations``, ``logprobs``, ``phase``) are accepted and not used.
+``status``, ``annotations``, ``logprobs``, ``phase``; a function call's ``async``, ``caller``, ``namespace``)
+are accepted and not used.
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = None
     status: ItemStatus | None = None
+    # What the openai SDK's ResponseFunctionToolCall also carries (model_dump(by_alias=True) of an output
+    # item sends them, null): accepted and not used, as id and status. They were a 400 naming input[i].async.
+    async_: bool | None = Field(default=None, alias="async")
+    caller: dict[str, Any] | None = None
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(BaseModel):
