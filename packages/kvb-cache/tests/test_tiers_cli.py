@@ -61,6 +61,21 @@ def test_status_of_an_unreachable_redis_says_so(capsys):
     assert "UNREACHABLE" in capsys.readouterr().out
 
 
+def test_status_says_why_redis_did_not_answer(redis_server, capsys):  # noqa: F811
+    # A wrong password read "UNREACHABLE" like a stopped server; redis-py's reason now follows, and the
+    # password stays masked.
+    host_port = redis_server.url.split("://", 1)[1].split("/", 1)[0]
+    url = f"redis://nobody:s3cret@{host_port}/0"
+    args = parse(["cache", "status", "--remote-url", url])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "UNREACHABLE (" in out and "password" in out.lower() and "s3cret" not in out
+    args = parse(["cache", "status", "--remote-url", url, "--json"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)["redis"]
+    assert not report["reachable"] and "password" in report["error"].lower()
+
+
 def test_status_survives_counters_written_by_someone_else(tmp_path, redis_server, capsys):  # noqa: F811
     # The counters are shared reports (a disk stats.json, a Redis hash anyone using the database can write):
     # a list, a non-integer field or a key of another type crashed `status` with a traceback.

@@ -120,6 +120,7 @@ def run_status(args: argparse.Namespace) -> int:
             "url": reach.url,
             "reachable": reach.reachable,
             "round_trip_ms": reach.round_trip_ms,
+            "error": reach.error,
             "namespaces": {n.namespace: n.stats.as_dict() for n in found},
         }
     if args.json:
@@ -128,7 +129,7 @@ def run_status(args: argparse.Namespace) -> int:
     print("RAM is per process: see the server's /v1/stats or KVBoost.cache_stats().")
     if "redis" in report:
         r = report["redis"]
-        rtt = f"{r['round_trip_ms']:.2f} ms round trip" if r["reachable"] else "UNREACHABLE"
+        rtt = f"{r['round_trip_ms']:.2f} ms round trip" if r["reachable"] else f"UNREACHABLE ({r['error']})"
         print(f"redis {r['url']}: {rtt}")
     print(
         f"{'tier':<6} {'namespace (model fingerprint)':<34} {'entries':>8} {'MiB':>10} {'hits':>8} {'misses':>8} {'hit rate':>7} {'corrupt':>7}"
@@ -152,7 +153,9 @@ def _bench_precheck(args: argparse.Namespace) -> str | None:
             probe.close()
         if not reachable:
             # It benchmarked anyway: the tier logged a warning and the redis row read "0 cached, 0.9x".
-            return f"Redis at {redact_url(args.remote_url)} is unreachable (no PING reply within 2 s)"
+            return (
+                f"Redis at {redact_url(args.remote_url)} is unreachable (PING within 2 s: {probe.ping_error})"
+            )
     return None
 
 

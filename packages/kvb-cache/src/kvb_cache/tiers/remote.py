@@ -96,6 +96,8 @@ class RedisTier(RecordTier):
         self.retry_after_s = retry_after_s
         self.counters = Counters()
         self._errors = redis.exceptions.RedisError
+        #: Why the last :meth:`ping_ms` got no answer (None: it did, or none was sent).
+        self.ping_error: str | None = None
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -216,12 +218,17 @@ class RedisTier(RecordTier):
 
     # ------------------------------------------------------------------ diagnostics (CLI)
     def ping_ms(self) -> float | None:
-        """Round-trip time of a PING in milliseconds, or None when Redis is unreachable."""
+        """Round-trip time of a PING in milliseconds, or None when Redis did not answer it (why in
+        :attr:`ping_error`)."""
         t0 = time.perf_counter()
         try:
             self._client.ping()
-        except self._errors:
+        except self._errors as exc:
+            # Kept for reports: a wrong password, a refused connection and a timeout all read "unreachable"
+            # otherwise. redis-py's messages name host and port, never the password.
+            self.ping_error = str(exc) or type(exc).__name__
             return None
+        self.ping_error = None
         return (time.perf_counter() - t0) * 1e3
 
     def namespace_usage(self) -> TierStats:

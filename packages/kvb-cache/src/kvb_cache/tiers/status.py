@@ -25,6 +25,8 @@ class RedisReachability:
     url: str
     reachable: bool
     round_trip_ms: float | None
+    #: Why PING got no answer (redis-py's message: authentication failed, connection refused, timeout).
+    error: str | None = None
 
 
 def _count(counters: object, name: str) -> int:
@@ -64,7 +66,9 @@ def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
     """PING round trip, then every ``kvb:<namespace>:`` prefix with its entries, bytes and shared counters."""
     probe = RedisTier(url, namespace="probe", timeout_s=1.0)
     rtt = probe.ping_ms()
-    reach = RedisReachability(url=redact_url(url), reachable=rtt is not None, round_trip_ms=rtt)
+    reach = RedisReachability(
+        url=redact_url(url), reachable=rtt is not None, round_trip_ms=rtt, error=probe.ping_error
+    )
     if rtt is None:
         return reach, []
     namespaces = sorted(
