@@ -49,12 +49,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_engine(
-    *, context: int = 512, tokenizer: PreTrainedTokenizerFast | None = None, **engine_config: Any
-) -> KVBoost:
-    """The tiny Llama behind KVBoost (``context``: its max_position_embeddings; ``tokenizer``: another than
-    :func:`build_tokenizer`'s); ``engine_config`` adds :class:`EngineConfig` fields (e.g. ``tiers``)."""
-    tokenizer = tokenizer or build_tokenizer()
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, context: int = 512) -> LlamaForCausalLM:
+    """A 2-layer random Llama (seed 0) over ``tokenizer``'s vocabulary; ``context``: its
+    max_position_embeddings."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64,
@@ -67,7 +64,16 @@ def build_tiny_engine(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def build_tiny_engine(
+    *, context: int = 512, tokenizer: PreTrainedTokenizerFast | None = None, **engine_config: Any
+) -> KVBoost:
+    """The tiny Llama behind KVBoost (``context``: its max_position_embeddings; ``tokenizer``: another than
+    :func:`build_tokenizer`'s); ``engine_config`` adds :class:`EngineConfig` fields (e.g. ``tiers``)."""
+    tokenizer = tokenizer or build_tokenizer()
+    model = build_tiny_model(tokenizer, context=context)
     return KVBoost(
         model, tokenizer, config=EngineConfig(chunk_size=TINY_CHUNK, **engine_config), model_name="tiny-llama"
     )

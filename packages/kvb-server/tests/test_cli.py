@@ -197,7 +197,9 @@ def test_shutdown_timeout_bounds_the_requests_in_flight(monkeypatch: pytest.Monk
     from kvb_server import cli
 
     seen: dict = {}
-    monkeypatch.setattr(cli, "build_server", lambda args, composer: cli.Server(object(), "127.0.0.1", 8000))
+    monkeypatch.setattr(
+        cli, "build_server", lambda args, composer, **_: cli.Server(object(), "127.0.0.1", 8000)
+    )
     monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     parser = build_parser()
@@ -344,7 +346,9 @@ def test_log_level_applies_when_the_root_logger_is_already_configured(monkeypatc
 
     from kvb_server import cli
 
-    monkeypatch.setattr(cli, "build_server", lambda args, composer: cli.Server(object(), "127.0.0.1", 8000))
+    monkeypatch.setattr(
+        cli, "build_server", lambda args, composer, **_: cli.Server(object(), "127.0.0.1", 8000)
+    )
     monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     root = logging.getLogger()

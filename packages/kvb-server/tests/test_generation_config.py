@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import build_tokenizer, serve
+from conftest import build_tiny_model, build_tokenizer, serve
 from fakes import FakeEngine
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 from kvb_server import generation_config as gc
 from kvb_server.cli import build_parser, build_server, main
@@ -138,19 +138,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama whose generation_config.json makes the default greedy (temperature 0)."""
     folder = tmp_path_factory.mktemp("greedy-llama")
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
+    build_tiny_model(tokenizer, context=256).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # As a model creator writes it (transformers refuses to save temperature without do_sample).
     (folder / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5}')

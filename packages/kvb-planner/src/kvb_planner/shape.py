@@ -62,6 +62,18 @@ def _context_length(text: Any, config: Any) -> int | None:
     return None
 
 
+#: ModelShape sizes that must be >= 1 (``dtype_bytes`` and ``weight_bytes`` are checked on their own).
+_POSITIVE_SIZES = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelShape:
     """Dimensions that drive memory use. Build with :meth:`from_config` or :meth:`from_model`.
@@ -101,29 +113,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         # Every size is checked to be an int first: a float (num_layers=1.5) was accepted and gave fractional
         # byte counts, a string ("2", as read from a JSON file by hand) failed with a bare TypeError.
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "dtype_bytes",
-            "weight_bytes",
-        ):
+        for name in (*_POSITIVE_SIZES, "dtype_bytes", "weight_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PlannerConfigError(f"{name} must be an int, got {value!r}")
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-        ):
+        for name in _POSITIVE_SIZES:
             if getattr(self, name) < 1:
                 raise PlannerConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_attention_heads % self.num_kv_heads:

@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn
 
 from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import KVBoostError
@@ -22,6 +22,7 @@ from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, tenant_keys
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
+from kvb_server.flag_types import DeprecatedFlag, api_key, margin, port
 from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import check_flag as check_generation_config
@@ -32,64 +33,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "KVBOOST_API_KEY"
-
-
-def port(text: str) -> int:
-    """``--port``: a TCP port, 1..65535 (uvicorn otherwise fails after the model loaded, with a traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
-    return value
-
-
-def api_key(text: str) -> str:
-    """``--api-key``: a non-blank key. ``--api-key ""`` (``--api-key "$KEY"`` with KEY unset) started the
-    server without authentication and without a word."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "the key is empty; pass a key, or leave --api-key out to serve without one"
-        )
-    return text
-
-
-def margin(text: str) -> float:
-    """``--planner-safety-margin``: a fraction in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a fraction in [0, 1); e.g. 0.1 keeps 10% of free memory back"
-        )
-    return value
-
-
-class DeprecatedFlag(argparse.Action):
-    """A flag kept so old command lines still start: it warns, and stores into ``replacement``'s value or,
-    without a replacement, is ignored."""
-
-    def __init__(
-        self, option_strings: Sequence[str], dest: str, *, replacement: str | None = None, **kwargs: Any
-    ) -> None:
-        self.replacement = replacement
-        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        if self.replacement is None:
-            logger.warning("%s is deprecated and ignored: requests join the next engine step", option_string)
-            return
-        logger.warning("%s is deprecated; use %s", option_string, self.replacement)
-        setattr(namespace, self.dest, values)
 
 
 def build_parser(
@@ -250,12 +193,15 @@ class Server(NamedTuple):
     port: int
 
 
-def build_server(args: argparse.Namespace, composer: EngineComposer | None = None) -> Server:
+def build_server(
+    args: argparse.Namespace, composer: EngineComposer | None = None, *, config: ServerConfig | None = None
+) -> Server:
     """Load the engine (``composer``'s, or a plain ``kvb_cache.KVBoost``), warm it and create the app
     (everything but binding the socket)."""
     from kvb_server.app import create_app
 
-    config = server_config(args)  # before the model loads: bad limits or keys fail fast
+    if config is None:
+        config = server_config(args)  # before the model loads: bad limits or keys fail fast
     engine = build_engine(args, composer)
     for text in args.warm:
         result = engine.warm(text)
@@ -324,7 +270,7 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
             for (one of the three flags) on a model the planner cannot describe. Planning on by default
             only is turned off with a warning then.
     """
-    from kvb_server.planner_gate import PlannerGate, planner_available
+    from kvb_server.planner_gate import PlannerGate, planner_available, require_planner
 
     enabled = args.oom_planning if args.oom_planning is not None else planner_available()
     if not enabled:
@@ -335,8 +281,6 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
             )
         logger.info("OOM planning off: every valid request is admitted")
         return None
-    from kvb_server.planner_gate import require_planner
-
     try:
         gate = PlannerGate.for_engine(
             engine, auto_truncate=args.auto_truncate, safety_margin=args.planner_safety_margin
@@ -415,13 +359,13 @@ def serve(
     try:
         # Everything that can be checked without the model, checked before it loads (that takes minutes
         # on a large checkpoint): the HTTP settings, the engine options, the port.
-        server_config(args)
+        config = server_config(args)
         from_namespace(EngineArgs, args).engine_config()
         check_port_free(args.host, args.port)
-        server = build_server(args, composer)
+        server = build_server(args, composer, config=config)
     except USER_ERRORS as exc:
         error(one_line(exc))
-    if server.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or tenant_keys(args)):
+    if server.host not in ("127.0.0.1", "localhost", "::1") and not (config.api_key or config.tenant_keys):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host
         )
