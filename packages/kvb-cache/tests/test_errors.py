@@ -290,3 +290,33 @@ def test_a_pool_smaller_than_the_context_is_said_at_load_time(llama, tokenizer, 
     with caplog.at_level(logging.WARNING, logger="kvb_cache.engine"):
         KVBoost(llama, tokenizer)
     assert "block pool holds" not in caplog.text
+
+
+def test_max_model_len_holds_requests_below_the_models_context(llama, tokenizer):
+    """vLLM's max_model_len: the engine's context (what the server reports as max_model_len) is the
+    option's, a longer request gets a ContextLengthError naming the option, and a shorter one runs as
+    without it (same tokens)."""
+    plain = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    capped = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_model_len=64))
+    assert plain.context_length == 512 and capped.context_length == 64
+    prompt = words(40)
+    assert (
+        capped.generate(prompt, max_new_tokens=8).output_ids
+        == plain.generate(prompt, max_new_tokens=8).output_ids
+    )
+    with pytest.raises(ContextLengthError, match="max_model_len=64") as info:
+        capped.generate(prompt, max_new_tokens=40)
+    assert info.value.context_length == 64
+
+
+@pytest.mark.parametrize("value", [0, 1, -5, 2.5, True, "64"])
+def test_max_model_len_must_be_a_length(value):
+    with pytest.raises(ConfigError, match="max_model_len must be an int >= 2"):
+        EngineConfig(max_model_len=value)
+
+
+def test_max_model_len_above_the_models_context_is_refused(llama, tokenizer):
+    """Positions past the model's window were never trained; vLLM refuses that too."""
+    with pytest.raises(ConfigError, match=r"max_model_len=1024 exceeds the model's context of 512"):
+        KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=1024))
+    assert KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=512)).context_length == 512

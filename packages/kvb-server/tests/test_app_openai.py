@@ -215,6 +215,26 @@ def test_async_client_concurrent_requests(tiny_url: str, tiny_engine: KVBoost) -
     assert got == expected
 
 
+def test_max_model_len_is_the_served_length() -> None:
+    """``--max-model-len 96`` (vLLM's flag, an EngineArgs field) under a 512-token model: /v1/models
+    reports 96, a request past it is a 400 context_length_exceeded (OpenAI's wording, with 96)."""
+    engine = build_tiny_engine(max_model_len=96)
+    with serve(create_app(engine, ServerConfig(model_names=(MODEL,), max_tokens=1000))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 96
+        messages = [{"role": "user", "content": "Where is Paris?"}]
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert resp.choices[0].finish_reason == "length" and resp.usage.total_tokens == 96
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
+        assert (
+            err.value.code == "context_length_exceeded"
+            and "maximum context length is 96" in err.value.message
+        )
+
+
 def test_a_pool_smaller_than_the_context_is_the_served_length() -> None:
     """A KV pool of 8 x 16 tokens under a 512-token model: /v1/models reported 512, and a request without
     max_tokens (sized to the reported context) was answered 400 naming a max_tokens the client never sent."""

@@ -49,6 +49,8 @@ class EngineConfig:
             prefilled in slices of at most this size, interleaved with the running requests' decode.
         prefill_chunk_size: default per-request prefill slice (a request's own value overrides it); None:
             bounded only by ``max_num_batched_tokens``.
+        max_model_len: most prompt + generated tokens one request may take, below the model's context
+            (vLLM's ``max_model_len``); None: the model's context. Above it is a :class:`ConfigError`.
     """
 
     chunk_size: int = 128
@@ -65,6 +67,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     prefill_chunk_size: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -78,6 +81,15 @@ class EngineConfig:
         ):
             raise ConfigError(
                 f"prefill_chunk_size must be a positive int or None, got {self.prefill_chunk_size!r}"
+            )
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool)
+            or not isinstance(self.max_model_len, int)
+            or self.max_model_len < 2
+        ):
+            # 2: a prompt of one token and one new token; vLLM's smallest useful value too.
+            raise ConfigError(
+                f"max_model_len must be an int >= 2 or None (the model's context), got {self.max_model_len!r}"
             )
         if self.num_blocks is not None and (
             isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2

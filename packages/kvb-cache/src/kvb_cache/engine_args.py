@@ -60,6 +60,14 @@ class EngineArgs:
         help="transformers attention for plain forwards: sdpa, eager, or kvb_attention (kvb-kernels' Triton "
         "kernels: pip install 'kvboost[triton]'); the paged engine loop runs its own attention over the block pool",
     )
+    max_model_len: int | None = option(
+        None,
+        group="model",
+        parse=positive_int,
+        metavar="TOKENS",
+        help="most prompt + generated tokens one request may take, below the model's context (vLLM's); "
+        "unset: the model's context (reported as max_model_len)",
+    )
     # -- cache ---------------------------------------------------------------------------------------------
     chunk_size: int = option(128, group="cache", help="tokens per cached chunk")
     boundary_window: int = option(
@@ -280,4 +288,5 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefill_chunk_size=self.prefill_chunk_size,
+            max_model_len=self.max_model_len,
         )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_argument
-from kvb_cache.errors import UnsupportedModelError
+from kvb_cache.errors import ConfigError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,32 @@ class ModelTraits:
     position_limit: int | None = None
     #: Why ``context_length`` is below the model's own window (shown in every ContextLengthError); None: it is not.
     context_reason: str | None = None
+
+
+def cap_context(traits: ModelTraits, max_model_len: int | None) -> ModelTraits:
+    """``traits`` with the context held to ``max_model_len`` (vLLM's option: a smaller context than the
+    model's, e.g. to bound one request's KV); None leaves it.
+
+    Raises:
+        ConfigError: ``max_model_len`` is above what the engine serves for this model (its window, or the
+            smaller exact limit ``context_reason`` explains): positions past it were never trained (vLLM
+            refuses it too unless told to allow it).
+    """
+    if max_model_len is None:
+        return traits
+    limit = traits.context_length
+    if limit is not None and max_model_len > limit:
+        why = f" ({traits.context_reason})" if traits.context_reason else ""
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens{why}: lower it "
+            "or leave it unset"
+        )
+    if limit == max_model_len:
+        return traits
+    reason = f"max_model_len={max_model_len} (--max-model-len) limits it"
+    if limit is not None:
+        reason += f"; the model's context is {limit} tokens"
+    return replace(traits, context_length=max_model_len, context_reason=reason)
 
 
 def inspect_model(model: PreTrainedModel) -> ModelTraits:

@@ -13,8 +13,6 @@ from typing import Any
 
 #: flag -> why it is refused and what to use instead (one line each; docs/server.md lists them too).
 REFUSED_VLLM_FLAGS: dict[str, str] = {
-    "--max-model-len": "the context length is the model's (its max_position_embeddings, reported by "
-    "/v1/models as max_model_len); longer prompts get 400 context_length_exceeded",
     "--gpu-memory-utilization": "size the KV block pool in bytes with --max-cache-bytes (e.g. 20GiB) or in "
     "blocks with --num-blocks; the planner keeps --planner-safety-margin of free memory back",
     "--enable-prefix-caching": "prefix caching is always on; drop the flag (--max-cache-bytes 0 disables reuse)",

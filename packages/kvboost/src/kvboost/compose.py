@@ -49,6 +49,7 @@ class KVBoost(_Engine):
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
+        max_model_len: int | None = None,
         drafter: SpeculativeDecoder | None = None,
         kv_cache_bits: int = 16,
         kv_group_size: int = 32,
