@@ -234,7 +234,6 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
         (["--gpu-memory-utilization", "0.9"], "--max-cache-bytes"),
         (["--enable-prefix-caching"], "prefix caching is always on"),
         (["--seed", "1"], "send 'seed' in each request"),
-        (["--chat-template", "t.jinja"], "tokenizer_config.json"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
         (["--tok", "x"], "--tokenizer (a vLLM flag)"),  # an abbreviation names the full flag
     ],

@@ -163,7 +163,11 @@ def test_a_served_models_generation_config_is_the_default(model_dir: Path, caplo
     assert "'temperature': 0.0" in caplog.text
     with serve(server.app) as url:
         stats = httpx.get(f"{url}/v1/stats").json()["sampling_defaults"]
-        assert stats == {"generation_config": "auto", "overrides": {"temperature": 0.0, "max_tokens": 5}}
+        assert stats == {
+            "generation_config": "auto",
+            "override_generation_config": {},
+            "overrides": {"temperature": 0.0, "max_tokens": 5},
+        }
         greedy = _texts(url, max_tokens=12)
         assert len(set(greedy)) == 1  # temperature 0 from the config: every seed decodes the same
         assert greedy == _texts(url, max_tokens=12, temperature=0)
@@ -196,3 +200,79 @@ def test_a_bad_folder_is_a_one_line_usage_error(value: str, capsys) -> None:
 def test_the_flag_is_no_longer_refused_and_defaults_to_auto() -> None:
     assert build_parser().parse_args([]).generation_config == "auto"
     assert build_parser().parse_args(["--generation-config", "vllm"]).generation_config == "vllm"
+
+
+# -- --override-generation-config -----------------------------------------------------------------------
+def test_the_override_wins_per_key_over_auto_and_alone_applies_with_vllm() -> None:
+    engine = FakeEngine()
+    engine.model = SimpleNamespace(generation_config=GenerationConfig(temperature=0.0, top_k=1))
+    override = gc.parse_override('{"temperature": 0.5, "max_new_tokens": 7}')
+    assert gc.resolve("auto", engine, override=override).as_dict() == {
+        "temperature": 0.5,
+        "top_k": 1,
+        "max_tokens": 7,
+    }
+    assert gc.resolve("vllm", engine, override=override).as_dict() == {"temperature": 0.5, "max_tokens": 7}
+    # null drops the source's default for that key (vLLM's merge: a None value is no default).
+    assert gc.resolve("auto", engine, override=gc.parse_override('{"top_k": null}')).as_dict() == {
+        "temperature": 0.0
+    }
+    assert gc.resolve("auto", engine, override={}).as_dict() == {"temperature": 0.0, "top_k": 1}
+
+
+def test_the_override_over_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"top_k": 3, "top_p": 0.9}')
+    override = gc.parse_override('{"top_p": 0.5, "min_p": 0.1, "repetition_penalty": 1.1}')
+    assert gc.resolve(str(tmp_path), FakeEngine(), override=override).as_dict() == {
+        "top_k": 3,
+        "top_p": 0.5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{temperature: 0.5}", "--override-generation-config: not JSON"),
+        ('[{"temperature": 0.5}]', "--override-generation-config: expected a JSON object with keys among"),
+        ('{"temprature": 0.5}', "--override-generation-config: unsupported key(s) temprature; the supported"),
+        ('{"temperature": 2.5}', "--override-generation-config sets temperature=2.5, which no request may"),
+        ('{"max_new_tokens": 0}', "--override-generation-config sets max_new_tokens=0, which no request may"),
+        ('{"top_k": true}', "--override-generation-config: top_k must be a number, not true/false"),
+    ],
+)
+def test_a_bad_override_is_a_one_line_usage_error(value: str, message: str, capsys) -> None:
+    # Checked before the model loads: "m" is no model at all.
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "m", "--no-oom-planning", "--override-generation-config", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert message in last
+    if "not JSON" in message or "key" in message:
+        assert "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens" in last
+
+
+def test_stats_and_the_startup_log_show_the_merged_defaults(model_dir: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvb_server.cli")
+    flags = ["--model", str(model_dir), "--no-oom-planning", "--max-cache-bytes", "4MiB"]
+    override = '{"temperature": 0.5, "top_k": 4}'
+    server = build_server(build_parser().parse_args([*flags, "--override-generation-config", override]))
+    merged = {"temperature": 0.5, "max_tokens": 5, "top_k": 4}
+    assert "from --generation-config auto and --override-generation-config" in caplog.text
+    assert "{'temperature': 0.5, 'top_k': 4, 'max_tokens': 5}" in caplog.text
+    with serve(server.app) as url:
+        assert httpx.get(f"{url}/v1/stats").json()["sampling_defaults"] == {
+            "generation_config": "auto",
+            "override_generation_config": {"temperature": 0.5, "top_k": 4},
+            "overrides": merged,
+        }
+    args = build_parser().parse_args(
+        [*flags, "--generation-config", "vllm", "--override-generation-config", override]
+    )
+    server = build_server(args)
+    with serve(server.app) as url:
+        stats = httpx.get(f"{url}/v1/stats").json()["sampling_defaults"]
+        assert stats["overrides"] == {"temperature": 0.5, "top_k": 4}

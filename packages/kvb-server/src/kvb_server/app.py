@@ -109,11 +109,16 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     Args:
         engine: what generates (``kvb_cache.KVBoost``, or anything with :class:`ServingEngine`'s methods).
-        config: queueing, caps, input limits, API keys and shutdown.
+        config: queueing, caps, input limits, API keys, shutdown, sampling defaults and the chat template
+            (a ``chat_template`` is installed on ``engine.tokenizer``).
         gate: admission hook consulted before a request is queued (e.g.
             :class:`kvb_server.planner_gate.PlannerGate`); default admits all. A gate with a ``stats()``
             method is reported under ``"planner"`` in ``/v1/stats``.
     """
+    if config.chat_template is not None:
+        # NOTE: set on the tokenizer, as vLLM's server did: every route rendering chat messages
+        # (engine.chat_prompt), tool-syntax detection and /tokenizer_info read the template from there.
+        engine.tokenizer.chat_template = config.chat_template
     worker = EngineWorker(engine, config)
     metrics = ServerMetrics(
         worker_stats=worker.stats,

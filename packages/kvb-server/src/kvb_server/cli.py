@@ -19,12 +19,13 @@ from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import KVBoostError
 from kvb_cache.options import add_option_arguments, as_keywords, from_namespace, positive_int
 from kvb_server._version import __version__
+from kvb_server.chat_template import load_chat_template
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, tenant_keys
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.flag_types import DeprecatedFlag, api_key, margin, port
 from kvb_server.gate import RequestGate
-from kvb_server.generation_config import AUTO
+from kvb_server.generation_config import AUTO, parse_override
 from kvb_server.generation_config import check_flag as check_generation_config
 from kvb_server.generation_config import resolve as resolve_generation_config
 from kvb_server.vllm_flags import add_refused_vllm_flags
@@ -68,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         metavar="NAME",
         help="extra name clients may send as 'model' (repeatable); the engine's model id and "
         "--model are always accepted",
+    )
+    model.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template file (or, as vLLM, the template text itself) replacing the tokenizer's "
+        "for chat, the Responses API and /tokenize with messages; unset: the model folder's",
     )
     cache = p.add_argument_group("cache")
     cache.add_argument(
@@ -183,6 +191,14 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         "or max_tokens: auto takes those the model's generation_config.json sets (as vLLM), vllm the "
         "OpenAI API's, a folder its own generation_config.json",
     )
+    sched.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="a JSON object of generation_config fields set over --generation-config's, e.g. '{\"temperature\": "
+        "0.5}'; keys among temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens "
+        "(null drops that default)",
+    )
 
 
 class Server(NamedTuple):
@@ -214,14 +230,21 @@ def build_server(
     config = replace(
         config,
         model_names=tuple(dict.fromkeys([*args.served_model_name, engine.model_name, args.model])),
-        sampling_defaults=resolve_generation_config(args.generation_config, engine, args.model),
+        sampling_defaults=resolve_generation_config(
+            args.generation_config, engine, args.model, config.override_generation_config
+        ),
     )
     if config.sampling_defaults.as_dict():
         logger.info(
-            "sampling defaults from --generation-config %s (a request's own values win; "
+            "sampling defaults from --generation-config %s%s (a request's own values win; "
             "--generation-config vllm for OpenAI's): %s",
             args.generation_config,
+            " and --override-generation-config" if config.override_generation_config else "",
             config.sampling_defaults.as_dict(),
+        )
+    if config.chat_template is not None:
+        logger.info(
+            "chat template from --chat-template %s (replaces the tokenizer's)", _template_source(args)
         )
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
@@ -233,10 +256,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     engine's own id joins them once it is loaded).
 
     Raises:
-        ValueError: a malformed tenant key or keys file, a limit ServerConfig refuses, or a
-            ``--generation-config`` that is not auto, vllm or a folder holding generation_config.json.
+        ValueError: a malformed tenant key or keys file, a limit ServerConfig refuses, a
+            ``--generation-config`` that is not auto, vllm or a folder holding generation_config.json, an
+            ``--override-generation-config`` that is not a JSON object of supported fields in range, or a
+            ``--chat-template`` that cannot be read or does not compile.
     """
     check_generation_config(args.generation_config)
+    override = (
+        {} if args.override_generation_config is None else parse_override(args.override_generation_config)
+    )
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
     return ServerConfig(
         model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
         max_queue_size=args.max_queue_size,
@@ -248,7 +277,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_json_depth=args.max_json_depth,
         shutdown_timeout_s=args.shutdown_timeout,
         generation_config=args.generation_config,
+        override_generation_config=override,
+        chat_template=template,
     )
+
+
+def _template_source(args: argparse.Namespace) -> str:
+    """``--chat-template``'s file, or ``(inline)`` (the value was the template itself)."""
+    value = args.chat_template
+    return value if os.path.isfile(value) else "(inline)"
 
 
 def build_engine(args: argparse.Namespace, composer: EngineComposer | None = None) -> object:

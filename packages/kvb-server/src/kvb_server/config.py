@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvb_cache.options import parse_bytes
-from kvb_server.generation_config import NO_DEFAULTS, VLLM, SamplingDefaults
+from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 
 
@@ -59,8 +59,14 @@ class ServerConfig:
             ``sampling_defaults`` came from, as ``/v1/stats`` reports it. Only a label: the CLI resolves
             the defaults (:func:`kvb_server.generation_config.resolve`); a ServerConfig built directly
             has none unless given, hence ``vllm`` here (the flag's default is ``auto``).
+        override_generation_config: ``--override-generation-config`` as parsed (generation_config field
+            name -> value, :func:`kvb_server.generation_config.parse_override`): merged into
+            ``sampling_defaults`` by the CLI, and reported by ``/v1/stats`` next to ``generation_config``.
         sampling_defaults: what a request omitting a sampling field gets instead of OpenAI's default (the
             generation config's recommendation, :mod:`kvb_server.generation_config`); empty: OpenAI's.
+        chat_template: Jinja source that replaces the engine tokenizer's chat template (``--chat-template``,
+            :mod:`kvb_server.chat_template`); :func:`kvb_server.create_app` installs it on
+            ``engine.tokenizer``, so every route rendering chat messages uses it. None: the tokenizer's own.
     """
 
     model_names: tuple[str, ...]
@@ -76,7 +82,9 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     close_engine: bool = True
     generation_config: str = VLLM
+    override_generation_config: Override = field(default_factory=dict)
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -102,6 +110,10 @@ class ServerConfig:
             raise ValueError(
                 f"max_json_depth must be at most {MAX_JSON_DEPTH_LIMIT} (the JSON parser recurses per "
                 f"level), got {self.max_json_depth}"
+            )
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError(
+                "chat_template must be a non-empty Jinja template, or None for the tokenizer's own"
             )
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"shutdown_timeout_s must be > 0 seconds, got {self.shutdown_timeout_s}")

@@ -7,10 +7,16 @@
 (``GenerationConfig.to_diff_dict()``, as vLLM reads them; transformers 5's own defaults are all unset, so an
 untouched config overrides nothing). As vLLM does, the numeric fields are taken whatever ``do_sample`` says:
 a config with ``do_sample: false`` and ``temperature: 0.7`` makes 0.7 the default.
+
+``--override-generation-config '{"temperature": 0.5}'`` (vLLM's) sets fields over that source, key by key:
+over ``auto`` or a folder the override wins where both set a field; with ``vllm`` only the override's fields
+are defaults. A ``null`` value drops the source's default for that field, as vLLM's merge does.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +64,25 @@ class SamplingDefaults:
 NO_DEFAULTS = SamplingDefaults()
 
 
+#: ``--override-generation-config`` as parsed: generation_config field name -> value (None: no default).
+Override = Mapping[str, float | int | None]
+
+
+def _checked(name: str, value: Any, source: str, fix: str) -> float | int:
+    """``value`` of generation_config field ``name`` in the range a request may send it in.
+
+    Raises:
+        ValueError: out of that range (names the field, ``source`` and ``fix``).
+    """
+    try:
+        return _FIELDS[name][1].validate_python(value)
+    except ValidationError as exc:
+        reason = exc.errors()[0].get("msg", "out of range")
+        raise ValueError(
+            f"{source} sets {name}={value!r}, which no request may ask for ({reason}); {fix}"
+        ) from None
+
+
 def defaults_from(generation_config: Any, source: str) -> SamplingDefaults:
     """The supported fields ``generation_config`` (a ``transformers.GenerationConfig``) sets explicitly.
 
@@ -69,18 +94,62 @@ def defaults_from(generation_config: Any, source: str) -> SamplingDefaults:
         return NO_DEFAULTS
     diff = generation_config.to_diff_dict()
     values: dict[str, Any] = {}
-    for name, (field, adapter) in _FIELDS.items():
+    for name, (field, _) in _FIELDS.items():
         value = diff.get(name)
         if value is None:
             continue
-        try:
-            values[field] = adapter.validate_python(value)
-        except ValidationError as exc:
-            reason = exc.errors()[0].get("msg", "out of range")
-            raise ValueError(
-                f"--generation-config: {source} sets {name}={value!r}, which no request may ask for "
-                f"({reason}); fix it or pass --generation-config vllm"
-            ) from None
+        values[field] = _checked(
+            name, value, f"--generation-config: {source}", "fix it or pass --generation-config vllm"
+        )
+    return SamplingDefaults(**values)
+
+
+def parse_override(text: str) -> dict[str, float | int | None]:
+    """``--override-generation-config``: a JSON object of generation_config fields, each checked as a
+    request's value would be.
+
+    Raises:
+        ValueError: not JSON, not an object, an unknown key (the message lists the supported ones) or a
+            value out of range (names the key).
+    """
+    supported = ", ".join(_FIELDS)
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(
+            f"--override-generation-config: not JSON ({exc}); pass an object such as "
+            f"'{{\"temperature\": 0.5}}' with keys among {supported}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--override-generation-config: expected a JSON object with keys among {supported}")
+    # NOTE: vLLM keeps keys it does not use and ignores them; refused here, because a typo ("temprature")
+    # would otherwise leave the server sampling with another default than the one asked for, silently.
+    unknown = sorted(set(data) - _FIELDS.keys())
+    if unknown:
+        raise ValueError(
+            f"--override-generation-config: unsupported key(s) {', '.join(unknown)}; the supported keys are "
+            f"{supported}"
+        )
+    bools = sorted(name for name, value in data.items() if isinstance(value, bool))
+    if bools:  # pydantic's lax mode would read true as 1
+        raise ValueError(f"--override-generation-config: {', '.join(bools)} must be a number, not true/false")
+    return {
+        name: None
+        if value is None
+        else _checked(name, value, "--override-generation-config", "pass a value in that range")
+        for name, value in data.items()
+    }
+
+
+def merge(defaults: SamplingDefaults, override: Override) -> SamplingDefaults:
+    """``defaults`` with ``override``'s fields set over them (a None value drops that field's default)."""
+    values: dict[str, Any] = defaults.as_dict()
+    for name, value in override.items():
+        field = _FIELDS[name][0]
+        if value is None:
+            values.pop(field, None)
+        else:
+            values[field] = value
     return SamplingDefaults(**values)
 
 
@@ -103,8 +172,11 @@ def check_flag(value: str) -> None:
         raise ValueError(f"--generation-config {value!r}: the folder holds no generation_config.json")
 
 
-def resolve(value: str, engine: object, model_path: str | None = None) -> SamplingDefaults:
-    """The sampling defaults ``--generation-config value`` gives the served ``engine``.
+def resolve(
+    value: str, engine: object, model_path: str | None = None, override: Override | None = None
+) -> SamplingDefaults:
+    """The sampling defaults ``--generation-config value`` gives the served ``engine``, with
+    ``--override-generation-config``'s fields (:func:`parse_override`) set over them (:func:`merge`).
 
     ``auto`` reads the engine's ``model.generation_config`` (what transformers loaded with the weights);
     an engine without one falls back to ``model_path``'s ``generation_config.json`` when that is a local
@@ -113,6 +185,10 @@ def resolve(value: str, engine: object, model_path: str | None = None) -> Sampli
     Raises:
         ValueError / OSError: a bad folder or generation config (see :func:`check_flag`, :func:`defaults_from`).
     """
+    return merge(_source_defaults(value, engine, model_path), override or {})
+
+
+def _source_defaults(value: str, engine: object, model_path: str | None) -> SamplingDefaults:
     if value == VLLM:
         return NO_DEFAULTS
     from transformers import GenerationConfig

@@ -17,8 +17,9 @@ from pydantic.fields import FieldInfo
 from kvb_server.errors import InvalidParameterError
 
 _TEMPLATE = (
-    "messages are rendered with the model's own chat template; to render them otherwise, send the prompt "
-    "text to /v1/completions (POST /tokenize with messages shows this server's rendering)"
+    "messages are rendered with the server's chat template (the model's, or the one the server was started "
+    "with by --chat-template); to render them otherwise, send the prompt text to /v1/completions (POST "
+    "/tokenize with messages shows this server's rendering)"
 )
 #: vLLM's request extras this server does not take, with what to do instead: an unknown field stays a 400
 #: (never silently ignored), and for these the message names the fix.

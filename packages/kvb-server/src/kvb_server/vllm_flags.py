@@ -18,8 +18,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--enable-prefix-caching": "prefix caching is always on; drop the flag (--max-cache-bytes 0 disables reuse)",
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
     "--seed": "there is no server-wide seed: send 'seed' in each request (greedy decoding needs none)",
-    "--chat-template": "the tokenizer's own chat template is applied; put another one in the model folder's "
-    "tokenizer_config.json ('chat_template')",
     "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
     "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",
     "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV quantization of "

@@ -68,6 +68,7 @@ def admin_router(
         cache = await engine_cache_stats(engine, worker, min(STATS_TIMEOUT_S, config.request_timeout_s))
         sampling = {
             "generation_config": config.generation_config,
+            "override_generation_config": dict(config.override_generation_config),
             "overrides": config.sampling_defaults.as_dict(),
         }
         return stats_snapshot(

@@ -1,0 +1,130 @@
+"""vLLM's ``--chat-template``: a template file (or the template text itself) replacing the tokenizer's for
+every route that renders chat messages; a bad one is refused before the model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import CHAT_TEMPLATE, build_tiny_model, build_tokenizer, serve
+
+from kvb_cache.chat import render_chat
+from kvb_server.chat_template import load_chat_template
+from kvb_server.cli import build_parser, build_server, main, server_config
+
+#: Plain "role: content" lines, no special tokens; two user turns in a row are refused while rendering.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if loop.index0 > 0 and m['role'] == 'user' and messages[loop.index0 - 1]['role'] == 'user' %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+HI = [{"role": "user", "content": "Where is Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose tokenizer carries conftest's ChatML-like template."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer()
+    build_tiny_model(tokenizer, context=256).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _flags(model_dir: Path, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--no-oom-planning", "--max-cache-bytes", "4MiB", *extra]
+
+
+def _exit_message(flags: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(flags)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_file_or_the_template_text_itself_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    assert load_chat_template(str(path)) == PLAIN_TEMPLATE
+    assert load_chat_template(PLAIN_TEMPLATE) == PLAIN_TEMPLATE  # no such file, holds '{': inline
+    args = build_parser().parse_args(["--chat-template", "{{ messages[0]['content'] }}"])
+    assert server_config(args).chat_template == "{{ messages[0]['content'] }}"
+    assert server_config(build_parser().parse_args([])).chat_template is None  # the model's own
+
+
+def test_the_flag_is_no_longer_refused_as_a_vllm_flag() -> None:
+    assert build_parser().parse_args(["--chat-template", "t.jinja"]).chat_template == "t.jinja"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            "/nonexistent/t.jinja",
+            "--chat-template '/nonexistent/t.jinja': cannot read the file (No such file",
+        ),
+        (
+            "{% for m in messages %}{{ m }}",
+            "--chat-template (inline): not a valid Jinja template: Unexpected end",
+        ),
+        ("{{ x }", "--chat-template (inline): not a valid Jinja template"),
+        ("", "--chat-template is empty"),
+    ],
+)
+def test_a_missing_file_or_bad_jinja_is_a_one_line_usage_error(value: str, message: str, capsys) -> None:
+    # Checked before the model loads: "m" is no model at all.
+    assert message in _exit_message(["--model", "m", "--no-oom-planning", "--chat-template", value], capsys)
+
+
+def test_a_template_file_that_does_not_compile_names_the_file_and_line(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "broken.jinja"
+    path.write_text("{% for m in messages %}\n{{ m['content'] }}\n{% endif %}")
+    last = _exit_message(["--model", "m", "--no-oom-planning", "--chat-template", str(path)], capsys)
+    assert f"--chat-template {path}: not a valid Jinja template:" in last and "(line 3)" in last
+
+
+def test_the_template_renders_every_chat_route(model_dir: Path, tmp_path: Path, caplog) -> None:
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    caplog.set_level("INFO", logger="kvb_server.cli")
+    server = build_server(build_parser().parse_args(_flags(model_dir, "--chat-template", str(path))))
+    assert f"chat template from --chat-template {path}" in caplog.text
+    tokenizer = build_tokenizer()
+    expected = tokenizer("user: Where is Paris?\nassistant:", add_special_tokens=False)["input_ids"]
+    assert render_chat(tokenizer, HI) != expected  # the model folder's template renders otherwise
+    with serve(server.app) as url:
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": HI}).json()
+        assert tokenized["tokens"] == expected
+        assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == PLAIN_TEMPLATE
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+        responses = httpx.post(
+            f"{url}/v1/responses", json={"model": str(model_dir), "input": HI, "max_output_tokens": 2}
+        )
+        assert responses.status_code == 200 and responses.json()["usage"]["input_tokens"] == len(expected)
+
+        # The template's own raise_exception() is the request's fault: a 400 in OpenAI's shape.
+        twice = [*HI, {"role": "user", "content": "And Rome?"}]
+        for route, body in [
+            ("/v1/chat/completions", {"messages": twice}),
+            ("/tokenize", {"messages": twice}),
+            ("/v1/responses", {"model": str(model_dir), "input": twice}),
+        ]:
+            resp = httpx.post(f"{url}{route}", json=body)
+            assert resp.status_code == 400, (route, resp.text)
+            error = resp.json()["error"]
+            assert "roles must alternate" in error["message"], route
+            assert error["type"] == "invalid_request_error"
+
+
+def test_without_the_flag_the_model_folders_template_stays(model_dir: Path) -> None:
+    server = build_server(build_parser().parse_args(_flags(model_dir)))
+    with serve(server.app) as url:
+        assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == CHAT_TEMPLATE
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": HI}).json()["tokens"]
+        assert tokens == render_chat(build_tokenizer(), HI)
