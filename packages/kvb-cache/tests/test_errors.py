@@ -138,7 +138,7 @@ def test_a_hub_id_missing_from_the_local_cache_is_not_fetched(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_from_pretrained)
     with pytest.raises(ModelLoadError, match="neither a local folder nor a hub id in the local") as info:
         KVBoost.from_pretrained("some-org/some-model", device="cpu")
-    assert seen == [{"local_files_only": True}]
+    assert seen == [{"local_files_only": True, "trust_remote_code": False}]
     assert "huggingface.co" not in str(info.value)
 
 
@@ -160,6 +160,30 @@ def test_an_attention_implementation_whose_package_is_missing_is_a_model_load_er
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="attn_implementation='sdpa'"):
         KVBoost.from_pretrained(str(tmp_path), device="cpu", attn_implementation="flash_attention_2")
+
+
+def test_a_checkpoint_that_needs_its_own_code_is_refused_without_asking(
+    llama, tokenizer, tmp_path, monkeypatch
+):
+    """transformers asked on stdin whether to run a checkpoint's auto_map code (a server start waited 15 s
+    on it; answering y ran the code) and then said to pass trust_remote_code=True, which KVBoost does not
+    take."""
+    import json
+
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "not_in_transformers"
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.X"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def no_prompt(*args):
+        raise AssertionError("the load asked on stdin")
+
+    monkeypatch.setattr("builtins.input", no_prompt)
+    with pytest.raises(ModelLoadError, match=r"needs its own modeling code.*never runs") as info:
+        KVBoost.from_pretrained(str(tmp_path), device="cpu")
+    assert "trust_remote_code=True" not in str(info.value)
 
 
 def test_bad_config_values():

@@ -124,8 +124,12 @@ def load_model_and_tokenizer(
     try:
         # local_files_only: a hub id is read from the local Hugging Face cache, as documented; without it a
         # name missing there was fetched from the hub, or, offline, retried for ~45 s before failing.
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        # trust_remote_code=False: left unset, transformers asks on stdin whether to run a checkpoint's own
+        # modeling code (a prompt a server start waited on for 15 s, and a "y" ran that code).
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, **kwargs
+        )
     except ImportError as exc:
         # An optional package the load asked for (attn_implementation="flash_attention_2" without flash-attn).
         raise ModelLoadError(
@@ -144,6 +148,12 @@ def load_model_and_tokenizer(
             "with config.json and weights, or 'smollm2-135m' for the embedded model"
         ) from exc
     except (ValueError, KeyError) as exc:
+        if "trust_remote_code" in str(exc):
+            # transformers' fix ("pass trust_remote_code=True") is one KVBoost does not take.
+            raise ModelLoadError(
+                f"could not load model {name_or_path!r}: it needs its own modeling code (config.json's "
+                "auto_map), which KVBoost never runs; only architectures transformers ships are served"
+            ) from exc
         hint = (
             ""
             if is_embedded_name(name_or_path)

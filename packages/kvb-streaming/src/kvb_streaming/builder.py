@@ -73,7 +73,7 @@ def build_model(
             (all resident on host memory): its kept layers are checked against the model before any
             weight is read, so options that would fail on a GPU fail everywhere.
     """
-    hf_config = AutoConfig.from_pretrained(loader.path)
+    hf_config = AutoConfig.from_pretrained(loader.path, trust_remote_code=False)  # never asks on stdin
     # The skeleton is plain fp: transformers must not try to apply its own AWQ integration.
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config

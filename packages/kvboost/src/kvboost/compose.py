@@ -165,7 +165,7 @@ class KVBoost(_Engine):
         device = resolve_device(engine.device)
         # NOTE: the tokenizer first: the packer writes none, and a missing one should not cost a model load.
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never asks on stdin
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(
                 f"could not load the tokenizer of {model_name_or_path!r}: {exc}. Save it into the AWQ checkpoint "
