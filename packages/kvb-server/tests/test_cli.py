@@ -232,7 +232,7 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
     ("flags", "message"),
     [
         (["--gpu-memory-utilization", "0.9"], "--max-cache-bytes"),
-        (["--enable-prefix-caching"], "prefix caching is always on"),
+        (["--no-enable-prefix-caching"], "--max-cache-bytes 0"),
         (["--seed", "1"], "send 'seed' in each request"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
         (["--tok", "x"], "--tokenizer (a vLLM flag)"),  # an abbreviation names the full flag

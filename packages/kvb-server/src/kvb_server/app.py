@@ -145,8 +145,10 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     keys = ApiKeys(config)
 
-    app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    config.cors.install(app)  # added last: outermost
     open_routes, admin_v1 = admin_router(
         engine=engine,
         config=config,

@@ -28,7 +28,8 @@ from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO, parse_override
 from kvb_server.generation_config import check_flag as check_generation_config
 from kvb_server.generation_config import resolve as resolve_generation_config
-from kvb_server.vllm_flags import add_refused_vllm_flags
+from kvb_server.http_options import add_http_arguments, cors_policy, uvicorn_options
+from kvb_server.vllm_flags import add_vllm_flags
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,9 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     http.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
+    add_http_arguments(http)
     add_server_arguments(p)
-    add_refused_vllm_flags(p)
+    add_vllm_flags(p)
     sched.add_argument(
         "--backend",
         default="cpu-paged",
@@ -279,6 +281,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         generation_config=args.generation_config,
         override_generation_config=override,
         chat_template=template,
+        cors=cors_policy(args),
+        fastapi_docs=not args.disable_fastapi_docs,
     )
 
 
@@ -397,6 +401,7 @@ def serve(
         # Everything that can be checked without the model, checked before it loads (that takes minutes
         # on a large checkpoint): the HTTP settings, the engine options, the port.
         config = server_config(args)
+        http = uvicorn_options(args)
         from_namespace(EngineArgs, args).engine_config()
         check_port_free(args.host, args.port)
         server = build_server(args, composer, config=config)
@@ -415,4 +420,5 @@ def serve(
         # process open indefinitely (6 long streams kept a SIGINT'd server up 84 s). Left running then,
         # they are cancelled, which aborts them in the engine.
         timeout_graceful_shutdown=args.shutdown_timeout,
+        **http,
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvb_cache.options import parse_bytes
 from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults
+from kvb_server.http_options import CorsPolicy
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 
 
@@ -67,6 +68,8 @@ class ServerConfig:
         chat_template: Jinja source that replaces the engine tokenizer's chat template (``--chat-template``,
             :mod:`kvb_server.chat_template`); :func:`kvb_server.create_app` installs it on
             ``engine.tokenizer``, so every route rendering chat messages uses it. None: the tokenizer's own.
+        cors: which browser origins get CORS headers (``--allowed-origins`` ...); default none.
+        fastapi_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (``--disable-fastapi-docs``: off).
     """
 
     model_names: tuple[str, ...]
@@ -85,6 +88,8 @@ class ServerConfig:
     override_generation_config: Override = field(default_factory=dict)
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
     chat_template: str | None = None
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
+    fastapi_docs: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):

@@ -1,33 +1,88 @@
-"""``vllm serve`` flags this server does not take, each refused with what to use here instead.
+"""``vllm serve`` flags this server has no option for: those whose request is already how it works are
+accepted with a warning; the others are refused with what to use here instead.
 
 A vLLM command line pasted into ``kvboost-server`` used to stop at argparse's bare "unrecognized arguments:
---max-model-len 4096", which says neither that the flag is known nor what replaces it. These flags are
-declared (hidden from ``--help``) only to exit with status 2 and that explanation; none is silently ignored.
+--enforce-eager", which says neither that the flag is known nor what replaces it; and flags that ask for
+what this server always does (``--enable-prefix-caching``, ``--enable-auto-tool-choice --tool-call-parser
+hermes``, in most vLLM tool-calling recipes) were refused, so such a command line had to be edited first.
+Both kinds are declared hidden from ``--help``; none is silently ignored. The vLLM flags this server does
+serve (``--max-model-len``, ``--chat-template``, ``--generation-config``, the CORS and TLS flags ...) are
+ordinary options declared where they belong.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: flag -> why it is refused and what to use instead (one line each; docs/server.md lists them too).
 REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--gpu-memory-utilization": "size the KV block pool in bytes with --max-cache-bytes (e.g. 20GiB) or in "
     "blocks with --num-blocks; the planner keeps --planner-safety-margin of free memory back",
-    "--enable-prefix-caching": "prefix caching is always on; drop the flag (--max-cache-bytes 0 disables reuse)",
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
     "--seed": "there is no server-wide seed: send 'seed' in each request (greedy decoding needs none)",
     "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
     "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",
+    "--data-parallel-size": "one engine runs on one device; start one server per GPU",
+    "--distributed-executor-backend": "one engine runs on one device, in this process",
     "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV quantization of "
     "the disk/Redis tiers is --kv-cache-bits",
     "--kv-cache-dtype": "the block pool holds KV in --dtype; --kv-cache-bits 8/4 quantizes the disk/Redis tiers",
+    "--cpu-offload-gb": "weights larger than the GPU stream from host memory with --awq-streaming (kvboost "
+    "serve, AWQ checkpoints)",
+    "--swap-space": "there is no CPU swap space: a preempted request is recomputed (its prefix usually "
+    "still cached)",
     "--tokenizer": "the tokenizer is loaded from --model's folder",
-    "--trust-remote-code": "models load without remote code: only architectures transformers ships are served",
-    "--enable-auto-tool-choice": "tool calling is always on (constrained decoding); drop the flag",
-    "--tool-call-parser": "tool calls are decoded under a grammar and need no parser; drop the flag",
+    "--revision": "nothing is downloaded: --model is a local folder or a hub id already in the local "
+    "Hugging Face cache, loaded as cached",
+    "--download-dir": "nothing is downloaded: --model is a local folder or a hub id already in the local "
+    "Hugging Face cache",
+    "--enable-lora": "LoRA adapters are not served: merge one into the weights (peft's merge_and_unload) and "
+    "serve that folder",
+    "--lora-modules": "LoRA adapters are not served: merge one into the weights (peft's merge_and_unload) and "
+    "serve that folder",
+    "--speculative-config": "speculative decoding is --speculative prompt_lookup|draft_model and "
+    "--draft-model (kvboost serve)",
+    "--reasoning-parser": "reasoning is not split out of the answer (no reasoning_content): the model's "
+    "thinking stays in content",
+    "--max-logprobs": "top_logprobs is capped at 20 and /v1/completions' logprobs at 5 (OpenAI's limits)",
+    "--enable-log-requests": "prompts and sampling parameters are not logged; uvicorn's access log has each "
+    "request's method, path and status",
+    "--limit-mm-per-prompt": "text only: image and audio parts are refused",
     "--uvicorn-log-level": "use --log-level",
+}
+
+#: flag -> (what this server already does that the flag asks for, the values that ask for it; None: any).
+#: Accepted with a warning saying so.
+SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "--enable-prefix-caching": ("prefix caching is always on", None),
+    "--enable-chunked-prefill": (
+        "long prompts are always prefilled in slices of at most --max-num-batched-tokens",
+        None,
+    ),
+    "--enforce-eager": ("the model always runs eagerly (no CUDA graphs are captured)", None),
+    "--enable-auto-tool-choice": ("tool calling is always on, decoded under a grammar", None),
+    "--tool-call-parser": (
+        "tool calls are decoded under a grammar and returned as OpenAI tool_calls; no parser is used",
+        None,
+    ),
+    "--trust-remote-code": (
+        "a checkpoint's own modeling code is never run; one that needs it is refused at load, naming "
+        "auto_map",
+        None,
+    ),
+    "--guided-decoding-backend": ("structured outputs always use llguidance", None),
+    "--disable-log-requests": ("prompts and sampling parameters are never logged", None),
+    "--disable-log-stats": ("no periodic stats are logged; /metrics and /v1/stats report them", None),
+    "--enable-prompt-tokens-details": (
+        "usage.prompt_tokens_details.cached_tokens is always reported",
+        None,
+    ),
+    "--scheduling-policy": ("requests are scheduled first come, first served", ("fcfs",)),
 }
 
 
@@ -50,7 +105,34 @@ class RefusedFlag(argparse.Action):
         parser.error(f"{flag} (a vLLM flag) is not supported: {REFUSED_VLLM_FLAGS[flag]}")
 
 
-def add_refused_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Declare every flag of :data:`REFUSED_VLLM_FLAGS` on ``parser`` (hidden; each refuses itself)."""
+class SatisfiedFlag(argparse.Action):
+    """Warn that the flag asks for what the server already does and go on; a value outside the ones that
+    ask for it (``--scheduling-policy priority``) is refused like a :class:`RefusedFlag`."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        flag = self.option_strings[0]
+        why, accepted = SATISFIED_VLLM_FLAGS[flag]
+        if accepted is not None and values not in accepted:
+            parser.error(
+                f"{flag} {values} (a vLLM flag) is not supported: {why} (accepted: {', '.join(accepted)})"
+            )
+        # NOTE: a warning, not an error: the command line asks for what happens anyway.
+        logger.warning("%s (a vLLM flag) changes nothing here: %s", flag, why)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare every flag of :data:`REFUSED_VLLM_FLAGS` and :data:`SATISFIED_VLLM_FLAGS` on ``parser``
+    (hidden from ``--help``)."""
     for flag in REFUSED_VLLM_FLAGS:
         parser.add_argument(flag, dest=f"_refused_{flag.lstrip('-').replace('-', '_')}", action=RefusedFlag)
+    for flag in SATISFIED_VLLM_FLAGS:
+        parser.add_argument(flag, dest=f"_vllm_{flag.lstrip('-').replace('-', '_')}", action=SatisfiedFlag)

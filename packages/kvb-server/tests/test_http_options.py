@@ -1,0 +1,174 @@
+"""vLLM's HTTP flags: CORS, --root-path, TLS, the access log and the docs pages; and the vLLM flags that ask
+for what this server does anyway (accepted with a warning) or for what it lacks (refused, naming why)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import serve
+
+from kvb_server import ServerConfig, create_app
+from kvb_server.cli import build_parser
+from kvb_server.http_options import CorsPolicy, cors_policy, uvicorn_options
+
+MODEL = "tiny-llama"
+
+
+def test_no_cors_headers_unless_origins_are_allowed(tiny_engine) -> None:
+    """vLLM answers every origin by default; here a page on another site gets no CORS headers unless
+    --allowed-origins names it, and a preflight is not answered as allowed."""
+    with serve(create_app(tiny_engine, ServerConfig(model_names=(MODEL,)))) as url:
+        got = httpx.get(f"{url}/v1/models", headers={"Origin": "http://evil.example"})
+        assert got.status_code == 200 and "access-control-allow-origin" not in got.headers
+        pre = httpx.options(
+            f"{url}/v1/chat/completions",
+            headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert "access-control-allow-origin" not in pre.headers
+
+
+def test_allowed_origins_get_cors_headers_and_preflights_pass_authentication(tiny_engine) -> None:
+    """A browser preflight carries no Authorization header: it must be answered before the API key check,
+    and the key itself must be an allowed header."""
+    policy = CorsPolicy(allowed_origins=("http://localhost:3000",))
+    config = ServerConfig(model_names=(MODEL,), api_key="sk-test", cors=policy)
+    with serve(create_app(tiny_engine, config)) as url:
+        pre = httpx.options(
+            f"{url}/v1/chat/completions",
+            headers={
+                "Origin": "http://localhost:3000",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        got = httpx.get(
+            f"{url}/v1/models",
+            headers={"Origin": "http://localhost:3000", "Authorization": "Bearer sk-test"},
+        )
+        assert got.status_code == 200
+        assert got.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.get(
+            f"{url}/v1/models", headers={"Origin": "http://other.example", "Authorization": "Bearer sk-test"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_cors_flags_parse_as_vllm_writes_them() -> None:
+    args = build_parser().parse_args(
+        ["--allowed-origins", '["http://a.example", "http://b.example"]', "--allow-credentials"]
+    )
+    policy = cors_policy(args)
+    assert policy.allowed_origins == ("http://a.example", "http://b.example") and policy.allow_credentials
+    assert cors_policy(build_parser().parse_args(["--allowed-origins", "*"])).allowed_origins == ("*",)
+    assert not cors_policy(build_parser().parse_args([])).enabled
+    with pytest.raises(ValueError, match="only apply with --allowed-origins"):
+        cors_policy(build_parser().parse_args(["--allow-credentials"]))
+
+
+@pytest.mark.parametrize("value", ['["a", 1]', "[not json", '{"a": 1}', "[]x"])
+def test_a_malformed_origin_list_is_a_usage_error(value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--allowed-origins", value])
+    assert info.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
+
+
+def test_disable_fastapi_docs_hides_the_docs_pages(tiny_engine) -> None:
+    config = ServerConfig(model_names=(MODEL,), fastapi_docs=False)
+    with serve(create_app(tiny_engine, config)) as url:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(url + path).status_code == 404
+        assert httpx.get(url + "/v1/models").status_code == 200
+
+
+def test_root_path_and_access_log_reach_uvicorn() -> None:
+    args = build_parser().parse_args(["--root-path", "/llm/", "--disable-uvicorn-access-log"])
+    assert uvicorn_options(args) == {"root_path": "/llm", "access_log": False}
+    assert uvicorn_options(build_parser().parse_args([])) == {}
+    with pytest.raises(ValueError, match="must start with '/'"):
+        uvicorn_options(build_parser().parse_args(["--root-path", "llm"]))
+
+
+def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    key, cert = folder / f"{name}.key", folder / f"{name}.pem"
+    request = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=localhost",
+    ]
+    subprocess.run(
+        [*request, "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_files_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    key, cert = _self_signed(tmp_path, "a")
+    other_key, _ = _self_signed(tmp_path, "b")
+    args = build_parser().parse_args(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
+    assert uvicorn_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    mismatched = build_parser().parse_args(["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)])
+    with pytest.raises(ValueError, match="not a usable PEM certificate and matching key"):
+        uvicorn_options(mismatched)
+    with pytest.raises(ValueError, match="no such file"):
+        uvicorn_options(build_parser().parse_args(["--ssl-certfile", str(tmp_path / "missing.pem")]))
+    with pytest.raises(ValueError, match="--ssl-keyfile needs --ssl-certfile"):
+        uvicorn_options(build_parser().parse_args(["--ssl-keyfile", str(key)]))
+
+
+def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
+    """vLLM's tool-calling recipe (``--enable-auto-tool-choice --tool-call-parser hermes``) and other flags
+    asking for what this server always does were refused; they parse now, each with a warning saying why
+    it changes nothing, and leave every option at its default."""
+    flags = [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--enforce-eager",
+        "--trust-remote-code",
+        "--disable-log-requests",
+        "--scheduling-policy",
+        "fcfs",
+    ]
+    with caplog.at_level(logging.WARNING, logger="kvb_server.vllm_flags"):
+        args = build_parser().parse_args(["--model", "m", *flags])
+    assert vars(args) == vars(build_parser().parse_args(["--model", "m"]))
+    for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--enforce-eager", "--trust-remote-code"):
+        assert f"{flag} (a vLLM flag) changes nothing here" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--scheduling-policy", "priority"], "first come, first served (accepted: fcfs)"),
+        (["--swap-space", "4"], "a preempted request is recomputed"),
+        (["--reasoning-parser", "deepseek_r1"], "no reasoning_content"),
+        (["--lora-modules", "a=b"], "merge_and_unload"),
+        (["--revision", "main"], "nothing is downloaded"),
+    ],
+)
+def test_vllm_flags_this_server_lacks_are_refused_naming_why(flags: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(flags)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
