@@ -203,6 +203,44 @@ def test_tool_history_is_accepted_and_shares_the_prefix(client: openai.OpenAI) -
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
 
 
+#: As pydantic writes a model with a nested model (instructor's ``Iterable[User]``): ``$defs`` and ``$ref``s.
+PEOPLE = {
+    "type": "function",
+    "function": {
+        "name": "IterableUser",
+        "parameters": {
+            "$defs": {
+                "User": {
+                    "properties": {"name": UNIT, "age": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["name", "age"],
+                    "type": "object",
+                }
+            },
+            "properties": {"tasks": {"items": {"$ref": "#/$defs/User"}, "type": "array", "maxItems": 2}},
+            "required": ["tasks"],
+            "type": "object",
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice"),
+    [([PEOPLE], {"type": "function", "function": {"name": "IterableUser"}}), ([ALARM, PEOPLE], "required")],
+)
+def test_tool_parameters_with_refs_to_their_own_defs_are_served(client: openai.OpenAI, tools, choice) -> None:
+    """A ``$ref`` is relative to the tool's parameters, not to the grammar's call object (a 400 before)."""
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=tools, tool_choice=choice, temperature=0, max_tokens=160
+    )
+    for call in resp.choices[0].message.tool_calls:
+        if call.function.name == "IterableUser":
+            for user in json.loads(call.function.arguments)["tasks"]:
+                assert user["name"] in UNIT["enum"] and 1 <= user["age"] <= 9
+        else:
+            check_call(call.function.name, call.function.arguments)
+
+
 def test_invalid_schema_is_a_400_before_queueing(client: openai.OpenAI) -> None:
     bad = {
         "type": "function",

@@ -24,19 +24,56 @@ def _literal(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid Lark string literal
 
 
+#: Keywords whose values are data, not schemas: a ``"$ref"`` key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _pointer_token(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")  # RFC 6901
+
+
+def rebase_refs(schema: Any, prefix: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#``, ``#/$defs/User``) pointing under ``prefix``.
+
+    A tool's parameters are embedded in the call schema at ``prefix`` (``/properties/arguments``), so
+    their ``$ref``s, written against the parameters as the document root (pydantic's ``$defs``), would
+    otherwise resolve against the call schema and fail to compile.
+    """
+    if isinstance(schema, list):
+        return [rebase_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, prefix)
+    return out
+
+
 def call_schema(plan: ToolPlan) -> dict[str, Any]:
     """JSON schema of one call object: the name and arguments of any callable tool."""
     key = plan.syntax.args_key
+    many = len(plan.callable) > 1
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, key: strict_schema(tool.parameters)},
+            "properties": {
+                "name": {"const": tool.name},
+                key: rebase_refs(
+                    strict_schema(tool.parameters),
+                    (f"/anyOf/{i}" if many else "") + f"/properties/{_pointer_token(key)}",
+                ),
+            },
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for tool in plan.callable
+        for i, tool in enumerate(plan.callable)
     ]
-    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    schema: dict[str, Any] = {"anyOf": options} if many else options[0]
     return {"x-guidance": _JSON_OPTIONS, **schema}
 
 
