@@ -122,6 +122,38 @@ def test_a_named_tool_choice_completes_with_its_call(client: openai.OpenAI) -> N
     assert [(i.type, i.name) for i in events[-1].response.output] == [("function_call", "get_weather")]
 
 
+def test_a_tool_whose_parameters_refer_to_their_own_defs_is_called(client: openai.OpenAI) -> None:
+    """The Agents SDK's ``@function_tool`` with a pydantic argument: ``$defs`` and a ``$ref`` (a 400 before)."""
+    city = {
+        "properties": {"unit": UNIT},
+        "required": ["unit"],
+        "type": "object",
+        "additionalProperties": False,
+    }
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {
+            "$defs": {"City": city},
+            "properties": {"city": {"$ref": "#/$defs/City"}},
+            "required": ["city"],
+            "type": "object",
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+    resp = client.responses.create(
+        model=MODEL,
+        input="weather?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    [call] = resp.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"]["unit"] in UNIT["enum"]
+
+
 def test_text_format_json_schema_gives_schema_valid_text(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
