@@ -21,6 +21,9 @@ class CharTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) % 256 for c in text]}
 
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return "".join(chr(i) for i in ids)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Added:
@@ -85,7 +88,8 @@ class FakeEngine:
     ``token_delay_s`` makes every step that long. ``hold`` (when cleared) blocks ``step()`` at its start
     until set; ``pause_before_step = k`` clears it right before the ``k``-th step (1-based), so the engine
     stalls at a known point. ``stalled`` is set while a step waits on ``hold``. :meth:`fail_step` makes one
-    step raise.
+    step raise. ``reply`` (when set) is the text every request generates, one character per token, then
+    finishes ``"stop"``; ``generation_prompt`` ends every chat prompt.
     """
 
     model_name = "fake-model"
@@ -95,6 +99,8 @@ class FakeEngine:
 
     def __init__(self, *, token_delay_s: float = 0.0, max_num_seqs: int = 8) -> None:
         self.tokenizer = CharTokenizer()
+        self.reply: str | None = None
+        self.generation_prompt = "<assistant>"
         self.token_delay_s = token_delay_s
         self.max_num_seqs = max_num_seqs
         self.hold = threading.Event()
@@ -135,7 +141,7 @@ class FakeEngine:
     def chat_prompt(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + self.generation_prompt
         if tools:
             text = f"<tools>{tools}" + text
         return self.tokenizer(text)["input_ids"]
@@ -221,7 +227,7 @@ class FakeEngine:
 
     def _decode(self, request: _Request) -> RequestOutput:
         params = request.added.params
-        token = request.next_token()
+        token = request.next_token() if self.reply is None else ord(self.reply[len(request.out)])
         request.out.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
@@ -244,13 +250,14 @@ class FakeEngine:
                 result=self._result(request, "stop"),
             )
         request.text += piece
-        finished = len(request.out) >= params.max_new_tokens
+        said = self.reply is not None and len(request.out) >= len(self.reply)
+        finished = said or len(request.out) >= params.max_new_tokens
         return RequestOutput(
             request_id=request.added.request_id,
             delta_text=piece,
             token_ids=(token,),
             logprobs=lps,
-            result=self._result(request, "length") if finished else None,
+            result=self._result(request, "stop" if said else "length") if finished else None,
         )
 
     def _result(self, request: _Request, finish: str) -> GenerationResult:

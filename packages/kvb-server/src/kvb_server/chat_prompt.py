@@ -14,6 +14,7 @@ from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError
+from kvb_server.reasoning import ReasoningPlan
 from kvb_server.schemas.generation_requests import ChatCompletionRequest
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, template_messages, tool_grammar
 
@@ -43,10 +44,14 @@ def check_tool_schemas(tools: ToolPlan | None) -> None:
 
 
 def reply_format(
-    req: ChatCompletionRequest, tools: ToolPlan | None, engine: ServingEngine, syntax: ToolSyntax
+    req: ChatCompletionRequest,
+    tools: ToolPlan | None,
+    engine: ServingEngine,
+    syntax: ToolSyntax,
+    thinking: ReasoningPlan | None = None,
 ) -> ResponseFormat | None:
-    """What the reply is constrained to: the tools' call grammar, else ``response_format`` (or vLLM's
-    guided-decoding fields)."""
+    """What the reply is constrained to: the tools' call grammar (after a thinking block, with
+    ``thinking``), else ``response_format`` (or vLLM's guided-decoding fields)."""
     raw, fmt = constraints.requested_format(req)
     if tools is None or tools.mode == "none":
         return fmt
@@ -58,7 +63,9 @@ def reply_format(
                 "response_format: only json_object and json_schema combine with tools (tool_choice 'auto').",
                 param="response_format",
             )
-    grammar = tool_grammar(tools, marker_token=_marker_token(engine, syntax), text_schema=text_schema)
+    grammar = tool_grammar(
+        tools, marker_token=_marker_token(engine, syntax), text_schema=text_schema, thinking=thinking
+    )
     tool_format = ResponseFormat(kind="grammar", source=grammar)
     constraints.check(tool_format, "tools")
     return tool_format

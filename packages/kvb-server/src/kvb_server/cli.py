@@ -29,6 +29,7 @@ from kvb_server.generation_config import AUTO, parse_override
 from kvb_server.generation_config import check_flag as check_generation_config
 from kvb_server.generation_config import resolve as resolve_generation_config
 from kvb_server.http_options import add_http_arguments, cors_policy, uvicorn_options
+from kvb_server.reasoning import PARSERS
 from kvb_server.vllm_flags import add_vllm_flags
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,15 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         metavar="FILE|TEMPLATE",
         help="a Jinja chat template file (or, as vLLM, the template text itself) replacing the tokenizer's "
         "for chat, the Responses API and /tokenize with messages; unset: the model folder's",
+    )
+    model.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        metavar="NAME",
+        help="split a reasoning model's thinking (<think>...</think>) out of chat replies into the message's "
+        f"reasoning / reasoning_content fields, as vLLM's flag ({', '.join(sorted(PARSERS))}); unset: it "
+        "stays in content",
     )
     cache = p.add_argument_group("cache")
     cache.add_argument(
@@ -283,6 +293,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=template,
         cors=cors_policy(args),
         fastapi_docs=not args.disable_fastapi_docs,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -11,6 +11,7 @@ from kvb_cache.options import parse_bytes
 from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults
 from kvb_server.http_options import CorsPolicy
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
+from kvb_server.reasoning import parser_syntax
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +71,8 @@ class ServerConfig:
             ``engine.tokenizer``, so every route rendering chat messages uses it. None: the tokenizer's own.
         cors: which browser origins get CORS headers (``--allowed-origins`` ...); default none.
         fastapi_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (``--disable-fastapi-docs``: off).
+        reasoning_parser: vLLM's ``--reasoning-parser`` name (:data:`kvb_server.reasoning.PARSERS`): chat
+            replies' thinking goes to the message's ``reasoning`` field; None: it stays in ``content``.
     """
 
     model_names: tuple[str, ...]
@@ -90,8 +93,11 @@ class ServerConfig:
     chat_template: str | None = None
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     fastapi_docs: bool = True
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            parser_syntax(self.reasoning_parser)  # an unknown name is a ValueError listing the known ones
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
             raise ValueError(
                 "model_names must hold at least one non-empty model name, e.g. ('smollm2-135m',)"

@@ -16,6 +16,7 @@ from kvb_server.chat_prompt import chat_messages, check_tool_schemas, render_cha
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
+from kvb_server.reasoning import ReasoningPlan, opens_block, parser_syntax
 from kvb_server.sampling_params import (
     choice_count,
     continuous_usage,
@@ -51,6 +52,7 @@ class GenerationPlan:
             carries the usage so far.
         service_tier: the tier a chat response reports (``"default"``, the only one, when the request named
             one; None otherwise: OpenAI reports it when asked).
+        reasoning: how a chat reply's thinking is split out (``--reasoning-parser``); None: not at all.
     """
 
     endpoint: Endpoint
@@ -67,6 +69,7 @@ class GenerationPlan:
     generate: bool = True
     continuous_usage: bool = False
     service_tier: str | None = None
+    reasoning: ReasoningPlan | None = None
 
 
 def served_model(model: str | None, config: ServerConfig) -> str:
@@ -185,8 +188,9 @@ def chat_plan(
     syntax = detect(engine.tokenizer)
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)
-    fmt = reply_format(req, tools, engine, syntax)
     prompts = (render_chat(engine, chat_messages(req, syntax, tools), tools, req),)
+    thinking = _reasoning_plan(config, engine, prompts[0], req, tools)
+    fmt = reply_format(req, tools, engine, syntax, thinking)
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_new = max_new_tokens(
         getattr(req, budget_param),
@@ -213,4 +217,25 @@ def chat_plan(
         cache_salt=cache_salt,
         tools=tools if tools is not None and tools.parses_calls else None,
         service_tier="default" if req.service_tier is not None else None,
+        reasoning=thinking,
     )
+
+
+def _reasoning_plan(
+    config: ServerConfig,
+    engine: ServingEngine,
+    prompt: list[int],
+    req: ChatCompletionRequest,
+    tools: ToolPlan | None,
+) -> ReasoningPlan | None:
+    """How the reply's thinking is split out: None without ``--reasoning-parser``, and for a reply held to
+    ``response_format`` alone (its grammar starts with the structure, leaving no room to think first; the
+    tools' grammar admits a thinking block before the calls or text)."""
+    if config.reasoning_parser is None:
+        return None
+    calls = tools is not None and tools.mode != "none"
+    if constraints.requested_format(req)[1] is not None and not calls:
+        return None
+    syntax = parser_syntax(config.reasoning_parser)
+    # The last few tokens hold the generation prompt's end: "<think>\n" when the template opens the block.
+    return ReasoningPlan(syntax, opens_block(engine.tokenizer.decode(prompt[-16:]), syntax))

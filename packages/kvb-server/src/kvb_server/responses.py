@@ -10,6 +10,9 @@ from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_server.echo import Echo, completion_top
+from kvb_server.reasoning import FIELDS as REASONING_FIELDS
+from kvb_server.reasoning import ReasoningPlan
+from kvb_server.reasoning import split as split_reasoning
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.token_bytes import TextOffsets, TokenBytesFn, utf8
 from kvb_server.tool_calls import ToolPlan, split_reply
@@ -99,16 +102,23 @@ def _logprobs(
     )
 
 
-def assistant_message(tools: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+def assistant_message(
+    tools: ToolPlan | None, text: str, finish_reason: str, reasoning: ReasoningPlan | None = None
+) -> tuple[dict[str, Any], str]:
     """A chat choice's ``message`` and ``finish_reason``: a reply made of tool calls becomes ``tool_calls``
     (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off).
 
     A call forced by a named ``tool_choice`` finishes ``"stop"``, as OpenAI's and vLLM's do: ``"tool_calls"``
-    says the model chose to call tools (``auto`` / ``required``), and clients branch on it that way."""
+    says the model chose to call tools (``auto`` / ``required``), and clients branch on it that way.
+    With ``reasoning``, the reply's thinking goes to ``reasoning`` / ``reasoning_content``
+    (:mod:`kvb_server.reasoning`)."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning is not None:
+        thought, message["content"] = split_reasoning(text, reasoning)
+        message.update(dict.fromkeys(REASONING_FIELDS, thought))
     if tools is None:
         return message, finish_reason
-    reply = split_reply(text, tools.syntax, truncated=finish_reason == "length")
+    reply = split_reply(message["content"] or "", tools.syntax, truncated=finish_reason == "length")
     if not reply.calls:
         return message, finish_reason
     message["content"] = None
@@ -151,7 +161,7 @@ def final_response(
         }
         if plan.chat_logprobs:
             choice["message"], choice["finish_reason"] = assistant_message(
-                plan.tools, r.output_text, r.finish_reason
+                plan.tools, r.output_text, r.finish_reason, plan.reasoning
             )
         else:
             choice["text"] = (echo.text if echo is not None else "") + r.output_text

@@ -16,6 +16,8 @@ from kvb_server.echo import Echo
 from kvb_server.engine_errors import engine_error, grammar_failure
 from kvb_server.errors import ServerError
 from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
+from kvb_server.reasoning import FIELDS as REASONING_FIELDS
+from kvb_server.reasoning import ReasoningStream
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, assistant_message, chunk, running_usage, usage_chunk
 from kvb_server.token_bytes import TextOffsets
@@ -78,6 +80,8 @@ class OpenStream:
         intervals: list[list[float]] = [[] for _ in self._jobs]
         # Tool-calling replies stream as tool-call deltas (or as text once they turn out to be text).
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
+        # With --reasoning-parser, a reply's thinking streams as reasoning deltas, its answer as content.
+        thinking = [ReasoningStream(plan.reasoning) for _ in self._jobs] if plan.reasoning else None
         update: JobUpdate | None = self._first
         try:
             if self._echoes is not None:
@@ -124,9 +128,26 @@ class OpenStream:
                     last_at[i] = update.at
                 # vLLM's continuous_usage_stats: every chunk of the choice carries its usage so far.
                 counted = running_usage(plan, i, generated[i]) if plan.continuous_usage else None
+                text, logprobs = event.delta_text, event.logprobs
+                if tool_streams is None and plan.chat_logprobs and i not in started:
+                    started.add(i)
+                    yield chunk(plan, ids, index=i, role=True, usage=counted)
+                if thinking is not None:
+                    thought, text = thinking[i].feed(text, final=event.result is not None)
+                    if thought:
+                        yield chunk(
+                            plan,
+                            ids,
+                            index=i,
+                            delta=dict.fromkeys(REASONING_FIELDS, thought),
+                            logprobs=logprobs,
+                            token_bytes=self._service.token_bytes,
+                            usage=counted,
+                        )
+                        logprobs = None  # sent with the reasoning piece
                 if tool_streams is not None:
                     deltas = tool_streams[i].deltas(
-                        event.delta_text, final=event.result is not None, force=bool(event.logprobs)
+                        text, final=event.result is not None, force=bool(logprobs)
                     )
                     for k, delta in enumerate(deltas):
                         yield chunk(
@@ -134,20 +155,17 @@ class OpenStream:
                             ids,
                             index=i,
                             delta=delta,
-                            logprobs=None if k else event.logprobs,
+                            logprobs=None if k else logprobs,
                             token_bytes=self._service.token_bytes,
                             usage=counted,
                         )
-                elif plan.chat_logprobs and i not in started:
-                    started.add(i)
-                    yield chunk(plan, ids, index=i, role=True, usage=counted)
-                if tool_streams is None and (event.delta_text or event.logprobs):
+                elif text or logprobs:
                     yield chunk(
                         plan,
                         ids,
                         index=i,
-                        text=event.delta_text,
-                        logprobs=event.logprobs,
+                        text=text,
+                        logprobs=logprobs,
                         offsets=offsets[i],
                         token_bytes=self._service.token_bytes,
                         usage=counted,
@@ -166,7 +184,9 @@ class OpenStream:
                     if plan.tools is not None:
                         # The same reading as the non-streamed message: whole calls finish "tool_calls"
                         # ("stop" for a named tool_choice).
-                        _, finish = assistant_message(plan.tools, event.result.output_text, finish)
+                        _, finish = assistant_message(
+                            plan.tools, event.result.output_text, finish, plan.reasoning
+                        )
                     if counted is not None:  # the result's count is the exact one
                         counted = running_usage(plan, i, event.result.completion_tokens)
                     yield chunk(

@@ -47,8 +47,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve that folder",
     "--speculative-config": "speculative decoding is --speculative prompt_lookup|draft_model and "
     "--draft-model (kvboost serve)",
-    "--reasoning-parser": "reasoning is not split out of the answer (no reasoning_content): the model's "
-    "thinking stays in content",
     "--max-logprobs": "top_logprobs is capped at 20 and /v1/completions' logprobs at 5 (OpenAI's limits)",
     "--enable-log-requests": "prompts and sampling parameters are not logged; uvicorn's access log has each "
     "request's method, path and status",

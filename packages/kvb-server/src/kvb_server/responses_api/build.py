@@ -128,6 +128,23 @@ def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
 
 
+def reasoning_item(item_id: str, text: str, status: Status) -> dict[str, Any]:
+    """A reasoning model's thinking (``--reasoning-parser``), as OpenAI's open-weight models report it: the
+    text in ``content`` (``reasoning_text`` parts), no summary, nothing encrypted."""
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [reasoning_text(text)] if status != "in_progress" else [],
+        "encrypted_content": None,
+        "status": status,
+    }
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: Status
 ) -> dict[str, Any]:
@@ -142,12 +159,15 @@ def function_call_item(
 
 
 def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
-    """A non-streamed chat message as output items: its text (if any, or if there is nothing else) as a
-    ``message`` item, then one ``function_call`` item per tool call; the last is ``incomplete`` when the
-    generation stopped at ``max_output_tokens``."""
+    """A non-streamed chat message as output items: its thinking (``--reasoning-parser``) as a
+    ``reasoning`` item, its text (if any, or if there is nothing else) as a ``message`` item, then one
+    ``function_call`` item per tool call; the last is ``incomplete`` when the generation stopped at
+    ``max_output_tokens``."""
     items = []
+    if message.get("reasoning"):
+        items.append(reasoning_item(new_id("rs"), message["reasoning"], "completed"))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or items):
         items.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
     for call in calls:
         fn = call["function"]
@@ -174,6 +194,11 @@ def assistant_message(output: list[dict[str, Any]]) -> ChatMessage:
         if item["type"] == "function_call"
     ]
     message: ChatMessage = {"role": "assistant", "content": text or (None if calls else "")}
+    thought = "".join(
+        part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]
+    )
+    if thought:  # for templates that render an earlier turn's thinking (Qwen3's reasoning_content)
+        message["reasoning_content"] = thought
     if calls:
         message["tool_calls"] = calls
     return message

@@ -23,6 +23,7 @@ from kvb_server.responses_api.schemas import (
     FunctionCallOutputItem,
     FunctionTool,
     MessageItem,
+    ReasoningItem,
     RefusalPart,
     ResponsesRequest,
     ToolChoiceFunction,
@@ -99,7 +100,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         "top_logprobs": (req.top_logprobs, "top_logprobs is not supported on /v1/responses"),
         "reasoning": (
             req.reasoning and any(v is not None for v in req.reasoning.values()),
-            "reasoning options are not supported (the model does not reason separately)",
+            "reasoning options (effort, summary) are not supported: a model's reasoning is not steered "
+            "here (with --reasoning-parser its thinking is returned as a reasoning item)",
         ),
         "truncation": (
             req.truncation == "auto",
@@ -176,16 +178,23 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
 
     An assistant message and the function calls right after it become one assistant message with
     ``tool_calls`` (what the model produced in one turn); a ``function_call_output`` becomes a ``tool``
-    message.
+    message; a ``reasoning`` item's text becomes the ``reasoning_content`` of the assistant turn it leads.
     """
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     out: list[ChatMessage] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
+        if isinstance(item, ReasoningItem):
+            thought = _reasoning_text(item, where)
+            continue
         if isinstance(item, MessageItem):
             assistant = item.role == "assistant"
             out.append({"role": item.role, "content": _text(item.content, where, assistant=assistant)})
+            if assistant and thought is not None:
+                out[-1]["reasoning_content"] = thought
+            thought = None
         elif isinstance(item, FunctionCallItem):
             if not _json_arguments(item.arguments):
                 # The chat route refused it naming 'messages[...].tool_calls[0].function.arguments'.
@@ -205,21 +214,47 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
                 "function": {"name": item.name, "arguments": item.arguments},
             }
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thought is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thought is not None:
+                    out[-1]["reasoning_content"] = thought
+            thought = None
         elif isinstance(item, FunctionCallOutputItem):
+            thought = None
             output = _text(item.output, where, assistant=False)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             assert isinstance(item, UnsupportedItem)
             raise UnsupportedFeatureError(
                 f"{where}: input item type '{item.type}' is not supported; this server takes message, "
-                "function_call and function_call_output items.",
+                "function_call, function_call_output and reasoning items.",
                 param=f"{where}.type",
             )
     return out
+
+
+def _reasoning_text(item: ReasoningItem, where: str) -> str:
+    """A reasoning item's text (its ``reasoning_text`` parts, else its summary's)."""
+    if item.encrypted_content is not None:
+        raise UnsupportedFeatureError(
+            f"{where}.encrypted_content: encrypted reasoning (OpenAI's) cannot be read by this server; "
+            "leave the item out.",
+            param=f"{where}.encrypted_content",
+        )
+    parts = item.content if item.content else item.summary
+    texts = []
+    for k, part in enumerate(parts):
+        text = part.get("text")
+        if not isinstance(text, str):
+            field = "content" if item.content else "summary"
+            raise InvalidParameterError(
+                f"Invalid value for '{where}.{field}[{k}].text': expected a string.",
+                param=f"{where}.{field}[{k}].text",
+            )
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def _tool_fields(req: ResponsesRequest) -> dict[str, Any]:

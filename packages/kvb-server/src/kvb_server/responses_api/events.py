@@ -3,7 +3,9 @@
 OpenAI's order for one response: ``response.created``, ``response.in_progress``; per output item
 ``response.output_item.added``, then for a message ``response.content_part.added``, many
 ``response.output_text.delta``, ``response.output_text.done``, ``response.content_part.done``, and for a
-function call many ``response.function_call_arguments.delta`` and ``response.function_call_arguments.done``;
+function call many ``response.function_call_arguments.delta`` and ``response.function_call_arguments.done``,
+and for a reasoning item (``--reasoning-parser``, before the others) ``response.content_part.added``, many
+``response.reasoning_text.delta``, ``response.reasoning_text.done``, ``response.content_part.done``;
 then ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when generation
 stopped at ``max_output_tokens``). Every event carries a ``sequence_number`` counting from 0. A failure after
 the stream began is an ``error`` event followed by ``response.failed``. There is no ``[DONE]``.
@@ -20,6 +22,8 @@ from kvb_server.responses_api.build import (
     function_call_item,
     message_item,
     output_text,
+    reasoning_item,
+    reasoning_text,
     status_of,
     usage,
 )
@@ -43,10 +47,12 @@ class StreamEnd(NamedTuple):
 
 @dataclass(slots=True, kw_only=True)
 class _OpenItem:
-    """The output item being streamed: a message (``call_id`` None) or a function call."""
+    """The output item being streamed: a message (``call_id`` None), a function call, or the reasoning
+    (``reasoning``)."""
 
     id: str
     output_index: int
+    reasoning: bool = False
     call_id: str | None = None
     name: str = ""
     chat_index: int | None = None
@@ -88,6 +94,8 @@ class StreamTranslator:
         events: list[Event] = []
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -120,9 +128,29 @@ class StreamTranslator:
             self._event("response.content_part.added", **where, part=output_text("")),
         ]
 
+    def _reasoning(self, text: str) -> list[Event]:
+        events = []
+        if self._open is None or not self._open.reasoning:
+            events = self._close()
+            item = self._open = _OpenItem(id=new_id("rs"), output_index=len(self.output), reasoning=True)
+            where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+            events += [
+                self._event(
+                    "response.output_item.added",
+                    output_index=item.output_index,
+                    item=reasoning_item(item.id, "", "in_progress"),
+                ),
+                self._event("response.content_part.added", **where, part=reasoning_text("")),
+            ]
+        item = self._open
+        assert item is not None
+        item.text.append(text)
+        where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+        return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
+
     def _text(self, text: str) -> list[Event]:
         events = []
-        if self._open is None or self._open.call_id is not None:
+        if self._open is None or self._open.call_id is not None or self._open.reasoning:
             events = self._close() + self._open_message()
         item = self._open
         assert item is not None
@@ -169,7 +197,14 @@ class StreamTranslator:
             return []
         status = status_of(self._finish_reason)
         text = "".join(item.text)
-        if item.call_id is None:
+        if item.reasoning:
+            done = reasoning_item(item.id, text, status)
+            where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+            events = [
+                self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.content_part.done", **where, part=reasoning_text(text)),
+            ]
+        elif item.call_id is None:
             done = message_item(item.id, text, status)
             where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
             events = [

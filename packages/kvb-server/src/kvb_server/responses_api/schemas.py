@@ -3,8 +3,8 @@
 As for the chat routes (:mod:`kvb_server.schemas.generation_requests`): types are strict, unknown fields
 are a 400, and what OpenAI defines but this server does not implement is declared so that :mod:`.convert`
 refuses it by name.
-Input items, content parts and tools whose ``type`` this server does not serve (images, files, reasoning
-items, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
+Input items, content parts and tools whose ``type`` this server does not serve (images, files, item
+references, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
 
 Fields an SDK sends back when a client passes ``response.output`` items as the next ``input`` (``id``,
 ``status``, ``annotations``, ``logprobs``, ``phase``; a function call's ``async``, ``caller``, ``namespace``)
@@ -159,8 +159,23 @@ class FunctionCallOutputItem(BaseModel):
     status: ItemStatus | None = None
 
 
+class ReasoningItem(BaseModel):
+    """A reasoning item of a previous response (``--reasoning-parser``): its text goes back to the template
+    as the next assistant turn's ``reasoning_content``. ``encrypted_content`` (OpenAI's) cannot be read
+    here and is refused."""
+
+    model_config = _STRICT
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: Annotated[str | None, _only(_NULL, "encrypted reasoning")] = None
+    status: ItemStatus | None = None
+
+
 class UnsupportedItem(BaseModel):
-    """Reasoning items, item references, built-in tool calls and their outputs: refused by type."""
+    """Item references, built-in tool calls and their outputs: refused by type."""
 
     model_config = _LOOSE
 
@@ -171,8 +186,9 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[UnsupportedItem, Tag("unsupported"), _NONE_ACCEPTED],
-    _tag(frozenset({"message", "function_call", "function_call_output"}), default="message"),
+    _tag(frozenset({"message", "function_call", "function_call_output", "reasoning"}), default="message"),
 ]
 
 

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from kvb_cache.structured.backend import strict_schema
+from kvb_server.reasoning import ReasoningPlan
 from kvb_server.tool_calls.spec import ToolPlan
 
 #: Compact JSON (no optional whitespace), as for ``response_format``: small models loop on whitespace.
@@ -84,15 +85,48 @@ def _marker(plan: ToolPlan, marker_token: int | None) -> str:
     return f"<[{marker_token}]> " if marker_token is not None else f"{_literal(plan.syntax.marker)} "
 
 
+def _thinking(thinking: ReasoningPlan) -> str:
+    """One lexeme for a reasoning model's thinking block and the blank space after it: everything up to the
+    first end tag (a lexeme so that the lexer, which is greedy, ends it at that tag, not past it)."""
+    start, end = (re.escape(t).replace("/", "\\/") for t in (thinking.syntax.start, thinking.syntax.end))
+    opening = "" if thinking.opened else start
+    return f"THINK: /{opening}(?s:.*){end}\\s*/ & ~/{opening}(?s:.*){end}(?s:.*){end}(?s:.*)/"
+
+
 def tool_grammar(
-    plan: ToolPlan, *, marker_token: int | None = None, text_schema: dict[str, Any] | None = None
+    plan: ToolPlan,
+    *,
+    marker_token: int | None = None,
+    text_schema: dict[str, Any] | None = None,
+    thinking: ReasoningPlan | None = None,
 ) -> str:
     """The grammar of ``plan``'s reply (``plan.mode`` is ``"calls"`` or ``"auto"``).
 
     Args:
         marker_token: the id of the syntax's marker when it is one special token.
         text_schema: in ``auto``, the JSON schema a text reply must match (``response_format``).
+        thinking: a reasoning model's thinking block may come first (``--reasoning-parser``); it must when
+            the prompt opened it.
     """
+    # A text reply must not open a thinking block either: text may follow anything, so a block read as
+    # text would let an unchecked call follow it.
+    opens = (thinking.syntax.start,) if thinking is not None and not thinking.opened else ()
+    text = _tool_grammar(plan, marker_token=marker_token, text_schema=text_schema, not_first=opens)
+    if thinking is None:
+        return text
+    first, rest = text.split("\n", 1)
+    body = first.removeprefix("start: ")
+    think = "THINK" if thinking.opened else "THINK?"
+    return f"start: {think} reply\nreply: {body}\n{rest}{_thinking(thinking)}\n"
+
+
+def _tool_grammar(
+    plan: ToolPlan,
+    *,
+    marker_token: int | None = None,
+    text_schema: dict[str, Any] | None = None,
+    not_first: tuple[str, ...] = (),
+) -> str:
     syntax = plan.syntax
     call = f"{_literal(syntax.call_open)} obj {_literal(syntax.call_close)}" if syntax.call_open else "obj"
     sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
@@ -110,7 +144,7 @@ def tool_grammar(
     if text_schema is not None:
         text_rule = f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **strict_schema(text_schema)})}"
         return "\n".join(["start: text | calls", *lines, text_rule]) + "\n"
-    starts = "|".join(re.escape(t) for t in syntax.triggers)
+    starts = "|".join(re.escape(t).replace("/", "\\/") for t in (*syntax.triggers, *not_first))
     # Any text (the empty reply included) that does not begin like a call.
     text_rule = f"TEXT: /(?s:.*)/ & ~/\\s*({starts})(?s:.*)/"
     return "\n".join(["start: TEXT | calls", *lines, text_rule]) + "\n"

@@ -163,6 +163,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
                     {
                         "role": "assistant",
                         "content": content,
+                        **_reasoning(msg, where),
                         "tool_calls": [
                             {
                                 "id": c["id"],
@@ -175,10 +176,19 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
                 )
             else:
                 written = syntax.separator.join(call_text(c["name"], c["arguments"], syntax) for c in calls)
-                out.append({"role": "assistant", "content": f"{content}\n{written}" if content else written})
+                out.append(
+                    {
+                        "role": "assistant",
+                        "content": f"{content}\n{written}" if content else written,
+                        **_reasoning(msg, where),
+                    }
+                )
             continue
         # Chat templates know "system"; OpenAI's newer "developer" role means the same to an open model.
-        out.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
+        message = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+        if msg.role == "assistant":
+            message.update(_reasoning(msg, where))
+        out.append(message)
     flush_results()
     if plan is not None and not syntax.native:
         prompt = tools_system_prompt(plan)
@@ -190,3 +200,19 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _reasoning(msg: Any, where: str) -> dict[str, str]:
+    """An assistant turn's thinking (``reasoning``, vLLM's field, or ``reasoning_content``, DeepSeek's) under
+    both names, for templates that render it again (Qwen3's reads ``reasoning_content``); none: nothing."""
+    extra = msg.model_extra or {}
+    for name in ("reasoning", "reasoning_content"):
+        value = extra.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidParameterError(
+                f"{where}.{name} must be a string, got {type(value).__name__}.", param=f"{where}.{name}"
+            )
+        return {"reasoning": value, "reasoning_content": value}
+    return {}

@@ -1,0 +1,264 @@
+"""``--reasoning-parser``: a reasoning model's ``<think>...</think>`` leaves ``content`` for ``reasoning`` /
+``reasoning_content``, streamed or not, whichever way the template opens the block."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import serve
+from fakes import FakeEngine
+
+from kvb_server import ServerConfig, create_app
+from kvb_server.reasoning import PARSERS, ReasoningPlan, ReasoningStream, split
+
+MODEL = "fake-model"
+QWEN3 = PARSERS["qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "opened", "expected"),
+    [
+        ("<think>Let me see.</think>\n\nThe answer is 4.", False, ("Let me see.", "The answer is 4.")),
+        ("The answer is 4.", False, (None, "The answer is 4.")),  # never thought (enable_thinking false)
+        ("<think>cut off by max_tokens", False, ("cut off by max_tokens", None)),
+        ("Let me see.</think>4", True, ("Let me see.", "4")),  # the template opened the block
+        ("still thinking", True, ("still thinking", None)),
+        ("  <think>a</think>b", False, ("a", "b")),
+        ("a <think> in the answer", False, (None, "a <think> in the answer")),
+    ],
+)
+def test_split(reply: str, opened: bool, expected: tuple[str | None, str | None]) -> None:
+    assert split(reply, ReasoningPlan(QWEN3, opened)) == expected
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_a_tag_split_across_pieces_never_leaks(size: int) -> None:
+    reply = "<think>step 1</think>\n\nanswer </think> stays"
+    stream = ReasoningStream(ReasoningPlan(QWEN3, False))
+    thought = content = ""
+    for at in range(0, len(reply), size):
+        r, c = stream.feed(reply[at : at + size])
+        thought, content = thought + r, content + c
+    r, c = stream.feed("", final=True)
+    assert (thought + r, content + c) == ("step 1", "answer </think> stays")
+
+
+def test_other_tags() -> None:
+    assert split("[THINK]x[/THINK]y", ReasoningPlan(PARSERS["mistral"], False)) == ("x", "y")
+    assert split("<seed:think>x</seed:think>y", ReasoningPlan(PARSERS["seed_oss"], False)) == ("x", "y")
+
+
+def _app(reply: str, *, parser: str | None = "qwen3", opens: bool = False):
+    fake = FakeEngine()
+    fake.reply = reply
+    if opens:
+        fake.generation_prompt = "<assistant><think>\n"
+    return fake, create_app(fake, ServerConfig(model_names=(MODEL,), reasoning_parser=parser))
+
+
+def test_a_reply_with_thinking_is_split_in_the_message() -> None:
+    _, app = _app("<think>2 + 2 is 4.</think>\n\nFour.")
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}])
+        message = resp.choices[0].message
+        assert message.content == "Four." and resp.choices[0].finish_reason == "stop"
+        assert message.model_extra["reasoning"] == "2 + 2 is 4."
+        assert message.model_extra["reasoning_content"] == "2 + 2 is 4."
+
+
+def test_without_the_flag_the_thinking_stays_in_content() -> None:
+    _, app = _app("<think>hm</think>Four.", parser=None)
+    with serve(app) as url:
+        body = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}]},
+        ).json()
+        message = body["choices"][0]["message"]
+        assert message["content"] == "<think>hm</think>Four." and "reasoning" not in message
+
+
+def test_a_template_that_opens_the_block_and_a_reply_cut_off_while_thinking() -> None:
+    _, app = _app("I should count. One, two", opens=True)
+    with serve(app) as url:
+        body = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 8},
+        ).json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["message"]["content"] is None and choice["message"]["reasoning"] == "I should"
+
+
+def test_streamed_thinking_arrives_as_reasoning_deltas_then_content() -> None:
+    _, app = _app("<think>a b c</think>\n\nFour.")
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "2+2?"}], stream=True
+        )
+        thought = content = ""
+        order = []
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            piece = (delta.model_extra or {}).get("reasoning")
+            if piece:
+                assert delta.model_extra["reasoning_content"] == piece
+                thought += piece
+                order.append("reasoning")
+            if delta.content:
+                content += delta.content
+                order.append("content")
+        assert (thought, content) == ("a b c", "Four.")
+        assert order == sorted(order, key=lambda kind: kind == "content")  # all reasoning first
+
+
+def test_the_history_passes_thinking_to_the_template() -> None:
+    """Qwen3's template reads an assistant turn's ``reasoning_content``; clients send either name."""
+    fake, app = _app("ok")
+    seen: list[list[dict]] = []
+    render = fake.chat_prompt
+
+    def chat_prompt(messages, **kw):
+        seen.append(messages)
+        return render(messages, **kw)
+
+    fake.chat_prompt = chat_prompt
+    with serve(app) as url:
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning": "be nice"},
+            {"role": "user", "content": "again"},
+        ]
+        assert httpx.post(
+            f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages}
+        ).is_success
+        assert seen[-1][1]["reasoning_content"] == "be nice" and seen[-1][1]["reasoning"] == "be nice"
+        messages[1] = {"role": "assistant", "content": "hello", "reasoning_content": 7}
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].reasoning_content"
+
+
+def test_an_unknown_parser_is_refused() -> None:
+    with pytest.raises(ValueError, match="known: deepseek_r1"):
+        ServerConfig(model_names=(MODEL,), reasoning_parser="nope")
+
+
+def test_the_flag_parses(capsys) -> None:
+    from kvb_server.cli import build_parser, server_config
+
+    args = build_parser().parse_args(["--reasoning-parser", "deepseek_r1"])
+    assert server_config(args).reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--reasoning-parser", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_responses_api_returns_thinking_as_a_reasoning_item() -> None:
+    """OpenAI's reasoning item (``reasoning_text`` content, as its open-weight models report it) before
+    the message; replayed as input, its text is the assistant turn's ``reasoning_content`` again."""
+    fake, app = _app("<think>2 + 2 is 4.</think>\n\nFour.")
+    seen: list[list[dict]] = []
+    render = fake.chat_prompt
+
+    def chat_prompt(messages, **kw):
+        seen.append(messages)
+        return render(messages, **kw)
+
+    fake.chat_prompt = chat_prompt
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model=MODEL, input="2+2?")
+        kinds = [item.type for item in first.output]
+        assert kinds == ["reasoning", "message"] and first.output_text == "Four."
+        assert first.output[0].content[0].text == "2 + 2 is 4." and first.output[0].summary == []
+        history = [{"role": "user", "content": "2+2?"}, *[i.model_dump() for i in first.output]]
+        client.responses.create(model=MODEL, input=[*history, {"role": "user", "content": "and 3+3?"}])
+        assert seen[-1][1]["reasoning_content"] == "2 + 2 is 4." and seen[-1][1]["content"] == "Four."
+        client.responses.create(model=MODEL, input="and 3+3?", previous_response_id=first.id)
+        assert seen[-1][1]["reasoning_content"] == "2 + 2 is 4."
+        encrypted = {**history[1], "encrypted_content": "gAAAA"}
+        with pytest.raises(openai.BadRequestError, match="encrypted"):
+            client.responses.create(model=MODEL, input=[history[0], encrypted])
+
+
+def test_the_responses_api_streams_reasoning_events() -> None:
+    _, app = _app("<think>a b</think>Four.")
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        events = list(client.responses.create(model=MODEL, input="2+2?", stream=True))
+        kinds = [e.type for e in events]
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (thought, text) == ("a b", "Four.")
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+        done = events[-1].response
+        assert [item.type for item in done.output] == ["reasoning", "message"]
+        assert done.output[0].content[0].text == "a b" and done.output_text == "Four."
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reasoning_model_thinks_then_calls_a_tool(stream: bool) -> None:
+    """A thinking model's reply with tools is ``<think>...</think>`` then the call: the reasoning is split
+    out and the call is still parsed (before, the tools' grammar read ``<think>`` as the start of plain
+    text, so the call after it was never parsed)."""
+    fake, app = _app(f"<think>I need the weather.</think>\n\n{CALL}")
+    fake.context_length = 4000  # the tools' system prompt
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Paris?"}], "tools": [WEATHER]}
+        if not stream:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert choice.message.model_extra["reasoning"] == "I need the weather."
+            assert choice.message.tool_calls[0].function.arguments == '{"city":"Paris"}'
+        else:
+            thought, args, finish = "", "", None
+            for chunk in client.chat.completions.create(**kwargs, stream=True):
+                delta = chunk.choices[0].delta
+                thought += (delta.model_extra or {}).get("reasoning") or ""
+                for call in delta.tool_calls or ():
+                    args += call.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            assert (thought, args, finish) == ("I need the weather.", '{"city":"Paris"}', "tool_calls")
+        grammar = fake.added[-1].params.response_format.source
+        assert grammar.startswith("start: THINK? reply") and "THINK: /<think>" in grammar
+
+
+def test_the_tools_grammar_admits_a_thinking_block_and_checks_the_call_after_it() -> None:
+    import llguidance
+    from conftest import build_tokenizer
+
+    from kvb_server.tool_calls import tool_grammar, tool_plan
+    from kvb_server.tool_calls.syntax import hermes
+
+    tokenizer = build_tokenizer()
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    spec = [{"type": "function", "function": {**WEATHER["function"]}}]
+    for mode in ("auto", "required"):
+        plan = tool_plan(spec, mode, None, hermes(native=True))
+        free = tool_grammar(plan, thinking=ReasoningPlan(QWEN3, False))
+        opened = tool_grammar(plan, thinking=ReasoningPlan(QWEN3, True))
+        assert accepts(free, f"<think>hm</think>\n{CALL}") and accepts(free, CALL)
+        assert accepts(opened, f"hm</think>\n{CALL}") and not accepts(opened, CALL)  # must close it
+        bad = '<tool_call>\n{"name":"get_weather","arguments":{"town":1}}\n</tool_call>'
+        assert not accepts(free, f"<think>hm</think>\n{bad}") and not accepts(opened, f"hm</think>{bad}")
+        assert accepts(free, "<think>hm</think>Sunny.") == (mode == "auto")
