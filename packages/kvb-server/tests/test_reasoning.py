@@ -262,3 +262,47 @@ def test_the_tools_grammar_admits_a_thinking_block_and_checks_the_call_after_it(
         bad = '<tool_call>\n{"name":"get_weather","arguments":{"town":1}}\n</tool_call>'
         assert not accepts(free, f"<think>hm</think>\n{bad}") and not accepts(opened, f"hm</think>{bad}")
         assert accepts(free, "<think>hm</think>Sunny.") == (mode == "auto")
+
+
+def test_a_reasoning_model_thinks_then_answers_in_json() -> None:
+    """``response_format`` json_schema: the grammar admits the thinking block, then holds the answer to
+    the schema (vLLM starts the structured-output grammar when the thinking ends); ``content`` is the
+    JSON alone, so the SDK's ``parse()`` reads it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fake, app = _app('<think>one is a number</think>\n{"a":1}')
+    with serve(app) as url:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "json"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }
+        message = httpx.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["content"] == '{"a":1}' and message["reasoning"] == "one is a number"
+        grammar = fake.added[-1].params.response_format
+        assert grammar.kind == "grammar" and grammar.source.startswith("start: THINK? reply")
+        regex = {**body, "response_format": {"type": "regex", "pattern": "[a-z]+"}}
+        fake.reply = "<think>x</think>abc"
+        message = httpx.post(f"{url}/v1/chat/completions", json=regex).json()["choices"][0]["message"]
+        assert message["content"] == "<think>x</think>abc" and "reasoning" not in message  # not split
+
+
+def test_the_json_grammar_after_thinking_checks_the_answer() -> None:
+    import llguidance
+    from conftest import build_tokenizer
+
+    from kvb_server.tool_calls.grammar import json_after_thinking
+
+    tokenizer = build_tokenizer()
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    schema = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
+    free = json_after_thinking(schema, ReasoningPlan(QWEN3, False))
+    assert accepts(free, '<think>hm</think>\n{"a":1}') and accepts(free, '{"a":1}')
+    assert not accepts(free, '<think>hm</think>{"a":"x"}') and not accepts(free, "<think>hm</think>no")
+    opened = json_after_thinking(schema, ReasoningPlan(QWEN3, True))
+    assert accepts(opened, 'hm</think>{"a":1}') and not accepts(opened, '{"a":1}')

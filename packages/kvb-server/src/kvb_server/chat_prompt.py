@@ -17,6 +17,7 @@ from kvb_server.errors import InvalidParameterError
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.schemas.generation_requests import ChatCompletionRequest
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, template_messages, tool_grammar
+from kvb_server.tool_calls.grammar import json_after_thinking
 
 
 def chat_messages(
@@ -54,6 +55,12 @@ def reply_format(
     ``thinking``), else ``response_format`` (or vLLM's guided-decoding fields)."""
     raw, fmt = constraints.requested_format(req)
     if tools is None or tools.mode == "none":
+        if thinking is not None and fmt is not None and fmt.kind == "json_schema":
+            thought_then_json = ResponseFormat(
+                kind="grammar", source=json_after_thinking(fmt.source, thinking)
+            )
+            constraints.check(thought_then_json, "response_format")
+            return thought_then_json
         return fmt
     text_schema = None
     if tools.mode == "auto" and fmt is not None:

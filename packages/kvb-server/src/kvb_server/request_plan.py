@@ -229,12 +229,13 @@ def _reasoning_plan(
     tools: ToolPlan | None,
 ) -> ReasoningPlan | None:
     """How the reply's thinking is split out: None without ``--reasoning-parser``, and for a reply held to
-    ``response_format`` alone (its grammar starts with the structure, leaving no room to think first; the
-    tools' grammar admits a thinking block before the calls or text)."""
+    a regex or grammar ``response_format`` (it starts at the first token, leaving no room to think first);
+    the tools' and JSON grammars admit a thinking block first (:mod:`kvb_server.tool_calls.grammar`)."""
     if config.reasoning_parser is None:
         return None
     calls = tools is not None and tools.mode != "none"
-    if constraints.requested_format(req)[1] is not None and not calls:
+    fmt = constraints.requested_format(req)[1]
+    if fmt is not None and fmt.kind != "json_schema" and not calls:
         return None
     syntax = parser_syntax(config.reasoning_parser)
     # The last few tokens hold the generation prompt's end: "<think>\n" when the template opens the block.

@@ -93,6 +93,15 @@ def _thinking(thinking: ReasoningPlan) -> str:
     return f"THINK: /{opening}(?s:.*){end}\\s*/ & ~/{opening}(?s:.*){end}(?s:.*){end}(?s:.*)/"
 
 
+def json_after_thinking(schema_source: str, thinking: ReasoningPlan) -> str:
+    """The grammar of a JSON reply (a ``json_schema`` response format's ``schema_source``) that a reasoning
+    model may think before (must, when the prompt opened the block): as vLLM starts the structured-output
+    grammar once the thinking ends."""
+    schema = {"x-guidance": _JSON_OPTIONS, **strict_schema(json.loads(schema_source))}
+    think = "THINK" if thinking.opened else "THINK?"
+    return f"start: {think} reply\nreply: %json {json.dumps(schema)}\n{_thinking(thinking)}\n"
+
+
 def tool_grammar(
     plan: ToolPlan,
     *,
