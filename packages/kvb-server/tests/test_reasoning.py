@@ -16,6 +16,30 @@ MODEL = "fake-model"
 QWEN3 = PARSERS["qwen3"]
 
 
+@pytest.fixture(scope="module")
+def accepts():
+    """``accepts(grammar, text)``: llguidance takes ``text``'s tokens (the tests' tokenizer) and ends there."""
+    import llguidance
+    import llguidance.hf
+    from conftest import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+
+    def check(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    return check
+
+
+def _record_prompts(fake: FakeEngine) -> list[list[dict]]:
+    """The messages of every chat prompt ``fake`` renders, in order."""
+    seen = _record_prompts(fake)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("reply", "opened", "expected"),
     [
@@ -117,14 +141,7 @@ def test_streamed_thinking_arrives_as_reasoning_deltas_then_content() -> None:
 def test_the_history_passes_thinking_to_the_template() -> None:
     """Qwen3's template reads an assistant turn's ``reasoning_content``; clients send either name."""
     fake, app = _app("ok")
-    seen: list[list[dict]] = []
-    render = fake.chat_prompt
-
-    def chat_prompt(messages, **kw):
-        seen.append(messages)
-        return render(messages, **kw)
-
-    fake.chat_prompt = chat_prompt
+    seen = _record_prompts(fake)
     with serve(app) as url:
         messages = [
             {"role": "user", "content": "hi"},
@@ -159,14 +176,7 @@ def test_the_responses_api_returns_thinking_as_a_reasoning_item() -> None:
     """OpenAI's reasoning item (``reasoning_text`` content, as its open-weight models report it) before
     the message; replayed as input, its text is the assistant turn's ``reasoning_content`` again."""
     fake, app = _app("<think>2 + 2 is 4.</think>\n\nFour.")
-    seen: list[list[dict]] = []
-    render = fake.chat_prompt
-
-    def chat_prompt(messages, **kw):
-        seen.append(messages)
-        return render(messages, **kw)
-
-    fake.chat_prompt = chat_prompt
+    seen = _record_prompts(fake)
     with serve(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         first = client.responses.create(model=MODEL, input="2+2?")
@@ -237,20 +247,9 @@ def test_a_reasoning_model_thinks_then_calls_a_tool(stream: bool) -> None:
         assert grammar.startswith("start: THINK? reply") and "THINK: /<think>" in grammar
 
 
-def test_the_tools_grammar_admits_a_thinking_block_and_checks_the_call_after_it() -> None:
-    import llguidance
-    from conftest import build_tokenizer
-
+def test_the_tools_grammar_admits_a_thinking_block_and_checks_the_call_after_it(accepts) -> None:
     from kvb_server.tool_calls import tool_grammar, tool_plan
     from kvb_server.tool_calls.syntax import hermes
-
-    tokenizer = build_tokenizer()
-    ll = llguidance.hf.from_tokenizer(tokenizer)
-
-    def accepts(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
 
     spec = [{"type": "function", "function": {**WEATHER["function"]}}]
     for mode in ("auto", "required"):
@@ -286,19 +285,8 @@ def test_a_reasoning_model_thinks_then_answers_in_json() -> None:
         assert message["content"] == "<think>x</think>abc" and "reasoning" not in message  # not split
 
 
-def test_the_json_grammar_after_thinking_checks_the_answer() -> None:
-    import llguidance
-    from conftest import build_tokenizer
-
+def test_the_json_grammar_after_thinking_checks_the_answer(accepts) -> None:
     from kvb_server.tool_calls.grammar import json_after_thinking
-
-    tokenizer = build_tokenizer()
-    ll = llguidance.hf.from_tokenizer(tokenizer)
-
-    def accepts(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
 
     schema = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
     free = json_after_thinking(schema, ReasoningPlan(QWEN3, False))

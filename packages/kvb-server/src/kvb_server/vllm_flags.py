@@ -84,13 +84,16 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
 }
 
 
-class RefusedFlag(argparse.Action):
-    """Exit with status 2 and the flag's explanation as soon as the flag is parsed."""
+class _VllmFlag(argparse.Action):
+    """A hidden flag taking an optional value: both ``--seed 1`` and ``--enable-prefix-caching`` parse, so
+    the explanation, not argparse's "expected one argument", is what the user sees."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        # nargs="?": both `--seed 1` and `--enable-prefix-caching` parse, so the explanation, not a
-        # "expected one argument" error, is what the user sees.
         super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+class RefusedFlag(_VllmFlag):
+    """Exit with status 2 and the flag's explanation as soon as the flag is parsed."""
 
     def __call__(
         self,
@@ -103,12 +106,9 @@ class RefusedFlag(argparse.Action):
         parser.error(f"{flag} (a vLLM flag) is not supported: {REFUSED_VLLM_FLAGS[flag]}")
 
 
-class SatisfiedFlag(argparse.Action):
+class SatisfiedFlag(_VllmFlag):
     """Warn that the flag asks for what the server already does and go on; a value outside the ones that
     ask for it (``--scheduling-policy priority``) is refused like a :class:`RefusedFlag`."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     def __call__(
         self,
