@@ -36,7 +36,14 @@ def accepts():
 
 def _record_prompts(fake: FakeEngine) -> list[list[dict]]:
     """The messages of every chat prompt ``fake`` renders, in order."""
-    seen = _record_prompts(fake)
+    seen: list[list[dict]] = []
+    render = fake.chat_prompt
+
+    def chat_prompt(messages, **kw):
+        seen.append(messages)
+        return render(messages, **kw)
+
+    fake.chat_prompt = chat_prompt
     return seen
 
 
