@@ -301,3 +301,36 @@ def test_the_json_grammar_after_thinking_checks_the_answer(accepts) -> None:
     assert not accepts(free, '<think>hm</think>{"a":"x"}') and not accepts(free, "<think>hm</think>no")
     opened = json_after_thinking(schema, ReasoningPlan(QWEN3, True))
     assert accepts(opened, 'hm</think>{"a":1}') and not accepts(opened, '{"a":1}')
+
+
+def test_the_real_engine_decodes_under_the_thinking_grammars() -> None:
+    """The tiny random Llama behind KVBoost (llguidance over its real tokenizer, not the fake's script):
+    a template that opens the block, with tools and with a JSON schema, decodes without error, and
+    whatever it wrote before the end tag is reasoning, never content."""
+    from conftest import build_tiny_engine
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    engine = build_tiny_engine(context=2048)  # room for the tools' system prompt
+    config = ServerConfig(model_names=(MODEL,), reasoning_parser="qwen3", chat_template=template)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with serve(create_app(engine, config)) as url:
+        for extra in (
+            {"tools": [WEATHER], "tool_choice": "required"},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            {},
+        ):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 12,
+                **extra,
+            }
+            got = httpx.post(f"{url}/v1/chat/completions", json=body)
+            assert got.status_code == 200, got.text
+            message = got.json()["choices"][0]["message"]
+            assert message["reasoning"] is None or isinstance(message["reasoning"], str)
+            if extra:  # under a grammar: the answer part is the structure alone, never thinking text
+                assert message["content"] is None or message["content"].startswith("{")
