@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -334,3 +336,28 @@ def test_the_real_engine_decodes_under_the_thinking_grammars() -> None:
             assert message["reasoning"] is None or isinstance(message["reasoning"], str)
             if extra:  # under a grammar: the answer part is the structure alone, never thinking text
                 assert message["content"] is None or message["content"].startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_leaves_the_thinking_out(stream: bool) -> None:
+    """vLLM's per-request ``include_reasoning: false``: the answer alone (it was an unknown field, a 400)."""
+    _, app = _app("<think>secret steps</think>Four.")
+    with serve(app) as url:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "2+2?"}],
+            "include_reasoning": False,
+            "stream": stream,
+        }
+        got = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert got.status_code == 200 and "secret" not in got.text and "reasoning" not in got.text
+        if not stream:
+            assert got.json()["choices"][0]["message"]["content"] == "Four."
+        else:
+            pieces = [line[6:] for line in got.text.splitlines() if line.startswith("data: {")]
+            text = "".join(
+                (json.loads(p)["choices"][0]["delta"].get("content") or "")
+                for p in pieces
+                if json.loads(p)["choices"]
+            )
+            assert text == "Four."

@@ -60,10 +60,12 @@ def parser_syntax(name: str) -> ReasoningSyntax:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningPlan:
-    """How one chat reply is split: the tags, and whether the prompt already opened the block."""
+    """How one chat reply is split: the tags, whether the prompt already opened the block, and whether the
+    thinking is returned (vLLM's ``include_reasoning``; the answer leaves it out either way)."""
 
     syntax: ReasoningSyntax
     opened: bool
+    include: bool = True
 
 
 def opens_block(prompt_text_tail: str, syntax: ReasoningSyntax) -> bool:

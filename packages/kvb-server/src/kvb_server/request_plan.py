@@ -239,4 +239,5 @@ def _reasoning_plan(
         return None
     syntax = parser_syntax(config.reasoning_parser)
     # The last few tokens hold the generation prompt's end: "<think>\n" when the template opens the block.
-    return ReasoningPlan(syntax, opens_block(engine.tokenizer.decode(prompt[-16:]), syntax))
+    opened = opens_block(engine.tokenizer.decode(prompt[-16:]), syntax)
+    return ReasoningPlan(syntax, opened, include=req.include_reasoning)

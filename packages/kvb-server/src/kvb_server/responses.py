@@ -115,7 +115,8 @@ def assistant_message(
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if reasoning is not None:
         thought, message["content"] = split_reasoning(text, reasoning)
-        message.update(dict.fromkeys(REASONING_FIELDS, thought))
+        if reasoning.include:
+            message.update(dict.fromkeys(REASONING_FIELDS, thought))
     if tools is None:
         return message, finish_reason
     reply = split_reply(message["content"] or "", tools.syntax, truncated=finish_reason == "length")

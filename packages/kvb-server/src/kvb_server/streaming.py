@@ -134,7 +134,7 @@ class OpenStream:
                     yield chunk(plan, ids, index=i, role=True, usage=counted)
                 if thinking is not None:
                     thought, text = thinking[i].feed(text, final=event.result is not None)
-                    if thought:
+                    if thought and plan.reasoning is not None and plan.reasoning.include:
                         yield chunk(
                             plan,
                             ids,

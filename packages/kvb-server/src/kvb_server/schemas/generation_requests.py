@@ -184,6 +184,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    #: vLLM's: False leaves the thinking ``--reasoning-parser`` splits out of the reply (``reasoning``) out of
+    #: the response; ``content`` is the answer either way.
+    include_reasoning: bool = True
     # OpenAI's, accepted as on /v1/responses (the openai SDK sends them when the caller sets them). One
     # processing tier: any service_tier is served as, and answered with, "default".
     service_tier: ServiceTier | None = None
