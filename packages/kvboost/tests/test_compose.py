@@ -79,6 +79,19 @@ def test_speculative_output_equals_plain_greedy(target, other, mode):
     json.dumps(stats)
 
 
+def test_speculation_is_logged_at_start(target, other, caplog):
+    """kvboost serve's startup log said only "engine composed by kvboost"; nothing showed the flag took."""
+    with caplog.at_level("INFO", logger="kvboost.compose"):
+        KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, speculative="prompt_lookup", gamma=4)
+        KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8, draft_model=str(other), gamma=3)
+        KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvboost.compose"]
+    assert said == [
+        "speculative decoding on: prompt_lookup, gamma 4",
+        f"speculative decoding on: draft_model ({other}), gamma 3",
+    ]
+
+
 def test_a_loaded_draft_model_is_accepted(target, other):
     """draft_model may be a loaded model (documented): it always failed with VocabularyMismatchError
     ("pass both target_tokenizer and draft_tokenizer, or neither") because only the target's was passed."""

@@ -14,6 +14,7 @@ distributions (declared once in :mod:`kvboost.args`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from kvb_cache.options import pick_keywords
 from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
 from kvb_streaming import StreamingConfig
 from kvboost.args import KVB_ATTENTION, SpeculativeArgs, StreamingArgs
+
+logger = logging.getLogger(__name__)
 
 
 class KVBoost(_Engine):
@@ -140,6 +143,9 @@ class KVBoost(_Engine):
             composed = cls._from_streamed(model_name_or_path, engine, streaming_config)
         if speculative.enabled:
             composed.drafter = _drafter(composed, speculative, engine.attn_implementation)
+            # NOTE: said at start (kvboost serve's log showed only "engine composed by kvboost"): the flag is
+            # the only other sign that outputs come from the speculative path.
+            logger.info("speculative decoding on: %s", _describe(speculative))
         return composed  # type: ignore[return-value]
 
     @classmethod
@@ -215,6 +221,15 @@ class KVBoost(_Engine):
             if part is not None:
                 stats[name] = part
         return stats
+
+
+def _describe(args: SpeculativeArgs) -> str:
+    """``"draft_model (PATH), gamma 4"`` / ``"prompt_lookup, gamma 5"``: the mode make_decoder picks."""
+    mode = args.speculative or "draft_model"
+    if args.draft_model is not None:
+        name = args.draft_model if isinstance(args.draft_model, str) else type(args.draft_model).__name__
+        mode = f"{mode} ({name})"
+    return f"{mode}, gamma {args.gamma}"
 
 
 def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | None) -> SpeculativeDecoder:
