@@ -302,3 +302,28 @@ def test_a_request_waiting_for_a_batch_slot_shows_in_queue_time() -> None:
         # The fake samples a request's first token in the step that schedules it: its prefill is ~0.
         assert sums["queue"] >= hold_s > sums["prefill"]
         assert math.isclose(sums["prefill"] + sums["decode"], sums["inference"], rel_tol=1e-9)
+
+
+def test_a_stream_the_client_left_still_counts_the_choice_the_engine_finished() -> None:
+    """The engine finishes a streamed choice after its client closed the connection: the server learns
+    of the disconnect only when it writes that last chunk, and the choice must still count as finished
+    (``vllm:request_success_total`` and the token counters), as vLLM counts at the engine; before, it
+    was in neither ``length`` nor ``abort``, so finished + aborted fell short of the requests served."""
+    fake = FakeEngine()
+    fake.pause_before_step = 2  # the second (last) token waits until the client has gone
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+        body = {"model": MODEL, "prompt": "abcd", "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        wait_until(fake.stalled.is_set)
+        fake.hold.set()
+        m = {"model_name": MODEL}
+        wait_until(
+            lambda: value(scrape(url), "vllm:request_success_total", **m, finished_reason="length") == 1
+        )
+        s = scrape(url)
+        assert value(s, "vllm:request_success_total", **m, finished_reason="abort") == 0
+        assert value(s, "vllm:generation_tokens_total", **m) == 2
+        stats = httpx.get(url + "/v1/stats").json()["queue"]
+        assert (stats["finished"], stats["aborted"]) == (1, 0)

@@ -52,15 +52,29 @@ class Inbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[JobUpdate] = asyncio.Queue()
+        self._on_unread: Callable[[JobUpdate], None] | None = None
 
     def put_threadsafe(self, update: JobUpdate) -> None:
         # The loop may already be closed when a job finishes after server shutdown: nobody is waiting then.
         if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+            self._loop.call_soon_threadsafe(self._deliver, update)
+
+    def _deliver(self, update: JobUpdate) -> None:
+        if self._on_unread is not None:
+            self._on_unread(update)
+        else:
+            self._queue.put_nowait(update)
 
     async def get(self, timeout: float) -> JobUpdate:
         """Next update; raises ``TimeoutError`` after ``timeout`` seconds."""
         return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+
+    def abandon(self, on_unread: Callable[[JobUpdate], None]) -> None:
+        """The handler stops reading (its client left): the updates queued now, and those delivered later,
+        go to ``on_unread`` on the event loop instead (so a choice the engine finishes is still counted)."""
+        self._on_unread = on_unread
+        while not self._queue.empty():
+            on_unread(self._queue.get_nowait())
 
 
 @dataclass(eq=False, slots=True, kw_only=True)

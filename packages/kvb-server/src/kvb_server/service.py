@@ -187,6 +187,36 @@ class GenerationService:
         self._metrics.observe_result(result, queue_s=update.queue_s, token_intervals=token_intervals)
         self._throughput.add(result.completion_tokens)
 
+    def record_unread(
+        self,
+        inbox: Inbox,
+        results: list[GenerationResult | None],
+        in_hand: JobUpdate | None = None,
+        token_intervals: Sequence[Sequence[float]] | None = None,
+    ) -> None:
+        """Count the choices a leaving handler did not record (``results[i]`` None) once their result
+        comes: the update ``in_hand``, those queued and those the engine delivers later.
+
+        The engine may finish a choice after its client left but before the worker aborts it (the worker
+        counts it ``finished``); without this it was in neither ``vllm:request_success_total`` nor the
+        token counters.
+        """
+        if all(r is not None for r in results):
+            return
+        pending = {i for i, r in enumerate(results) if r is None}
+
+        def on_unread(update: JobUpdate) -> None:
+            result = update.result if update.event is None else update.event.result
+            if result is None or update.choice not in pending:
+                return
+            pending.discard(update.choice)
+            intervals = token_intervals[update.choice] if token_intervals is not None else None
+            self.record(update, result, intervals)
+
+        if in_hand is not None:
+            on_unread(in_hand)
+        inbox.abandon(on_unread)
+
     async def complete(self, plan: GenerationPlan, is_disconnected: IsDisconnected) -> dict[str, Any]:
         """Serve a non-streamed request; raises :class:`ServerError` or :class:`ClientDisconnected`.
 
@@ -211,6 +241,7 @@ class GenerationService:
         finally:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
+            self.record_unread(inbox, results)
         body = final_response(plan, ResponseIds.new(plan), results, echoes, self.token_bytes)  # type: ignore[arg-type]
         if truncation is not None:
             body["prompt_truncation"] = truncation.to_dict()
@@ -230,6 +261,7 @@ class GenerationService:
         except BaseException:
             for job in jobs:
                 job.cancelled.set()
+            self.record_unread(inbox, [None] * len(jobs), first)
             raise
         return OpenStream(
             service=self,

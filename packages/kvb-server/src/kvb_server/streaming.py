@@ -206,3 +206,6 @@ class OpenStream:
         finally:
             for job in self._jobs:
                 job.cancelled.set()
+            # NOTE: a stream that ends early (client gone) may leave choices the engine finishes anyway,
+            # in hand, queued or still to come: they count as finished, as vLLM counts at the engine.
+            self._service.record_unread(self._inbox, results, update, intervals)
