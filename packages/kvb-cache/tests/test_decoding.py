@@ -134,3 +134,51 @@ def test_a_decoder_sees_the_batched_samplers_penalty_order(llama, tokenizer, pen
     solo = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=_LegacyDecoder())
     want = plain.generate(prompt, max_new_tokens=24, ignore_eos=True, **penalties).output_ids
     assert solo.generate(prompt, max_new_tokens=24, ignore_eos=True, **penalties).output_ids == want
+
+
+def _drain(engine: KVBoost) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                done[out.request_id] = out.result.output_ids
+    return done
+
+
+def test_a_request_arriving_beside_others_decodes_in_the_batch(llama, tokenizer):
+    # A speculative request runs solo (batch-1 forwards of its own), so 8 concurrent speculative requests
+    # ran 8 forwards per step instead of one batched forward and were slower than no drafter at all
+    # (docs/speculative.md). Only a request that arrives alone speculates now; the outputs are the same.
+    from kvb_cache import SamplingParams
+
+    prompts = [tokenizer(words(20, seed))["input_ids"] for seed in range(3)]
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    want = [plain.generate(p, max_new_tokens=10, ignore_eos=True).output_ids for p in prompts]
+    decoder = _LegacyDecoder()
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=decoder)
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    assert list(engine.core.solo) == ids[:1]  # the first arrived alone: it speculates
+    done = _drain(engine)
+    assert [done[i] for i in ids] == want
+    assert decoder.calls == 1
+    # Alone again: the next request speculates.
+    engine.generate(prompts[0], max_new_tokens=4, ignore_eos=True)
+    assert decoder.calls == 2
+
+
+def test_a_seeded_sampled_request_keeps_its_path_under_load(llama, tokenizer):
+    # Its sample depends on the path (speculative sampling draws other random numbers), so it speculates
+    # whether or not others run: the same request gives the same text under any load.
+    from kvb_cache import SamplingParams
+
+    prompt = tokenizer(words(20, 7))["input_ids"]
+    seeded = SamplingParams(max_new_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
+    decoder = _LegacyDecoder()
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=decoder)
+    alone = engine.add_request(prompt, seeded)
+    first = _drain(engine)[alone]
+    busy = engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    again = engine.add_request(prompt, seeded)
+    assert list(engine.core.solo) == [busy, again]
+    assert _drain(engine)[again] == first

@@ -100,6 +100,13 @@ class LoopAPI:
         # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
+        if speculative and self.core.has_unfinished() and (params.greedy or params.seed is None):
+            # NOTE: a speculative request runs solo (its own batch-1 forwards, beside the batched one), so
+            # speculating beside other requests turns one batched forward into one per request: 8 concurrent
+            # greedy requests took longer than without a drafter (docs/speculative.md). Like vLLM's
+            # speculative disable_by_batch_size, speculate only when nothing else is running; outputs are the
+            # same either way. A seeded sampled request keeps its path so its sample does not depend on load.
+            speculative = False
         if speculative or bits is not None:
             prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
             prepared.prefill_chunk_size = prefill_chunk_size
