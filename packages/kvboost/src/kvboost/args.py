@@ -36,7 +36,8 @@ class SpeculativeArgs:
         choices=SPECULATIVE_MODES,
         help="prompt_lookup: n-gram drafts copied from the prompt (no extra model); draft_model: a small "
         "model with the target's vocabulary (--draft-model). Outputs stay exactly those of plain decoding; "
-        "requests asking for logprobs decode plainly. Unset: off unless --draft-model is given",
+        "requests asking for logprobs, and requests arriving while others run (seeded sampling aside), decode in "
+        "the batch. Unset: off unless --draft-model is given",
     )
     draft_model: str | PreTrainedModel | None = option(
         None,
