@@ -1,0 +1,116 @@
+"""Benchmark: 8 concurrent greedy requests through the engine loop, with and without speculative decoding.
+
+Drives ``KVBoost.add_request`` / ``step`` as the server's worker does, in one process, round-robin over three
+modes per repeat:
+
+- ``plain``: no drafter (every request in the batched loop);
+- ``solo``: prompt lookup, every request speculating solo (the routing before 2026-11-25, forced here by
+  hiding the other requests from the admission check);
+- ``fixed``: prompt lookup with the engine's routing (only a request that arrives alone speculates).
+
+Two prompt sets: "repeat this pydoc topic" (prompt lookup drafts well) and chitchat_dataset conversations.
+Reports wall seconds and process CPU seconds per run (on a shared machine CPU time is the steadier clock),
+and checks that every mode's tokens equal plain greedy's (exit 1 otherwise).
+
+Usage: ``python tools/bench_speculative_concurrency.py [--threads N] [--repeats 3] [--new-tokens 48]``
+(needs kvboost, kvb-speculative, the embedded SmolLM2 and chitchat_dataset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pydoc_data.topics
+import statistics
+import sys
+import time
+
+import chitchat_dataset
+import torch
+
+from kvb_cache import SamplingParams
+from kvb_speculative import make_decoder
+from kvboost import KVBoost
+
+MODES = ("plain", "solo", "fixed")
+TOPICS = ("while", "for", "if", "try", "with", "assert", "return", "pass")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = KVBoost.from_pretrained("smollm2-135m", dtype="float32", device="cpu", max_cache_bytes=0)
+    decoder = make_decoder(engine.model, speculative="prompt_lookup", gamma=5)
+    topics = pydoc_data.topics.topics
+    convs = [list(c) for c in itertools.islice(chitchat_dataset.ConversationDataset(), 8)]
+    sets = {
+        "quote": [
+            engine.chat_prompt(
+                [{"role": "user", "content": "Repeat the following text exactly.\n\n" + topics[k][:700]}]
+            )
+            for k in TOPICS
+        ],
+        "chat": [
+            engine.chat_prompt(
+                [{"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(c[:5])]
+            )
+            for c in convs
+        ],
+    }
+
+    def add(prompt: list[int], mode: str) -> str:
+        if mode == "solo":  # NOTE: the admission check sees no other request: every request speculates
+            engine.core.has_unfinished = lambda: False
+        try:
+            return engine.add_request(prompt, SamplingParams(max_new_tokens=args.new_tokens))
+        finally:
+            engine.core.__dict__.pop("has_unfinished", None)
+
+    def run(prompts: list[list[int]], mode: str) -> tuple[float, float, list[list[int]]]:
+        engine.drafter = None if mode == "plain" else decoder
+        wall, cpu = time.perf_counter(), time.process_time()
+        ids = [add(p, mode) for p in prompts]
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.result is not None:
+                    done[out.request_id] = out.result.output_ids
+        return time.perf_counter() - wall, time.process_time() - cpu, [done[i] for i in ids]
+
+    run(sets["chat"][:2], "plain")
+    run(sets["chat"][:2], "solo")  # warm up
+    runs: dict[str, dict[str, list[tuple[float, float]]]] = {s: {m: [] for m in MODES} for s in sets}
+    identical = True
+    for r in range(args.repeats):
+        for name, prompts in sets.items():
+            outs = {}
+            for mode in MODES:
+                wall, cpu, outs[mode] = run(prompts, mode)
+                runs[name][mode].append((wall, cpu))
+            identical &= all(outs[m] == outs["plain"] for m in MODES)
+            row = {m: f"{v[-1][0]:.2f}s wall {v[-1][1]:.2f}s cpu" for m, v in runs[name].items()}
+            print(r, name, row, flush=True)
+    summary = {
+        name: {
+            mode: {
+                "wall_median_s": statistics.median(w for w, _ in v),
+                "cpu_median_s": statistics.median(c for _, c in v),
+            }
+            for mode, v in by_mode.items()
+        }
+        for name, by_mode in runs.items()
+    }
+    print(
+        json.dumps({"threads": torch.get_num_threads(), "identical": identical, "medians": summary}, indent=1)
+    )
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
