@@ -188,6 +188,8 @@ class Driver:
             return None
         self.o.by_route_status[(route, r.status_code)] += 1
         ok = r.status_code == expect if expect != 400 else 400 <= r.status_code < 500
+        if kind == "cache_reset":  # 200 when the engine happened to be idle, else 409
+            ok = r.status_code in (200, 409)
         if not ok:
             self.o.fail(kind, f"{route} -> {r.status_code} {r.text[:200]}")
             return None
@@ -386,6 +388,8 @@ class Driver:
             else:
                 await self.post(kind, "/tokenize", {"model": MODEL, "messages": t.messages(rng)})
         elif kind == "cache_reset":
+            # The engine refuses a reset while requests run (409 cache_busy, docs/server.md): under this
+            # load that is the usual answer; the idle reset at the end checks that a reset empties the pool.
             await self.post(kind, "/v1/cache/reset", {})
         else:  # pragma: no cover
             raise ValueError(kind)
@@ -555,7 +559,7 @@ def check_idle(base: Snapshot, end: Snapshot) -> list[Check]:
     checks.append(
         Check(
             "vllm:request_success_total matches",
-            abort == d["aborted"] and stop_len >= d["finished"],
+            abort == d["aborted"] and stop_len == d["finished"],
             f"soak: stop+length +{stop_len:.0f} (choices) vs finished +{d['finished']} (engine requests);"
             f" abort +{abort:.0f} vs aborted +{d['aborted']}",
         )
@@ -732,6 +736,10 @@ async def soak(args: argparse.Namespace) -> int:
                     (time.monotonic() - started, end.rss_mib)
                 ]  # the idle state replaces the last sample
             again = await greedy_texts(client)
+            await settle(client)
+            reset = await client.post("/v1/cache/reset", json={}, timeout=60)
+            after_reset = (await client.get("/v1/stats", timeout=60)).json()["cache"]["paged"]
+            again_uncached = await greedy_texts(client)
     finally:
         if server is not None and not args.keep:
             server.send_signal(signal.SIGINT)
@@ -749,6 +757,21 @@ async def soak(args: argparse.Namespace) -> int:
             "greedy text unchanged",
             again == reference,
             "identical" if again == reference else f"{reference} -> {again}",
+        )
+    )
+    checks.append(
+        Check(
+            "idle reset empties the pool",
+            reset.status_code == 200 and after_reset["blocks_free"] == after_reset["blocks_total"],
+            f"reset {reset.status_code} {reset.text[:120]}; then free {after_reset['blocks_free']} of"
+            f" {after_reset['blocks_total']} (cached {after_reset['blocks_cached']}, used {after_reset['blocks_used']})",
+        )
+    )
+    checks.append(
+        Check(
+            "greedy text unchanged without cache",
+            again_uncached == reference,
+            "identical" if again_uncached == reference else f"{reference} -> {again_uncached}",
         )
     )
     checks.append(
