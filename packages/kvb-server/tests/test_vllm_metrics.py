@@ -327,3 +327,35 @@ def test_a_stream_the_client_left_still_counts_the_choice_the_engine_finished() 
         assert value(s, "vllm:generation_tokens_total", **m) == 2
         stats = httpx.get(url + "/v1/stats").json()["queue"]
         assert (stats["finished"], stats["aborted"]) == (1, 0)
+
+
+class SpeculatingFake(FakeEngine):
+    """A fake whose drafter has run 5 rounds of up to 3 drafted tokens (accepted 0, 1, 3, 3, 2)."""
+
+    def speculative_stats(self) -> dict:
+        return {"rounds": 5, "drafted_tokens": 15, "accepted_tokens": 9, "accepted_histogram": [1, 1, 1, 2]}
+
+
+def test_speculative_counters_under_vllms_names() -> None:
+    """vLLM's spec-decode counters, from the worker's snapshot; none for an engine without a drafter."""
+    with serve(create_app(SpeculatingFake(), ServerConfig(model_names=(MODEL,)))) as url:
+        wait_until(
+            lambda: not math.isnan(value(scrape(url), "vllm:spec_decode_num_drafts_total", model_name=MODEL))
+        )
+        samples = scrape(url)
+        assert value(samples, "vllm:spec_decode_num_drafts_total", model_name=MODEL) == 5
+        assert value(samples, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL) == 15
+        assert value(samples, "vllm:spec_decode_num_accepted_tokens_total", model_name=MODEL) == 9
+        per_pos = [
+            value(
+                samples,
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                model_name=MODEL,
+                position=str(p),
+            )
+            for p in range(3)
+        ]
+        assert per_pos == [4, 3, 2] and sum(per_pos) == 9  # rounds accepting more than p tokens
+    with serve(create_app(FakeEngine(), ServerConfig(model_names=(MODEL,)))) as url:
+        wait_until(lambda: not math.isnan(value(scrape(url), "vllm:kv_cache_usage_perc", model_name=MODEL)))
+        assert not any(name.startswith("vllm:spec_decode") for name, _ in scrape(url))

@@ -156,3 +156,26 @@ def test_readme_options_table_is_generated_from_the_classes():
     text = readme.read_text(encoding="utf-8")
     assert TABLE_START in text
     assert replace_options_table(text, options_markdown()) == text, "stale: run python tools/options_table.py"
+
+
+def test_the_servers_metrics_carry_the_drafters_counters(target):
+    """``kvboost serve --speculative``: /metrics has vLLM's spec-decode counters, equal to the drafter's
+    own statistics (they were only in /v1/stats)."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvb_server import ServerConfig, create_app
+
+    engine = KVBoost.from_pretrained(
+        str(target), device="cpu", chunk_size=8, speculative="prompt_lookup", gamma=4
+    )
+    with TestClient(create_app(engine, ServerConfig(model_names=("m",)))) as client:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        text = client.get("/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    stats = engine.speculative_stats()
+    assert stats["drafted_tokens"] > 0
+    assert samples["vllm:spec_decode_num_drafts_total"] == stats["rounds"]
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats["drafted_tokens"]
+    assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats["accepted_tokens"]

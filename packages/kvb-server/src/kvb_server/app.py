@@ -125,6 +125,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         paged_stats=worker.paged_stats,
         model_name=config.model_names[0],
         max_model_len=engine.context_length,
+        speculative_stats=worker.speculative_stats,
     )
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()

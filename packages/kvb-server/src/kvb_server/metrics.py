@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from kvb_cache.core.outputs import PagedStats
 from kvb_cache.results import GenerationResult
 from kvb_server.engine_loop_metrics import MODEL_LABEL, EngineLoopCollector
+from kvb_server.speculative_metrics import SpeculativeCollector
 
 if TYPE_CHECKING:
     from kvb_server.worker_stats import WorkerStats
@@ -88,6 +89,7 @@ class ServerMetrics:
         *,
         model_name: str,
         max_model_len: int | None = None,
+        speculative_stats: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._vllm = _VllmRequestMetrics(
@@ -136,6 +138,8 @@ class ServerMetrics:
         )
         self.queue_depth.set_function(lambda: worker_stats().waiting)
         self.registry.register(EngineLoopCollector(worker_stats, paged_stats, model_name=model_name))
+        if speculative_stats is not None:
+            self.registry.register(SpeculativeCollector(speculative_stats, model_name=model_name))
 
     def observe_result(
         self, result: GenerationResult, *, queue_s: float, token_intervals: Sequence[float] | None = None

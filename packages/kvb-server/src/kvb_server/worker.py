@@ -69,6 +69,7 @@ class EngineWorker:
         self._in_flight = InFlight(engine, config)
         self._idle = IdleWork(engine)
         self._paged: PagedStats | None = None
+        self._speculative: dict[str, Any] | None = None
         self._engine_waiting = 0
         self._steps = self._step_errors = self._calls = 0
         self._busy_s = 0.0
@@ -173,6 +174,11 @@ class EngineWorker:
     def paged_stats(self) -> PagedStats | None:
         """The engine's block-pool counters as of its last step or call (None before the thread started)."""
         return self._paged
+
+    def speculative_stats(self) -> dict[str, Any] | None:
+        """The drafter's counters as of the engine's last step (a composed engine's ``speculative_stats()``);
+        None for an engine without a drafter, or before the thread started."""
+        return self._speculative
 
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -325,6 +331,12 @@ class EngineWorker:
             return
         self._paged = paged
         self._engine_waiting = paged.waiting
+        speculative = getattr(self._engine, "speculative_stats", None)
+        if callable(speculative):
+            try:
+                self._speculative = speculative()
+            except Exception:
+                logger.warning("engine.speculative_stats() failed", exc_info=True)
 
 
 def _resolve(future: asyncio.Future[Any], *, value: Any = None, error: BaseException | None = None) -> None:
