@@ -69,8 +69,10 @@ def test_cors_flags_parse_as_vllm_writes_them() -> None:
     assert policy.allowed_origins == ("http://a.example", "http://b.example") and policy.allow_credentials
     assert cors_policy(build_parser().parse_args(["--allowed-origins", "*"])).allowed_origins == ("*",)
     assert not cors_policy(build_parser().parse_args([])).enabled
-    with pytest.raises(ValueError, match="only apply with --allowed-origins"):
+    with pytest.raises(ValueError, match="--allow-credentials applies only with --allowed-origins"):
         cors_policy(build_parser().parse_args(["--allow-credentials"]))
+    with pytest.raises(ValueError, match="--allowed-methods, --allowed-headers apply only with"):
+        cors_policy(build_parser().parse_args(["--allowed-methods", "GET", "--allowed-headers", "x"]))
 
 
 @pytest.mark.parametrize("value", ['["a", 1]', "[not json", '{"a": 1}', "[]x"])

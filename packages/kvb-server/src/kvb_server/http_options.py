@@ -148,8 +148,9 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy:
             if value != default
         ]
         if given:
+            verb = "applies" if len(given) == 1 else "apply"
             raise ValueError(
-                f"{', '.join(given)} only apply with --allowed-origins (no CORS headers are sent without it)"
+                f"{', '.join(given)} {verb} only with --allowed-origins (no CORS headers are sent without it)"
             )
     return CorsPolicy(
         allowed_origins=tuple(args.allowed_origins),
