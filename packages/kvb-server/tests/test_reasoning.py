@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -10,6 +11,7 @@ import openai
 import pytest
 from conftest import serve
 from fakes import FakeEngine
+from test_tool_calls import accepts as grammar_accepts
 
 from kvb_server import ServerConfig, create_app
 from kvb_server.reasoning import PARSERS, ReasoningPlan, ReasoningStream, split
@@ -21,19 +23,11 @@ QWEN3 = PARSERS["qwen3"]
 @pytest.fixture(scope="module")
 def accepts():
     """``accepts(grammar, text)``: llguidance takes ``text``'s tokens (the tests' tokenizer) and ends there."""
-    import llguidance
     import llguidance.hf
     from conftest import build_tokenizer
 
     tokenizer = build_tokenizer()
-    ll = llguidance.hf.from_tokenizer(tokenizer)
-
-    def check(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
-
-    return check
+    return functools.partial(grammar_accepts, (tokenizer, llguidance.hf.from_tokenizer(tokenizer)))
 
 
 def _record_prompts(fake: FakeEngine) -> list[list[dict]]:

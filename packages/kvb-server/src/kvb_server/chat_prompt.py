@@ -45,15 +45,16 @@ def check_tool_schemas(tools: ToolPlan | None) -> None:
 
 
 def reply_format(
-    req: ChatCompletionRequest,
+    requested: tuple[dict[str, Any] | None, ResponseFormat | None],
     tools: ToolPlan | None,
     engine: ServingEngine,
     syntax: ToolSyntax,
     thinking: ReasoningPlan | None = None,
 ) -> ResponseFormat | None:
     """What the reply is constrained to: the tools' call grammar (after a thinking block, with
-    ``thinking``), else ``response_format`` (or vLLM's guided-decoding fields)."""
-    raw, fmt = constraints.requested_format(req)
+    ``thinking``), else the ``requested`` format (:func:`kvb_server.constraints.requested_format`:
+    ``response_format`` or vLLM's guided-decoding fields)."""
+    raw, fmt = requested
     if tools is None or tools.mode == "none":
         if thinking is not None and fmt is not None and fmt.kind == "json_schema":
             thought_then_json = ResponseFormat(

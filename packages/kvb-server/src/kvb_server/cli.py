@@ -19,16 +19,14 @@ from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import KVBoostError
 from kvb_cache.options import add_option_arguments, as_keywords, from_namespace, positive_int
 from kvb_server._version import __version__
-from kvb_server.chat_template import load_chat_template
 from kvb_server.composer import EngineComposer, find_composer
-from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, tenant_keys
+from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.flag_types import DeprecatedFlag, api_key, margin, port
 from kvb_server.gate import RequestGate
-from kvb_server.generation_config import AUTO, parse_override
-from kvb_server.generation_config import check_flag as check_generation_config
+from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import resolve as resolve_generation_config
-from kvb_server.http_options import add_http_arguments, cors_policy, uvicorn_options
+from kvb_server.http_options import add_http_arguments, uvicorn_options
 from kvb_server.reasoning import PARSERS
 from kvb_server.vllm_flags import add_vllm_flags
 
@@ -260,40 +258,6 @@ def build_server(
         )
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
-    )
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The HTTP layer's settings from the flags (model names: ``--served-model-name`` and ``--model``; the
-    engine's own id joins them once it is loaded).
-
-    Raises:
-        ValueError: a malformed tenant key or keys file, a limit ServerConfig refuses, a
-            ``--generation-config`` that is not auto, vllm or a folder holding generation_config.json, an
-            ``--override-generation-config`` that is not a JSON object of supported fields in range, or a
-            ``--chat-template`` that cannot be read or does not compile.
-    """
-    check_generation_config(args.generation_config)
-    override = (
-        {} if args.override_generation_config is None else parse_override(args.override_generation_config)
-    )
-    template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    return ServerConfig(
-        model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
-        max_queue_size=args.max_queue_size,
-        request_timeout_s=args.request_timeout,
-        max_tokens=args.max_tokens,
-        api_key=args.api_key or None,
-        tenant_keys=tenant_keys(args),
-        max_body_bytes=args.max_body_bytes,
-        max_json_depth=args.max_json_depth,
-        shutdown_timeout_s=args.shutdown_timeout,
-        generation_config=args.generation_config,
-        override_generation_config=override,
-        chat_template=template,
-        cors=cors_policy(args),
-        fastapi_docs=not args.disable_fastapi_docs,
-        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvb_cache.options import parse_bytes
-from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults
-from kvb_server.http_options import CorsPolicy
+from kvb_server.chat_template import load_chat_template
+from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults, parse_override
+from kvb_server.generation_config import check_flag as check_generation_config
+from kvb_server.http_options import CorsPolicy, cors_policy
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 from kvb_server.reasoning import parser_syntax
 
@@ -234,3 +236,37 @@ def tenant_keys(args: argparse.Namespace) -> tuple[TenantKey, ...]:
             )
         pairs.extend(data.items())
     return tuple(TenantKey(key=k, salt=v) for k, v in pairs)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP layer's settings from the flags (model names: ``--served-model-name`` and ``--model``; the
+    engine's own id joins them once it is loaded).
+
+    Raises:
+        ValueError: a malformed tenant key or keys file, a limit ServerConfig refuses, a
+            ``--generation-config`` that is not auto, vllm or a folder holding generation_config.json, an
+            ``--override-generation-config`` that is not a JSON object of supported fields in range, or a
+            ``--chat-template`` that cannot be read or does not compile.
+    """
+    check_generation_config(args.generation_config)
+    override = (
+        {} if args.override_generation_config is None else parse_override(args.override_generation_config)
+    )
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    return ServerConfig(
+        model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
+        max_queue_size=args.max_queue_size,
+        request_timeout_s=args.request_timeout,
+        max_tokens=args.max_tokens,
+        api_key=args.api_key or None,
+        tenant_keys=tenant_keys(args),
+        max_body_bytes=args.max_body_bytes,
+        max_json_depth=args.max_json_depth,
+        shutdown_timeout_s=args.shutdown_timeout,
+        generation_config=args.generation_config,
+        override_generation_config=override,
+        chat_template=template,
+        cors=cors_policy(args),
+        fastapi_docs=not args.disable_fastapi_docs,
+        reasoning_parser=args.reasoning_parser,
+    )

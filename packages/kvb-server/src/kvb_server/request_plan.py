@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvb_cache.sampling import SamplingParams
+from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
 from kvb_server.chat_prompt import chat_messages, check_tool_schemas, render_chat, reply_format
 from kvb_server.config import ServerConfig
@@ -189,8 +190,9 @@ def chat_plan(
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)
     prompts = (render_chat(engine, chat_messages(req, syntax, tools), tools, req),)
-    thinking = _reasoning_plan(config, engine, prompts[0], req, tools)
-    fmt = reply_format(req, tools, engine, syntax, thinking)
+    requested = constraints.requested_format(req)  # compile-checks the grammar: once per request
+    thinking = _reasoning_plan(config, engine, prompts[0], req, tools, requested[1])
+    fmt = reply_format(requested, tools, engine, syntax, thinking)
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_new = max_new_tokens(
         getattr(req, budget_param),
@@ -227,6 +229,7 @@ def _reasoning_plan(
     prompt: list[int],
     req: ChatCompletionRequest,
     tools: ToolPlan | None,
+    fmt: ResponseFormat | None,
 ) -> ReasoningPlan | None:
     """How the reply's thinking is split out: None without ``--reasoning-parser``, and for a reply held to
     a regex or grammar ``response_format`` (it starts at the first token, leaving no room to think first);
@@ -234,7 +237,6 @@ def _reasoning_plan(
     if config.reasoning_parser is None:
         return None
     calls = tools is not None and tools.mode != "none"
-    fmt = constraints.requested_format(req)[1]
     if fmt is not None and fmt.kind != "json_schema" and not calls:
         return None
     syntax = parser_syntax(config.reasoning_parser)

@@ -82,6 +82,7 @@ class OpenStream:
         tool_streams = [ToolCallStream(plan.tools) for _ in self._jobs] if plan.tools is not None else None
         # With --reasoning-parser, a reply's thinking streams as reasoning deltas, its answer as content.
         thinking = [ReasoningStream(plan.reasoning) for _ in self._jobs] if plan.reasoning else None
+        show_thinking = plan.reasoning is not None and plan.reasoning.include
         update: JobUpdate | None = self._first
         try:
             if self._echoes is not None:
@@ -134,7 +135,7 @@ class OpenStream:
                     yield chunk(plan, ids, index=i, role=True, usage=counted)
                 if thinking is not None:
                     thought, text = thinking[i].feed(text, final=event.result is not None)
-                    if thought and plan.reasoning is not None and plan.reasoning.include:
+                    if thought and show_thinking:
                         yield chunk(
                             plan,
                             ids,

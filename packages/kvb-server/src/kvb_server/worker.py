@@ -70,6 +70,11 @@ class EngineWorker:
         self._idle = IdleWork(engine)
         self._paged: PagedStats | None = None
         self._speculative: dict[str, Any] | None = None
+        # A composed engine's drafter counters (kvboost's speculative_stats), snapshot after every step.
+        source = getattr(engine, "speculative_stats", None)
+        self._speculative_source: Callable[[], dict[str, Any] | None] | None = (
+            source if callable(source) else None
+        )
         self._engine_waiting = 0
         self._steps = self._step_errors = self._calls = 0
         self._busy_s = 0.0
@@ -331,10 +336,9 @@ class EngineWorker:
             return
         self._paged = paged
         self._engine_waiting = paged.waiting
-        speculative = getattr(self._engine, "speculative_stats", None)
-        if callable(speculative):
+        if self._speculative_source is not None:
             try:
-                self._speculative = speculative()
+                self._speculative = self._speculative_source()
             except Exception:
                 logger.warning("engine.speculative_stats() failed", exc_info=True)
 

@@ -98,8 +98,16 @@ def json_after_thinking(schema_source: str, thinking: ReasoningPlan) -> str:
     model may think before (must, when the prompt opened the block): as vLLM starts the structured-output
     grammar once the thinking ends."""
     schema = {"x-guidance": _JSON_OPTIONS, **strict_schema(json.loads(schema_source))}
+    return _grammar(f"%json {json.dumps(schema)}", "", thinking)
+
+
+def _grammar(start: str, rules: str, thinking: ReasoningPlan | None) -> str:
+    """A Lark grammar whose reply is ``start`` (a rule body; ``rules``: the rules it uses, each line ending
+    with a newline), after a thinking block when ``thinking`` is given (required when the prompt opened it)."""
+    if thinking is None:
+        return f"start: {start}\n{rules}"
     think = "THINK" if thinking.opened else "THINK?"
-    return f"start: {think} reply\nreply: %json {json.dumps(schema)}\n{_thinking(thinking)}\n"
+    return f"start: {think} reply\nreply: {start}\n{rules}{_thinking(thinking)}\n"
 
 
 def tool_grammar(
@@ -120,22 +128,19 @@ def tool_grammar(
     # A text reply must not open a thinking block either: text may follow anything, so a block read as
     # text would let an unchecked call follow it.
     opens = (thinking.syntax.start,) if thinking is not None and not thinking.opened else ()
-    text = _tool_grammar(plan, marker_token=marker_token, text_schema=text_schema, not_first=opens)
-    if thinking is None:
-        return text
-    first, rest = text.split("\n", 1)
-    body = first.removeprefix("start: ")
-    think = "THINK" if thinking.opened else "THINK?"
-    return f"start: {think} reply\nreply: {body}\n{rest}{_thinking(thinking)}\n"
+    start, rules = _tool_rules(plan, marker_token=marker_token, text_schema=text_schema, not_first=opens)
+    return _grammar(start, rules, thinking)
 
 
-def _tool_grammar(
+def _tool_rules(
     plan: ToolPlan,
     *,
     marker_token: int | None = None,
     text_schema: dict[str, Any] | None = None,
     not_first: tuple[str, ...] = (),
-) -> str:
+) -> tuple[str, str]:
+    """The reply's start rule body and the rules it uses (``not_first``: more openings a text reply must
+    not begin with)."""
     syntax = plan.syntax
     call = f"{_literal(syntax.call_open)} obj {_literal(syntax.call_close)}" if syntax.call_open else "obj"
     sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
@@ -149,11 +154,11 @@ def _tool_grammar(
         f"obj: %json {json.dumps(call_schema(plan))}",
     ]
     if plan.mode == "calls":
-        return "\n".join(["start: calls", *lines]) + "\n"
+        return "calls", "\n".join(lines) + "\n"
     if text_schema is not None:
         text_rule = f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **strict_schema(text_schema)})}"
-        return "\n".join(["start: text | calls", *lines, text_rule]) + "\n"
+        return "text | calls", "\n".join([*lines, text_rule]) + "\n"
     starts = "|".join(re.escape(t).replace("/", "\\/") for t in (*syntax.triggers, *not_first))
     # Any text (the empty reply included) that does not begin like a call.
     text_rule = f"TEXT: /(?s:.*)/ & ~/\\s*({starts})(?s:.*)/"
-    return "\n".join(["start: TEXT | calls", *lines, text_rule]) + "\n"
+    return "TEXT | calls", "\n".join([*lines, text_rule]) + "\n"
