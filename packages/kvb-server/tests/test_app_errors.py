@@ -538,6 +538,51 @@ def test_stream_disconnect_aborts_the_request() -> None:
         assert time.monotonic() - t0 < 2
 
 
+class GoneBeforeFirstByte:
+    """ASGI middleware: a client that leaves before the status line of a streamed response reaches it (an
+    ASGI 2.4 server's ``send`` raises ``OSError`` then; Starlette cancels the response before iterating
+    its body)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
+
+        async def gone(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                headers = dict(message["headers"])
+                if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                    raise OSError("client gone")
+            await send(message)
+
+        await self.app(scope, receive, gone)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 150}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 150}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 150}),
+    ],
+)
+def test_stream_whose_client_left_before_the_first_byte_is_aborted(path: str, body: dict) -> None:
+    fake = FakeEngine(token_delay_s=0.02)
+    app = GoneBeforeFirstByte(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150)))
+    with serve(app) as base:
+        with pytest.raises(httpx.HTTPError):  # the server drops the connection (or answers 500)
+            post(base, path, {"model": MODEL, "stream": True, **body}).raise_for_status()
+        # The body generator never ran; the engine request is aborted anyway, long before 150 * 20 ms.
+        wait_until(lambda: len(fake.aborted) == 1, timeout=2)
+        assert (
+            post(base, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code
+            == 200
+        )
+
+
 def test_non_stream_disconnect_aborts_the_request() -> None:
     fake = FakeEngine(token_delay_s=0.02)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=150))) as url:

@@ -11,6 +11,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from kvb_cache.results import GenerationResult
 from kvb_server.echo import Echo
 from kvb_server.engine_errors import engine_error, grammar_failure
@@ -57,6 +60,23 @@ class OpenStream:
         self._deadline = deadline
         self._first = first
         self._echoes = echoes
+        # Set once chunks() runs: from then on its own ``finally`` cancels the jobs and counts the rest.
+        self._iterated = False
+
+    def release_unread(self) -> None:
+        """Cancel the jobs of a stream whose :meth:`chunks` never ran and count their results when they
+        come; a stream that ran did both in its ``finally``. Idempotent.
+
+        A client that hangs up between the status line and the first body chunk makes Starlette cancel
+        the response before it iterates the body: an async generator that never started has no
+        ``finally`` to run, and the engine would generate the whole reply for nobody.
+        """
+        if self._iterated:
+            return
+        self._iterated = True
+        for job in self._jobs:
+            job.cancelled.set()
+        self._service.record_unread(self._inbox, [None] * len(self._jobs), self._first)
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The stream as Server-Sent Events: each :meth:`chunks` payload, then ``data: [DONE]``."""
@@ -68,6 +88,7 @@ class OpenStream:
 
         Other API shapes (the Responses API) translate these instead of parsing SSE text.
         """
+        self._iterated = True
         plan, ids = self._plan, ResponseIds.new(self._plan)
         results: list[GenerationResult | None] = [None] * len(self._jobs)
         started: set[int] = set()
@@ -210,3 +231,18 @@ class OpenStream:
             # NOTE: a stream that ends early (client gone) may leave choices the engine finishes anyway,
             # in hand, queued or still to come: they count as finished, as vLLM counts at the engine.
             self._service.record_unread(self._inbox, results, update, intervals)
+
+
+class EventStreamResponse(StreamingResponse):
+    """``text/event-stream`` response over ``body`` (events of ``stream``) that releases ``stream`` however
+    the response ends, including before Starlette iterated ``body`` (:meth:`OpenStream.release_unread`)."""
+
+    def __init__(self, body: AsyncIterator[bytes], stream: OpenStream, headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.release_unread()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
@@ -21,6 +21,7 @@ from kvb_server.schemas.generation_responses import (
     CompletionResponse,
 )
 from kvb_server.service import ClientDisconnected, GenerationService
+from kvb_server.streaming import EventStreamResponse
 from kvb_server.tenancy import ApiKeys, Caller
 from kvb_server.truncation import Truncation
 
@@ -65,7 +66,7 @@ def openai_router(
                 # error response, never a stream.
                 stream = await service.open_stream(plan, request.is_disconnected)
                 headers = {**SSE_HEADERS, **(stream.truncation.headers() if stream.truncation else {})}
-                return StreamingResponse(stream.sse(), media_type="text/event-stream", headers=headers)
+                return EventStreamResponse(stream.sse(), stream, headers)
             body = await service.complete(plan, request.is_disconnected)
             truncation = body.get("prompt_truncation")
             headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
@@ -35,6 +35,7 @@ from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.responses_api.store import ResponseNotFoundError, ResponseStore
 from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADERS
 from kvb_server.service import ClientDisconnected, GenerationService
+from kvb_server.streaming import EventStreamResponse
 from kvb_server.tenancy import ApiKeys, Caller
 from kvb_server.truncation import Truncation
 
@@ -124,7 +125,7 @@ def responses_router(
                 yield sse(event)
 
         headers = {**SSE_HEADERS, **(stream.truncation.headers() if stream.truncation else {})}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(events(), stream, headers)
 
     @router.post(
         "/responses",
