@@ -119,9 +119,14 @@ def test_engine_loop_flags_reach_the_engine(monkeypatch) -> None:
             "--no-oom-planning",
             "--max-queue-size",
             "7",
+            "--seed",
+            "-3",
+            "--tokenizer",
+            "/tok",
         ]
     )
     server = build_server(args)
+    assert (seen["seed"], seen["tokenizer"]) == (-3, "/tok")  # vLLM's flags, refused before
     assert (seen["block_size"], seen["num_blocks"], seen["max_num_seqs"], seen["max_num_batched_tokens"]) == (
         8,
         64,
@@ -233,9 +238,9 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
     [
         (["--gpu-memory-utilization", "0.9"], "--max-cache-bytes"),
         (["--no-enable-prefix-caching"], "--max-cache-bytes 0"),
-        (["--seed", "1"], "send 'seed' in each request"),
+        (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
-        (["--tok", "x"], "--tokenizer (a vLLM flag)"),  # an abbreviation names the full flag
+        (["--download", "x"], "--download-dir (a vLLM flag)"),  # an abbreviation names the full flag
     ],
 )
 def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], message: str, capsys) -> None:

@@ -19,7 +19,7 @@ from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
-from kvb_cache.engine_args import EngineArgs
+from kvb_cache.engine_args import EngineArgs, seed_torch
 from kvb_cache.errors import ConfigError, ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
@@ -153,6 +153,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
         max_model_len: int | None = None,
+        tokenizer: str | None = None,
+        seed: int | None = None,
         drafter: SpeculativeDecoder | None = None,
         kv_cache_bits: int = 16,
         kv_group_size: int = 32,
@@ -182,6 +184,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
             max_model_len: most prompt + generated tokens per request, below the model's context (vLLM's);
                 None: the model's context.
+            tokenizer: the tokenizer's folder or cached hub id when it is not the model's (vLLM's).
+            seed: seed torch's global generators once the model is loaded (vLLM's ``seed``): sampling
+                without a request seed draws from them. None: not seeded.
             kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store disk/Redis records KIVI-quantized
                 (the RAM block pool holds KV as computed).
             kv_group_size: quantization group for ``kv_cache_bits`` 8/4.
@@ -217,7 +222,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             device=args.device,
             dtype=args.dtype,
             attn_implementation=args.attn_implementation,
+            tokenizer=args.tokenizer,
         )
+        seed_torch(args.seed)
         return cls(
             loaded.model, loaded.tokenizer, config=config, drafter=args.drafter, model_name=loaded.name
         )

@@ -34,6 +34,28 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
 RECOMPUTE_STRATEGIES: tuple[str, ...] = get_args(RecomputeStrategy)
 
 
+def check_seed(seed: object) -> None:
+    """Refuse a ``seed`` that :func:`torch.manual_seed` would not take (it takes 64 bits, negative ones
+    wrapped; anything wider raised a bare RuntimeError after the model had loaded).
+
+    Raises:
+        ConfigError: ``seed`` is neither None nor such an int.
+    """
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64
+    ):
+        raise ConfigError(f"seed must be an int in [-2**63, 2**64) or None (not seeded), got {seed!r}")
+
+
+def seed_torch(seed: int | None) -> None:
+    """Seed torch's global generators (the CPU one and every CUDA device's) as vLLM's ``--seed`` does;
+    None leaves them alone. Sampling without a request seed draws from them."""
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
     """What :meth:`kvb_cache.KVBoost.from_pretrained` takes besides the model (each field's help is its doc).
@@ -67,6 +89,22 @@ class EngineArgs:
         metavar="TOKENS",
         help="most prompt + generated tokens one request may take, below the model's context (vLLM's); "
         "unset: the model's context (reported as max_model_len)",
+    )
+    tokenizer: str | None = option(
+        None,
+        group="model",
+        metavar="PATH",
+        help="the tokenizer's folder or hub id (in the local Hugging Face cache) when it is not the model's "
+        "(vLLM's); unset: the model's",
+    )
+    seed: int | None = option(
+        None,
+        group="model",
+        parse=int,
+        metavar="N",
+        help="seed torch's global random generators once the model is loaded (vLLM's): sampled requests "
+        "without a seed of their own then draw the same numbers after every start (the same outputs while "
+        "the same requests run together); unset: not seeded",
     )
     # -- cache ---------------------------------------------------------------------------------------------
     chunk_size: int = option(128, group="cache", help="tokens per cached chunk")
@@ -257,10 +295,16 @@ class EngineArgs:
         """The :class:`EngineConfig` these options describe (validated there).
 
         Raises:
-            ConfigError: an invalid value, or an option that would have no effect: ``kv_cache_bits`` 8/4
+            ConfigError: an invalid value (``seed`` and ``tokenizer`` are checked here too, though they are
+                not part of it), or an option that would have no effect: ``kv_cache_bits`` 8/4
                 without a disk or Redis tier (it quantizes their records only), ``kv_group_size`` without
                 ``kv_cache_bits`` 8/4.
         """
+        check_seed(self.seed)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
+            raise ConfigError(
+                f"tokenizer must be a folder or a hub id, or None (the model's), got {self.tokenizer!r}"
+            )
         tiers = self.tier_config()
         # Both were accepted and silently did nothing; "--kv-cache-bits 8" reads like vLLM's
         # --kv-cache-dtype (smaller live KV), which is a per-request kv_cache_bits here.

@@ -110,8 +110,14 @@ def load_model_and_tokenizer(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer; the embedded model's short names are accepted."""
+    """Load a causal LM and its tokenizer (``tokenizer``'s, when given: a folder or a cached hub id); the
+    embedded model's short names are accepted.
+
+    Raises:
+        ModelLoadError: either cannot be loaded, or the tokenizer has ids the model has no embedding for.
+    """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ModelLoadError(f"model must be a non-empty path or name, got {name_or_path!r}")
     path = resolve_model_path(name_or_path)
@@ -121,12 +127,18 @@ def load_model_and_tokenizer(
         check_local_model(name_or_path)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    # Before the model: a wrong tokenizer should not cost a model load, nor read as the model's error below.
+    own_tokenizer = load_own_tokenizer(tokenizer) if tokenizer is not None else None
     try:
         # local_files_only: a hub id is read from the local Hugging Face cache, as documented; without it a
         # name missing there was fetched from the hub, or, offline, retried for ~45 s before failing.
         # trust_remote_code=False: left unset, transformers asks on stdin whether to run a checkpoint's own
         # modeling code (a prompt a server start waited on for 15 s, and a "y" ran that code).
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        loaded_tokenizer = (
+            AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            if own_tokenizer is None
+            else own_tokenizer
+        )
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=False, **kwargs
         )
@@ -163,5 +175,39 @@ def load_model_and_tokenizer(
             )
         )
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}.{hint}") from exc
+    if tokenizer is not None:
+        check_vocabulary(model, loaded_tokenizer, tokenizer)
     model.to(torch_device)
-    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name_or_path)
+    return LoadedModel(model=model.eval(), tokenizer=loaded_tokenizer, name=name_or_path)
+
+
+def load_own_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer a ``tokenizer`` option names, loaded as the model's would be; its errors name the
+    option (left to the model's handler they read as the model's)."""
+    path = Path(name_or_path).expanduser()
+    if (path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1) and not (
+        path.exists()
+    ):
+        raise ModelLoadError(
+            f"tokenizer (--tokenizer) path {name_or_path!r} does not exist; pass a folder with the tokenizer's "
+            "files (tokenizer.json, tokenizer_config.json) or a hub id already in your local Hugging Face cache"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path) if path.exists() else name_or_path, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"could not load tokenizer (--tokenizer) {name_or_path!r}: {exc}") from exc
+
+
+def check_vocabulary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str) -> None:
+    """Refuse a tokenizer with ids past the model's embedding table: they index out of range in the first
+    forward (a bare IndexError, or a device-side assert on CUDA). A smaller tokenizer is fine (padded
+    vocabularies are common)."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"tokenizer (--tokenizer) {name_or_path!r} has {len(tokenizer)} tokens and the model embeds only "
+            f"{rows}: it is not this model's tokenizer (or a compatible one)"
+        )

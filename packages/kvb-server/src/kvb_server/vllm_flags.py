@@ -24,7 +24,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--gpu-memory-utilization": "size the KV block pool in bytes with --max-cache-bytes (e.g. 20GiB) or in "
     "blocks with --num-blocks; the planner keeps --planner-safety-margin of free memory back",
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
-    "--seed": "there is no server-wide seed: send 'seed' in each request (greedy decoding needs none)",
     "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
     "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",
     "--data-parallel-size": "one engine runs on one device; start one server per GPU",
@@ -36,7 +35,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve, AWQ checkpoints)",
     "--swap-space": "there is no CPU swap space: a preempted request is recomputed (its prefix usually "
     "still cached)",
-    "--tokenizer": "the tokenizer is loaded from --model's folder",
     "--revision": "nothing is downloaded: --model is a local folder or a hub id already in the local "
     "Hugging Face cache, loaded as cached",
     "--download-dir": "nothing is downloaded: --model is a local folder or a hub id already in the local "

@@ -53,6 +53,8 @@ class KVBoost(_Engine):
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
         max_model_len: int | None = None,
+        tokenizer: str | None = None,
+        seed: int | None = None,
         drafter: SpeculativeDecoder | None = None,
         kv_cache_bits: int = 16,
         kv_group_size: int = 32,
@@ -156,7 +158,8 @@ class KVBoost(_Engine):
         from transformers import AutoTokenizer
 
         from kvb_cache.embedded import resolve_model_path
-        from kvb_cache.loading import resolve_device, resolve_dtype
+        from kvb_cache.engine_args import seed_torch
+        from kvb_cache.loading import check_vocabulary, load_own_tokenizer, resolve_device, resolve_dtype
         from kvb_streaming import StreamingCausalLM
 
         config = engine.engine_config()  # before the model loads: a bad option fails fast
@@ -170,13 +173,19 @@ class KVBoost(_Engine):
         dtype = resolve_dtype(engine.dtype)
         device = resolve_device(engine.device)
         # NOTE: the tokenizer first: the packer writes none, and a missing one should not cost a model load.
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never asks on stdin
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(
-                f"could not load the tokenizer of {model_name_or_path!r}: {exc}. Save it into the AWQ checkpoint "
-                "folder (tokenizer.save_pretrained(folder)); kvb_streaming.packer writes weights and config only."
-            ) from exc
+        if engine.tokenizer is not None:
+            tokenizer = load_own_tokenizer(engine.tokenizer)
+        else:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(
+                    path, trust_remote_code=False
+                )  # never asks on stdin
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelLoadError(
+                    f"could not load the tokenizer of {model_name_or_path!r}: {exc}. Save it into the AWQ "
+                    "checkpoint folder (tokenizer.save_pretrained(folder)) or pass tokenizer (--tokenizer); "
+                    "kvb_streaming.packer writes weights and config only."
+                ) from exc
         model = StreamingCausalLM.from_pretrained(
             path,
             streaming_config=streaming,
@@ -188,6 +197,9 @@ class KVBoost(_Engine):
                 model.set_attn_implementation(engine.attn_implementation)
             except ValueError as exc:
                 raise ModelLoadError(f"could not load model {model_name_or_path!r}: {exc}") from exc
+        if engine.tokenizer is not None:
+            check_vocabulary(model, tokenizer, engine.tokenizer)
+        seed_torch(engine.seed)
         return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:
