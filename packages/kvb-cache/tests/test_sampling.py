@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import words
@@ -229,7 +231,7 @@ def test_logprobs(engine):
         ("repetition_penalty", 1e-308),  # 0 in float32: NaN probabilities in the batched step
         ("repetition_penalty", 1e4),
         ("temperature", float("nan")),
-        ("logprobs", 50),
+        ("logprobs", -1),
         ("presence_penalty", 3.0),
     ],
 )
@@ -259,6 +261,16 @@ def test_vanishing_temperature_decodes_greedily_instead_of_overflowing(engine, t
     )
     assert tiny.output_ids == greedy.output_ids
     assert [r.output_ids for r in batch] == [greedy.output_ids, greedy.output_ids]
+
+
+def test_more_logprobs_than_the_vocabulary_is_the_whole_vocabulary(engine, llama):
+    """vLLM's max_logprobs -1; torch.topk raised a RuntimeError inside the step (failing every row in it)."""
+    vocab = llama.get_input_embeddings().num_embeddings
+    result = engine.generate(PROMPT, max_new_tokens=2, logprobs=vocab + 50, ignore_eos=True)
+    assert result.logprobs is not None
+    for step in result.logprobs:
+        assert len(step.top) == vocab
+        assert sum(math.exp(v) for _, _, v in step.top) == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,11 @@ def test_scoring_edge_cases_and_bad_input(llama, tokenizer):
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
     assert engine.prompt_logprobs([5]) == []
     with pytest.raises(InvalidRequestError, match="top_logprobs"):
-        engine.prompt_logprobs([5, 6], top_logprobs=21)
+        engine.prompt_logprobs([5, 6], top_logprobs=-1)
+    # More alternatives than the vocabulary holds: all of it, best first (topk raised a RuntimeError).
+    (whole,) = engine.prompt_logprobs([5, 6], top_logprobs=10**6)
+    assert len(whole.top) == llama.get_input_embeddings().num_embeddings
+    assert [v for _, _, v in whole.top] == sorted((v for _, _, v in whole.top), reverse=True)
     with pytest.raises(InvalidRequestError):
         engine.prompt_logprobs([])
 

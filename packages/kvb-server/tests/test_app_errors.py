@@ -75,7 +75,7 @@ def test_malformed_json_is_400(url: str) -> None:
         ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
         ({"model": MODEL, "prompt": "hi", "stop": ["a"] * 65}, "stop"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop[0]"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 9}, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),  # --max-logprobs 20
         ({"model": MODEL, "prompt": "hi", "bogus_param": 1}, "bogus_param"),
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": 5, "prompt": "hi"}, "model"),

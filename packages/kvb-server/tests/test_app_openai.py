@@ -173,6 +173,52 @@ def test_chat_logprobs(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
     assert all(bytes(c.bytes).decode("utf-8", errors="replace") == c.token for c in content)
 
 
+def test_logprobs_up_to_the_servers_cap(client: openai.OpenAI, tiny_engine: KVBoost) -> None:
+    """--max-logprobs (vLLM's, 20 by default) caps both routes: completions took OpenAI's 5, so a vLLM
+    client's logprobs=10 was a 400 here."""
+    resp = client.completions.create(
+        model=MODEL, prompt="Rome is in", max_tokens=2, temperature=0, logprobs=20
+    )
+    ref = reference(tiny_engine, "Rome is in", max_new_tokens=2, logprobs=20)
+    assert all(len(e.top) == 20 for e in ref.logprobs)
+    got = resp.choices[0].logprobs.top_logprobs
+    assert [len(t) for t in got] == [len({text for _, text, _ in e.top}) for e in ref.logprobs]
+    too_many = [
+        ("logprobs", lambda: client.completions.create(model=MODEL, prompt="a", max_tokens=1, logprobs=21)),
+        (
+            "top_logprobs",
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=21
+            ),
+        ),
+    ]
+    for param, call in too_many:
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.param == param and "at most 20 (this server's --max-logprobs)" in err.value.message
+
+
+@pytest.mark.parametrize(("cap", "asked", "allowed"), [(2, 3, False), (-1, 1000, True)])
+def test_max_logprobs_sets_the_cap(tiny_engine: KVBoost, cap: int, asked: int, allowed: bool) -> None:
+    """-1 is the whole vocabulary (the tiny Llama has fewer than 1000 tokens: all of them come back)."""
+    with serve(create_app(tiny_engine, ServerConfig(model_names=(MODEL,), max_logprobs=cap))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "a"}]
+
+        def ask():
+            return client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, temperature=0, logprobs=True, top_logprobs=asked
+            )
+
+        if not allowed:
+            with pytest.raises(openai.BadRequestError, match=f"at most {cap}"):
+                ask()
+            return
+        vocab = tiny_engine.model.get_input_embeddings().num_embeddings
+        assert vocab < asked
+        assert len(ask().choices[0].logprobs.content[0].top_logprobs) == vocab
+
+
 def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
     doc = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
     first = client.completions.create(model=MODEL, prompt=doc + " Question one?", max_tokens=2, temperature=0)

@@ -8,6 +8,7 @@ from fakes import FakeEngine
 
 import kvb_cache
 from kvb_server.cli import build_parser, build_server, parse_bytes
+from kvb_server.config import server_config
 
 
 def test_parse_bytes() -> None:
@@ -123,10 +124,13 @@ def test_engine_loop_flags_reach_the_engine(monkeypatch) -> None:
             "-3",
             "--tokenizer",
             "/tok",
+            "--max-logprobs",
+            "-1",
         ]
     )
     server = build_server(args)
     assert (seen["seed"], seen["tokenizer"]) == (-3, "/tok")  # vLLM's flags, refused before
+    assert server_config(args).max_logprobs == -1
     assert (seen["block_size"], seen["num_blocks"], seen["max_num_seqs"], seen["max_num_batched_tokens"]) == (
         8,
         64,
@@ -217,6 +221,7 @@ def test_shutdown_timeout_bounds_the_requests_in_flight(monkeypatch: pytest.Monk
     [
         (["--port", "-1"], "not a TCP port"),
         (["--port", "70000"], "not a TCP port"),
+        (["--max-logprobs", "-2"], "-1 for the whole vocabulary"),
         (["--max-queue-size", "-5"], "integer >= 1"),
         (["--max-tokens", "0"], "integer >= 1"),
         (["--request-timeout", "-1"], "seconds > 0"),

@@ -163,7 +163,7 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
     [
         (["--scheduling-policy", "priority"], "first come, first served (accepted: fcfs)"),
         (["--swap-space", "4"], "a preempted request is recomputed"),
-        (["--max-logprobs", "50"], "OpenAI's limits"),
+        (["--enable-lora"], "merge_and_unload"),
         (["--lora-modules", "a=b"], "merge_and_unload"),
         (["--revision", "main"], "nothing is downloaded"),
     ],

@@ -112,7 +112,8 @@ def token_logprob(texts: TokenTexts, logits: torch.Tensor, token: int, top: int)
     logp = torch.log_softmax(logits.float(), dim=-1)
     alternatives: tuple[tuple[int, str, float], ...] = ()
     if top:
-        values, indices = torch.topk(logp, top)
+        # More than the vocabulary is the whole vocabulary (vLLM's max_logprobs -1), not topk's RuntimeError.
+        values, indices = torch.topk(logp, min(top, logp.shape[-1]))
         alternatives = tuple((int(i), texts.token_text(int(i)), float(v)) for v, i in zip(values, indices))
     return TokenLogprob(
         token_id=token, token=texts.token_text(token), logprob=float(logp[token]), top=alternatives

@@ -72,7 +72,7 @@ class LogitQueries:
 
     def prompt_logprobs(self, prompt: Prompt, *, top_logprobs: int = 0) -> list[TokenLogprob]:
         """Log-probability of every prompt token after the first, under the model given the tokens before it,
-        with the ``top_logprobs`` (0-20) most likely tokens at each position: what OpenAI's ``echo`` with
+        with the ``top_logprobs`` (the whole vocabulary at most) most likely tokens at each position: what OpenAI's ``echo`` with
         ``logprobs`` reports and lm-eval's loglikelihood tasks read. ``len(result) == prompt_tokens - 1``.
 
         A plain forward over the whole prompt (:mod:`kvb_cache.scoring`): a cached prefix has KV but no
@@ -89,9 +89,9 @@ class LogitQueries:
         ``advance()`` call, so the running requests can take a :meth:`step` between slices; ``result()``
         once ``done``. Validates now (:class:`InvalidRequestError`, :class:`ContextLengthError`)."""
         ids = self._tokenize(prompt)
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
             raise InvalidRequestError(
-                f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}.", param="logprobs"
+                f"top_logprobs must be an int >= 0, got {top_logprobs!r}.", param="logprobs"
             )
         self._check_context(len(ids), 0)
         slice_size = self.config.prefill_chunk_size or scoring.SLICE

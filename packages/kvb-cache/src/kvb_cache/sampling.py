@@ -45,7 +45,8 @@ class SamplingParams:
     with ``ignore_eos``) and become the result's ``stop_reason``; ``include_stop_str_in_output`` keeps the
     stop string or stop token in the text; ``skip_special_tokens=False`` keeps special tokens' text.
     ``logprobs = k`` returns each chosen token's log-probability plus the ``k``
-    most likely alternatives, under the model's raw distribution (before penalties, temperature and
+    most likely alternatives (the whole vocabulary when ``k`` exceeds it; the server caps ``k`` with
+    ``--max-logprobs``), under the model's raw distribution (before penalties, temperature and
     filters, as vLLM's default ``raw_logprobs``; None: off).
 
     ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
@@ -127,11 +128,9 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits: an int in [-2**63, 2**64)")
         if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= 20
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
-            raise bad("logprobs", "must be None or an int in [0, 20]")
+            raise bad("logprobs", "must be None or an int >= 0")
         object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
 

@@ -90,7 +90,7 @@ class PromptScorer:
             chosen = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
             best: list[list[tuple[int, float]]] = [[] for _ in targets]
             if self._top:
-                values, indices = torch.topk(logp, self._top, dim=-1)
+                values, indices = torch.topk(logp, min(self._top, logp.shape[-1]), dim=-1)
                 best = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
         text = self._texts.token_text
         for token, logprob, alternatives in zip(targets, chosen, best):

@@ -22,7 +22,7 @@ from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
-from kvb_server.flag_types import DeprecatedFlag, api_key, margin, port
+from kvb_server.flag_types import DeprecatedFlag, api_key, logprobs_cap, margin, port
 from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import resolve as resolve_generation_config
@@ -192,6 +192,14 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         type=positive_int,
         default=1024,
         help="server-side cap on generated tokens per choice (larger requests are clamped)",
+    )
+    sched.add_argument(
+        "--max-logprobs",
+        type=logprobs_cap,
+        default=20,
+        metavar="N",
+        help="most alternatives a request may ask for per token (completions' logprobs, chat's "
+        "top_logprobs; more is HTTP 400), as vLLM's; -1: the whole vocabulary",
     )
     sched.add_argument(
         "--generation-config",

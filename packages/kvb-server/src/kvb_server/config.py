@@ -73,6 +73,9 @@ class ServerConfig:
             ``engine.tokenizer``, so every route rendering chat messages uses it. None: the tokenizer's own.
         cors: which browser origins get CORS headers (``--allowed-origins`` ...); default none.
         fastapi_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (``--disable-fastapi-docs``: off).
+        max_logprobs: most alternatives a request may ask for per token (completions' ``logprobs``, chat's
+            ``top_logprobs``), vLLM's ``--max-logprobs``: 20 by default (OpenAI caps chat at 20 and
+            completions at 5; vLLM takes 20 for both); -1: the whole vocabulary.
         reasoning_parser: vLLM's ``--reasoning-parser`` name (:data:`kvb_server.reasoning.PARSERS`): chat
             replies' thinking goes to the message's ``reasoning`` field; None: it stays in ``content``.
     """
@@ -95,6 +98,7 @@ class ServerConfig:
     chat_template: str | None = None
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     fastapi_docs: bool = True
+    max_logprobs: int = 20
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
@@ -115,6 +119,14 @@ class ServerConfig:
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or self.max_logprobs < -1
+        ):
+            raise ValueError(
+                f"max_logprobs must be an integer >= 0, or -1 (no cap), got {self.max_logprobs!r}"
+            )
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
@@ -268,5 +280,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=template,
         cors=cors_policy(args),
         fastapi_docs=not args.disable_fastapi_docs,
+        max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
     )

@@ -45,6 +45,17 @@ def margin(text: str) -> float:
     return value
 
 
+def logprobs_cap(text: str) -> int:
+    """``--max-logprobs``: an int >= 0, or -1 for the whole vocabulary (vLLM's spelling)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0, or -1 for the whole vocabulary")
+    return value
+
+
 class DeprecatedFlag(argparse.Action):
     """A flag kept so old command lines still start: it warns, and stores into ``replacement``'s value or,
     without a replacement, is ignored."""

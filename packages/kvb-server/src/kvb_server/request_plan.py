@@ -112,6 +112,16 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
         raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
+def check_logprobs(count: int | None, config: ServerConfig, *, param: str) -> None:
+    """Refuse more alternatives per token than ``--max-logprobs`` allows (vLLM's check; the schema
+    cannot hold a limit the command line sets)."""
+    if count is not None and config.max_logprobs != -1 and count > config.max_logprobs:
+        raise InvalidParameterError(
+            f"{param} must be at most {config.max_logprobs} (this server's --max-logprobs), got {count}.",
+            param=param,
+        )
+
+
 def _check_queue_room(prompts: int, n: int, config: ServerConfig, *, prompt_param: str) -> None:
     """A request is queued whole or not at all (:meth:`EngineWorker.submit`), so one with more choices than
     ``max_queue_size`` could never be: a 400 naming what to send less of, not a 503 ``queue_full`` that
@@ -132,6 +142,7 @@ def completion_plan(
     model = served_model(req.model, config)
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_completion(req)
+    check_logprobs(req.logprobs, config, param="logprobs")
     raw = req.prompt
     if isinstance(raw, str):
         prompts = (encode_text(engine, raw),)
@@ -186,6 +197,7 @@ def chat_plan(
     model = served_model(req.model, config)
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
+    check_logprobs(req.top_logprobs if req.logprobs else None, config, param="top_logprobs")
     syntax = detect(engine.tokenizer)
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)

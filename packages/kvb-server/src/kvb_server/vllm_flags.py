@@ -45,7 +45,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve that folder",
     "--speculative-config": "speculative decoding is --speculative prompt_lookup|draft_model and "
     "--draft-model (kvboost serve)",
-    "--max-logprobs": "top_logprobs is capped at 20 and /v1/completions' logprobs at 5 (OpenAI's limits)",
     "--enable-log-requests": "prompts and sampling parameters are not logged; uvicorn's access log has each "
     "request's method, path and status",
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",

@@ -112,7 +112,8 @@ class CompletionRequest(SamplingFields):
     )
     #: 0 only with ``echo``: the prompt scored, nothing generated (lm-eval's loglikelihood requests).
     max_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5), WHOLE] | None = None
+    #: At most the server's ``--max-logprobs`` (20 by default, as vLLM; OpenAI takes 5): kvb_server.request_plan.
+    logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
     #: Repeat the prompt before each choice's text; with ``logprobs`` the prompt tokens are scored too
     #: (the first has ``null``: nothing precedes it).
     echo: bool | None = None
@@ -169,7 +170,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20), WHOLE] | None = None
+    #: At most the server's ``--max-logprobs`` (20 by default): kvb_server.request_plan.
+    top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     #: Function tools (``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``),
