@@ -280,6 +280,24 @@ def test_unknown_model_is_404_in_openai_shape(url: str) -> None:
     assert_openai_error(httpx.get(url + "/v1/nope"), 404)
 
 
+def test_an_openai_route_not_served_says_so_by_name(url: str) -> None:
+    """LangChain's ``OpenAIEmbeddings`` posts to ``/v1/embeddings``: the 404 says embeddings are not
+    served here (it said "Unknown route", which reads like a wrong base URL)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert "is not served" in str(info.value) and "not embeddings" in str(info.value)
+    assert "/v1/chat/completions" in str(info.value)  # what is served instead
+    err = assert_openai_error(post(url, "/v1/moderations", {"input": "hi"}), 404)
+    assert err["type"] == "invalid_request_error" and "not moderations" in err["message"]
+    err = assert_openai_error(post(url, "/v1/audio/transcriptions", {}), 404)
+    assert "not audio" in err["message"]
+    # A route nobody has is still unknown, and the served routes still answer.
+    assert "Unknown route GET /v1/nope" in assert_openai_error(httpx.get(url + "/v1/nope"), 404)["message"]
+    assert "Unknown route" in assert_openai_error(httpx.get(url + "/v1/embeddingsx"), 404)["message"]
+    assert post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_model_left_out_is_the_first_served_one(url: str) -> None:
     """vLLM serves a body without ``model`` with its (first) model; OpenAI's SDK always sends one."""
     chat = post(

@@ -45,6 +45,7 @@ from kvb_server.schemas.tokenize import (
 from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter
 from kvb_server.tenancy import ApiKeys
+from kvb_server.unserved_routes import not_found_message
 from kvb_server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         body = err.body()
         body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "server_error"
         if exc.status_code == 404:
-            body["error"]["message"] = f"Unknown route {request.method} {request.url.path}."
+            # A route OpenAI has but this server does not (/v1/embeddings, ...) says so by name.
+            body["error"]["message"] = not_found_message(request.method, request.url.path)
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
