@@ -92,8 +92,12 @@ def test_disable_fastapi_docs_hides_the_docs_pages(tiny_engine) -> None:
 
 def test_root_path_and_access_log_reach_uvicorn() -> None:
     args = build_parser().parse_args(["--root-path", "/llm/", "--disable-uvicorn-access-log"])
-    assert uvicorn_options(args) == {"root_path": "/llm", "access_log": False}
-    assert uvicorn_options(build_parser().parse_args([])) == {}
+    assert uvicorn_options(args) == {"root_path": "/llm", "access_log": False, "log_level": "info"}
+    assert uvicorn_options(build_parser().parse_args([])) == {"log_level": "info"}
+    # vLLM's --uvicorn-log-level sets uvicorn's own level apart from the server's (refused before).
+    quiet = build_parser().parse_args(["--log-level", "debug", "--uvicorn-log-level", "warning"])
+    assert uvicorn_options(quiet) == {"log_level": "warning"}
+    assert uvicorn_options(build_parser().parse_args(["--log-level", "error"])) == {"log_level": "error"}
     with pytest.raises(ValueError, match="must start with '/'"):
         uvicorn_options(build_parser().parse_args(["--root-path", "llm"]))
 
@@ -125,7 +129,7 @@ def test_tls_files_are_checked_before_the_model_loads(tmp_path: Path) -> None:
     key, cert = _self_signed(tmp_path, "a")
     other_key, _ = _self_signed(tmp_path, "b")
     args = build_parser().parse_args(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
-    assert uvicorn_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    assert uvicorn_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "log_level": "info"}
     mismatched = build_parser().parse_args(["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)])
     with pytest.raises(ValueError, match="not a usable PEM certificate and matching key"):
         uvicorn_options(mismatched)
@@ -174,3 +178,36 @@ def test_vllm_flags_this_server_lacks_are_refused_naming_why(flags: list[str], m
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_enable_log_requests_logs_each_prompt_and_its_sampling(tiny_engine, caplog) -> None:
+    """vLLM's --enable-log-requests (refused before): an INFO line per prompt on kvb_server.requests, cut
+    to --max-log-len; nothing without the flag (prompts are users' data)."""
+    args = build_parser().parse_args(["--enable-log-requests", "--max-log-len", "12"])
+    from kvb_server.config import server_config
+
+    config = server_config(args)
+    assert (config.log_requests, config.max_log_len) == (True, 12)
+    assert server_config(build_parser().parse_args([])).log_requests is False
+    prompt = "The quick brown fox jumps over the lazy dog again and again"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "n": 2}
+    for cfg, logged in (
+        (ServerConfig(model_names=(MODEL,), log_requests=True, max_log_len=12), True),
+        (ServerConfig(model_names=(MODEL,)), False),
+    ):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.INFO, logger="kvb_server.requests"),
+            serve(create_app(tiny_engine, cfg)) as url,
+        ):
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvb_server.requests"]
+        if not logged:
+            assert lines == []
+            continue
+        (line,) = lines
+        ids = tiny_engine.tokenizer.encode(prompt, add_special_tokens=False)
+        assert line.startswith("request completions ") and f"model={MODEL}" in line
+        assert f"prompt={prompt[:12]!r}" in line and f"={ids[:12]} " in line
+        assert f"(first 12 of {len(ids)})" in line and "max_new_tokens=2" in line
+        assert line.split(" ")[2].count(",") == 1  # both choices' job ids

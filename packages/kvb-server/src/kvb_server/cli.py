@@ -398,7 +398,6 @@ def serve(
         server.app,
         host=server.host,
         port=server.port,
-        log_level=args.log_level,
         # Without it uvicorn waits for every request in flight: a client that stops reading held the
         # process open indefinitely (6 long streams kept a SIGINT'd server up 84 s). Left running then,
         # they are cancelled, which aborts them in the engine.

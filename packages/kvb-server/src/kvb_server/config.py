@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvb_cache.options import parse_bytes
+from kvb_cache.options import parse_bytes, positive_int
 from kvb_server.chat_template import load_chat_template
 from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults, parse_override
 from kvb_server.generation_config import check_flag as check_generation_config
@@ -76,6 +76,10 @@ class ServerConfig:
         max_logprobs: most alternatives a request may ask for per token (completions' ``logprobs``, chat's
             ``top_logprobs``), vLLM's ``--max-logprobs``: 20 by default (OpenAI caps chat at 20 and
             completions at 5; vLLM takes 20 for both); -1: the whole vocabulary.
+        log_requests: log each generation request's prompt and sampling parameters at INFO
+            (``--enable-log-requests``, :mod:`kvb_server.request_log`); off: prompts are users' data.
+        max_log_len: with ``log_requests``, the most prompt characters and token ids a line shows
+            (``--max-log-len``); None: all.
         reasoning_parser: vLLM's ``--reasoning-parser`` name (:data:`kvb_server.reasoning.PARSERS`): chat
             replies' thinking goes to the message's ``reasoning`` field; None: it stays in ``content``.
     """
@@ -99,6 +103,8 @@ class ServerConfig:
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     fastapi_docs: bool = True
     max_logprobs: int = 20
+    log_requests: bool = False
+    max_log_len: int | None = None
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
@@ -127,6 +133,8 @@ class ServerConfig:
             raise ValueError(
                 f"max_logprobs must be an integer >= 0, or -1 (no cap), got {self.max_logprobs!r}"
             )
+        if self.max_log_len is not None and (not isinstance(self.max_log_len, int) or self.max_log_len < 1):
+            raise ValueError(f"max_log_len must be an integer >= 1 or None (all), got {self.max_log_len!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
@@ -214,6 +222,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help='a JSON object {"KEY": "SALT", ...} of tenant keys, as --api-key-salt',
     )
+    logs = parser.add_argument_group("request logging")
+    logs.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each generation request's prompt, prompt token ids and sampling parameters at INFO "
+        "(logger kvb_server.requests; vLLM's flag): prompts are users' data, so off by default",
+    )
+    logs.add_argument(
+        "--max-log-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, show at most N prompt characters and N token ids; unset: all",
+    )
     parser.add_argument(
         "--shutdown-timeout",
         type=positive_seconds,
@@ -281,5 +303,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cors=cors_policy(args),
         fastapi_docs=not args.disable_fastapi_docs,
         max_logprobs=args.max_logprobs,
+        log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
         reasoning_parser=args.reasoning_parser,
     )

@@ -125,6 +125,12 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
         help="do not log a line per request (method, path, status)",
     )
     http.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default=None,
+        help="uvicorn's own log level (vLLM's flag); unset: --log-level",
+    )
+    http.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="do not serve /docs, /redoc and /openapi.json",
@@ -161,14 +167,16 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``uvicorn.run`` keywords of ``--root-path``, ``--disable-uvicorn-access-log`` and the TLS flags, checked before the model loads: the
-    files are read and the key is matched to the certificate here (uvicorn would find out only after).
+    """``uvicorn.run`` keywords of ``--root-path``, ``--disable-uvicorn-access-log``, ``--uvicorn-log-level``
+    and the TLS flags, checked before the model loads: the files are read and the key is matched to the
+    certificate here (uvicorn would find out only after).
 
     Raises:
         ValueError: ``--ssl-keyfile`` without ``--ssl-certfile``, a missing file, a key that does not match
             the certificate, or a root path not starting with ``/``.
     """
     options: dict[str, Any] = {"access_log": False} if args.disable_uvicorn_access_log else {}
+    options["log_level"] = args.uvicorn_log_level or args.log_level
     if args.root_path is not None:
         if not args.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', e.g. /llm; got {args.root_path!r}")

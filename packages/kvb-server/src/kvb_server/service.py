@@ -30,6 +30,7 @@ from kvb_server.jobs import (
     JobUpdate,
 )
 from kvb_server.metrics import ServerMetrics
+from kvb_server.request_log import log_request
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, final_response
 from kvb_server.sampling_params import choice_params
@@ -119,6 +120,17 @@ class GenerationService:
             for i in range(plan.n)
             if plan.generate
         ]
+        if self._config.log_requests:
+            log_request(
+                endpoint=plan.endpoint,
+                model=plan.model,
+                job_ids=[job.id for job in jobs],
+                prompts=plan.prompts,
+                n=plan.n,
+                sampling=plan.sampling,
+                tokenizer=self._engine.tokenizer,
+                max_len=self._config.max_log_len,
+            )
         if jobs:
             self._worker.submit(jobs)  # type: ignore[arg-type]
         return Submitted(jobs, inbox, deadline, plan, truncation)

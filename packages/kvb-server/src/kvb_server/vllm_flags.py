@@ -45,10 +45,7 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve that folder",
     "--speculative-config": "speculative decoding is --speculative prompt_lookup|draft_model and "
     "--draft-model (kvboost serve)",
-    "--enable-log-requests": "prompts and sampling parameters are not logged; uvicorn's access log has each "
-    "request's method, path and status",
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",
-    "--uvicorn-log-level": "use --log-level",
 }
 
 #: flag -> (what this server already does that the flag asks for, the values that ask for it; None: any).
@@ -71,7 +68,10 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         None,
     ),
     "--guided-decoding-backend": ("structured outputs always use llguidance", None),
-    "--disable-log-requests": ("prompts and sampling parameters are never logged", None),
+    "--disable-log-requests": (
+        "prompts and sampling parameters are logged only with --enable-log-requests",
+        None,
+    ),
     "--disable-log-stats": ("no periodic stats are logged; /metrics and /v1/stats report them", None),
     "--enable-prompt-tokens-details": (
         "usage.prompt_tokens_details.cached_tokens is always reported",

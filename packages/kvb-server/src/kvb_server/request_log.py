@@ -1,0 +1,48 @@
+"""``--enable-log-requests`` (vLLM's): one INFO line per generation request on the ``kvb_server.requests``
+logger, with its prompt, prompt token ids and sampling parameters, for debugging a deployment.
+
+Off by default: prompts are the users' data. ``--max-log-len N`` keeps the first N characters of the
+prompt and the first N token ids (vLLM's flag; unset: all of them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger("kvb_server.requests")
+
+
+def log_request(
+    *,
+    endpoint: str,
+    model: str,
+    job_ids: Sequence[Any],
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    sampling: object,
+    tokenizer: Any,
+    max_len: int | None,
+) -> None:
+    """Log one line per prompt of a request: its choices' job ids, the prompt as text and as token ids
+    (each cut to ``max_len``), and the sampling parameters (``repr``, as vLLM logs them)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    for p, ids in enumerate(prompts):
+        # The prompt is tokens by now (text prompts were encoded in the plan): decoded back, special
+        # tokens kept, it is what the model reads.
+        text = tokenizer.decode(list(ids[:max_len] if max_len is not None else ids))
+        shown = list(ids) if max_len is None else list(ids[:max_len])
+        cut = "" if max_len is None or len(ids) <= max_len else f" (first {max_len} of {len(ids)})"
+        jobs = [str(j) for j in job_ids[p * n : (p + 1) * n]] or ["none: prompt only"]
+        logger.info(
+            "request %s %s model=%s prompt=%r prompt_token_ids%s=%s sampling=%r",
+            endpoint,
+            ",".join(jobs),
+            model,
+            text if max_len is None else text[:max_len],
+            cut,
+            shown,
+            sampling,
+        )
