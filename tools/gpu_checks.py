@@ -13,6 +13,8 @@ Sections (each independent; a failure is recorded and the next one runs):
   engine_cuda       KVBoost on CUDA: exact-prefix hit vs no-cache logits (fp32 and bf16), greedy batch vs HF.
   spec_streaming    speculative decoding on a StreamingCausalLM target (full_stream, 2 slots): identical greedy
                     tokens, tokens per target forward and speed vs plain streamed decoding.
+  memory_share      gpu_memory_utilization 0.3 / 0.6: the pool's blocks, the device's peak while a full batch
+                    of long prompts runs against total x fraction (the profiled step must cover the loop's).
 """
 
 from __future__ import annotations
@@ -175,6 +177,42 @@ def engine_cuda(path: Path) -> dict:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def memory_share(path: Path) -> dict:
+    """Does ``gpu_memory_utilization`` keep the process inside its share? The pool is sized from one
+    profiled plain forward; the engine loop's own steps (paged attention, sampling) must stay below it."""
+    from kvb_cache import KVBoost
+
+    rows = []
+    total = torch.cuda.mem_get_info()[1]
+    for fraction in (0.3, 0.6):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        engine = KVBoost.from_pretrained(
+            str(path),
+            device=DEVICE,
+            dtype="bfloat16",
+            gpu_memory_utilization=fraction,
+            max_num_batched_tokens=2048,
+        )
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 49152, (1500,), generator=gen).tolist() for _ in range(16)]
+        engine.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)
+        sync()
+        peak = torch.cuda.max_memory_reserved()
+        row = {
+            "fraction": fraction,
+            "num_blocks": engine.kv.pool.num_blocks,
+            "share_gib": total * fraction / 2**30,
+            "peak_reserved_gib": peak / 2**30,
+            "within_share": peak <= total * fraction,
+        }
+        rows.append(row)
+        print(row, flush=True)
+        engine.close()
+        del engine
+    return {"rows": rows}
 
 
 def spec_streaming(args: argparse.Namespace) -> dict:
@@ -345,7 +383,7 @@ def main() -> int:
     parser.add_argument(
         "--sections",
         nargs="+",
-        default=["kernels_in_model", "engine_cuda", "spec_streaming", "launch_overhead"],
+        default=["kernels_in_model", "engine_cuda", "spec_streaming", "launch_overhead", "memory_share"],
     )
     parser.add_argument("--out", default="gpu_checks.json")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
@@ -369,6 +407,7 @@ def main() -> int:
         "engine_cuda": lambda: engine_cuda(path),
         "spec_streaming": lambda: spec_streaming(args),
         "launch_overhead": launch_overhead,
+        "memory_share": lambda: memory_share(path),
     }
     for name in args.sections:
         start = time.perf_counter()

@@ -126,10 +126,13 @@ def test_engine_loop_flags_reach_the_engine(monkeypatch) -> None:
             "/tok",
             "--max-logprobs",
             "-1",
+            "--gpu-memory-utilization",
+            "0.85",
         ]
     )
     server = build_server(args)
     assert (seen["seed"], seen["tokenizer"]) == (-3, "/tok")  # vLLM's flags, refused before
+    assert seen["gpu_memory_utilization"] == 0.85
     assert server_config(args).max_logprobs == -1
     assert (seen["block_size"], seen["num_blocks"], seen["max_num_seqs"], seen["max_num_batched_tokens"]) == (
         8,
@@ -241,7 +244,7 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--gpu-memory-utilization", "0.9"], "--max-cache-bytes"),
+        (["--cpu-offload-gb", "4"], "--awq-streaming"),
         (["--no-enable-prefix-caching"], "--max-cache-bytes 0"),
         (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
@@ -255,7 +258,7 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
-    assert "--gpu-memory-utilization" not in build_parser().format_help()  # hidden: they are not options
+    assert "--cpu-offload-gb" not in build_parser().format_help()  # hidden: they are not options
 
 
 def _serve(monkeypatch: pytest.MonkeyPatch, flags: list[str], load=None, *, check_port=False) -> list[dict]:
@@ -287,12 +290,20 @@ def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys
     assert "error: model path '/nonexistent' does not exist; second line" in capsys.readouterr().err
 
 
-def test_engine_options_are_checked_before_the_model_loads(monkeypatch, capsys) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--chunk-size", "0"], "chunk_size must be a positive int"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
+        (["--gpu-memory-utilization", "0.9", "--num-blocks", "64"], "both size the KV pool"),
+    ],
+)
+def test_engine_options_are_checked_before_the_model_loads(monkeypatch, capsys, flags, message) -> None:
     loads: list[str] = []
     with pytest.raises(SystemExit) as info:
-        _serve(monkeypatch, ["--chunk-size", "0"], lambda model, **kw: loads.append(model))
+        _serve(monkeypatch, flags, lambda model, **kw: loads.append(model))
     assert info.value.code == 2 and loads == []
-    assert "chunk_size must be a positive int" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:

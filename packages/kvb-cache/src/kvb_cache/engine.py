@@ -22,6 +22,7 @@ from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs, seed_torch
 from kvb_cache.errors import ConfigError, ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
+from kvb_cache.gpu_budget import apply_utilization, check_cuda_device
 from kvb_cache.hashing import ChunkHash, root_hash, salted_root
 from kvb_cache.hf_bridge import HFCacheBridge
 from kvb_cache.idle_work import IdleWork
@@ -168,6 +169,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         idle_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
         prefill_chunk_size: int | None = None,
@@ -205,6 +207,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
                 exactly while the engine is idle: :meth:`run_idle`); 1: never.
             block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk_size: the paged pool
                 and the scheduler (see :class:`EngineConfig`).
+            gpu_memory_utilization: size the pool so that the weights, one profiled step and the pool take
+                this fraction of the CUDA device's memory (vLLM's; CUDA only; instead of ``num_blocks``).
             exit_flush_timeout_s: how long :meth:`close` and the interpreter-exit hook wait for queued
                 disk/Redis writes.
         """
@@ -217,6 +221,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
     def from_engine_args(cls, model_name_or_path: str, args: EngineArgs) -> KVBoost:
         """:meth:`from_pretrained` with its options as one :class:`kvb_cache.EngineArgs`."""
         config = args.engine_config()  # before the model loads: a bad option fails fast
+        if args.gpu_memory_utilization is not None:
+            check_cuda_device(args.device)
         loaded = load_model_and_tokenizer(
             model_name_or_path,
             device=args.device,
@@ -225,6 +231,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             tokenizer=args.tokenizer,
         )
         seed_torch(args.seed)
+        config = apply_utilization(loaded.model, config, args.gpu_memory_utilization)
         return cls(
             loaded.model, loaded.tokenizer, config=config, drafter=args.drafter, model_name=loaded.name
         )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, get_args
 
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.errors import ConfigError
+from kvb_cache.gpu_budget import check_utilization
 from kvb_cache.options import option, parse_bytes, positive_int
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
 from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, TierConfig
@@ -144,6 +145,15 @@ class EngineArgs:
         group="cache",
         parse=positive_int,
         help="KV blocks in the paged pool; unset: as many as --max-cache-bytes holds",
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        group="cache",
+        parse=float,
+        metavar="FRACTION",
+        help="size the paged pool so that weights, one step's activations (profiled at load) and the pool "
+        "take this fraction of the CUDA device's memory (vLLM's; e.g. 0.9); CUDA only; unset: "
+        "--max-cache-bytes or --num-blocks sizes it",
     )
     # -- tiers ---------------------------------------------------------------------------------------------
     disk_cache_dir: str | os.PathLike[str] | None = option(
@@ -301,6 +311,9 @@ class EngineArgs:
                 ``kv_cache_bits`` 8/4.
         """
         check_seed(self.seed)
+        check_utilization(self.gpu_memory_utilization)
+        if self.gpu_memory_utilization is not None and self.num_blocks is not None:
+            raise ConfigError("gpu_memory_utilization and num_blocks both size the KV pool: pass one of them")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
             raise ConfigError(
                 f"tokenizer must be a folder or a hub id, or None (the model's), got {self.tokenizer!r}"

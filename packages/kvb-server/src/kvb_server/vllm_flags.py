@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 #: flag -> why it is refused and what to use instead (one line each; docs/server.md lists them too).
 REFUSED_VLLM_FLAGS: dict[str, str] = {
-    "--gpu-memory-utilization": "size the KV block pool in bytes with --max-cache-bytes (e.g. 20GiB) or in "
-    "blocks with --num-blocks; the planner keeps --planner-safety-margin of free memory back",
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
     "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
     "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",

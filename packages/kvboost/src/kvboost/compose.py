@@ -68,6 +68,7 @@ class KVBoost(_Engine):
         idle_copies: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
         prefill_chunk_size: int | None = None,
@@ -159,6 +160,7 @@ class KVBoost(_Engine):
 
         from kvb_cache.embedded import resolve_model_path
         from kvb_cache.engine_args import seed_torch
+        from kvb_cache.gpu_budget import apply_utilization, check_cuda_device
         from kvb_cache.loading import check_vocabulary, load_own_tokenizer, resolve_device, resolve_dtype
         from kvb_streaming import StreamingCausalLM
 
@@ -172,6 +174,8 @@ class KVBoost(_Engine):
             )
         dtype = resolve_dtype(engine.dtype)
         device = resolve_device(engine.device)
+        if engine.gpu_memory_utilization is not None:
+            check_cuda_device(device)
         # NOTE: the tokenizer first: the packer writes none, and a missing one should not cost a model load.
         if engine.tokenizer is not None:
             tokenizer = load_own_tokenizer(engine.tokenizer)
@@ -200,6 +204,7 @@ class KVBoost(_Engine):
         if engine.tokenizer is not None:
             check_vocabulary(model, tokenizer, engine.tokenizer)
         seed_torch(engine.seed)
+        config = apply_utilization(model, config, engine.gpu_memory_utilization)
         return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:
