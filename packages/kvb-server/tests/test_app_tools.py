@@ -270,3 +270,38 @@ def test_stream_opens_a_call_as_openai_does(url: str) -> None:
     assert first["tool_calls"][0]["function"] == {"name": "set_alarm", "arguments": ""}
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+#: As zod 4 writes ``z.record(z.string(), ...)`` (openai-node's ``zodFunction``, the AI SDK's ``tool()``), and a
+#: string format llguidance does not know beside the regex that defines it (``z.nanoid()``, ``z.cuid()``).
+ZOD_RECORD = {
+    "type": "object",
+    "propertyNames": {"type": "string"},
+    "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+    "maxProperties": 2,
+}
+ZOD_FORMAT = {"type": "string", "format": "nanoid", "pattern": "^[a-z]{3}$"}
+
+
+def test_zod_records_and_formats_are_served_in_tools_and_response_format(client: openai.OpenAI) -> None:
+    """Both were a 400 (``Unimplemented keys: ["propertyNames"]``, ``Unknown format: nanoid``)."""
+    schema = {"type": "object", "properties": {"r": ZOD_RECORD, "id": ZOD_FORMAT}, "required": ["r", "id"]}
+    tool = {"type": "function", "function": {"name": "tally", "parameters": schema}}
+    calls = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[tool], tool_choice="required", temperature=0, max_tokens=160
+    )
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+        temperature=0,
+        max_tokens=160,
+    )
+    # A random model may write a record key until max_tokens (keys are any string): then the cut call is text.
+    call = calls.choices[0]
+    replies = [answer.choices[0].message.content]
+    if call.finish_reason != "length":
+        replies.append(call.message.tool_calls[0].function.arguments)
+    for reply in map(json.loads, replies):
+        assert len(reply["id"]) == 3 and reply["id"].isalpha() and reply["id"].islower()
+        assert len(reply["r"]) <= 2 and all(0 <= v <= 9 for v in reply["r"].values())

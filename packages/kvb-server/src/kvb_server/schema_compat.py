@@ -1,0 +1,92 @@
+"""JSON-schema spellings that llguidance refuses although it enforces what they mean, rewritten before compiling.
+
+zod 4's ``z.toJSONSchema`` (what openai-node's ``zodResponseFormat`` / ``zodFunction``, the AI SDK's
+``generateObject`` and tools, and LangChain.js' ``withStructuredOutput`` send) writes two such spellings:
+
+- ``z.record(z.string(), V)`` is ``{"type": "object", "propertyNames": {"type": "string"},
+  "additionalProperties": V}``. JSON object keys are always strings, so that ``propertyNames`` constrains
+  nothing, but llguidance refuses the keyword (``Unimplemented keys: ["propertyNames"]``) and the request was
+  a 400 where OpenAI serves it. Only the always-true forms are dropped (annotations aside: LangChain.js
+  adds a ``title`` to every subschema); a ``propertyNames`` that constrains the keys (a ``pattern``, an
+  ``enum``) is still refused, since it would not be enforced.
+- string formats llguidance does not know (``cuid``, ``nanoid``, ``e164``, ``base64``, ``lowercase``,
+  ``starts_with``, ...) come with the regex that defines them in ``pattern``. llguidance refuses an unknown
+  ``format`` (``Unknown format: cuid``); the ``pattern`` states the whole constraint, and JSON Schema makes
+  ``format`` an annotation unless a validator knows it, so the unknown ``format`` is dropped and the
+  ``pattern`` enforced. An unknown ``format`` with no ``pattern`` is left for llguidance to refuse: nothing
+  would enforce it.
+
+Everything else is passed through untouched, so a keyword that cannot be enforced is still a 400 naming it
+(docs/structured.md: refusing beats silently ignoring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The ``format`` values llguidance 1.x enforces (others are "Unknown format" errors).
+LLGUIDANCE_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+)
+
+#: ``propertyNames`` values every JSON object satisfies (its keys are strings), once annotations are removed.
+_ALWAYS_TRUE_PROPERTY_NAMES: tuple[Any, ...] = (True, {}, {"type": "string"})
+#: Keywords that describe and do not constrain: LangChain.js copies ``title`` into every subschema.
+_ANNOTATIONS = frozenset(
+    {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
+)
+
+#: Keywords whose value maps names to subschemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+#: Keywords whose value is a subschema (``items`` may also be draft-7's list of subschemas).
+_SCHEMAS = frozenset(
+    {
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "contains",
+        "propertyNames",
+        "not",
+        "if",
+        "then",
+        "else",
+    }
+)
+#: Keywords whose value is a list of subschemas.
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+
+
+def llguidance_compatible(schema: Any) -> Any:
+    """``schema`` with the spellings above rewritten (a new object; ``schema`` is not modified).
+
+    Only schema positions are walked (``properties`` values, ``items``, ``anyOf`` members, ...), so a
+    property that happens to be called ``format`` or ``propertyNames``, and data under ``enum``, ``const``
+    or ``default``, are left alone.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: llguidance_compatible(sub) for name, sub in value.items()}
+        elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
+            out[key] = [llguidance_compatible(sub) for sub in value]
+        elif key in _SCHEMAS:
+            out[key] = llguidance_compatible(value)
+        else:
+            out[key] = value
+    if "propertyNames" in out and _always_true(out["propertyNames"]):
+        del out["propertyNames"]
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt not in LLGUIDANCE_FORMATS and isinstance(out.get("pattern"), str):
+        del out["format"]
+    return out
+
+
+def _always_true(names: Any) -> bool:
+    """Whether every object's keys satisfy the ``propertyNames`` schema ``names``."""
+    if isinstance(names, dict):
+        names = {key: value for key, value in names.items() if key not in _ANNOTATIONS}
+    return any(names == v and type(names) is type(v) for v in _ALWAYS_TRUE_PROPERTY_NAMES)
