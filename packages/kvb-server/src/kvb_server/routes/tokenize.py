@@ -28,7 +28,7 @@ from kvb_server.schemas.tokenize import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
-from kvb_server.tool_calls import detect
+from kvb_server.tool_calls import detect, tool_plan
 
 T = TypeVar("T")
 
@@ -108,10 +108,18 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
 def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidParameterError("Give exactly one of 'prompt' (a string) and 'messages' (a chat).")
+    if req.tools is not None and req.messages is None:
+        raise InvalidParameterError("tools go with 'messages' (a chat), not with 'prompt'.", param="tools")
     if req.messages is not None:
-        messages = chat_messages(req, detect(engine.tokenizer))  # type: ignore[arg-type]  # reads .messages
+        syntax = detect(engine.tokenizer)
+        # Parsed and rendered as the chat route does (tool_choice auto): definitions through the template
+        # for a native syntax, in the system message otherwise.
+        tools = tool_plan(req.tools, None, None, syntax)
+        messages = chat_messages(req, syntax, tools)  # type: ignore[arg-type]  # reads .messages
         # Keywords only when they differ from the protocol's defaults (an engine may not take them all).
         options: dict[str, Any] = {}
+        if tools is not None and syntax.native:
+            options["tools"] = [t.definition() for t in tools.tools]
         if not req.add_generation_prompt or req.continue_final_message:
             options["add_generation_prompt"] = False
         if req.continue_final_message:

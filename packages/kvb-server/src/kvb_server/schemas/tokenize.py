@@ -41,6 +41,11 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(
         default=None, description="with messages: extra chat template variables (as /v1/chat/completions)"
     )  # type: ignore[assignment]
+    tools: list[Any] = Field(
+        default=None,
+        description="with messages: function tools, rendered into the prompt as /v1/chat/completions "
+        "renders them (vLLM's chat tokenize takes them too)",
+    )  # type: ignore[assignment]
     return_token_strs: bool = Field(default=False, description="also return each token's string")
 
 
