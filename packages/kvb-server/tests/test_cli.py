@@ -244,7 +244,7 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--cpu-offload-gb", "4"], "--awq-streaming"),
+        (["--swap-space", "4"], "a preempted request is recomputed"),
         (["--no-enable-prefix-caching"], "--max-cache-bytes 0"),
         (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
@@ -258,7 +258,7 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
-    assert "--cpu-offload-gb" not in build_parser().format_help()  # hidden: they are not options
+    assert "--swap-space" not in build_parser().format_help()  # hidden: they are not options
 
 
 def _serve(monkeypatch: pytest.MonkeyPatch, flags: list[str], load=None, *, check_port=False) -> list[dict]:

@@ -154,11 +154,30 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         "--disable-log-requests",
         "--scheduling-policy",
         "fcfs",
+        # Single-device values, common in vLLM command lines (-tp 1), are what runs here.
+        "-tp",
+        "1",
+        "--pipeline-parallel-size=1",
+        "-dp",
+        "1",
+        "--distributed-executor-backend",
+        "uni",
+        "--kv-cache-dtype",
+        "auto",
+        "--cpu-offload-gb",
+        "0",
     ]
     with caplog.at_level(logging.WARNING, logger="kvb_server.vllm_flags"):
         args = build_parser().parse_args(["--model", "m", *flags])
     assert vars(args) == vars(build_parser().parse_args(["--model", "m"]))
-    for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--enforce-eager", "--trust-remote-code"):
+    for flag in (
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "--enforce-eager",
+        "--trust-remote-code",
+        "--tensor-parallel-size",
+        "--kv-cache-dtype",
+    ):
         assert f"{flag} (a vLLM flag) changes nothing here" in caplog.text
 
 
@@ -170,6 +189,13 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         (["--enable-lora"], "merge_and_unload"),
         (["--lora-modules", "a=b"], "merge_and_unload"),
         (["--revision", "main"], "nothing is downloaded"),
+        (
+            ["-tp", "2"],
+            "--tensor-parallel-size 2 (a vLLM flag) is not supported: one engine runs on one device",
+        ),
+        (["--kv-cache-dtype", "fp8"], "holds KV in the model's --dtype"),
+        (["--cpu-offload-gb", "4"], "--awq-streaming"),
+        (["-q", "awq"], "--quantization (a vLLM flag) is not supported: AWQ int4 checkpoints load with"),
     ],
 )
 def test_vllm_flags_this_server_lacks_are_refused_naming_why(flags: list[str], message: str, capsys) -> None:

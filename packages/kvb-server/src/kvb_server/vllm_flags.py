@@ -22,15 +22,8 @@ logger = logging.getLogger(__name__)
 #: flag -> why it is refused and what to use instead (one line each; docs/server.md lists them too).
 REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
-    "--tensor-parallel-size": "one engine runs on one device; start one server per GPU",
-    "--pipeline-parallel-size": "one engine runs on one device; start one server per GPU",
-    "--data-parallel-size": "one engine runs on one device; start one server per GPU",
-    "--distributed-executor-backend": "one engine runs on one device, in this process",
     "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV quantization of "
     "the disk/Redis tiers is --kv-cache-bits",
-    "--kv-cache-dtype": "the block pool holds KV in --dtype; --kv-cache-bits 8/4 quantizes the disk/Redis tiers",
-    "--cpu-offload-gb": "weights larger than the GPU stream from host memory with --awq-streaming (kvboost "
-    "serve, AWQ checkpoints)",
     "--swap-space": "there is no CPU swap space: a preempted request is recomputed (its prefix usually "
     "still cached)",
     "--revision": "nothing is downloaded: --model is a local folder or a hub id already in the local "
@@ -76,6 +69,29 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         None,
     ),
     "--scheduling-policy": ("requests are scheduled first come, first served", ("fcfs",)),
+    # Explicit single-device values are common in vLLM command lines (-tp 1): accepted, larger ones refused.
+    "--tensor-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
+    "--pipeline-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
+    "--data-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
+    "--distributed-executor-backend": ("one engine runs on one device, in this process", ("mp", "uni")),
+    "--kv-cache-dtype": (
+        "the block pool holds KV in the model's --dtype (a request's kv_cache_bits 8/4 quantizes its live KV; "
+        "--kv-cache-bits 8/4 the disk/Redis tiers)",
+        ("auto",),
+    ),
+    "--cpu-offload-gb": (
+        "weights are not offloaded (AWQ checkpoints larger than the GPU stream from host memory with "
+        "--awq-streaming under kvboost serve)",
+        ("0",),
+    ),
+}
+
+#: vLLM's short spellings of the flags above.
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "--tensor-parallel-size": ("-tp",),
+    "--pipeline-parallel-size": ("-pp",),
+    "--data-parallel-size": ("-dp",),
+    "--quantization": ("-q",),
 }
 
 
@@ -126,6 +142,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Declare every flag of :data:`REFUSED_VLLM_FLAGS` and :data:`SATISFIED_VLLM_FLAGS` on ``parser``
     (hidden from ``--help``)."""
     for flag in REFUSED_VLLM_FLAGS:
-        parser.add_argument(flag, dest=f"_refused_{flag.lstrip('-').replace('-', '_')}", action=RefusedFlag)
+        dest = f"_refused_{flag.lstrip('-').replace('-', '_')}"
+        parser.add_argument(flag, *VLLM_ALIASES.get(flag, ()), dest=dest, action=RefusedFlag)
     for flag in SATISFIED_VLLM_FLAGS:
-        parser.add_argument(flag, dest=f"_vllm_{flag.lstrip('-').replace('-', '_')}", action=SatisfiedFlag)
+        dest = f"_vllm_{flag.lstrip('-').replace('-', '_')}"
+        parser.add_argument(flag, *VLLM_ALIASES.get(flag, ()), dest=dest, action=SatisfiedFlag)
