@@ -298,3 +298,24 @@ def test_a_pool_smaller_than_the_context_is_the_served_length() -> None:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200)
         assert err.value.code == "context_length_exceeded" and "128" in err.value.message
+
+
+def test_every_response_carries_a_request_id(tiny_url: str) -> None:
+    """As OpenAI's: the SDKs expose it (``_request_id`` here, ``withResponse().request_id`` in Node), which
+    was None. A client's own X-Request-Id (a gateway's) comes back; a malformed one is replaced."""
+    import httpx
+
+    client = openai.OpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0)
+    made = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert made._request_id is not None and made._request_id.startswith("req-")
+    again = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert again._request_id != made._request_id
+    echoed = httpx.get(f"{tiny_url}/v1/models", headers={"X-Request-Id": "gw-42:abc"})
+    assert echoed.headers["x-request-id"] == "gw-42:abc"
+    bad = httpx.get(f"{tiny_url}/v1/models", headers={"X-Request-Id": "a b\tc"})
+    assert bad.headers["x-request-id"].startswith("req-")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{tiny_url}/v1/completions", json=body) as streamed:
+        assert streamed.headers["x-request-id"].startswith("req-")
+    error = httpx.post(f"{tiny_url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert error.status_code == 404 and error.headers["x-request-id"].startswith("req-")

@@ -22,6 +22,7 @@ from kvb_server.errors import AuthenticationError, InvalidParameterError, Server
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
+from kvb_server.request_id import RequestIdMiddleware
 from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, ResponseStreamEvent
 from kvb_server.responses_api.schemas import ResponsesRequest
 from kvb_server.routes import admin_router, openai_router, tokenize_router
@@ -150,6 +151,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
     config.cors.install(app)  # added last: outermost
     open_routes, admin_v1 = admin_router(
         engine=engine,

@@ -69,6 +69,7 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         None,
     ),
     "--scheduling-policy": ("requests are scheduled first come, first served", ("fcfs",)),
+    "--enable-request-id-headers": ("every response carries an x-request-id header", None),
     # Explicit single-device values are common in vLLM command lines (-tp 1): accepted, larger ones refused.
     "--tensor-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
     "--pipeline-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
