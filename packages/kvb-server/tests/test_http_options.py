@@ -55,6 +55,8 @@ def test_allowed_origins_get_cors_headers_and_preflights_pass_authentication(tin
         )
         assert got.status_code == 200
         assert got.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # A page's script may read the request id (browser SDKs' request_id).
+        assert "x-request-id" in got.headers["access-control-expose-headers"].split(", ")
         other = httpx.get(
             f"{url}/v1/models", headers={"Origin": "http://other.example", "Authorization": "Bearer sk-test"}
         )

@@ -56,7 +56,14 @@ class CorsPolicy:
                 allow_methods=list(self.allowed_methods),
                 allow_headers=list(self.allowed_headers),
                 allow_credentials=self.allow_credentials,
+                # A page's script reads only the response headers listed here: the request id (the SDKs'
+                # request_id) and the auto-truncation notice.
+                expose_headers=list(EXPOSED_HEADERS),
             )
+
+
+#: Response headers a browser page may read (CORS ``Access-Control-Expose-Headers``).
+EXPOSED_HEADERS = ("x-request-id", "x-kvboost-prompt-tokens-dropped")
 
 
 def string_list(text: str) -> tuple[str, ...]:
