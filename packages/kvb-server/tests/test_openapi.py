@@ -114,6 +114,13 @@ def test_documented_values_are_accepted(url: str) -> None:
     assert {"type": "integer", "minimum": 1, "maximum": 16} in schemas["CompletionRequest"]["properties"][
         "n"
     ]["anyOf"]
+    # --max-logprobs (20 by default) is the documented maximum: a fuzzer's larger value is not schema-valid.
+    assert {"type": "integer", "minimum": 0, "maximum": 20} in schemas["CompletionRequest"]["properties"][
+        "logprobs"
+    ]["anyOf"]
+    assert {"type": "integer", "minimum": 0, "maximum": 20} in schemas["ChatCompletionRequest"]["properties"][
+        "top_logprobs"
+    ]["anyOf"]
     assert '"ge"' not in json.dumps(doc)  # JSON Schema's "minimum", never pydantic's raw keyword
     body = {"model": MODEL, "prompt": [97.0, 98], "max_tokens": 3.0, "n": 1.0, "seed": 7.0, "echo": False}
     resp = httpx.post(url + "/v1/completions", json=body)

@@ -196,6 +196,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         ),
         model_names=config.model_names,
         max_n=config.max_n,
+        max_logprobs=None if config.max_logprobs == -1 else config.max_logprobs,
     )
 
     @app.exception_handler(ServerError)

@@ -92,14 +92,17 @@ def install_openapi(
     *,
     model_names: Sequence[str] = (),
     max_n: int | None = None,
+    max_logprobs: int | None = None,
 ) -> None:
     """Make ``app.openapi()`` (``/openapi.json``, ``/docs``) include ``models`` and the models they use as
     components, next to what FastAPI generates from the routes.
 
     ``model_names`` become the ``enum`` of every ``model`` string property of those components: this
     server answers any other name with 404, and fuzzers then reach past that check. ``max_n`` (the
-    server's cap on ``n``) becomes the ``maximum`` of every integer ``n``.
+    server's cap on ``n``) becomes the ``maximum`` of every integer ``n``, ``max_logprobs``
+    (``--max-logprobs``; None: no cap) that of completions' ``logprobs`` and chat's ``top_logprobs``.
     """
+    caps = {"n": max_n, "top_logprobs": max_logprobs}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -116,9 +119,12 @@ def install_openapi(
                 model = properties.get("model")
                 if model_names and model is not None and model.get("type") == "string":
                     model["enum"] = list(model_names)
-                for branch in properties.get("n", {}).get("anyOf", ()):
-                    if max_n is not None and branch.get("type") == "integer":
-                        branch["maximum"] = max_n
+                # Completions' logprobs is a count; chat's (and the Responses API's) a boolean.
+                fields = {**caps, "logprobs": max_logprobs if name == "CompletionRequest" else None}
+                for field, cap in fields.items():
+                    for branch in properties.get(field, {}).get("anyOf", ()):
+                        if cap is not None and branch.get("type") == "integer":
+                            branch["maximum"] = cap
             app.openapi_schema = schema
         return app.openapi_schema
 
