@@ -223,3 +223,20 @@ def test_constrained_requests_bypass_the_drafter(engine):
         result.output_ids
         == engine.generate("A person:", response_format=PERSON, max_new_tokens=64).output_ids
     )
+
+
+def test_zod_always_true_spellings_compile_in_the_library_too() -> None:
+    """The rewrite sits where every JSON schema is compiled, so a library user's zod-made schema compiles as
+    the server's does (``z.record(z.string(), V)``'s propertyNames, ``z.cuid()``'s format + pattern)."""
+    from kvb_cache.structured.backend import check_grammar
+
+    record = {
+        "type": "object",
+        "propertyNames": {"type": "string"},
+        "additionalProperties": {"type": "number"},
+    }
+    cuid = {"type": "string", "format": "cuid", "pattern": "^[cC][0-9a-z]{6,}$"}
+    for schema in (record, cuid):
+        check_grammar(ResponseFormat.parse(schema))
+    with pytest.raises(InvalidRequestError, match="propertyNames"):
+        check_grammar(ResponseFormat.parse({"type": "object", "propertyNames": {"pattern": "^a"}}))

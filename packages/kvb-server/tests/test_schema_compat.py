@@ -1,13 +1,13 @@
 """The JSON-schema spellings zod 4 writes (openai-node, the AI SDK, LangChain.js) for constraints llguidance
-enforces, accepted instead of refused (:mod:`kvb_server.schema_compat`)."""
+enforces, accepted instead of refused (:mod:`kvb_cache.structured.schema_compat`)."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvb_cache.structured.schema_compat import llguidance_compatible
 from kvb_server import constraints
 from kvb_server.errors import InvalidParameterError
-from kvb_server.schema_compat import llguidance_compatible
 
 #: ``z.toJSONSchema(z.object({r: z.record(z.string(), z.number())}))``.
 ZOD_RECORD = {

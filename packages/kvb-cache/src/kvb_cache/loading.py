@@ -61,6 +61,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def _path_like(name: str) -> bool:
+    """Whether ``name`` can only mean a local path (a hub id is ``org/name``, never absolute or relative)."""
+    return Path(name).expanduser().is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+
+
 def check_local_model(name_or_path: str) -> None:
     """Refuse a local path that cannot be a model folder, saying why.
 
@@ -73,14 +78,7 @@ def check_local_model(name_or_path: str) -> None:
         ModelLoadError: the path does not exist, is a (GGUF) file, or is a folder without config.json.
     """
     path = Path(name_or_path).expanduser()
-    looks_local = (
-        path.exists()
-        or path.is_absolute()
-        or name_or_path.startswith((".", "~"))
-        or name_or_path.count("/") > 1
-        or name_or_path.lower().endswith(".gguf")
-    )
-    if not looks_local:
+    if not (path.exists() or _path_like(name_or_path) or name_or_path.lower().endswith(".gguf")):
         return
     if not path.exists():
         raise ModelLoadError(
@@ -185,9 +183,7 @@ def load_own_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer a ``tokenizer`` option names, loaded as the model's would be; its errors name the
     option (left to the model's handler they read as the model's)."""
     path = Path(name_or_path).expanduser()
-    if (path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1) and not (
-        path.exists()
-    ):
+    if _path_like(name_or_path) and not path.exists():
         raise ModelLoadError(
             f"tokenizer (--tokenizer) path {name_or_path!r} does not exist; pass a folder with the tokenizer's "
             "files (tokenizer.json, tokenizer_config.json) or a hub id already in your local Hugging Face cache"

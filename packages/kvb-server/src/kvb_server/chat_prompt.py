@@ -15,7 +15,6 @@ from kvb_server import constraints
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError
 from kvb_server.reasoning import ReasoningPlan
-from kvb_server.schema_compat import llguidance_compatible
 from kvb_server.schemas.generation_requests import ChatCompletionRequest
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, template_messages, tool_grammar
 from kvb_server.tool_calls.grammar import json_after_thinking
@@ -41,11 +40,10 @@ def _marker_token(engine: ServingEngine, syntax: ToolSyntax) -> int | None:
 def check_tool_schemas(tools: ToolPlan | None) -> None:
     """Each tool's ``parameters`` must be a schema the grammar library handles: a 400 naming the tool.
 
-    Checked as the call grammar embeds them (:func:`llguidance_compatible`: zod's always-true spellings
+    Compiled as the call grammar embeds them (``llguidance_schema``: zod's always-true spellings
     rewritten), so a schema is refused only for what the grammar could not enforce."""
     for i, tool in enumerate(tools.tools if tools is not None else ()):
-        parameters = llguidance_compatible(tool.parameters)
-        schema = ResponseFormat(kind="json_schema", source=json.dumps(parameters, allow_nan=False))
+        schema = ResponseFormat(kind="json_schema", source=json.dumps(tool.parameters, allow_nan=False))
         constraints.check(schema, f"tools[{i}].function.parameters")
 
 

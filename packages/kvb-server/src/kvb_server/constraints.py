@@ -19,7 +19,6 @@ from typing import Any
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.structured import ResponseFormat, StructuredOutputsUnavailable, check_grammar
 from kvb_server.errors import InvalidParameterError, UnsupportedFeatureError
-from kvb_server.schema_compat import llguidance_compatible
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -78,7 +77,7 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
                 f"Invalid value for '{param}.json_schema.schema': expected an object.",
                 f"{param}.json_schema.schema",
             )
-        raw = {"type": "json_schema", "json_schema": {"schema": llguidance_compatible(schema)}}
+        raw = {"type": "json_schema", "json_schema": {"schema": schema}}
         param = f"{param}.json_schema.schema"
     try:
         fmt = ResponseFormat.parse(raw)
@@ -114,7 +113,7 @@ def _guided_raw(field: str, value: Any, param: str) -> dict[str, Any]:
                 raise _bad(f"Invalid value for '{param}': not a JSON schema (invalid JSON).", param) from None
         if not isinstance(value, dict):
             raise _bad(f"Invalid value for '{param}': expected a JSON schema object.", param)
-        return {"type": "json_schema", "json_schema": {"schema": llguidance_compatible(value)}}
+        return {"type": "json_schema", "json_schema": {"schema": value}}
     if field == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise _bad(f"Invalid value for '{param}': expected a non-empty list of non-empty strings.", param)

@@ -30,18 +30,18 @@ def log_request(
     if not logger.isEnabledFor(logging.INFO):
         return
     for p, ids in enumerate(prompts):
+        shown = list(ids[:max_len])  # a slice to None keeps them all
         # The prompt is tokens by now (text prompts were encoded in the plan): decoded back, special
         # tokens kept, it is what the model reads.
-        text = tokenizer.decode(list(ids[:max_len] if max_len is not None else ids))
-        shown = list(ids) if max_len is None else list(ids[:max_len])
-        cut = "" if max_len is None or len(ids) <= max_len else f" (first {max_len} of {len(ids)})"
+        text = tokenizer.decode(shown)[:max_len]
+        cut = "" if len(shown) == len(ids) else f" (first {max_len} of {len(ids)})"
         jobs = [str(j) for j in job_ids[p * n : (p + 1) * n]] or ["none: prompt only"]
         logger.info(
             "request %s %s model=%s prompt=%r prompt_token_ids%s=%s sampling=%r",
             endpoint,
             ",".join(jobs),
             model,
-            text if max_len is None else text[:max_len],
+            text,
             cut,
             shown,
             sampling,

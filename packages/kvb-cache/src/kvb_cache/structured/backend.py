@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
 from kvb_cache.errors import InvalidRequestError, KVBoostError
+from kvb_cache.structured.schema_compat import llguidance_compatible
 from kvb_cache.structured.spec import ResponseFormat
 from kvb_cache.structured.state import GrammarState
 
@@ -27,6 +28,14 @@ TokenizerKey = NewType("TokenizerKey", str)
 
 #: Compact JSON (no optional whitespace): small models otherwise loop on spaces and newlines.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def llguidance_schema(schema: Any) -> Any:
+    """``schema`` as it is compiled: zod's always-true spellings rewritten
+    (:func:`kvb_cache.structured.schema_compat.llguidance_compatible`), then made strict
+    (:func:`strict_schema`). Every JSON schema reaching llguidance goes through it, those embedded in a
+    grammar (a server's tool calls) included."""
+    return strict_schema(llguidance_compatible(schema))
 
 
 def strict_schema(schema: Any) -> Any:
@@ -142,7 +151,7 @@ class GrammarCache:
 
 
 def grammar_of(fmt: ResponseFormat) -> Any:
-    """llguidance's grammar object for ``fmt`` (a JSON schema made strict first: :func:`strict_schema`).
+    """llguidance's grammar object for ``fmt`` (a JSON schema prepared first: :func:`llguidance_schema`).
 
     Raises:
         InvalidRequestError: the schema, regex or grammar does not parse (``param="response_format"``).
@@ -152,7 +161,7 @@ def grammar_of(fmt: ResponseFormat) -> Any:
     try:
         if fmt.kind == "json_schema":
             return matcher_cls.grammar_from_json_schema(
-                strict_schema(json.loads(fmt.source)), defaults=JSON_OPTIONS
+                llguidance_schema(json.loads(fmt.source)), defaults=JSON_OPTIONS
             )
         if fmt.kind == "regex":
             return matcher_cls.grammar_from_regex(fmt.source)

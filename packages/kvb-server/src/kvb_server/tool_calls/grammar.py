@@ -13,9 +13,8 @@ import json
 import re
 from typing import Any
 
-from kvb_cache.structured.backend import strict_schema
+from kvb_cache.structured.backend import llguidance_schema
 from kvb_server.reasoning import ReasoningPlan
-from kvb_server.schema_compat import llguidance_compatible
 from kvb_server.tool_calls.spec import ToolPlan
 
 #: Compact JSON (no optional whitespace), as for ``response_format``: small models loop on whitespace.
@@ -56,13 +55,6 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
     return out
 
 
-def _prepared(schema: Any) -> Any:
-    """``schema`` as llguidance compiles it: zod's always-true spellings rewritten (:mod:`kvb_server.schema_compat`;
-    a tool's ``parameters`` and an ``auto`` reply's schema reach the grammar here, not through
-    ``constraints.response_format``), then made strict."""
-    return strict_schema(llguidance_compatible(schema))
-
-
 def call_schema(plan: ToolPlan) -> dict[str, Any]:
     """JSON schema of one call object: the name and arguments of any callable tool."""
     key = plan.syntax.args_key
@@ -73,7 +65,7 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
             "properties": {
                 "name": {"const": tool.name},
                 key: rebase_refs(
-                    _prepared(tool.parameters),
+                    llguidance_schema(tool.parameters),
                     (f"/anyOf/{i}" if many else "") + f"/properties/{_pointer_token(key)}",
                 ),
             },
@@ -105,7 +97,7 @@ def json_after_thinking(schema_source: str, thinking: ReasoningPlan) -> str:
     """The grammar of a JSON reply (a ``json_schema`` response format's ``schema_source``) that a reasoning
     model may think before (must, when the prompt opened the block): as vLLM starts the structured-output
     grammar once the thinking ends."""
-    schema = {"x-guidance": _JSON_OPTIONS, **_prepared(json.loads(schema_source))}
+    schema = {"x-guidance": _JSON_OPTIONS, **llguidance_schema(json.loads(schema_source))}
     return _grammar(f"%json {json.dumps(schema)}", "", thinking)
 
 
@@ -164,7 +156,9 @@ def _tool_rules(
     if plan.mode == "calls":
         return "calls", "\n".join(lines) + "\n"
     if text_schema is not None:
-        text_rule = f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **_prepared(text_schema)})}"
+        text_rule = (
+            f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **llguidance_schema(text_schema)})}"
+        )
         return "text | calls", "\n".join([*lines, text_rule]) + "\n"
     starts = "|".join(re.escape(t).replace("/", "\\/") for t in (*syntax.triggers, *not_first))
     # Any text (the empty reply included) that does not begin like a call.

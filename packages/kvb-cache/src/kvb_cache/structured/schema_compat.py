@@ -16,7 +16,9 @@ zod 4's ``z.toJSONSchema`` (what openai-node's ``zodResponseFormat`` / ``zodFunc
   ``pattern`` enforced. An unknown ``format`` with no ``pattern`` is left for llguidance to refuse: nothing
   would enforce it.
 
-Everything else is passed through untouched, so a keyword that cannot be enforced is still a 400 naming it
+Applied where every JSON schema is compiled (:func:`kvb_cache.structured.backend.llguidance_schema`), so
+``response_format``, vLLM's ``guided_json``, the Responses API's ``text.format`` and a server's tool
+``parameters`` all take them. Everything else is passed through untouched, so a keyword that cannot be enforced is still a 400 naming it
 (docs/structured.md: refusing beats silently ignoring).
 """
 
