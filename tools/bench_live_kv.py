@@ -107,7 +107,7 @@ def main() -> None:
                 model(input_ids=torch.tensor([ids + list(out.output_ids[:-1])]), **cache_kwargs(model, dense))
             caches.append(dense)
         predicted = estimate_memory(
-            request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape
+            request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape, device="cpu"
         ).peak_bytes
         agree = sum(a == b for a, b in zip(out.output_ids, ref))
         rows.append(

@@ -116,7 +116,7 @@ def worker(prompt: int, chunk: int | None, max_new_tokens: int, device: str, thr
     return result
 
 
-def _predict(prompt: int, chunk: int | None, max_new_tokens: int) -> dict:
+def _predict(prompt: int, chunk: int | None, max_new_tokens: int, device: str) -> dict:
     from transformers import AutoConfig
 
     from kvb_cache.embedded import embedded_model_path
@@ -127,6 +127,7 @@ def _predict(prompt: int, chunk: int | None, max_new_tokens: int) -> dict:
         PlanRequest(prompt_tokens=prompt, max_new_tokens=max_new_tokens),
         LadderStep(prefill_chunk_size=chunk),
         shape,
+        device=device,  # the SDPA backend (and so the scores it materialises) depends on it
     )
     return {
         "peak_bytes": est.peak_bytes,
@@ -196,7 +197,7 @@ def main() -> None:
             ]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             actual = json.loads(done.stdout.strip().splitlines()[-1])
-            predicted = _predict(prompt, chunk, args.max_new_tokens)
+            predicted = _predict(prompt, chunk, args.max_new_tokens, args.device)
             row = {
                 "prompt_tokens": prompt,
                 "prefill_chunk_size": chunk,

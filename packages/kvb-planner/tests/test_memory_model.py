@@ -13,7 +13,7 @@ SINGLE = LadderStep(prefill_chunk_size=None)
 
 
 def test_single_shot_terms(tiny_shape):
-    est = estimate_memory(PlanRequest(prompt_tokens=100, max_new_tokens=28), SINGLE, tiny_shape)
+    est = estimate_memory(PlanRequest(prompt_tokens=100, max_new_tokens=28), SINGLE, tiny_shape, device="cpu")
     assert est.kv_bytes == 2 * 2 * 2 * 16 * 128 * 4 == 65_536  # T = 128
     assert est.cache_growth_bytes == 32_768  # one layer's K+V at T
     assert est.logits_bytes == 128 * 4 + 128 * 4  # last-position logits + sampler fp32 copy
@@ -25,7 +25,10 @@ def test_single_shot_terms(tiny_shape):
 
 def test_chunked_prefill_charges_mask_and_repeat_kv(tiny_shape):
     est = estimate_memory(
-        PlanRequest(prompt_tokens=100, max_new_tokens=28), LadderStep(prefill_chunk_size=25), tiny_shape
+        PlanRequest(prompt_tokens=100, max_new_tokens=28),
+        LadderStep(prefill_chunk_size=25),
+        tiny_shape,
+        device="cpu",
     )
     assert est.mlp_phase_bytes == 25 * 640 * 4 == 64_000
     # bool + float mask [25, 100] (1 + 4 bytes) and repeat_kv's K,V expanded to 4 heads over 100 tokens.
@@ -51,11 +54,12 @@ def test_eager_attention_materialises_scores(tiny_shape):
 
 def test_prompt_logprobs_and_quantized_growth(tiny_shape):
     request = PlanRequest(prompt_tokens=100, max_new_tokens=28, prompt_logprobs=True)
-    assert estimate_memory(request, SINGLE, tiny_shape).logits_bytes == 100 * 128 * 4 + 128 * 4
+    assert estimate_memory(request, SINGLE, tiny_shape, device="cpu").logits_bytes == 100 * 128 * 4 + 128 * 4
     int8 = estimate_memory(
         PlanRequest(prompt_tokens=100, max_new_tokens=28),
         LadderStep(prefill_chunk_size=None, kv_bits=8),
         tiny_shape,
+        device="cpu",
     )
     assert int8.kv_bytes == 65_536  # all 128 tokens inside the fp32 residual window
     assert int8.cache_growth_bytes == 65_536  # dequantized layer + cat
@@ -74,19 +78,35 @@ def test_batch_scales_every_term(tiny_shape):
     assert three.peak_bytes == 3 * one.peak_bytes
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
 @pytest.mark.parametrize("step", Ladder.default().steps)
-def test_peak_is_monotone_in_prompt_and_generation(smollm2_shape, step):
-    # plan()'s binary searches rely on this.
-    peaks = [
-        estimate_memory(PlanRequest(prompt_tokens=p, max_new_tokens=16), step, smollm2_shape).peak_bytes
-        for p in range(1, 3000, 37)
-    ]
+def test_peak_is_monotone_in_prompt_and_generation(smollm2_shape, step, device):
+    # plan()'s binary searches rely on this (on CUDA too, where fp32 GQA runs SDPA's math backend).
+    def peak(p: int, n: int) -> int:
+        request = PlanRequest(prompt_tokens=p, max_new_tokens=n)
+        return estimate_memory(request, step, smollm2_shape, device=device).peak_bytes
+
+    peaks = [peak(p, 16) for p in range(1, 3000, 37)]
     assert peaks == sorted(peaks)
-    peaks = [
-        estimate_memory(PlanRequest(prompt_tokens=500, max_new_tokens=n), step, smollm2_shape).peak_bytes
-        for n in range(0, 3000, 41)
-    ]
+    peaks = [peak(500, n) for n in range(0, 3000, 41)]
     assert peaks == sorted(peaks)
+
+
+def test_cuda_fp32_gqa_without_a_mask_runs_the_math_backend(tiny_shape):
+    """transformers passes enable_gqa when there is no mask; on CUDA the flash kernel takes no fp32 and the
+    memory-efficient one no enable_gqa, so torch's math SDPA materialises 3 score-sized buffers."""
+    request = PlanRequest(prompt_tokens=100, max_new_tokens=28)
+    single = estimate_memory(request, SINGLE, tiny_shape, device="cuda:0")
+    assert single.attention_scratch_bytes == 3 * 4 * 100 * 100 * 4
+    # Sliced: the first slice is unmasked (math, [25, 25]); later ones masked ([25, 100] mask + repeat_kv).
+    sliced = estimate_memory(request, LadderStep(prefill_chunk_size=25), tiny_shape, device="cuda:0")
+    assert sliced.attention_scratch_bytes == max(3 * 4 * 25 * 25 * 4, 63_700)
+    # Unknown device: the costlier rule; half precision or no GQA: a fused kernel (no scores).
+    assert estimate_memory(request, SINGLE, tiny_shape).attention_scratch_bytes == 3 * 4 * 100 * 100 * 4
+    half = dataclasses.replace(tiny_shape, dtype_bytes=2)
+    assert estimate_memory(request, SINGLE, half, device="cuda:0").attention_scratch_bytes == 0
+    mha = dataclasses.replace(tiny_shape, num_kv_heads=tiny_shape.num_attention_heads)
+    assert estimate_memory(request, SINGLE, mha, device="cuda:0").attention_scratch_bytes == 0
 
 
 def _tensor_peak_bytes(model, ids: torch.Tensor, chunk: int) -> int:
@@ -119,7 +139,10 @@ def test_prediction_brackets_profiled_tensor_peak(tiny_llama, prompt, chunk):
     actual = _tensor_peak_bytes(tiny_llama, ids, chunk)
     step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)
     predicted = estimate_memory(
-        PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step, ModelShape.from_model(tiny_llama)
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=0),
+        step,
+        ModelShape.from_model(tiny_llama),
+        device="cpu",
     ).peak_bytes
     # Designed to be conservative (measured 1.04-1.09x here with torch 2.13 / transformers 5.23); the
     # lower bound leaves room for allocation-pattern changes across versions.
@@ -146,9 +169,7 @@ def test_sliced_prefill_matches_single_shot_logits(tiny_llama):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("prompt", "chunk"), [(1024, 1024), (1024, 256)])
-def test_prediction_brackets_cuda_peak(
-    tiny_llama, prompt, chunk
-):  # pragma: no cover - unverified: no GPU here
+def test_prediction_brackets_cuda_peak(tiny_llama, prompt, chunk):  # pragma: no cover - needs a GPU
     from transformers import DynamicCache
 
     model = tiny_llama.cuda()
@@ -169,6 +190,9 @@ def test_prediction_brackets_cuda_peak(
     actual = torch.cuda.max_memory_allocated() - before
     step = LadderStep(prefill_chunk_size=None if chunk == prompt else chunk)
     predicted = estimate_memory(
-        PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step, ModelShape.from_model(model)
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=0), step, ModelShape.from_model(model), device="cuda"
     ).peak_bytes
+    print(f"prompt {prompt} chunk {chunk}: predicted {predicted} actual {actual}")
+    # Run on an H200 (torch 2.11) on 2026-11-28: single-shot 1024 failed (3.4 MB predicted, 44 MB actual)
+    # before the math-backend rule; see the module doc of kvb_planner.memory_model.
     assert predicted >= 0.95 * actual

@@ -61,7 +61,7 @@ class FixedMeter:
 def cheapest_peak(prompt_tokens: int, max_new: int = MAX_TOKENS, ladder: Ladder | None = None) -> int:
     ladder = ladder or Ladder.default()
     request = PlanRequest(prompt_tokens=prompt_tokens, max_new_tokens=max_new)
-    return min(estimate_memory(request, step, SHAPE).peak_bytes for step in ladder.steps)
+    return min(estimate_memory(request, step, SHAPE, device="cpu").peak_bytes for step in ladder.steps)
 
 
 def profile_fitting(prompt_tokens: int) -> DeviceProfile:
@@ -180,7 +180,7 @@ def test_no_planning_admits_everything(fake: FakeEngine) -> None:
 def test_chosen_step_reaches_the_engine(fake: FakeEngine) -> None:
     ladder = Ladder(steps=(LadderStep(prefill_chunk_size=None), LadderStep(prefill_chunk_size=8, kv_bits=4)))
     request = PlanRequest(prompt_tokens=150, max_new_tokens=MAX_TOKENS)
-    single, sliced = (estimate_memory(request, step, SHAPE).peak_bytes for step in ladder.steps)
+    single, sliced = (estimate_memory(request, step, SHAPE, device="cpu").peak_bytes for step in ladder.steps)
     assert sliced < single
     profile = DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=(single + sliced) // 2)
     gate = gate_for(profile, ladder=ladder, safety_margin=0.0)
@@ -197,7 +197,7 @@ def test_constrained_requests_are_never_quantized(fake: FakeEngine) -> None:
     plans it with full-precision steps only (here: refused), where a plain one gets 4-bit KV."""
     ladder = Ladder(steps=(LadderStep(prefill_chunk_size=None), LadderStep(prefill_chunk_size=8, kv_bits=4)))
     request = PlanRequest(prompt_tokens=150, max_new_tokens=MAX_TOKENS)
-    single, sliced = (estimate_memory(request, step, SHAPE).peak_bytes for step in ladder.steps)
+    single, sliced = (estimate_memory(request, step, SHAPE, device="cpu").peak_bytes for step in ladder.steps)
     profile = DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=(single + sliced) // 2)
     gate = gate_for(profile, ladder=ladder, safety_margin=0.0)
     regex = {"response_format": {"type": "regex", "pattern": "[a-z]+"}}

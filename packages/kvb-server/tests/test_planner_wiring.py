@@ -168,7 +168,7 @@ def test_real_engine_runs_the_planned_step(tiny_engine) -> None:
     text = "Paris is the capital of France; Berlin is the capital of Germany. " * 3
     ids = tiny_engine.tokenizer(text, add_special_tokens=True)["input_ids"]
     request = PlanRequest(prompt_tokens=len(ids), max_new_tokens=6)
-    single, sliced = (estimate_memory(request, step, shape).peak_bytes for step in ladder.steps)
+    single, sliced = (estimate_memory(request, step, shape, device="cpu").peak_bytes for step in ladder.steps)
     profile = DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=(single + sliced) // 2)
     meter = RssPeakMeter() if RssPeakMeter.available() else None
     gate = PlannerGate(shape=shape, profile=profile, ladder=ladder, safety_margin=0.0, meter=meter)

@@ -24,6 +24,11 @@ loaded weights, i.e. what a request adds to a warm server::
     present (chunked prefill, batch > 1, eager) add the mask, ``B * C * P * e`` for eager and
     ``B * C * P * (1 + e)`` for SDPA (transformers' bool mask plus the float copy torch's SDPA converts it
     to), and, under GQA, ``repeat_kv``'s expanded K and V: ``2 * B * Hq * P * d * e``.
+    One exception to SDPA's 0 buffers: on CUDA, fp32 grouped-query attention without a mask (single-shot
+    prefill of one request) runs torch's *math* backend, because transformers passes ``enable_gqa``, the
+    flash kernel takes only fp16/bf16 and the memory-efficient one does not take ``enable_gqa``. It
+    materialises the scores, their softmax and a causal mask: ``3`` score buffers (found on an H200,
+    2026-11-28: a 1024-token fp32 prefill of a 2-layer GQA model peaked at 44 MB against 3.4 MB predicted).
 
 The sum is conservative: the full ``T`` KV is charged during prefill, when only ``P`` exists. The
 per-term constants were checked against ``torch.profiler`` tensor peaks on SmolLM2 (see docs/planner.md).
@@ -42,6 +47,8 @@ from kvb_planner.shape import ModelShape
 #: eager value: assuming materialised scores is the safe side.
 SCORE_BUFFERS = {"eager": 2, "sdpa": 0, "flash_attention_2": 0, "flash_attention_3": 0, "flex_attention": 0}
 EAGER_SCORE_BUFFERS = 2
+#: Score-sized buffers of torch's math SDPA backend (scores, softmax, the float causal mask it builds).
+MATH_SDPA_SCORE_BUFFERS = 3
 SAMPLER_FP32_BYTES = 4
 
 
@@ -59,10 +66,41 @@ class MemoryEstimate:
     peak_bytes: int
 
 
+def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bool) -> int:
+    """A masked slice's extra: the mask (transformers' bool one and, for SDPA, the float copy torch makes of
+    it with aten::where) and, under GQA, ``repeat_kv``'s expanded keys and values."""
+    scratch = b * c * p * (e if eager else 1 + e)
+    if shape.num_attention_heads != shape.num_kv_heads:
+        scratch += 2 * b * shape.num_attention_heads * p * shape.head_dim * e
+    return scratch
+
+
+def sdpa_falls_back_to_math(shape: ModelShape, *, batch_size: int, device: str | None) -> bool:
+    """Whether torch's SDPA runs its math backend (materialised scores) on an unmasked slice: fp32
+    grouped-query attention of one request on CUDA (module doc). ``device`` None (unknown) counts as CUDA,
+    the safe side."""
+    on_cuda = device is None or str(device).startswith("cuda")
+    return (
+        on_cuda
+        and shape.attn_implementation == "sdpa"
+        and shape.dtype_bytes == 4
+        and shape.num_attention_heads != shape.num_kv_heads
+        and batch_size == 1
+    )
+
+
 def estimate_memory(
-    request: PlanRequest, step: LadderStep, shape: ModelShape, *, layout: KVQuantLayout = DEFAULT_KV_LAYOUT
+    request: PlanRequest,
+    step: LadderStep,
+    shape: ModelShape,
+    *,
+    layout: KVQuantLayout = DEFAULT_KV_LAYOUT,
+    device: str | None = None,
 ) -> MemoryEstimate:
-    """Predict the peak of ``request`` run with ``step`` on a model of ``shape`` (formula in the module doc)."""
+    """Predict the peak of ``request`` run with ``step`` on a model of ``shape`` (formula in the module doc).
+
+    ``device`` (``"cpu"``, ``"cuda:0"``; a :class:`~kvb_planner.DeviceProfile`'s ``device``) picks the SDPA
+    backend rule; None assumes the costlier one."""
     b, p, t = request.batch_size, request.prompt_tokens, request.total_tokens
     c = step.slice_tokens(p)
     e = shape.dtype_bytes
@@ -78,11 +116,17 @@ def estimate_memory(
     eager = shape.attn_implementation == "eager"
     buffers = SCORE_BUFFERS.get(shape.attn_implementation, EAGER_SCORE_BUFFERS)
     scratch = buffers * b * hq * c * p * max(e, 4)
-    if eager or c < p or b > 1:
-        # transformers builds a bool mask for SDPA, which torch's SDPA converts to a float one (aten::where).
-        scratch += b * c * p * (e if eager else 1 + e)
-        if hq != hkv:
-            scratch += 2 * b * hq * p * d * e
+    if sdpa_falls_back_to_math(shape, batch_size=b, device=device):
+        # The unmasked slice: the whole prompt single-shot, else the first slice (nothing cached before it,
+        # so transformers passes no mask either). Later slices are masked (below); the larger one is the peak.
+        math = MATH_SDPA_SCORE_BUFFERS * hq * c * c * 4
+        if c == p:
+            scratch = math
+        else:
+            scratch = max(math, _masked_scratch(shape, b, c, p, e, eager))
+    elif eager or c < p or b > 1:
+        scratch += _masked_scratch(shape, b, c, p, e, eager)
+
     attention = b * c * (3 * shape.hidden_size + 4 * hq * d + 4 * hkv * d) * e + scratch
     return MemoryEstimate(
         kv_bytes=kv,

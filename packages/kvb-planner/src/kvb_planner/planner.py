@@ -129,9 +129,11 @@ class _Fit(NamedTuple):
     estimate: MemoryEstimate
 
 
-def _first_fit(request: PlanRequest, shape: ModelShape, policy: PlannerPolicy, budget: int) -> _Fit | None:
+def _first_fit(
+    request: PlanRequest, shape: ModelShape, policy: PlannerPolicy, budget: int, device: str
+) -> _Fit | None:
     for step in policy.ladder.steps:
-        estimate = estimate_memory(request, step, shape, layout=policy.kv_layout)
+        estimate = estimate_memory(request, step, shape, layout=policy.kv_layout, device=device)
         if estimate.peak_bytes <= budget:
             return _Fit(step, estimate)
     return None
@@ -167,7 +169,7 @@ def plan(
     budget = int(free * (1.0 - policy.safety_margin))
     context = shape.context_length
     over_context = context is not None and request.total_tokens > context
-    found = None if over_context else _first_fit(request, shape, policy, budget)
+    found = None if over_context else _first_fit(request, shape, policy, budget, profile.device)
     if found is not None:
         step, estimate = found
         return RequestPlan(
@@ -181,7 +183,7 @@ def plan(
         )
 
     def peak(req: PlanRequest, step: LadderStep) -> int:
-        return estimate_memory(req, step, shape, layout=policy.kv_layout).peak_bytes
+        return estimate_memory(req, step, shape, layout=policy.kv_layout, device=profile.device).peak_bytes
 
     # Longest prompt / largest max_new_tokens worth searching: shorter than asked (the request as asked
     # does not fit), and within the context: prompt <= context - max_new_tokens, new <= context - prompt.
@@ -197,7 +199,7 @@ def plan(
     )
     if request.auto_truncate and max_prompt >= 1:
         shorter = replace(request, prompt_tokens=max_prompt)
-        fit = _first_fit(shorter, shape, policy, budget)
+        fit = _first_fit(shorter, shape, policy, budget, profile.device)
         assert fit is not None, "binary search found a length that no step fits"
         step, estimate = fit
         logger.info(
