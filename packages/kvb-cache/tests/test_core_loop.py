@@ -57,6 +57,46 @@ def test_generate_batch_greedy_equals_solo_generate(arch, tokenizer):
     assert got[2].cached_tokens >= 32  # the third prompt shares the first one's blocks (same step or later)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
+def test_decode_rows_in_sub_batches_give_the_same_logits(arch, tokenizer, monkeypatch):
+    """Decoding rows gather at most DECODE_GATHER_TOKENS context positions at a time (bounded memory); cut
+    to one row per sub-batch, every step's logits equal the one-batch run's (fp32)."""
+    from kvb_cache.core import paged_attention
+
+    model = make_model(arch)
+    prompts = [words(40, seed=1), words(12, seed=2), words(33, seed=3), words(3, seed=4)]
+
+    def run() -> list[list[torch.Tensor]]:
+        engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+        reqs = []
+        for i, p in enumerate(prompts):
+            req = new_request(
+                engine, f"r{i}", tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=6), 0.0
+            )
+            req.capture_logits = True
+            engine.core.add(req)
+            reqs.append(req)
+        steps: list[list[torch.Tensor]] = []
+        while engine.has_unfinished():
+            engine.step()
+            steps.append([r.last_logits.clone() for r in reqs if r.last_logits is not None])
+        return steps
+
+    whole = run()
+    calls = []
+    original = paged_attention._decode_rows
+    monkeypatch.setattr(paged_attention, "DECODE_GATHER_TOKENS", 1)
+    monkeypatch.setattr(
+        paged_attention, "_decode_rows", lambda *a, **k: calls.append(a[4]) or original(*a, **k)
+    )
+    split = run()
+    assert calls and all(part.stop - part.start == 1 for part in calls)
+    assert len(split) == len(whole)
+    for a, b in zip(whole, split, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
+
+
 def test_preemption_when_the_pool_runs_out_keeps_outputs_exact(llama, tokenizer):
     prompts = [words(30, seed=s) for s in range(4)]
     solo = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))

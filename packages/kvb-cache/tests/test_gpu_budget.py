@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_model
 
 from kvb_cache import ConfigError, EngineArgs, KVBoost
-from kvb_cache.gpu_budget import DeviceMemory, blocks_for_utilization, check_utilization, kv_pool_bytes
+from kvb_cache.core import paged_attention
+from kvb_cache.gpu_budget import (
+    DeviceMemory,
+    blocks_for_utilization,
+    check_utilization,
+    kv_pool_bytes,
+    loop_attention_bytes,
+)
 
 GiB = 1 << 30
 
@@ -24,13 +32,38 @@ def test_the_pool_gets_the_share_less_weights_and_activations() -> None:
     assert kv_pool_bytes(memory(free=70 * GiB, reserved=9 * GiB), 0.9) == int(80 * GiB * 0.9) - 3 * GiB
 
 
+def test_the_loop_attention_comes_out_of_the_pool() -> None:
+    assert kv_pool_bytes(memory(loop_attention=GiB), 0.9) == int(80 * GiB * 0.9) - 4 * GiB
+    with pytest.raises(ConfigError, match="lower max_num_batched_tokens or max_model_len"):
+        kv_pool_bytes(memory(weights=30 * GiB, activations=5 * GiB, loop_attention=5 * GiB), 0.5)
+
+
+def test_loop_attention_is_charged_from_the_shapes(llama) -> None:
+    """The tiny Llama: 4 query / 2 KV heads of 16 dims, fp32. Gathered K + V of one layer over the larger of
+    the decode sub-batch and the context, the prefill's [G * q, ctx] bool mask and SDPA's fp32 copy."""
+    gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 512) * 2 * 16 * 4
+    mask = 2 * 256 * 512 * (1 + 4)
+    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + mask
+    # A slice longer than the context is cut to it.
+    assert loop_attention_bytes(llama, step_tokens=4096, context=512) == gather + 2 * 512 * 512 * 5
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_eager_attention_adds_its_scores(arch: str) -> None:
+    """Soft-capping (Gemma 2) and sinks (gpt-oss) run the eager formula: [H, q, ctx] fp32 scores + probs."""
+    model = make_model(arch)
+    with_scores = loop_attention_bytes(model, step_tokens=64, context=128)
+    gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 128) * 2 * 16 * 4
+    assert with_scores == gather + 2 * 64 * 128 * 5 + 2 * 4 * 64 * 128 * 4
+
+
 def test_a_share_other_processes_hold_is_refused() -> None:
     with pytest.raises(ConfigError, match="other processes hold the rest"):
         kv_pool_bytes(memory(free=40 * GiB), 0.9)
 
 
 def test_a_share_the_weights_fill_is_refused() -> None:
-    with pytest.raises(ConfigError, match="raise gpu_memory_utilization or lower max_num_batched_tokens"):
+    with pytest.raises(ConfigError, match="raise gpu_memory_utilization, or lower max_num_batched_tokens"):
         kv_pool_bytes(memory(weights=30 * GiB, activations=10 * GiB), 0.5)
 
 
@@ -53,8 +86,8 @@ def test_blocks_follow_the_measured_memory() -> None:
 
     measured: list[int] = []
 
-    def measure(model: object, tokens: int) -> DeviceMemory:
-        measured.append(tokens)
+    def measure(model: object, tokens: int, rows: int) -> DeviceMemory:
+        measured.append((tokens, rows))
         return memory()
 
     blocks = blocks_for_utilization(
@@ -62,9 +95,11 @@ def test_blocks_follow_the_measured_memory() -> None:
         0.9,
         block_bytes=1 << 20,
         step_tokens=2048,
+        sample_rows=32,
+        loop_attention=GiB,
         measure_memory=measure,  # type: ignore[arg-type]
     )
-    assert blocks == (int(80 * GiB * 0.9) - 3 * GiB) // (1 << 20) and measured == [2048]
+    assert blocks == (int(80 * GiB * 0.9) - 4 * GiB) // (1 << 20) and measured == [(2048, 32)]
     with pytest.raises(ConfigError, match="less than two blocks"):
         blocks_for_utilization(
             OnCuda(),  # type: ignore[arg-type]

@@ -3,9 +3,21 @@ the GPU's memory instead of a byte budget.
 
 The share (``total x fraction``) holds the weights, the activations of the largest step and the pool; the
 pool gets what the other two leave. As vLLM does, the activations are measured, not modelled: one forward
-of ``max_num_batched_tokens`` tokens (the most a step feeds the model) before the pool exists, its peak
-above the weights taken as the step's. It is a plain forward with the model's own attention, not the
-engine loop's attention over the pool, so it approximates the loop's peak rather than replaying it.
+of ``max_num_batched_tokens`` tokens (the most a step feeds the model) before the pool exists, with the
+logits of ``max_num_seqs`` rows and their fp32 softmax (the sampler's share), its peak above the weights
+taken as the step's, in memory torch *reserves* (what the process holds, allocator rounding included).
+
+That forward runs the model's own attention over its own tokens. The engine loop's attention also reads
+each request's cached context back from the pool: one layer's gathered keys and values, the prefill's
+position mask (and the float copy SDPA makes of it) and, where the eager formula runs (soft-capping,
+attention sinks), the scores, all over contexts up to ``max_model_len``. Those are charged from their
+shapes (:func:`loop_attention_bytes`). Measured on an H200 (docs/server.md, ``tools/gpu_checks.py``
+memory_share): without them 16 prompts of 1500 tokens ended 12 MiB above a 0.6 share, with them 228-241 MiB
+inside a 0.3 and a 0.6 share; 32 prompts near the context (7900 tokens) still end 340-350 MiB above it in
+torch's reserved memory, so the share is not yet a hard cap for prompts near ``max_model_len``.
+
+As in vLLM, the share counts memory torch holds after CUDA is initialised: the CUDA context itself
+(~0.5 GiB, outside torch's allocator) is not in it.
 
 Only CUDA devices: on CPU the pool is sized by ``max_cache_bytes`` or ``num_blocks``.
 """
@@ -31,13 +43,15 @@ GiB = float(1 << 30)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceMemory:
     """Bytes on one device when the pool is sized: ``total`` and ``free`` as the driver reports them,
-    ``weights`` held by torch once the model is loaded, ``activations`` the profiled step's peak above it."""
+    ``weights`` held by torch once the model is loaded, ``activations`` the profiled step's peak above it,
+    ``loop_attention`` what the loop's attention adds beside it (:func:`loop_attention_bytes`)."""
 
     total: int
     free: int
     reserved: int
     weights: int
     activations: int
+    loop_attention: int = 0
 
 
 def kv_pool_bytes(memory: DeviceMemory, utilization: float) -> int:
@@ -57,12 +71,13 @@ def kv_pool_bytes(memory: DeviceMemory, utilization: float) -> int:
             f"{memory.total / GiB:.2f} GiB, but only {available / GiB:.2f} GiB is free for this process "
             "(other processes hold the rest): lower gpu_memory_utilization"
         )
-    left = wanted - memory.weights - memory.activations
+    step = memory.activations + memory.loop_attention
+    left = wanted - memory.weights - step
     if left <= 0:
         raise ConfigError(
             f"gpu_memory_utilization={utilization} gives {wanted / GiB:.2f} GiB, and the weights "
-            f"({memory.weights / GiB:.2f} GiB) and one step's activations ({memory.activations / GiB:.2f} "
-            "GiB) take all of it: raise gpu_memory_utilization or lower max_num_batched_tokens"
+            f"({memory.weights / GiB:.2f} GiB) and one step's activations ({step / GiB:.2f} GiB) take all "
+            "of it: raise gpu_memory_utilization, or lower max_num_batched_tokens or max_model_len"
         )
     return left
 
@@ -94,12 +109,14 @@ def check_cuda_device(device: str | torch.device | None) -> None:
         raise _not_cuda(resolved)
 
 
-def profile_step_peak(model: PreTrainedModel, tokens: int) -> int:
-    """Peak CUDA bytes above the current allocation during one forward of ``tokens`` tokens (logits of the
-    last position only, as the engine loop keeps only the sampled rows')."""
+def profile_step_peak(model: PreTrainedModel, tokens: int, rows: int = 1) -> int:
+    """Peak CUDA bytes torch reserves above what it held before, during one forward of ``tokens`` tokens
+    that keeps the logits of the last ``rows`` positions and takes their fp32 softmax (as the loop keeps and
+    samples one row per scheduled request)."""
     device = model.device
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
     positions = torch.arange(tokens, device=device).unsqueeze(0)
@@ -109,30 +126,60 @@ def profile_step_peak(model: PreTrainedModel, tokens: int) -> int:
     with torch.inference_mode():
         # use_cache with a fresh cache: the step's keys/values are written too, as the loop writes them into
         # its pool (here they are freed with the cache right after).
-        model(
+        logits = model(
             input_ids=ids,
             position_ids=positions,
             **cache_kwargs(model, cache),
             use_cache=True,
-            logits_to_keep=1,
-        )
+            logits_to_keep=max(1, min(rows, tokens)),
+        ).logits
+        logits.float().softmax(-1)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del cache
+    # Reserved, not only allocated: the caching allocator rounds and splits segments, and what it reserves
+    # is what the process holds.
+    peak = max(
+        torch.cuda.max_memory_allocated(device) - allocated,
+        torch.cuda.max_memory_reserved(device) - reserved,
+    )
+    del cache, logits
     torch.cuda.empty_cache()
     return max(0, peak)
 
 
-def measure(model: PreTrainedModel, tokens: int) -> DeviceMemory:
-    """The device's memory with ``model`` loaded, and one ``tokens``-token step profiled."""
+def loop_attention_bytes(model: PreTrainedModel, *, step_tokens: int, context: int) -> int:
+    """Bytes the engine loop's attention holds at once in one layer beyond a plain forward's: gathered keys
+    and values (:func:`~kvb_cache.core.paged_attention.gather_bytes`), a prefill slice's ``[G * q, ctx]``
+    bool mask with SDPA's float copy of it (``q`` = ``step_tokens``, ``ctx`` = ``context``), and the
+    ``[H, q, ctx]`` fp32 scores and probabilities where the eager formula runs (soft-capping, sinks)."""
+    from kvb_cache.core.kv_storage import probe_layer_shapes
+    from kvb_cache.core.paged_attention import gather_bytes
+
+    shapes = probe_layer_shapes(model)
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
+    gathered = max(gather_bytes(context, s.kv_heads, max(s.key_dim, s.value_dim), element) for s in shapes)
+    groups = max(heads // s.kv_heads for s in shapes)
+    q = min(step_tokens, context)
+    mask = groups * q * context * (1 + element)
+    eager = getattr(text, "attn_logit_softcapping", None) is not None or any(
+        name.endswith("sinks") for name, _ in model.named_parameters()
+    )
+    scores = 2 * heads * q * context * 4 if eager else 0
+    return gathered + mask + scores
+
+
+def measure(model: PreTrainedModel, tokens: int, rows: int = 1) -> DeviceMemory:
+    """The device's memory with ``model`` loaded, and one ``tokens``-token step keeping ``rows`` logits
+    profiled."""
     device = model.device
-    activations = profile_step_peak(model, tokens)
+    activations = profile_step_peak(model, tokens, rows)
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(
         total=total,
         free=free,
         reserved=torch.cuda.memory_reserved(device),
-        weights=torch.cuda.memory_allocated(device),
+        weights=torch.cuda.memory_reserved(device),
         activations=activations,
     )
 
@@ -143,16 +190,19 @@ def blocks_for_utilization(
     *,
     block_bytes: int,
     step_tokens: int,
-    measure_memory: Callable[[PreTrainedModel, int], DeviceMemory] = measure,
+    sample_rows: int = 1,
+    loop_attention: int = 0,
+    measure_memory: Callable[[PreTrainedModel, int, int], DeviceMemory] = measure,
 ) -> int:
-    """KV blocks (``block_bytes`` each) that fit in ``utilization`` of the model's CUDA device.
+    """KV blocks (``block_bytes`` each) that fit in ``utilization`` of the model's CUDA device, beside one
+    profiled step of ``step_tokens`` tokens sampling ``sample_rows`` rows and ``loop_attention`` bytes.
 
     Raises:
         ConfigError: the model is not on a CUDA device, or :func:`kv_pool_bytes` refuses.
     """
     if model.device.type != "cuda":
         raise _not_cuda(model.device)
-    memory = measure_memory(model, step_tokens)
+    memory = replace(measure_memory(model, step_tokens, sample_rows), loop_attention=loop_attention)
     pool = kv_pool_bytes(memory, utilization)
     blocks = pool // max(block_bytes, 1)
     if blocks < 2:
@@ -162,12 +212,13 @@ def blocks_for_utilization(
         )
     logger.info(
         "KV pool sized for gpu_memory_utilization=%s: %d blocks (%.2f GiB; weights %.2f GiB, step "
-        "activations %.2f GiB of %.2f GiB total)",
+        "activations %.2f GiB measured + %.2f GiB loop attention, of %.2f GiB total)",
         utilization,
         blocks,
         blocks * block_bytes / GiB,
         memory.weights / GiB,
         memory.activations / GiB,
+        memory.loop_attention / GiB,
         memory.total / GiB,
     )
     return int(blocks)
@@ -180,9 +231,19 @@ def apply_utilization(
     if utilization is None:
         return config
     from kvb_cache.core.kv_storage import bytes_per_block, probe_layer_shapes
+    from kvb_cache.model_traits import cap_context, inspect_model
 
+    if model.device.type != "cuda":
+        raise _not_cuda(model.device)
     block_bytes = bytes_per_block(probe_layer_shapes(model), config.block_size)
+    step = config.max_num_batched_tokens
+    context = cap_context(inspect_model(model), config.max_model_len).context_length or step
     blocks = blocks_for_utilization(
-        model, utilization, block_bytes=block_bytes, step_tokens=config.max_num_batched_tokens
+        model,
+        utilization,
+        block_bytes=block_bytes,
+        step_tokens=step,
+        sample_rows=config.max_num_seqs,
+        loop_attention=loop_attention_bytes(model, step_tokens=step, context=context),
     )
     return replace(config, num_blocks=blocks)

@@ -41,6 +41,8 @@ from kvb_cache.core.attention_routing import record_layer
 from kvb_cache.core.kv_storage import KVStorage
 
 NAME = "kvb_paged"
+#: Most context positions decoding rows gather from the pool at once (rows x padded width), per layer.
+DECODE_GATHER_TOKENS = 1 << 16
 #: Config attribute recording the implementation calls without paged metadata go to.
 FALLBACK_ATTR = "kvb_fallback_attn_implementation"
 
@@ -169,21 +171,55 @@ def paged_attention_forward(
     group = batch.decode
     if group is not None:
         rows_n, width = group.slots.shape
-        q = query[0, :, group.rows].transpose(0, 1).reshape(rows_n, kv_heads, groups, -1)  # [B, KVH, G, D]
-        flat = group.slots.reshape(-1)
-        k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [B, KVH, L, D]
-        v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
-        mask = group.valid
-        k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
-        q_pos = group.lengths.unsqueeze(1) - 1  # [B, 1]: each row's query is its last context token
-        if sliding_window is not None:
-            mask = mask & (k_pos > q_pos - sliding_window)
-        if chunk is not None:
-            mask = mask & (k_pos // chunk == q_pos // chunk)
-        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
-        o = attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
-        out[group.rows] = o.reshape(rows_n, heads, -1)  # o: [B, KVH, G, Dv]
+        # Decoding rows gather their context padded to the longest one; in sub-batches of at most
+        # DECODE_GATHER_TOKENS gathered positions, so the step's transient keys/values stay bounded
+        # (gather_bytes) however many long requests decode together.
+        per = max(1, DECODE_GATHER_TOKENS // width)
+        for first in range(0, rows_n, per):
+            part = slice(first, min(first + per, rows_n))
+            out[group.rows[part]] = _decode_rows(
+                query, keys, values, group, part, sliding_window, chunk, scaling, softcap, s_aux
+            )
     return out.unsqueeze(0), None
+
+
+def _decode_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: DecodeGroup,
+    part: slice,
+    sliding_window: int | None,
+    chunk: int | None,
+    scaling: float | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of the decoding rows ``part`` of ``group``: ``[b, H, Dv]`` for its ``b`` rows."""
+    slots, valid, lengths = group.slots[part], group.valid[part], group.lengths[part]
+    rows_n, width = slots.shape
+    heads, kv_heads = query.shape[1], keys.shape[0]
+    q = query[0, :, group.rows[part]].transpose(0, 1).reshape(rows_n, kv_heads, heads // kv_heads, -1)
+    flat = slots.reshape(-1)
+    k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [b, KVH, L, D]
+    v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
+    mask = valid
+    k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
+    q_pos = lengths.unsqueeze(1) - 1  # [b, 1]: each row's query is its last context token
+    if sliding_window is not None:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    if chunk is not None:
+        mask = mask & (k_pos // chunk == q_pos // chunk)
+    sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
+    o = attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
+    return o.reshape(rows_n, heads, -1)  # o: [b, KVH, G, Dv]
+
+
+def gather_bytes(max_model_len: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Most bytes one layer's gathered keys + values take during a step: a prefill gathers its request's
+    whole context (at most ``max_model_len``), decoding rows at most :data:`DECODE_GATHER_TOKENS` positions
+    at a time (or one row of ``max_model_len``). What the GPU budget charges beside the profiled forward."""
+    return 2 * max(DECODE_GATHER_TOKENS, max_model_len) * kv_heads * head_dim * element_size
 
 
 def _fallback(module: torch.nn.Module):
