@@ -15,6 +15,12 @@ Sections (each independent; a failure is recorded and the next one runs):
                     tokens, tokens per target forward and speed vs plain streamed decoding.
   memory_share      gpu_memory_utilization 0.3 / 0.6: the pool's blocks, the device's peak while a full batch
                     of long prompts runs against total x fraction (the profiled step must cover the loop's).
+  kernels_trained   kernels_in_model on the real SmolLM2-135M-Instruct weights (--trained-dir) and real text
+  engine_trained    engine_cuda on the real weights and real text (pydoc topics instead of random ids)
+
+The trained sections need ``--trained-dir``: a safetensors folder of SmolLM2-135M-Instruct (the embedded GGUF
+converted on the machine, ``kvb_cache.embedded``), since trained weights have few near-ties and random ones
+many, so greedy identity in fp16/bf16 only means something with them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,6 +72,28 @@ def load(path: Path, dtype: torch.dtype, attn: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(DEVICE).eval()
 
 
+def random_tokens(vocab: int = 49152) -> Callable[[int, torch.Generator], list[int]]:
+    """``draw(n, gen)``: n seeded random token ids (the random-weights sections)."""
+    return lambda n, gen: torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+def text_tokens(path: Path) -> Callable[[int, torch.Generator], list[int]]:
+    """``draw(n, gen)``: n consecutive tokens of Python's pydoc topics from a seeded offset (real text, for
+    trained weights: random ids put a trained model far outside its distribution)."""
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stream = tokenizer("\n\n".join(topics[name] for name in sorted(topics)))["input_ids"]
+
+    def draw(n: int, gen: torch.Generator) -> list[int]:
+        start = int(torch.randint(0, len(stream) - n, (1,), generator=gen))
+        return stream[start : start + n]
+
+    return draw
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -83,14 +112,14 @@ class FallbackCounter(logging.Handler):
         self.reasons.append(record.getMessage())
 
 
-def kernels_in_model(path: Path) -> dict:
+def kernels_in_model(path: Path, draw: Callable[[int, torch.Generator], list[int]]) -> dict:
     from kvb_kernels import register_kvb_attention
 
     register_kvb_attention()
     counter = FallbackCounter()
     logging.getLogger("kvb_kernels").addHandler(counter)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 49152, (4, 777), generator=gen).to(DEVICE)
+    ids = torch.tensor([draw(777, gen) for _ in range(4)], device=DEVICE)
     with torch.inference_mode():
         ref = load(path, torch.float32, "sdpa")
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -127,17 +156,17 @@ def kernels_in_model(path: Path) -> dict:
     return out
 
 
-def engine_cuda(path: Path) -> dict:
+def engine_cuda(path: Path, draw: Callable[[int, torch.Generator], list[int]]) -> dict:
     from kvb_cache import KVBoost
 
     out: dict = {"rows": []}
     gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(3, 49152, (300,), generator=gen).tolist()
+    shared = draw(300, gen)
     for dtype in ("float32", "bfloat16"):
         torch.backends.cuda.matmul.allow_tf32 = False
         engine = KVBoost.from_pretrained(str(path), device=DEVICE, dtype=dtype, max_num_batched_tokens=2048)
         model = engine.model
-        prompt = shared + torch.randint(3, 49152, (420,), generator=gen).tolist()
+        prompt = shared + draw(420, gen)
         with torch.inference_mode():
             ref = model(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
         miss = engine.next_token_logits(prompt)
@@ -146,7 +175,7 @@ def engine_cuda(path: Path) -> dict:
         with torch.inference_mode():
             ref_longer = model(torch.tensor([longer], device=DEVICE)).logits[0, -1].float()
         extend = engine.next_token_logits(longer)
-        prompts = [shared + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 40, 90, 130)]
+        prompts = [shared + draw(n, gen) for n in (5, 40, 90, 130)]
         batch = engine.generate_batch(prompts, max_new_tokens=32, ignore_eos=True)
         same = 0
         divergences = []
@@ -180,12 +209,19 @@ def engine_cuda(path: Path) -> dict:
 
 
 def memory_share(path: Path) -> dict:
-    """Does ``gpu_memory_utilization`` keep the process inside its share? The pool is sized from one
-    profiled plain forward; the engine loop's own steps (paged attention, sampling) must stay below it."""
+    """Does ``gpu_memory_utilization`` keep the process inside its share? The pool is sized from one profiled
+    plain forward plus the loop attention's transients (``gpu_budget.loop_attention_bytes``); the engine
+    loop's own steps must stay below it: a batch of mid-length prompts, then 32 prompts near the model's
+    context decoding together (the padded gather of every row's context, in sub-batches)."""
     from kvb_cache import KVBoost
 
     rows = []
     total = torch.cuda.mem_get_info()[1]
+    gen = torch.Generator().manual_seed(3)
+    workloads = {
+        "16 x 1500": [torch.randint(3, 49152, (1500,), generator=gen).tolist() for _ in range(16)],
+        "32 x 7900": [torch.randint(3, 49152, (7900,), generator=gen).tolist() for _ in range(32)],
+    }
     for fraction in (0.3, 0.6):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -196,18 +232,21 @@ def memory_share(path: Path) -> dict:
             gpu_memory_utilization=fraction,
             max_num_batched_tokens=2048,
         )
-        gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(3, 49152, (1500,), generator=gen).tolist() for _ in range(16)]
-        engine.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)
-        sync()
-        peak = torch.cuda.max_memory_reserved()
-        row = {
+        row: dict = {
             "fraction": fraction,
             "num_blocks": engine.kv.pool.num_blocks,
             "share_gib": total * fraction / 2**30,
-            "peak_reserved_gib": peak / 2**30,
-            "within_share": peak <= total * fraction,
         }
+        for name, prompts in workloads.items():
+            start = time.perf_counter()
+            engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+            sync()
+            row[f"{name} seconds"] = time.perf_counter() - start
+            row[f"peak_reserved_gib after {name}"] = torch.cuda.max_memory_reserved() / 2**30
+        peak = torch.cuda.max_memory_reserved()
+        row["peak_reserved_gib"] = peak / 2**30
+        row["margin_mib"] = (total * fraction - peak) / 2**20
+        row["within_share"] = peak <= total * fraction
         rows.append(row)
         print(row, flush=True)
         engine.close()
@@ -376,6 +415,9 @@ def main() -> int:
     parser.add_argument(
         "--model-dir", required=True, help="SmolLM2 config + tokenizer files (weights unused)"
     )
+    parser.add_argument(
+        "--trained-dir", help="SmolLM2-135M-Instruct safetensors folder (kernels_trained, engine_trained)"
+    )
     parser.add_argument("--work-dir", default="/tmp/kvb_gpu_checks")
     parser.add_argument("--awq-dir", default="/tmp/kvb_streaming_bench_model")
     parser.add_argument("--awq-layers", type=int, default=32)
@@ -402,9 +444,17 @@ def main() -> int:
     import transformers
 
     results["transformers"] = transformers.__version__
+
+    def trained() -> Path:
+        if not args.trained_dir:
+            raise SystemExit("kernels_trained / engine_trained need --trained-dir")
+        return Path(args.trained_dir)
+
     sections = {
-        "kernels_in_model": lambda: kernels_in_model(path),
-        "engine_cuda": lambda: engine_cuda(path),
+        "kernels_in_model": lambda: kernels_in_model(path, random_tokens()),
+        "engine_cuda": lambda: engine_cuda(path, random_tokens()),
+        "kernels_trained": lambda: kernels_in_model(trained(), text_tokens(trained())),
+        "engine_trained": lambda: engine_cuda(trained(), text_tokens(trained())),
         "spec_streaming": lambda: spec_streaming(args),
         "launch_overhead": launch_overhead,
         "memory_share": lambda: memory_share(path),
