@@ -97,6 +97,45 @@ def test_decode_rows_in_sub_batches_give_the_same_logits(arch, tokenizer, monkey
             torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss", "mistral"])
+def test_prefill_in_query_blocks_gives_the_same_logits(arch, tokenizer, monkeypatch):
+    """A prefill slice's position mask is built a block of query rows at a time (bounded memory); cut to
+    blocks of 3 rows, a cached-prefix prompt prefilled in 24-token slices (sliding windows, sinks and
+    soft-capping included) gives the one-block run's logits at every sampled step (fp32)."""
+    from kvb_cache.core import paged_attention
+
+    model = make_model(arch)
+    prefix = tokenizer(words(40, seed=5))["input_ids"]
+    prompts = [prefix + tokenizer(words(n, seed=s))["input_ids"] for n, s in ((37, 6), (9, 7))]
+
+    def run() -> list[torch.Tensor]:
+        engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16, max_num_batched_tokens=24))
+        engine.warm(prefix)
+        got = []
+        for i, p in enumerate(prompts):
+            req = new_request(engine, f"r{i}", p, SamplingParams(max_new_tokens=3), 0.0)
+            req.capture_logits = True
+            engine.core.add(req)
+            while engine.has_unfinished():
+                engine.step()
+                if req.last_logits is not None:
+                    got.append(req.last_logits.clone())
+        return got
+
+    whole = run()
+    monkeypatch.setattr(paged_attention, "PREFILL_MASK_ELEMENTS", 1)
+    blocks = []
+    original = paged_attention.prefill_block_rows
+    monkeypatch.setattr(
+        paged_attention, "prefill_block_rows", lambda g, c: blocks.append(original(g, c)) or original(g, c)
+    )
+    split = run()
+    assert blocks and max(blocks) == 1
+    assert len(split) == len(whole)
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
 def test_preemption_when_the_pool_runs_out_keeps_outputs_exact(llama, tokenizer):
     prompts = [words(30, seed=s) for s in range(4)]
     solo = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))

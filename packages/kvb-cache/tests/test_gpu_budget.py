@@ -38,23 +38,28 @@ def test_the_loop_attention_comes_out_of_the_pool() -> None:
         kv_pool_bytes(memory(weights=30 * GiB, activations=5 * GiB, loop_attention=5 * GiB), 0.5)
 
 
-def test_loop_attention_is_charged_from_the_shapes(llama) -> None:
+def test_loop_attention_is_charged_from_the_shapes(llama, monkeypatch) -> None:
     """The tiny Llama: 4 query / 2 KV heads of 16 dims, fp32. Gathered K + V of one layer over the larger of
-    the decode sub-batch and the context, the prefill's [G * q, ctx] bool mask and SDPA's fp32 copy."""
+    the decode sub-batch and the context; the prefill block's [G * rows, ctx] bool mask, SDPA's fp32 copy and
+    the aligned copy of it (1 + 2 * 4 bytes an element)."""
     gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 512) * 2 * 16 * 4
-    mask = 2 * 256 * 512 * (1 + 4)
-    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + mask
+    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + 2 * 256 * 512 * 9
     # A slice longer than the context is cut to it.
-    assert loop_attention_bytes(llama, step_tokens=4096, context=512) == gather + 2 * 512 * 512 * 5
+    assert loop_attention_bytes(llama, step_tokens=4096, context=512) == gather + 2 * 512 * 512 * 9
+    # A slice longer than a mask block is charged one block: 2 * 100 * 512 elements here.
+    monkeypatch.setattr(paged_attention, "PREFILL_MASK_ELEMENTS", 2 * 100 * 512)
+    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + 2 * 100 * 512 * 9
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
 def test_eager_attention_adds_its_scores(arch: str) -> None:
-    """Soft-capping (Gemma 2) and sinks (gpt-oss) run the eager formula: [H, q, ctx] fp32 scores + probs."""
+    """Soft-capping (Gemma 2) and sinks (gpt-oss) run the eager formula: [KVH, G * q, ctx] fp32 scores and
+    probabilities."""
     model = make_model(arch)
     with_scores = loop_attention_bytes(model, step_tokens=64, context=128)
     gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 128) * 2 * 16 * 4
-    assert with_scores == gather + 2 * 64 * 128 * 5 + 2 * 4 * 64 * 128 * 4
+    mask_elements = 2 * 64 * 128
+    assert with_scores == gather + mask_elements * 9 + 2 * 4 * 2 * mask_elements
 
 
 def test_a_share_other_processes_hold_is_refused() -> None:

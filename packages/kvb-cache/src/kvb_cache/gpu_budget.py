@@ -9,12 +9,14 @@ taken as the step's, in memory torch *reserves* (what the process holds, allocat
 
 That forward runs the model's own attention over its own tokens. The engine loop's attention also reads
 each request's cached context back from the pool: one layer's gathered keys and values, the prefill's
-position mask (and the float copy SDPA makes of it) and, where the eager formula runs (soft-capping,
-attention sinks), the scores, all over contexts up to ``max_model_len``. Those are charged from their
+position mask (and the copies SDPA makes of it) and, where the eager formula runs (soft-capping,
+attention sinks), the scores, all over contexts up to ``max_model_len`` (masks and scores are built a block
+of query rows at a time, ``paged_attention.PREFILL_MASK_ELEMENTS``). Those are charged from their
 shapes (:func:`loop_attention_bytes`). Measured on an H200 (docs/server.md, ``tools/gpu_checks.py``
 memory_share): without them 16 prompts of 1500 tokens ended 12 MiB above a 0.6 share, with them 228-241 MiB
-inside a 0.3 and a 0.6 share; 32 prompts near the context (7900 tokens) still end 340-350 MiB above it in
-torch's reserved memory, so the share is not yet a hard cap for prompts near ``max_model_len``.
+inside a 0.3 and a 0.6 share; 32 prompts near the context (7900 tokens) still ended 340-350 MiB above it
+in torch's reserved memory, before prefill masks were built in blocks of query rows (not re-run on a GPU
+since), so the share is not yet known to be a hard cap for prompts near ``max_model_len``.
 
 As in vLLM, the share counts memory torch holds after CUDA is initialised: the CUDA context itself
 (~0.5 GiB, outside torch's allocator) is not in it.
@@ -148,24 +150,28 @@ def profile_step_peak(model: PreTrainedModel, tokens: int, rows: int = 1) -> int
 
 def loop_attention_bytes(model: PreTrainedModel, *, step_tokens: int, context: int) -> int:
     """Bytes the engine loop's attention holds at once in one layer beyond a plain forward's: gathered keys
-    and values (:func:`~kvb_cache.core.paged_attention.gather_bytes`), a prefill slice's ``[G * q, ctx]``
-    bool mask with SDPA's float copy of it (``q`` = ``step_tokens``, ``ctx`` = ``context``), and the
-    ``[H, q, ctx]`` fp32 scores and probabilities where the eager formula runs (soft-capping, sinks)."""
+    and values (:func:`~kvb_cache.core.paged_attention.gather_bytes`); a prefill block's ``[G * rows, ctx]``
+    bool position mask (``rows`` at most ``step_tokens`` and :func:`~kvb_cache.core.paged_attention.
+    prefill_block_rows`), the float copy SDPA makes of it and the copy its memory-efficient kernel pads to an
+    aligned width; and, where the eager formula runs (soft-capping, sinks), that block's fp32 scores and
+    probabilities."""
     from kvb_cache.core.kv_storage import probe_layer_shapes
-    from kvb_cache.core.paged_attention import gather_bytes
+    from kvb_cache.core.paged_attention import gather_bytes, prefill_block_rows
 
     shapes = probe_layer_shapes(model)
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
     gathered = max(gather_bytes(context, s.kv_heads, max(s.key_dim, s.value_dim), element) for s in shapes)
-    groups = max(heads // s.kv_heads for s in shapes)
-    q = min(step_tokens, context)
-    mask = groups * q * context * (1 + element)
+    kv_heads = min(s.kv_heads for s in shapes)
+    groups = heads // kv_heads
+    rows = min(step_tokens, context, prefill_block_rows(groups, context))
+    mask_elements = groups * rows * context
+    mask = mask_elements * (1 + 2 * element)
     eager = getattr(text, "attn_logit_softcapping", None) is not None or any(
         name.endswith("sinks") for name, _ in model.named_parameters()
     )
-    scores = 2 * heads * q * context * 4 if eager else 0
+    scores = 2 * 4 * kv_heads * mask_elements if eager else 0
     return gathered + mask + scores
 
 

@@ -43,6 +43,9 @@ from kvb_cache.core.kv_storage import KVStorage
 NAME = "kvb_paged"
 #: Most context positions decoding rows gather from the pool at once (rows x padded width), per layer.
 DECODE_GATHER_TOKENS = 1 << 16
+#: Most elements of one prefill attention call's position mask (grouped query rows x keys); longer slices
+#: over longer contexts are attended in blocks of query rows.
+PREFILL_MASK_ELEMENTS = 1 << 24
 #: Config attribute recording the implementation calls without paged metadata go to.
 FALLBACK_ATTR = "kvb_fallback_attn_implementation"
 
@@ -158,16 +161,34 @@ def paged_attention_forward(
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
         q_len, ctx = seq.q_len, seq.slots.shape[0]
-        q = group_queries(query[:, :, seq.start : seq.start + q_len], kv_heads)  # [1, KVH, G*q, D]
         k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
         v = values.index_select(1, seq.slots).unsqueeze(0)
-        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
         if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
+            q = query[:, :, seq.start : seq.start + q_len]  # [1, H, q, D]: no mask at all
+            sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
             o = attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
-        else:
-            mask = causal_mask(q_len, ctx, sliding_window, q.device, chunk).repeat(groups, 1)[None, None]
-            o = attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)  # [1, KVH, G*q, Dv]
-        out[seq.start : seq.start + q_len] = o[0].reshape(heads, q_len, -1).transpose(0, 1)
+            out[seq.start : seq.start + q_len] = o[0].transpose(0, 1)
+            continue
+        # The [G * rows, keys] position mask is built for a block of query rows at a time, at most
+        # PREFILL_MASK_ELEMENTS, so a long slice over a long context does not hold one of G * q * ctx (SDPA
+        # also makes a float copy of it); each block attends the keys up to its own last position.
+        block = prefill_block_rows(groups, ctx)
+        for first in range(0, q_len, block):
+            last = min(first + block, q_len)
+            seen = ctx - q_len + last
+            q = group_queries(query[:, :, seq.start + first : seq.start + last], kv_heads)  # [1, KVH, G*b, D]
+            mask = causal_mask(last - first, seen, sliding_window, q.device, chunk).repeat(groups, 1)
+            sinks = None if s_aux is None else sink_column(s_aux, kv_heads, last - first)
+            o = attend(
+                q,
+                k[:, :, :seen],
+                v[:, :, :seen],
+                mask[None, None],
+                scaling=scaling,
+                softcap=softcap,
+                sinks=sinks,
+            )  # [1, KVH, G*b, Dv]
+            out[seq.start + first : seq.start + last] = o[0].reshape(heads, last - first, -1).transpose(0, 1)
     group = batch.decode
     if group is not None:
         rows_n, width = group.slots.shape
@@ -213,6 +234,12 @@ def _decode_rows(
     sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
     o = attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
     return o.reshape(rows_n, heads, -1)  # o: [b, KVH, G, Dv]
+
+
+def prefill_block_rows(groups: int, ctx: int) -> int:
+    """Query rows of one prefill attention call over ``ctx`` keys: its ``[groups * rows, ctx]`` mask holds at
+    most :data:`PREFILL_MASK_ELEMENTS` elements (one row at least)."""
+    return max(1, PREFILL_MASK_ELEMENTS // (groups * ctx))
 
 
 def gather_bytes(max_model_len: int, kv_heads: int, head_dim: int, element_size: int) -> int:
