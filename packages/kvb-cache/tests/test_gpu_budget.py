@@ -10,6 +10,7 @@ from conftest import make_model
 
 from kvb_cache import ConfigError, EngineArgs, KVBoost
 from kvb_cache.core import paged_attention
+from kvb_cache.core.kv_storage import probe_layer_shapes
 from kvb_cache.gpu_budget import (
     DeviceMemory,
     blocks_for_utilization,
@@ -43,12 +44,21 @@ def test_loop_attention_is_charged_from_the_shapes(llama, monkeypatch) -> None:
     the decode sub-batch and the context; the prefill block's [G * rows, ctx] bool mask, SDPA's fp32 copy and
     the aligned copy of it (1 + 2 * 4 bytes an element)."""
     gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 512) * 2 * 16 * 4
-    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + 2 * 256 * 512 * 9
+    assert (
+        loop_attention_bytes(llama, probe_layer_shapes(llama), step_tokens=256, context=512)
+        == gather + 2 * 256 * 512 * 9
+    )
     # A slice longer than the context is cut to it.
-    assert loop_attention_bytes(llama, step_tokens=4096, context=512) == gather + 2 * 512 * 512 * 9
+    assert (
+        loop_attention_bytes(llama, probe_layer_shapes(llama), step_tokens=4096, context=512)
+        == gather + 2 * 512 * 512 * 9
+    )
     # A slice longer than a mask block is charged one block: 2 * 100 * 512 elements here.
     monkeypatch.setattr(paged_attention, "PREFILL_MASK_ELEMENTS", 2 * 100 * 512)
-    assert loop_attention_bytes(llama, step_tokens=256, context=512) == gather + 2 * 100 * 512 * 9
+    assert (
+        loop_attention_bytes(llama, probe_layer_shapes(llama), step_tokens=256, context=512)
+        == gather + 2 * 100 * 512 * 9
+    )
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
@@ -56,7 +66,7 @@ def test_eager_attention_adds_its_scores(arch: str) -> None:
     """Soft-capping (Gemma 2) and sinks (gpt-oss) run the eager formula: [KVH, G * q, ctx] fp32 scores and
     probabilities."""
     model = make_model(arch)
-    with_scores = loop_attention_bytes(model, step_tokens=64, context=128)
+    with_scores = loop_attention_bytes(model, probe_layer_shapes(model), step_tokens=64, context=128)
     gather = 2 * max(paged_attention.DECODE_GATHER_TOKENS, 128) * 2 * 16 * 4
     mask_elements = 2 * 64 * 128
     assert with_scores == gather + mask_elements * 9 + 2 * 4 * 2 * mask_elements

@@ -27,7 +27,7 @@ Only CUDA devices: on CPU the pool is sized by ``max_cache_bytes`` or ``num_bloc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.config import EngineConfig
+from kvb_cache.core.kv_storage import LayerShape, bytes_per_block, probe_layer_shapes
 from kvb_cache.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -148,17 +149,17 @@ def profile_step_peak(model: PreTrainedModel, tokens: int, rows: int = 1) -> int
     return max(0, peak)
 
 
-def loop_attention_bytes(model: PreTrainedModel, *, step_tokens: int, context: int) -> int:
+def loop_attention_bytes(
+    model: PreTrainedModel, shapes: Sequence[LayerShape], *, step_tokens: int, context: int
+) -> int:
     """Bytes the engine loop's attention holds at once in one layer beyond a plain forward's: gathered keys
     and values (:func:`~kvb_cache.core.paged_attention.gather_bytes`); a prefill block's ``[G * rows, ctx]``
     bool position mask (``rows`` at most ``step_tokens`` and :func:`~kvb_cache.core.paged_attention.
     prefill_block_rows`), the float copy SDPA makes of it and the copy its memory-efficient kernel pads to an
     aligned width; and, where the eager formula runs (soft-capping, sinks), that block's fp32 scores and
-    probabilities."""
-    from kvb_cache.core.kv_storage import probe_layer_shapes
+    probabilities. ``shapes``: the model's per-layer KV shapes (``kv_storage.probe_layer_shapes``)."""
     from kvb_cache.core.paged_attention import gather_bytes, prefill_block_rows
 
-    shapes = probe_layer_shapes(model)
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
@@ -181,13 +182,8 @@ def measure(model: PreTrainedModel, tokens: int, rows: int = 1) -> DeviceMemory:
     device = model.device
     activations = profile_step_peak(model, tokens, rows)
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(
-        total=total,
-        free=free,
-        reserved=torch.cuda.memory_reserved(device),
-        weights=torch.cuda.memory_reserved(device),
-        activations=activations,
-    )
+    held = torch.cuda.memory_reserved(device)  # the weights, after the profile's cache was emptied
+    return DeviceMemory(total=total, free=free, reserved=held, weights=held, activations=activations)
 
 
 def blocks_for_utilization(
@@ -236,12 +232,10 @@ def apply_utilization(
     """``config`` with ``num_blocks`` sized for ``utilization`` of ``model``'s device (None: unchanged)."""
     if utilization is None:
         return config
-    from kvb_cache.core.kv_storage import bytes_per_block, probe_layer_shapes
     from kvb_cache.model_traits import cap_context, inspect_model
 
-    if model.device.type != "cuda":
-        raise _not_cuda(model.device)
-    block_bytes = bytes_per_block(probe_layer_shapes(model), config.block_size)
+    shapes = probe_layer_shapes(model)
+    block_bytes = bytes_per_block(shapes, config.block_size)
     step = config.max_num_batched_tokens
     context = cap_context(inspect_model(model), config.max_model_len).context_length or step
     blocks = blocks_for_utilization(
@@ -250,6 +244,6 @@ def apply_utilization(
         block_bytes=block_bytes,
         step_tokens=step,
         sample_rows=config.max_num_seqs,
-        loop_attention=loop_attention_bytes(model, step_tokens=step, context=context),
+        loop_attention=loop_attention_bytes(model, shapes, step_tokens=step, context=context),
     )
     return replace(config, num_blocks=blocks)

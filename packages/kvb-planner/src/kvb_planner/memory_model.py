@@ -120,10 +120,7 @@ def estimate_memory(
         # The unmasked slice: the whole prompt single-shot, else the first slice (nothing cached before it,
         # so transformers passes no mask either). Later slices are masked (below); the larger one is the peak.
         math = MATH_SDPA_SCORE_BUFFERS * hq * c * c * 4
-        if c == p:
-            scratch = math
-        else:
-            scratch = max(math, _masked_scratch(shape, b, c, p, e, eager))
+        scratch = math if c == p else max(math, _masked_scratch(shape, b, c, p, e, eager))
     elif eager or c < p or b > 1:
         scratch += _masked_scratch(shape, b, c, p, e, eager)
 
