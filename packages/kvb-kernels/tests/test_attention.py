@@ -139,3 +139,23 @@ def test_non_integer_sizes_and_non_finite_scale_are_shape_errors(kwargs, match, 
     q = torch.randn(1, 2, 4, 32, device=device)
     with pytest.raises(ShapeError, match=match):
         flash_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_sees_one_opaque_op(device, backend):
+    """Under torch.compile the launch is the ``kvb_kernels::flash_attention`` custom op (fullgraph, no graph
+    break), and the compiled function gives the eager result. Inductor re-lowering the Triton kernel itself
+    failed to compile it on an H200; the op keeps the kernel out of Inductor's hands."""
+    q, k, v = _inputs((1, 4, 2, 6, 9, 32), torch.float32, device)
+    mask = torch.ones(1, 1, 6, 9, dtype=torch.bool, device=device)
+    mask[..., :2] = False  # left padding
+
+    def attend(q, k, v, mask):
+        return flash_attention(q, k, v, causal=True, attn_mask=mask) * 2
+
+    eager = attend(q, k, v, mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend=backend)(q, k, v, mask)
+    assert compiled.shape == eager.shape
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+    torch.testing.assert_close(compiled, reference_attention(q, k, v, mask=mask) * 2, atol=2e-5, rtol=0)

@@ -34,3 +34,30 @@ def test_interpreter_flag_is_read_like_triton_reads_it(monkeypatch, value, expec
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreter_enabled() is expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)]
+)
+def test_autotune_switch(monkeypatch, value, expected):
+    from kvb_kernels.backend import autotune_enabled
+
+    if value is None:
+        monkeypatch.delenv("KVB_KERNELS_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("KVB_KERNELS_AUTOTUNE", value)
+    assert autotune_enabled() is expected
+
+
+@pytest.mark.skipif(not triton_installed(), reason="Triton is not installed")
+@pytest.mark.parametrize("decode", [True, False])
+def test_untuned_handle_holds_one_tile(monkeypatch, decode):
+    """KVB_KERNELS_AUTOTUNE=0 leaves the autotuner one config, so it compiles and times nothing else; with
+    tuning on, the compiled tables offer several (the interpreter always one)."""
+    from kvb_kernels.triton.tuning import tuned
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert len(tuned("dense", decode, False, False).configs) == 1
+    assert len(tuned("dense", decode, False, True).configs) > 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert len(tuned("paged", decode, True, True).configs) == 1

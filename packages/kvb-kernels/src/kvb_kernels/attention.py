@@ -46,6 +46,28 @@ def flash_attention(
         ShapeError, DTypeError, DeviceError: Inputs outside the contract (the message says what to change).
         KernelUnavailableError: Triton is not installed.
     """
+    if torch.compiler.is_compiling():
+        # Under torch.compile (transformers compiles a static-cache decode step on CUDA) the launch goes through
+        # an opaque custom op: Inductor otherwise re-lowers the Triton kernel itself and failed to compile it on
+        # an H200 (tl.dot accumulator assertion, 2026-11-28). Eager calls skip the dispatcher.
+        out = torch.ops.kvb_kernels.flash_attention(
+            query, key, value, causal, window, attn_mask, scale, num_splits
+        )
+        return out.transpose(1, 2)
+    return _flash_attention(query, key, value, causal, window, attn_mask, scale, num_splits)
+
+
+def _flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """:func:`flash_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
     check_window(window)
     if key.dim() != 4 or key.shape != value.shape:
@@ -126,8 +148,25 @@ def _mask_view(attn_mask: torch.Tensor | None, query: torch.Tensor, kv_len: int)
             f"attn_mask {tuple(attn_mask.shape)} does not broadcast to [batch, heads, q_len, kv_len] = "
             f"{(batch, heads, q_len, kv_len)}"
         ) from err
-    if torch.compiler.is_compiling():
-        # Inductor cannot lower a bool -> uint8 dtype view (torch.iinfo(bool) raises; seen with transformers'
-        # static-cache generate, which compiles the decode step on CUDA); a cast it fuses costs one small copy.
-        return expanded.to(torch.uint8)
     return expanded.view(torch.uint8)
+
+
+@torch.library.custom_op("kvb_kernels::flash_attention", mutates_args=())
+def _flash_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    # A custom op may not return a view: hand back the contiguous [B, q_len, H, D] buffer; the caller transposes.
+    return _flash_attention(query, key, value, causal, window, attn_mask, scale, num_splits).transpose(1, 2)
+
+
+@_flash_attention_op.register_fake
+def _(query, key, value, causal, window, attn_mask, scale, num_splits):
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)

@@ -33,6 +33,16 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
 
 
+def autotune_enabled() -> bool:
+    """False when ``KVB_KERNELS_AUTOTUNE`` is 0/false/off/no: each kernel then runs one fixed tile per shape class.
+
+    Autotuning compiles and times every candidate tile for each new specialization (causal or not, a window,
+    a mask, ``window == 1``, ...): 3-25 s per first call on an H200 (2026-11-28), which a server pays on its
+    first requests and a test suite on nearly every test. The fixed tile is the table's first entry.
+    """
+    return os.environ.get("KVB_KERNELS_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def require_triton() -> ModuleType:
     """Import and return ``triton``, or raise :class:`KernelUnavailableError` naming the extra."""
     if not triton_installed():

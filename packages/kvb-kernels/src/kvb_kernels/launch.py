@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvb_kernels.backend import interpreter_enabled
+from kvb_kernels.backend import autotune_enabled, interpreter_enabled
 from kvb_kernels.checks import is_int
 from kvb_kernels.errors import ShapeError
 from kvb_kernels.splits import SplitBuffers, allocate, choose_num_splits, combine_splits
@@ -49,7 +49,7 @@ def run(
         num_splits = choose_num_splits(programs=programs, kv_len=kv_len, device=out.device)
     elif not is_int(num_splits) or num_splits < 1:
         raise ShapeError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
-    kernel = tuned(kernel_name, decode, interpreter_enabled())
+    kernel = tuned(kernel_name, decode, interpreter_enabled(), autotune_enabled())
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return (math.ceil(rows / meta["BLOCK_M"]), batch * kv_heads, num_splits)
