@@ -94,3 +94,15 @@ def test_scales_on_another_device_are_a_device_error(name, device):
     moved = dataclasses.replace(coded, **{name: getattr(coded, name).to("meta")})
     with pytest.raises(DeviceError, match=name):
         kivi_attention(torch.randn(2, 2, 1, 64, device=device), moved)
+
+
+def test_torch_compile_sees_one_opaque_op(device):
+    """Under torch.compile kivi_attention is the ``kvb_kernels::kivi_attention`` custom op (fullgraph) and
+    gives the eager result."""
+    key, value = _kv(device)
+    coded = kivi_quantize(key, value, group_size=16)
+    q = torch.randn(2, 4, 3, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    eager = kivi_attention(q, coded)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q: kivi_attention(q, coded) * 1, fullgraph=True, backend="aot_eager")(q)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)

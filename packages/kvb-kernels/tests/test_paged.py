@@ -129,3 +129,20 @@ def test_gather_ignores_table_entries_past_each_sequence():
     sentinel = torch.tensor([[3, 1, 999], [0, 1, 2]], dtype=torch.int32)
     dense_s, _ = PagedKV(key_pages=keys, value_pages=keys, block_table=sentinel, kv_lens=lens).gather()
     assert torch.equal(dense_s, dense_k)
+
+
+def test_torch_compile_sees_one_opaque_op(device):
+    """Under torch.compile paged_attention is the ``kvb_kernels::paged_attention`` custom op (fullgraph: its
+    host-side table checks and the Triton launch stay out of the graph) and gives the eager result."""
+    kv = _paged(device, torch.float32, lens=[13, 7], page_size=4)
+    q = torch.randn(2, 4, 2, 64, generator=torch.Generator().manual_seed(5)).to(device)
+
+    def attend(q, key_pages, value_pages, table, lens):
+        kv = PagedKV(key_pages=key_pages, value_pages=value_pages, block_table=table, kv_lens=lens)
+        return paged_attention(q, kv, window=6) + 1
+
+    args = (q, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens)
+    eager = attend(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)

@@ -167,6 +167,7 @@ def _flash_attention_op(
 
 
 @_flash_attention_op.register_fake
-def _(query, key, value, causal, window, attn_mask, scale, num_splits):
+def _(query: torch.Tensor, *_) -> torch.Tensor:
+    """The output's shape and dtype, for tracing: ``[batch, q_len, heads, head_dim]``."""
     batch, heads, q_len, head_dim = query.shape
     return query.new_empty(batch, q_len, heads, head_dim)

@@ -146,6 +146,35 @@ def kivi_attention(
     Returns:
         ``[batch, heads, q_len, head_dim]`` in ``query``'s dtype (transposed view of ``[batch, q_len, heads, D]``).
     """
+    if torch.compiler.is_compiling():
+        # One opaque custom op under torch.compile, as flash_attention (Inductor must not re-lower the kernel).
+        out = torch.ops.kvb_kernels.kivi_attention(
+            query,
+            kv.key_codes,
+            kv.key_scale,
+            kv.key_zero,
+            kv.value_codes,
+            kv.value_scale,
+            kv.value_zero,
+            kv.group_size,
+            causal,
+            window,
+            scale,
+            num_splits,
+        )
+        return out.transpose(1, 2)
+    return _kivi_attention(query, kv, causal, window, scale, num_splits)
+
+
+def _kivi_attention(
+    query: torch.Tensor,
+    kv: KiviKV,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """:func:`kivi_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
     check_window(window)
     batch, heads, q_len, head_dim = query.shape
@@ -212,3 +241,38 @@ def kivi_attention(
 
     launch.run("kivi", call, out=out, kv_heads=kv_heads, group=group, kv_len=kv_len, num_splits=num_splits)
     return out.transpose(1, 2)
+
+
+@torch.library.custom_op("kvb_kernels::kivi_attention", mutates_args=())
+def _kivi_attention_op(
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    group_size: int,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    kv = KiviKV(
+        key_codes=key_codes,
+        key_scale=key_scale,
+        key_zero=key_zero,
+        value_codes=value_codes,
+        value_scale=value_scale,
+        value_zero=value_zero,
+        group_size=group_size,
+    )
+    # A custom op may not return a view: the contiguous [B, q_len, H, D] buffer; the caller transposes.
+    return _kivi_attention(query, kv, causal, window, scale, num_splits).transpose(1, 2)
+
+
+@_kivi_attention_op.register_fake
+def _(query: torch.Tensor, *_) -> torch.Tensor:
+    """The output's shape and dtype, for tracing: ``[batch, q_len, heads, head_dim]``."""
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)

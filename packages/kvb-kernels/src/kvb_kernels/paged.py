@@ -111,6 +111,24 @@ def paged_attention(
     Returns:
         ``[batch, heads, q_len, head_dim]`` (a transposed view of a contiguous ``[batch, q_len, heads, D]``).
     """
+    if torch.compiler.is_compiling():
+        # One opaque custom op under torch.compile, as flash_attention (Inductor must not re-lower the kernel).
+        out = torch.ops.kvb_kernels.paged_attention(
+            query, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens, causal, window, scale, num_splits
+        )
+        return out.transpose(1, 2)
+    return _paged_attention(query, kv, causal, window, scale, num_splits)
+
+
+def _paged_attention(
+    query: torch.Tensor,
+    kv: PagedKV,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """:func:`paged_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
     check_window(window)
     check_same(query, "key_pages", kv.key_pages)
@@ -186,6 +204,30 @@ def paged_attention(
         "paged", call, out=out, kv_heads=kv_heads, group=group, kv_len=max_kv_len, num_splits=num_splits
     )
     return out.transpose(1, 2)
+
+
+@torch.library.custom_op("kvb_kernels::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    kv = PagedKV(key_pages=key_pages, value_pages=value_pages, block_table=block_table, kv_lens=kv_lens)
+    # A custom op may not return a view: the contiguous [B, q_len, H, D] buffer; the caller transposes.
+    return _paged_attention(query, kv, causal, window, scale, num_splits).transpose(1, 2)
+
+
+@_paged_attention_op.register_fake
+def _(query: torch.Tensor, *_) -> torch.Tensor:
+    """The output's shape and dtype, for tracing: ``[batch, q_len, heads, head_dim]``."""
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
 
 
 def _table_summary(kv: PagedKV, kv_lens: torch.Tensor) -> tuple[int, int, int]:
