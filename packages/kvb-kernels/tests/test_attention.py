@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import reference_attention, tolerance
@@ -146,6 +148,8 @@ def test_torch_compile_sees_one_opaque_op(device, backend):
     """Under torch.compile the launch is the ``kvb_kernels::flash_attention`` custom op (fullgraph, no graph
     break), and the compiled function gives the eager result. Inductor re-lowering the Triton kernel itself
     failed to compile it on an H200; the op keeps the kernel out of Inductor's hands."""
+    if backend == "inductor" and device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("Inductor on the CPU needs a C++ compiler (g++)")
     q, k, v = _inputs((1, 4, 2, 6, 9, 32), torch.float32, device)
     mask = torch.ones(1, 1, 6, 9, dtype=torch.bool, device=device)
     mask[..., :2] = False  # left padding
