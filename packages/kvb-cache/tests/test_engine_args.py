@@ -84,6 +84,19 @@ def test_flags_round_trip_into_engine_args():
     assert "--stitching" not in text and "--drafter" not in text  # Python objects have no flag
 
 
+def test_chunk_size_follows_stitching_unless_given():
+    """Unset, chunks are 128 tokens, or 32 with stitching (a document is stitched only in whole chunks);
+    a given size is kept either way, and the resolved size survives dataclasses.replace."""
+    assert EngineConfig().chunk_size == 128
+    assert EngineConfig(stitching=StitchConfig()).chunk_size == 32
+    assert EngineConfig(chunk_size=64, stitching=StitchConfig()).chunk_size == 64
+    assert EngineArgs(recompute_strategy="selective").engine_config().chunk_size == 32
+    assert EngineArgs(recompute_strategy="selective", chunk_size=128).engine_config().chunk_size == 128
+    assert dataclasses.replace(EngineConfig(), stitching=StitchConfig()).chunk_size == 128
+    with pytest.raises(ConfigError, match="chunk_size"):
+        EngineConfig(chunk_size=True)
+
+
 def test_tiers_and_stitching_contradiction():
     assert EngineArgs().tier_config() is None
     tiers = EngineArgs(disk_cache_dir="/tmp/x", exit_flush_timeout_s=3.0).tier_config()

@@ -167,3 +167,21 @@ def test_overlap_defaults_to_each_strategys_measured_setting() -> None:
     assert StitchConfig(recompute_strategy="cacheblend").overlap_k == 32
     assert StitchConfig(recompute_strategy="none").overlap_k == 0
     assert StitchConfig(recompute_strategy="cacheblend", overlap_k=8).overlap_k == 8
+
+
+def test_default_chunk_size_with_stitching_stitches_short_documents(llama, tokenizer):
+    """Documents of 100 tokens hold no whole 128-token chunk, so with the exact-reuse default nothing of them
+    is stitched; stitching's own default (32) stitches each of them."""
+    docs = [tokenizer(words(100, seed=s))["input_ids"] for s in (11, 12, 13)]
+    system = tokenizer(words(20, seed=9))["input_ids"]
+    first = system + docs[0] + docs[1] + docs[2] + tokenizer(words(6, seed=7))["input_ids"]
+    second = system + docs[2] + docs[0] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
+    stitched = {}
+    for chunk_size in (None, 128):
+        config = EngineConfig(chunk_size=chunk_size, stitching=StitchConfig(recompute_strategy="none"))
+        engine = KVBoost(llama, tokenizer, config=config)
+        engine.next_token_logits(first)
+        result = engine.next_token_logits(second)
+        stitched[chunk_size] = result.cached_tokens - len(system)
+    assert stitched[128] <= 0
+    assert stitched[None] >= 3 * 64  # every document holds at least two whole 32-token chunks

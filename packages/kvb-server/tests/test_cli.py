@@ -293,7 +293,8 @@ def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--chunk-size", "0"], "chunk_size must be a positive int"),
+        (["--chunk-size", "0"], "argument --chunk-size: '0' is not an integer >= 1"),
+        (["--boundary-window", "99"], "boundary_window must be an int in [0, chunk_size // 2]"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
         (["--gpu-memory-utilization", "0.9", "--num-blocks", "64"], "both size the KV pool"),
     ],

@@ -147,7 +147,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         cls,
         model_name_or_path: str,
         *,
-        chunk_size: int = 128,
+        chunk_size: int | None = None,
         boundary_window: int = 0,
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         device: str | torch.device | None = None,

@@ -108,7 +108,13 @@ class EngineArgs:
         "the same requests run together); unset: not seeded",
     )
     # -- cache ---------------------------------------------------------------------------------------------
-    chunk_size: int = option(128, group="cache", help="tokens per cached chunk")
+    chunk_size: int | None = option(
+        None,
+        group="cache",
+        parse=positive_int,
+        help="tokens per cached chunk; unset: 128, or 32 with stitching (a document is stitched only in "
+        "whole chunks, and 32 is the measured setting)",
+    )
     boundary_window: int = option(
         0,
         group="cache",

@@ -46,7 +46,7 @@ class KVBoost(_Engine):
         model_name_or_path: str,
         *,
         # kvb_cache.EngineArgs
-        chunk_size: int = 128,
+        chunk_size: int | None = None,
         boundary_window: int = 0,
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         device: str | torch.device | None = None,

@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --turns -1 silently dropped each conversation's last turn, 0s ended in tracebacks from the engine.
     parser.add_argument("--turns", type=positive_int, default=5, help="user turns per conversation (at most)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="reply length cap per turn")
-    parser.add_argument("--chunk-size", type=positive_int, default=128, help="tokens per cached chunk")
+    parser.add_argument(
+        "--chunk-size", type=positive_int, default=None, help="tokens per cached chunk (default 128)"
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--show-text", action="store_true", help="print the user message and the reply")
