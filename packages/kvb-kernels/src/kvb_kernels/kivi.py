@@ -271,8 +271,4 @@ def _kivi_attention_op(
     return _kivi_attention(query, kv, causal, window, scale, num_splits).transpose(1, 2)
 
 
-@_kivi_attention_op.register_fake
-def _(query: torch.Tensor, *_) -> torch.Tensor:
-    """The output's shape and dtype, for tracing: ``[batch, q_len, heads, head_dim]``."""
-    batch, heads, q_len, head_dim = query.shape
-    return query.new_empty(batch, q_len, heads, head_dim)
+_kivi_attention_op.register_fake(launch.attention_output_like)

@@ -70,6 +70,13 @@ def run(
     out.copy_(merged.reshape(batch, q_len, kv_heads * group, head_dim))
 
 
+def attention_output_like(query: torch.Tensor, *_: object) -> torch.Tensor:
+    """The attention custom ops' fake: an empty ``[batch, q_len, heads, head_dim]`` buffer (what each op
+    returns before the caller's transpose) for ``query`` ``[batch, heads, q_len, head_dim]``."""
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
+
+
 def block_d(head_dim: int) -> int:
     """Head-dim tile: the next power of two (``tl.arange`` needs one), at least 16 (``tl.dot``'s minimum)."""
     return max(16, 1 << (head_dim - 1).bit_length())
