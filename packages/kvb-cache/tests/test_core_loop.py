@@ -309,3 +309,85 @@ def test_a_preempted_request_keeps_its_first_scheduling_time(llama, tokenizer):
     for req in reqs:
         assert req.scheduled_at == first_scheduled[req.request_id]
         assert 0 <= req.queued_ms <= req.ttft_ms
+
+
+@pytest.mark.parametrize("where", ["draw", "emit"])
+def test_a_failing_row_ends_only_its_request(where, llama, tokenizer, monkeypatch):
+    """A row whose token cannot be drawn (non-finite probabilities) or emitted ends that request alone with
+    its error: the other requests of the step decode on, token for token as they do alone, and every block
+    goes back to the pool."""
+    prompts = [words(30, seed=1), words(25, seed=2), words(20, seed=3)]
+    params = [
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=4),
+        SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=5),
+    ]
+    solo = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    expected = [solo.generate(p, **_kwargs(sp)).output_ids for p, sp in zip(prompts, params)]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    bad = engine.core.scheduler.find(ids[1])
+    boom = RuntimeError("row failure")
+    if where == "draw":
+        # A NaN score in the sampled row (as an fp16 overflow gives): multinomial refuses its probabilities.
+        bad.processor.bias_ids = torch.tensor([0])
+        bad.processor.bias_values = torch.tensor([float("nan")])
+    else:
+        from kvb_cache.emitter import Emitter
+
+        real_push = Emitter.push
+
+        def push(self, token, produced):
+            if self is bad.emitter and produced == 3:
+                raise boom
+            return real_push(self, token, produced)
+
+        monkeypatch.setattr(Emitter, "push", push)
+    outputs: dict[str, list] = {rid: [] for rid in ids}
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    failed = outputs[ids[1]][-1]
+    assert failed.finished and failed.error is not None and failed.result is None
+    if where == "emit":
+        assert failed.error is boom
+    for rid, want in ((ids[0], expected[0]), (ids[2], expected[2])):
+        assert outputs[rid][-1].error is None
+        assert outputs[rid][-1].result.output_ids == want
+    assert engine.paged_stats().blocks_used == 0
+    assert engine.generate(prompts[0], **_kwargs(params[0])).output_ids == expected[0]
+
+
+def _kwargs(sp: SamplingParams) -> dict:
+    return {
+        "max_new_tokens": sp.max_new_tokens,
+        "ignore_eos": sp.ignore_eos,
+        "temperature": sp.temperature,
+        "seed": sp.seed,
+    }
+
+
+def test_library_calls_raise_a_failed_requests_error(llama, tokenizer, monkeypatch):
+    from kvb_cache.emitter import Emitter
+
+    real_push = Emitter.push
+    boom = RuntimeError("emit failed")
+
+    def push(self, token, produced):
+        if produced == 2:
+            raise boom
+        return real_push(self, token, produced)
+
+    monkeypatch.setattr(Emitter, "push", push)
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    with pytest.raises(RuntimeError, match="emit failed"):
+        engine.generate(words(20), max_new_tokens=6, ignore_eos=True)
+    events = engine.stream(words(20, seed=3), max_new_tokens=6, ignore_eos=True)
+    next(events)  # the first token was emitted
+    with pytest.raises(RuntimeError, match="emit failed"):
+        next(events)
+    with pytest.raises(RuntimeError, match="emit failed"):
+        engine.generate_batch([words(20), words(9, seed=2)], max_new_tokens=6, ignore_eos=True)
+    assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0

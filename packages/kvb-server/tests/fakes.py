@@ -108,6 +108,7 @@ class FakeEngine:
         self.stalled = threading.Event()
         self.pause_before_step: int | None = None
         self._failure: tuple[int, BaseException] | None = None
+        self._row_failures: dict[int, tuple[int, Exception]] = {}
         self.added: list[Added] = []
         self.step_log: list[frozenset[RequestId]] = []
         self.aborted: list[RequestId] = []
@@ -194,6 +195,11 @@ class FakeEngine:
         self._hits += len(prompt) // 2
         return added.request_id
 
+    def fail_row(self, index: int, at_token: int, error: Exception) -> None:
+        """Make the ``index``-th added request (0-based) end with ``error`` instead of its ``at_token``-th
+        token (0-based), as the engine ends a request whose sampler row failed; the step goes on."""
+        self._row_failures[index] = (at_token, error)
+
     def fail_step(self, number: int, error: BaseException) -> None:
         """Make the ``number``-th step (1-based, counting successful ones) raise ``error`` once."""
         self._failure = (number, error)
@@ -227,6 +233,9 @@ class FakeEngine:
 
     def _decode(self, request: _Request) -> RequestOutput:
         params = request.added.params
+        failure = self._row_failures.get(self.added.index(request.added))
+        if failure is not None and failure[0] == len(request.out):
+            return RequestOutput(request_id=request.added.request_id, delta_text="", error=failure[1])
         token = request.next_token() if self.reply is None else ord(self.reply[len(request.out)])
         request.out.append(token)
         if request.first_token_at is None:

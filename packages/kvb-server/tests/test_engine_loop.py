@@ -229,6 +229,44 @@ def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on() -> No
         assert queue["step_errors"] == 1 and queue["aborted"] == 2 and queue["finished"] == 1
 
 
+def test_a_failing_row_fails_its_request_alone() -> None:
+    """The engine ended one request because its token could not be chosen (a sampler row failed): that
+    request gets the error (a 500, or the last event of its stream), the requests beside it finish, no step
+    failed, and ``/v1/stats`` counts it as failed."""
+    fake = FakeEngine()
+    fake.pause_before_step = 1
+    fake.fail_row(0, 2, RuntimeError("probability tensor contains either inf, nan or element < 0"))
+    fake.fail_row(2, 1, RuntimeError("row exploded"))
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                plain_bad = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 6)))
+                await until(fake.stalled.is_set)
+                bystander = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 6)))
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                streamed_bad = asyncio.create_task(
+                    c.post("/v1/completions", json=completion("hk", 6, stream=True))
+                )
+                while await depth(c) < 2:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()
+                return [await plain_bad, await bystander, await streamed_bad]
+
+        plain_bad, bystander, streamed_bad = asyncio.run(scenario())
+        err = assert_openai_error(plain_bad, 500)
+        assert "inf, nan" in err["message"]
+        assert bystander.status_code == 200 and bystander.json()["choices"][0]["text"] == "cdefgh"
+        assert streamed_bad.status_code == 200  # the stream had started: the error is its last event
+        assert sse_text(streamed_bad.text) == "d" and "row exploded" in streamed_bad.text
+        assert streamed_bad.text.rstrip().endswith("data: [DONE]")
+        assert fake.aborted == []  # the engine already ended them; nothing to abort
+        queue = httpx.get(url + "/v1/stats").json()["queue"]
+        assert queue["failed"] == 2 and queue["finished"] == 1 and queue["step_errors"] == 0
+        assert queue["in_flight"] == 0
+
+
 def test_warm_runs_between_steps_while_requests_are_running() -> None:
     fake = FakeEngine()
     fake.pause_before_step = 2

@@ -71,6 +71,8 @@ class EngineLoops:
             while not done:
                 out = self._next_output(rid)
                 done = out.finished
+                if out.error is not None:
+                    raise out.error
                 yield StreamEvent(
                     delta_text=out.delta_text,
                     token_ids=out.token_ids,
@@ -233,6 +235,8 @@ class EngineLoops:
             for rid in rids:
                 while rid not in results:
                     out = self._next_output(rid)
+                    if out.error is not None:
+                        raise out.error
                     if out.result is not None:
                         results[rid] = out.result
         finally:

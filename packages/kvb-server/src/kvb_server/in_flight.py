@@ -36,8 +36,9 @@ class InFlight:
     """The requests the engine holds for the worker, by engine request id, with their counters.
 
     Attributes:
-        added / finished / aborted / rejected: requests handed to the engine / completed / dropped (client
-            gone, deadline, failed step, shutdown) / refused by ``add_request``.
+        added / finished / aborted / rejected / failed: requests handed to the engine / completed / dropped
+            (client gone, deadline, failed step, shutdown) / refused by ``add_request`` / ended alone by the
+            engine (their token could not be chosen or emitted; the step went on).
         largest_step: most requests that received output from one step.
     """
 
@@ -45,7 +46,7 @@ class InFlight:
         self._engine = engine
         self._config = config
         self._flights: dict[RequestId, _Flight] = {}
-        self.added = self.finished = self.aborted = self.rejected = self.largest_step = 0
+        self.added = self.finished = self.aborted = self.rejected = self.failed = self.largest_step = 0
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -88,6 +89,11 @@ class InFlight:
         if flight is None:  # aborted earlier in this iteration, or not ours
             return
         job = flight.job
+        if output.error is not None:  # the engine ended this request alone (its sampler row failed)
+            del self._flights[output.request_id]
+            self.failed += 1
+            job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=output.error, queue_s=flight.queue_s))
+            return
         if output.finished:
             del self._flights[output.request_id]
             self.finished += 1

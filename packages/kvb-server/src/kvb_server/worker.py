@@ -170,6 +170,7 @@ class EngineWorker:
             finished=self._in_flight.finished,
             aborted=self._in_flight.aborted,
             rejected=self._in_flight.rejected,
+            failed=self._in_flight.failed,
             calls=self._calls,
             busy_s=round(self._busy_s, 6),
             idle_steps=self._idle.steps,

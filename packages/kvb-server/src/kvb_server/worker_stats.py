@@ -16,8 +16,10 @@ class WorkerStats:
         in_flight: requests handed to the engine and not finished.
         steps: ``engine.step()`` calls; ``step_errors`` of them raised.
         largest_step: most requests that received output from one step.
-        added / finished / aborted / rejected: requests handed to the engine / completed / dropped
-            (client gone, deadline, failed step) / refused by ``add_request``.
+        added / finished / aborted / rejected / failed: requests handed to the engine / completed / dropped
+            (client gone, deadline, failed step) / refused by ``add_request`` / ended alone by the engine
+            (their token could not be chosen or emitted, e.g. a sampled row with non-finite logits; the
+            other requests of the step went on).
         calls: engine calls run between steps (warm, stats).
         busy_s: seconds spent inside ``step()`` for requests.
         idle_steps / idle_s: steps (and seconds) of the engine's idle work, run while no request was in
@@ -39,3 +41,4 @@ class WorkerStats:
     busy_s: float
     idle_steps: int = 0
     idle_s: float = 0.0
+    failed: int = 0

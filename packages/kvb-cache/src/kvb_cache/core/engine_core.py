@@ -29,6 +29,7 @@ step that has a request of theirs to run.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -45,6 +46,8 @@ from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.emitter import TokenTexts, token_logprob
 from kvb_cache.results import GenerationResult, StreamEvent
+
+logger = logging.getLogger(__name__)
 
 ResultHook = Callable[[Request], GenerationResult]
 #: Called with a finished request while it still holds its blocks.
@@ -224,7 +227,12 @@ class EngineCore:
                     self.idle_tokens += s.num_tokens
             tokens = sample(logits, sampling)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
-                output = self._emit(req, token, logits[row])
+                try:
+                    if isinstance(token, Exception):
+                        raise token
+                    output = self._emit(req, token, logits[row])
+                except Exception as exc:  # ends this request only; the rest of the batch goes on
+                    output = self._fail(req, exc)
                 if output is None:
                     continue
                 if req.internal:
@@ -266,6 +274,16 @@ class EngineCore:
             request_id=req.request_id, delta_text=delta, token_ids=token_ids, logprobs=logprobs, result=result
         )
 
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End ``req`` because its token could not be chosen or emitted: its blocks are freed, nothing of it
+        is stored, and its last output carries ``error``."""
+        logger.error("request %s failed in the sampler/emitter: %r", req.request_id, error, exc_info=error)
+        if req.status is not RequestStatus.FINISHED:  # _emit may have finished it before failing
+            self.scheduler.remove(req)
+        if req.internal:
+            self._idle = None  # an idle prompt is not retried; its committed blocks stay cached
+        return RequestOutput(request_id=req.request_id, delta_text="", error=error)
+
     def _advance_solo(self, request_id: RequestId) -> list[RequestOutput]:
         events = self.solo[request_id]
         try:
@@ -273,6 +291,10 @@ class EngineCore:
         except StopIteration:
             del self.solo[request_id]
             return []
+        except Exception as exc:  # a solo request's failure ends it alone
+            del self.solo[request_id]
+            logger.error("solo request %s failed: %r", request_id, exc, exc_info=exc)
+            return [RequestOutput(request_id=request_id, delta_text="", error=exc)]
         if event.result is not None:
             del self.solo[request_id]
         return [

@@ -18,7 +18,8 @@ class RequestOutput:
     more when the text of earlier ones was held back (no output is emitted for a token that adds no text,
     nor while a long prompt is still being prefilled). ``delta_text`` is the text now safe to
     show (stop strings and partial UTF-8 characters are held back). ``result`` is set on the request's last
-    output, and only then.
+    output, and only then. ``error`` is set instead when choosing or emitting this request's token failed:
+    the request is over (its blocks freed) and the other requests of the step went on.
     """
 
     request_id: RequestId
@@ -26,10 +27,11 @@ class RequestOutput:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     result: GenerationResult | None = None
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:
-        return self.result is not None
+        return self.result is not None or self.error is not None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

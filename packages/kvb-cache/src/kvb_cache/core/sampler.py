@@ -104,19 +104,53 @@ def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> Non
     apply_bitmask(scores, torch.tensor(constrained, device=scores.device), bitmask)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exception]:
     """One token per row of ``logits`` ``[R, V]`` for ``requests`` (same order); constrained rows' matchers
-    consume their token."""
+    consume their token.
+
+    A row whose token cannot be chosen (its processing, draw or matcher raised) gets the exception in its
+    place; the other rows are unaffected (each row's draw uses its own generator, and a batched processing
+    failure is redone row by row: :func:`process_logits` has no side effects).
+    """
     # NOTE: a constrained greedy row is not an identity row: the fast path would skip its mask.
     greedy_fast = all(r.processor.is_identity and r.grammar is None and not _holds_eos(r) for r in requests)
     if greedy_fast:
         return torch.argmax(logits, dim=-1).tolist()
-    scores = process_logits(logits, requests)
-    tokens = torch.argmax(scores, dim=-1).tolist()
-    for i, req in enumerate(requests):
-        if not req.params.greedy:
-            probs = torch.softmax(scores[i], dim=-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=req.processor.generator))
-        if req.grammar is not None:
-            req.grammar.advance(tokens[i])
+    rows, best = _processed_rows(logits, requests)
+    tokens: list[int | Exception] = []
+    for i, (scores, req) in enumerate(zip(rows, requests)):
+        if isinstance(scores, Exception):
+            tokens.append(scores)
+            continue
+        try:
+            if req.params.greedy:
+                token = best[i] if best is not None else int(torch.argmax(scores))
+            else:
+                probs = torch.softmax(scores, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=req.processor.generator))
+            if req.grammar is not None:
+                req.grammar.advance(token)
+            tokens.append(token)
+        except Exception as exc:  # this row's failure ends this request only (the step's caller reports it)
+            tokens.append(exc)
     return tokens
+
+
+def _processed_rows(
+    logits: torch.Tensor, requests: Sequence[Request]
+) -> tuple[list[torch.Tensor | Exception], list[int] | None]:
+    """:func:`process_logits` of every row (``[V]`` each) and, when batched, every row's argmax.
+
+    Batched normally; row by row when the batch raised (``process_logits`` has no side effects), so that one
+    row's failure, its exception in its place, leaves the other rows' scores as the batch gives them."""
+    try:
+        scores = process_logits(logits, requests)
+        return list(scores.unbind(0)), torch.argmax(scores, dim=-1).tolist()
+    except Exception:
+        rows: list[torch.Tensor | Exception] = []
+        for i, req in enumerate(requests):
+            try:
+                rows.append(process_logits(logits[i : i + 1], [req])[0])
+            except Exception as exc:
+                rows.append(exc)
+        return rows, None
