@@ -391,3 +391,26 @@ def test_library_calls_raise_a_failed_requests_error(llama, tokenizer, monkeypat
     with pytest.raises(RuntimeError, match="emit failed"):
         engine.generate_batch([words(20), words(9, seed=2)], max_new_tokens=6, ignore_eos=True)
     assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_nan_logits_end_the_row_with_a_typed_error(sampled, llama, tokenizer):
+    """argmax would return a NaN's index as a token: a row whose logits hold NaN gets NonFiniteLogitsError
+    (greedy fast path and processed path alike), the other rows their usual tokens."""
+    from kvb_cache import NonFiniteLogitsError
+    from kvb_cache.core.sampler import sample
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    extra = {"temperature": 1.0, "seed": 3} if sampled else {}
+    reqs = [
+        new_request(engine, f"r{i}", tokenizer(words(5, seed=i))["input_ids"], SamplingParams(**extra), 0.0)
+        for i in range(3)
+    ]
+    logits = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    clean = sample(logits, [new_request(engine, "c", reqs[0].tokens, SamplingParams(**extra), 0.0)])
+    logits[1, 7] = float("nan")
+    tokens = sample(logits, reqs)
+    assert isinstance(tokens[1], NonFiniteLogitsError) and "float32" in str(tokens[1])
+    assert tokens[0] == clean[0] and isinstance(tokens[2], int)
+    if not sampled:
+        assert tokens[2] == int(torch.argmax(logits[2]))

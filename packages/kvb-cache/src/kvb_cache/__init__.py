@@ -13,6 +13,7 @@ from kvb_cache.errors import (
     InvalidRequestError,
     KVBoostError,
     ModelLoadError,
+    NonFiniteLogitsError,
     PromptTypeError,
     UnsupportedModelError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "KVBoost",
     "KVBoostError",
     "ModelLoadError",
+    "NonFiniteLogitsError",
     "PagedStats",
     "PromptTypeError",
     "RecomputeStrategy",

@@ -58,3 +58,8 @@ class CacheBusyError(KVBoostError):
         super().__init__(message)
         self.running = running
         self.waiting = waiting
+
+
+class NonFiniteLogitsError(KVBoostError, ArithmeticError):
+    """The model's logits for a request hold NaN (a numerical overflow, usually of float16 activations):
+    no token can be chosen honestly, so the request ends with this error instead of an arbitrary token."""

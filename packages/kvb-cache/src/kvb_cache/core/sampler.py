@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvb_cache.core.request import Request
+from kvb_cache.errors import NonFiniteLogitsError
 from kvb_cache.structured.mask import apply_bitmask, bitmask_words
 
 
@@ -112,10 +113,13 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
     place; the other rows are unaffected (each row's draw uses its own generator, and a batched processing
     failure is redone row by row: :func:`process_logits` has no side effects).
     """
+    # argmax would pick a NaN's index as if it were a token: such rows are flagged, read with the tokens.
+    nan_rows = torch.isnan(logits).any(dim=-1)  # [R]
     # NOTE: a constrained greedy row is not an identity row: the fast path would skip its mask.
     greedy_fast = all(r.processor.is_identity and r.grammar is None and not _holds_eos(r) for r in requests)
     if greedy_fast:
-        return torch.argmax(logits, dim=-1).tolist()
+        picked, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows.long()]).tolist()  # one host sync
+        return _flag_nan(picked, nan)
     rows, best = _processed_rows(logits, requests)
     tokens: list[int | Exception] = []
     for i, (scores, req) in enumerate(zip(rows, requests)):
@@ -133,7 +137,18 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
             tokens.append(token)
         except Exception as exc:  # this row's failure ends this request only (the step's caller reports it)
             tokens.append(exc)
-    return tokens
+    return _flag_nan(tokens, nan_rows.tolist())
+
+
+def _flag_nan(tokens: list, nan: list) -> list[int | Exception]:
+    """``tokens`` with each row whose logits hold NaN replaced by a :class:`NonFiniteLogitsError`."""
+    if not any(nan):
+        return tokens
+    error = (
+        "the model's logits for this request hold NaN (a numerical overflow, usually of float16 "
+        "activations); load the model in bfloat16 or float32"
+    )
+    return [NonFiniteLogitsError(error) if bad else token for token, bad in zip(tokens, nan)]
 
 
 def _processed_rows(
