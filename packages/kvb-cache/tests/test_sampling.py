@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import words
 
-from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, SamplingParams
+from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, NonFiniteLogitsError, SamplingParams
 from kvb_cache.sampling import RequestProcessor
 
 
@@ -292,3 +292,16 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(engine, llama, 
     top = raw.topk(3)
     assert [t[0] for t in step.top] == top.indices.tolist()
     assert [t[2] for t in step.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_choose_refuses_nan_logits():
+    """The solo path's choice: a NaN in the logits is a typed error, not argmax's NaN index."""
+    logits = torch.zeros(16)
+    logits[3] = float("nan")
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
+        processor = RequestProcessor(params, prompt_len=2, device=torch.device("cpu"))
+        with pytest.raises(NonFiniteLogitsError, match="bfloat16 or float32"):
+            processor.choose(torch.tensor([1, 2]), logits)
+        assert (
+            processor.choose(torch.tensor([1, 2]), torch.zeros(16).index_fill(0, torch.tensor([5]), 1.0)) == 5
+        )

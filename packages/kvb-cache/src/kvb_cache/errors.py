@@ -63,3 +63,10 @@ class CacheBusyError(KVBoostError):
 class NonFiniteLogitsError(KVBoostError, ArithmeticError):
     """The model's logits for a request hold NaN (a numerical overflow, usually of float16 activations):
     no token can be chosen honestly, so the request ends with this error instead of an arbitrary token."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or "the model's logits for this request hold NaN (a numerical overflow, usually of float16 "
+            "activations); load the model in bfloat16 or float32"
+        )

@@ -18,7 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError
 from kvb_cache.structured.spec import ResponseFormat
 
 #: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
@@ -315,7 +315,13 @@ class RequestProcessor:
         return scores[0]
 
     def choose(self, history: torch.Tensor, logits: torch.Tensor) -> int:
-        """Pick the next token from raw ``logits`` ``[V]``."""
+        """Pick the next token from raw ``logits`` ``[V]``.
+
+        Raises:
+            NonFiniteLogitsError: ``logits`` hold NaN (argmax would return a NaN's index as a token).
+        """
+        if bool(torch.isnan(logits).any()):
+            raise NonFiniteLogitsError()
         if self.is_identity and not self.holds_eos(history):
             return int(torch.argmax(logits))
         scores = self.process(history, logits)

@@ -144,11 +144,7 @@ def _flag_nan(tokens: list, nan: list) -> list[int | Exception]:
     """``tokens`` with each row whose logits hold NaN replaced by a :class:`NonFiniteLogitsError`."""
     if not any(nan):
         return tokens
-    error = (
-        "the model's logits for this request hold NaN (a numerical overflow, usually of float16 "
-        "activations); load the model in bfloat16 or float32"
-    )
-    return [NonFiniteLogitsError(error) if bad else token for token, bad in zip(tokens, nan)]
+    return [NonFiniteLogitsError() if bad else token for token, bad in zip(tokens, nan)]
 
 
 def _processed_rows(
