@@ -112,6 +112,7 @@ class EngineArgs:
         None,
         group="cache",
         parse=positive_int,
+        metavar="N",
         help="tokens per cached chunk; unset: 128, or 32 with stitching (a document is stitched only in "
         "whole chunks, and 32 is the measured setting)",
     )
