@@ -13,10 +13,10 @@ position mask (and the copies SDPA makes of it) and, where the eager formula run
 attention sinks), the scores, all over contexts up to ``max_model_len`` (masks and scores are built a block
 of query rows at a time, ``paged_attention.PREFILL_MASK_ELEMENTS``). Those are charged from their
 shapes (:func:`loop_attention_bytes`). Measured on an H200 (docs/server.md, ``tools/gpu_checks.py``
-memory_share): without them 16 prompts of 1500 tokens ended 12 MiB above a 0.6 share, with them 228-241 MiB
-inside a 0.3 and a 0.6 share; 32 prompts near the context (7900 tokens) still ended 340-350 MiB above it
-in torch's reserved memory, before prefill masks were built in blocks of query rows (not re-run on a GPU
-since), so the share is not yet known to be a hard cap for prompts near ``max_model_len``.
+memory_share): without them 16 prompts of 1500 tokens ended 12 MiB above a 0.6 share; with them and the
+prefill masks built in blocks of query rows, 16 x 1500 ends 106-119 MiB and 32 prompts near the context
+(7900 tokens) 22-35 MiB inside a 0.3 and a 0.6 share, in torch's reserved memory (before the blocks, the
+long prompts ended 340-350 MiB above it). A thin margin measured on one model, not a guaranteed cap.
 
 As in vLLM, the share counts memory torch holds after CUDA is initialised: the CUDA context itself
 (~0.5 GiB, outside torch's allocator) is not in it.

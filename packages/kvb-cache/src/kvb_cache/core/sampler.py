@@ -120,7 +120,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
     if greedy_fast:
         picked, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows.long()]).tolist()  # one host sync
         return _flag_nan(picked, nan)
-    rows, best = _processed_rows(logits, requests)
+    rows, best, nan = _processed_rows(logits, requests, nan_rows)
     tokens: list[int | Exception] = []
     for i, (scores, req) in enumerate(zip(rows, requests)):
         if isinstance(scores, Exception):
@@ -137,7 +137,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
             tokens.append(token)
         except Exception as exc:  # this row's failure ends this request only (the step's caller reports it)
             tokens.append(exc)
-    return _flag_nan(tokens, nan_rows.tolist())
+    return _flag_nan(tokens, nan)
 
 
 def _flag_nan(tokens: list, nan: list) -> list[int | Exception]:
@@ -148,15 +148,15 @@ def _flag_nan(tokens: list, nan: list) -> list[int | Exception]:
 
 
 def _processed_rows(
-    logits: torch.Tensor, requests: Sequence[Request]
-) -> tuple[list[torch.Tensor | Exception], list[int] | None]:
-    """:func:`process_logits` of every row (``[V]`` each) and, when batched, every row's argmax.
+    logits: torch.Tensor, requests: Sequence[Request], nan_rows: torch.Tensor
+) -> tuple[list[torch.Tensor | Exception], list[int] | None, list[int]]:
+    """:func:`process_logits` of every row (``[V]`` each), every row's argmax when batched, and ``nan_rows``
+    ``[R]`` as a list (read in the argmax's host sync).
 
     Batched normally; row by row when the batch raised (``process_logits`` has no side effects), so that one
     row's failure, its exception in its place, leaves the other rows' scores as the batch gives them."""
     try:
         scores = process_logits(logits, requests)
-        return list(scores.unbind(0)), torch.argmax(scores, dim=-1).tolist()
     except Exception:
         rows: list[torch.Tensor | Exception] = []
         for i, req in enumerate(requests):
@@ -164,4 +164,6 @@ def _processed_rows(
                 rows.append(process_logits(logits[i : i + 1], [req])[0])
             except Exception as exc:
                 rows.append(exc)
-        return rows, None
+        return rows, None, nan_rows.tolist()
+    best, nan = torch.stack([torch.argmax(scores, dim=-1), nan_rows.long()]).tolist()
+    return list(scores.unbind(0)), best, nan
