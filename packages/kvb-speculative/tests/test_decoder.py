@@ -5,12 +5,13 @@ import itertools
 import pytest
 import torch
 from fakes import ScriptedDrafter
-from helpers import greedy, plain_decode
+from helpers import greedy, plain_decode, tiny_llama
 
 from kvb_speculative import (
     Draft,
     DraftModelDrafter,
     LogitsTokenProcessor,
+    NonFiniteLogitsError,
     PromptLookupConfig,
     PromptLookupDrafter,
     SamplingParams,
@@ -187,3 +188,24 @@ def test_gamma_out_of_range_is_refused(gamma):
     # 2.5 and "3" were accepted (or failed the comparison untyped) and broke the first decode.
     with pytest.raises(SpeculativeConfigError, match="gamma"):
         SpeculativeConfig(gamma=gamma)
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "always_wrong", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_target_logits_raise_instead_of_committing_a_token(prompt, drafter, temperature):
+    """argmax of NaN logits is the NaN's index: a silently wrong token. Verification rounds and plain steps
+    (no draft) both stop with NonFiniteLogitsError."""
+    model = tiny_llama(0)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    script = [3, 4, 5, 6, 7, 8]
+    drafters = {
+        "oracle": ScriptedDrafter(script),
+        "always_wrong": ScriptedDrafter(script, wrong=True),
+        "none": ScriptedDrafter([]),
+    }
+    processor = LogitsTokenProcessor(
+        SamplingParams(temperature=temperature), torch.Generator().manual_seed(0)
+    )
+    with pytest.raises(NonFiniteLogitsError, match="bfloat16 or float32"):
+        _decode(model, prompt, drafters[drafter], 3, processor, num_tokens=4)

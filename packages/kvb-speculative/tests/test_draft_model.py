@@ -1,5 +1,6 @@
+import pytest
 import torch
-from helpers import greedy
+from helpers import greedy, plain_decode, tiny_llama
 
 from kvb_speculative import DraftModelDrafter, LogitsTokenProcessor, SamplingParams
 
@@ -76,3 +77,37 @@ def test_a_draft_model_with_a_shorter_context_stops_proposing_at_its_end(target,
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert out.tokens.tolist() == expected[0, prompt.shape[1] :].tolist()
     assert out.stats.plain_steps > 0  # past position 28 the target decoded alone
+
+
+def _nan_head(seed: int):
+    """A tiny Llama whose logits are all NaN (what an overflowing float16 model produces)."""
+    model = tiny_llama(seed)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    return model
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_a_draft_model_with_nan_logits_proposes_nothing_and_the_output_is_the_targets(
+    target, prompt, sampling
+):
+    """A NaN proposal distribution would poison the verifier's p / q; the target decides alone instead."""
+    import itertools
+
+    from kvb_speculative import SpeculativeConfig, SpeculativeDecoder, prefill
+
+    drafter = DraftModelDrafter(target, _nan_head(1))
+    assert drafter.start(prompt[0]).propose(prompt[0], 4, greedy()).tokens.shape[0] == 0
+
+    def processor():
+        if not sampling:
+            return greedy()
+        return LogitsTokenProcessor(SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))
+
+    decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=4))
+    cache, logits = prefill(target, prompt)
+    stream = decoder.decode(target, cache, prompt, logits, processor())
+    out = list(itertools.islice(stream, 10))
+    stream.close()
+    assert out == plain_decode(target, prompt, processor(), 10)
+    assert decoder.speculative_stats().plain_steps == 10

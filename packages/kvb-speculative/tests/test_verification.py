@@ -1,8 +1,9 @@
 import math
 
+import pytest
 import torch
 
-from kvb_speculative import Draft, ExactVerifier, Verdict
+from kvb_speculative import Draft, ExactVerifier, NonFiniteLogitsError, Verdict
 
 NEG = -math.inf
 
@@ -50,3 +51,21 @@ def test_identical_distributions_accept_everything():
     for _ in range(50):
         verdict = ExactVerifier().verify(scores, _draft([0, 3, 5], q), greedy=False, generator=generator)
         assert verdict.num_accepted == 3
+
+
+def test_a_nan_row_the_verdict_uses_raises_instead_of_committing_a_token():
+    # torch.argmax returns a NaN's index: without the check, greedy verification would commit token 0 here.
+    nan = float("nan")
+    generator = torch.Generator().manual_seed(0)
+    verify = ExactVerifier().verify
+    poisoned_first = torch.tensor([[nan, 0.0, 1.0], [3.0, 0.0, 1.0]])
+    for greedy in (True, False):
+        with pytest.raises(NonFiniteLogitsError, match="float32"):
+            verify(poisoned_first, _draft([2]), greedy=greedy, generator=generator)
+    # The bonus row is consulted only when every draft is accepted.
+    poisoned_bonus = torch.tensor([[0.0, 5.0, NEG], [nan, 0.0, 1.0]])
+    with pytest.raises(NonFiniteLogitsError):
+        verify(poisoned_bonus, _draft([1]), greedy=True, generator=None)
+    # A NaN after the first rejection decides nothing, so the verdict stands.
+    assert verify(poisoned_bonus, _draft([0]), greedy=True, generator=None) == Verdict(0, 1)
+    assert isinstance(NonFiniteLogitsError(), ArithmeticError)

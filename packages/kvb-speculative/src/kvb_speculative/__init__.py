@@ -14,6 +14,7 @@ from kvb_speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 from kvb_speculative.draft_model import DraftModelDrafter, DraftModelSession
 from kvb_speculative.errors import (
     CacheRollbackError,
+    NonFiniteLogitsError,
     SpeculativeConfigError,
     SpeculativeError,
     VocabularyMismatchError,
@@ -37,6 +38,7 @@ __all__ = [
     "Drafter",
     "ExactVerifier",
     "LogitsTokenProcessor",
+    "NonFiniteLogitsError",
     "PromptLookupConfig",
     "PromptLookupDrafter",
     "PromptLookupSession",

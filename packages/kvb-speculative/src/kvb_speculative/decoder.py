@@ -16,7 +16,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from kvb_speculative.cache_ops import extend, make_croppable, rollback
-from kvb_speculative.errors import SpeculativeConfigError
+from kvb_speculative.errors import NonFiniteLogitsError, SpeculativeConfigError
 from kvb_speculative.protocols import Draft, Drafter, DraftSession, TokenProcessor
 from kvb_speculative.sampling import sample_token
 from kvb_speculative.stats import SpeculativeStats, StatsRecorder, Stopwatch
@@ -148,6 +148,8 @@ class SpeculativeDecoder:
             if pending_logits is None:
                 pending_logits = extend(model, cache, history[-1:])[-1]
             scores = processor.process(history, pending_logits)
+            if bool(torch.isnan(scores).any()):  # argmax would return the NaN's index as a token
+                raise NonFiniteLogitsError()
             if processor.greedy:
                 token = int(torch.argmax(scores))
             else:

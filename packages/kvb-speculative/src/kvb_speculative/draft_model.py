@@ -96,6 +96,10 @@ class DraftModelSession:
         context = history
         for step in range(max_tokens):
             scores = processor.process(context, logits)
+            if bool(torch.isnan(scores).any()):
+                # A draft model that overflows proposes nothing from here: a NaN proposal distribution
+                # would poison the verifier's p / q ratios (the target's own logits decide the token).
+                break
             if processor.greedy:
                 token = int(torch.argmax(scores))
             else:

@@ -35,3 +35,15 @@ class VocabularyMismatchError(SpeculativeError, ValueError):
 
 class CacheRollbackError(SpeculativeError, RuntimeError):
     """A ``transformers.Cache`` could not be cut back to the accepted length after a partial acceptance."""
+
+
+class NonFiniteLogitsError(SpeculativeError, ArithmeticError):
+    """The target's processed logits for a committed position hold NaN (a numerical overflow, usually of
+    float16 activations): no token can be committed honestly (``argmax`` would return the NaN's index, a
+    sample would come from an undefined distribution), so decoding stops with this error."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the target model's logits hold NaN (a numerical overflow, usually of float16 activations); "
+            "load the model in bfloat16 or float32"
+        )

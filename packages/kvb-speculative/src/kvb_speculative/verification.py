@@ -8,6 +8,10 @@ probability ``min(1, p(x) / q(x))``; on rejection the committed token is drawn f
 ``norm(max(p - q, 0))``; when all ``k`` are accepted a bonus token is drawn from ``p`` at position ``k``.
 Each committed token is then distributed exactly as ``p``. A deterministic drafter has ``q = onehot(x)``:
 accept with probability ``p(x)``, else draw from ``p`` with ``x`` removed.
+
+A row of target scores that holds NaN decides nothing honestly, so verification raises
+:class:`~kvb_speculative.errors.NonFiniteLogitsError` when it would consult one (rows after the first
+rejection are never consulted, so a NaN there, e.g. from a drafted token the target overflows on, is ignored).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from kvb_speculative.errors import NonFiniteLogitsError
 from kvb_speculative.protocols import Draft
 from kvb_speculative.sampling import sample_token
 
@@ -53,17 +58,27 @@ class ExactVerifier:
     def verify(
         self, scores: torch.Tensor, draft: Draft, *, greedy: bool, generator: torch.Generator | None
     ) -> Verdict:
-        """See :class:`Verifier`."""
+        """See :class:`Verifier`.
+
+        Raises:
+            NonFiniteLogitsError: a row the verdict depends on holds NaN.
+        """
         tokens = draft.tokens.tolist()
+        # One host sync for the argmax and the NaN flags together (argmax would return a NaN's index).
+        best, nan = torch.stack(
+            [torch.argmax(scores, dim=-1), torch.isnan(scores).any(dim=-1).long()]
+        ).tolist()  # [k + 1] each
         if greedy:
-            best = torch.argmax(scores, dim=-1).tolist()  # [k + 1]
             for j, token in enumerate(tokens):
+                _check_row(nan, j)
                 if token != best[j]:
                     return Verdict(j, best[j])
+            _check_row(nan, len(tokens))
             return Verdict(len(tokens), best[-1])
         p = torch.softmax(scores, dim=-1)  # [k + 1, V]
         uniforms = torch.rand(len(tokens), generator=generator, device=p.device).tolist()
         for j, token in enumerate(tokens):
+            _check_row(nan, j)
             q_token = 1.0 if draft.probs is None else float(draft.probs[j, token])
             p_token = float(p[j, token])
             # Strict "<": a token the target excludes (p = 0) is never accepted, even when u == 0.
@@ -77,4 +92,11 @@ class ExactVerifier:
             total = float(residual.sum())
             # p == q up to rounding leaves no residual mass; rejection then had probability ~0, so p is exact.
             return Verdict(j, sample_token(residual / total if total > 0 else p[j], generator))
+        _check_row(nan, len(tokens))
         return Verdict(len(tokens), sample_token(p[-1], generator))
+
+
+def _check_row(nan: list[int], row: int) -> None:
+    """Raise when the scores row the verdict is about to use holds NaN."""
+    if nan[row]:
+        raise NonFiniteLogitsError()
