@@ -55,6 +55,18 @@ _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state
 _MROPE = dict(text_config=dict(**_C, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]}))
 
 
+def _gemma4(**overrides) -> T.Gemma4TextConfig:
+    """Gemma 4's pattern in six layers: five sliding (window 24), one global with a wider head."""
+    return T.Gemma4TextConfig(
+        **{**_C, "num_hidden_layers": 6, **overrides},
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=24,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+    )
+
+
 def _llama4(**overrides) -> T.Llama4TextConfig:
     return T.Llama4TextConfig(
         **{**_C, "num_hidden_layers": 4},
@@ -223,6 +235,22 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         ),
         "AltUp, per-layer inputs, KV shared across layers, sliding window",
     ),
+    "gemma4": (
+        lambda: _gemma4(),
+        "per-layer head size, proportional RoPE on global layers, per-layer inputs",
+    ),
+    "gemma4_k_eq_v": (
+        lambda: _gemma4(attention_k_eq_v=True, num_global_key_value_heads=1),
+        "Gemma 4 31B-style: values are the keys on global layers",
+    ),
+    "gemma4_moe": (
+        lambda: _gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+        "Gemma 4 26B-A4B-style: MoE block",
+    ),
+    "gemma4_kv_shared": (
+        lambda: _gemma4(num_hidden_layers=8, num_kv_shared_layers=2),
+        "Gemma 4 E2B/E4B-style: KV shared across layers",
+    ),
     "cohere2": (
         lambda: T.Cohere2Config(**{**_C, "num_hidden_layers": 4}, sliding_window=24, pad_token_id=0),
         "sliding window + NoPE full layers",
@@ -368,6 +396,18 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
             shared_expert_intermediate_size=32,
         ),
         "gated DeltaNet + gated attention, MoE",
+    ),
+    "qwen3_5": (
+        lambda: T.Qwen3_5TextConfig(
+            **_C,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+        "Qwen3.5: gated DeltaNet + gated attention",
     ),
     "recurrent_gemma": (
         lambda: T.RecurrentGemmaConfig(

@@ -53,6 +53,20 @@ ARCHITECTURES = {
     ),
 }
 
+
+def gemma4_config(**overrides) -> T.Gemma4TextConfig:
+    """Six layers, five sliding and a global one (Gemma 4's pattern), tiny."""
+    return T.Gemma4TextConfig(
+        **{**_COMMON, "num_hidden_layers": 6},
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=24,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+        **overrides,
+    )
+
+
 #: More structurally different configs, for the per-path checks (live quantization, hf_bridge, disk tier):
 #: kept out of ``ARCHITECTURES`` so the suites parametrized over it do not grow.
 MORE_ARCHITECTURES = {
@@ -62,6 +76,10 @@ MORE_ARCHITECTURES = {
     "cohere": lambda: T.CohereConfig(**_COMMON, pad_token_id=0),
     # No RoPE on every 4th layer (NoPE).
     "smollm3": lambda: T.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0),
+    # Five sliding layers and a global one with its own head size and proportional RoPE (a quarter of the
+    # channels rotate, tables span the whole head), per-layer input embeddings, a one-tensor
+    # apply_rotary_pos_emb.
+    "gemma4": lambda: gemma4_config(),
 }
 #: A representative subset for the per-path checks: RoPE variants, sliding/hybrid windows, sinks, fused
 #: and partial projections, NoPE layers and absolute positions.
@@ -76,6 +94,7 @@ PATH_ARCHITECTURES = (
     "gpt_oss",
     "smollm3",
     "cohere",
+    "gemma4",
     "gpt2",
 )
 

@@ -1,5 +1,5 @@
-"""Newer architectures: chunked attention served exactly, Cohere 2's NoPE layers kept in place when keys move,
-and the models the pool cannot serve (recurrent state, KV shared across layers, a mask built inside the
+"""Newer architectures: chunked attention and Gemma 4 served exactly, Cohere 2's NoPE layers kept in place when
+keys move, and the models the pool cannot serve (recurrent state, KV shared across layers, a mask built inside the
 attention module, position-scaled NoPE queries) declined when the engine is built, naming why."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB, words
+from conftest import VOCAB, gemma4_config, words
 
 from kvb_cache import ContextLengthError, EngineConfig, KVBoost, UnsupportedModelError
 from kvb_cache.cache_kwarg import output_cache
@@ -70,6 +70,36 @@ def test_chunked_attention_is_served_exactly(tokenizer):
     outs = engine.generate_batch(prompts, max_new_tokens=14, ignore_eos=True)
     for out, prompt in zip(outs, prompts):
         assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 14)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        # 31B-style: the global layers' values are their (unrotated, normalised) keys, one KV head.
+        {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+        # 26B-A4B-style: a mixture-of-experts block beside each MLP.
+        {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    ],
+    ids=["dense", "k-eq-v", "moe"],
+)
+def test_gemma4_is_served_exactly(variant, tokenizer):
+    """Gemma 4's layers differ by type (a wider head and proportional RoPE on its global layers, a sliding
+    window on the others): exact prefix reuse, decoding past the window solo and in a batch."""
+    model = _build(gemma4_config(**variant))
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    ids = tokenizer(words(60, seed=1))["input_ids"]
+    engine.warm(ids[:40])
+    result = engine.next_token_logits(ids)
+    assert result.cached_tokens >= 32
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
+    assert engine.generate(ids, max_new_tokens=12, ignore_eos=True).output_ids == _generate(model, ids, 12)
+    prompts = [words(40, seed=1), words(12, seed=2), words(45, seed=3)]
+    outs = engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
+    for out, prompt in zip(outs, prompts):
+        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 10)
 
 
 def test_llama4_temperature_tuning_is_served_below_its_floor_scale(tokenizer):
@@ -179,10 +209,23 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
             ),
             "shares keys/values across layers",
         ),
+        # Gemma 4's small models (E2B, E4B) share the last layers' KV the same way.
+        (
+            lambda: T.Gemma4TextConfig(
+                **{**_SMALL, "num_hidden_layers": 8},
+                head_dim=16,
+                global_head_dim=32,
+                sliding_window=24,
+                hidden_size_per_layer_input=16,
+                vocab_size_per_layer_input=VOCAB,
+                num_kv_shared_layers=2,
+            ),
+            "shares keys/values across layers",
+        ),
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
     ],
-    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "doge"],
+    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "gemma4-kv-sharing", "doge"],
 )
 def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
     """Served anyway, these crashed when the engine was built (RWKV, Gemma 3n with shared KV) or gave wrong

@@ -56,7 +56,13 @@ def _apply_function(model: PreTrainedModel) -> Callable | None:
         return None
     params = list(inspect.signature(fn).parameters)
     # The Llama-family signature ``(q, k, cos, sin, ...)``; GPT-J style ``(tensor, sin, cos)`` is not it.
-    return fn if params[:4] == ["q", "k", "cos", "sin"] else None
+    if params[:4] == ["q", "k", "cos", "sin"]:
+        return fn
+    if params[:3] == ["x", "cos", "sin"]:
+        # One tensor at a time (Gemma 3n, Gemma 4: the same function rotates queries and keys), with the
+        # Llama-family default layout ``[batch, heads, tokens, head_dim]`` (unsqueeze_dim=1).
+        return lambda q, k, cos, sin: (q, fn(k, cos, sin))
+    return None
 
 
 @torch.no_grad()
@@ -85,13 +91,22 @@ def _nope_layers(model: PreTrainedModel) -> frozenset[int]:
 
 
 def _partial_factors(config, per_type: bool) -> dict[str | None, float]:
-    """``partial_rotary_factor`` per layer type (transformers 5 keeps it in ``rope_parameters``, per layer
-    type for models with several RoPE tables; older configs as an attribute or GPT-NeoX's ``rotary_pct``)."""
+    """Share of each key's channels that :meth:`KeyRepositioner.reposition` hands to the rotation, per layer
+    type: ``partial_rotary_factor`` (transformers 5 keeps it in ``rope_parameters``, per layer type for
+    models with several RoPE tables; older configs as an attribute or GPT-NeoX's ``rotary_pct``).
+
+    ``proportional`` RoPE (Gemma 4's global layers) is the exception: its tables span the whole head
+    (frequency 0, the identity, on the channels past the factor), so every channel goes to the rotation.
+    """
     params = getattr(config, "rope_parameters", None) or {}
     default = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None) or 1.0
+
+    def factor(p: dict) -> float:
+        return 1.0 if p.get("rope_type") == "proportional" else float(p.get("partial_rotary_factor", default))
+
     if per_type:
-        return {kind: float(p.get("partial_rotary_factor", default)) for kind, p in params.items()}
-    return {None: float(params.get("partial_rotary_factor", default))}
+        return {kind: factor(p) for kind, p in params.items()}
+    return {None: factor(params)}
 
 
 class KeyRepositioner:
