@@ -633,7 +633,7 @@ def main() -> None:
 _HEADER = """# Architectures
 
 What `python tools/arch_matrix.py --out docs` printed (transformers {transformers}, torch {torch}, CPU,
-fp32, tiny random models: 2 layers, hidden 64; 4 layers where the layer pattern needs them). For each
+fp32, tiny random models: 2 layers, hidden 64; 4 to 8 layers where the layer pattern needs them). For each
 architecture: exact prefix reuse (40 of 61 tokens cached) against a plain forward, greedy tokens solo and in a
 batch of three through the engine loop against `model.generate`, stitched reuse with every stitched token
 recomputed (which must equal no-cache: it checks the repair forward), and the keys of a lone 20-token chunk
@@ -642,33 +642,37 @@ re-rotation, RoPE variants and NoPE layers included). *Declined* architectures r
 when the engine is built, with the reason shown; none is served with a wrong answer.
 
 **Served, exact** ({served} rows): every decoder whose layers are all attention over per-token
-keys/values computed through transformers' `AttentionInterface`: full, sliding-window (Mistral, Gemma 2/3,
+keys/values computed through transformers' `AttentionInterface`: full, sliding-window (Mistral, Gemma 2/3/4,
 Cohere 2, OLMo 3, Ministral) and chunked attention (Llama 4's local layers: the paged mask keeps each query
 inside its `attention_chunk_size` chunk), with RoPE of any layout, NoPE layers (SmolLM3, Llama 4, Cohere 2's
 full layers, found by a one-token probe: a layer whose keys at positions 0 and 1 are equal is not rotated when
 a chunk moves), sinks, soft-capping, the MoE routers in the table (top-k, grouped, sparsemixer, shared
-experts), and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
+experts), layers of different shapes in one model (Gemma 4's global layers: a wider head, one KV head
+whose values are its keys in the 31B style, proportional RoPE that rotates a quarter of the head with tables
+as wide as the head), and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
 temperature tuning, row `llama4`: its NoPE layers' queries are scaled by a factor of the position, counted
 from `past_key_values`, which the packed forward does not pass, so the model would take a token's index in
 the packed batch for its position) is served with its context capped at `floor_scale - 1` (8191) tokens and
 every step's packed tokens kept below that, where the factor is exactly 1 (a warning says so when the engine
 is built; `test_architectures_extra.py` shows a larger packed step moving a logprob by 0.02). Stitching (non-prefix reuse) is declined, with the reason in the table, where
 keys cannot be moved: learned absolute positions (GPT-2, OPT), RoPE applied by other code than a rotary
-module plus `apply_rotary_pos_emb(q, k, cos, sin)` (Llama 4's complex rotation, Qwen2-VL's three-section
+module plus `apply_rotary_pos_emb(q, k, cos, sin)` or its one-tensor form `(x, cos, sin)` (Gemma 3n/4) (Llama 4's complex rotation, Qwen2-VL's three-section
 multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair forward's masks are causal or sliding only).
 
 **Declined** ({declined} rows), by reason:
 - *A recurrent state instead of, or beside, per-token keys/values*: state-space models (Mamba, Mamba-2,
   Falcon-Mamba), RWKV and xLSTM (their own state objects), and the hybrids (Jamba, Bamba, Falcon-H1, Zamba2,
-  Granite 4 hybrid, Nemotron-H, LFM2, Qwen3-Next, RecurrentGemma, MiniMax, Kimi Linear). The state after a
+  Granite 4 hybrid, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, RecurrentGemma, MiniMax, Kimi Linear). The state after a
   prefix summarises all of it in a fixed-size tensor, so a cached prefix cannot be reused block by block nor
   a chunk moved; serving them needs a snapshot of every recurrent layer's state per cached block, which the
   per-token pool does not hold.
 - *A cache that is not per-head keys/values*: multi-head latent attention (DeepSeek-V2/V3, LongCat-Flash)
   caches the compressed latent.
-- *Keys/values shared across layers*: Gemma 3n (its last `num_kv_shared_layers` layers attend to an earlier
-  layer's cache; the released checkpoints have them). Served it would need the pool to map those layers to
-  their source layer's blocks.
+- *Keys/values shared across layers*: Gemma 3n and Gemma 4's small models (E2B, E4B): their last
+  `num_kv_shared_layers` layers attend to an earlier layer's cache (the released checkpoints have them;
+  Gemma 4's larger models do not, and are served). Served it would need the pool to map those layers to
+  their source layer's blocks, and every path that reads a `DynamicCache` back (transformers gives those
+  layers a `DummyLayer`) to read the source layer's.
 - *A mask built inside the attention module*: Doge (its dynamic mask is computed from every cached token's
   values; the paged attention builds masks from positions).
 - *Attention outside `AttentionInterface`*: Falcon, Bloom; GPT-J before transformers 5.24 (which routes it
@@ -683,9 +687,10 @@ exact; longer prompts get a `ContextLengthError` that says why. Llama 4 with att
 capped below its `floor_scale` the same way.
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
-batching, stitching), chunked attention (Llama 4) and Cohere 2's NoPE layers (`test_architectures_extra.py`),
+batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;
+stitching, moved keys) and Cohere 2's NoPE layers (`test_architectures_extra.py`),
 and a representative of every decline reason; the paths of the second table are tested on those plus Phi-3,
-SmolLM3 and Cohere (kvb-cache: live KV, hf_bridge, disk tier; kvboost: speculative through the engine;
+SmolLM3, Cohere and Gemma 4 (kvb-cache: live KV, hf_bridge, disk tier; kvboost: speculative through the engine;
 kvb-speculative: sliding-window rollback).
 
 """
@@ -700,8 +705,9 @@ scale; every engine run equals a plain greedy loop over the same quantized cache
 router that picks another expert at one step shows as a jump (Qwen2-MoE, PhiMoE, Llama 4 at 8 bits); StableLM's free-running
 tokens part at a step whose top-2 logits are 0.002 apart (teacher-forced, 11 of 12 agree). **Speculative**: greedy
 through the engine with a prompt-lookup drafter and with a draft model of the same architecture and other
-weights, against `model.generate` (16 tokens, from a cached prefix; accepted/drafted shows that rollbacks
-ran). **hf_bridge**: `lookup_cache` of a 40-token engine prefix into `model.generate` (tokens and the max
+weights, against `model.generate` (16 tokens, from a cached prefix; the prompt ends with the start of its
+repeated phrase, so prompt lookup drafts from the first step; accepted/drafted shows that rollbacks ran, and a
+check that drafted nothing is a problem). **hf_bridge**: `lookup_cache` of a 40-token engine prefix into `model.generate` (tokens and the max
 logit difference over its 12 steps), then `store_cache` of a plain forward's KV hit by the engine.
 **Disk tier**: 48 tokens stored, evicted from a 12-block pool by three other prompts and reloaded from the
 disk tier; `kv_cache_bits` 16 records must be exact, 8 / 4 are KIVI records (the pool itself holds KV as

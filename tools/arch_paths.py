@@ -90,7 +90,10 @@ def live_quant(model, tokenizer, ids: list[int]) -> dict:
 def speculative(model, draft, tokenizer) -> dict:
     """Greedy through the engine with a prompt-lookup drafter and with ``draft`` (same architecture, other
     weights: mostly rejected) against ``model.generate``; drafted / accepted counts show rollbacks ran."""
-    prompt = [*range(20, 28)] * 5 + [*range(100, 114)]  # a repeated phrase, 54 tokens (past 24-token windows)
+    # A repeated phrase, 56 tokens (past 24-token windows), ending with the phrase's start: prompt lookup drafts
+    # from the first step whatever a random model generates (a check that drafts nothing checks nothing,
+    # and path_problems flags it).
+    prompt = [*range(20, 28)] * 5 + [*range(100, 114)] + [20, 21]
     expected = _greedy(model, prompt, 16)
     row: dict = {}
     for label, drafter in (
@@ -202,6 +205,8 @@ def path_problems(row: dict) -> list[str]:
     for label in ("prompt_lookup", "draft_model"):
         if label in spec and not spec[label]["equal"]:
             problems.append(f"speculative ({label}): greedy differs from plain greedy")
+        if label in spec and not spec[label]["drafted"]:
+            problems.append(f"speculative ({label}): nothing drafted, so nothing was verified")
     if "lookup_max_dev" in bridge and not (
         bridge["lookup_generate_equal"]
         and bridge["lookup_max_dev"] <= EXACT_ATOL

@@ -9,8 +9,9 @@ frequencies of its RoPE variant (default, linear, YaRN, llama3, ...) and ``s`` i
 We never hand-roll frequency tables or layouts: the cos/sin come from the model's own rotary-embedding
 module (evaluated at the position *difference*, divided by its attention scaling) and the rotation is the
 model module's own ``apply_rotary_pos_emb``. That function knows the model's layout (half-split
-``rotate_half`` or interleaved); with partial rotary (Phi, StableLM, GPT-NeoX) only the first
-``cos.shape[-1]`` channels are rotated.
+``rotate_half`` or interleaved; ``(q, k, cos, sin)`` or Gemma 3n/4's one-tensor ``(x, cos, sin)``); with
+partial rotary (Phi, StableLM, GPT-NeoX) only the first ``partial_rotary_factor * head_dim`` channels are
+handed to it, except with proportional RoPE (Gemma 4), whose tables span the whole head.
 
 Declined, with a reason: absolute position embeddings (GPT-2: the position is added to the hidden state,
 every layer's KV depends on it), models without a standard rotary module, and RoPE variants whose
