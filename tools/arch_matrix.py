@@ -194,10 +194,16 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
     "arcee": (lambda: T.ArceeConfig(**_C), "ReLU-squared MLP"),
     "helium": (lambda: T.HeliumConfig(**_C, head_dim=16), "interleaved RoPE"),
     "ministral": (lambda: T.MinistralConfig(**_C, head_dim=16, sliding_window=24), "sliding window"),
+    "ministral3": (lambda: T.Ministral3Config(**_C), "Ministral 3"),
+    "gpt_bigcode": (
+        lambda: T.GPTBigCodeConfig(**_MHA),
+        "multi-query attention, absolute positions (StarCoder)",
+    ),
     "granitemoe": (lambda: T.GraniteMoeConfig(**_C, **_MOE, num_local_experts=4), "multipliers, MoE"),
     "nemotron": (lambda: T.NemotronConfig(**_C), "partial rotary, LayerNorm1P"),
     "bitnet": (lambda: T.BitNetConfig(**_C), "ternary weights, sub-norm"),
     "doge": (lambda: T.DogeConfig(**_C, keep_window_size=24), "dynamic mask attention"),
+    "diffllama": (lambda: T.DiffLlamaConfig(**_C), "differential attention (two attention calls per layer)"),
     "dots1": (
         lambda: T.Dots1Config(
             **_C,
@@ -675,6 +681,9 @@ multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair for
   layers a `DummyLayer`) to read the source layer's.
 - *A mask built inside the attention module*: Doge (its dynamic mask is computed from every cached token's
   values; the paged attention builds masks from positions).
+- *Attention called more than once per layer*: DiffLlama (differential attention attends once per half of
+  the values; each call would overwrite the other's values in the layer's one pool slot per token). Served
+  before the routing probe counted calls, its logits were off by ~4.
 - *Attention outside `AttentionInterface`*: Falcon, Bloom; GPT-J before transformers 5.24 (which routes it
   through the interface: served exactly since).
 

@@ -224,12 +224,15 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
         ),
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
+        # Differential attention: two attention calls per layer, one per half of the values.
+        (lambda: T.DiffLlamaConfig(**_SMALL), "calls attention 2 times per layer"),
     ],
-    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "gemma4-kv-sharing", "doge"],
+    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "gemma4-kv-sharing", "doge", "diffllama"],
 )
 def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
     """Served anyway, these crashed when the engine was built (RWKV, Gemma 3n with shared KV) or gave wrong
-    logits (Doge: off by ~6); the recurrent ones were declined with a reason that did not say why."""
+    logits (Doge: off by ~6, DiffLlama: ~4); the recurrent ones were declined with a reason that did not say
+    why."""
     model = _build(make_config())
     with pytest.raises(UnsupportedModelError, match=match):
         KVBoost(model, tokenizer)

@@ -5,8 +5,9 @@
 (:func:`record_layer`). Every decoder layer must go through that function, see keys/values of the shape its
 cache holds and get the mask the model's mask function made. Models that route attention elsewhere (GPT-J,
 Falcon, Bloom: no ``AttentionInterface``), cache something else than per-head keys and values (DeepSeek's
-multi-head latent attention caches the compressed latent) or build their own mask inside the attention
-module (Doge's dynamic mask) are declined with :class:`~kvb_cache.errors.UnsupportedModelError`.
+multi-head latent attention caches the compressed latent), build their own mask inside the attention
+module (Doge's dynamic mask) or call attention more than once per layer (DiffLlama's differential attention)
+are declined with :class:`~kvb_cache.errors.UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from transformers import PreTrainedModel
 from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.errors import UnsupportedModelError
 
-#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` attention saw during
+#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` of each attention call during
 #: :func:`check_attention_routing`.
-_PROBE: ContextVar[dict[int, tuple[int, int, int, bool]] | None] = ContextVar("kvb_probe", default=None)
+_PROBE: ContextVar[dict[int, list[tuple[int, int, int, bool]]] | None] = ContextVar("kvb_probe", default=None)
 
 
 def _biased(mask: torch.Tensor | None) -> bool:
@@ -39,7 +40,7 @@ def record_layer(
     probe = _PROBE.get()
     if probe is not None:
         shape = (key.shape[1], key.shape[-1], value.shape[-1], _biased(attention_mask))
-        probe[getattr(module, "layer_idx", -1)] = shape
+        probe.setdefault(getattr(module, "layer_idx", -1), []).append(shape)
 
 
 def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]) -> None:
@@ -51,7 +52,7 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
     compressed latent), which the pool's per-head layout cannot serve.
     """
     name = type(model).__name__
-    seen: dict[int, tuple[int, int, int, bool]] = {}
+    seen: dict[int, list[tuple[int, int, int, bool]]] = {}
     token = _PROBE.set(seen)
     try:
         ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
@@ -68,7 +69,15 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
             "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
         )
     for i, shape in enumerate(shapes):
-        *got, biased = seen[i]
+        if len(seen[i]) > 1:
+            # Each call writes its keys/values into the layer's one pool slot per token, so the second call
+            # overwrites the first's, and the first reads the second's back for every cached token.
+            raise UnsupportedModelError(
+                f"{name} calls attention {len(seen[i])} times per layer (layer {i}; DiffLlama's differential "
+                "attention attends once per half of the values), with different values each time; KVBoost's "
+                "pool holds one key/value pair per layer and token and cannot serve it"
+            )
+        *got, biased = seen[i][0]
         if biased:
             raise UnsupportedModelError(
                 f"{name} builds its own attention mask inside the attention module (layer {i}: a one-token "
