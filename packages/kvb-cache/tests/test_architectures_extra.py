@@ -225,7 +225,7 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
         # Differential attention: two attention calls per layer, one per half of the values.
-        (lambda: T.DiffLlamaConfig(**_SMALL), "calls attention 2 times per layer"),
+        (lambda: T.DiffLlamaConfig(**_SMALL), "calls attention 2 times in one forward of layer 0"),
     ],
     ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "gemma4-kv-sharing", "doge", "diffllama"],
 )

@@ -73,9 +73,10 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
             # Each call writes its keys/values into the layer's one pool slot per token, so the second call
             # overwrites the first's, and the first reads the second's back for every cached token.
             raise UnsupportedModelError(
-                f"{name} calls attention {len(seen[i])} times per layer (layer {i}; DiffLlama's differential "
-                "attention attends once per half of the values), with different values each time; KVBoost's "
-                "pool holds one key/value pair per layer and token and cannot serve it"
+                f"{name} calls attention {len(seen[i])} times in one forward of layer {i} (DiffLlama's "
+                "differential attention attends once per half of the values, looped layers such as Dory's once "
+                "per loop), each with other keys/values; KVBoost's pool holds one key/value pair per layer and "
+                "token and cannot serve it"
             )
         *got, biased = seen[i][0]
         if biased:
