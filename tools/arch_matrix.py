@@ -695,15 +695,16 @@ request's keys with the long factors. Below the switch every forward uses the sh
 exact; longer prompts get a `ContextLengthError` that says why. Llama 4 with attention temperature tuning is
 capped below its `floor_scale` the same way.
 
-Beyond the table, a one-off sweep (2026-11-28) built tiny models of 66 more causal-LM model types that
-transformers 5.24 registers (generic configs; encoder-decoders and the multimodal Emu3 left out) and ran the
+Beyond the table, a one-off sweep (2026-11-28) built tiny models of 66 causal-LM model types that
+transformers 5.24 registers and the table lacked (generic configs; Gemma 4, Qwen3.5 and Ministral 3 have rows
+since; encoder-decoders and the multimodal Emu3 left out) and ran the
 same checks. Nothing is served with a wrong answer since DiffLlama and Dory (looped layers) are declined for
-calling attention more than once per layer (served, they were off by ~4 and 0.013). 36 were served exactly
-(among them ExaONE and ExaONE-MoE, GLM, OLMo, Granite SWA, Hunyuan v3, InternLM 3, Persimmon, VaultGemma,
-FlexOlmo, Cohere 2 MoE, CodeGen, GPTBigCode, CTRL, BioGPT), 25 declined with one of the reasons above (MLA:
+calling attention more than once per layer (served, they were off by ~4 and 0.013). 37 were served exactly
+(among them ExaONE and ExaONE-MoE, GLM, OLMo, Granite SWA, Hunyuan v1 MoE and v3, InternLM 3, Persimmon, VaultGemma,
+FlexOlmo, Cohere 2 MoE, CodeGen, GPTBigCode, CTRL, BioGPT), 27 declined with one of the reasons above (MLA:
 MiniCPM3, Youtu, DeepSeek-V3.2/V4; recurrent or hybrid layers: Qwen3.5, Zaya, Bailing hybrid, OLMo hybrid,
-LFM3; attention outside the interface: MPT, XGLM, OpenAI GPT; ...), and 5 were not checked because the tiny
-config did not build or run in plain transformers (Hunyuan v1 MoE, LFM2-MoE, GPT-Neo, Cohere Compass, dots3).
+LFM2-MoE, LFM3; attention outside the interface: GPT-Neo, MPT, XGLM, OpenAI GPT; ...), and 2 were not checked
+because the tiny config did not run in plain transformers (Cohere Compass, dots3).
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;
