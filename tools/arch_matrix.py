@@ -27,7 +27,7 @@ import transformers as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "kvb-cache" / "tests"))
 from arch_paths import path_problems, paths_table, run_paths  # noqa: E402
-from conftest import VOCAB, make_tokenizer, rag_prompts, words  # noqa: E402
+from conftest import VOCAB, gemma4_config, make_tokenizer, rag_prompts, words  # noqa: E402
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
 from kvb_cache.cache_kwarg import output_cache  # noqa: E402
@@ -52,19 +52,16 @@ _SSM = dict(hidden_size=64, num_hidden_layers=2, vocab_size=VOCAB, initializer_r
 #: The Mamba-2 mixer of the hybrids.
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)
 #: Qwen2-VL's multimodal RoPE (sections of the rotary half: temporal, height, width), used on text only.
+#: The gated-DeltaNet (linear attention) layers of Qwen3-Next and Qwen3.5.
+_GATED_DELTANET = dict(
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 _MROPE = dict(text_config=dict(**_C, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]}))
-
-
-def _gemma4(**overrides) -> T.Gemma4TextConfig:
-    """Gemma 4's pattern in six layers: five sliding (window 24), one global with a wider head."""
-    return T.Gemma4TextConfig(
-        **{**_C, "num_hidden_layers": 6, **overrides},
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=24,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=VOCAB,
-    )
 
 
 def _llama4(**overrides) -> T.Llama4TextConfig:
@@ -242,19 +239,21 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         "AltUp, per-layer inputs, KV shared across layers, sliding window",
     ),
     "gemma4": (
-        lambda: _gemma4(),
+        lambda: gemma4_config(),
         "per-layer head size, proportional RoPE on global layers, per-layer inputs",
     ),
     "gemma4_k_eq_v": (
-        lambda: _gemma4(attention_k_eq_v=True, num_global_key_value_heads=1),
+        lambda: gemma4_config(attention_k_eq_v=True, num_global_key_value_heads=1),
         "Gemma 4 31B-style: values are the keys on global layers",
     ),
     "gemma4_moe": (
-        lambda: _gemma4(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+        lambda: gemma4_config(
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
+        ),
         "Gemma 4 26B-A4B-style: MoE block",
     ),
     "gemma4_kv_shared": (
-        lambda: _gemma4(num_hidden_layers=8, num_kv_shared_layers=2),
+        lambda: gemma4_config(num_hidden_layers=8, num_kv_shared_layers=2),
         "Gemma 4 E2B/E4B-style: KV shared across layers",
     ),
     "cohere2": (
@@ -391,12 +390,7 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         lambda: T.Qwen3NextConfig(
             **_C,
             **_MOE,
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            **_GATED_DELTANET,
             num_experts=4,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
@@ -404,15 +398,7 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         "gated DeltaNet + gated attention, MoE",
     ),
     "qwen3_5": (
-        lambda: T.Qwen3_5TextConfig(
-            **_C,
-            head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
+        lambda: T.Qwen3_5TextConfig(**_C, **_GATED_DELTANET),
         "Qwen3.5: gated DeltaNet + gated attention",
     ),
     "recurrent_gemma": (

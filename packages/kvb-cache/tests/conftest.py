@@ -55,14 +55,19 @@ ARCHITECTURES = {
 
 
 def gemma4_config(**overrides) -> T.Gemma4TextConfig:
-    """Six layers, five sliding and a global one (Gemma 4's pattern), tiny."""
+    """Six layers, five sliding (window 24) and a global one with a wider head (Gemma 4's pattern), tiny; any
+    field can be overridden."""
     return T.Gemma4TextConfig(
-        **{**_COMMON, "num_hidden_layers": 6, **overrides},
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=24,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=VOCAB,
+        **{
+            **_COMMON,
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "sliding_window": 24,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": VOCAB,
+            **overrides,
+        }
     )
 
 

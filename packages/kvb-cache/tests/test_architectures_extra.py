@@ -55,21 +55,29 @@ def _generate(model, ids: list[int], n: int) -> list[int]:
 def test_chunked_attention_is_served_exactly(tokenizer):
     """Before, Llama 4 was declined; served without the chunk mask its logits were off by ~5: every query
     attended across its chunk's start (the mask transformers builds never reaches a paged call)."""
-    model = _build(_llama4(attn_temperature_tuning=False))
+    # The cached prefix ends inside the second 24-token chunk; decoding crosses the chunk boundary at 72, solo
+    # and batched with other requests.
+    _assert_served_exactly(_build(_llama4(attn_temperature_tuning=False)), tokenizer, solo=16, batched=14)
+
+
+def _assert_served_exactly(model, tokenizer, *, solo: int, batched: int) -> None:
+    """A 60-token prompt after a 40-token warm prefix: logits equal a plain forward (2e-5); ``solo`` greedy
+    tokens equal ``model.generate``'s, and ``batched`` for each of three prompts decoded together."""
     engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
     ids = tokenizer(words(60, seed=1))["input_ids"]
-    engine.warm(ids[:40])  # the cached prefix ends inside the second 24-token chunk
+    engine.warm(ids[:40])
     result = engine.next_token_logits(ids)
     assert result.cached_tokens >= 32
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
-    # Decoding crosses the chunk boundary at 72, solo and batched with other requests.
-    assert engine.generate(ids, max_new_tokens=16, ignore_eos=True).output_ids == _generate(model, ids, 16)
+    assert engine.generate(ids, max_new_tokens=solo, ignore_eos=True).output_ids == _generate(
+        model, ids, solo
+    )
     prompts = [words(40, seed=1), words(12, seed=2), words(45, seed=3)]
-    outs = engine.generate_batch(prompts, max_new_tokens=14, ignore_eos=True)
+    outs = engine.generate_batch(prompts, max_new_tokens=batched, ignore_eos=True)
     for out, prompt in zip(outs, prompts):
-        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 14)
+        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], batched)
 
 
 @pytest.mark.parametrize(
@@ -86,20 +94,7 @@ def test_chunked_attention_is_served_exactly(tokenizer):
 def test_gemma4_is_served_exactly(variant, tokenizer):
     """Gemma 4's layers differ by type (a wider head and proportional RoPE on its global layers, a sliding
     window on the others): exact prefix reuse, decoding past the window solo and in a batch."""
-    model = _build(gemma4_config(**variant))
-    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
-    ids = tokenizer(words(60, seed=1))["input_ids"]
-    engine.warm(ids[:40])
-    result = engine.next_token_logits(ids)
-    assert result.cached_tokens >= 32
-    with torch.no_grad():
-        reference = model(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
-    assert engine.generate(ids, max_new_tokens=12, ignore_eos=True).output_ids == _generate(model, ids, 12)
-    prompts = [words(40, seed=1), words(12, seed=2), words(45, seed=3)]
-    outs = engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
-    for out, prompt in zip(outs, prompts):
-        assert out.output_ids == _generate(model, tokenizer(prompt)["input_ids"], 10)
+    _assert_served_exactly(_build(gemma4_config(**variant)), tokenizer, solo=12, batched=10)
 
 
 def test_llama4_temperature_tuning_is_served_below_its_floor_scale(tokenizer):

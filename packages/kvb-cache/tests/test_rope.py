@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB, make_model
+from conftest import VOCAB, gemma4_config, make_model
 
 from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.rope import KeyRepositioner
@@ -65,14 +65,7 @@ CONFIGS = {
     "cohere-interleaved": lambda: T.CohereConfig(**_SMALL, pad_token_id=0),
     # One-tensor apply_rotary_pos_emb; the global layer's proportional RoPE rotates a quarter of a wider head
     # with tables as wide as the head (splitting by the factor, as for Phi, broke it).
-    "gemma4-proportional": lambda: T.Gemma4TextConfig(
-        **{**_SMALL, "num_hidden_layers": 6},
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=512,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=VOCAB,
-    ),
+    "gemma4-proportional": lambda: gemma4_config(sliding_window=512),
     # Every 4th layer has no RoPE (NoPE): its keys must not be rotated.
     "smollm3-nope": lambda: T.SmolLM3Config(**{**_SMALL, "num_hidden_layers": 4}, pad_token_id=0),
 }

@@ -64,17 +64,17 @@ class ExactVerifier:
             NonFiniteLogitsError: a row the verdict depends on holds NaN.
         """
         tokens = draft.tokens.tolist()
-        # One host sync for the argmax and the NaN flags together (argmax would return a NaN's index).
-        best, nan = torch.stack(
-            [torch.argmax(scores, dim=-1), torch.isnan(scores).any(dim=-1).long()]
-        ).tolist()  # [k + 1] each
+        nan_rows = torch.isnan(scores).any(dim=-1).long()  # [k + 1]: argmax would return a NaN's index
         if greedy:
+            # One host sync for the argmax and the NaN flags together.
+            best, nan = torch.stack([torch.argmax(scores, dim=-1), nan_rows]).tolist()  # [k + 1] each
             for j, token in enumerate(tokens):
                 _check_row(nan, j)
                 if token != best[j]:
                     return Verdict(j, best[j])
             _check_row(nan, len(tokens))
             return Verdict(len(tokens), best[-1])
+        nan = nan_rows.tolist()
         p = torch.softmax(scores, dim=-1)  # [k + 1, V]
         uniforms = torch.rand(len(tokens), generator=generator, device=p.device).tolist()
         for j, token in enumerate(tokens):
