@@ -31,6 +31,7 @@ from conftest import VOCAB, gemma4_config, make_tokenizer, rag_prompts, words  #
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
 from kvb_cache.cache_kwarg import output_cache  # noqa: E402
+from kvb_cache.kv_sharing import own_kv_layers  # noqa: E402
 from kvb_cache.rope import KeyRepositioner  # noqa: E402
 
 _C = dict(
@@ -507,7 +508,7 @@ def _moved_key_error(model, ids: list[int], old: int = 5, new: int = 61) -> floa
         positions = torch.arange(start, start + len(ids)).unsqueeze(0)
         with torch.no_grad():
             cache = output_cache(model(torch.tensor([ids]), position_ids=positions, use_cache=True))
-        return tuple((layer.keys, layer.values) for layer in cache.layers)
+        return tuple((layer.keys, layer.values) for layer in own_kv_layers(cache))
 
     mover = KeyRepositioner.for_model(model, absolute_positions=False)
     moved = mover.reposition(kv_at(old), old, new)
@@ -641,7 +642,11 @@ full layers, found by a one-token probe: a layer whose keys at positions 0 and 1
 a chunk moves), sinks, soft-capping, the MoE routers in the table (top-k, grouped, sparsemixer, shared
 experts), layers of different shapes in one model (Gemma 4's global layers: a wider head, one KV head
 whose values are its keys in the 31B style, proportional RoPE that rotates a quarter of the head with tables
-as wide as the head), and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
+as wide as the head), keys/values shared across layers (Gemma 3n, Gemma 4 E2B / E4B: the last
+`num_kv_shared_layers` layers attend to the last earlier layer of their type; the pool, chunk store and tiers
+hold the other layers only, as transformers' cache does, and a shared layer's attention reads its producer's
+slots; the routing probe checks that the model passes each shared layer exactly its producer's keys/values),
+and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
 temperature tuning, row `llama4`: its NoPE layers' queries are scaled by a factor of the position, counted
 from `past_key_values`, which the packed forward does not pass, so the model would take a token's index in
 the packed batch for its position) is served with its context capped at `floor_scale - 1` (8191) tokens and
@@ -660,11 +665,6 @@ multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair for
   per-token pool does not hold.
 - *A cache that is not per-head keys/values*: multi-head latent attention (DeepSeek-V2/V3, LongCat-Flash)
   caches the compressed latent.
-- *Keys/values shared across layers*: Gemma 3n and Gemma 4's small models (E2B, E4B): their last
-  `num_kv_shared_layers` layers attend to an earlier layer's cache (the released checkpoints have them;
-  Gemma 4's larger models do not, and are served). Served it would need the pool to map those layers to
-  their source layer's blocks, and every path that reads a `DynamicCache` back (transformers gives those
-  layers a `DummyLayer`) to read the source layer's.
 - *A mask built inside the attention module*: Doge (its dynamic mask is computed from every cached token's
   values; the paged attention builds masks from positions).
 - *Attention called more than once per layer*: DiffLlama (differential attention attends once per half of
@@ -694,9 +694,11 @@ because the tiny config did not run in plain transformers (Cohere Compass, dots3
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;
-stitching, moved keys) and Cohere 2's NoPE layers (`test_architectures_extra.py`),
+stitching, moved keys), KV shared across layers (Gemma 3n, Gemma 4 E2B-style: exactness, batching, stitching,
+the producer map against transformers' own, a probe that declines a shared layer passed other keys) and
+Cohere 2's NoPE layers (`test_architectures_extra.py`),
 and a representative of every decline reason; the paths of the second table are tested on those plus Phi-3,
-SmolLM3, Cohere and Gemma 4 (kvb-cache: live KV, hf_bridge, disk tier; kvboost: speculative through the engine;
+SmolLM3, Cohere, Gemma 4 and both KV-shared models (kvb-cache: live KV, hf_bridge, disk tier; kvboost: speculative through the engine;
 kvb-speculative: sliding-window rollback).
 
 """

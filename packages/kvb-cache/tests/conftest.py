@@ -84,6 +84,25 @@ MORE_ARCHITECTURES = {
     # channels rotate, tables span the whole head), per-layer input embeddings, a one-tensor
     # apply_rotary_pos_emb.
     "gemma4": lambda: gemma4_config(),
+    # Gemma 4 E2B / E4B: the last two layers attend to the keys/values of the last earlier layer of their
+    # type (no cache of their own).
+    "gemma4_kv_shared": lambda: gemma4_config(
+        num_hidden_layers=8,
+        num_kv_shared_layers=2,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+    ),
+    # Gemma 3n: KV shared the same way, AltUp and LAuReL blocks, per-layer inputs.
+    "gemma3n": lambda: T.Gemma3nTextConfig(
+        **{**_COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=24,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2,
+        laurel_rank=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4,
+    ),
 }
 #: A representative subset for the per-path checks: RoPE variants, sliding/hybrid windows, sinks, fused
 #: and partial projections, NoPE layers and absolute positions.
@@ -99,6 +118,8 @@ PATH_ARCHITECTURES = (
     "smollm3",
     "cohere",
     "gemma4",
+    "gemma4_kv_shared",
+    "gemma3n",
     "gpt2",
 )
 

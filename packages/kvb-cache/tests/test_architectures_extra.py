@@ -1,16 +1,21 @@
-"""Newer architectures: chunked attention and Gemma 4 served exactly, Cohere 2's NoPE layers kept in place when
-keys move, and the models the pool cannot serve (recurrent state, KV shared across layers, a mask built inside the
-attention module, position-scaled NoPE queries) declined when the engine is built, naming why."""
+"""Newer architectures: chunked attention, Gemma 4 and KV shared across layers (Gemma 3n, Gemma 4 E2B) served
+exactly, Cohere 2's NoPE layers kept in place when keys move, and the models the pool cannot serve (recurrent
+state, a mask built inside the attention module, two attention calls per layer) declined when the engine is
+built, naming why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB, gemma4_config, words
+from conftest import MORE_ARCHITECTURES, VOCAB, gemma4_config, words
 
 from kvb_cache import ContextLengthError, EngineConfig, KVBoost, UnsupportedModelError
 from kvb_cache.cache_kwarg import output_cache
+from kvb_cache.core.attention_routing import check_attention_routing
+from kvb_cache.core.kv_storage import probe_layer_shapes
+from kvb_cache.core.paged_attention import install_paged_attention
+from kvb_cache.kv_sharing import kv_sources
 from kvb_cache.rope import KeyRepositioner
 
 _SMALL = dict(
@@ -95,6 +100,48 @@ def test_gemma4_is_served_exactly(variant, tokenizer):
     """Gemma 4's layers differ by type (a wider head and proportional RoPE on its global layers, a sliding
     window on the others): exact prefix reuse, decoding past the window solo and in a batch."""
     _assert_served_exactly(_build(gemma4_config(**variant)), tokenizer, solo=12, batched=10)
+
+
+@pytest.mark.parametrize(
+    ("arch", "own_layers"), [("gemma4_kv_shared", 6), ("gemma3n", 2)], ids=["gemma4-e2b-style", "gemma3n"]
+)
+def test_kv_shared_layers_are_served_exactly_from_their_producers_slots(arch, own_layers, tokenizer):
+    """Gemma 3n and Gemma 4 E2B / E4B: the last two layers attend to an earlier layer's keys/values. The pool
+    holds the producer layers only (as transformers' cache does) and the shared layers read their producer's
+    slots: exact prefix reuse, solo and batched greedy equal to ``model.generate`` (these models were declined)."""
+    model = _build(MORE_ARCHITECTURES[arch]())
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    assert engine.traits.kv_layers == own_layers
+    assert engine.core.kv.storage.num_layers == own_layers
+    assert len(engine.core.kv.storage.shared) == 2
+    _assert_served_exactly(model, tokenizer, solo=12, batched=10)
+
+
+def test_kv_sources_follow_transformers_producers():
+    """Each shared layer reads the last earlier layer of its type: the layers transformers marks to store
+    their full-length keys/values for sharing (Gemma 4 E2B's pattern, four sliding layers then a full one)."""
+    config = gemma4_config(
+        num_hidden_layers=10,
+        num_kv_shared_layers=4,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+    )
+    sources = kv_sources(config, 10)
+    assert sources == (0, 1, 2, 3, 4, 5, 5, 5, 5, 4)
+    stored = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "store"}
+    assert set(sources[6:]) == stored
+    assert kv_sources(gemma4_config(), 6) == tuple(range(6))
+
+
+def test_a_shared_layer_passed_other_keys_than_its_producers_is_declined():
+    """The routing probe checks that a shared layer really is passed its producer's keys/values (a
+    transformers version computing them otherwise would read the wrong slots): told that layer 6 shares
+    layer 4's, while the model passes it layer 5's, the engine declines."""
+    model = _build(MORE_ARCHITECTURES["gemma4_kv_shared"]())
+    shapes = probe_layer_shapes(model)
+    install_paged_attention(model)
+    check_attention_routing(model, shapes, (0, 1, 2, 3, 4, 5, 5, 3))
+    with pytest.raises(UnsupportedModelError, match="declares layer 6 to share layer 4"):
+        check_attention_routing(model, shapes, (0, 1, 2, 3, 4, 5, 4, 3))
 
 
 def test_llama4_temperature_tuning_is_served_below_its_floor_scale(tokenizer):
@@ -189,43 +236,15 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
             lambda: T.RwkvConfig(**_SSM, attention_hidden_size=32, intermediate_size=64, context_length=128),
             "own recurrent state",
         ),
-        # The last layers read an earlier layer's cache.
-        (
-            lambda: T.Gemma3nTextConfig(
-                **{**_SMALL, "num_hidden_layers": 4},
-                head_dim=16,
-                sliding_window=24,
-                hidden_size_per_layer_input=16,
-                vocab_size_per_layer_input=VOCAB,
-                num_kv_shared_layers=2,
-                laurel_rank=8,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                activation_sparsity_pattern=[0.0] * 4,
-            ),
-            "shares keys/values across layers",
-        ),
-        # Gemma 4's small models (E2B, E4B) share the last layers' KV the same way.
-        (
-            lambda: T.Gemma4TextConfig(
-                **{**_SMALL, "num_hidden_layers": 8},
-                head_dim=16,
-                global_head_dim=32,
-                sliding_window=24,
-                hidden_size_per_layer_input=16,
-                vocab_size_per_layer_input=VOCAB,
-                num_kv_shared_layers=2,
-            ),
-            "shares keys/values across layers",
-        ),
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
         # Differential attention: two attention calls per layer, one per half of the values.
         (lambda: T.DiffLlamaConfig(**_SMALL), "calls attention 2 times in one forward of layer 0"),
     ],
-    ids=["mamba", "falcon-h1-hybrid", "rwkv", "gemma3n-kv-sharing", "gemma4-kv-sharing", "doge", "diffllama"],
+    ids=["mamba", "falcon-h1-hybrid", "rwkv", "doge", "diffllama"],
 )
 def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
-    """Served anyway, these crashed when the engine was built (RWKV, Gemma 3n with shared KV) or gave wrong
+    """Served anyway, these crashed when the engine was built (RWKV) or gave wrong
     logits (Doge: off by ~6, DiffLlama: ~4); the recurrent ones were declined with a reason that did not say
     why."""
     model = _build(make_config())

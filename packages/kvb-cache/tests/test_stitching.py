@@ -28,7 +28,20 @@ def _engine(model, tokenizer, **stitch):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma4", "stablelm", "gpt_oss", "gpt_neox"]
+    "arch",
+    [
+        "llama",
+        "qwen2",
+        "mistral",
+        "gemma2",
+        "gemma3",
+        "gemma4",
+        "gemma4_kv_shared",
+        "gemma3n",
+        "stablelm",
+        "gpt_oss",
+        "gpt_neox",
+    ],
 )
 @pytest.mark.parametrize(
     "stitch",

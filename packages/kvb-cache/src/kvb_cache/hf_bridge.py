@@ -21,6 +21,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.lookup import common_prefix_len
 from kvb_cache.pool_io import dense_cache, probe_request
 
@@ -229,14 +230,15 @@ class HFCacheBridge:
                 param="cache",
             )
         storage = self.kv.storage
-        if len(cache.layers) != storage.num_layers:
+        layers = own_kv_layers(cache)
+        if len(layers) != storage.num_layers:
             raise InvalidRequestError(
-                f"cache has {len(cache.layers)} layers, the model {storage.num_layers}; pass a cache this "
+                f"cache has {len(layers)} layers, the model {storage.num_layers}; pass a cache this "
                 "model filled",
                 param="cache",
             )
         out = []
-        for i, (layer, pool_k) in enumerate(zip(cache.layers, storage.keys)):
+        for i, (layer, pool_k) in enumerate(zip(layers, storage.keys)):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
                 raise InvalidRequestError(

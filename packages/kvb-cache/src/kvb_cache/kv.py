@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, DynamicCache
 
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.live_quant import layer_kv
 from kvb_cache.store import ChunkEntry, LayerKV
 
@@ -73,7 +74,7 @@ def batch_cache(
 def slice_kv(cache: Cache, start: int, end: int, *, row: int = 0) -> LayerKV:
     """Copy positions ``[start, end)`` of batch row ``row`` out of ``cache`` (contiguous, batch dim 1);
     live-quantized layers are dequantized first."""
-    kv = [layer_kv(layer) for layer in cache.layers]
+    kv = [layer_kv(layer) for layer in own_kv_layers(cache)]
     return tuple(
         (k[row : row + 1, :, start:end].clone(), v[row : row + 1, :, start:end].clone()) for k, v in kv
     )

@@ -24,6 +24,7 @@ from kvb_cache.codecs.base import LayerPair
 from kvb_cache.codecs.kivi import KiviCodec
 from kvb_cache.codecs.packing import Quantized
 from kvb_cache.errors import InvalidRequestError
+from kvb_cache.kv_sharing import own_kv_layers
 
 #: ``kv_cache_bits`` values that quantize the live cache (16 keeps it as computed).
 LIVE_QUANT_BITS = (8, 4)
@@ -160,7 +161,7 @@ def quantize_live(cache: Cache, *, num_layers: int, bits: int) -> LiveQuantizedC
     request's own; ``cache``'s tensors are not modified (they may be views of stored chunks).
     """
     live = LiveQuantizedCache(num_layers=num_layers, bits=bits)
-    for source, target in zip(cache.layers, live.layers):
+    for source, target in zip(own_kv_layers(cache), live.layers):
         if source.get_seq_length():
             target.update(source.keys, source.values)
     return live
@@ -183,7 +184,7 @@ def layer_kv(layer: CacheLayerMixin) -> LayerPair:
 def cache_kv_bytes(cache: Cache) -> int:
     """Bytes of KV a working cache holds now (codes, scales and residual window for live-quantized layers)."""
     total = 0
-    for layer in cache.layers:
+    for layer in own_kv_layers(cache):
         if isinstance(layer, KiviLiveLayer):
             total += layer.nbytes
         elif layer.is_initialized:

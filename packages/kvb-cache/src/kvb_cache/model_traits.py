@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import ConfigError, UnsupportedModelError
+from kvb_cache.kv_sharing import kv_sources
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,17 @@ class ModelTraits:
     position_limit: int | None = None
     #: Why ``context_length`` is below the model's own window (shown in every ContextLengthError); None: it is not.
     context_reason: str | None = None
+    #: Per decoder layer, the layer whose keys/values it attends (Gemma 3n / Gemma 4 E2B share the last
+    #: layers' KV, :mod:`kvb_cache.kv_sharing`); None: every layer attends its own.
+    kv_sources: tuple[int, ...] | None = None
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that hold keys/values of their own: what the pool, chunk store and tiers keep per token
+        (the first ``kv_layers`` layers; KV-shared layers come after them)."""
+        return (
+            self.num_layers if self.kv_sources is None else sum(s == i for i, s in enumerate(self.kv_sources))
+        )
 
 
 def cap_context(traits: ModelTraits, max_model_len: int | None) -> ModelTraits:
@@ -97,12 +109,6 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
             f"{name} has {unsupported} layers whose cache is not a per-token key/value cache; "
             "chunk reuse is only defined for full, sliding-window and chunked attention."
         )
-    if "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
-        raise UnsupportedModelError(
-            f"{name} shares keys/values across layers (its last `num_kv_shared_layers` layers attend to an "
-            "earlier layer's cache instead of their own, as Gemma 3n does); KVBoost's pool holds one cache per "
-            "layer and cannot serve them."
-        )
     # Llama 4's attention temperature tuning scales its NoPE layers' queries by a factor of each token's
     # position, which it counts from `past_key_values`; the engine's packed forward passes none, so the model
     # takes a token's index in the packed batch for its position. Below `floor_scale` the factor is exactly 1
@@ -157,8 +163,13 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         )
         logger.warning("%s: context capped at %d tokens.", reason, short)
         context = short
+    try:
+        sources = kv_sources(config, int(num_layers))
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{name}: {exc}") from exc
     return ModelTraits(
         num_layers=int(num_layers),
+        kv_sources=sources if sources != tuple(range(int(num_layers))) else None,
         context_length=context,
         context_reason=reason,
         position_limit=position_limit,

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
+from kvb_cache.kv_sharing import own_kv_layers
 
 # Frequencies change with the sequence length: a stored key's rotation is not a function of its position.
 _LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
@@ -87,7 +88,7 @@ def _nope_layers(model: PreTrainedModel) -> frozenset[int]:
             **cache_kwargs(model, cache),
             use_cache=True,
         )
-        keys.append([layer.keys for layer in cache.layers])
+        keys.append([layer.keys for layer in own_kv_layers(cache)])
     return frozenset(i for i, (at0, at1) in enumerate(zip(*keys)) if torch.equal(at0, at1))
 
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.rope import KeyRepositioner
 from kvb_cache.stitch_lookup import StitchedPiece
 from kvb_cache.store import ChunkEntry
@@ -86,7 +87,7 @@ def assemble_layers(
             region_k /= scale
             region_v /= scale
         if prefix:
-            cached = cache.layers[layer]
+            cached = own_kv_layers(cache)[layer]
             region_k = torch.cat([cached.keys, region_k], dim=2)
             region_v = torch.cat([cached.values, region_v], dim=2)
         layers.append([region_k, region_v])

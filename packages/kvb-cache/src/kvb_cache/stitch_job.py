@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.repair.cacheblend import CacheBlendRepair
 from kvb_cache.repair.recompute import RepairWork
 from kvb_cache.results import ChunkHit, HitKind
@@ -71,7 +72,7 @@ class StitchJob:
         """Hand the repaired KV and the telemetry to the prepared prompt, and count the stitch."""
         prepared = self.prepared
         prepared.under_held = self.under_held
-        for cache_layer, (keys, values) in zip(prepared.cache.layers, self.layers):
+        for cache_layer, (keys, values) in zip(own_kv_layers(prepared.cache), self.layers):
             cache_layer.keys, cache_layer.values = keys, values
         describe_stitch(prepared, self.pieces, set(repaired), self.prefix, self.end)
         stitched = sum(p.end - p.start for p in self.pieces)

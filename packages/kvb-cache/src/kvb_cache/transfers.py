@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from transformers import Cache, DynamicCache
 
 from kvb_cache import generation
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.live_quant import is_live_quantized, quantize_live
 from kvb_cache.pool_io import dense_cache, probe_request
 from kvb_cache.prepared import PreparedPrompt
@@ -85,7 +86,7 @@ class CacheTransfers:
                     self.kv.root_of(probe),
                     ids[: hit.tokens],
                     dense_cache(self.kv.storage.read(slots)),
-                    num_layers=self.traits.num_layers,
+                    num_layers=self.traits.kv_layers,
                     store_partial_tail=self.config.store_partial_tail and whole,
                 )
         finally:
@@ -116,7 +117,7 @@ class CacheTransfers:
             ids,
             dense_cache(self.kv.storage.read(self.kv.slots(req, len(ids)))),
             start=req.exact_until,
-            num_layers=self.traits.num_layers,
+            num_layers=self.traits.kv_layers,
             store_partial_tail=self.config.store_partial_tail,
             copied=req.copied,
             derived_too=stitching.keep_approximate,
@@ -157,7 +158,7 @@ class CacheTransfers:
     def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:
         """Swap the prepared cache for a live-quantized one when ``kv_cache_bits`` asks for 8/4 bits."""
         if bits is not None:
-            prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.num_layers, bits=bits)
+            prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.kv_layers, bits=bits)
 
     def store_sequence(
         self, ids: Sequence[int], cache: Cache, *, root: ChunkHash | None = None
@@ -171,8 +172,9 @@ class CacheTransfers:
         ids = list(ids)
         if is_live_quantized(cache) or not ids or not self.kv.caching:
             return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
-        length = {layer.get_seq_length() for layer in cache.layers}
-        if len(cache.layers) != self.traits.num_layers or len(length) != 1 or length.pop() < len(ids):
+        own = own_kv_layers(cache)
+        length = {layer.get_seq_length() for layer in own}
+        if len(own) != self.traits.kv_layers or len(length) != 1 or length.pop() < len(ids):
             return WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
         probe = probe_request(ids, root=root)
         hit = self.kv.admit(probe, max_tokens=len(ids), count=False)
@@ -180,7 +182,7 @@ class CacheTransfers:
             if hit.tokens < len(ids) and self.kv.allocate(probe, len(ids) - hit.tokens):
                 layers = [
                     (layer.keys[:1, :, hit.tokens : len(ids)], layer.values[:1, :, hit.tokens : len(ids)])
-                    for layer in cache.layers
+                    for layer in own
                 ]
                 self.kv.storage.write(self.kv.slots(probe, len(ids))[hit.tokens :], layers)
                 probe.num_computed = len(ids)
@@ -194,7 +196,7 @@ class CacheTransfers:
                 self.kv.root_of(probe),
                 ids,
                 cache,
-                num_layers=self.traits.num_layers,
+                num_layers=self.traits.kv_layers,
                 store_partial_tail=self.config.store_partial_tail,
             )
         complete = sum(span.complete for span in self.chunker.split(ids))

@@ -11,6 +11,7 @@ from transformers import Cache
 from kvb_cache.chunking import Chunker
 from kvb_cache.hashing import ChunkHash, approximate_root
 from kvb_cache.kv import slice_kv
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.lookup import chunk_keys
 from kvb_cache.store import ChunkEntry, ChunkStore
 
@@ -30,8 +31,9 @@ _NOTHING = WritebackResult(stored_chunks=0, new_chunks=0, partial_tail=False)
 
 def _trusted(cache: Cache, num_layers: int, length: int) -> bool:
     """Whether ``cache`` has every layer, all of one length, holding at least ``length`` positions."""
-    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in cache.layers}
-    if len(cache.layers) != num_layers or len(lengths) != 1 or lengths.pop() < length:
+    own = own_kv_layers(cache)
+    lengths = {layer.get_seq_length() if layer.is_initialized else 0 for layer in own}
+    if len(own) != num_layers or len(lengths) != 1 or lengths.pop() < length:
         logger.warning("cache layers have inconsistent lengths; not storing this request's chunks")
         return False
     return True

@@ -7,7 +7,9 @@ cache holds and get the mask the model's mask function made. Models that route a
 Falcon, Bloom: no ``AttentionInterface``), cache something else than per-head keys and values (DeepSeek's
 multi-head latent attention caches the compressed latent), build their own mask inside the attention
 module (Doge's dynamic mask) or call attention more than once per layer (DiffLlama's differential attention)
-are declined with :class:`~kvb_cache.errors.UnsupportedModelError`.
+are declined with :class:`~kvb_cache.errors.UnsupportedModelError`. A layer that shares an earlier layer's
+keys/values (Gemma 3n, Gemma 4 E2B) must be passed exactly that layer's: the paged attention reads them from
+the producer's slots instead.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from transformers import PreTrainedModel
 from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.errors import UnsupportedModelError
 
-#: Per layer, the ``(kv_heads, key_dim, value_dim, biased mask)`` of each attention call during
-#: :func:`check_attention_routing`.
-_PROBE: ContextVar[dict[int, list[tuple[int, int, int, bool]]] | None] = ContextVar("kvb_probe", default=None)
+#: Per layer, the ``(keys, values, biased mask)`` of each attention call during :func:`check_attention_routing`.
+_PROBE: ContextVar[dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] | None] = ContextVar(
+    "kvb_probe", default=None
+)
 
 
 def _biased(mask: torch.Tensor | None) -> bool:
@@ -39,28 +42,37 @@ def record_layer(
     """Note what a layer's attention call saw, when :func:`check_attention_routing` is probing (else nothing)."""
     probe = _PROBE.get()
     if probe is not None:
-        shape = (key.shape[1], key.shape[-1], value.shape[-1], _biased(attention_mask))
-        probe.setdefault(getattr(module, "layer_idx", -1), []).append(shape)
+        call = (key.detach().clone(), value.detach().clone(), _biased(attention_mask))
+        probe.setdefault(getattr(module, "layer_idx", -1), []).append(call)
 
 
-def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]) -> None:
+def check_attention_routing(
+    model: PreTrainedModel, shapes: Sequence[LayerShape], sources: Sequence[int] | None = None
+) -> None:
     """Raise :class:`UnsupportedModelError` unless a one-token forward of the (installed) model calls the
-    ``kvb_paged`` attention once per layer with keys/values shaped as the layer's cache (``shapes``).
+    ``kvb_paged`` attention once per layer with keys/values shaped as the layer's cache (``shapes``, one per
+    layer with KV of its own). ``sources``: per decoder layer, the layer whose keys/values it attends
+    (:func:`kvb_cache.kv_sharing.kv_sources`; default: each its own); a shared layer must be passed its
+    producer's very keys/values.
 
     A layer that never calls it computes attention some other way (the paged pool would never be written:
     every output wrong); keys that differ from the cached ones mean the cache holds something else (a
     compressed latent), which the pool's per-head layout cannot serve.
     """
     name = type(model).__name__
-    seen: dict[int, list[tuple[int, int, int, bool]]] = {}
+    sources = tuple(range(len(shapes))) if sources is None else tuple(sources)
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
     token = _PROBE.set(seen)
     try:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+        # Not the padding token: its embedding is often zero, and every layer's keys would then be equal,
+        # which would let a shared layer passed another layer's keys through.
+        pad = model.config.get_text_config(decoder=True).pad_token_id
+        ids = torch.full((1, 1), 2 if pad == 1 else 1, dtype=torch.long, device=model.device)
         with torch.inference_mode():
-            model(input_ids=ids, position_ids=ids, use_cache=False)
+            model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
     finally:
         _PROBE.reset(token)
-    missing = [i for i in range(len(shapes)) if i not in seen]
+    missing = [i for i in range(len(sources)) if i not in seen]
     if missing:
         raise UnsupportedModelError(
             f"{name} does not compute attention through transformers' AttentionInterface (layers {missing[:4]}"
@@ -68,7 +80,7 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
             "it; supported are models whose attention honours `attn_implementation` (Llama, Qwen, Mistral, "
             "Gemma, Phi, GPT-2, GPT-NeoX, OLMo, gpt-oss, ...)"
         )
-    for i, shape in enumerate(shapes):
+    for i, source in enumerate(sources):
         if len(seen[i]) > 1:
             # Each call writes its keys/values into the layer's one pool slot per token, so the second call
             # overwrites the first's, and the first reads the second's back for every cached token.
@@ -78,7 +90,7 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
                 "per loop), each with other keys/values; KVBoost's pool holds one key/value pair per layer and "
                 "token and cannot serve it"
             )
-        *got, biased = seen[i][0]
+        key, value, biased = seen[i][0]
         if biased:
             raise UnsupportedModelError(
                 f"{name} builds its own attention mask inside the attention module (layer {i}: a one-token "
@@ -86,7 +98,19 @@ def check_attention_routing(model: PreTrainedModel, shapes: Sequence[LayerShape]
                 "from the values of every cached token); KVBoost's paged attention builds the causal / "
                 "sliding-window mask from positions and cannot reproduce it"
             )
-        if tuple(got) != (shape.kv_heads, shape.key_dim, shape.value_dim):
+        if source != i:
+            producer_key, producer_value, _ = seen[source][0]
+            if not (torch.equal(key, producer_key) and torch.equal(value, producer_value)):
+                raise UnsupportedModelError(
+                    f"{name} declares layer {i} to share layer {source}'s keys/values (num_kv_shared_layers) "
+                    "but its attention is passed other ones (this transformers version computes them "
+                    "differently); KVBoost reads a shared layer's keys/values from its producer's pool slots and "
+                    "cannot serve it: upgrade transformers"
+                )
+            continue
+        shape = shapes[i]
+        got = (key.shape[1], key.shape[-1], value.shape[-1])
+        if got != (shape.kv_heads, shape.key_dim, shape.value_dim):
             raise UnsupportedModelError(
                 f"{name} caches something other than the keys/values its attention uses (layer {i}: cache "
                 f"{shape.kv_heads} heads x {shape.key_dim}/{shape.value_dim} channels, attention "

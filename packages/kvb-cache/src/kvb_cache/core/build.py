@@ -16,7 +16,9 @@ from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_sh
 from kvb_cache.core.paged_attention import install_paged_attention
 from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
+from kvb_cache.errors import UnsupportedModelError
 from kvb_cache.hashing import ChunkHash
+from kvb_cache.kv_sharing import shared_map
 from kvb_cache.model_traits import ModelTraits
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,21 @@ def build_loop(
 ) -> LoopParts:
     shapes = probe_layer_shapes(model)
     install_paged_attention(model)
-    check_attention_routing(model, shapes)
+    sources = traits.kv_sources or tuple(range(len(shapes)))
+    if len(shapes) != traits.kv_layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s cache holds keys/values for {len(shapes)} layers, but {traits.kv_layers} "
+            "of its layers compute their own; KVBoost cannot tell which layers its pool should hold"
+        )
+    check_attention_routing(model, shapes, sources)
     num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
-    storage = KVStorage(shapes, num_blocks=num_blocks, block_size=config.block_size, device=model.device)
+    storage = KVStorage(
+        shapes,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        device=model.device,
+        shared=shared_map(sources),
+    )
     pool = BlockPool(num_blocks, config.block_size)
     tiers = BlockTiers.from_config(config, fingerprint=fingerprint, shapes=shapes)
     caching = config.max_cache_bytes > 0

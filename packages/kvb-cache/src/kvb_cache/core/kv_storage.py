@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +10,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.errors import ConfigError
+from kvb_cache.kv_sharing import own_kv_layers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +24,10 @@ class LayerShape:
 
 
 def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
-    """Read every layer's KV shape from a one-token forward (works for any architecture's cache layout)."""
+    """Read every layer's KV shape from a one-token forward (works for any architecture's cache layout).
+
+    Layers that share an earlier layer's keys/values (:mod:`kvb_cache.kv_sharing`) hold none and get no
+    shape: the result has one entry per layer with KV of its own, the model's first layers."""
     cache = DynamicCache(config=model.config)
     token = torch.zeros((1, 1), dtype=torch.long, device=model.device)
     with torch.inference_mode():
@@ -35,7 +39,7 @@ def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
             value_dim=layer.values.shape[-1],
             dtype=layer.keys.dtype,
         )
-        for layer in cache.layers
+        for layer in own_kv_layers(cache)
     )
 
 
@@ -54,9 +58,18 @@ class KVStorage:
     """
 
     def __init__(
-        self, shapes: Sequence[LayerShape], *, num_blocks: int, block_size: int, device: torch.device
+        self,
+        shapes: Sequence[LayerShape],
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        shared: Mapping[int, int] | None = None,
     ) -> None:
         self.shapes = tuple(shapes)
+        #: ``{layer: producer layer}`` for the model's layers that attend another layer's keys/values
+        #: (:func:`kvb_cache.kv_sharing.shared_map`): they read its slots and write none.
+        self.shared = dict(shared or {})
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size

@@ -151,10 +151,14 @@ def paged_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs
         )
     layer = module.layer_idx
-    keys, values = batch.storage.keys[layer], batch.storage.values[layer]
-    # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
-    keys.index_copy_(1, batch.slot_mapping, key[0].to(keys.dtype))
-    values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
+    source = batch.storage.shared.get(layer, layer)
+    keys, values = batch.storage.keys[source], batch.storage.values[source]
+    if source == layer:
+        # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
+        keys.index_copy_(1, batch.slot_mapping, key[0].to(keys.dtype))
+        values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
+    # else: a KV-shared layer (Gemma 3n / Gemma 4 E2B) is passed its producer's keys/values, which that
+    # earlier layer of this forward already wrote into the slots read here.
     heads, kv_heads = query.shape[1], keys.shape[0]
     groups = heads // kv_heads
     chunk = _attention_chunk(module)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import PreparedKV, Request, RequestStatus
+from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.repair.recompute import RepairWork
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def adopt_stitched(req: Request, prepared: PreparedPrompt) -> None:
     """Hand a stitched prompt's assembled KV to its loop request: written into the request's private blocks
     at admission, it then prefills the rest and decodes in the batched step like any other request. Only
     ``ids[:exact_until]`` may ever be registered under prefix hashes (the store rule)."""
-    layers = tuple((layer.keys, layer.values) for layer in prepared.cache.layers)
+    layers = tuple((layer.keys, layer.values) for layer in own_kv_layers(prepared.cache))
     req.prepared_kv = PreparedKV(layers=layers, length=prepared.cached_tokens)
     req.exact_until = prepared.exact_until
     req.copied = prepared.copied
