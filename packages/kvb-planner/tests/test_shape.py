@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig
 
 from kvb_planner import ModelShape, PlannerConfigError
+from kvb_planner.kv_layout import kv_cache_bytes
 
 
 def test_from_config_reads_llama_dimensions():
@@ -154,3 +155,77 @@ def test_multi_head_latent_attention_is_refused_not_misread():
 
     with pytest.raises(PlannerConfigError, match=r"multi-head latent attention \(kv_lora_rank=512\)"):
         ModelShape.from_config(DeepseekV3Config())
+
+
+def test_kv_shared_layers_hold_no_kv():
+    """Gemma 3n / Gemma 4 E2B: the last ``num_kv_shared_layers`` layers attend to an earlier layer's keys and
+    values and cache none, so only the other layers count (was: every layer, twice the real figure here)."""
+    dims = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    shape = ModelShape.from_config(SimpleNamespace(**dims, num_hidden_layers=30, num_kv_shared_layers=10))
+    assert shape.kv_layer_channels == ((32, 32),) * 20
+    assert shape.kv_bytes_per_token == 20 * 2 * 32 * 4
+    plain = ModelShape.from_config(SimpleNamespace(**dims, num_hidden_layers=30))
+    assert plain.kv_layer_channels is None and plain.kv_bytes_per_token == 30 * 2 * 32 * 4
+
+
+def test_per_layer_channels_equal_the_uniform_formula_when_alike(tiny_shape):
+    """Listing every layer's channels changes nothing when the layers are alike (every bit width); layers
+    of other widths are each counted at their own."""
+    width = tiny_shape.num_kv_heads * tiny_shape.head_dim
+    listed = replace(tiny_shape, kv_layer_channels=((width, width),) * tiny_shape.num_layers)
+    for bits in (16, 8, 4):
+        for tokens in (5, 300):
+            assert kv_cache_bytes(listed, tokens=tokens, batch_size=3, kv_bits=bits) == kv_cache_bytes(
+                tiny_shape, tokens=tokens, batch_size=3, kv_bits=bits
+            )
+    wide = replace(tiny_shape, kv_layer_channels=((width, width), (4 * width, 4 * width)))
+    one = replace(tiny_shape, num_layers=1)
+    four = replace(tiny_shape, num_layers=1, head_dim=4 * tiny_shape.head_dim)
+    for bits in (16, 4):
+        assert kv_cache_bytes(wide, tokens=300, batch_size=1, kv_bits=bits) == kv_cache_bytes(
+            one, tokens=300, batch_size=1, kv_bits=bits
+        ) + kv_cache_bytes(four, tokens=300, batch_size=1, kv_bits=bits)
+
+
+@pytest.mark.parametrize("bad", [(), ((0, 4),), ((4,),), [(4, 4)], ((4, 4.0),), ((True, 4),)])
+def test_bad_layer_channels_are_refused(tiny_shape, bad):
+    with pytest.raises(PlannerConfigError, match="kv_layer_channels"):
+        replace(tiny_shape, kv_layer_channels=bad)
+
+
+@pytest.mark.parametrize("source", ["transformers", "attributes"])
+def test_gemma4_global_layers_and_shared_layers_are_counted_per_layer(source):
+    """Gemma 4: wider heads (and, 31B-style, one KV head) on its full-attention layers, KV shared by the last
+    layers in E2B. transformers 5.24 keeps those in ``per_layer_config`` and refuses a global ``head_dim``
+    (from_config crashed on it); older releases have ``global_head_dim`` / ``num_global_key_value_heads``."""
+    from transformers import Gemma4TextConfig
+
+    kwargs = dict(
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        intermediate_size=128,
+        vocab_size=100,
+        num_kv_shared_layers=2,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+    )
+    config = Gemma4TextConfig(**kwargs) if source == "transformers" else SimpleNamespace(**kwargs)
+    shape = ModelShape.from_config(config)
+    assert shape.kv_layer_channels == ((32, 32),) * 3 + ((32, 32),) + ((32, 32),) * 2
+    assert shape.head_dim == 32 and shape.kv_bytes_per_token == 6 * 64 * 4
+    wide = ModelShape.from_config(
+        SimpleNamespace(**{**kwargs, "attention_k_eq_v": False, "num_kv_shared_layers": 0})
+    )
+    assert wide.kv_layer_channels == (((32, 32),) * 3 + ((64, 64),)) * 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import serve
+from conftest import build_tokenizer, serve
 from fakes import FakeEngine
 
 from kvb_planner import DeviceProfile, Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory
@@ -107,6 +107,44 @@ def test_build_gate_follows_the_flags() -> None:
     assert gate.free_bytes() == free - 4096
     with pytest.raises(ValueError, match="need OOM planning"):
         build_gate(build_parser().parse_args(["--no-oom-planning", "--auto-truncate"]), engine)
+
+
+def test_the_gate_counts_the_kv_the_engines_pool_keeps() -> None:
+    """A Gemma 4 E2B-style model: its global layers are wider (32 vs 16 channels per head) and its last two
+    layers hold no KV (they read an earlier layer's). Its config's head_dim says 8 layers of 2 heads x 16 (and
+    transformers 5.24 refuses to read it: the planner crashed on Gemma 4); the gate plans with what the pool
+    really keeps per token (6 layers, the global ones wider)."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from kvb_cache import EngineConfig, KVBoost
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        sliding_window=24,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=len(tokenizer),
+        num_kv_shared_layers=2,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    gate = PlannerGate.for_engine(engine)
+    pool = sum(s.kv_heads * (s.key_dim + s.value_dim) for s in engine.kv_layer_shapes) * 4
+    assert len(engine.kv_layer_shapes) == 6
+    assert gate.shape.kv_bytes_per_token == pool
+    assert pool == 1792 and pool != 8 * 2 * (2 * 16) * 4  # not 8 layers of 2 heads x 16 channels
+    assert gate.shape.head_dim == 32  # the attention phase is sized by the widest head
 
 
 def test_missing_planner_names_the_extra(monkeypatch) -> None:

@@ -17,6 +17,7 @@ from kvb_cache.chunking import Chunker, natural_break_ids
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
+from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
 from kvb_cache.engine_args import EngineArgs, seed_torch
@@ -249,6 +250,12 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         pool = self.kv.capacity_tokens
         model = self.traits.context_length
         return pool if model is None else min(model, pool)
+
+    @property
+    def kv_layer_shapes(self) -> tuple[LayerShape, ...]:
+        """Per decoder layer holding keys/values of its own, the shape the pool keeps per token (KV-shared
+        layers of Gemma 3n / Gemma 4 E2B hold none); what a memory plan should count."""
+        return self.kv.storage.shapes
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -47,7 +47,8 @@ def kv_cache_bytes(
     kv_bits: int,
     layout: KVQuantLayout = DEFAULT_KV_LAYOUT,
 ) -> int:
-    """Bytes of K and V for ``tokens`` positions of ``batch_size`` sequences in every layer.
+    """Bytes of K and V for ``tokens`` positions of ``batch_size`` sequences in every layer holding KV
+    (``shape.layer_channels``; the formulas below are for ``Hkv * d`` channels of K and of V per layer).
 
     Unquantized: ``2 * L * B * Hkv * d * T * dtype_bytes`` (GQA shrinks it by ``Hq / Hkv``).
     Quantized, with ``R = min(residual_tokens, T)`` and ``Q = T - R`` quantized tokens, per layer and
@@ -59,16 +60,17 @@ def kv_cache_bytes(
         raise PlannerConfigError(f"tokens must be >= 0 (got {tokens})")
     if kv_bits not in SUPPORTED_KV_BITS:
         raise PlannerConfigError(f"kv_bits must be one of {SUPPORTED_KV_BITS} (got {kv_bits})")
-    width = shape.num_kv_heads * shape.head_dim  # channels of K (and of V) per token and layer
     elem = shape.dtype_bytes
-    if kv_bits == 16:
-        per_layer = 2 * tokens * width * elem
-    else:
-        residual = min(layout.residual_tokens, tokens)
-        quantized = tokens - residual
-        group = layout.group_size
-        packed = math.ceil(2 * quantized * width * kv_bits / 8)
-        key_scales = math.ceil(quantized / group) * width * 2 * elem
-        value_scales = quantized * math.ceil(width / group) * 2 * elem
-        per_layer = packed + key_scales + value_scales + 2 * residual * width * elem
-    return shape.num_layers * batch_size * per_layer
+    residual = min(layout.residual_tokens, tokens)
+    quantized = tokens - residual
+    group = layout.group_size
+    total = 0
+    for keys, values in shape.layer_channels:  # channels of K and of V per token, per layer holding KV
+        if kv_bits == 16:
+            total += tokens * (keys + values) * elem
+            continue
+        packed = math.ceil(quantized * (keys + values) * kv_bits / 8)
+        key_scales = math.ceil(quantized / group) * keys * 2 * elem
+        value_scales = quantized * math.ceil(values / group) * 2 * elem
+        total += packed + key_scales + value_scales + residual * (keys + values) * elem
+    return batch_size * total

@@ -9,8 +9,9 @@ loaded weights, i.e. what a request adds to a warm server::
 
 - ``kv``: the whole request's KV reserved up front at the chosen bits (see :mod:`kvb_planner.kv_layout`).
 - ``cache_growth``: appending to a ``DynamicCache`` layer is a ``torch.cat``, so the old and new tensors of
-  one layer coexist: ``2 * B * Hkv * d * T * e``. A quantized cache also dequantizes one layer's full
-  context for attention, doubling it.
+  one layer coexist: ``2 * B * Hkv * d * T * e`` (the widest layer's, for models whose layers differ:
+  ``ModelShape.kv_layer_channels``). A quantized cache also dequantizes one layer's full context for
+  attention, doubling it.
 - ``logits``: ``B * rows * V * e`` (``rows`` = 1 with ``logits_to_keep=1``, ``C`` when prompt logprobs are
   needed) plus the fp32 copy the sampler takes, ``B * V * 4``.
 - Activations of one slice. No-grad forwards free each layer's intermediates, so only the largest phase
@@ -107,7 +108,7 @@ def estimate_memory(
     hq, hkv, d = shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
 
     kv = kv_cache_bytes(shape, tokens=t, batch_size=b, kv_bits=step.kv_bits, layout=layout)
-    one_layer = 2 * b * hkv * d * t * e
+    one_layer = b * max(k + v for k, v in shape.layer_channels) * t * e
     growth = one_layer * (1 if step.kv_bits == 16 else 2)
     rows = c if request.prompt_logprobs else 1
     logits = b * rows * shape.vocab_size * e + b * shape.vocab_size * SAMPLER_FP32_BYTES

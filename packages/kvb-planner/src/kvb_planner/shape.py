@@ -51,6 +51,39 @@ def _text_config(config: Any) -> Any:
     return text if text is not None else config
 
 
+def _attr(config: Any, name: str) -> Any:
+    """``config.name``, or None when it has none or refuses to give one global value (transformers 5.2x
+    raises for attributes that vary by layer, such as Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError (a RuntimeError) and the like
+        return None
+
+
+def _layer_heads(text: Any, layers: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
+    """Per decoder layer, ``(KV heads, head dim)``: from ``per_layer_config`` (transformers' per-layer view
+    of heterogeneous configs), else Gemma 4's ``global_head_dim`` / ``num_global_key_value_heads`` on its
+    full-attention layers (older transformers), else every layer alike."""
+    views = _attr(text, "per_layer_config")
+    if views is not None:
+        try:
+            heads = [
+                (_attr(v, "num_key_value_heads") or kv_heads, _attr(v, "head_dim") or head_dim) for v in views
+            ]
+        except TypeError:  # not a sequence of configs
+            heads = []
+        if len(heads) == layers and all(isinstance(h, int) and isinstance(d, int) for h, d in heads):
+            return heads
+    global_dim = _attr(text, "global_head_dim")
+    types = _attr(text, "layer_types") or ()
+    if isinstance(global_dim, int) and len(types) == layers:
+        global_heads = _attr(text, "num_global_key_value_heads")
+        if not (_attr(text, "attention_k_eq_v") and isinstance(global_heads, int)):
+            global_heads = kv_heads
+        return [(global_heads, global_dim) if t == "full_attention" else (kv_heads, head_dim) for t in types]
+    return [(kv_heads, head_dim)] * layers
+
+
 def _context_length(text: Any, config: Any) -> int | None:
     """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the decoder's config ``text``
     (:func:`_text_config`) and else from ``config`` itself; None when no field holds one."""
@@ -96,6 +129,12 @@ class ModelShape:
             inside a multimodal config's ``text_config``). It is a fact of the model, so it lives here, not
             on the request; to plan against a tighter limit (an engine whose KV pool holds fewer tokens,
             e.g. ``KVBoost.context_length``), override it: ``dataclasses.replace(shape, context_length=n)``.
+        kv_layer_channels: Per layer that holds keys/values of its own, ``(key channels, value channels)`` per
+            token (``kv_heads x key_dim``, ``kv_heads x value_dim``), for models whose layers differ: Gemma 4's
+            global layers (a wider head, fewer KV heads), Gemma 3n / Gemma 4 E2B (the last
+            ``num_kv_shared_layers`` layers hold none). None: ``num_layers`` layers of ``num_kv_heads x
+            head_dim`` each. :meth:`from_config` sets it for KV-shared configs; an engine's measured pool
+            shapes give the exact one (``kvb_server.PlannerGate.for_engine`` uses them).
     """
 
     num_layers: int
@@ -109,6 +148,7 @@ class ModelShape:
     weight_bytes: int
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     context_length: int | None = None
+    kv_layer_channels: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         # Every size is checked to be an int first: a float (num_layers=1.5) was accepted and gave fractional
@@ -129,6 +169,21 @@ class ModelShape:
             raise PlannerConfigError(f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes})")
         if self.weight_bytes < 0:
             raise PlannerConfigError(f"weight_bytes must be >= 0 (got {self.weight_bytes})")
+        channels = self.kv_layer_channels
+        if channels is not None and (
+            not isinstance(channels, tuple)
+            or not channels
+            or any(
+                not isinstance(pair, tuple)
+                or len(pair) != 2
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in pair)
+                for pair in channels
+            )
+        ):
+            raise PlannerConfigError(
+                "kv_layer_channels must be a non-empty tuple of (key channels, value channels) int pairs >= 1, "
+                f"got {channels!r}"
+            )
         ctx = self.context_length
         if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
             raise PlannerConfigError(
@@ -136,9 +191,19 @@ class ModelShape:
             )
 
     @property
+    def layer_channels(self) -> tuple[tuple[int, int], ...]:
+        """Per layer holding KV, ``(key channels, value channels)`` per token: ``kv_layer_channels``, or
+        ``num_layers`` times ``(Hkv * d, Hkv * d)``."""
+        if self.kv_layer_channels is not None:
+            return self.kv_layer_channels
+        width = self.num_kv_heads * self.head_dim
+        return ((width, width),) * self.num_layers
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Unquantized K+V bytes for one token across all layers: ``2 * L * Hkv * d * dtype_bytes``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Unquantized K+V bytes for one token across all layers: ``2 * L * Hkv * d * dtype_bytes`` when
+        every layer is alike, else the sum of ``kv_layer_channels``."""
+        return sum(k + v for k, v in self.layer_channels) * self.dtype_bytes
 
     @classmethod
     def from_config(
@@ -172,9 +237,10 @@ class ModelShape:
             )
         hidden = _require(text, "hidden_size")
         heads = _require(text, "num_attention_heads")
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv_heads = _attr(text, "num_key_value_heads") or heads
         layers = _require(text, "num_hidden_layers")
+        layer_heads = _layer_heads(text, layers, kv_heads, _attr(text, "head_dim") or hidden // heads)
+        head_dim = max(d for _, d in layer_heads)  # the widest head sizes the attention phase
         inter = _require(text, "intermediate_size")
         vocab = _require(text, "vocab_size")
         config_dtype = getattr(config, "dtype", None) or getattr(text, "dtype", None)
@@ -189,7 +255,14 @@ class ModelShape:
             or getattr(config, "_attn_implementation", None)
             or DEFAULT_ATTN_IMPLEMENTATION
         )
+        # Gemma 3n / Gemma 4 E2B: the last num_kv_shared_layers layers attend to an earlier layer's
+        # keys/values and cache none (transformers gives them a DummyLayer).
+        shared = _attr(text, "num_kv_shared_layers")
+        own = layers - shared if isinstance(shared, int) and 0 < shared < layers else layers
+        channels = tuple((h * d, h * d) for h, d in layer_heads[:own])
+        uniform = own == layers and set(layer_heads) == {(kv_heads, head_dim)}
         return cls(
+            kv_layer_channels=None if uniform else channels,
             num_layers=layers,
             hidden_size=hidden,
             num_attention_heads=heads,

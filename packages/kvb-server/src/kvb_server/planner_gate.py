@@ -73,6 +73,19 @@ def warm_up(model: Any) -> None:
         model(input_ids=ids, use_cache=True)
 
 
+def with_pool_layers(shape: Any, engine: Any) -> Any:
+    """``shape`` (a ``kvb_planner.ModelShape``) with the KV per token the engine's pool really keeps:
+    per layer holding keys/values of its own, ``kv_heads x key_dim`` and ``kv_heads x value_dim`` channels
+    (Gemma 4's global layers are wider, Gemma 3n's shared layers hold none), and the attention phase sized
+    by the widest head. Unchanged when ``engine`` has no ``kv_layer_shapes``."""
+    layers = getattr(engine, "kv_layer_shapes", None)
+    if not layers:
+        return shape
+    channels = tuple((s.kv_heads * s.key_dim, s.kv_heads * s.value_dim) for s in layers)
+    widest = max(max(s.key_dim, s.value_dim) for s in layers)
+    return replace(shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest))
+
+
 class _PeakProbe:
     """Measures one request's run and records it against the planner's prediction."""
 
@@ -148,11 +161,12 @@ class PlannerGate:
         """Probe ``engine``'s device once (its model already loaded) and plan for its model.
 
         ``engine`` needs ``model`` (a Hugging Face model), ``device`` and ``cache_stats()["bytes"]``
-        (``kvb_cache.KVBoost`` has all three).
+        (``kvb_cache.KVBoost`` has all three); its ``kv_layer_shapes``, when it has them, replace the config's
+        uniform-layer KV figure (:func:`with_pool_layers`).
         """
         planner = require_planner()
         model = engine.model
-        shape = planner.ModelShape.from_config(model.config, dtype=model.dtype)
+        shape = with_pool_layers(planner.ModelShape.from_config(model.config, dtype=model.dtype), engine)
         warm_up(model)
         profile = planner.DeviceProfile.probe(engine.device)
 
