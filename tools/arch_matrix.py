@@ -645,7 +645,8 @@ whose values are its keys in the 31B style, proportional RoPE that rotates a qua
 as wide as the head), keys/values shared across layers (Gemma 3n, Gemma 4 E2B / E4B: the last
 `num_kv_shared_layers` layers attend to the last earlier layer of their type; the pool, chunk store and tiers
 hold the other layers only, as transformers' cache does, and a shared layer's attention reads its producer's
-slots; the routing probe checks that the model passes each shared layer exactly its producer's keys/values),
+slots; the routing probe checks that the model passes each shared layer exactly its producer's keys/values;
+checked on tiny random configs and a tiny multimodal Gemma 4 wrapper, not on the released checkpoints: no hub access here),
 and the text path of the multimodal-RoPE models (Qwen2-VL, Qwen2.5-VL). Llama 4 as released (attention
 temperature tuning, row `llama4`: its NoPE layers' queries are scaled by a factor of the position, counted
 from `past_key_values`, which the packed forward does not pass, so the model would take a token's index in
@@ -685,12 +686,15 @@ Beyond the table, a one-off sweep (2026-11-28) built tiny models of 66 causal-LM
 transformers 5.24 registers and the table lacked (generic configs; Gemma 4, Qwen3.5 and Ministral 3 have rows
 since; encoder-decoders and the multimodal Emu3 left out) and ran the
 same checks. Nothing is served with a wrong answer since DiffLlama and Dory (looped layers) are declined for
-calling attention more than once per layer (served, they were off by ~4 and 0.013). 37 were served exactly
+calling attention more than once per layer (served, they were off by ~4 and 0.013). 38 were served exactly
 (among them ExaONE and ExaONE-MoE, GLM, OLMo, Granite SWA, Hunyuan v1 MoE and v3, InternLM 3, Persimmon, VaultGemma,
-FlexOlmo, Cohere 2 MoE, CodeGen, GPTBigCode, CTRL, BioGPT), 27 declined with one of the reasons above (MLA:
+FlexOlmo, Cohere 2 MoE, Cohere Compass, CodeGen, GPTBigCode, CTRL, BioGPT), 28 declined with one of the reasons above (MLA:
 MiniCPM3, Youtu, DeepSeek-V3.2/V4; recurrent or hybrid layers: Qwen3.5, Zaya, Bailing hybrid, OLMo hybrid,
-LFM2-MoE, LFM3; attention outside the interface: GPT-Neo, MPT, XGLM, OpenAI GPT; ...), and 2 were not checked
-because the tiny config did not run in plain transformers (Cohere Compass, dots3).
+LFM2-MoE, LFM3; attention outside the interface: GPT-Neo, MPT, XGLM, OpenAI GPT; layers whose cache is not
+plain keys/values: dots3's `indexed_attention`, a sparse-attention indexer's keys beside them; ...). Cohere
+Compass and dots3, first left unchecked because the generic tiny config did not run in plain transformers,
+were checked with configs that do (Cohere Compass needs `rope_parameters` per layer type, dots3 as many KV
+heads as query heads).
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;
