@@ -117,6 +117,24 @@ def test_kv_shared_layers_are_served_exactly_from_their_producers_slots(arch, ow
     _assert_served_exactly(model, tokenizer, solo=12, batched=10)
 
 
+def test_gemma4_multimodal_wrapper_with_shared_kv_is_served_exactly_on_text(tokenizer):
+    """The released Gemma 4 E2B loads as ``Gemma4ForConditionalGeneration`` (a vision tower beside the text
+    decoder): text prompts through it are served exactly, its text config's KV sharing included."""
+    text = MORE_ARCHITECTURES["gemma4_kv_shared"]()
+    vision = T.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    config = T.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    config.text_config.eos_token_id, config.text_config.pad_token_id = 1, 0
+    model = _build(config)
+    assert type(model).__name__ == "Gemma4ForConditionalGeneration"
+    _assert_served_exactly(model, tokenizer, solo=8, batched=6)
+
+
 def test_kv_sources_follow_transformers_producers():
     """Each shared layer reads the last earlier layer of its type: the layers transformers marks to store
     their full-length keys/values for sharing (Gemma 4 E2B's pattern, four sliding layers then a full one)."""
