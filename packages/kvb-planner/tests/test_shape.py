@@ -229,3 +229,28 @@ def test_gemma4_global_layers_and_shared_layers_are_counted_per_layer(source):
         SimpleNamespace(**{**kwargs, "attention_k_eq_v": False, "num_kv_shared_layers": 0})
     )
     assert wide.kv_layer_channels == (((32, 32),) * 3 + ((64, 64),)) * 2
+
+
+def test_gemma3n_per_layer_mlp_widths_and_shared_kv():
+    """Gemma 3n gives one MLP width per layer (a list: from_config refused it, so a server started with
+    planning off) and shares its last layers' KV."""
+    from transformers import Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=[128, 256, 128, 128],
+        vocab_size=100,
+        vocab_size_per_layer_input=100,
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=2,
+        laurel_rank=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
+    shape = ModelShape.from_config(config)
+    assert shape.intermediate_size == 256
+    assert shape.kv_layer_channels == ((32, 32),) * 2 and shape.kv_bytes_per_token == 2 * 64 * 4

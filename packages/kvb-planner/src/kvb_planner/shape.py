@@ -60,6 +60,18 @@ def _attr(config: Any, name: str) -> Any:
         return None
 
 
+def _layer_mlp_widths(text: Any, layers: int) -> list[int]:
+    """Per decoder layer, the MLP width: ``intermediate_size``, an int or (Gemma 3n) one int per layer."""
+    value = _attr(text, "intermediate_size")
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == layers
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return list(value)
+    return [_require(text, "intermediate_size")] * layers
+
+
 def _layer_heads(text: Any, layers: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
     """Per decoder layer, ``(KV heads, head dim)``: from ``per_layer_config`` (transformers' per-layer view
     of heterogeneous configs), else Gemma 4's ``global_head_dim`` / ``num_global_key_value_heads`` on its
@@ -241,15 +253,16 @@ class ModelShape:
         layers = _require(text, "num_hidden_layers")
         layer_heads = _layer_heads(text, layers, kv_heads, _attr(text, "head_dim") or hidden // heads)
         head_dim = max(d for _, d in layer_heads)  # the widest head sizes the attention phase
-        inter = _require(text, "intermediate_size")
+        widths = _layer_mlp_widths(text, layers)
         vocab = _require(text, "vocab_size")
         config_dtype = getattr(config, "dtype", None) or getattr(text, "dtype", None)
         elem = _dtype_bytes(dtype if dtype is not None else config_dtype)
-        per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
         tied = getattr(text, "tie_word_embeddings", None)
         tied = getattr(config, "tie_word_embeddings", False) if tied is None else tied
         embeddings = vocab * hidden * (1 if tied else 2)
-        params = embeddings + layers * per_layer + hidden
+        params = embeddings + hidden
+        for (h, d), inter in zip(layer_heads, widths):
+            params += hidden * d * (2 * heads + 2 * h) + 3 * hidden * inter + 2 * hidden
         impl = (
             attn_implementation
             or getattr(config, "_attn_implementation", None)
@@ -268,7 +281,7 @@ class ModelShape:
             num_attention_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=inter,
+            intermediate_size=max(widths),  # the widest MLP sizes the MLP phase
             vocab_size=vocab,
             dtype_bytes=elem,
             weight_bytes=params * elem,
