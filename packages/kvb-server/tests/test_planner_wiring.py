@@ -145,6 +145,8 @@ def test_the_gate_counts_the_kv_the_engines_pool_keeps() -> None:
     assert gate.shape.kv_bytes_per_token == pool
     assert pool == 1792 and pool != 8 * 2 * (2 * 16) * 4  # not 8 layers of 2 heads x 16 channels
     assert gate.shape.head_dim == 32  # the attention phase is sized by the widest head
+    # The engine loop's paged attention is planned as the SDPA it runs (an unknown name is charged as eager).
+    assert model.config._attn_implementation == "kvb_paged" and gate.shape.attn_implementation == "sdpa"
 
 
 def test_missing_planner_names_the_extra(monkeypatch) -> None:
