@@ -68,6 +68,14 @@ def build_loop(
             "of its layers compute their own; KVBoost cannot tell which layers its pool should hold"
         )
     check_attention_routing(model, shapes, sources)
+    if len(shapes) < len(sources):
+        logger.info(
+            "%s: layers %d-%d attend to earlier layers' keys/values; the KV pool holds the other %d layers",
+            type(model).__name__,
+            len(shapes),
+            len(sources) - 1,
+            len(shapes),
+        )
     num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
     storage = KVStorage(
         shapes,
