@@ -74,7 +74,7 @@ def warm_up(model: Any) -> None:
         model(input_ids=ids, use_cache=True)
 
 
-def with_pool_layers(shape: Any, engine: Any) -> Any:
+def shape_for_engine(shape: Any, engine: Any) -> Any:
     """``shape`` (a ``kvb_planner.ModelShape``) describing what ``engine``'s loop really runs.
 
     - KV per token: what the pool keeps per layer holding keys/values of its own (``kv_layer_shapes``:
@@ -85,17 +85,16 @@ def with_pool_layers(shape: Any, engine: Any) -> Any:
       it does not know as eager (score matrices materialised): a 4000-token SmolLM2 prefill was predicted
       at 1354 MiB against a profiled tensor peak of 136 MiB (288 MiB as ``sdpa``, its KV included).
 
-    Unchanged for an engine without ``kv_layer_shapes`` (not a ``kvb_cache.KVBoost``).
+    The KV is left as the config says for an engine without ``kv_layer_shapes`` (not a ``kvb_cache.KVBoost``).
     """
+    if shape.attn_implementation == PAGED_ATTENTION:
+        shape = replace(shape, attn_implementation="sdpa")
     layers = getattr(engine, "kv_layer_shapes", None)
     if not layers:
         return shape
     channels = tuple((s.kv_heads * s.key_dim, s.kv_heads * s.value_dim) for s in layers)
     widest = max(max(s.key_dim, s.value_dim) for s in layers)
-    attention = "sdpa" if shape.attn_implementation == PAGED_ATTENTION else shape.attn_implementation
-    return replace(
-        shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest), attn_implementation=attention
-    )
+    return replace(shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest))
 
 
 class _PeakProbe:
@@ -174,11 +173,12 @@ class PlannerGate:
 
         ``engine`` needs ``model`` (a Hugging Face model), ``device`` and ``cache_stats()["bytes"]``
         (``kvb_cache.KVBoost`` has all three); its ``kv_layer_shapes``, when it has them, replace the config's
-        uniform-layer KV figure (:func:`with_pool_layers`).
+        uniform-layer KV figure and its attention is planned as the SDPA the engine runs
+        (:func:`shape_for_engine`).
         """
         planner = require_planner()
         model = engine.model
-        shape = with_pool_layers(planner.ModelShape.from_config(model.config, dtype=model.dtype), engine)
+        shape = shape_for_engine(planner.ModelShape.from_config(model.config, dtype=model.dtype), engine)
         warm_up(model)
         profile = planner.DeviceProfile.probe(engine.device)
 
