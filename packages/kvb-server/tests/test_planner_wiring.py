@@ -15,6 +15,7 @@ from kvb_planner import DeviceProfile, Ladder, LadderStep, ModelShape, PlanReque
 from kvb_server import EngineSettings, PlannerGate, ServerConfig, create_app, require_planner
 from kvb_server.cli import build_gate, build_parser, main
 from kvb_server.peak_memory import RssPeakMeter
+from kvb_server.planner_gate import cache_growth
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -147,6 +148,19 @@ def test_the_gate_counts_the_kv_the_engines_pool_keeps() -> None:
     assert gate.shape.head_dim == 32  # the attention phase is sized by the widest head
     # The engine loop's paged attention is planned as the SDPA it runs (an unknown name is charged as eager).
     assert model.config._attn_implementation == "kvb_paged" and gate.shape.attn_implementation == "sdpa"
+
+
+def test_cache_growth_is_new_memory_on_the_cpu_only() -> None:
+    """The KV pool is allocated before the device probe: on the CPU its pages become resident as the cache
+    grows (subtracted from the probed free memory), on CUDA the probe already saw it all taken."""
+    engine = TinyLlamaEngine()
+    growth = cache_growth(engine)
+    engine.stored = 4096
+    assert growth() == 4096
+    engine.device = torch.device("cuda", 0)  # only the device's type is read: no GPU needed
+    growth = cache_growth(engine)
+    engine.stored = 1 << 30
+    assert growth() == 0
 
 
 def test_missing_planner_names_the_extra(monkeypatch) -> None:

@@ -97,6 +97,27 @@ def shape_for_engine(shape: Any, engine: Any) -> Any:
     return replace(shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest))
 
 
+def cache_growth(engine: Any) -> Callable[[], int]:
+    """What the gate subtracts from the free memory it probed: the bytes ``engine``'s cache
+    (``cache_stats()["bytes"]``) has grown since this call, on the CPU; nothing on CUDA.
+
+    The engine loop's KV pool is allocated when the engine is built, before the probe. On the CPU its pages
+    become resident as blocks are first written, so a cache that grows takes memory the probe counted as
+    free. On CUDA the whole pool was already taken when the probe ran: subtracting the blocks that fill it
+    counted the pool twice and, once it had filled up with cached blocks (a server's steady state), could
+    leave no memory for any request. (Not run on a GPU here.)
+    """
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", str(device)) == "cuda":
+        return lambda: 0
+
+    def cache_bytes() -> int:
+        return int(engine.cache_stats().get("bytes", 0) or 0)
+
+    baseline = cache_bytes()
+    return lambda: max(0, cache_bytes() - baseline)
+
+
 class _PeakProbe:
     """Measures one request's run and records it against the planner's prediction."""
 
@@ -182,17 +203,13 @@ class PlannerGate:
         warm_up(model)
         profile = planner.DeviceProfile.probe(engine.device)
 
-        def store_bytes() -> int:
-            return int(engine.cache_stats().get("bytes", 0) or 0)
-
-        baseline = store_bytes()
         return cls(
             shape=shape,
             profile=profile,
             auto_truncate=auto_truncate,
             safety_margin=safety_margin,
             meter=peak_meter_for(engine.device),
-            used_bytes=lambda: max(0, store_bytes() - baseline),
+            used_bytes=cache_growth(engine),
         )
 
     # ------------------------------------------------------------------------------------------- gate
