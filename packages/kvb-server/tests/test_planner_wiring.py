@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import build_tokenizer, serve
+from conftest import build_tiny_engine, build_tokenizer, serve
 from fakes import FakeEngine
 
 from kvb_planner import DeviceProfile, Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory
@@ -150,17 +150,21 @@ def test_the_gate_counts_the_kv_the_engines_pool_keeps() -> None:
     assert model.config._attn_implementation == "kvb_paged" and gate.shape.attn_implementation == "sdpa"
 
 
-def test_cache_growth_is_new_memory_on_the_cpu_only() -> None:
-    """The KV pool is allocated before the device probe: on the CPU its pages become resident as the cache
-    grows (subtracted from the probed free memory), on CUDA the probe already saw it all taken."""
-    engine = TinyLlamaEngine()
+def test_the_gate_subtracts_the_chunk_store_not_the_preallocated_pool() -> None:
+    """The KV pool is allocated (and zero-filled) when the engine is built, before the probe: blocks filling
+    it take no memory the probe counted as free (subtracting them emptied the budget once the pool had
+    filled). The stitching chunk store grows outside the pool: that is subtracted."""
+    from kvb_cache import StitchConfig
+
+    engine = build_tiny_engine(stitching=StitchConfig())
     growth = cache_growth(engine)
-    engine.stored = 4096
-    assert growth() == 4096
-    engine.device = torch.device("cuda", 0)  # only the device's type is read: no GPU needed
-    growth = cache_growth(engine)
-    engine.stored = 1 << 30
-    assert growth() == 0
+    before = engine.cache_stats()["bytes"]
+    engine.generate("The quick brown fox jumps over the lazy dog. " * 4, max_new_tokens=4)
+    engine.generate(
+        "Paris is the capital of France; Berlin is the capital of Germany. " * 3, max_new_tokens=4
+    )
+    assert engine.cache_stats()["bytes"] > before  # the pool holds cached blocks now
+    assert growth() == engine.store.stats().bytes > 0  # only the store's chunks count
 
 
 def test_missing_planner_names_the_extra(monkeypatch) -> None:

@@ -98,24 +98,29 @@ def shape_for_engine(shape: Any, engine: Any) -> Any:
 
 
 def cache_growth(engine: Any) -> Callable[[], int]:
-    """What the gate subtracts from the free memory it probed: the bytes ``engine``'s cache
-    (``cache_stats()["bytes"]``) has grown since this call, on the CPU; nothing on CUDA.
+    """What the gate subtracts from the free memory it probed: bytes ``engine``'s caches have taken since this
+    call that the probe counted as free.
 
-    The engine loop's KV pool is allocated when the engine is built, before the probe. On the CPU its pages
-    become resident as blocks are first written, so a cache that grows takes memory the probe counted as
-    free. On CUDA the whole pool was already taken when the probe ran: subtracting the blocks that fill it
-    counted the pool twice and, once it had filled up with cached blocks (a server's steady state), could
-    leave no memory for any request. (Not run on a GPU here.)
+    For a ``kvb_cache.KVBoost`` that is its chunk store (``engine.store``: the content-indexed chunks
+    stitching keeps, outside the KV pool), not the pool: the engine loop allocates its pool when it is built,
+    before the probe (on the CPU ``torch.zeros`` writes every page, so it is resident too). Subtracting the
+    blocks that fill the pool (``cache_stats()["bytes"]``, as this gate did) counted it twice and, once it had
+    filled with cached blocks (a server's steady state), could leave no memory for any request. An engine
+    without a store is taken at its ``cache_stats()["bytes"]``.
     """
-    device = getattr(engine, "device", None)
-    if getattr(device, "type", str(device)) == "cuda":
-        return lambda: 0
+    stats = getattr(getattr(engine, "store", None), "stats", None)
+    if callable(stats):
 
-    def cache_bytes() -> int:
-        return int(engine.cache_stats().get("bytes", 0) or 0)
+        def cached() -> int:
+            return int(stats().bytes)
 
-    baseline = cache_bytes()
-    return lambda: max(0, cache_bytes() - baseline)
+    else:
+
+        def cached() -> int:
+            return int(engine.cache_stats().get("bytes", 0) or 0)
+
+    baseline = cached()
+    return lambda: max(0, cached() - baseline)
 
 
 class _PeakProbe:
