@@ -27,7 +27,7 @@ import transformers as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "kvb-cache" / "tests"))
 from arch_paths import path_problems, paths_table, run_paths  # noqa: E402
-from conftest import VOCAB, gemma4_config, make_tokenizer, rag_prompts, words  # noqa: E402
+from conftest import MORE_ARCHITECTURES, VOCAB, gemma4_config, make_tokenizer, rag_prompts, words  # noqa: E402
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
 from kvb_cache.cache_kwarg import output_cache  # noqa: E402
@@ -226,17 +226,7 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         "chunked attention + NoPE layers (iRoPE), complex RoPE",
     ),
     "gemma3n": (
-        lambda: T.Gemma3nTextConfig(
-            **{**_C, "num_hidden_layers": 4},
-            head_dim=16,
-            sliding_window=24,
-            hidden_size_per_layer_input=16,
-            vocab_size_per_layer_input=VOCAB,
-            num_kv_shared_layers=2,
-            laurel_rank=8,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            activation_sparsity_pattern=[0.0] * 4,
-        ),
+        MORE_ARCHITECTURES["gemma3n"],
         "AltUp, per-layer inputs, KV shared across layers, sliding window",
     ),
     "gemma4": (
