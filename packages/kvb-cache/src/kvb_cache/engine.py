@@ -37,6 +37,7 @@ from kvb_cache.options import pick_keywords
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_cache_salt, check_context, tokenize_prompt
 from kvb_cache.stats import EngineCounters
+from kvb_cache.step_limits import StepLimits, step_limits
 from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
@@ -256,6 +257,19 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         """Per decoder layer holding keys/values of its own, the shape the pool keeps per token (KV-shared
         layers of Gemma 3n / Gemma 4 E2B hold none); what a memory plan should count."""
         return self.kv.storage.shapes
+
+    @property
+    def step_limits(self) -> StepLimits:
+        """What bounds the memory one engine step adds beside the pool (a memory planner's input:
+        kvb-planner's ``PagedLoop`` takes its fields)."""
+        return step_limits(
+            self.model,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            context=self.context_length or self.config.max_num_batched_tokens,
+            logits_to_keep=self.traits.logits_to_keep,
+            solo_paths=self.drafter is not None or self.stitcher.enabled,
+        )
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

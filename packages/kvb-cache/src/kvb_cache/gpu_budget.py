@@ -37,6 +37,7 @@ from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.config import EngineConfig
 from kvb_cache.core.kv_storage import LayerShape, bytes_per_block, probe_layer_shapes
 from kvb_cache.errors import ConfigError
+from kvb_cache.step_limits import eager_loop_attention
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +170,7 @@ def loop_attention_bytes(
     rows = min(step_tokens, context, prefill_block_rows(groups, context))
     mask_elements = groups * rows * context
     mask = mask_elements * (1 + 2 * element)
-    eager = getattr(text, "attn_logit_softcapping", None) is not None or any(
-        name.endswith("sinks") for name, _ in model.named_parameters()
-    )
+    eager = eager_loop_attention(model)
     scores = 2 * 4 * kv_heads * mask_elements if eager else 0
     return gathered + mask + scores
 

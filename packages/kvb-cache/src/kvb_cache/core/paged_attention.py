@@ -159,40 +159,13 @@ def paged_attention_forward(
         values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
     # else: a KV-shared layer (Gemma 3n / Gemma 4 E2B) is passed its producer's keys/values, which that
     # earlier layer of this forward already wrote into the slots read here.
-    heads, kv_heads = query.shape[1], keys.shape[0]
-    groups = heads // kv_heads
+    heads = query.shape[1]
     chunk = _attention_chunk(module)
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
-        q_len, ctx = seq.q_len, seq.slots.shape[0]
-        k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
-        v = values.index_select(1, seq.slots).unsqueeze(0)
-        if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
-            q = query[:, :, seq.start : seq.start + q_len]  # [1, H, q, D]: no mask at all
-            sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
-            o = attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
-            out[seq.start : seq.start + q_len] = o[0].transpose(0, 1)
-            continue
-        # The [G * rows, keys] position mask is built for a block of query rows at a time, at most
-        # PREFILL_MASK_ELEMENTS, so a long slice over a long context does not hold one of G * q * ctx (SDPA
-        # also makes a float copy of it); each block attends the keys up to its own last position.
-        block = prefill_block_rows(groups, ctx)
-        for first in range(0, q_len, block):
-            last = min(first + block, q_len)
-            seen = ctx - q_len + last
-            q = group_queries(query[:, :, seq.start + first : seq.start + last], kv_heads)  # [1, KVH, G*b, D]
-            mask = causal_mask(last - first, seen, sliding_window, q.device, chunk).repeat(groups, 1)
-            sinks = None if s_aux is None else sink_column(s_aux, kv_heads, last - first)
-            o = attend(
-                q,
-                k[:, :, :seen],
-                v[:, :, :seen],
-                mask[None, None],
-                scaling=scaling,
-                softcap=softcap,
-                sinks=sinks,
-            )  # [1, KVH, G*b, Dv]
-            out[seq.start + first : seq.start + last] = o[0].reshape(heads, last - first, -1).transpose(0, 1)
+        # In a function of its own so that its gathered context and masks are freed before the decoding
+        # rows gather theirs (they held on as loop variables, and the two peaks added up).
+        _prefill_rows(seq, query, keys, values, out, sliding_window, chunk, scaling, softcap, s_aux)
     group = batch.decode
     if group is not None:
         rows_n, width = group.slots.shape
@@ -206,6 +179,53 @@ def paged_attention_forward(
                 query, keys, values, group, part, sliding_window, chunk, scaling, softcap, s_aux
             )
     return out.unsqueeze(0), None
+
+
+def _prefill_rows(
+    seq: PrefillSeq,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    out: torch.Tensor,
+    sliding_window: int | None,
+    chunk: int | None,
+    scaling: float | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> None:
+    """Attention of one prefilling request's ``q_len`` new rows over its whole context, written into
+    ``out`` ``[T, H, Dv]`` at the request's packed offsets."""
+    heads, kv_heads = query.shape[1], keys.shape[0]
+    groups = heads // kv_heads
+    q_len, ctx = seq.q_len, seq.slots.shape[0]
+    k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
+    v = values.index_select(1, seq.slots).unsqueeze(0)
+    if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
+        q = query[:, :, seq.start : seq.start + q_len]  # [1, H, q, D]: no mask at all
+        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
+        o = attend(q, k, v, None, scaling=scaling, softcap=softcap, causal=True, sinks=sinks)
+        out[seq.start : seq.start + q_len] = o[0].transpose(0, 1)
+        return
+    # The [G * rows, keys] position mask is built for a block of query rows at a time, at most
+    # PREFILL_MASK_ELEMENTS, so a long slice over a long context does not hold one of G * q * ctx (SDPA
+    # also makes a float copy of it); each block attends the keys up to its own last position.
+    block = prefill_block_rows(groups, ctx)
+    for first in range(0, q_len, block):
+        last = min(first + block, q_len)
+        seen = ctx - q_len + last
+        q = group_queries(query[:, :, seq.start + first : seq.start + last], kv_heads)  # [1, KVH, G*b, D]
+        mask = causal_mask(last - first, seen, sliding_window, q.device, chunk).repeat(groups, 1)
+        sinks = None if s_aux is None else sink_column(s_aux, kv_heads, last - first)
+        o = attend(
+            q,
+            k[:, :, :seen],
+            v[:, :, :seen],
+            mask[None, None],
+            scaling=scaling,
+            softcap=softcap,
+            sinks=sinks,
+        )  # [1, KVH, G*b, Dv]
+        out[seq.start + first : seq.start + last] = o[0].reshape(heads, last - first, -1).transpose(0, 1)
 
 
 def _decode_rows(
