@@ -22,6 +22,7 @@ def test_cpu_probe_uses_cgroup_headroom(tmp_path):
     assert profile.free_bytes == 3 * GIB // 4
     assert profile.memory_bandwidth_gbps > 0 and profile.host_to_device_gbps is None
     assert profile.decode_step_ms is None and profile.fallbacks == ()
+    assert profile.cpu_threads == torch.get_num_threads()  # the CPU attention kernel's tiles are per thread
 
 
 def test_cpu_probe_with_model_measures_decode(tiny_llama):
@@ -36,6 +37,7 @@ def test_cpu_probe_with_model_measures_decode(tiny_llama):
         "memory_bandwidth_gbps",
         "host_to_device_gbps",
         "decode_step_ms",
+        "cpu_threads",
         "fallbacks",
     }
 

@@ -20,6 +20,7 @@ from kvb_planner.host_memory import CgroupMemory, HostMemory, read_cgroup_memory
 from kvb_planner.kv_layout import KVQuantLayout, kv_cache_bytes
 from kvb_planner.ladder import Ladder, LadderStep
 from kvb_planner.memory_model import MemoryEstimate, estimate_memory
+from kvb_planner.paged_loop import PagedLoop
 from kvb_planner.planner import PlannerPolicy, RequestPlan, Verdict, plan
 from kvb_planner.probes import ProbeResult, ProbeSettings
 from kvb_planner.refusal import PlanRefusal
@@ -40,6 +41,7 @@ __all__ = [
     "LadderStep",
     "MemoryEstimate",
     "ModelShape",
+    "PagedLoop",
     "PlanRefusal",
     "PlanRequest",
     "PlannerConfigError",

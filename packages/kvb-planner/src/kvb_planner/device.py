@@ -41,6 +41,9 @@ class DeviceProfile:
         memory_bandwidth_gbps: Same-device copy bandwidth, read + write bytes per second / 1e9.
         host_to_device_gbps: Pinned host-to-device bandwidth (CUDA only).
         decode_step_ms: Median single-token forward latency of the model given to :meth:`probe`.
+        cpu_threads: torch's intra-op threads on a CPU device (``torch.get_num_threads()`` when probed): its
+            CPU attention kernel allocates a score tile per thread. None (a profile written by hand, or CUDA):
+            that term is not charged.
         fallbacks: Names of the fields that hold a pessimistic fallback instead of a measurement.
     """
 
@@ -50,6 +53,7 @@ class DeviceProfile:
     memory_bandwidth_gbps: float | None = None
     host_to_device_gbps: float | None = None
     decode_step_ms: float | None = None
+    cpu_threads: int | None = None
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -61,6 +65,9 @@ class DeviceProfile:
             raise PlannerConfigError(
                 f"free_bytes ({self.free_bytes}) cannot exceed total_bytes ({self.total_bytes})"
             )
+        threads = self.cpu_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise PlannerConfigError(f"cpu_threads must be an int >= 1 or None (got {threads!r})")
         for name in ("memory_bandwidth_gbps", "host_to_device_gbps", "decode_step_ms"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -134,6 +141,7 @@ class DeviceProfile:
             memory_bandwidth_gbps=value("memory_bandwidth_gbps"),
             host_to_device_gbps=value("host_to_device_gbps"),
             decode_step_ms=value("decode_step_ms"),
+            cpu_threads=torch.get_num_threads() if dev.type == "cpu" else None,
             fallbacks=tuple(name for name, result in results.items() if not result.measured),
         )
         logger.info("Probed %s: %s", dev, profile.to_dict())
@@ -148,5 +156,6 @@ class DeviceProfile:
             "memory_bandwidth_gbps": _rounded(self.memory_bandwidth_gbps),
             "host_to_device_gbps": _rounded(self.host_to_device_gbps),
             "decode_step_ms": _rounded(self.decode_step_ms),
+            "cpu_threads": self.cpu_threads,
             "fallbacks": list(self.fallbacks),
         }

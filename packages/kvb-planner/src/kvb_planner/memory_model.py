@@ -33,6 +33,10 @@ loaded weights, i.e. what a request adds to a warm server::
 
 The sum is conservative: the full ``T`` KV is charged during prefill, when only ``P`` exists. The
 per-term constants were checked against ``torch.profiler`` tensor peaks on SmolLM2 (see docs/planner.md).
+
+That is a request run on its own cache (``model.generate``, a solo ``DynamicCache``). For an engine that
+keeps KV in a preallocated block pool and runs steps of bounded size, pass a
+:class:`~kvb_planner.paged_loop.PagedLoop`: its terms are in :mod:`kvb_planner.paged_loop`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 from kvb_planner.kv_layout import DEFAULT_KV_LAYOUT, KVQuantLayout, kv_cache_bytes
 from kvb_planner.ladder import LadderStep
+from kvb_planner.paged_loop import SAMPLER_FP32_COPIES, PagedLoop
 from kvb_planner.request import PlanRequest
 from kvb_planner.shape import ModelShape
 
@@ -50,6 +55,8 @@ SCORE_BUFFERS = {"eager": 2, "sdpa": 0, "flash_attention_2": 0, "flash_attention
 EAGER_SCORE_BUFFERS = 2
 #: Score-sized buffers of torch's math SDPA backend (scores, softmax, the float causal mask it builds).
 MATH_SDPA_SCORE_BUFFERS = 3
+#: torch's CPU flash-attention kernel (SDPA on the CPU) splits keys into blocks of at most this many.
+CPU_SDPA_KEY_BLOCK = 512
 SAMPLER_FP32_BYTES = 4
 
 
@@ -62,9 +69,14 @@ class MemoryEstimate:
     logits_bytes: int
     mlp_phase_bytes: int
     attention_phase_bytes: int
-    #: Part of ``attention_phase_bytes`` that scales with slice x context (scores, mask, repeat_kv).
+    #: Part of ``attention_phase_bytes`` that scales with slice x context (scores, mask, repeat_kv; in a
+    #: paged loop the gathered context and its masks).
     attention_scratch_bytes: int
     peak_bytes: int
+    #: A paged loop's sampler phase (fp32 copies of the sampled rows), after the forward; 0 otherwise.
+    sampler_bytes: int = 0
+    #: Whether this is the paged-loop estimate (KV in the engine's pool, not charged here).
+    paged: bool = False
 
 
 def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bool) -> int:
@@ -76,13 +88,37 @@ def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bo
     return scratch
 
 
+def _on_cuda(device: str | None) -> bool:
+    """``device`` None (unknown) counts as CUDA, whose rules are the costlier ones."""
+    return device is None or str(device).startswith("cuda")
+
+
+def cpu_sdpa_tile_bytes(q_len: int, kv_len: int, value_dim: int, dtype_bytes: int, threads: int) -> int:
+    """Scratch torch's CPU flash-attention kernel allocates for one call, per intra-op thread: an fp32
+    ``[q_block, key_block]`` score tile, two row statistics and a ``[q_block, Dv]`` output block (plus a
+    half-precision copy of the tile for bf16/fp16). Query blocks are 256 rows from 768 queries, 64 from 192,
+    else 32; key blocks 512. Measured on a tiny model: 58.6 KB more per thread, as this gives."""
+    q_block = min(q_len, 256 if q_len >= 768 else 64 if q_len >= 192 else 32)
+    k_block = min(kv_len, CPU_SDPA_KEY_BLOCK)
+    per_thread = (q_block * k_block + 2 * q_block + q_block * value_dim) * 4
+    if dtype_bytes < 4:
+        per_thread += q_block * k_block * dtype_bytes
+    return threads * per_thread
+
+
+def _cpu_tile(device: str | None, threads: int | None, q_len: int, kv_len: int, shape: ModelShape) -> int:
+    """:func:`cpu_sdpa_tile_bytes` when the device is the CPU and its thread count is known, else 0."""
+    if threads is None or device is None or not str(device).startswith("cpu"):
+        return 0
+    return cpu_sdpa_tile_bytes(q_len, kv_len, shape.head_dim, shape.dtype_bytes, threads)
+
+
 def sdpa_falls_back_to_math(shape: ModelShape, *, batch_size: int, device: str | None) -> bool:
     """Whether torch's SDPA runs its math backend (materialised scores) on an unmasked slice: fp32
     grouped-query attention of one request on CUDA (module doc). ``device`` None (unknown) counts as CUDA,
     the safe side."""
-    on_cuda = device is None or str(device).startswith("cuda")
     return (
-        on_cuda
+        _on_cuda(device)
         and shape.attn_implementation == "sdpa"
         and shape.dtype_bytes == 4
         and shape.num_attention_heads != shape.num_kv_heads
@@ -97,11 +133,82 @@ def estimate_memory(
     *,
     layout: KVQuantLayout = DEFAULT_KV_LAYOUT,
     device: str | None = None,
+    loop: PagedLoop | None = None,
+    cpu_threads: int | None = None,
 ) -> MemoryEstimate:
     """Predict the peak of ``request`` run with ``step`` on a model of ``shape`` (formula in the module doc).
 
     ``device`` (``"cpu"``, ``"cuda:0"``; a :class:`~kvb_planner.DeviceProfile`'s ``device``) picks the SDPA
-    backend rule; None assumes the costlier one."""
+    backend rule; None assumes the costlier one. ``loop``: the engine runs 16-bit requests in a paged loop
+    (:mod:`kvb_planner.paged_loop`); a quantized step still runs on a cache of its own. ``cpu_threads``
+    (a probed :class:`~kvb_planner.DeviceProfile`'s): on the CPU, the paged loop's attention calls are
+    charged SDPA's per-thread score tiles (:func:`cpu_sdpa_tile_bytes`; measured there, where they scale
+    with the thread count; transformers' own SDPA calls in the solo estimate did not show them); None
+    leaves them out."""
+    solo = _solo_estimate(request, step, shape, layout=layout, device=device)
+    if loop is None or step.kv_bits != 16:
+        return solo
+    paged = _loop_estimate(request, step, shape, loop, device=device, threads=cpu_threads)
+    if loop.solo_paths and solo.peak_bytes > paged.peak_bytes:
+        return solo
+    return paged
+
+
+def _loop_estimate(
+    request: PlanRequest,
+    step: LadderStep,
+    shape: ModelShape,
+    loop: PagedLoop,
+    *,
+    device: str | None,
+    threads: int | None,
+) -> MemoryEstimate:
+    """The paged loop's terms (:mod:`kvb_planner.paged_loop`). ``batch_size`` sequences are separate
+    engine requests sharing steps, so they add nothing a full step does not already charge."""
+    p, t = request.prompt_tokens, request.total_tokens
+    s = loop.step_tokens
+    c = min(step.slice_tokens(p), s)
+    e = shape.dtype_bytes
+    hq, hkv, d = shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
+    groups = max(1, hq // hkv)
+    channels = max(k + v for k, v in shape.layer_channels)
+
+    rows = min(c, max(1, loop.mask_elements // (groups * p)))
+    mask_elements = groups * rows * p
+    mask_bytes = mask_elements * (1 + (2 if _on_cuda(device) else 1) * e)
+    prefill = p * channels * e + mask_bytes
+    gathered = max(loop.decode_gather_tokens, t)
+    decode = gathered * (channels * e + 1 + e)
+    if loop.eager_attention:
+        prefill += 2 * 4 * hkv * mask_elements
+        decode += 2 * 4 * hq * gathered
+    else:
+        # Grouped queries are attended as one [G * rows] block per key head.
+        prefill += _cpu_tile(device, threads, groups * rows, p, shape)
+        decode += _cpu_tile(device, threads, groups, t, shape)
+    scratch = max(prefill, decode)
+
+    mlp = s * (3 * shape.intermediate_size + 4 * shape.hidden_size) * e
+    attention = s * (3 * shape.hidden_size + 4 * hq * d + 4 * hkv * d) * e + scratch
+    rows_kept = s if request.prompt_logprobs else loop.kept_rows
+    logits = rows_kept * shape.vocab_size * e
+    sampler = loop.sampled_rows * shape.vocab_size * (e + SAMPLER_FP32_COPIES * SAMPLER_FP32_BYTES)
+    return MemoryEstimate(
+        kv_bytes=0,
+        cache_growth_bytes=0,
+        logits_bytes=logits,
+        mlp_phase_bytes=mlp,
+        attention_phase_bytes=attention,
+        attention_scratch_bytes=scratch,
+        sampler_bytes=sampler,
+        peak_bytes=max(logits + max(mlp, attention), sampler),
+        paged=True,
+    )
+
+
+def _solo_estimate(
+    request: PlanRequest, step: LadderStep, shape: ModelShape, *, layout: KVQuantLayout, device: str | None
+) -> MemoryEstimate:
     b, p, t = request.batch_size, request.prompt_tokens, request.total_tokens
     c = step.slice_tokens(p)
     e = shape.dtype_bytes

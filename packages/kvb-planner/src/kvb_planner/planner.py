@@ -13,6 +13,7 @@ from kvb_planner.errors import PlannerConfigError
 from kvb_planner.kv_layout import KVQuantLayout
 from kvb_planner.ladder import Ladder, LadderStep
 from kvb_planner.memory_model import MemoryEstimate, estimate_memory
+from kvb_planner.paged_loop import PagedLoop
 from kvb_planner.refusal import PlanRefusal
 from kvb_planner.request import PlanRequest
 from kvb_planner.shape import ModelShape
@@ -44,17 +45,22 @@ class PlannerPolicy:
             :class:`~kvb_planner.calibration.CalibrationTracker` suggests one from observed residuals.
         ladder: Settings in preference order (default: every chunk size at 16 bits, then 8, then 4).
         kv_layout: Quantized KV layout, used for steps with ``kv_bits < 16``.
+        loop: The engine serves 16-bit requests from a preallocated paged KV pool in steps of bounded size
+            (:class:`~kvb_planner.paged_loop.PagedLoop`); None: each request runs on a cache of its own.
     """
 
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     ladder: Ladder = field(default_factory=Ladder.default)
     kv_layout: KVQuantLayout = field(default_factory=KVQuantLayout)
+    loop: PagedLoop | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.safety_margin < 1.0:
             raise PlannerConfigError(
                 f"safety_margin must be in [0, 1) (got {self.safety_margin}); 0.1 keeps 10% back"
             )
+        if self.loop is not None and not isinstance(self.loop, PagedLoop):
+            raise PlannerConfigError(f"loop must be a PagedLoop or None, got {type(self.loop).__name__}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,10 +136,18 @@ class _Fit(NamedTuple):
 
 
 def _first_fit(
-    request: PlanRequest, shape: ModelShape, policy: PlannerPolicy, budget: int, device: str
+    request: PlanRequest, shape: ModelShape, policy: PlannerPolicy, budget: int, profile: DeviceProfile
 ) -> _Fit | None:
     for step in policy.ladder.steps:
-        estimate = estimate_memory(request, step, shape, layout=policy.kv_layout, device=device)
+        estimate = estimate_memory(
+            request,
+            step,
+            shape,
+            layout=policy.kv_layout,
+            device=profile.device,
+            loop=policy.loop,
+            cpu_threads=profile.cpu_threads,
+        )
         if estimate.peak_bytes <= budget:
             return _Fit(step, estimate)
     return None
@@ -169,7 +183,7 @@ def plan(
     budget = int(free * (1.0 - policy.safety_margin))
     context = shape.context_length
     over_context = context is not None and request.total_tokens > context
-    found = None if over_context else _first_fit(request, shape, policy, budget, profile.device)
+    found = None if over_context else _first_fit(request, shape, policy, budget, profile)
     if found is not None:
         step, estimate = found
         return RequestPlan(
@@ -183,7 +197,15 @@ def plan(
         )
 
     def peak(req: PlanRequest, step: LadderStep) -> int:
-        return estimate_memory(req, step, shape, layout=policy.kv_layout, device=profile.device).peak_bytes
+        return estimate_memory(
+            req,
+            step,
+            shape,
+            layout=policy.kv_layout,
+            device=profile.device,
+            loop=policy.loop,
+            cpu_threads=profile.cpu_threads,
+        ).peak_bytes
 
     # Longest prompt / largest max_new_tokens worth searching: shorter than asked (the request as asked
     # does not fit), and within the context: prompt <= context - max_new_tokens, new <= context - prompt.
@@ -199,7 +221,7 @@ def plan(
     )
     if request.auto_truncate and max_prompt >= 1:
         shorter = replace(request, prompt_tokens=max_prompt)
-        fit = _first_fit(shorter, shape, policy, budget, profile.device)
+        fit = _first_fit(shorter, shape, policy, budget, profile)
         assert fit is not None, "binary search found a length that no step fits"
         step, estimate = fit
         logger.info(
@@ -231,6 +253,7 @@ def plan(
         suggested_max_tokens=max_prompt,
         suggested_max_new_tokens=max_new,
         context_length=context,
+        step_bound=policy.loop is not None and max_prompt < 1 and max_new < 1,
     )
     return RequestPlan(
         verdict=Verdict.REFUSE,

@@ -31,6 +31,9 @@ class PlanRefusal:
             none does.
         context_length: The model's context length (``ModelShape.context_length``), None when unknown. Both
             suggestions stay within it (prompt <= context - max_new_tokens, new tokens <= context - prompt).
+        step_bound: Planned for a paged engine loop (``PagedLoop``) and nothing shorter fits: one full step of
+            the engine needs more than the budget whatever the request, so the message names the server's
+            step limits instead of the request's lengths.
     """
 
     prompt_tokens: int
@@ -41,6 +44,7 @@ class PlanRefusal:
     suggested_max_tokens: int
     suggested_max_new_tokens: int
     context_length: int | None = None
+    step_bound: bool = False
 
     @property
     def exceeds_context(self) -> bool:
@@ -67,6 +71,12 @@ class PlanRefusal:
             if self.suggested_max_new_tokens:
                 text += f" or lower max_tokens to at most {self.suggested_max_new_tokens}"
             return text + "."
+        if self.step_bound:
+            return text + (
+                " That is one full step of the server's engine (its max_num_batched_tokens and max_num_seqs), "
+                "needed whatever the request: a limit of the server's configuration or of its free memory, "
+                "not of this request."
+            )
         return text + f" Lower max_tokens (now {self.max_new_tokens}); even a one-token prompt does not fit."
 
     def _context_message(self) -> str:
