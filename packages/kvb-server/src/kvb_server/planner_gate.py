@@ -16,6 +16,7 @@ kvb-planner is an optional dependency: it is imported when a gate is built, neve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -29,7 +30,15 @@ from kvb_server.gate import AdmissionDecision, AdmissionRequest, EngineSettings
 from kvb_server.peak_memory import PeakMeter, peak_meter_for
 
 if TYPE_CHECKING:
-    from kvb_planner import CalibrationTracker, DeviceProfile, Ladder, LadderStep, ModelShape, RequestPlan
+    from kvb_planner import (
+        CalibrationTracker,
+        DeviceProfile,
+        Ladder,
+        LadderStep,
+        ModelShape,
+        PagedLoop,
+        RequestPlan,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +106,23 @@ def shape_for_engine(shape: Any, engine: Any) -> Any:
     return replace(shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest))
 
 
+def loop_for_engine(engine: Any) -> PagedLoop | None:
+    """kvb-planner's :class:`~kvb_planner.PagedLoop` for an engine serving from a preallocated paged KV pool
+    (one with ``step_limits``, as ``kvb_cache.KVBoost``), else None (each request planned on a cache of its
+    own).
+
+    Without it every request was planned as ``model.generate`` runs one: its whole KV charged (it goes into
+    the pool, allocated before the probe), a prefill as long as the prompt (the loop feeds at most
+    ``max_num_batched_tokens`` per step) and nothing for the loop's own attention (gathered context,
+    per-block masks) nor for other requests sharing the step; and its 8/4-bit fallbacks moved a request out
+    of the pool onto a quantized cache of its own, which adds memory instead of saving it.
+    """
+    limits = getattr(engine, "step_limits", None)
+    if limits is None:
+        return None
+    return require_planner().PagedLoop(**dataclasses.asdict(limits))
+
+
 def cache_growth(engine: Any) -> Callable[[], int]:
     """What the gate subtracts from the free memory it probed: bytes ``engine``'s caches have taken since this
     call that the probe counted as free.
@@ -158,6 +184,8 @@ class PlannerGate:
         meter: measures each solo run's peak for calibration; None: no calibration.
         used_bytes: memory taken since the probe by things the planner does not model, read per request
             (the engine's chunk store grows as it caches); subtracted from the probed free memory.
+        loop: the engine serves from a preallocated paged KV pool in steps of bounded size
+            (:func:`loop_for_engine`); None: each request is planned on a cache of its own.
     """
 
     def __init__(
@@ -171,6 +199,7 @@ class PlannerGate:
         ladder: Ladder | None = None,
         meter: PeakMeter | None = None,
         used_bytes: Callable[[], int] | None = None,
+        loop: PagedLoop | None = None,
     ) -> None:
         self._planner = require_planner()
         if safety_margin is not None and not 0.0 <= safety_margin < 1.0:
@@ -186,6 +215,7 @@ class PlannerGate:
         self.ladder = ladder or self._planner.Ladder.default()
         self._meter = meter
         self._used_bytes = used_bytes
+        self.loop = loop
         self._lock = threading.Lock()
         self._decisions: Counter[str] = Counter()
         self._last_plan: RequestPlan | None = None
@@ -200,7 +230,8 @@ class PlannerGate:
         ``engine`` needs ``model`` (a Hugging Face model), ``device`` and ``cache_stats()["bytes"]``
         (``kvb_cache.KVBoost`` has all three); its ``kv_layer_shapes``, when it has them, replace the config's
         uniform-layer KV figure and its attention is planned as the SDPA the engine runs
-        (:func:`shape_for_engine`).
+        (:func:`shape_for_engine`); its ``step_limits``, when it has them, plan the engine loop's steps
+        (:func:`loop_for_engine`).
         """
         planner = require_planner()
         model = engine.model
@@ -215,6 +246,7 @@ class PlannerGate:
             safety_margin=safety_margin,
             meter=peak_meter_for(engine.device),
             used_bytes=cache_growth(engine),
+            loop=loop_for_engine(engine),
         )
 
     # ------------------------------------------------------------------------------------------- gate
@@ -237,16 +269,18 @@ class PlannerGate:
         )
         profile = replace(self.profile, free_bytes=self.free_bytes())
         ladder = self.ladder
-        if request.constrained:
+        if request.constrained or self.loop is not None:
             # Grammar-constrained requests cannot take a quantized KV: plan with full-precision steps only
             # (slicing the prefill is still fine), so such a request is sliced or refused, never quantized.
+            # Nor is any request of an engine loop: a quantized one runs on a cache of its own beside the
+            # loop's steps, adding to them, so where a full step does not fit it does not make room.
             exact = tuple(s for s in ladder.steps if s.kv_bits == 16)
             ladder = p.Ladder(steps=exact) if exact else ladder
         result = p.plan(
             plan_request,
             profile,
             self._plan_shape,
-            p.PlannerPolicy(safety_margin=self.margin(), ladder=ladder),
+            p.PlannerPolicy(safety_margin=self.margin(), ladder=ladder, loop=self.loop),
         )
         with self._lock:
             self._decisions[result.verdict.value] += 1
@@ -306,6 +340,7 @@ class PlannerGate:
             "free_mb_now": round(self.free_bytes() / MIB, 3),
             "safety_margin": {"fixed": self.safety_margin, "in_use": round(self.margin(), 4)},
             "measurement": self._meter.name if self._meter is not None else None,
+            "loop": dataclasses.asdict(self.loop) if self.loop is not None else None,
             "decisions": {v: decisions.get(v, 0) for v in ("run", "truncate", "refuse")},
             "calibration": calibration,
             "last_plan": last_plan,

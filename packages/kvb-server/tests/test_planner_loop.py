@@ -1,0 +1,124 @@
+"""The gate plans the engine loop: KV in the preallocated pool, steps of bounded size (kvb_planner.PagedLoop)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import build_tiny_engine
+from torch.profiler import ProfilerActivity, profile
+
+from kvb_cache import SamplingParams, StitchConfig
+from kvb_planner import DeviceProfile, LadderStep, PagedLoop, PlanRequest, estimate_memory
+from kvb_server import PlannerGate
+from kvb_server.gate import AdmissionRequest
+from kvb_server.planner_gate import loop_for_engine
+
+SINGLE = LadderStep(prefill_chunk_size=None)
+
+
+def _tensor_peak(fn) -> int:
+    """Peak of live CPU tensor bytes allocated while ``fn()`` runs (torch.profiler memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_gate_takes_the_engines_step_limits() -> None:
+    engine = build_tiny_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    gate = PlannerGate.for_engine(engine)
+    assert gate.loop == PagedLoop(**dataclasses.asdict(engine.step_limits))
+    assert (gate.loop.step_tokens, gate.loop.sampled_rows, gate.loop.logits_rows) == (64, 2, None)
+    # Decoding rows gather at most 2 whole 512-token contexts (below the 65536-position sub-batches).
+    assert gate.loop.decode_gather_tokens == 2 * 512
+    assert not gate.loop.solo_paths and not gate.loop.eager_attention
+    assert gate.stats()["loop"]["step_tokens"] == 64
+    assert gate.profile.cpu_threads == torch.get_num_threads()
+    # Stitched prompts are assembled on a cache of their own before they join the pool.
+    assert loop_for_engine(build_tiny_engine(stitching=StitchConfig())).solo_paths
+    assert loop_for_engine(object()) is None  # an engine without a pool: planned per request as before
+
+
+def test_a_request_the_pool_holds_runs_where_a_solo_plan_refuses_it() -> None:
+    """Free memory for the loop's step but not for a cache of the request's own: the gate admits it as asked
+    (its KV goes into the pool); planned per request it was refused (or, with more room, sent to quantized KV
+    outside the pool, adding memory: tests/test_paged_loop.py in kvb-planner)."""
+    engine = build_tiny_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    shape, loop = PlannerGate.for_engine(engine).shape, loop_for_engine(engine)
+    request = PlanRequest(prompt_tokens=400, max_new_tokens=100)
+    looped = estimate_memory(request, SINGLE, shape, device="cpu", loop=loop).peak_bytes
+    assert looped < estimate_memory(request, SINGLE, shape, device="cpu").peak_bytes
+    admission = AdmissionRequest(
+        endpoint="completions", model="m", prompt_tokens=(400,), max_new_tokens=100, n=1, queue_depth=0
+    )
+    decisions = [
+        PlannerGate(
+            shape=shape,
+            profile=DeviceProfile(device="cpu", total_bytes=1 << 34, free_bytes=looped),
+            safety_margin=0.0,
+            loop=gate_loop,
+        ).admit(admission)
+        for gate_loop in (loop, None)
+    ]
+    assert decisions[0].admitted and decisions[0].settings.is_default
+    assert not decisions[1].admitted and "Request needs about" in decisions[1].message
+
+
+@pytest.mark.parametrize(("step_tokens", "prompt"), [(64, 440), (256, 440), (128, 300)])
+def test_the_loop_estimate_covers_the_measured_step_peak(step_tokens: int, prompt: int) -> None:
+    """A prompt prefilled in steps beside a decoding request: every step's profiled tensor peak is within the
+    estimate, which is not far above it (1.01-1.33x measured at 1, 2 and 8 threads)."""
+    engine = build_tiny_engine(max_num_batched_tokens=step_tokens, max_num_seqs=2)
+    gate = PlannerGate.for_engine(engine)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+    engine.add_request(torch.randint(10, 300, (40,), generator=g).tolist(), params)
+    engine.step()
+    engine.step()
+    last = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request(torch.randint(10, 300, (prompt,), generator=g).tolist(), last)
+    actual = max(_tensor_peak(engine.step) for _ in range(prompt // step_tokens + 2))
+    predicted = estimate_memory(
+        PlanRequest(prompt_tokens=prompt, max_new_tokens=8),
+        SINGLE,
+        gate.shape,
+        device="cpu",
+        loop=gate.loop,
+        cpu_threads=gate.profile.cpu_threads,
+    ).peak_bytes
+    assert actual <= predicted <= 1.5 * actual, (actual, predicted)
+
+
+def test_the_loop_gate_never_quantizes() -> None:
+    """A quantized request runs on a cache of its own beside the loop's steps, adding to them: the loop's gate
+    walks 16-bit steps only. Where the per-request gate picks 8-bit KV the loop runs the request as asked;
+    where a full step does not fit the loop refuses even a request that alone would fit."""
+    engine = build_tiny_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    shape, loop = PlannerGate.for_engine(engine).shape, loop_for_engine(engine)
+
+    def decide(free: int, prompt: int, new: int, gate_loop: PagedLoop | None):
+        admission = AdmissionRequest(
+            endpoint="completions", model="m", prompt_tokens=(prompt,), max_new_tokens=new, n=1, queue_depth=0
+        )
+        profile = DeviceProfile(device="cpu", total_bytes=1 << 34, free_bytes=free)
+        return PlannerGate(shape=shape, profile=profile, safety_margin=0.0, loop=gate_loop).admit(admission)
+
+    request = PlanRequest(prompt_tokens=400, max_new_tokens=100)
+    int8 = estimate_memory(request, LadderStep(prefill_chunk_size=128, kv_bits=8), shape, device="cpu")
+    assert decide(int8.peak_bytes, 400, 100, None).settings.kv_cache_bits == 8
+    assert decide(int8.peak_bytes, 400, 100, loop).settings.is_default
+
+    short = PlanRequest(prompt_tokens=40, max_new_tokens=8)
+    alone = estimate_memory(short, SINGLE, shape, device="cpu").peak_bytes
+    assert alone < estimate_memory(short, SINGLE, shape, device="cpu", loop=loop).peak_bytes
+    assert decide(alone, 40, 8, None).admitted
+    assert not decide(alone, 40, 8, loop).admitted
