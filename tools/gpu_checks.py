@@ -15,6 +15,8 @@ Sections (each independent; a failure is recorded and the next one runs):
                     tokens, tokens per target forward and speed vs plain streamed decoding.
   memory_share      gpu_memory_utilization 0.3 / 0.6: the pool's blocks, the device's peak while a full batch
                     of long prompts runs against total x fraction (the profiled step must cover the loop's).
+  planner_loop      kvb-planner's engine-loop estimate (PagedLoop) against each step's measured peak on CUDA
+                    (max_memory_allocated above the step's start), fp32 and bf16, long prompts beside decoders.
   kernels_trained   kernels_in_model on the real SmolLM2-135M-Instruct weights (--trained-dir) and real text
   engine_trained    engine_cuda on the real weights and real text (pydoc topics instead of random ids)
 
@@ -254,6 +256,96 @@ def memory_share(path: Path) -> dict:
     return {"rows": rows}
 
 
+def planner_loop(path: Path) -> dict:
+    """Is kvb-planner's engine-loop estimate an upper bound of the loop's steps on CUDA? For each case a
+    ``P``-token prompt prefills in steps of ``S`` beside ``D`` decoding requests of ``ctx`` tokens; every step's
+    peak allocation above its start is measured and compared with
+    ``estimate_memory(..., device="cuda:0", loop=PagedLoop(**engine.step_limits))`` (on the CPU, the smoke
+    test, the profiled tensor peak instead)."""
+    import dataclasses
+
+    from kvb_cache import KVBoost, SamplingParams
+    from kvb_planner import LadderStep, ModelShape, PagedLoop, PlanRequest, estimate_memory
+    from kvb_server.planner_gate import shape_for_engine
+
+    def step_peak(engine) -> int:
+        if DEVICE != "cuda":
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from memory_peak import tensor_peak
+
+            return tensor_peak(engine.step)
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.step()
+        sync()
+        return torch.cuda.max_memory_allocated() - base
+
+    cases = [
+        (1024, 4000, 0, 0),
+        (1024, 8000, 0, 0),
+        (4096, 8000, 0, 0),
+        (2048, 4000, 16, 3000),
+        (4096, 1000, 32, 7000),
+    ]
+    if DEVICE != "cuda":
+        cases = [(256, 600, 2, 300)]  # the smoke test: minutes of CPU, not hours
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for step, prompt, decoders, context in cases:
+            engine = KVBoost.from_pretrained(
+                str(path),
+                device=DEVICE,
+                dtype=dtype,
+                max_num_batched_tokens=step,
+                max_num_seqs=32,
+                max_cache_bytes=24 << 30,
+            )
+            gen = torch.Generator().manual_seed(prompt + decoders)
+            params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+            for _ in range(decoders):
+                engine.add_request(torch.randint(3, 49152, (context,), generator=gen).tolist(), params)
+            for _ in range(decoders * context // step + 2):
+                engine.step()
+            new = 4
+            engine.add_request(
+                torch.randint(3, 49152, (prompt,), generator=gen).tolist(),
+                SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True),
+            )
+            peaks = [step_peak(engine) for _ in range(-(-prompt // step) + 1)]
+            model = engine.model
+            shape = shape_for_engine(ModelShape.from_config(model.config, dtype=model.dtype), engine)
+            loop = PagedLoop(**dataclasses.asdict(engine.step_limits))
+            device = "cuda:0" if DEVICE == "cuda" else "cpu"
+            est = estimate_memory(
+                PlanRequest(prompt_tokens=prompt, max_new_tokens=new),
+                LadderStep(prefill_chunk_size=None),
+                shape,
+                device=device,
+                loop=loop,
+                cpu_threads=torch.get_num_threads() if device == "cpu" else None,
+            )
+            row = {
+                "dtype": dtype,
+                "S": step,
+                "P": prompt,
+                "D": decoders,
+                "ctx": context,
+                "actual_mib": max(peaks) / 2**20,
+                "predicted_mib": est.peak_bytes / 2**20,
+                "ratio": est.peak_bytes / max(max(peaks), 1),
+                "covered": est.peak_bytes >= max(peaks),
+                "step_peaks_mib": [round(p / 2**20, 1) for p in peaks],
+            }
+            rows.append(row)
+            print(row, flush=True)
+            engine.close()
+            del engine, model
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def spec_streaming(args: argparse.Namespace) -> dict:
     from transformers import DynamicCache, LlamaConfig
 
@@ -458,6 +550,7 @@ def main() -> int:
         "spec_streaming": lambda: spec_streaming(args),
         "launch_overhead": launch_overhead,
         "memory_share": lambda: memory_share(path),
+        "planner_loop": lambda: planner_loop(path),
     }
     for name in args.sections:
         start = time.perf_counter()
