@@ -122,3 +122,28 @@ def test_the_loop_gate_never_quantizes() -> None:
     assert alone < estimate_memory(short, SINGLE, shape, device="cpu", loop=loop).peak_bytes
     assert decide(alone, 40, 8, None).admitted
     assert not decide(alone, 40, 8, loop).admitted
+
+
+def test_a_step_that_cannot_fit_is_announced_at_start(caplog) -> None:
+    """Less free memory than one step: every request would be a 413, so the server says so when it starts."""
+    engine = build_tiny_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    shape, loop = PlannerGate.for_engine(engine).shape, loop_for_engine(engine)
+    floor = estimate_memory(
+        PlanRequest(prompt_tokens=1, max_new_tokens=1), SINGLE, shape, device="cpu", loop=loop
+    )
+
+    def gate(free: int) -> PlannerGate:
+        profile = DeviceProfile(device="cpu", total_bytes=1 << 34, free_bytes=free)
+        return PlannerGate(shape=shape, profile=profile, safety_margin=0.0, loop=loop)
+
+    with caplog.at_level("INFO", logger="kvb_server.planner_gate"):
+        assert gate(floor.peak_bytes).warn_if_no_step_fits()
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        assert not gate(floor.peak_bytes - 1).warn_if_no_step_fits()
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "every request will be refused" in warning[0]
+    assert "--max-num-batched-tokens" in warning[0]
+    # No loop (an engine without a pool): nothing to say.
+    assert PlannerGate(
+        shape=shape, profile=DeviceProfile(device="cpu", total_bytes=1, free_bytes=0)
+    ).warn_if_no_step_fits()

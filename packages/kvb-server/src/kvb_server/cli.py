@@ -321,6 +321,7 @@ def build_gate(args: argparse.Namespace, engine: object) -> RequestGate | None:
         logger.warning("OOM planning off: the planner cannot describe this model (%s)", exc)
         return None
     logger.info("OOM planning on: %s", gate.profile.to_dict())
+    gate.warn_if_no_step_fits()
     return gate
 
 

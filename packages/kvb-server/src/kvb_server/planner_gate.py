@@ -249,6 +249,38 @@ class PlannerGate:
             loop=loop_for_engine(engine),
         )
 
+    def warn_if_no_step_fits(self) -> bool:
+        """Log a warning, at start-up, when one step of the engine loop does not fit the budget: every request
+        would then be refused (413), whatever its length. Returns whether a step fits (True without a loop)."""
+        if self.loop is None:
+            return True
+        p = self._planner
+        floor = p.estimate_memory(
+            p.PlanRequest(prompt_tokens=1, max_new_tokens=1),
+            p.LadderStep(prefill_chunk_size=None),
+            self._plan_shape,
+            device=self.profile.device,
+            loop=self.loop,
+            cpu_threads=self.profile.cpu_threads,
+        ).peak_bytes
+        budget = int(self.free_bytes() * (1.0 - self.margin()))
+        if floor <= budget:
+            logger.info(
+                "OOM planning: one engine step needs about %.1f MiB beside the KV pool; %.1f MiB may be used",
+                floor / MIB,
+                budget / MIB,
+            )
+            return True
+        logger.warning(
+            "OOM planning: one engine step needs about %.1f MiB beside the KV pool but only %.1f MiB may be "
+            "used, so every request will be refused (413): lower --max-num-batched-tokens or --max-num-seqs, "
+            "leave more memory outside the pool (--gpu-memory-utilization, --max-cache-bytes), or start with "
+            "--no-oom-planning",
+            floor / MIB,
+            budget / MIB,
+        )
+        return False
+
     # ------------------------------------------------------------------------------------------- gate
     def free_bytes(self) -> int:
         """The probed free memory minus what ``used_bytes`` reports taken since."""
