@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
+
+from kvb_planner import tensor_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

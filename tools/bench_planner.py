@@ -29,9 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
-
 from kvb_cache.cache_kwarg import cache_kwargs
+from kvb_planner import tensor_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -29,7 +29,8 @@ import platform
 from pathlib import Path
 
 import torch
-from memory_peak import tensor_peak  # tools/ is on sys.path when a script here runs
+
+from kvb_planner import tensor_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

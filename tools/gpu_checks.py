@@ -270,8 +270,7 @@ def planner_loop(path: Path) -> dict:
 
     def step_peak(engine) -> int:
         if DEVICE != "cuda":
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from memory_peak import tensor_peak
+            from kvb_planner import tensor_peak
 
             return tensor_peak(engine.step)
         sync()

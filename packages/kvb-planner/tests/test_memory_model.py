@@ -4,9 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from kvb_planner import Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory
+from kvb_planner import Ladder, LadderStep, ModelShape, PlanRequest, estimate_memory, tensor_peak
 from kvb_planner.probes import cache_keyword
 
 SINGLE = LadderStep(prefill_chunk_size=None)
@@ -113,24 +112,18 @@ def _tensor_peak_bytes(model, ids: torch.Tensor, chunk: int) -> int:
     """Peak of live CPU tensor bytes (torch.profiler memory events) while prefilling ``ids`` in slices."""
     from transformers import DynamicCache
 
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cache = DynamicCache(config=model.config)
-        for start in range(0, ids.shape[1], chunk):
-            model(
-                ids[:, start : start + chunk],
-                **{cache_keyword(model): cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    def prefill() -> None:
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            for start in range(0, ids.shape[1], chunk):
+                model(
+                    ids[:, start : start + chunk],
+                    **{cache_keyword(model): cache},
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+
+    return tensor_peak(prefill)
 
 
 @pytest.mark.parametrize(("prompt", "chunk"), [(512, 512), (512, 128), (1024, 1024), (1024, 256)])

@@ -7,30 +7,14 @@ import dataclasses
 import pytest
 import torch
 from conftest import build_tiny_engine
-from torch.profiler import ProfilerActivity, profile
 
 from kvb_cache import SamplingParams, StitchConfig
-from kvb_planner import DeviceProfile, LadderStep, PagedLoop, PlanRequest, estimate_memory
+from kvb_planner import DeviceProfile, LadderStep, PagedLoop, PlanRequest, estimate_memory, tensor_peak
 from kvb_server import PlannerGate
 from kvb_server.gate import AdmissionRequest
 from kvb_server.planner_gate import loop_for_engine
 
 SINGLE = LadderStep(prefill_chunk_size=None)
-
-
-def _tensor_peak(fn) -> int:
-    """Peak of live CPU tensor bytes allocated while ``fn()`` runs (torch.profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def test_the_gate_takes_the_engines_step_limits() -> None:
@@ -86,7 +70,7 @@ def test_the_loop_estimate_covers_the_measured_step_peak(step_tokens: int, promp
     engine.step()
     last = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request(torch.randint(10, 300, (prompt,), generator=g).tolist(), last)
-    actual = max(_tensor_peak(engine.step) for _ in range(prompt // step_tokens + 2))
+    actual = max(tensor_peak(engine.step) for _ in range(prompt // step_tokens + 2))
     predicted = estimate_memory(
         PlanRequest(prompt_tokens=prompt, max_new_tokens=8),
         SINGLE,

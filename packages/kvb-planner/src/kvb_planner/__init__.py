@@ -26,6 +26,7 @@ from kvb_planner.probes import ProbeResult, ProbeSettings
 from kvb_planner.refusal import PlanRefusal
 from kvb_planner.request import PlanRequest
 from kvb_planner.shape import ModelShape
+from kvb_planner.tensor_peak import tensor_peak
 
 __all__ = [
     "CalibrationSettings",
@@ -59,4 +60,5 @@ __all__ = [
     "plan",
     "read_cgroup_memory",
     "read_host_memory",
+    "tensor_peak",
 ]

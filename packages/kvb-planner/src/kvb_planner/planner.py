@@ -135,19 +135,26 @@ class _Fit(NamedTuple):
     estimate: MemoryEstimate
 
 
+def _estimate(
+    request: PlanRequest, step: LadderStep, shape: ModelShape, policy: PlannerPolicy, profile: DeviceProfile
+) -> MemoryEstimate:
+    """:func:`estimate_memory` with everything the policy and the device profile decide."""
+    return estimate_memory(
+        request,
+        step,
+        shape,
+        layout=policy.kv_layout,
+        device=profile.device,
+        loop=policy.loop,
+        cpu_threads=profile.cpu_threads,
+    )
+
+
 def _first_fit(
     request: PlanRequest, shape: ModelShape, policy: PlannerPolicy, budget: int, profile: DeviceProfile
 ) -> _Fit | None:
     for step in policy.ladder.steps:
-        estimate = estimate_memory(
-            request,
-            step,
-            shape,
-            layout=policy.kv_layout,
-            device=profile.device,
-            loop=policy.loop,
-            cpu_threads=profile.cpu_threads,
-        )
+        estimate = _estimate(request, step, shape, policy, profile)
         if estimate.peak_bytes <= budget:
             return _Fit(step, estimate)
     return None
@@ -197,15 +204,7 @@ def plan(
         )
 
     def peak(req: PlanRequest, step: LadderStep) -> int:
-        return estimate_memory(
-            req,
-            step,
-            shape,
-            layout=policy.kv_layout,
-            device=profile.device,
-            loop=policy.loop,
-            cpu_threads=profile.cpu_threads,
-        ).peak_bytes
+        return _estimate(req, step, shape, policy, profile).peak_bytes
 
     # Longest prompt / largest max_new_tokens worth searching: shorter than asked (the request as asked
     # does not fit), and within the context: prompt <= context - max_new_tokens, new <= context - prompt.

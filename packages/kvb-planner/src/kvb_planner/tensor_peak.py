@@ -1,4 +1,4 @@
-"""Shared by the memory benchmarks under tools/: peak live CPU tensor bytes of a call."""
+"""The actual peak the memory model predicts: live CPU tensor bytes while a call runs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 
 def tensor_peak(fn: Callable[[], object]) -> int:
-    """Peak of live CPU tensor bytes allocated while ``fn()`` runs (torch.profiler memory events), on top
-    of what was live before: the quantity kvb-planner's memory model predicts."""
+    """Peak of live CPU tensor bytes allocated while ``fn()`` runs (torch.profiler memory events), on top of
+    what was live before: deterministic, unlike RSS, and the quantity :func:`kvb_planner.estimate_memory`
+    predicts (the benchmarks under tools/ and the tests compare against it)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
