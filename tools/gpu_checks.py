@@ -256,6 +256,24 @@ def memory_share(path: Path) -> dict:
     return {"rows": rows}
 
 
+def _server_module(name: str):
+    """``kvb_server.<name>`` without the package's ``__init__``, which imports the HTTP app (fastapi): the device
+    machine has torch and transformers but not the server's web stack, and the planner wiring needs none of it."""
+    import importlib
+    import importlib.util
+    import types
+
+    if "kvb_server" not in sys.modules:
+        try:
+            import kvb_server  # noqa: F401
+        except ModuleNotFoundError:
+            spec = importlib.util.find_spec("kvb_server")
+            package = types.ModuleType("kvb_server")
+            package.__path__ = list(spec.submodule_search_locations)
+            sys.modules["kvb_server"] = package
+    return importlib.import_module(f"kvb_server.{name}")
+
+
 def planner_loop(path: Path) -> dict:
     """Is kvb-planner's engine-loop estimate an upper bound of the loop's steps on CUDA? For each case a
     ``P``-token prompt prefills in steps of ``S`` beside ``D`` decoding requests of ``ctx`` tokens; every step's
@@ -266,7 +284,8 @@ def planner_loop(path: Path) -> dict:
 
     from kvb_cache import KVBoost, SamplingParams
     from kvb_planner import LadderStep, ModelShape, PagedLoop, PlanRequest, estimate_memory
-    from kvb_server.planner_gate import shape_for_engine
+
+    shape_for_engine = _server_module("planner_gate").shape_for_engine
 
     def step_peak(engine) -> int:
         if DEVICE != "cuda":
