@@ -37,9 +37,19 @@ def test_interpreter_flag_is_read_like_triton_reads_it(monkeypatch, value, expec
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"), [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)]
+    ("value", "expected"),
+    [
+        (None, False),
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        ("0", False),
+        ("off", False),
+        ("False", False),
+    ],
 )
 def test_autotune_switch(monkeypatch, value, expected):
+    """Fixed tiles unless tuning is asked for (1/true/on/yes): tuning costs seconds per new shape."""
     from kvb_kernels.backend import autotune_enabled
 
     if value is None:
