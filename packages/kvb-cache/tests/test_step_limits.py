@@ -36,3 +36,57 @@ def test_decode_gather_bound() -> None:
 @pytest.mark.parametrize(("arch", "eager"), [("llama", False), ("gemma2", True), ("gpt_oss", True)])
 def test_eager_formula_models(arch: str, eager: bool) -> None:
     assert eager_loop_attention(make_model(arch)) is eager
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # GQA: masked blocks; MHA: the unmasked fast path
+def test_a_prefills_gathered_context_is_freed_before_the_decoding_rows_gather(
+    arch, tokenizer, monkeypatch
+) -> None:
+    """The step bound charges max(prefill gather, decode gather), not their sum: in a step that prefills one
+    request while another decodes, every tensor the prefill's attention gathered from the pool (its context,
+    its masks) must be gone when the decoding rows gather theirs."""
+    from conftest import words
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from kvb_cache import SamplingParams
+    from kvb_cache.core import paged_attention as pa
+
+    # Storage-level weak references: the engine runs in inference mode, where a view does not keep its base's
+    # Python object, only its storage, alive.
+    prefill_refs: list[StorageWeakRef] = []
+    checked: list[int] = []
+    in_prefill = [False]
+    original_attend, original_prefill, original_decode = pa.attend, pa._prefill_rows, pa._decode_rows
+
+    def recording_attend(q, k, v, mask, **kwargs):
+        if in_prefill[0]:
+            for t in (k, v, mask):
+                if t is not None:
+                    prefill_refs.append(StorageWeakRef(t.untyped_storage()))
+        return original_attend(q, k, v, mask, **kwargs)
+
+    def prefill(*args, **kwargs):
+        in_prefill[0] = True
+        try:
+            return original_prefill(*args, **kwargs)
+        finally:
+            in_prefill[0] = False
+
+    def decode(*args, **kwargs):
+        alive = [ref for ref in prefill_refs if not ref.expired()]
+        assert not alive, f"{len(alive)} tensors of this step's prefill attention are still referenced"
+        checked.append(len(prefill_refs))
+        return original_decode(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "attend", recording_attend)
+    monkeypatch.setattr(pa, "_prefill_rows", prefill)
+    monkeypatch.setattr(pa, "_decode_rows", decode)
+    model = make_model(arch)
+    engine = KVBoost(model, tokenizer, config=EngineConfig(max_num_batched_tokens=256, max_num_seqs=4))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.add_request(words(60), params)
+    engine.step()  # the first request's whole prompt and its first token
+    engine.add_request(words(80, seed=3), params)
+    prefill_refs.clear()
+    engine.step()  # the second request prefills while the first decodes, on every layer
+    assert checked and all(n > 0 for n in checked)  # the check ran after a prefill, so it could fail
