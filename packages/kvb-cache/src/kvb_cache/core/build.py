@@ -14,6 +14,7 @@ from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
 from kvb_cache.core.paged_attention import install_paged_attention
+from kvb_cache.core.pool_kernel import resolve_backend
 from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.errors import UnsupportedModelError
@@ -99,5 +100,6 @@ def build_loop(
     scheduler = Scheduler(
         kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=packed_budget(traits, config)
     )
-    runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep)
+    kernel = resolve_backend(config.attention_backend, model.device, shapes[0].dtype)
+    runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep, kernel=kernel)
     return LoopParts(kv=kv, scheduler=scheduler, runner=runner, tiers=tiers)

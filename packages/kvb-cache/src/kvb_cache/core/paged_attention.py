@@ -39,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvb_cache.core.attend import attend, causal_mask, group_queries, sink_column
 from kvb_cache.core.attention_routing import record_layer
 from kvb_cache.core.kv_storage import KVStorage
+from kvb_cache.core.pool_kernel import PoolKernel, pages
 
 NAME = "kvb_paged"
 #: Most context positions decoding rows gather from the pool at once (rows x padded width), per layer.
@@ -58,6 +59,9 @@ class PrefillSeq:
     start: int
     q_len: int
     slots: torch.Tensor
+    #: ``[1, P]`` int32 blocks of ``slots`` and ``[1]`` int32 ``ctx``: set when a pool kernel attends.
+    block_table: torch.Tensor | None = None
+    kv_len: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +73,9 @@ class DecodeGroup:
     slots: torch.Tensor
     valid: torch.Tensor
     lengths: torch.Tensor
+    #: ``[B, P]`` int32 blocks of ``slots`` and ``[B]`` int32 ``lengths``: set when a pool kernel attends.
+    block_table: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +87,8 @@ class PagedBatch:
     slot_mapping: torch.Tensor
     prefills: tuple[PrefillSeq, ...]
     decode: DecodeGroup | None
+    #: Attention that reads the pool's blocks in place (:mod:`kvb_cache.core.pool_kernel`); None: gather + SDPA.
+    kernel: PoolKernel | None = None
 
 
 def _attention_chunk(module: torch.nn.Module) -> int | None:
@@ -161,6 +170,8 @@ def paged_attention_forward(
     # earlier layer of this forward already wrote into the slots read here.
     heads = query.shape[1]
     chunk = _attention_chunk(module)
+    if batch.kernel is not None and _kernel_serves(query, keys, values, chunk, softcap, s_aux):
+        return _kernel_attention(batch, query, keys, values, sliding_window, scaling), None
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
         # In a function of its own so that its gathered context and masks are freed before the decoding
@@ -179,6 +190,61 @@ def paged_attention_forward(
                 query, keys, values, group, part, sliding_window, chunk, scaling, softcap, s_aux
             )
     return out.unsqueeze(0), None
+
+
+def _kernel_serves(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    chunk: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> bool:
+    """Whether the block-table kernel computes this layer's attention: causal with an optional sliding window,
+    one head size for queries, keys and values, the pool's dtype. Soft-capped (Gemma 2), sink (gpt-oss) and
+    chunked (Llama 4) layers keep the gather + SDPA path."""
+    return (
+        chunk is None
+        and softcap is None
+        and s_aux is None
+        and query.dtype == keys.dtype
+        and query.shape[-1] == keys.shape[-1] == values.shape[-1]
+    )
+
+
+def _kernel_attention(
+    batch: PagedBatch,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sliding_window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """``[1, T, H, D]``: every prefilling request's rows, then all decoding rows in one call, attended by
+    ``batch.kernel`` over the pool's blocks in place (no gathered context, no mask)."""
+    block_size = batch.storage.block_size
+    key_pages, value_pages = pages(keys, block_size), pages(values, block_size)
+    out = query.new_empty((query.shape[2], query.shape[1], query.shape[-1]))  # [T, H, D]
+    for seq in batch.prefills:
+        rows = slice(seq.start, seq.start + seq.q_len)
+        o = batch.kernel(
+            query[:, :, rows],
+            key_pages,
+            value_pages,
+            seq.block_table,
+            seq.kv_len,
+            window=sliding_window,
+            scale=scaling,
+        )  # [1, H, q, D]
+        out[rows] = o[0].transpose(0, 1)
+    group = batch.decode
+    if group is not None:
+        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        o = batch.kernel(
+            q, key_pages, value_pages, group.block_table, group.kv_lens, window=sliding_window, scale=scaling
+        )
+        out[group.rows] = o[:, :, 0]
+    return out.unsqueeze(0)
 
 
 def _prefill_rows(

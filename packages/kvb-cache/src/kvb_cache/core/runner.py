@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask, paged_call
+from kvb_cache.core.pool_kernel import PoolKernel, block_table
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,10 +33,19 @@ class SeqInput:
 class ModelRunner:
     """Runs one packed forward over the pool for a list of :class:`SeqInput`."""
 
-    def __init__(self, model: PreTrainedModel, storage: KVStorage, *, logits_to_keep: bool) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        storage: KVStorage,
+        *,
+        logits_to_keep: bool,
+        kernel: PoolKernel | None = None,
+    ) -> None:
         self.model = model
         self.storage = storage
         self.logits_to_keep = logits_to_keep
+        #: Attention over the pool's blocks in place (None: each context gathered, then SDPA).
+        self.kernel = kernel
         self.device = storage.keys[0].device
 
     @torch.inference_mode()
@@ -58,7 +68,7 @@ class ModelRunner:
                 decode_rows.append(offset)
                 decode_slots.append(seq.slots)
             else:
-                prefills.append(PrefillSeq(start=offset, q_len=q, slots=seq.slots))
+                prefills.append(self._prefill_seq(offset, q, seq.slots))
             offset += q
             if seq.sample:
                 keep.append(offset - 1)
@@ -68,6 +78,7 @@ class ModelRunner:
             slot_mapping=torch.cat(slot_mapping),
             prefills=tuple(prefills),
             decode=decode,
+            kernel=self.kernel,
         )
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
@@ -91,6 +102,23 @@ class ModelRunner:
         for i, s in enumerate(slots):
             padded[i, : s.shape[0]] = s
         valid = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        tables = {}
+        if self.kernel is not None:  # built once per step, read by every layer
+            tables = {
+                "block_table": block_table(padded, self.storage.block_size),
+                "kv_lens": lengths.to(torch.int32),
+            }
         return DecodeGroup(
-            rows=torch.tensor(rows, device=self.device), slots=padded, valid=valid, lengths=lengths
+            rows=torch.tensor(rows, device=self.device), slots=padded, valid=valid, lengths=lengths, **tables
+        )
+
+    def _prefill_seq(self, start: int, q_len: int, slots: torch.Tensor) -> PrefillSeq:
+        if self.kernel is None:
+            return PrefillSeq(start=start, q_len=q_len, slots=slots)
+        return PrefillSeq(
+            start=start,
+            q_len=q_len,
+            slots=slots,
+            block_table=block_table(slots, self.storage.block_size).unsqueeze(0),
+            kv_len=torch.tensor([slots.shape[0]], dtype=torch.int32, device=self.device),
         )
