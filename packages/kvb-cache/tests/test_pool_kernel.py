@@ -90,6 +90,13 @@ def test_kernel_path_gives_the_sdpa_paths_logits(arch: str, tokenizer) -> None:
     for got, want in zip(through_kernel, reference, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert engine.paged_stats().prefix_cache_hits > 0  # the shared prefix was read from shared blocks
+    assert engine.cache_stats()["attention_backend"] == "kvb_kernels"
+
+
+def test_the_stats_name_the_resolved_backend(llama, tokenizer) -> None:
+    engine = KVBoost(llama, tokenizer)  # auto on a CPU: gather + SDPA
+    assert engine.core.runner.kernel is None
+    assert engine.cache_stats()["attention_backend"] == "sdpa"
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])  # soft-capping, attention sinks

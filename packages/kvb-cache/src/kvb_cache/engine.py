@@ -327,6 +327,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             "evictions": self.kv.pool.evictions,
             "block_size": paged.block_size,
             "chunk_size": self.config.chunk_size,
+            # What the loop attends with, resolved from ``attention_backend`` (``auto`` names neither).
+            "attention_backend": "sdpa" if self.core.runner.kernel is None else "kvb_kernels",
             **self.counters.as_dict(),
             "paged": paged.as_dict(),
             "stitching": {**self.stitcher.stats(), "idle": self.idle_stats()},
