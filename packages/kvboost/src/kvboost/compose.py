@@ -52,6 +52,7 @@ class KVBoost(_Engine):
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
+        attention_backend: str = "auto",
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,

@@ -72,8 +72,10 @@ def _kvb_kernels(device: torch.device, dtype: torch.dtype) -> tuple[PoolKernel |
         from kvb_kernels.backend import device_supported, dtype_supported
     except ImportError:
         return None, f"kvb-kernels is not installed ({INSTALL_HINT})"
+    if device.type != "cuda" and not device_supported(device):
+        return None, f"kvb-kernels' Triton kernels run on CUDA, not on {device}"
     if not device_supported(device):
-        return None, f"kvb-kernels' Triton kernels do not run on {device} ({INSTALL_HINT}; CUDA only)"
+        return None, f"Triton is not installed ({INSTALL_HINT})"
     if not dtype_supported(dtype, device):
         return None, f"kvb-kernels does not serve {dtype} on {device.type}"
 
