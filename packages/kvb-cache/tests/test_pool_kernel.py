@@ -143,3 +143,23 @@ def test_backend_choice(monkeypatch) -> None:
     assert resolve_backend("auto", torch.device("cuda"), torch.float32) is None  # slower than SDPA in fp32
     assert resolve_backend("kvb_kernels", torch.device("cuda"), torch.float32) is kernel  # asked for: served
     assert resolve_backend("auto", cpu, torch.float32) is None
+
+
+def test_which_layers_the_kernel_serves() -> None:
+    from kvb_cache.core.paged_attention import _kernel_serves
+
+    def qkv(dim: int, value_dim: int | None = None, dtype=torch.float32):
+        return (
+            torch.zeros(1, 4, 3, dim, dtype=dtype),
+            torch.zeros(2, 16, dim, dtype=torch.float32),
+            torch.zeros(2, 16, value_dim or dim, dtype=torch.float32),
+        )
+
+    assert _kernel_serves(*qkv(64), None, None, None)
+    assert _kernel_serves(*qkv(256), None, None, None)
+    assert not _kernel_serves(*qkv(512), None, None, None)  # wider than the kernel's tiles
+    assert not _kernel_serves(*qkv(64, 128), None, None, None)  # value width differs
+    assert not _kernel_serves(*qkv(64, dtype=torch.float16), None, None, None)  # not the pool's dtype
+    assert not _kernel_serves(*qkv(64), 8, None, None)  # chunked attention (Llama 4)
+    assert not _kernel_serves(*qkv(64), None, 50.0, None)  # soft-capping
+    assert not _kernel_serves(*qkv(64), None, None, torch.zeros(4))  # attention sinks

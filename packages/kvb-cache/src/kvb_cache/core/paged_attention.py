@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvb_cache.core.attend import attend, causal_mask, group_queries, sink_column
 from kvb_cache.core.attention_routing import record_layer
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.pool_kernel import PoolKernel, pages
+from kvb_cache.core.pool_kernel import KERNEL_MAX_HEAD_DIM, PoolKernel, pages
 
 NAME = "kvb_paged"
 #: Most context positions decoding rows gather from the pool at once (rows x padded width), per layer.
@@ -201,14 +201,14 @@ def _kernel_serves(
     s_aux: torch.Tensor | None,
 ) -> bool:
     """Whether the block-table kernel computes this layer's attention: causal with an optional sliding window,
-    one head size for queries, keys and values, the pool's dtype. Soft-capped (Gemma 2), sink (gpt-oss) and
+    one head size for queries, keys and values (at most :data:`KERNEL_MAX_HEAD_DIM`), the pool's dtype. Soft-capped (Gemma 2), sink (gpt-oss) and
     chunked (Llama 4) layers keep the gather + SDPA path."""
     return (
         chunk is None
         and softcap is None
         and s_aux is None
         and query.dtype == keys.dtype
-        and query.shape[-1] == keys.shape[-1] == values.shape[-1]
+        and query.shape[-1] == keys.shape[-1] == values.shape[-1] <= KERNEL_MAX_HEAD_DIM
     )
 
 

@@ -29,6 +29,8 @@ AttentionBackend = Literal["auto", "sdpa", "kvb_kernels"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 #: dtypes ``auto`` attends through the kernel in (measured faster than gather + SDPA on an H200).
 AUTO_DTYPES = (torch.float16, torch.bfloat16)
+#: Widest head kvb-kernels serves; wider layers (Gemma 4's 512-wide global heads) keep gather + SDPA.
+KERNEL_MAX_HEAD_DIM = 256
 INSTALL_HINT = 'pip install "kvb-kernels[triton]" (or "kvboost[triton]")'
 
 
