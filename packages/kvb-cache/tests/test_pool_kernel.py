@@ -163,3 +163,24 @@ def test_which_layers_the_kernel_serves() -> None:
     assert not _kernel_serves(*qkv(64), 8, None, None)  # chunked attention (Llama 4)
     assert not _kernel_serves(*qkv(64), None, 50.0, None)  # soft-capping
     assert not _kernel_serves(*qkv(64), None, None, torch.zeros(4))  # attention sinks
+
+
+def test_stitched_requests_read_their_private_blocks_through_the_kernel(llama, tokenizer) -> None:
+    """A stitched prompt's repaired KV is adopted into private blocks; its suffix prefill and decodes then
+    read them through the kernel and get the SDPA path's logits."""
+    from conftest import rag_prompts
+
+    from kvb_cache import StitchConfig
+
+    first, second = rag_prompts(tokenizer)
+    config = EngineConfig(chunk_size=16, block_size=8, stitching=StitchConfig(), attention_backend="sdpa")
+    runs = []
+    for kernel in (None, ReferenceKernel()):
+        engine = KVBoost(llama, tokenizer, config=config)
+        engine.core.runner.kernel = kernel
+        engine.generate(first, max_new_tokens=2)  # stores the documents
+        runs.append(run_schedule(engine, [second, first[:40]], 5))
+        assert engine.cache_stats()["stitching"]["stitched_tokens"] > 0
+    assert runs[1] and len(runs[0]) == len(runs[1])
+    for got, want in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
