@@ -55,6 +55,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def measured_step(engine) -> tuple[float, int]:
+    """One ``engine.step()`` on CUDA: its seconds and its peak allocation above the memory at its start."""
+    sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    engine.step()
+    sync()
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
+
+
 def random_model_dir(src: Path, dst: Path) -> Path:
     """Save SmolLM2's config + tokenizer with seeded random weights (fp32) under ``dst``."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -302,24 +313,14 @@ def loop_kernel(path: Path) -> dict:
             while engine.core.scheduler.waiting or any(
                 r.num_computed < r.prompt_len for r in engine.core.scheduler.running
             ):
-                sync()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-                engine.step()
-                sync()
-                prefill_s.append(time.perf_counter() - start)
-                prefill_peak.append(torch.cuda.max_memory_allocated() - base)
+                seconds, peak = measured_step(engine)
+                prefill_s.append(seconds)
+                prefill_peak.append(peak)
             decode_s, decode_peak = [], []
             for _ in range(12):
-                sync()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-                engine.step()
-                sync()
-                decode_s.append(time.perf_counter() - start)
-                decode_peak.append(torch.cuda.max_memory_allocated() - base)
+                seconds, peak = measured_step(engine)
+                decode_s.append(seconds)
+                decode_peak.append(peak)
             steady = sorted(decode_s[2:])
             row[backend] = {
                 "kernel_used": engine.core.runner.kernel is not None,
@@ -422,12 +423,7 @@ def planner_loop(path: Path) -> dict:
             from kvb_planner import tensor_peak
 
             return tensor_peak(engine.step)
-        sync()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        engine.step()
-        sync()
-        return torch.cuda.max_memory_allocated() - base
+        return measured_step(engine)[1]
 
     cases = [
         (1024, 4000, 0, 0),

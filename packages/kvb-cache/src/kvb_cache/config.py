@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
+from kvb_cache.core.pool_kernel import check_backend
 from kvb_cache.errors import ConfigError
 from kvb_cache.stitch_config import StitchConfig
 
@@ -92,10 +92,7 @@ class EngineConfig:
             # Frozen: resolved once here, so every reader sees the int (and dataclasses.replace keeps it).
             size = DEFAULT_CHUNK_SIZE if self.stitching is None else STITCHING_CHUNK_SIZE
             object.__setattr__(self, "chunk_size", size)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
+        check_backend(self.attention_backend)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

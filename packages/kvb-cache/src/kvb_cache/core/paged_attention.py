@@ -201,8 +201,8 @@ def _kernel_serves(
     s_aux: torch.Tensor | None,
 ) -> bool:
     """Whether the block-table kernel computes this layer's attention: causal with an optional sliding window,
-    one head size for queries, keys and values (at most :data:`KERNEL_MAX_HEAD_DIM`), the pool's dtype. Soft-capped (Gemma 2), sink (gpt-oss) and
-    chunked (Llama 4) layers keep the gather + SDPA path."""
+    one head size for queries, keys and values (at most :data:`KERNEL_MAX_HEAD_DIM`), the pool's dtype.
+    Soft-capped (Gemma 2), sink (gpt-oss) and chunked (Llama 4) layers keep the gather + SDPA path."""
     return (
         chunk is None
         and softcap is None

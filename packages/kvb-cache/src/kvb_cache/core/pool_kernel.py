@@ -56,6 +56,14 @@ class PoolKernel(Protocol):
     ) -> torch.Tensor: ...
 
 
+def check_backend(backend: object) -> None:
+    """Raises :class:`ConfigError` unless ``backend`` is one of :data:`ATTENTION_BACKENDS`."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}"
+        )
+
+
 def pages(pool: torch.Tensor, block_size: int) -> torch.Tensor:
     """One layer's pool ``[KVH, num_blocks * block_size, D]`` as ``[num_blocks, KVH, block_size, D]`` (a view)."""
     kv_heads, slots, dim = pool.shape
@@ -74,10 +82,10 @@ def _kvb_kernels(device: torch.device, dtype: torch.dtype) -> tuple[PoolKernel |
         from kvb_kernels.backend import device_supported, dtype_supported
     except ImportError:
         return None, f"kvb-kernels is not installed ({INSTALL_HINT})"
-    if device.type != "cuda" and not device_supported(device):
-        return None, f"kvb-kernels' Triton kernels run on CUDA, not on {device}"
     if not device_supported(device):
-        return None, f"Triton is not installed ({INSTALL_HINT})"
+        if device.type == "cuda":
+            return None, f"Triton is not installed ({INSTALL_HINT})"
+        return None, f"kvb-kernels' Triton kernels run on CUDA, not on {device}"
     if not dtype_supported(dtype, device):
         return None, f"kvb-kernels does not serve {dtype} on {device.type}"
 
@@ -94,10 +102,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> P
     Raises:
         ConfigError: ``backend`` is unknown, or ``"kvb_kernels"`` was asked for and cannot run here.
     """
-    if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(
-            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}"
-        )
+    check_backend(backend)
     if backend == "sdpa":
         return None
     if backend == "auto" and (device.type != "cuda" or dtype not in AUTO_DTYPES):
