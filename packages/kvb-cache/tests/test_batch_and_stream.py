@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_model, words
 
-from kvb_cache import ContextLengthError, EngineConfig, InvalidRequestError, KVBoost, SamplingParams
+from kvb_cache import (
+    ContextLengthError,
+    EngineConfig,
+    InvalidRequestError,
+    KVBoost,
+    PromptTypeError,
+    SamplingParams,
+)
 
 
 def test_batch_rows_equal_single_greedy(tokenizer):
@@ -118,6 +126,81 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(llama, tokenizer):
     after = engine.generate(prompt, max_new_tokens=10, ignore_eos=True)
     assert after.cached_tokens == len(tokenizer(prompt)["input_ids"]) - 1
     assert after.output_ids == reference.output_ids
+
+
+@pytest.mark.parametrize("how", ["close", "with", "drop"])
+def test_a_stream_closed_before_its_first_event_aborts_its_request(llama, tokenizer, how):
+    # A generator's finally never runs when it has not started: the request kept its blocks, was decoded to
+    # the end by the next library call, and reset_cache() refused meanwhile (CacheBusyError).
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    if how == "close":
+        engine.stream(words(30), max_new_tokens=40, ignore_eos=True).close()
+    elif how == "with":
+        with engine.stream(words(30), max_new_tokens=40, ignore_eos=True):
+            pass
+    else:
+        stream = engine.stream(words(30), max_new_tokens=40, ignore_eos=True)
+        del stream
+    assert not engine.has_unfinished()
+    assert engine.paged_stats().running == 0
+    engine.reset_cache()
+    after = engine.generate(words(20, seed=3), max_new_tokens=3, ignore_eos=True)
+    assert engine.paged_stats().steps <= 4  # nothing else was decoded beside it
+    assert len(after.output_ids) == 3
+
+
+def test_a_closed_stream_is_exhausted_and_a_finished_one_closes_quietly(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    stream = engine.stream(words(30), max_new_tokens=6, ignore_eos=True)
+    first = next(stream)
+    stream.close()
+    assert list(stream) == [] and not engine.has_unfinished()
+    with engine.stream(words(30), max_new_tokens=6, ignore_eos=True) as whole:
+        events = list(whole)
+    assert events[0].token_ids == first.token_ids and events[-1].result is not None
+    assert events[-1].result.cached_tokens > 0  # the aborted request's prompt stayed cached
+
+
+def test_auto_request_ids_skip_one_a_caller_chose(llama, tokenizer):
+    # The engine's own ids are req-0, req-1, ...: a caller's "req-1" made a later generate() fail with
+    # "request_id 'req-1' is already in use", although it passed no id.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    engine.add_request(words(10), SamplingParams(max_new_tokens=30, ignore_eos=True), request_id="req-1")
+    for _ in range(3):
+        assert len(engine.generate(words(8, seed=2), max_new_tokens=2, ignore_eos=True).output_ids) == 2
+    assert engine.has_unfinished() and engine.abort("req-1")
+    with pytest.raises(PromptTypeError, match="request_id must be a str"):
+        engine.add_request("hi", SamplingParams(max_new_tokens=2), request_id=5)
+
+
+def test_generate_names_an_unknown_option(llama, tokenizer):
+    # generate() raised Python's bare TypeError where stream() and generate_batch() name the valid options.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    with pytest.raises(InvalidRequestError, match=r"max_tokens.*max_new_tokens") as err:
+        engine.generate("w1 w2", max_tokens=5)
+    assert err.value.param == "max_tokens"
+    assert not engine.has_unfinished()
+
+
+def test_logits_and_warm_take_a_prompt_of_exactly_the_context(llama, tokenizer):
+    # They generate nothing, so the prompt alone must fit; they refused it, blaming "max_new_tokens (1)".
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8))
+    ids = tokenizer(words(200))["input_ids"][: engine.context_length]
+    assert len(ids) == 128
+    cold = llama(torch.tensor([ids])).logits[0, -1]
+    assert (engine.next_token_logits(ids).logits - cold).abs().max() <= 1e-5
+    engine.clear_cache()
+    warmed = engine.warm(ids)
+    assert warmed.tokens == 128 and warmed.new_chunks == 8
+    hit = engine.next_token_logits(ids)
+    assert hit.cached_tokens > 0 and (hit.logits - cold).abs().max() <= 1e-5
+    for call in (engine.next_token_logits, engine.warm):
+        with pytest.raises(ContextLengthError) as err:
+            call([*ids, 5])
+        assert "max_new_tokens" not in str(err.value) and "129 tokens" in str(err.value)
+    # Generation still counts its new tokens: the prompt and max_new_tokens share the context.
+    with pytest.raises(ContextLengthError, match=r"max_new_tokens \(1\)"):
+        engine.generate(ids, max_new_tokens=1)
 
 
 def test_two_interleaved_streams(llama, tokenizer):

@@ -219,6 +219,52 @@ def test_logprobs(engine):
         assert step.top[0][0] == token  # greedy picks the most likely token
 
 
+def _stop_cases(text: str, words_out: list[str]):
+    """Stop strings cutting the output inside token ``k`` or exactly at its start (whose text is " w.."),
+    each found first where intended; yields ``(stop, k, tokens left, tokens left with the stop kept)``."""
+    for k in range(2, len(words_out) - 2):
+        start = len(" ".join(words_out[:k]))  # where token k's text (" wN") begins
+        inside = words_out[k][1:] + " " + words_out[k + 1]  # from the second character of token k's word
+        at = " " + words_out[k] + " " + words_out[k + 1]
+        if text.find(inside) == start + 2 and text.find(at) == start:
+            yield inside, k, k + 1, k + 2
+            yield at, k, k, k + 2
+            return
+    pytest.skip("no stop string occurs only once in this output")
+
+
+@pytest.mark.parametrize("path", ["loop", "solo"])
+def test_logprobs_leave_out_the_tokens_of_a_cut_stop_string(engine, path):
+    # OpenAI's logprobs cover the returned text: the tokens of a stop string cut from it were listed (so the
+    # server's text_offset pointed past the text, and the tokens' bytes spelt the stop string).
+    extra = {"kv_cache_bits": 8} if path == "solo" else {}  # a private quantized cache runs generation.py
+    full = engine.generate(PROMPT, max_new_tokens=10, logprobs=0, ignore_eos=True, **extra)
+    words_out = full.output_text.split(" ")
+    assert len(words_out) == 10
+    for stop, k, kept, kept_with_stop in _stop_cases(full.output_text, words_out):
+        cut = engine.generate(PROMPT, max_new_tokens=10, logprobs=0, ignore_eos=True, stop=stop, **extra)
+        assert (
+            cut.finish_reason == "stop" and cut.output_text == full.output_text[: full.output_text.find(stop)]
+        )
+        assert cut.output_ids == full.output_ids[: k + 2]  # generation ran until the stop string completed
+        assert [lp.token_id for lp in cut.logprobs] == full.output_ids[:kept]
+        events = list(
+            engine.stream(PROMPT, max_new_tokens=10, logprobs=0, ignore_eos=True, stop=stop, **extra)
+        )
+        assert [lp for e in events for lp in e.logprobs] == list(cut.logprobs)
+        assert [t for e in events for t in e.token_ids] == cut.output_ids
+        kept_stop = engine.generate(
+            PROMPT,
+            max_new_tokens=10,
+            logprobs=0,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=True,
+            **extra,
+        )
+        assert [lp.token_id for lp in kept_stop.logprobs] == full.output_ids[:kept_with_stop]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -305,3 +351,15 @@ def test_choose_refuses_nan_logits():
         assert (
             processor.choose(torch.tensor([1, 2]), torch.zeros(16).index_fill(0, torch.tensor([5]), 1.0)) == 5
         )
+
+
+def test_sampling_params_take_lists_as_generate_does():
+    # SamplingParams(stop=["\n"]) was refused ("must be a tuple") though generate(stop=[...]) takes a list.
+    params = SamplingParams(stop=["\n", "END"], stop_token_ids=[2, 7])
+    assert params.stop == ("\n", "END") and params.stop_token_ids == (2, 7)
+    assert params == SamplingParams.build(stop=["\n", "END"], stop_token_ids=[2, 7])
+    hash(params.stop)
+    with pytest.raises(InvalidRequestError, match="stop"):
+        SamplingParams(stop=["ok", ""])
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])

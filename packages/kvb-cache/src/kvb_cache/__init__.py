@@ -17,6 +17,7 @@ from kvb_cache.errors import (
     PromptTypeError,
     UnsupportedModelError,
 )
+from kvb_cache.loops import RequestStream
 from kvb_cache.paged_engine import CPUPagedEngine
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
@@ -43,6 +44,7 @@ __all__ = [
     "RecomputeStrategy",
     "RequestId",
     "RequestOutput",
+    "RequestStream",
     "SamplingParams",
     "SpeculativeDecoder",
     "StitchConfig",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -43,6 +44,9 @@ class Emitter:
     sent: int = 0
     finish: FinishReason | None = None
     stop_reason: str | int | None = None
+    #: Offset in ``text`` where each generated token's text begins (non-decreasing: text is cut only at the end).
+    starts: list[int] = field(default_factory=list)
+    cut: bool = False  # a stop string ended generation and was cut from the text
 
     @classmethod
     def build(
@@ -66,6 +70,7 @@ class Emitter:
 
     def push(self, token: int, produced: int) -> str:
         """Account for one generated token; return the text now safe to stream."""
+        self.starts.append(len(self.text))
         if token in self.stop_ids or token in self.eos:
             if self.include_stop:
                 self.text += self.detok.push(token)
@@ -96,7 +101,19 @@ class Emitter:
             return self._stopped(match)
         return self._finish(reason, len(self.text))
 
+    def covered(self) -> int:
+        """How many generated tokens the text streamed so far covers: whose logprobs may be released.
+
+        Every token once finished, except the tokens of a stop string cut from the text (a token whose text
+        only begins before the cut stays). While a stop string may still match, tokens whose text is held back
+        wait with it; so the logprobs' tokens spell the returned text, as on OpenAI.
+        """
+        if not self.stops.stops or (self.finish is not None and not self.cut):
+            return len(self.starts)
+        return bisect_left(self.starts, len(self.text) if self.finish is not None else self.sent)
+
     def _stopped(self, match: StopMatch) -> str:
+        self.cut = True
         self.stop_reason = match.stop
         return self._finish("stop", match.index + (len(match.stop) if self.include_stop else 0))
 

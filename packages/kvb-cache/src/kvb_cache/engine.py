@@ -374,9 +374,12 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             # NOTE: every path is held to the pool (speculative and kv_cache_bits requests decode outside it),
             # so that context_length, which the server reports and sizes default max_tokens by, is one limit.
             raise ContextLengthError(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) needs more KV blocks than "
+                f"prompt ({prompt_tokens} tokens)"
+                + (f" + max_new_tokens ({max_new_tokens})" if max_new_tokens else "")
+                + " needs more KV blocks than "
                 f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} = {pool} tokens); raise "
-                "num_blocks or max_cache_bytes, or shorten the prompt / lower max_new_tokens",
+                "num_blocks or max_cache_bytes, or shorten the prompt"
+                + (" / lower max_new_tokens" if max_new_tokens else ""),
                 prompt_tokens=prompt_tokens,
                 max_new_tokens=max_new_tokens,
                 context_length=pool,

@@ -38,6 +38,7 @@ def run(
     processor = RequestProcessor(params, prompt_len=n, device=device, eos=emitter.stop_tokens)
     out: list[int] = []
     streamed = 0  # tokens of ``out`` already carried by an event
+    logprobs_sent = 0  # entries of ``logprobs`` already carried by an event
     logprobs: list[TokenLogprob] = []
     ttft_ms = 0.0
     stored = False
@@ -75,13 +76,15 @@ def run(
                     ttft_ms = (time.perf_counter() - t0) * 1e3
                 delta = emitter.push(token, len(out))
                 if delta or emitter.finish or params.logprobs is not None:
-                    # Tokens whose text was held back ride on this event (each event covers its tokens).
+                    # Tokens whose text was held back ride on this event (each event covers its tokens); their
+                    # logprobs wait with their text (a stop string's are never sent).
+                    covered = emitter.covered() if logprobs else 0
                     yield StreamEvent(
                         delta_text=delta,
                         token_ids=tuple(out[streamed:]),
-                        logprobs=tuple(logprobs[-1:]) if logprobs else (),
+                        logprobs=tuple(logprobs[logprobs_sent:covered]),
                     )
-                    streamed = len(out)
+                    streamed, logprobs_sent = len(out), max(logprobs_sent, covered)
                 if emitter.finish:
                     break
                 if tokens is None:
@@ -115,7 +118,7 @@ def run(
         total_ms=(time.perf_counter() - t0) * 1e3,
         finish_reason=emitter.finish or "length",
         chunks=prepared.chunks,
-        logprobs=tuple(logprobs) if params.logprobs is not None else None,
+        logprobs=tuple(logprobs[: emitter.covered()]) if params.logprobs is not None else None,
         stop_reason=emitter.stop_reason,
     )
     engine.record_request(result)

@@ -9,7 +9,7 @@ when it has time to spare (between a batch of requests and the next).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.idle import IDLE_SLICE_TOKENS, IdleKey
@@ -30,7 +30,7 @@ class IdleWork:
     core: EngineCore
     kv: KVCacheManager
     config: EngineConfig
-    _ids: Iterator[int]  # the engine's request-id counter
+    _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
 
     def has_idle_work(self) -> bool:
         """Whether the engine has prompts to compute while no request is unfinished
@@ -74,7 +74,7 @@ class IdleWork:
         chunks are stored once it is computed, :meth:`~kvb_cache.transfers.CacheTransfers._store_prompt_chunks`)."""
         root, ids = key
         chunk = min(self.config.prefill_chunk_size or IDLE_SLICE_TOKENS, IDLE_SLICE_TOKENS)
-        rid = RequestId(f"kvb-idle-{next(self._ids)}")
+        rid = self._fresh_id("kvb-idle")
         req = new_request(
             self,  # type: ignore[arg-type]
             rid,

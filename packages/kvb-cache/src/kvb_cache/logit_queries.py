@@ -9,9 +9,8 @@ forwards that neither read nor write the cache (:mod:`kvb_cache.scoring`).
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvb_cache import scoring
@@ -40,7 +39,7 @@ class LogitQueries:
     config: EngineConfig
     model: PreTrainedModel
     device: torch.device
-    _ids: itertools.count[int]
+    _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
 
     def next_token_logits(self, prompt: Prompt, *, cache_salt: str | None = None) -> NextTokenLogits:
         """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached
@@ -51,10 +50,11 @@ class LogitQueries:
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
         # NOTE: this request skips add_request's checks; a prompt larger than the pool was admitted slice by
-        # slice and preempted itself forever (the call never returned).
-        self._check_context(len(ids), 1)
+        # slice and preempted itself forever (the call never returned). The prompt alone must fit: the token
+        # sampled after it is never computed (a prompt of exactly the context is scored, as by a forward).
+        self._check_context(len(ids), 0)
         t0 = time.perf_counter()
-        rid = RequestId(f"logits-{next(self._ids)}")
+        rid = self._fresh_id("logits")
         req = new_request(self, rid, ids, SamplingParams(max_new_tokens=1), t0, root=root)
         req.capture_logits = True
         if self.config.stitching is not None:

@@ -87,7 +87,14 @@ class LoopAPI:
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
         self._check_context(len(ids), params.max_new_tokens)
-        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        if request_id is None:
+            rid = self._fresh_id("req")
+        elif isinstance(request_id, str):
+            rid = RequestId(request_id)
+        else:  # an int id was kept as is, and abort("5") then missed it
+            raise PromptTypeError(
+                f"request_id must be a str, got {type(request_id).__name__}", param="request_id"
+            )
         if self.core.knows(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
         check_token_ids(params, self._logits_width)
@@ -130,6 +137,13 @@ class LoopAPI:
         else:
             self._queue_stitched(req)
         return rid
+
+    def _fresh_id(self, prefix: str) -> RequestId:
+        """``<prefix>-<n>`` that no unfinished request holds (a caller may have picked ``req-3`` itself)."""
+        while True:
+            rid = RequestId(f"{prefix}-{next(self._ids)}")
+            if not self.core.knows(rid):
+                return rid
 
     def _queue_stitched(self, req: Request) -> None:
         """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
@@ -189,7 +203,9 @@ class LoopAPI:
             queued_ms=req.queued_ms,
             finish_reason=req.emitter.finish or "length",
             chunks=chunks,
-            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
+            logprobs=tuple(req.logprobs[: req.emitter.covered()])
+            if req.params.logprobs is not None
+            else None,
             stop_reason=req.emitter.stop_reason,
             grammar_error=req.grammar.error if req.grammar is not None else None,
         )

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.errors import InvalidRequestError
+from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
@@ -34,12 +35,14 @@ class EngineLoops:
     _mailbox: dict[RequestId, deque[RequestOutput]]
     _followed: set[RequestId]
     _unfollowed: list[RequestOutput]
+    _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
 
-    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamEvent]:
+    def stream(self, prompt: Prompt, **sampling: Any) -> RequestStream:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
 
         Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
-        the iterator early aborts the request (its computed KV stays cached).
+        the iterator early (``close()``, leaving a ``with`` block, or dropping it), even before its first
+        event, aborts the request (its computed KV stays cached).
         """
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
@@ -52,7 +55,7 @@ class EngineLoops:
             cache_salt=cache_salt,
         )
         self._followed.add(rid)
-        return self._follow(rid)
+        return RequestStream(self, rid)
 
     def take_unfollowed_outputs(self) -> list[RequestOutput]:
         """Outputs that library loops stepped past for requests none of them follows, in step order.
@@ -80,10 +83,14 @@ class EngineLoops:
                     result=out.result,
                 )
         finally:
-            self._mailbox.pop(rid, None)
-            self._followed.discard(rid)
-            if not done:
-                self.abort(rid)
+            self._unfollow(rid, finished=done)
+
+    def _unfollow(self, rid: RequestId, *, finished: bool) -> None:
+        """Forget a library loop's request; abort it unless it finished."""
+        self._mailbox.pop(rid, None)
+        self._followed.discard(rid)
+        if not finished:
+            self.abort(rid)
 
     def _next_output(self, rid: RequestId) -> RequestOutput:
         """The next output of a request followed by a library loop, stepping the engine as needed.
@@ -126,6 +133,7 @@ class EngineLoops:
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
+        **unknown: Any,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
 
@@ -160,6 +168,9 @@ class EngineLoops:
             skip_special_tokens=skip_special_tokens,
             response_format=response_format,
             logit_bias=logit_bias,
+            # NOTE: a misspelt option raises the InvalidRequestError naming the valid ones, as stream() and
+            # generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
+            **unknown,
         )
         rid = self.add_request(
             prompt,
@@ -241,10 +252,7 @@ class EngineLoops:
                         results[rid] = out.result
         finally:
             for rid in rids:
-                self._mailbox.pop(rid, None)
-                self._followed.discard(rid)
-                if rid not in results:
-                    self.abort(rid)
+                self._unfollow(rid, finished=rid in results)
         return [results[rid] for rid in rids]
 
     def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
@@ -255,9 +263,23 @@ class EngineLoops:
         ids = self._tokenize(text)
         probe = probe_request(ids, root=root)
         already = self.kv.cached_prefix_len(probe, len(ids)) if self.kv.caching else 0
-        # One generated token makes the loop compute every prompt token (the sampled one is discarded).
-        request = self.add_request(ids, SamplingParams(max_new_tokens=1), cache_salt=cache_salt)
-        self._run_to_end([request])
+        # NOTE: the prompt alone must fit (a prompt of exactly the context is warmed): add_request would count
+        # the one generated token against the context. That token only makes the loop compute every prompt
+        # token; it is discarded and its KV never computed. The prompt is computed exactly, never stitched:
+        # what warm stores must be an exact prefix hit for the prompts that start with it.
+        self._check_context(len(ids), 0)
+        rid = self._fresh_id("warm")
+        request = new_request(
+            self,  # type: ignore[arg-type]
+            rid,
+            ids,
+            SamplingParams(max_new_tokens=1),
+            t0,
+            prefill_chunk_size=self.config.prefill_chunk_size,
+            root=root,
+        )
+        self.core.add(request)
+        self._run_to_end([rid])
         chunks = sum(span.complete for span in self.chunker.split(ids))
         done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
         return WarmResult(
@@ -267,3 +289,44 @@ class EngineLoops:
             already_cached_tokens=already,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
         )
+
+
+class RequestStream(Iterator[StreamEvent]):
+    """What :meth:`EngineLoops.stream` returns: the request's :class:`StreamEvent` s, in order.
+
+    ``close()`` (also at the end of a ``with`` block, or when the stream is dropped) aborts the request
+    unless it finished. A plain generator cannot do that before its first ``next()``: Python never runs
+    the ``finally`` of a generator that has not started, so a stream opened and closed unread kept its
+    request running, decoded by the next loop and holding pool blocks (``reset_cache`` refused meanwhile).
+    """
+
+    def __init__(self, loops: EngineLoops, request_id: RequestId) -> None:
+        self.request_id = request_id
+        self._loops: EngineLoops | None = loops
+        self._events = loops._follow(request_id)
+        self._started = False
+
+    def __next__(self) -> StreamEvent:
+        if self._loops is None:
+            raise StopIteration
+        self._started = True
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stop following the request; an unfinished one is aborted."""
+        loops, self._loops = self._loops, None
+        if loops is None:
+            return
+        if self._started:
+            self._events.close()  # runs _follow's finally (which knows whether the request finished)
+        else:
+            loops._unfollow(self.request_id, finished=False)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

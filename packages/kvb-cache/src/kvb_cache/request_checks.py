@@ -76,9 +76,12 @@ def check_context(
             fix = f"shorten the prompt to at most {limit - max_new_tokens} tokens (prompt and new tokens share the context)"
         else:
             fix = f"shorten the prompt below {limit} tokens and lower max_new_tokens (they share the context)"
+        asked = f"prompt ({prompt_tokens} tokens)" + (
+            f" + max_new_tokens ({max_new_tokens})" if max_new_tokens else ""
+        )
         raise ContextLengthError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-            f"of {limit} tokens; {fix}" + (f" ({reason})" if reason else ""),
+            f"{asked} exceeds the model's context of {limit} tokens; {fix}"
+            + (f" ({reason})" if reason else ""),
             prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens,
             context_length=limit,

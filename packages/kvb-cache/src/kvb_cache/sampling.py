@@ -112,12 +112,16 @@ class SamplingParams:
         for param in ("presence_penalty", "frequency_penalty"):
             if not -2 <= number(param) <= 2:
                 raise bad(param, "must be in [-2, 2]")
+        # Lists are what generate() and the server take; the frozen params keep a hashable tuple.
+        for param in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, param), list):
+                object.__setattr__(self, param, tuple(getattr(self, param)))
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a tuple of non-empty strings")
+            raise bad("stop", "must be a list or tuple of non-empty strings")
         if not isinstance(self.stop_token_ids, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise bad("stop_token_ids", "must be a tuple of token ids >= 0")
+            raise bad("stop_token_ids", "must be a list or tuple of token ids >= 0")
         for flag in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")

@@ -45,7 +45,7 @@ from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.emitter import TokenTexts, token_logprob
-from kvb_cache.results import GenerationResult, StreamEvent
+from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,11 @@ class EngineCore:
             result = self.build_result(req)
         elif not delta and params.logprobs is None:
             return None
-        logprobs = tuple(req.logprobs[-1:]) if params.logprobs is not None else ()
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if params.logprobs is not None:
+            covered = req.emitter.covered()
+            logprobs = tuple(req.logprobs[req.logprobs_sent : covered])
+            req.logprobs_sent = max(req.logprobs_sent, covered)
         token_ids = tuple(req.tokens[req.prompt_len + req.streamed :])
         req.streamed += len(token_ids)
         return RequestOutput(

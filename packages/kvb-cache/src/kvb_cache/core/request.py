@@ -64,6 +64,7 @@ class Request:
     partial_tokens: int = 0
     exact_blocks: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0  # entries of ``logprobs`` already carried by an output (Emitter.covered)
     #: Output tokens already carried by a RequestOutput (tokens whose text is held back ride on the next).
     streamed: int = 0
     ttft_ms: float = 0.0

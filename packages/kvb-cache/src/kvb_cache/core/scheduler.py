@@ -65,11 +65,13 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
-        if not self.kv.can_fit(req.prompt_len + req.params.max_new_tokens):
+        # The last sampled token is never fed back, so its KV is never computed.
+        needed = req.prompt_len + req.params.max_new_tokens - 1
+        if not self.kv.can_fit(needed):
             # Callers check this (ContextLengthError); one that did not would loop forever, the request
             # preempting itself for want of blocks no one else holds. Fail loudly instead.
             raise ValueError(
-                f"request {req.request_id} needs {req.prompt_len + req.params.max_new_tokens} tokens of KV, "
+                f"request {req.request_id} needs {needed} tokens of KV, "
                 f"more than the pool's {self.kv.pool.num_blocks} blocks hold"
             )
         self.waiting.append(req)
