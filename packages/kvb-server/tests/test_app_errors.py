@@ -13,6 +13,8 @@ from conftest import serve
 from fakes import FakeEngine
 
 from kvb_server import AdmissionDecision, AdmissionRequest, ServerConfig, create_app
+from kvb_server.schemas.generation_requests import ChatMessage
+from kvb_server.tool_calls.history import check_tool_history
 
 MODEL = "fake-model"
 
@@ -348,6 +350,109 @@ def test_a_message_without_content_is_a_400_naming_it(url: str, messages: list[d
     body = {"model": MODEL, "messages": messages, "max_tokens": 2}
     err = assert_openai_error(post(url, "/v1/chat/completions", body), 400, param=f"messages[{at}].content")
     assert f"Missing required parameter: 'messages[{at}].content'" in err["message"]
+
+
+def _call(call_id: str | None) -> dict:
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    return call if call_id is None else {"id": call_id, **call}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "words"),
+    [
+        # a tool result no call asked for
+        (
+            [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "x"}],
+            "messages[1].role",
+            "must be a response to a preceding message with 'tool_calls'",
+        ),
+        # a result answering another id than the call's
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [_call("c1")]},
+                {"role": "tool", "tool_call_id": "c2", "content": "x"},
+            ],
+            "messages[2].tool_call_id",
+            "'c2' not found in 'tool_calls' of messages[1]",
+        ),
+        # a call never answered before the conversation goes on, or at its end
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [_call("c1"), _call("c2")]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                {"role": "user", "content": "and?"},
+            ],
+            "messages[1].tool_calls",
+            "did not have response messages: c2",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [_call("c1")]}],
+            "messages[1].tool_calls",
+            "did not have response messages: c1",
+        ),
+        # a tool message after a plain assistant turn (its calls were answered two turns back)
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [_call("c1")]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                {"role": "assistant", "content": "done"},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+            ],
+            "messages[4].role",
+            "must be a response",
+        ),
+    ],
+)
+def test_unpaired_tool_history_is_a_400_naming_the_message(
+    url: str, messages: list[dict], param: str, words: str
+) -> None:
+    """OpenAI refuses a history whose tool calls and tool messages do not pair up; it was rendered as sent
+    (the model read results of calls it never made, or calls without results)."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), 400, param=param)
+    assert words in err["message"]
+
+
+def test_paired_tool_histories_are_served(url: str) -> None:
+    # Calls without ids (some open-model clients) cannot be matched: not checked.
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [_call(None)]},
+        {"role": "tool", "tool_call_id": "anything", "content": "1"},
+    ]
+    resp = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    # Two calls answered in another order, then the conversation goes on (no context here: checked alone).
+    answered = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [_call("c1"), _call("c2")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": "both done"},
+        {"role": "user", "content": "thanks"},
+    ]
+    check_tool_history([ChatMessage.model_validate(m) for m in answered])
+
+
+def test_an_empty_list_of_content_parts_is_a_400(url: str) -> None:
+    # OpenAI: content must be a string or a non-empty array; [] was served as an empty turn.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": []}], "max_tokens": 2}
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), 400)
+    assert "messages[0].content" in err["param"]
+
+
+@pytest.mark.parametrize("schema", [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}])
+def test_tool_parameters_must_be_an_object_schema(url: str, schema: dict) -> None:
+    # OpenAI refuses them; accepted, an array schema made the call's arguments "[1,2,3]".
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 2}
+    err = assert_openai_error(
+        post(url, "/v1/chat/completions", body), 400, param="tools[0].function.parameters"
+    )
+    assert "type 'object'" in err["message"]
 
 
 def test_an_assistant_turn_with_tool_calls_may_leave_content_out(url: str) -> None:

@@ -132,7 +132,18 @@ def test_a_special_token_marker_is_generated_and_parsed(mistral_url: str) -> Non
     ]
     again = client.chat.completions.create(messages=history, **kwargs)
     assert again.choices[0].message.tool_calls
-    bad = [*history[:2], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    # A paired history whose id is not 9 characters: the template's refusal.
+    bad_call = {**calls[0].model_dump(), "id": "call_1"}
+    bad = [
+        *HISTORY[:1],
+        {"role": "assistant", "content": None, "tool_calls": [bad_call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(messages=bad, **kwargs)
     assert info.value.param == "messages" and "9 long" in str(info.value)
+    # An id answering no call is refused before the template is asked (OpenAI's check).
+    unpaired = [*history[:2], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=unpaired, **kwargs)
+    assert info.value.param == "messages[2].tool_call_id" and "not found" in str(info.value)

@@ -85,6 +85,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny_url: st
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
     counts = [c["usage"]["completion_tokens"] for c in body]
     assert counts == sorted(counts) and counts[-1] == 8
+    if route == "chat/completions":  # the role chunk comes before any token (it said 1)
+        assert body[0]["choices"][0]["delta"].get("role") == "assistant" and counts[0] == 0
     assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in body)
     # Without it, chunks keep usage null (include_usage alone: only the last chunk has it).
     plain = _stream(

@@ -153,7 +153,10 @@ class OpenStream:
                 text, logprobs = event.delta_text, event.logprobs
                 if tool_streams is None and plan.chat_logprobs and i not in started:
                     started.add(i)
-                    yield chunk(plan, ids, index=i, role=True, usage=counted)
+                    # The role chunk comes before this event's tokens (vLLM counts 0 there).
+                    before = generated[i] - len(event.token_ids)
+                    opening = running_usage(plan, i, before) if plan.continuous_usage else None
+                    yield chunk(plan, ids, index=i, role=True, usage=opening)
                 if thinking is not None:
                     thought, text = thinking[i].feed(text, final=event.result is not None)
                     if thought and show_thinking:

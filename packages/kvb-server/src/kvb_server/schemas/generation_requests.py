@@ -143,7 +143,7 @@ class ChatMessage(BaseModel):
         Literal["system", "developer", "user", "assistant", "tool", "function"],
         only({"enum": ["system", "developer", "user", "assistant", "tool"]}, "function messages"),
     ]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     #: An assistant turn's refusal (OpenAI's models send it instead of content), rendered as its text.
     refusal: str | None = None
     name: str | None = None

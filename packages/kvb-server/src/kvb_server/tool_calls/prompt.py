@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from kvb_server.errors import InvalidParameterError
+from kvb_server.tool_calls.history import check_tool_history
 from kvb_server.tool_calls.spec import ToolPlan
 from kvb_server.tool_calls.syntax import ToolSyntax
 
@@ -190,6 +191,7 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
             message.update(_reasoning(msg, where))
         out.append(message)
     flush_results()
+    check_tool_history(messages)  # after each message's own fields were checked (those errors name them)
     if plan is not None and not syntax.native:
         prompt = tools_system_prompt(plan)
         if out and out[0]["role"] == "system":

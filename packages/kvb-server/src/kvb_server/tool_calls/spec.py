@@ -115,6 +115,17 @@ def parse_tools(raw: list[Any] | None) -> tuple[Tool, ...]:
                 f"Invalid value for '{where}.function.parameters': expected a JSON schema object.",
                 f"{where}.function.parameters",
             )
+        kind = parameters.get("type", "object")
+        if kind != "object":
+            # A call's arguments are named parameters: an object. OpenAI refuses other schemas; accepted, an
+            # array schema made arguments "[1,2,3]", which the SDK's parsed arguments and agents cannot use.
+            raise _bad(
+                f"Invalid schema for function {name!r}: '{where}.function.parameters' must be a JSON schema of "
+                f"type 'object', got type {kind!r}.",
+                f"{where}.function.parameters",
+            )
+        if "type" not in parameters:  # e.g. {"properties": {...}}: constrained to an object all the same
+            parameters = {"type": "object", **parameters}
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad(f"Invalid value for '{where}.function.strict': expected a boolean.", where)
