@@ -167,6 +167,60 @@ def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
     assert path.exists()
 
 
+def test_a_chain_of_corrupt_records_heals_in_one_recompute(tmp_path):
+    # The fetch stopped at the first bad record and the recompute's write-behind skipped keys the tier held:
+    # the bad records further down were never replaced (each request healed one, reuse grew a chunk a time).
+    entries = chain(4)
+    store = tiered(tmp_path)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    for e in entries:
+        store.lower[0].tier._path(e.key).write_bytes(b"garbage")
+    fresh = tiered(tmp_path)
+    assert fresh.prefetch([e.key for e in entries]) == 0
+    for e in entries:  # the request recomputes the chain and stores it
+        fresh.put(e, root=ROOT)
+    fresh.flush()
+    stats = fresh.lower[0].tier.stats()
+    # One record read and refused; the three behind it were fetched, dropped unread: misses, not hits.
+    assert (stats.hits, stats.corrupt, stats.misses, stats.hit_rate) == (1, 1, 3, 0.0)
+    again = tiered(tmp_path)
+    assert again.prefetch([e.key for e in entries]) == 4
+
+
+def test_an_unwritable_folder_warns_once_at_start_and_reads_go_on(tmp_path, monkeypatch, caplog):
+    # Only a full or read-only file system paused stores: a folder this process may not write (EACCES,
+    # EPERM) logged a warning per block of every request, and nothing was said at start-up.
+    import errno
+    import logging
+    from pathlib import Path
+
+    [kept, new] = chain(2)
+    DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20).put(kept.key, record(kept))
+
+    def refuse(self, data):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", refuse)
+    with caplog.at_level(logging.WARNING, logger="kvb_cache.tiers.disk"):
+        disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+        assert len(caplog.records) == 1 and "cannot store records" in caplog.text
+        for _ in range(5):
+            assert disk.put(new.key, record(new)) is False
+        assert disk.get(kept.key) is not None  # a read-only folder of records is still served
+    assert len(caplog.records) == 1
+    assert (disk.stats().errors, disk.stats().dropped) == (1, 5)
+
+
+def test_disk_cache_dir_expands_the_home_folder(tmp_path, monkeypatch):
+    # "~/.cache/kvb" (the README's example) made a folder named "~" in the working directory.
+    from kvb_cache.tiers import TierConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert TierConfig(disk_cache_dir="~/kvb").disk_cache_dir == str(tmp_path / "kvb")
+
+
 def test_ram_eviction_demotes_what_the_disk_lacks(tmp_path):
     first, others = chain(1, tag=0)[0], chain(2, tag=1)
     store = tiered(tmp_path, ram_bytes=2 * first.nbytes)
@@ -264,7 +318,8 @@ def test_a_file_in_place_of_a_folder_fails_stores_without_raising(tmp_path):
     [entry] = chain(1)
     assert disk.put(entry.key, record(entry)) is False
     assert disk.get(entry.key) is None
-    assert disk.stats().errors == 2  # the failed store and the failed read
+    # The start-up probe failed (one warning, stores paused: the store is dropped), then the failed read.
+    assert (disk.stats().errors, disk.stats().dropped) == (2, 1)
 
 
 def test_disk_cache_dir_naming_a_file_is_a_config_error(tmp_path):
@@ -365,7 +420,8 @@ def test_prefetch_cuts_a_chain_at_a_record_of_another_kv_layout(tmp_path):
     store.flush()
     assert first.key in store and second.key not in store and third.key not in store
     assert store.lower[0].tier.stats().corrupt == 1 and not store.lower[0].tier.contains(second.key)
-    assert store.lower[0].tier.contains(third.key)  # valid, only unreachable until its parent is recomputed
+    # Behind the bad record, dropped unread: the request recomputes (and stores) the chain from there on.
+    assert not store.lower[0].tier.contains(third.key)
 
 
 def test_quantized_record_whose_kv_length_is_not_its_token_count_is_a_miss(tmp_path):

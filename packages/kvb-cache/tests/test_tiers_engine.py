@@ -61,6 +61,24 @@ def test_corrupted_disk_record_is_recomputed_with_unchanged_output(llama, tokeni
     assert b.cached_tokens == 16  # the chain was used only up to the bad record
 
 
+def test_a_chain_of_corrupt_disk_records_heals_in_one_request(llama, tokenizer, tmp_path):
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    first = engine(llama, tokenizer, tiers=tiers)
+    a = first.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    first.close()
+    files = sorted(first.tiers.lower[0].tier.directory.rglob("*.kvb"))
+    assert len(files) == 4  # 70 prompt tokens: four full blocks of 16
+    for path in files:
+        path.write_bytes(b"not a record")
+    second = engine(llama, tokenizer, tiers=tiers)
+    b = second.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    second.close()
+    assert b.cached_tokens == 0 and b.output_ids == a.output_ids
+    third = engine(llama, tokenizer, tiers=tiers)
+    c = third.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    assert c.cached_tokens == 64 and c.output_ids == a.output_ids  # it took one cached block per request
+
+
 def _drop_layer(tensors, meta):
     meta["num_layers"] = "1"
 

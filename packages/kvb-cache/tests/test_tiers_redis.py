@@ -222,6 +222,13 @@ def test_corrupted_record_in_redis_is_dropped_and_counted(redis_server):
     assert fresh.prefetch([e.key for e in entries]) == 1
     fresh.flush()
     assert fresh.lower[0].tier.stats().corrupt == 1 and client.get(name) is None
+    fresh.close()
+    # The shared counters `kvboost cache status` reads got it too (they said corrupt 0 for Redis).
+    from kvb_cache.tiers.status import redis_status
+
+    _, namespaces = redis_status(redis_server.url)
+    [shared] = [n.stats for n in namespaces if FINGERPRINT.startswith(n.namespace)]
+    assert (shared.hits, shared.corrupt, shared.hit_rate) == (2, 1, 0.5)  # two found, one refused
 
 
 def test_a_key_of_another_type_under_a_record_name_is_replaced_not_skipped(redis_server):

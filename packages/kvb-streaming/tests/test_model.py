@@ -289,3 +289,20 @@ def test_a_file_or_no_path_is_a_typed_error_about_the_folder(awq_llama_dir: Path
         StreamingCausalLM.from_pretrained(str(awq_llama_dir / "config.json"), device="cpu")
     with pytest.raises(AWQFormatError, match="must be a checkpoint folder"):
         StreamingCausalLM.from_pretrained(None, device="cpu")  # type: ignore[arg-type]
+
+
+def test_streamed_weights_are_exposed_for_cache_fingerprints(awq_llama_dir: Path) -> None:
+    """Streamed layers' weights live in host buffers, bound to their modules only while they run: the KV
+    cache's model fingerprint (kvb_cache.fingerprint, which names the disk and Redis namespaces) reads them
+    through ``kvb_extra_weights``; without it two fine-tunes differing only in streamed layers shared records."""
+    model = load(awq_llama_dir, residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
+    streamed = model.kvb_extra_weights()
+    assert {name.split(".")[1] for name, _ in streamed} == {"1", "2"}  # layers 0 and 3 are kept resident
+    assert all(t.numel() > 0 for _, t in streamed)
+    # They are not in the module tree while no layer runs (what the fingerprint saw before).
+    listed = {t.data_ptr() for t in model.buffers()} | {t.data_ptr() for t in model.parameters()}
+    assert not any(t.data_ptr() in listed for _, t in streamed)
+    # Only the payloads (the packed buffer's alignment padding is uninitialized): equal across loads.
+    again = load(awq_llama_dir, residency_mode="partial_resident", keep_first_k=1, keep_last_k=1)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(streamed, again.kvb_extra_weights()))
+    assert load(awq_llama_dir, residency_mode="full_resident").kvb_extra_weights() == []

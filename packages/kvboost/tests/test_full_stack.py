@@ -114,6 +114,36 @@ def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
     assert stats["hits"] + stats["misses"] > 0 and stats["bytes_moved"] > 0
 
 
+def test_awq_streaming_fingerprint_sees_the_streamed_layers(target, tmp_path):
+    # The streamed layers' int4 weights live in host buffers outside the module tree: the fingerprint (the
+    # disk/Redis namespace) missed them, so checkpoints differing only there shared records as exact hits.
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    def engine(folder):
+        return KVBoost.from_pretrained(
+            str(folder),
+            device="cpu",
+            chunk_size=8,
+            awq_streaming=True,
+            streaming_mode="partial_resident",
+            keep_first_k=1,
+            streaming_quant_kernel="torch",
+            streaming_simulate_on_host=True,
+        )
+
+    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    first = save_awq_checkpoint(model, tmp_path / "a", group_size=32)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.mul_(1.5)  # only the streamed (last) layer changes
+    second = save_awq_checkpoint(model, tmp_path / "b", group_size=32)
+    for folder in (first, second):
+        T.AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+    a, b, a_again = engine(first), engine(second), engine(first)
+    assert a.cache_stats()["streaming"]["streamed_layers"] == 1
+    assert a.fingerprint != b.fingerprint
+    assert a.fingerprint == a_again.fingerprint
+
+
 def test_awq_streaming_load_errors_are_model_load_errors(target, tmp_path):
     """The streamed path skipped the plain path's checks: a folder without a tokenizer (the packer writes
     none) raised transformers' ValueError after loading the whole model, a bad attn_implementation its

@@ -184,7 +184,8 @@ class EngineArgs:
         group="cache",
         parse=parse_bytes,
         cli_default="16GiB",
-        help="byte budget of the disk tier (only with --disk-cache-dir)",
+        help="byte budget of this model's records in the disk tier, kept by each process (only with "
+        "--disk-cache-dir; docs/tiers.md)",
     )
     remote_url: str | None = option(
         None,

@@ -123,9 +123,26 @@ def build_model(
         layers=bindings, n_slots=config.n_staging_slots, transfer=make_transfer(device)
     )
     _install_hooks(model, layers, scheduler)
+    # kvb_cache.fingerprint.EXTRA_WEIGHTS_ATTR: the streamed layers' weights live in host buffers, bound to
+    # their modules only while they run, so the KV cache's model fingerprint (which names the disk and Redis
+    # namespaces) would not see them: two fine-tunes differing only in streamed layers would share records.
+    model.kvb_extra_weights = partial(_streamed_weights, bindings)
     return BuiltModel(
         model=model, scheduler=scheduler, plan=plan, kernel=kernel, resident_bytes=resident_bytes
     )
+
+
+def _streamed_weights(bindings: Mapping[LayerIndex, LayerBinding]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every streamed layer's payloads (views of its packed host buffer), in layer
+    order. The views, not the buffer: its alignment padding is uninitialized memory."""
+    out = []
+    for index in sorted(bindings):
+        packed = bindings[index].packed
+        out += [
+            (f"streamed_layer.{int(index)}.{key}", packed.slices[key].view(packed.buffer))
+            for key in packed.slices
+        ]
+    return out
 
 
 def _module_names(model: nn.Module, modules: nn.ModuleList) -> list[str]:

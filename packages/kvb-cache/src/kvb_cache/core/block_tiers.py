@@ -18,7 +18,7 @@ from kvb_cache.hashing import ChunkHash
 from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
-from kvb_cache.tiers.tiered import LowerTier
+from kvb_cache.tiers.tiered import LowerTier, drop_unread
 from kvb_cache.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,12 @@ class BlockTiers:
                 if record is not None:
                     found[key] = (level, record)
         run: list[LayerKV] = []
-        for key in keys:
+        for i, key in enumerate(keys):
             hit = found.get(key)
             kv = self._load(key, *hit) if hit is not None else None
             if kv is None:
+                if hit is not None:  # invalid: the rest of the chain is recomputed and stored afresh
+                    drop_unread(found, keys[i + 1 :], self.lower, self.writer)
                 break
             run.append(kv)
         return run
@@ -126,7 +128,7 @@ class BlockTiers:
             kv = self._dense(entry)
         except RecordError as exc:
             logger.warning("dropping invalid %s record %s: %s", lower.tier.name, key.hex()[:16], exc)
-            lower.tier.counters.add("corrupt")
+            lower.tier.count("corrupt")
             self.writer.submit(lambda: lower.tier.delete(key))
             return None
         if level:

@@ -52,7 +52,8 @@ class TierStats:
 
 
 class Counters:
-    """Thread-safe monotonically increasing counters for a tier."""
+    """Thread-safe counters for a tier (``hits`` are corrected down when a fetched record goes unread,
+    :func:`~kvb_cache.tiers.tiered.drop_unread`)."""
 
     FIELDS = ("hits", "misses", "errors", "corrupt", "stores", "dropped", "evictions")
 
@@ -103,6 +104,11 @@ class RecordTier(ABC):
 
     @abstractmethod
     def stats(self) -> TierStats: ...
+
+    def count(self, field: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``field`` (a tier whose counters are shared with other processes also
+        sends it there)."""
+        self.counters.add(field, n)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections or persist counters."""

@@ -18,8 +18,12 @@ class TierConfig:
     """Lower cache tiers (both optional; RAM is always first).
 
     Attributes:
-        disk_cache_dir: folder for the disk tier (one sub-folder per model fingerprint); None disables it.
-        disk_cache_bytes: byte budget of the disk tier (records, headers included).
+        disk_cache_dir: folder for the disk tier (one sub-folder per model fingerprint; ``~`` is expanded);
+            None disables it.
+        disk_cache_bytes: byte budget of this engine's sub-folder (its model fingerprint's records, headers
+            included), kept by each process over the records it knows: several models, or several
+            processes writing one folder, can together hold more (an old model's sub-folder stays until removed;
+            ``kvboost cache status`` lists them).
         remote_url: ``redis://host:port/db`` of a shared Redis (``pip install 'kvb-cache[redis]'``).
         remote_codec: store Redis records in another codec than RAM, e.g. ``"absmax8"`` (the int8 wire codec,
             ~4x fewer bytes on the network for fp32 KV). Lossy: it becomes part of the model fingerprint,
@@ -49,6 +53,11 @@ class TierConfig:
         # A file where the folder should be failed every read and write later (each write behind logging a
         # traceback) while the engine ran without its disk tier: refuse it here, where the fix is obvious.
         directory = self.disk_cache_dir
+        if directory is not None:
+            # "~/.cache/kvb" made a folder named "~" in the working directory (and a restart elsewhere missed
+            # every record): expanded as a shell would.
+            directory = os.path.expanduser(os.fspath(directory))
+            object.__setattr__(self, "disk_cache_dir", directory)
         if directory is not None and os.path.exists(directory) and not os.path.isdir(directory):
             raise ConfigError(
                 f"disk_cache_dir {os.fspath(directory)!r} is a file; pass a folder (created if missing)"

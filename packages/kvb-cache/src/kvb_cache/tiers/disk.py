@@ -21,9 +21,10 @@ SUFFIX = ".kvb"
 STATS_FILE = "stats.json"
 # Counters are persisted (for ``kvboost cache status``) at most this often, from whichever thread writes.
 _STATS_INTERVAL_S = 5.0
-# A full (or read-only, or over-quota) file system: stores are skipped this long before the next try.
+# A full, over-quota or read-only file system, or a folder this process may not write: stores are skipped
+# this long before the next try (one warning each time, not one per block).
 _FULL_PAUSE_S = 30.0
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 # A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
 _STALE_TMP_S = 600.0
 
@@ -39,9 +40,12 @@ class DiskTier(RecordTier):
     Several processes may share a folder: a key this process has not indexed is still looked up on disk.
     Each process enforces the budget over the files it knows, so a shared folder may briefly exceed it.
 
-    A full file system (``ENOSPC``, ``EDQUOT``, ``EROFS``) pauses stores for 30 s (counted as ``errors``
+    A folder that cannot take records (a full or read-only file system, a quota, no write permission:
+    ``ENOSPC``, ``EDQUOT``, ``EROFS``, ``EACCES``, ``EPERM``) pauses stores for 30 s (counted as ``errors``
     once, then ``dropped``) with one warning, instead of failing and logging every write behind every
-    request; reads go on, and the next store after the pause tries again.
+    request; reads go on (a read-only folder of records another process wrote is served), and the next
+    store after the pause tries again. The folder is probed when the tier is built, so that warning comes
+    at start-up, not with the first request.
 
     Args:
         directory: the cache root; one sub-folder per model fingerprint.
@@ -63,6 +67,7 @@ class DiskTier(RecordTier):
         self._base: dict[str, int] = {}
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
+        self._probe()
 
     # ------------------------------------------------------------------ RecordTier
     def get(self, key: ChunkHash) -> bytes | None:
@@ -118,8 +123,7 @@ class DiskTier(RecordTier):
             if exc.errno in _FULL_ERRNOS:
                 # NOTE: one warning per pause, not one per block: a full disk would otherwise log every
                 # write behind every request. Reads go on; stores retry after the pause.
-                self._full_until = time.monotonic() + _FULL_PAUSE_S
-                logger.warning("disk tier full (%s); skipping stores for %.0f s", exc, _FULL_PAUSE_S)
+                self._pause(exc)
             else:
                 logger.warning("disk tier write failed (%s); record not stored", exc)
             return False
@@ -130,6 +134,30 @@ class DiskTier(RecordTier):
         self.counters.add("stores")
         self._maybe_persist_stats()
         return True
+
+    def _pause(self, exc: OSError) -> None:
+        self._full_until = time.monotonic() + _FULL_PAUSE_S
+        logger.warning(
+            "disk tier at %s cannot store records (%s: full, read-only or not writable by this process); "
+            "reads go on, stores skipped for %.0f s",
+            self.directory,
+            exc.strerror or exc,
+            _FULL_PAUSE_S,
+        )
+
+    def _probe(self) -> None:
+        """Create the namespace folder and write a probe file; a folder that cannot take records pauses
+        stores now, with the warning at start-up (it came with the first request)."""
+        probe = self.directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+        except OSError as exc:
+            self.counters.add("errors")
+            self._pause(exc)
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
 
     def contains(self, key: ChunkHash) -> bool:
         with self._lock:

@@ -103,7 +103,7 @@ class RedisTier(RecordTier):
         self._down_until = 0.0
         self._outage_logged = False
         # Counter deltas not yet added to the shared stats hash (flushed with the next store).
-        self._unsent = dict.fromkeys(("hits", "misses"), 0)
+        self._unsent = dict.fromkeys(("hits", "misses", "corrupt"), 0)
 
     # ------------------------------------------------------------------ RecordTier
     def get(self, key: ChunkHash) -> bytes | None:
@@ -129,6 +129,12 @@ class RedisTier(RecordTier):
             self._unsent["hits"] += hits
             self._unsent["misses"] += len(keys) - hits
         return list(found)
+
+    def count(self, field: str, n: int = 1) -> None:
+        self.counters.add(field, n)
+        with self._lock:
+            if field in self._unsent:  # corrupt records too: `kvboost cache status` showed 0 for Redis
+                self._unsent[field] += n
 
     def put(self, key: ChunkHash, record: bytes) -> bool:
         if self._is_down():
@@ -249,7 +255,7 @@ class RedisTier(RecordTier):
                 shared[k.decode(errors="replace")] = int(v)
             except ValueError:
                 continue
-        counts = {k: shared.get(k, 0) for k in ("hits", "misses", "stores")}
+        counts = {k: shared.get(k, 0) for k in ("hits", "misses", "corrupt", "stores")}
         return TierStats(name=self.name, entries=entries, bytes=size, **counts)
 
     # ------------------------------------------------------------------ internals

@@ -35,6 +35,30 @@ class LowerTier:
     format: RecordFormat
 
 
+def drop_unread(
+    found: dict[ChunkHash, tuple[int, bytes]],
+    after: Sequence[ChunkHash],
+    lower: Sequence[LowerTier],
+    writer: BackgroundWriter,
+) -> None:
+    """Records fetched for the keys ``after`` an invalid record of a chain: drop them unread.
+
+    ``found``: key -> (tier level, record) as fetched. The chain is recomputed from the invalid record on,
+    and its write-behind skips keys a tier already holds: a bad record further down was never read nor
+    replaced, so a chain of N bad records took N requests to heal (one block per request). Their deletion is
+    queued before the recompute's writes (one FIFO writer), which then store fresh records. They count as
+    misses, not hits (the hit rate said 0.9 while nothing was served).
+    """
+    for key in after:
+        hit = found.get(key)
+        if hit is None:
+            continue
+        tier = lower[hit[0]].tier
+        tier.count("hits", -1)
+        tier.count("misses", 1)
+        writer.submit(lambda tier=tier, key=key: tier.delete(key))
+
+
 class TieredStore:
     """The engine's chunk store with lower tiers under the RAM :class:`ChunkStore`.
 
@@ -154,7 +178,8 @@ class TieredStore:
                 if record is not None:
                     found[key] = (level, record)
         promoted = 0
-        for key in keys[start:]:
+        chain = keys[start:]
+        for i, key in enumerate(chain):
             hit = found.get(key)
             if hit is None:
                 self._remember_miss(key)
@@ -163,6 +188,7 @@ class TieredStore:
             if entry is None:
                 # Invalid record (its deletion is queued): do not read it again before it is gone.
                 self._remember_miss(key)
+                drop_unread(found, chain[i + 1 :], self.lower, self.writer)
                 break
             if not self.ram.put(entry, root=self.root):
                 break
@@ -214,7 +240,7 @@ class TieredStore:
                 checked_kv(entry, self.shapes)
         except RecordError as exc:
             logger.warning("dropping invalid %s record %s: %s", lower.tier.name, key.hex()[:16], exc)
-            lower.tier.counters.add("corrupt")
+            lower.tier.count("corrupt")
             self.writer.submit(lambda: lower.tier.delete(key))
             return None
         held = with_codec(entry, self.codec)
