@@ -18,7 +18,7 @@ _CHUNK = 1 << 22
 #: The checksums' modulus (a Mersenne prime: chunk sums stay exact in int64).
 _PRIME = (1 << 61) - 1
 #: Integer views of a tensor's bytes, by element size: the checksums read bit patterns, never values.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # other sizes: bytes
 
 
 def _persistent_buffers(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
@@ -92,7 +92,7 @@ def _device_checksums(flat: torch.Tensor) -> bytes:
     distinct weights rule out. Checksums, not a cryptographic hash: they tell checkpoints apart, they do not
     resist an adversary crafting a collision.
     """
-    bits = flat.contiguous().view(_BITS[flat.element_size()])
+    bits = flat.contiguous().view(_BITS.get(flat.element_size(), torch.uint8))
     mask = (1 << (8 * bits.element_size())) - 1
     totals = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, bits.numel(), _CHUNK):
