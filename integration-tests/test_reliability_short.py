@@ -118,7 +118,7 @@ def test_a_full_disk_pauses_the_disk_tier_with_one_warning(tmp_path, monkeypatch
         assert not any(tier.put(k, b"record") for k in keys)
     stats = tier.stats()
     assert (stats.errors, stats.dropped) == (1, 4)  # one failed write, then skipped without touching disk
-    assert sum("disk tier full" in r.getMessage() for r in caplog.records) == 1
+    assert sum("cannot store records" in r.getMessage() for r in caplog.records) == 1
     assert tier.get(key) == b"record"  # reads go on
     monkeypatch.setattr(Path, "write_bytes", real_write)
     monkeypatch.setattr(disk_module.time, "monotonic", lambda: 1e12)  # the pause is over

@@ -327,7 +327,7 @@ def disk_full(log_dir: Path, *, size: str = "2m", prompts: int = 6) -> dict:
             disk=server.tier("disk"),
             disk_used_bytes=sum(f.stat().st_size for f in mount.rglob("*") if f.is_file()),
             write_failure_warnings=server.log.read_text(errors="replace").count("disk tier write failed"),
-            disk_full_warnings=server.log.read_text(errors="replace").count("disk tier full"),
+            disk_full_warnings=server.log.read_text(errors="replace").count("cannot store records"),
             server_alive=server.alive(),
         )
     finally:

@@ -191,7 +191,9 @@ def test_logits_and_warm_take_a_prompt_of_exactly_the_context(llama, tokenizer):
     assert (engine.next_token_logits(ids).logits - cold).abs().max() <= 1e-5
     engine.clear_cache()
     warmed = engine.warm(ids)
-    assert warmed.tokens == 128 and warmed.new_chunks == 8
+    assert warmed.tokens == 128 and warmed.new_chunks == 8 and warmed.cached_tokens == 128
+    short = engine.warm(ids[:40])  # its two full blocks were cached by the call above
+    assert short.cached_tokens == short.already_cached_tokens == 32
     hit = engine.next_token_logits(ids)
     assert hit.cached_tokens > 0 and (hit.logits - cold).abs().max() <= 1e-5
     for call in (engine.next_token_logits, engine.warm):

@@ -72,6 +72,17 @@ def test_old_batching_flags_still_parse_with_a_warning(caplog) -> None:
     assert "--batch-window-ms is deprecated and ignored" in caplog.text
 
 
+def test_help_shows_only_defaults_that_say_something() -> None:
+    # "(default: None)" after "unset: the model's", Python's "(default: [])", and a help that names its own
+    # default followed by "(default: None)".
+    import re
+
+    text = re.sub(r"\s+", " ", build_parser().format_help())
+    for noise in ("(default: None)", "(default: [])", "(default: ())"):
+        assert noise not in text
+    assert "(default: 8000)" in text  # a real default is still shown
+
+
 def test_help_explains_every_flag() -> None:
     text = build_parser().format_help()
     for flag in (

@@ -29,6 +29,11 @@ def test_cli_help_lists_demo_and_its_flags():
         assert flag in out.stdout
 
 
+def test_cli_prints_its_version():
+    out = subprocess.run([sys.executable, "-m", "kvboost.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"kvboost {kvboost.__version__}"
+
+
 def test_cli_requires_a_command():
     with pytest.raises(SystemExit):
         build_parser().parse_args([])

@@ -288,6 +288,7 @@ class EngineLoops:
             new_chunks=chunks - done,
             already_cached_tokens=already,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
+            cached_tokens=self.kv.cached_prefix_len(probe, len(ids)) if self.kv.caching else 0,
         )
 
 

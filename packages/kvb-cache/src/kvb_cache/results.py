@@ -119,9 +119,14 @@ class WarmResult:
     """The outcome of :meth:`KVBoost.warm`."""
 
     tokens: int
-    #: Full chunks now cached for this text (newly stored + already present).
+    #: Full ``chunk_size`` chunks of this text (the stitching store's unit; 0 for a text shorter than one
+    #: chunk, whose blocks are cached all the same: see ``cached_tokens``), and how many were not yet cached.
     chunks: int
     new_chunks: int
     #: Tokens whose KV was already cached before the call (no forward ran for them).
     already_cached_tokens: int
     elapsed_ms: float = field(default=0.0)
+    #: Tokens of this text the block pool now holds (its full blocks): what a prompt starting with the text
+    #: reuses. A reply to ``warm()`` said ``chunks=0`` for a short system prompt whose next request then
+    #: reused 126 tokens.
+    cached_tokens: int = 0

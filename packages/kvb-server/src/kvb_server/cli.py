@@ -22,7 +22,7 @@ from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
-from kvb_server.flag_types import DeprecatedFlag, api_key, logprobs_cap, margin, port
+from kvb_server.flag_types import DeprecatedFlag, HelpFormatter, api_key, logprobs_cap, margin, port
 from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import resolve as resolve_generation_config
@@ -45,7 +45,7 @@ def build_parser(
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, SSE streaming) "
         "on a KVBoost engine that reuses the KV cache of repeated prompt chunks."
         + (f" Engine composed by {composer.name}." if composer is not None else ""),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_arguments(p, composer)
     return p
@@ -240,7 +240,10 @@ def build_server(
     for text in args.warm:
         result = engine.warm(text)
         logger.info(
-            "warmed %d tokens (%d new chunks) in %.0f ms", result.tokens, result.new_chunks, result.elapsed_ms
+            "warmed %d tokens (%d cached for prompts starting with them) in %.0f ms",
+            result.tokens,
+            result.cached_tokens,
+            result.elapsed_ms,
         )
     # vLLM's order: the --served-model-name values come first, so /v1/models' first entry, the `model` of a
     # request that leaves it out and the metrics' model_name label are the name the operator chose (the

@@ -11,6 +11,20 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only when it says something: not for None or an empty list (each such help
+    already says what leaving it out does, and "(default: None)" or "(default: [])" after "unset: the model's"
+    only repeated it in Python's words), nor when the help names its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or (isinstance(default, (list, tuple)) and not default):
+            return action.help
+        if action.help and "(default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def port(text: str) -> int:
     """``--port``: a TCP port, 1..65535 (uvicorn otherwise fails after the model loaded, with a traceback)."""
     try:

@@ -9,6 +9,7 @@ import sys
 
 from kvb_cache.tiers.cli import add_cache_commands
 from kvboost import demo
+from kvboost._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvboost", description="KVBoost: chunk-level KV-cache reuse for HF causal LMs"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
         "demo", help="replay real multi-turn chats on the embedded model: TTFT without cache vs with KVBoost"
@@ -42,9 +44,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     from kvboost.serving import FullStack
 
     composer = FullStack()
-    serve = commands.add_parser(
-        "serve", help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    from kvb_server.flag_types import HelpFormatter
+
+    serve = commands.add_parser("serve", help=help_text, description=help_text, formatter_class=HelpFormatter)
     server_cli.add_arguments(serve, composer)
     serve.set_defaults(func=lambda args: server_cli.serve(args, composer, error=serve.error))
 
