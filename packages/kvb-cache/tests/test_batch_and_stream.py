@@ -82,6 +82,16 @@ def test_context_length_is_capped_by_the_pool(llama, tokenizer):
     assert big.context_length == llama.config.max_position_embeddings
 
 
+def test_the_pool_warning_names_what_to_raise(llama, tokenizer, caplog):
+    with caplog.at_level("WARNING", logger="kvb_cache.engine"):
+        KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8))
+        # Reuse off: raising max_cache_bytes would turn it back on, so only num_blocks is named.
+        KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8, max_cache_bytes=0))
+    caching, off = (r.getMessage() for r in caplog.records if "to serve the full context" in r.getMessage())
+    assert "--max-cache-bytes" in caching and "--num-blocks" in caching
+    assert "raise num_blocks (--num-blocks; max_cache_bytes=0 keeps reuse off)" in off
+
+
 def test_batch_sampling_must_be_a_list_of_dicts(llama, tokenizer):
     # One dict for the whole batch raised KeyError: 0.
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))

@@ -258,6 +258,20 @@ def test_prefix_cache_queries_count_admissions_not_attempts(llama, tokenizer):
     assert stats.prefix_cache_hits < len(first) + len(second)
 
 
+def test_solo_requests_count_their_prefix_lookups(llama, tokenizer):
+    # A solo request (here a private 8-bit cache; a speculative one the same) reads the cached prefix into
+    # its own cache outside the scheduler's admission: the prefix-cache counters never saw it.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    ids = tokenizer(words(40, seed=3))["input_ids"]
+    engine.generate(ids, max_new_tokens=2, ignore_eos=True)  # computes and caches the prompt's blocks
+    before = engine.paged_stats()
+    solo = engine.generate(ids, max_new_tokens=2, ignore_eos=True, kv_cache_bits=8)
+    after = engine.paged_stats()
+    assert solo.cached_tokens == len(ids) - 1  # full blocks and the token-granular tail
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(ids) - 1
+    assert after.prefix_cache_hits - before.prefix_cache_hits == solo.cached_tokens
+
+
 def test_queued_ms_is_arrival_to_first_scheduling(llama, tokenizer):
     """vLLM's WAITING phase: a request the batch cannot admit yet waits in the engine's queue, and that wait
     is its ``queued_ms`` (part of its TTFT), not prefill. With two sequences per step, the third request

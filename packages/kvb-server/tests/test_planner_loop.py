@@ -127,6 +127,14 @@ def test_a_step_that_cannot_fit_is_announced_at_start(caplog) -> None:
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warning) == 1 and "every request will be refused" in warning[0]
     assert "--max-num-batched-tokens" in warning[0]
+    # On the CPU, not the CUDA-only --gpu-memory-utilization; the margin the operator set is named.
+    assert "--gpu-memory-utilization" not in warning[0] and "--planner-safety-margin (0 of" in warning[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvb_server.planner_gate"):
+        cuda = DeviceProfile(device="cuda:0", total_bytes=1 << 34, free_bytes=floor.peak_bytes - 1)
+        assert not PlannerGate(shape=shape, profile=cuda, loop=loop).warn_if_no_step_fits()
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "--gpu-memory-utilization" in message and "--planner-safety-margin" not in message
     # No loop (an engine without a pool): nothing to say.
     assert PlannerGate(
         shape=shape, profile=DeviceProfile(device="cpu", total_bytes=1, free_bytes=0)

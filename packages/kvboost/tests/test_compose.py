@@ -188,3 +188,15 @@ def test_a_draft_model_path_that_cannot_load_is_named_before_the_target_loads(ta
         KVBoost.from_pretrained(
             target, device="cpu", speculative="draft_model", draft_model=str(tmp_path / "nope")
         )
+
+
+def test_draft_model_mode_without_a_draft_is_refused_before_the_target_loads(target, monkeypatch):
+    import kvb_cache
+    from kvb_speculative import SpeculativeConfigError
+
+    def no_target_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the missing draft was noticed")
+
+    monkeypatch.setattr(kvb_cache.KVBoost, "from_engine_args", classmethod(no_target_load))
+    with pytest.raises(SpeculativeConfigError, match=r"needs draft_model \(--draft-model\)"):
+        KVBoost.from_pretrained(target, device="cpu", speculative="draft_model")

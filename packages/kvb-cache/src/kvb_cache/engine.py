@@ -98,7 +98,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         # The paged pool is the RAM cache (cached chunks are cached blocks); disk/Redis tiers sit under it.
         parts = build_loop(model, self.traits, self.config, root=self.root, fingerprint=self.fingerprint)
         self.kv, self.tiers = parts.kv, parts.tiers
-        _warn_if_the_pool_caps_the_context(self.kv.capacity_tokens, self.traits.context_length)
+        _warn_if_the_pool_caps_the_context(
+            self.kv.capacity_tokens, self.traits.context_length, caching=self.config.max_cache_bytes > 0
+        )
         # The core calls back into the engine through weak references: a cycle engine <-> core would keep
         # the block pool (2 GiB by default) alive after `del engine` until the cyclic collector happens by.
         self.core = EngineCore(
@@ -386,16 +388,22 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             )
 
 
-def _warn_if_the_pool_caps_the_context(pool_tokens: int, model_tokens: int | None) -> None:
+def _warn_if_the_pool_caps_the_context(pool_tokens: int, model_tokens: int | None, *, caching: bool) -> None:
     """Say at load time when the block pool holds fewer tokens than the model's context: every longer
     request is refused, and ``max_model_len`` reports the smaller number, which was otherwise found out only
-    from the first refusal (vLLM refuses to start in that case; here the pool is a budget you chose)."""
+    from the first refusal (vLLM refuses to start in that case; here the pool is a budget you chose).
+    With ``max_cache_bytes=0`` (reuse off) only ``num_blocks`` is named: raising the other turns reuse on."""
     if model_tokens is not None and pool_tokens < model_tokens:
+        fix = (
+            "raise max_cache_bytes (--max-cache-bytes) or num_blocks (--num-blocks)"
+            if caching
+            else "raise num_blocks (--num-blocks; max_cache_bytes=0 keeps reuse off)"
+        )
         logger.warning(
             "the KV block pool holds %d tokens, less than the model's context (%d): requests are limited to "
-            "%d prompt + generated tokens; raise max_cache_bytes (--max-cache-bytes) or num_blocks "
-            "(--num-blocks) to serve the full context",
+            "%d prompt + generated tokens; %s to serve the full context",
             pool_tokens,
             model_tokens,
             pool_tokens,
+            fix,
         )

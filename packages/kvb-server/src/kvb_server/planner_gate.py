@@ -271,13 +271,23 @@ class PlannerGate:
                 budget / MIB,
             )
             return True
+        # Name the knobs that apply here: the margin when the operator set it (0.995 keeps almost everything
+        # back), --gpu-memory-utilization only on CUDA (it is refused elsewhere).
+        on_cuda = str(self.profile.device).startswith("cuda")
+        pool = "--gpu-memory-utilization, --max-cache-bytes" if on_cuda else "--max-cache-bytes"
+        margin = (
+            f", lower --planner-safety-margin ({self.safety_margin:g} of free memory is kept back)"
+            if self.safety_margin is not None
+            else ""
+        )
         logger.warning(
             "OOM planning: one engine step needs about %.1f MiB beside the KV pool but only %.1f MiB may be "
             "used, so every request will be refused (413): lower --max-num-batched-tokens or --max-num-seqs, "
-            "leave more memory outside the pool (--gpu-memory-utilization, --max-cache-bytes), or start with "
-            "--no-oom-planning",
+            "leave more memory outside the pool (%s)%s, or start with --no-oom-planning",
             floor / MIB,
             budget / MIB,
+            pool,
+            margin,
         )
         return False
 

@@ -130,6 +130,14 @@ class KVBoost(_Engine):
                 f"gamma={speculative.gamma} has no effect without speculative='prompt_lookup'/'draft_model' or "
                 "draft_model (--speculative / --draft-model); add one or drop gamma"
             )
+        if speculative.speculative == "draft_model" and speculative.draft_model is None:
+            from kvb_speculative import SpeculativeConfigError
+
+            # Before the target loads (kvb_speculative says the same, after it).
+            raise SpeculativeConfigError(
+                "speculative='draft_model' needs draft_model (--draft-model): a smaller model with the "
+                "target's vocabulary; or use speculative='prompt_lookup' (no extra model)"
+            )
         if isinstance(speculative.draft_model, str):
             # Checked before the target loads (minutes on a large model), and named: the draft's load error
             # read like the target's ("model path '/x' does not exist") and came only after that load.

@@ -114,6 +114,12 @@ class KVCacheManager:
             self.hits += req.num_computed
         return PrefixHit(tokens=req.num_computed, full_blocks=full, partial=partial, promoted=promoted)
 
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """Count a prefix lookup made outside :meth:`admit` (a solo request's, which reads the cached prefix
+        into its own cache): ``queried`` prompt tokens looked up, ``hit`` of them served from cached blocks."""
+        self.queries += queried
+        self.hits += hit
+
     def adopt(self, req: Request, prepared: PreparedKV) -> PrefixHit | None:
         """Give ``req`` the KV of its first ``prepared.length`` tokens: the exact prefix the pool holds is
         mapped as usual (shared blocks), the rest is written into fresh private blocks. None (nothing held)
