@@ -240,3 +240,56 @@ def test_zod_always_true_spellings_compile_in_the_library_too() -> None:
         check_grammar(ResponseFormat.parse(schema))
     with pytest.raises(InvalidRequestError, match="propertyNames"):
         check_grammar(ResponseFormat.parse({"type": "object", "propertyNames": {"pattern": "^a"}}))
+
+
+def test_strict_schema_leaves_data_keywords_alone():
+    # A const / enum / default / examples value that looks like a schema got "additionalProperties": false
+    # added, so no reply could match the const.
+    from kvb_cache.structured.backend import strict_schema
+
+    value = {"properties": {"x": 1}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "c": {"const": value},
+            "e": {"enum": [value, {"properties": {}}]},
+            "examples": {"type": "object", "properties": {"k": {"type": "integer"}}, "default": value},
+        },
+    }
+    out = strict_schema(schema)
+    assert out["properties"]["c"]["const"] == value and out["properties"]["e"]["enum"][0] == value
+    assert out["properties"]["examples"]["default"] == value
+    # Schema positions are still closed, a property named like a data keyword included.
+    assert out["additionalProperties"] is False
+    assert out["properties"]["examples"]["additionalProperties"] is False
+
+
+def test_strict_schema_keeps_composed_objects_open():
+    # Closing every object that lists properties made allOf of two objects, a base object with anyOf
+    # variants, and a required key the properties do not list unsatisfiable (400 "Unsatisfiable").
+    from kvb_cache.structured.backend import check_grammar, strict_schema
+
+    two = {"type": "integer"}
+    cases = {
+        "allOf": {"allOf": [{"properties": {"a": two}, "required": ["a"]}, {"properties": {"b": two}}]},
+        "base+anyOf": {
+            "type": "object",
+            "properties": {"kind": {"type": "string"}},
+            "required": ["kind"],
+            "anyOf": [{"properties": {"a": two}, "required": ["a"]}, {"properties": {"b": two}}],
+        },
+        "required elsewhere": {"type": "object", "properties": {"a": two}, "required": ["a", "b"]},
+        "allOf of refs": {
+            "$defs": {"A": {"properties": {"a": two}}, "B": {"properties": {"b": two}}},
+            "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+        },
+    }
+    for name, schema in cases.items():
+        text = json.dumps(strict_schema(schema))
+        assert '"additionalProperties": false' not in text, name
+        check_grammar(ResponseFormat.parse(schema))  # compiles (it was refused as unsatisfiable)
+    # Alternatives that stand alone are still closed.
+    alternatives = strict_schema({"anyOf": [{"properties": {"a": two}}, {"properties": {"b": two}}]})
+    assert all(m["additionalProperties"] is False for m in alternatives["anyOf"])
+    single = strict_schema({"$defs": {"A": {"properties": {"a": two}}}, "allOf": [{"$ref": "#/$defs/A"}]})
+    assert single["$defs"]["A"]["additionalProperties"] is False  # one member: nothing else adds keys

@@ -251,6 +251,61 @@ def test_invalid_schema_is_a_400_before_queueing(client: openai.OpenAI) -> None:
     assert info.value.param == "tools[0].function.parameters"
 
 
+@pytest.mark.parametrize(
+    ("response_format", "param", "words"),
+    [
+        # Other providers' shape: the schema was ignored (any JSON object came back).
+        ({"type": "json_object", "schema": {"type": "object"}}, "response_format.schema", "json_schema"),
+        ({"type": "regex", "pattern": "a+", "flags": "i"}, "response_format.flags", "Unrecognized field"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
+            "response_format.json_schema.strict",
+            "boolean",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+            },
+            "response_format.json_schema.schema",
+            "use anyOf",  # llguidance's "Enable 'coerce_one_of'" named an option no client can set
+        ),
+    ],
+)
+def test_response_format_fields_are_checked_not_ignored(
+    client: openai.OpenAI, response_format: dict, param: str, words: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=4, extra_body={"response_format": response_format}
+        )
+    assert info.value.param == param and words in str(info.value)
+
+
+def test_a_tool_argument_named_like_a_data_keyword_is_served(client: openai.OpenAI) -> None:
+    # "examples" with a $ref to its model was refused ("Pointer '/$defs/Example' does not exist").
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "teach",
+            "parameters": {
+                "$defs": {"Example": {"type": "object", "properties": {"q": UNIT}, "required": ["q"]}},
+                "type": "object",
+                "properties": {
+                    "examples": {"type": "array", "items": {"$ref": "#/$defs/Example"}, "maxItems": 2}
+                },
+                "required": ["examples"],
+            },
+        },
+    }
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[tool], tool_choice="required", temperature=0, max_tokens=96
+    )
+    [call] = resp.choices[0].message.tool_calls
+    for example in json.loads(call.function.arguments)["examples"]:
+        assert example["q"] in UNIT["enum"]
+
+
 def test_stream_opens_a_call_as_openai_does(url: str) -> None:
     """The first delta carries the role, content null and the call's id/type/name; no separate role chunk."""
     body = {

@@ -326,3 +326,23 @@ def test_bad_tool_definitions_name_the_parameter() -> None:
             tool_plan(tools, choice, None, syntax)
         assert info.value.param == param
     assert tool_plan(None, "none", None, syntax) is None
+
+
+def test_refs_under_properties_named_like_data_keywords_are_rebased() -> None:
+    # A pydantic argument called "examples" (or "default") with a $ref to its model: the property map was
+    # copied as if it were the examples keyword's data, its $ref kept pointing at the root, and the valid
+    # tool was refused ("Pointer '/$defs/Example' does not exist").
+    from kvb_server.tool_calls.grammar import rebase_refs
+
+    parameters = {
+        "$defs": {"Example": {"type": "object", "properties": {"q": {"type": "string"}}}},
+        "type": "object",
+        "properties": {
+            "examples": {"type": "array", "items": {"$ref": "#/$defs/Example"}},
+            "default": {"$ref": "#/$defs/Example", "default": {"$ref": "#/not/a/reference"}},
+        },
+    }
+    out = rebase_refs(parameters, "/properties/arguments")
+    assert out["properties"]["examples"]["items"]["$ref"] == "#/properties/arguments/$defs/Example"
+    assert out["properties"]["default"]["$ref"] == "#/properties/arguments/$defs/Example"
+    assert out["properties"]["default"]["default"] == {"$ref": "#/not/a/reference"}  # data stays data

@@ -22,6 +22,14 @@ from kvb_server.errors import InvalidParameterError, UnsupportedFeatureError
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+#: The fields each ``response_format`` type takes (the others are refused, never ignored).
+_TYPE_FIELDS = {
+    "text": {"type"},
+    "json_object": {"type"},
+    "json_schema": {"type", "json_schema"},
+    "regex": {"type", "pattern"},
+    "grammar": {"type", "grammar"},
+}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -56,6 +64,17 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
             f"Invalid value for '{param}.type': {kind!r}; expected one of {', '.join(map(repr, _TYPES))}.",
             f"{param}.type",
         )
+    # NOTE: a field another type takes, or none does, was ignored: {"type": "json_object", "schema": {...}}
+    # (what some providers' clients send) got JSON that ignored the schema, a regex's "flags" were dropped.
+    unknown = sorted(set(raw) - _TYPE_FIELDS[kind])
+    if unknown:
+        hint = " (a schema goes in {'type': 'json_schema', 'json_schema': {'name', 'schema'}})"
+        raise _bad(
+            f"Unrecognized field in '{param}' of type {kind!r}: {unknown[0]}"
+            + (hint if unknown[0] == "schema" else "")
+            + ".",
+            f"{param}.{unknown[0]}",
+        )
     if kind == "json_schema":
         inner = raw.get("json_schema")
         if not isinstance(inner, dict):
@@ -70,6 +89,11 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
         if unknown:
             raise _bad(
                 f"Unrecognized field in '{param}.json_schema': {sorted(unknown)[0]}.", f"{param}.json_schema"
+            )
+        if inner.get("strict") is not None and not isinstance(inner["strict"], bool):
+            raise _bad(
+                f"Invalid value for '{param}.json_schema.strict': expected a boolean.",
+                f"{param}.json_schema.strict",
             )
         schema = inner.get("schema", _ANY_OBJECT)
         if not isinstance(schema, dict):

@@ -38,22 +38,91 @@ def llguidance_schema(schema: Any) -> Any:
     return strict_schema(llguidance_compatible(schema))
 
 
+#: Keywords whose value maps names to subschemas, holds a list of subschemas, or is one subschema. Only these
+#: are walked: const / enum / default / examples hold *data*, which may look like a schema and must stay
+#: as given (a const of {"properties": ...} got "additionalProperties": false added, so no reply matched).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
 def strict_schema(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object that lists ``properties`` and says
     nothing about extra keys (OpenAI's strict mode and xgrammar's default).
 
     Outputs stay valid against the original schema (they are a subset); without it a model may keep
-    inventing keys until ``max_new_tokens`` cuts the JSON short.
+    inventing keys until ``max_new_tokens`` cuts the JSON short. Objects whose keys other subschemas supply
+    stay open, or closing them would make a satisfiable schema unsatisfiable: members of an ``allOf`` (and
+    the ``$defs`` an ``allOf`` of several members refers to), an object with ``properties`` beside
+    ``allOf`` / ``anyOf`` / ``oneOf`` and those combinators' members, and an object whose ``required``
+    names keys its ``properties`` do not list.
     """
-    if isinstance(schema, list):
-        return [strict_schema(item) for item in schema]
+    return _strict(schema, closable=True, composed=_composed_refs(schema))
+
+
+def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
     if not isinstance(schema, dict):
-        return schema
-    out = {key: strict_schema(value) for key, value in schema.items()}
-    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
-    if isinstance(schema.get("properties"), dict) and not any(key in schema for key in open_keys):
+        return schema  # true / false schemas
+    out = dict(schema)
+    properties = schema.get("properties")
+    has_properties = isinstance(properties, dict)
+    combined = any(key in schema for key in _COMBINATORS)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            defs = key in ("$defs", "definitions")
+            out[key] = {
+                name: _strict(sub, closable=not (defs and f"#/{key}/{name}" in composed), composed=composed)
+                for name, sub in schema[key].items()
+            }
+    for key in _SCHEMA_VALUES:
+        if key in schema:
+            value = schema[key]
+            out[key] = (
+                [_strict(v, closable=True, composed=composed) for v in value]
+                if isinstance(value, list)  # draft-4 tuple items
+                else _strict(value, closable=True, composed=composed)
+            )
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            members_closable = key == "prefixItems" or (key != "allOf" and not has_properties)
+            out[key] = [_strict(v, closable=members_closable, composed=composed) for v in schema[key]]
+    required = schema.get("required")
+    listed = not isinstance(required, list) or (has_properties and all(r in properties for r in required))
+    if closable and has_properties and not combined and listed and not any(k in schema for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
+
+
+def _composed_refs(schema: Any) -> frozenset[str]:
+    """``$ref`` targets that are members of an ``allOf`` of several members, anywhere in ``schema``."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            members = node.get("allOf")
+            if isinstance(members, list) and len(members) > 1:
+                found.update(
+                    m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)
+                )
+            stack.extend(v for k, v in node.items() if k not in ("const", "enum", "default", "examples"))
+    return frozenset(found)
 
 
 class StructuredOutputsUnavailable(KVBoostError, ImportError):
@@ -144,7 +213,7 @@ class GrammarCache:
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()
             raise InvalidRequestError(
-                f"response_format {fmt.kind} is not supported or invalid: {' '.join(message[:4])}",
+                f"response_format {fmt.kind} is not supported or invalid: {_explained(message[:4])}",
                 param="response_format",
             )
         return matcher
@@ -182,6 +251,23 @@ def check_grammar(fmt: ResponseFormat) -> None:
     if error:
         lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
         raise InvalidRequestError(
-            f"response_format {fmt.kind} is not supported or invalid: {' '.join(lines[:3])}",
+            f"response_format {fmt.kind} is not supported or invalid: {_explained(lines[:3])}",
             param="response_format",
         )
+
+
+def _explained(lines: list[str]) -> str:
+    """llguidance's message, with what a client can do about it where its wording names an option of the
+    library's API (``coerce_one_of``) or hides what this backend did to the schema (closed objects)."""
+    text = " ".join(lines)
+    if "coerce_one_of" in text:
+        return (
+            "oneOf branches that one value can match are not supported (a grammar cannot keep a value to "
+            "exactly one of them); use anyOf, or make the branches exclusive (e.g. a const discriminator)"
+        )
+    if "nsatisfiable" in text:
+        text += (
+            " (objects listing properties are closed with additionalProperties: false unless the schema "
+            "says otherwise; set additionalProperties: true on an object whose keys another subschema adds)"
+        )
+    return text

@@ -27,6 +27,8 @@ def _literal(text: str) -> str:
 
 #: Keywords whose values are data, not schemas: a ``"$ref"`` key inside them is not a reference.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+#: Keywords whose value maps names (of properties, definitions) to subschemas.
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _pointer_token(key: str) -> str:
@@ -50,6 +52,10 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
             out[key] = "#" + prefix + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
+        elif key in _NAME_MAPS and isinstance(value, dict):
+            # Names, not keywords: a property called "examples" or "default" is a schema to walk (it was
+            # copied as data, so its $ref kept pointing at the document root and the tool was refused).
+            out[key] = {name: rebase_refs(sub, prefix) for name, sub in value.items()}
         else:
             out[key] = rebase_refs(value, prefix)
     return out
