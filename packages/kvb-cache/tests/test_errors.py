@@ -186,6 +186,72 @@ def test_a_checkpoint_that_needs_its_own_code_is_refused_without_asking(
     assert "trust_remote_code=True" not in str(info.value)
 
 
+def _saved(model, tokenizer, folder):
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_broken_checkpoints_are_model_load_errors_naming_the_problem(tokenizer, tmp_path):
+    """From an audit of bad folders: weights of other shapes (a traceback), missing layers (served with
+    random weights), no tokenizer files (a hint to install sentencepiece), a tokenizer that is not the
+    weights' (every request a 400 blaming the client)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shapes = _saved(make_model("llama"), tokenizer, tmp_path / "shapes")
+    config = json.loads((tmp_path / "shapes" / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (tmp_path / "shapes" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"do the weights match its config.json"):
+        KVBoost.from_pretrained(shapes, device="cpu")
+
+    missing = _saved(make_model("llama"), tokenizer, tmp_path / "missing")
+    weights = tmp_path / "missing" / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if ".layers.1." not in k}
+    save_file(kept, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack \d+ of the model's tensors \(model.layers.1"):
+        KVBoost.from_pretrained(missing, device="cpu")
+
+    bare = tmp_path / "bare"
+    make_model("llama").save_pretrained(bare)
+    with pytest.raises(ModelLoadError, match=r"holds no tokenizer.*--tokenizer"):
+        KVBoost.from_pretrained(str(bare), device="cpu")
+
+    small = make_model("llama")
+    small.resize_token_embeddings(64)
+    with pytest.raises(ModelLoadError, match=r"tokenizer has \d+ tokens and the model embeds only 64"):
+        KVBoost.from_pretrained(_saved(small, tokenizer, tmp_path / "small"), device="cpu")
+
+
+def test_added_tokens_past_the_embeddings_are_warned_and_refused_per_prompt(tokenizer, tmp_path, caplog):
+    import copy
+
+    extended = copy.deepcopy(tokenizer)
+    extended.add_tokens(["brandnew"])
+    assert len(extended) == len(tokenizer) + 1 and extended.vocab_size == make_model("llama").vocab_size
+    folder = _saved(make_model("llama"), extended, tmp_path / "added")
+    with caplog.at_level("WARNING", logger="kvb_cache.loading"):
+        engine = KVBoost.from_pretrained(folder, device="cpu", chunk_size=16)
+    assert "1 of them added past the model's" in caplog.text
+    assert engine.generate("w1 w2", max_new_tokens=1).output_ids  # prompts without it are served
+    with pytest.raises(InvalidRequestError, match=r"'brandnew'.*no embedding") as info:
+        engine.generate("w1 brandnew", max_new_tokens=1)  # a bare IndexError from the embedding before
+    assert info.value.param == "prompt"
+
+
+def test_a_model_whose_forward_fails_is_a_model_load_error(tokenizer):
+    model = make_model("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    model.forward = broken
+    with pytest.raises(ModelLoadError, match=r"failed a one-token forward \(RuntimeError: The size"):
+        KVBoost(model, tokenizer)
+
+
 def test_bad_config_values():
     with pytest.raises(ConfigError, match="chunk_size"):
         EngineConfig(chunk_size=0)

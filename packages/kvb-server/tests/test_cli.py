@@ -298,7 +298,9 @@ def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys
     with pytest.raises(SystemExit) as info:
         _serve(monkeypatch, ["--model", "/nonexistent"], load)
     assert info.value.code == 2
-    assert "error: model path '/nonexistent' does not exist; second line" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: model path '/nonexistent' does not exist; second line" in err
+    assert err.count("\n") == 1 and "usage:" not in err  # one line, not the usage block first
 
 
 @pytest.mark.parametrize(
@@ -413,3 +415,10 @@ def test_a_model_the_planner_cannot_describe_serves_without_planning_by_default(
     for asked in (["--oom-planning"], ["--auto-truncate"], ["--planner-safety-margin", "0.2"]):
         with pytest.raises(ValueError, match="OOM planning cannot plan for this model"):
             cli.build_gate(build_parser().parse_args(asked), FakeEngine())
+
+
+def test_a_tokenizer_without_a_chat_template_is_said_at_start(monkeypatch, caplog) -> None:
+    # It started silently and every chat request was a 400.
+    with caplog.at_level("WARNING", logger="kvb_server.cli"):
+        _serve(monkeypatch, ["--model", "m"], lambda model, **kwargs: FakeEngine())
+    assert "no chat template" in caplog.text and "--chat-template" in caplog.text

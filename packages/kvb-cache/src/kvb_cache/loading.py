@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvb_cache.embedded import is_embedded_name, resolve_model_path
 from kvb_cache.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -127,6 +130,13 @@ def load_model_and_tokenizer(
         kwargs["attn_implementation"] = attn_implementation
     # Before the model: a wrong tokenizer should not cost a model load, nor read as the model's error below.
     own_tokenizer = load_own_tokenizer(tokenizer) if tokenizer is not None else None
+    if own_tokenizer is None and Path(path).is_dir() and not _has_tokenizer_files(Path(path)):
+        # transformers' message here suggested installing sentencepiece or tiktoken.
+        raise ModelLoadError(
+            f"{name_or_path!r} holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model or "
+            "vocab files); save the model's tokenizer into it (tokenizer.save_pretrained(folder)) or pass "
+            "tokenizer (--tokenizer)"
+        )
     try:
         # local_files_only: a hub id is read from the local Hugging Face cache, as documented; without it a
         # name missing there was fetched from the hub, or, offline, retried for ~45 s before failing.
@@ -137,8 +147,8 @@ def load_model_and_tokenizer(
             if own_tokenizer is None
             else own_tokenizer
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False, **kwargs
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, output_loading_info=True, **kwargs
         )
     except ImportError as exc:
         # An optional package the load asked for (attn_implementation="flash_attention_2" without flash-attn).
@@ -157,6 +167,12 @@ def load_model_and_tokenizer(
             f"(nothing is downloaded); fetch it first (hf download {name_or_path}) or pass a local folder "
             "with config.json and weights, or 'smollm2-135m' for the embedded model"
         ) from exc
+    except RuntimeError as exc:
+        # Weights of other shapes than config.json says ("size mismatch for ...") escaped as a traceback.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(
+            f"could not load model {name_or_path!r}: {first} (do the weights match its config.json?)"
+        ) from exc
     except (ValueError, KeyError) as exc:
         if "trust_remote_code" in str(exc):
             # transformers' fix ("pass trust_remote_code=True") is one KVBoost does not take.
@@ -173,8 +189,15 @@ def load_model_and_tokenizer(
             )
         )
         raise ModelLoadError(f"could not load model {name_or_path!r}: {exc}.{hint}") from exc
-    if tokenizer is not None:
-        check_vocabulary(model, loaded_tokenizer, tokenizer)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # transformers initialises them at random and says so in a report; served, every answer is noise.
+        raise ModelLoadError(
+            f"could not load model {name_or_path!r}: its weights lack {len(missing)} of the model's tensors "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the checkpoint is incomplete or "
+            "belongs to another configuration"
+        )
+    check_vocabulary(model, loaded_tokenizer, tokenizer)
     model.to(torch_device)
     return LoadedModel(model=model.eval(), tokenizer=loaded_tokenizer, name=name_or_path)
 
@@ -196,14 +219,49 @@ def load_own_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"could not load tokenizer (--tokenizer) {name_or_path!r}: {exc}") from exc
 
 
-def check_vocabulary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str) -> None:
+def check_vocabulary(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str | None
+) -> None:
     """Refuse a tokenizer with ids past the model's embedding table: they index out of range in the first
     forward (a bare IndexError, or a device-side assert on CUDA). A smaller tokenizer is fine (padded
-    vocabularies are common)."""
+    vocabularies are common). ``name_or_path``: the ``--tokenizer`` given, None for the model folder's own.
+
+    The folder's own tokenizer is refused only when its base vocabulary is past the table (it cannot be this
+    model's: nearly every prompt failed, each a 400 blaming the client); added tokens past it are only
+    warned about, since a prompt that uses none of them is served.
+    """
     embeddings = model.get_input_embeddings()
     rows = getattr(embeddings, "num_embeddings", None)
-    if rows is not None and len(tokenizer) > rows:
+    if rows is None or len(tokenizer) <= rows:
+        return
+    if name_or_path is not None:
         raise ModelLoadError(
             f"tokenizer (--tokenizer) {name_or_path!r} has {len(tokenizer)} tokens and the model embeds only "
             f"{rows}: it is not this model's tokenizer (or a compatible one)"
         )
+    base = getattr(tokenizer, "vocab_size", len(tokenizer))
+    if base > rows:
+        raise ModelLoadError(
+            f"the model folder's tokenizer has {base} tokens and the model embeds only {rows}: the tokenizer "
+            "does not belong to these weights; save the right one into the folder or pass tokenizer "
+            "(--tokenizer)"
+        )
+    logger.warning(
+        "the tokenizer has %d tokens, %d of them added past the model's %d embeddings: a prompt using one of "
+        "those is refused",
+        len(tokenizer),
+        len(tokenizer) - rows,
+        rows,
+    )
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "vocab.json",
+        "vocab.txt",
+        "spiece.model",
+    )
+    return any((folder / name).exists() for name in names)

@@ -19,6 +19,16 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
         if not prompt:
             raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        vocab = model.get_input_embeddings().num_embeddings
+        past = [t for t in ids if t >= vocab]
+        if past:
+            # A tokenizer with added tokens past the embedding table (the load warns): the forward raised a
+            # bare IndexError (a device-side assert on CUDA).
+            raise InvalidRequestError(
+                f"the prompt tokenizes to id {past[0]} ({tokenizer.convert_ids_to_tokens(past[0])!r}), which the "
+                f"model has no embedding for (it embeds {vocab}); leave that token out",
+                param="prompt",
+            )
     else:
         ids = _token_ids(prompt)
         vocab = model.get_input_embeddings().num_embeddings

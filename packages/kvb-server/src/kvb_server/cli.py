@@ -267,6 +267,14 @@ def build_server(
         logger.info(
             "chat template from --chat-template %s (replaces the tokenizer's)", _template_source(args)
         )
+    elif getattr(engine.tokenizer, "chat_template", None) is None:
+        logger.warning(
+            "the tokenizer has no chat template: /v1/chat/completions and /v1/responses answer 400 (completions "
+            "are served); pass --chat-template FILE to serve chat"
+        )
+    model = getattr(engine, "model", None)
+    if model is not None:
+        logger.info("serving %s: %s on %s", engine.model_name, getattr(model, "dtype", "?"), engine.device)
     return Server(
         app=create_app(engine, config, gate=build_gate(args, engine)), host=args.host, port=args.port
     )
@@ -363,13 +371,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``kvboost-server``: the full stack when an engine composer (the ``kvboost`` meta-package) is installed."""
     composer = find_composer()
     parser = build_parser(composer)
-    serve(parser.parse_args(argv), composer, error=parser.error)
+    serve(parser.parse_args(argv), composer, error=exit_with_error(parser))
+
+
+def exit_with_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn]:
+    """``prog: error: message`` and status 2, as ``parser.error`` without its usage block: a model that does
+    not load or a refused option is not a flag-syntax mistake, and the 55-line usage printed before it
+    buried the one line that says what is wrong."""
+
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    return error
 
 
 def serve(
     args: argparse.Namespace, composer: EngineComposer | None, *, error: Callable[[str], NoReturn]
 ) -> None:
-    """Check the parsed flags (``error`` exits with a usage message), build the server and run it.
+    """Check the parsed flags (``error`` exits with one line, :func:`exit_with_error`), build the server and
+    run it.
 
     A user mistake found on the way (a flag value the engine refuses, a model that does not load, a port
     in use) exits through ``error`` too: one line and status 2, never a traceback.

@@ -48,7 +48,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
 
     serve = commands.add_parser("serve", help=help_text, description=help_text, formatter_class=HelpFormatter)
     server_cli.add_arguments(serve, composer)
-    serve.set_defaults(func=lambda args: server_cli.serve(args, composer, error=serve.error))
+    serve.set_defaults(
+        func=lambda args: server_cli.serve(args, composer, error=server_cli.exit_with_error(serve))
+    )
 
 
 def _server_missing(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
-from kvb_cache.errors import ConfigError
+from kvb_cache.errors import ConfigError, KVBoostError, ModelLoadError
 from kvb_cache.kv_sharing import own_kv_layers
 
 
@@ -30,8 +30,18 @@ def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
     shape: the result has one entry per layer with KV of its own, the model's first layers."""
     cache = DynamicCache(config=model.config)
     token = torch.zeros((1, 1), dtype=torch.long, device=model.device)
-    with torch.inference_mode():
-        model(input_ids=token, position_ids=token, **cache_kwargs(model, cache), use_cache=True)
+    try:
+        with torch.inference_mode():
+            model(input_ids=token, position_ids=token, **cache_kwargs(model, cache), use_cache=True)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        if isinstance(exc, KVBoostError):
+            raise
+        # The engine's first forward: a checkpoint that cannot run escaped as a traceback at start-up.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelLoadError(
+            f"{type(model).__name__} failed a one-token forward ({type(exc).__name__}: {first}); the "
+            "checkpoint does not run as loaded (try model(input_ids=...) in transformers)"
+        ) from exc
     return tuple(
         LayerShape(
             kv_heads=layer.keys.shape[1],
