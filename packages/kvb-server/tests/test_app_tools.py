@@ -257,6 +257,8 @@ def test_invalid_schema_is_a_400_before_queueing(client: openai.OpenAI) -> None:
         # Other providers' shape: the schema was ignored (any JSON object came back).
         ({"type": "json_object", "schema": {"type": "object"}}, "response_format.schema", "json_schema"),
         ({"type": "regex", "pattern": "a+", "flags": "i"}, "response_format.flags", "Unrecognized field"),
+        ({"type": "regex", "pattern": "(unclosed"}, "response_format.pattern", "invalid"),
+        ({"type": "grammar", "grammar": "start: undefined_rule"}, "response_format.grammar", "invalid"),
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
             "response_format.json_schema.strict",

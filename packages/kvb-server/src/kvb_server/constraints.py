@@ -103,6 +103,8 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
             )
         raw = {"type": "json_schema", "json_schema": {"schema": schema}}
         param = f"{param}.json_schema.schema"
+    elif kind in ("regex", "grammar"):  # their errors name the field that holds the pattern or grammar
+        param = f"{param}.{'pattern' if kind == 'regex' else 'grammar'}"
     try:
         fmt = ResponseFormat.parse(raw)
     except InvalidRequestError as exc:
