@@ -715,3 +715,12 @@ def test_non_stream_disconnect_aborts_the_request() -> None:
         assert (
             post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
         )
+
+
+def test_empty_tool_parameters_mean_no_parameters() -> None:
+    # {} compiled as "any object": a small model invented arguments until max_tokens.
+    from kvb_server.tool_calls.spec import parse_tools
+
+    [empty] = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    [omitted] = parse_tools([{"type": "function", "function": {"name": "f"}}])
+    assert empty.parameters == omitted.parameters == {"type": "object", "properties": {}}

@@ -124,7 +124,11 @@ def parse_tools(raw: list[Any] | None) -> tuple[Tool, ...]:
                 f"type 'object', got type {kind!r}.",
                 f"{where}.function.parameters",
             )
-        if "type" not in parameters:  # e.g. {"properties": {...}}: constrained to an object all the same
+        if not parameters:
+            # {} reads as "no parameters", as leaving it out does: as "any object" a small model invented
+            # arguments until max_tokens.
+            parameters = _EMPTY_PARAMETERS
+        elif "type" not in parameters:  # e.g. {"properties": {...}}: constrained to an object all the same
             parameters = {"type": "object", **parameters}
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
