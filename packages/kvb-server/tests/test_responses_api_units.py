@@ -154,6 +154,16 @@ def test_chat_message_with_tool_calls_becomes_function_call_items() -> None:
     assert [i["type"] for i in text_and_call] == ["message", "function_call", "function_call"]
     truncated = output_items({"role": "assistant", "content": "abc"}, "length")
     assert truncated[0]["status"] == "incomplete"
+    # A call cut before its arguments began (blank) or inside them stays out of the stored history: no tool
+    # message can answer it, and every previous_response_id follow-up was a 400. Blank arguments of a
+    # completed call (a function without parameters) stay.
+    for cut in ("", '{"city":"'):
+        calls = [{"id": "call_c", "type": "function", "function": {"name": "f", "arguments": cut}}]
+        items = output_items({"role": "assistant", "content": None, "tool_calls": calls}, "length")
+        assert items[-1]["status"] == "incomplete" and "tool_calls" not in assistant_message(items)
+    blank = [{"id": "call_d", "type": "function", "function": {"name": "f", "arguments": ""}}]
+    done = output_items({"role": "assistant", "content": None, "tool_calls": blank}, "tool_calls")
+    assert assistant_message(done)["tool_calls"][0]["id"] == "call_d"
     assert output_items({"role": "assistant", "content": ""}, "stop")[0]["content"][0]["text"] == ""
 
 

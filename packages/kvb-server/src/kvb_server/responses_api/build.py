@@ -8,6 +8,7 @@ from the prefix cache).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -177,6 +178,23 @@ def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dic
     return items
 
 
+def _cut_call(item: dict[str, Any]) -> bool:
+    """A function call ``max_output_tokens`` cut before its arguments were complete: left out of the
+    history, since no tool message can answer it. Blank arguments count as cut only here (a call of a
+    function without parameters may have them): cut before its arguments began, a streamed call kept them
+    blank, and every previous_response_id follow-up was a 400 (an unanswered call)."""
+    if item.get("status") != "incomplete":
+        return False
+    arguments = item.get("arguments") or ""
+    if not arguments.strip():
+        return True
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return True
+    return False
+
+
 def status_of(finish_reason: str | None) -> Status:
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -191,7 +209,7 @@ def assistant_message(output: list[dict[str, Any]]) -> ChatMessage:
             "function": {"name": item["name"], "arguments": item["arguments"]},
         }
         for item in output
-        if item["type"] == "function_call"
+        if item["type"] == "function_call" and not _cut_call(item)
     ]
     message: ChatMessage = {"role": "assistant", "content": text or (None if calls else "")}
     thought = "".join(
