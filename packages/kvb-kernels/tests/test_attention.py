@@ -163,3 +163,15 @@ def test_torch_compile_sees_one_opaque_op(device, backend):
     assert compiled.shape == eager.shape
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
     torch.testing.assert_close(compiled, reference_attention(q, k, v, mask=mask) * 2, atol=2e-5, rtol=0)
+
+
+def test_inputs_that_require_grad_are_refused_not_silently_cut_off(device):
+    # The output had no grad_fn: training through the kernel gave the projections no gradient.
+    from kvb_kernels import GradientError
+
+    q, k, v = _inputs(CASES[0], torch.float32, device)
+    weight = q.clone().requires_grad_()
+    with pytest.raises(GradientError, match="forward-only"):
+        flash_attention(weight, k, v)
+    with torch.no_grad():
+        assert flash_attention(weight, k, v).shape == q.shape  # inference on parameters is fine

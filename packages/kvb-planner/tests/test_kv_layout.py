@@ -50,3 +50,26 @@ def test_rejects_bad_values(tiny_shape):
         kv_cache_bytes(tiny_shape, tokens=-1, batch_size=1, kv_bits=16)
     with pytest.raises(PlannerConfigError, match="group_size"):
         KVQuantLayout(group_size=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("batch_size", -1), ("batch_size", 0), ("tokens", float("nan")), ("tokens", 1.5)]
+)
+def test_counts_must_be_ints(tiny_shape, field, value):
+    # A negative batch gave -5120 bytes, nan tokens a NaN estimate.
+    kwargs = {"tokens": 10, "batch_size": 1, "kv_bits": 16, field: value}
+    with pytest.raises(PlannerConfigError, match=field):
+        kv_cache_bytes(tiny_shape, **kwargs)
+
+
+def test_profile_and_ladder_values_must_be_numbers():
+    from kvb_planner import DeviceProfile, LadderStep
+
+    for bad in (float("nan"), float("inf"), 1.5, "300"):
+        with pytest.raises(PlannerConfigError, match="free_bytes"):
+            DeviceProfile(device="cpu", total_bytes=1 << 30, free_bytes=bad)
+    with pytest.raises(PlannerConfigError, match="memory_bandwidth_gbps"):
+        DeviceProfile(device="cpu", total_bytes=1, free_bytes=1, memory_bandwidth_gbps="fast")
+    for bad in (1.5, float("nan"), True):
+        with pytest.raises(PlannerConfigError, match="prefill_chunk_size"):
+            LadderStep(prefill_chunk_size=bad)

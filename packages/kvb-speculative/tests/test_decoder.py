@@ -133,6 +133,25 @@ def test_budget_shortens_drafts(target, prompt):
     assert stats.drafted_tokens == 6
 
 
+def test_the_budget_ends_the_iterator(target, prompt):
+    # It only shortened drafts: list(decode(..., max_new_tokens=8)) never returned.
+    reference = plain_decode(target, prompt, greedy(), 12)
+    decoder = SpeculativeDecoder(ScriptedDrafter(reference + [0] * 8), SpeculativeConfig(gamma=5))
+    cache, logits = prefill(target, prompt)
+    assert list(decoder.decode(target, cache, prompt, logits, greedy(), max_new_tokens=8)) == reference[:8]
+
+
+def test_decode_checks_its_inputs(target, prompt):
+    decoder = SpeculativeDecoder(ScriptedDrafter([]), SpeculativeConfig(gamma=2))
+    cache, logits = prefill(target, prompt[:, :-1])  # the prompt's last token is not in the cache
+    with pytest.raises(SpeculativeConfigError, match="prefill the prompt"):
+        next(decoder.decode(target, cache, prompt, logits, greedy()))
+    cache, logits = prefill(target, prompt)
+    for budget in (0, 2.5, float("nan")):
+        with pytest.raises(SpeculativeConfigError, match="max_new_tokens"):
+            next(decoder.decode(target, cache, prompt, logits, greedy(), max_new_tokens=budget))
+
+
 def test_stats_accumulate_and_reset(target, prompt):
     reference = plain_decode(target, prompt, greedy(), NUM_TOKENS + 8)
     decoder = SpeculativeDecoder(ScriptedDrafter(reference), SpeculativeConfig(gamma=3))

@@ -44,7 +44,18 @@ def test_sampling_is_reproducible_with_a_seed(target, prompt):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": 4, "temperature": -1.0}, "temperature")],
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "temperature": -1.0}, "temperature"),
+        # nan / inf ran until end-of-sequence (forever without one); 2.5 gave 3 tokens
+        ({"max_new_tokens": float("nan")}, "max_new_tokens"),
+        ({"max_new_tokens": float("inf")}, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens"),
+        # nan sampled from a meaningless distribution, inf uniformly
+        ({"max_new_tokens": 4, "temperature": float("nan")}, "temperature"),
+        ({"max_new_tokens": 4, "temperature": float("inf")}, "temperature"),
+        ({"max_new_tokens": 4, "top_p": float("nan")}, "top_p"),
+    ],
 )
 def test_bad_arguments_are_refused(target, prompt, kwargs, message):
     with pytest.raises(SpeculativeConfigError, match=message):

@@ -6,7 +6,14 @@ on a loaded model); direct entry points for dense, block-table (paged) and int8 
 
 from kvb_kernels._version import __version__
 from kvb_kernels.attention import flash_attention
-from kvb_kernels.errors import DeviceError, DTypeError, KernelError, KernelUnavailableError, ShapeError
+from kvb_kernels.errors import (
+    DeviceError,
+    DTypeError,
+    GradientError,
+    KernelError,
+    KernelUnavailableError,
+    ShapeError,
+)
 from kvb_kernels.hf_attention import (
     ATTN_IMPLEMENTATION,
     install_flash_attention,
@@ -23,6 +30,7 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "FlashAttnTier",
+    "GradientError",
     "KernelError",
     "KernelUnavailableError",
     "KiviKV",

@@ -8,7 +8,7 @@ import operator
 import torch
 
 from kvb_kernels.backend import device_supported, dtype_supported, interpreter_enabled, require_triton
-from kvb_kernels.errors import DeviceError, DTypeError, ShapeError
+from kvb_kernels.errors import DeviceError, DTypeError, GradientError, ShapeError
 
 MAX_HEAD_DIM = 256
 
@@ -20,6 +20,12 @@ def check_query(query: torch.Tensor) -> None:
         raise ShapeError(f"query must be [batch, heads, q_len, head_dim], got shape {tuple(query.shape)}")
     if query.shape[2] < 1:
         raise ShapeError("query has q_len == 0; pass at least one query token")
+    if torch.is_grad_enabled() and query.requires_grad:
+        # The output had no grad_fn: training through a kernel gave the projections no gradient, silently.
+        raise GradientError(
+            "query requires grad, but kvb-kernels are forward-only (no backward): call them under "
+            "torch.no_grad() or torch.inference_mode(), or train with torch's scaled_dot_product_attention"
+        )
     if not 1 <= query.shape[-1] <= MAX_HEAD_DIM:
         raise ShapeError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {query.shape[-1]}")
     if not device_supported(query.device):

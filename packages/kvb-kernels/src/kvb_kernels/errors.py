@@ -26,3 +26,8 @@ class DeviceError(KernelError, ValueError):
 
 class KernelUnavailableError(KernelError, ImportError):
     """An optional backend (Triton, a CUDA toolkit) is missing; the message says what to install."""
+
+
+class GradientError(KernelError, RuntimeError):
+    """An input requires grad: the kernels are forward-only (no backward), so their output would silently
+    carry no gradient; run them under ``torch.no_grad()`` / ``torch.inference_mode()``."""

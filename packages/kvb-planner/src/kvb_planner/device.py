@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvb_planner.errors import PlannerConfigError, UnsupportedDeviceError
+from kvb_planner.errors import PlannerConfigError, UnsupportedDeviceError, check_int
 from kvb_planner.host_memory import CGROUP_ROOT, PROC_CGROUP, read_host_memory
 from kvb_planner.probes import (
     FALLBACK_CPU_MEMORY_GBPS,
@@ -57,6 +57,8 @@ class DeviceProfile:
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        check_int("total_bytes", self.total_bytes, minimum=0)
+        check_int("free_bytes", self.free_bytes, minimum=0)
         if self.total_bytes < 0 or self.free_bytes < 0:
             raise PlannerConfigError(
                 f"total_bytes and free_bytes must be >= 0 (got {self.total_bytes}, {self.free_bytes})"
@@ -70,7 +72,12 @@ class DeviceProfile:
             raise PlannerConfigError(f"cpu_threads must be an int >= 1 or None (got {threads!r})")
         for name in ("memory_bandwidth_gbps", "host_to_device_gbps", "decode_step_ms"):
             value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
+            if value is not None and not (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value > 0
+            ):
                 raise PlannerConfigError(f"{name} must be a finite number > 0 or None (got {value})")
 
     @classmethod

@@ -17,3 +17,14 @@ class PlannerConfigError(PlannerError, ValueError):
 
 class UnsupportedDeviceError(PlannerError, ValueError):
     """The device cannot be probed (unknown type, or CUDA asked for where none is available)."""
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value`` when it is an int (not a bool) ``>= minimum``; else a :class:`PlannerConfigError` naming it.
+
+    NaN, infinities, floats and strings are counts of nothing: they were accepted and gave NaN or fractional
+    byte estimates, or failed later as bare ``ValueError`` / ``OverflowError``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlannerConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value

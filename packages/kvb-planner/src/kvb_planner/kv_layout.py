@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvb_planner.errors import PlannerConfigError
+from kvb_planner.errors import PlannerConfigError, check_int
 from kvb_planner.ladder import SUPPORTED_KV_BITS
 from kvb_planner.shape import ModelShape
 
@@ -56,8 +56,8 @@ def kv_cache_bytes(
     dtype_bytes`` + value scales ``Q * ceil(Hkv * d / G) * 2 * dtype_bytes`` + ``2 * R * Hkv * d *
     dtype_bytes`` for the residual window.
     """
-    if tokens < 0:
-        raise PlannerConfigError(f"tokens must be >= 0 (got {tokens})")
+    check_int("tokens", tokens, minimum=0)
+    check_int("batch_size", batch_size, minimum=1)
     if kv_bits not in SUPPORTED_KV_BITS:
         raise PlannerConfigError(f"kv_bits must be one of {SUPPORTED_KV_BITS} (got {kv_bits})")
     elem = shape.dtype_bytes

@@ -25,9 +25,10 @@ class LadderStep:
     kv_bits: int = 16
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise PlannerConfigError(
-                f"prefill_chunk_size must be >= 1 or None for single-shot prefill (got {self.prefill_chunk_size})"
+                f"prefill_chunk_size must be an int >= 1 or None for single-shot prefill (got {chunk!r})"
             )
         if self.kv_bits not in SUPPORTED_KV_BITS:
             raise PlannerConfigError(f"kv_bits must be one of {SUPPORTED_KV_BITS} (got {self.kv_bits})")

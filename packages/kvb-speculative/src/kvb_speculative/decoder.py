@@ -99,14 +99,31 @@ class SpeculativeDecoder:
             next_logits: ``[V]`` raw target logits at position ``S - 1``.
             processor: the request's sampling rule; outputs follow ``softmax(processor.process(...))``
                 token by token exactly (its argmax when ``processor.greedy``).
-            max_new_tokens: optional budget; drafts are shortened so no round overshoots it. Without it the
-                iterator never ends by itself.
+            max_new_tokens: optional budget (an int >= 1): drafts are shortened so no round overshoots it, and
+                the iterator ends once that many tokens are yielded. Without it the iterator never ends by
+                itself (the caller stops at end-of-sequence or closes it).
 
         When the i-th token is yielded, ``cache`` holds KV for ``input_ids`` and at least the ``i - 1``
         tokens yielded before it (the last committed token of a round enters it in the next round).
         """
         # NOTE: self._stats is read at each use, never held: reset_stats() swaps the recorder, and a request
         # in flight across a reset recorded its plain steps into the discarded one (its rounds into the new).
+        if max_new_tokens is not None and (
+            isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+        ):
+            raise SpeculativeConfigError(
+                f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}"
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise SpeculativeConfigError(
+                f"input_ids has shape {tuple(input_ids.shape)}; pass one sequence as [1, S] (batch size 1)."
+            )
+        if cache.get_seq_length() != input_ids.shape[1]:
+            # The cache must hold exactly the prompt's KV: a shorter one silently gave wrong tokens.
+            raise SpeculativeConfigError(
+                f"cache holds {cache.get_seq_length()} positions but input_ids has {input_ids.shape[1]}; "
+                "prefill the prompt into the cache first (kvb_speculative.prefill)"
+            )
         device = next_logits.device
         history = input_ids[0]  # [S + committed]
         # The prompt is prefilled: from here on rejected drafts must be croppable, past a sliding window too.
@@ -135,6 +152,8 @@ class SpeculativeDecoder:
             )
             produced += len(committed)
             yield from committed
+            if max_new_tokens is not None and produced >= max_new_tokens:
+                return
 
     def _plain_step(
         self,

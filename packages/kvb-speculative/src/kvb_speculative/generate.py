@@ -90,8 +90,10 @@ def speculative_generate(
     Raises:
         SpeculativeConfigError: a setting is out of range.
     """
-    if max_new_tokens < 1:
-        raise SpeculativeConfigError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    # NOTE: an int: nan and inf compared False against every length, so generation ran until end-of-sequence
+    # (forever without one); 2.5 gave 3 tokens.
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpeculativeConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise SpeculativeConfigError(
             f"input_ids has shape {tuple(input_ids.shape)}; pass one sequence as [1, S] (batch size 1)."

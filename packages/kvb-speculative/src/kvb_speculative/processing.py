@@ -6,6 +6,7 @@ Engines pass their own processor to :meth:`SpeculativeDecoder.decode`; this one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,16 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        # NOTE: finite numbers first: nan passed every comparison below (and sampled from a meaningless
+        # distribution), inf sampled uniformly; a string raised a bare TypeError.
+        for name in ("temperature", "repetition_penalty", "min_p") + (
+            ("top_p",) if self.top_p is not None else ()
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SpeculativeConfigError(f"{name} must be a finite number, got {value!r}.")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise SpeculativeConfigError(f"top_k must be an int >= 1 or None, got {self.top_k!r}.")
         if self.temperature < 0:
             raise SpeculativeConfigError(
                 f"temperature={self.temperature} is negative; use 0 for greedy or a positive value to sample."
