@@ -59,6 +59,15 @@ def tiered(tmp_path, *, ram_bytes=1 << 20, disk_bytes=1 << 20, codec=None, shape
     return store
 
 
+def stored(tmp_path, entries: list[ChunkEntry]) -> TieredStore:
+    """A tiered store over ``tmp_path`` holding ``entries`` on disk (written behind, flushed)."""
+    store = tiered(tmp_path)
+    for e in entries:
+        store.put(e, root=ROOT)
+    store.flush()
+    return store
+
+
 def record(entry: ChunkEntry) -> bytes:
     return encode_record(entry, RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))
 
@@ -132,10 +141,7 @@ def test_tiered_store_writes_behind_and_promotes_a_chain_after_restart(tmp_path)
 
 def test_get_without_prefetch_falls_back_to_disk_and_stops_at_a_gap(tmp_path):
     entries = chain(3)
-    store = tiered(tmp_path)
-    for e in entries:
-        store.put(e, root=ROOT)
-    store.flush()
+    store = stored(tmp_path, entries)
     store.lower[0].tier.delete(entries[1].key)
     fresh = tiered(tmp_path)
     assert fresh.get(entries[0].key) is not None
@@ -146,10 +152,7 @@ def test_get_without_prefetch_falls_back_to_disk_and_stops_at_a_gap(tmp_path):
 
 def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
     entries = chain(2)
-    store = tiered(tmp_path)
-    for e in entries:
-        store.put(e, root=ROOT)
-    store.flush()
+    store = stored(tmp_path, entries)
     path = store.lower[0].tier._path(entries[1].key)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
@@ -171,10 +174,7 @@ def test_a_chain_of_corrupt_records_heals_in_one_recompute(tmp_path):
     # The fetch stopped at the first bad record and the recompute's write-behind skipped keys the tier held:
     # the bad records further down were never replaced (each request healed one, reuse grew a chunk a time).
     entries = chain(4)
-    store = tiered(tmp_path)
-    for e in entries:
-        store.put(e, root=ROOT)
-    store.flush()
+    store = stored(tmp_path, entries)
     for e in entries:
         store.lower[0].tier._path(e.key).write_bytes(b"garbage")
     fresh = tiered(tmp_path)

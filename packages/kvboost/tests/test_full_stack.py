@@ -90,14 +90,10 @@ def test_full_stack_composer_builds_stitching_and_speculative(target):
     assert "streaming" not in stats and engine.streaming_stats() is None
 
 
-def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
-    from kvb_streaming.packer import save_awq_checkpoint
-
-    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    awq = save_awq_checkpoint(model, tmp_path / "awq", group_size=32)
-    T.AutoTokenizer.from_pretrained(target).save_pretrained(awq)
-    engine = KVBoost.from_pretrained(
-        str(awq),
+def _streamed_engine(folder) -> KVBoost:
+    """The engine over an AWQ checkpoint folder, its first layer resident and the rest streamed on the host."""
+    return KVBoost.from_pretrained(
+        str(folder),
         device="cpu",
         chunk_size=8,
         awq_streaming=True,
@@ -106,6 +102,15 @@ def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
         streaming_quant_kernel="torch",
         streaming_simulate_on_host=True,
     )
+
+
+def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    awq = save_awq_checkpoint(model, tmp_path / "awq", group_size=32)
+    T.AutoTokenizer.from_pretrained(target).save_pretrained(awq)
+    engine = _streamed_engine(awq)
     first = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
     again = engine.generate(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True)
     assert first.output_ids == again.output_ids and again.cached_tokens > 0
@@ -119,18 +124,6 @@ def test_awq_streaming_fingerprint_sees_the_streamed_layers(target, tmp_path):
     # disk/Redis namespace) missed them, so checkpoints differing only there shared records as exact hits.
     from kvb_streaming.packer import save_awq_checkpoint
 
-    def engine(folder):
-        return KVBoost.from_pretrained(
-            str(folder),
-            device="cpu",
-            chunk_size=8,
-            awq_streaming=True,
-            streaming_mode="partial_resident",
-            keep_first_k=1,
-            streaming_quant_kernel="torch",
-            streaming_simulate_on_host=True,
-        )
-
     model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     first = save_awq_checkpoint(model, tmp_path / "a", group_size=32)
     with torch.no_grad():
@@ -138,7 +131,7 @@ def test_awq_streaming_fingerprint_sees_the_streamed_layers(target, tmp_path):
     second = save_awq_checkpoint(model, tmp_path / "b", group_size=32)
     for folder in (first, second):
         T.AutoTokenizer.from_pretrained(target).save_pretrained(folder)
-    a, b, a_again = engine(first), engine(second), engine(first)
+    a, b, a_again = _streamed_engine(first), _streamed_engine(second), _streamed_engine(first)
     assert a.cache_stats()["streaming"]["streamed_layers"] == 1
     assert a.fingerprint != b.fingerprint
     assert a.fingerprint == a_again.fingerprint

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
 from kvb_cache.errors import InvalidRequestError, KVBoostError
-from kvb_cache.structured.schema_compat import llguidance_compatible
+from kvb_cache.structured.schema_compat import (
+    DATA_KEYWORDS,
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    llguidance_compatible,
+)
 from kvb_cache.structured.spec import ResponseFormat
 from kvb_cache.structured.state import GrammarState
 
@@ -38,24 +44,9 @@ def llguidance_schema(schema: Any) -> Any:
     return strict_schema(llguidance_compatible(schema))
 
 
-#: Keywords whose value maps names to subschemas, holds a list of subschemas, or is one subschema. Only these
-#: are walked: const / enum / default / examples hold *data*, which may look like a schema and must stay
-#: as given (a const of {"properties": ...} got "additionalProperties": false added, so no reply matched).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_VALUES = (
-    "additionalProperties",
-    "unevaluatedProperties",
-    "items",
-    "additionalItems",
-    "unevaluatedItems",
-    "contains",
-    "propertyNames",
-    "not",
-    "if",
-    "then",
-    "else",
-)
+# Only schema positions are walked (schema_compat's keyword sets): const / enum / default / examples hold
+# *data*, which may look like a schema and must stay as given (a const of {"properties": ...} got
+# "additionalProperties": false added, so no reply matched).
 _COMBINATORS = ("allOf", "anyOf", "oneOf")
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
 
@@ -81,14 +72,14 @@ def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
     properties = schema.get("properties")
     has_properties = isinstance(properties, dict)
     combined = any(key in schema for key in _COMBINATORS)
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             defs = key in ("$defs", "definitions")
             out[key] = {
                 name: _strict(sub, closable=not (defs and f"#/{key}/{name}" in composed), composed=composed)
                 for name, sub in schema[key].items()
             }
-    for key in _SCHEMA_VALUES:
+    for key in SCHEMA_VALUES:
         if key in schema:
             value = schema[key]
             out[key] = (
@@ -96,7 +87,7 @@ def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
                 if isinstance(value, list)  # draft-4 tuple items
                 else _strict(value, closable=True, composed=composed)
             )
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             members_closable = key == "prefixItems" or (key != "allOf" and not has_properties)
             out[key] = [_strict(v, closable=members_closable, composed=composed) for v in schema[key]]
@@ -121,7 +112,7 @@ def _composed_refs(schema: Any) -> frozenset[str]:
                 found.update(
                     m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)
                 )
-            stack.extend(v for k, v in node.items() if k not in ("const", "enum", "default", "examples"))
+            stack.extend(v for k, v in node.items() if k not in DATA_KEYWORDS)
     return frozenset(found)
 
 

@@ -38,10 +38,10 @@ _ANNOTATIONS = frozenset(
     {"title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
 )
 
-#: Keywords whose value maps names to subschemas.
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+#: Keywords whose value maps names to subschemas (shared by every walk over schema positions).
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 #: Keywords whose value is a subschema (``items`` may also be draft-7's list of subschemas).
-_SCHEMAS = frozenset(
+SCHEMA_VALUES = frozenset(
     {
         "items",
         "additionalItems",
@@ -57,7 +57,9 @@ _SCHEMAS = frozenset(
     }
 )
 #: Keywords whose value is a list of subschemas.
-_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+#: Keywords whose values are data, not schemas: never walked, never rewritten.
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 def llguidance_compatible(schema: Any) -> Any:
@@ -71,11 +73,11 @@ def llguidance_compatible(schema: Any) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
+        if key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: llguidance_compatible(sub) for name, sub in value.items()}
-        elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
+        elif (key in SCHEMA_LISTS or key == "items") and isinstance(value, list):
             out[key] = [llguidance_compatible(sub) for sub in value]
-        elif key in _SCHEMAS:
+        elif key in SCHEMA_VALUES:
             out[key] = llguidance_compatible(value)
         else:
             out[key] = value

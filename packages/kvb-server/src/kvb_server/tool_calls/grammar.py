@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from kvb_cache.structured.backend import llguidance_schema
+from kvb_cache.structured.schema_compat import DATA_KEYWORDS, SCHEMA_MAPS
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.tool_calls.spec import ToolPlan
 
@@ -23,12 +24,6 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 
 def _literal(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid Lark string literal
-
-
-#: Keywords whose values are data, not schemas: a ``"$ref"`` key inside them is not a reference.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-#: Keywords whose value maps names (of properties, definitions) to subschemas.
-_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _pointer_token(key: str) -> str:
@@ -50,9 +45,9 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = "#" + prefix + value[1:]
-        elif key in _DATA_KEYWORDS:
+        elif key in DATA_KEYWORDS:  # data: a "$ref" key inside is not a reference
             out[key] = value
-        elif key in _NAME_MAPS and isinstance(value, dict):
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             # Names, not keywords: a property called "examples" or "default" is a schema to walk (it was
             # copied as data, so its $ref kept pointing at the document root and the tool was refused).
             out[key] = {name: rebase_refs(sub, prefix) for name, sub in value.items()}

@@ -22,6 +22,7 @@ def check_tool_history(messages: list[Any]) -> None:
     ``tool_calls`` are raw dicts, checked in detail by :mod:`kvb_server.tool_calls.prompt`).
     """
     open_calls: list[str] | None = None  # ids still unanswered of the last assistant message with calls
+    made: list[str] = []  # every id that message's calls carry
     opened_at = -1
     for i, msg in enumerate(messages):
         if msg.role == "tool":
@@ -34,7 +35,6 @@ def check_tool_history(messages: list[Any]) -> None:
                     param=f"messages[{i}].role",
                 )
             call_id = msg.tool_call_id
-            made = _ids(messages[opened_at].tool_calls)
             if made and call_id not in made:
                 raise InvalidParameterError(
                     f"Invalid parameter: 'tool_call_id' of {call_id!r} not found in 'tool_calls' of "
@@ -47,7 +47,8 @@ def check_tool_history(messages: list[Any]) -> None:
         _unanswered(open_calls, opened_at)
         open_calls = None
         if msg.role == "assistant" and msg.tool_calls:
-            open_calls, opened_at = _ids(msg.tool_calls), i
+            made, opened_at = _ids(msg.tool_calls), i
+            open_calls = list(made)
     _unanswered(open_calls, opened_at)
 
 
