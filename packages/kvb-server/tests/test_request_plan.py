@@ -103,6 +103,15 @@ def test_errors_name_the_parameter() -> None:
     with pytest.raises(InvalidParameterError) as info:
         completion(prompt="a", n=17)
     assert info.value.param == "n"
+    with pytest.raises(InvalidParameterError, match=r"best_of must be at least n \(1\); got 0") as info:
+        completion(prompt="a", best_of=0)
+    assert info.value.param == "best_of" and info.value.code != "unsupported_parameter"
+    with pytest.raises(InvalidParameterError, match=r"at least n \(3\); got 2"):
+        completion(prompt="a", n=3, best_of=2)
+    with pytest.raises(InvalidParameterError, match="best_of above n is not supported") as info:
+        completion(prompt="a", best_of=2)
+    assert info.value.code == "unsupported_parameter"
+    assert completion(prompt="a", n=2, best_of=2).n == 2
     with pytest.raises(InvalidParameterError) as info:
         chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     assert info.value.param == "messages[0].tool_calls[0]"
@@ -137,6 +146,17 @@ def test_temperatures_near_zero_sample_greedily() -> None:
         ),
         ({"prompt": [[]]}, "Invalid value for 'prompt[0]': List should have at least 1 item", "prompt[0]"),
         ({"prompt": ""}, "Invalid value for 'prompt': String should have at least 1 character", "prompt"),
+        # Both branches fail on a type; the list branch's is deeper (the input is a list): its item is wrong.
+        (
+            {"prompt": "a", "stop": [1, 2]},
+            "Invalid value for 'stop[0]': Input should be a valid string",
+            "stop[0]",
+        ),
+        (
+            {"prompt": [["a"]]},
+            "Invalid value for 'prompt[0][0]': Input should be a valid integer",
+            "prompt[0][0]",
+        ),
     ],
 )
 def test_union_errors_name_the_branch_the_input_matched(body: dict, message: str, param: str) -> None:
@@ -179,7 +199,7 @@ def test_nested_errors_name_the_full_path() -> None:
         (
             ChatCompletionRequest,
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-            "messages[0].content",
+            "messages[0].content[0].text",  # the part's text, not the string branch of content
         ),
         (ChatCompletionRequest, {"messages": [{"content": "a"}]}, "messages[0].role"),
         (ChatCompletionRequest, {"stop": [""]}, "stop[0]"),

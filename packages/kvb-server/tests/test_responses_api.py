@@ -302,7 +302,7 @@ def test_stream_disconnect_aborts_the_request() -> None:
             "input[0].content[0].type",
         ),
         ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input[0].type"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_unknown"}]}, "input[0].id"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": []}]}, "input[0].type"),  # never a 500: types are looked up only when strings
         ({"tools": [{"type": {"a": 1}}]}, "tools[0].type"),

@@ -23,8 +23,14 @@ from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
 from kvb_server.request_id import RequestIdMiddleware
-from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, ResponseStreamEvent
-from kvb_server.responses_api.schemas import ResponsesRequest
+from kvb_server.responses_api.objects import (
+    DeletedResponse,
+    InputItemList,
+    InputTokenCount,
+    ResponseObject,
+    ResponseStreamEvent,
+)
+from kvb_server.responses_api.schemas import InputTokensRequest, ResponsesRequest
 from kvb_server.routes import admin_router, openai_router, tokenize_router
 from kvb_server.routes.openai import CLIENT_CLOSED
 from kvb_server.routes.responses import responses_router
@@ -193,6 +199,9 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             ResponseObject,
             ResponseStreamEvent,
             DeletedResponse,
+            InputItemList,
+            InputTokensRequest,
+            InputTokenCount,
         ),
         model_names=config.model_names,
         max_n=config.max_n,

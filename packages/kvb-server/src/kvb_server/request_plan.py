@@ -27,7 +27,7 @@ from kvb_server.sampling_params import (
 )
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
 from kvb_server.tenancy import request_salt
-from kvb_server.tool_calls import ToolPlan, detect, tool_plan
+from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, tool_plan
 
 Endpoint = Literal["completions", "chat.completions"]
 
@@ -90,9 +90,15 @@ def _reject_completion(req: CompletionRequest) -> None:
         )
     if req.suffix:
         raise UnsupportedFeatureError("suffix (insertion) is not supported by this server.", param="suffix")
-    if req.best_of is not None and req.best_of != (req.n or 1):
+    n = req.n or 1
+    if req.best_of is not None and req.best_of < n:
+        # OpenAI's rule (best_of candidates, n of them returned); 0 and negatives land here too.
+        raise InvalidParameterError(f"best_of must be at least n ({n}); got {req.best_of}.", param="best_of")
+    if req.best_of is not None and req.best_of != n:
         raise UnsupportedFeatureError(
-            "best_of is not supported; use n to get several choices.", param="best_of"
+            "best_of above n is not supported (no server-side choice of the best candidates); use n to "
+            "get several choices and rank them with logprobs.",
+            param="best_of",
         )
 
 
@@ -198,10 +204,8 @@ def chat_plan(
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
     check_logprobs(req.top_logprobs if req.logprobs else None, config, param="top_logprobs")
-    syntax = detect(engine.tokenizer)
-    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
-    check_tool_schemas(tools)
-    prompts = (render_chat(engine, chat_messages(req, syntax, tools), tools, req),)
+    syntax, tools, prompt = _chat_prompt(req, engine)
+    prompts = (prompt,)
     requested = constraints.requested_format(req)  # compile-checks the grammar: once per request
     thinking = _reasoning_plan(config, engine, prompts[0], req, tools, requested[1])
     fmt = reply_format(requested, tools, engine, syntax, thinking)
@@ -233,6 +237,24 @@ def chat_plan(
         service_tier="default" if req.service_tier is not None else None,
         reasoning=thinking,
     )
+
+
+def _chat_prompt(
+    req: ChatCompletionRequest, engine: ServingEngine
+) -> tuple[ToolSyntax, ToolPlan | None, list[int]]:
+    """The tool syntax, the tool plan and the prompt ids of a chat request (its tools rendered)."""
+    syntax = detect(engine.tokenizer)
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
+    check_tool_schemas(tools)
+    return syntax, tools, render_chat(engine, chat_messages(req, syntax, tools), tools, req)
+
+
+def chat_prompt_tokens(req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig) -> list[int]:
+    """The prompt ids ``chat_plan`` would queue for ``req``, without its generation checks (the reply's
+    budget against the context, the queue's room): what ``POST /v1/responses/input_tokens`` counts."""
+    served_model(req.model, config)
+    _reject_chat(req)
+    return _chat_prompt(req, engine)[2]
 
 
 def _reasoning_plan(

@@ -185,11 +185,23 @@ def field_path(loc: tuple[str | int, ...], model: type[BaseModel] | None = None)
     return path
 
 
+def _rank(error: Any, model: type[BaseModel] | None) -> tuple[bool, int]:
+    """Which of a union's errors explains the failure (the smallest first; ties keep pydantic's order): a
+    value error before a type mismatch, and among type mismatches the deepest one. ``"stop": [1, 2]`` fails
+    the string branch at ``stop`` and the list branch at ``stop[0]``: the list branch matched the input's
+    type, so ``stop[0]`` is what is wrong."""
+    if not _is_type_mismatch(error):
+        return (False, 0)
+    loc = tuple(error.get("loc", ()))
+    depth = len(_walk(model, loc)) if model is not None else sum(map(_is_field, loc))
+    return (True, -depth)
+
+
 def invalid_parameter(exc: ValidationError, model: type[BaseModel] | None = None) -> InvalidParameterError:
     """The 400 for ``exc`` (raised validating ``model``): ``param`` and the message name the full path,
     as OpenAI's do (``text.format.name``, ``messages[0].content``)."""
     errors = exc.errors()
-    first = next((e for e in errors if not _is_type_mismatch(e)), errors[0])
+    first = min(errors, key=lambda e: _rank(e, model))
     loc = tuple(first.get("loc", ()))
     param = field_path(loc, model) or (str(loc[0]) if loc else None)
     where = param

@@ -111,6 +111,25 @@ class DeletedResponse(BaseModel):
     deleted: Literal[True]
 
 
+class InputItemList(BaseModel):
+    """``GET /v1/responses/{id}/input_items``: a cursor page of the conversation's input items."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]] = Field(
+        description="input items (message, function_call, function_call_output, reasoning), each with an id"
+    )
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class InputTokenCount(BaseModel):
+    """``POST /v1/responses/input_tokens``."""
+
+    object: Literal["response.input_tokens"]
+    input_tokens: int = Field(description="the prompt tokens POST /v1/responses would queue for this input")
+
+
 # -- stream events ------------------------------------------------------------------------------------------
 class _Event(BaseModel):
     sequence_number: int

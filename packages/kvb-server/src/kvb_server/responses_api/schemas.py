@@ -3,8 +3,8 @@
 As for the chat routes (:mod:`kvb_server.schemas.generation_requests`): types are strict, unknown fields
 are a 400, and what OpenAI defines but this server does not implement is declared so that :mod:`.convert`
 refuses it by name.
-Input items, content parts and tools whose ``type`` this server does not serve (images, files, item
-references, built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
+Input items, content parts and tools whose ``type`` this server does not serve (images, files,
+built-in tools, ...) parse into the ``Unsupported*`` models for the same reason.
 
 Fields an SDK sends back when a client passes ``response.output`` items as the next ``input`` (``id``,
 ``status``, ``annotations``, ``logprobs``, ``phase``; a function call's ``async``, ``caller``, ``namespace``)
@@ -174,8 +174,18 @@ class ReasoningItem(BaseModel):
     status: ItemStatus | None = None
 
 
+class ItemReference(BaseModel):
+    """An item of a stored response named by its ``id`` (an input item or an output item): replaced by the
+    stored item before the request is served (:mod:`kvb_server.responses_api.items`)."""
+
+    model_config = _STRICT
+
+    type: Literal["item_reference"]
+    id: Annotated[str, Field(min_length=1)]
+
+
 class UnsupportedItem(BaseModel):
-    """Item references, built-in tool calls and their outputs: refused by type."""
+    """Built-in tool calls and their outputs: refused by type."""
 
     model_config = _LOOSE
 
@@ -187,8 +197,12 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ItemReference, Tag("item_reference")]
     | Annotated[UnsupportedItem, Tag("unsupported"), _NONE_ACCEPTED],
-    _tag(frozenset({"message", "function_call", "function_call_output", "reasoning"}), default="message"),
+    _tag(
+        frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference"}),
+        default="message",
+    ),
 ]
 
 
@@ -352,3 +366,42 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Annotated[TopLogprobs | None, _only({"enum": [0, None]}, "top_logprobs")] = None
     conversation: Annotated[str | dict[str, Any] | None, _only(_NULL, "the Conversations API")] = None
     prompt: Annotated[dict[str, Any] | None, _only(_NULL, "prompt templates")] = None
+
+
+class InputTokensRequest(BaseModel):
+    """``POST /v1/responses/input_tokens``: the fields of a Responses request that shape its prompt.
+
+    ``model`` defaults to the first served name. Without ``input``, the count is that of the conversation
+    ``previous_response_id`` continues (and ``instructions``).
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    input: Annotated[list[InputItem], Field(min_length=1)] | str | None = None
+    instructions: str | None = None
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    # Declared only to be refused by name unless they hold their default, as on POST /v1/responses.
+    truncation: Annotated[
+        Literal["auto", "disabled"] | None, _only({"enum": ["disabled", None]}, "truncation='auto'")
+    ] = None
+    reasoning: Annotated[
+        dict[str, Any] | None,
+        _only({"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}, "reasoning options"),
+    ] = None
+    conversation: Annotated[str | dict[str, Any] | None, _only(_NULL, "the Conversations API")] = None
+    personality: Annotated[str | None, _only(_NULL, "personality presets")] = None
+
+    def as_request(self, model: str) -> ResponsesRequest:
+        """The Responses request these fields describe (``input`` empty when left out)."""
+        fields = self.model_fields_set - {"personality", "model", "input"}
+        # Built from already-validated values: model_construct keeps the parsed items as they are.
+        return ResponsesRequest.model_construct(
+            **{name: getattr(self, name) for name in fields},
+            model=self.model or model,
+            input=self.input or [],
+        )

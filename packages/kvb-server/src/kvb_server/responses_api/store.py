@@ -3,6 +3,9 @@
 Each entry keeps a response object and the conversation that produced it (its input messages, inherited
 ones included, then its output as one assistant message), so a follow-up request's messages are that
 conversation plus its new input: its prompt starts with the previous turn's tokens, a prefix-cache hit.
+It also keeps that input as Responses items with ids (:mod:`kvb_server.responses_api.items`), for
+``GET /v1/responses/{id}/input_items`` and for ``item_reference`` inputs, which :meth:`ResponseStore.item`
+finds by id among every stored response's input and output items.
 
 Entries are scoped by the caller's API-key salt (:attr:`kvb_server.tenancy.Caller.key_salt`): a key never
 reads, continues or deletes another key's responses. Nothing survives a restart.
@@ -36,12 +39,19 @@ class StoredResponse:
         response: the response object as ``GET /v1/responses/{id}`` returns it.
         conversation: chat messages of the whole conversation up to and including this response's output,
             without ``instructions`` (OpenAI does not carry those over to a follow-up).
+        items: the input items of the whole conversation, oldest first: the inherited ones (the previous
+            response's items, then its output items), then this request's input, each with an ``id``.
         chars: this entry's share of the store's budget.
     """
 
     response: dict[str, Any]
     conversation: tuple[ChatMessage, ...]
+    items: tuple[dict[str, Any], ...] = ()
     chars: int
+
+    def history(self) -> tuple[dict[str, Any], ...]:
+        """The items a follow-up inherits: this response's input items, then its output items."""
+        return (*self.items, *self.response["output"])
 
 
 class ResponseStore:
@@ -58,6 +68,9 @@ class ResponseStore:
         self._max_chars = max_chars
         self._entries: OrderedDict[tuple[str | None, ResponseId], StoredResponse] = OrderedDict()
         self._chars = 0
+        # (key salt, item id) -> (the item, how many entries hold it): a follow-up's entry holds the items
+        # it inherited too, so an item is forgotten with the last entry that holds it.
+        self._items: dict[tuple[str | None, str], tuple[dict[str, Any], int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,18 +83,34 @@ class ResponseStore:
             self._entries.move_to_end(key)
         return entry
 
+    def item(self, key_salt: str | None, item_id: str) -> dict[str, Any] | None:
+        """The input or output item ``item_id`` of a response stored under ``key_salt``; None when no
+        stored response holds it."""
+        found = self._items.get((key_salt, item_id))
+        return None if found is None else found[0]
+
     def put(
-        self, key_salt: str | None, response: dict[str, Any], conversation: tuple[ChatMessage, ...]
+        self,
+        key_salt: str | None,
+        response: dict[str, Any],
+        conversation: tuple[ChatMessage, ...],
+        items: tuple[dict[str, Any], ...] = (),
     ) -> None:
-        """Store ``response`` (its ``id`` is the key) and its conversation, dropping the least recently
-        used entries while the store is over its bounds."""
+        """Store ``response`` (its ``id`` is the key), its conversation and its input items, dropping the
+        least recently used entries while the store is over its bounds."""
         entry = StoredResponse(
-            response=response, conversation=conversation, chars=_size(conversation) + _size(response)
+            response=response,
+            conversation=conversation,
+            items=items,
+            chars=_size(conversation) + _size(response) + _size(items),
         )
         key = (key_salt, ResponseId(response["id"]))
         self._drop(key)
         self._entries[key] = entry
         self._chars += entry.chars
+        for item in entry.history():
+            held = self._items.get((key_salt, item["id"]))
+            self._items[(key_salt, item["id"])] = (item, 1) if held is None else (held[0], held[1] + 1)
         while self._entries and (len(self._entries) > self._max_entries or self._chars > self._max_chars):
             self._drop(next(iter(self._entries)))
 
@@ -94,6 +123,13 @@ class ResponseStore:
         if entry is None:
             return False
         self._chars -= entry.chars
+        for item in entry.history():
+            item_key = (key[0], item["id"])
+            held, count = self._items[item_key]
+            if count == 1:
+                del self._items[item_key]
+            else:
+                self._items[item_key] = (held, count - 1)
         return True
 
 

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{response_id}``,
+``GET /v1/responses/{response_id}/input_items`` and ``POST /v1/responses/input_tokens``.
 
 A translator over the chat route: the request becomes a chat request (:mod:`kvb_server.responses_api.convert`)
 served by the same plan and service; its chat completion (or chunks) becomes a response object (or the
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvb_server.config import ServerConfig
@@ -20,7 +21,7 @@ from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError, ServerError, UnsupportedFeatureError
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_body import off_loop, parse_request
-from kvb_server.request_plan import GenerationPlan, chat_plan
+from kvb_server.request_plan import GenerationPlan, chat_plan, chat_prompt_tokens
 from kvb_server.responses_api.build import (
     ResponseEnvelope,
     assistant_message,
@@ -30,8 +31,15 @@ from kvb_server.responses_api.build import (
 )
 from kvb_server.responses_api.convert import ChatTranslation, responses_error, to_chat
 from kvb_server.responses_api.events import StreamTranslator, sse
-from kvb_server.responses_api.objects import DeletedResponse, ResponseObject, ResponseStreamEvent
-from kvb_server.responses_api.schemas import ResponsesRequest
+from kvb_server.responses_api.items import DEFAULT_LIMIT, MAX_LIMIT, Item, page, resolve_references
+from kvb_server.responses_api.objects import (
+    DeletedResponse,
+    InputItemList,
+    InputTokenCount,
+    ResponseObject,
+    ResponseStreamEvent,
+)
+from kvb_server.responses_api.schemas import InputTokensRequest, ResponsesRequest
 from kvb_server.responses_api.store import ResponseNotFoundError, ResponseStore
 from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADERS
 from kvb_server.service import ClientDisconnected, GenerationService
@@ -74,8 +82,11 @@ def responses_router(
     store = store if store is not None else ResponseStore()
     authenticated = Depends(keys)
 
-    def translate(req: ResponsesRequest, caller: Caller) -> ChatTranslation:
+    def translate(req: ResponsesRequest, caller: Caller) -> tuple[ChatTranslation, tuple[Item, ...]]:
+        """The chat request serving ``req``, and the input items its stored response keeps (the
+        inherited ones, then its own, references resolved)."""
         inherited: tuple[dict[str, Any], ...] = ()
+        inherited_items: tuple[Item, ...] = ()
         if req.previous_response_id is not None:
             previous = store.get(caller.key_salt, req.previous_response_id)
             if previous is None:
@@ -87,12 +98,20 @@ def responses_router(
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
-            inherited = previous.conversation
-        return to_chat(req, inherited)
+            inherited, inherited_items = previous.conversation, previous.history()
+        req, own = resolve_references(req, lambda i: store.item(caller.key_salt, i), inherited_items)
+        return to_chat(req, inherited), (*inherited_items, *own)
 
-    def keep(caller: Caller, req: ResponsesRequest, response: dict[str, Any], t: ChatTranslation) -> None:
+    def keep(
+        caller: Caller,
+        req: ResponsesRequest,
+        response: dict[str, Any],
+        t: ChatTranslation,
+        items: tuple[Item, ...],
+    ) -> None:
         if req.store is not False:
-            store.put(caller.key_salt, response, (*t.conversation, assistant_message(response["output"])))
+            conversation = (*t.conversation, assistant_message(response["output"]))
+            store.put(caller.key_salt, response, conversation, items)
 
     async def stream_events(
         plan: GenerationPlan,
@@ -100,6 +119,7 @@ def responses_router(
         req: ResponsesRequest,
         caller: Caller,
         t: ChatTranslation,
+        items: tuple[Item, ...],
         envelope: ResponseEnvelope,
     ) -> Response:
         # Admission errors and failures before the first token are still plain HTTP errors.
@@ -120,7 +140,9 @@ def responses_router(
                     if translator.failed:
                         return
             end = translator.final()
-            keep(caller, req, end.response, t)  # before the last event: a follow-up may come right after it
+            keep(
+                caller, req, end.response, t, items
+            )  # before the last event: a follow-up may come right after it
             for event in end.events:
                 yield sse(event)
 
@@ -136,11 +158,11 @@ def responses_router(
         """OpenAI's Responses API over the chat machinery (``stream: true`` for its Server-Sent Events)."""
         req = await parse_request(request, ResponsesRequest, config)
         try:
-            t = translate(req, caller)
+            t, items = translate(req, caller)
             plan = await off_loop(request, chat_plan, t.request, engine, config, key_salt=caller.key_salt)
             envelope = ResponseEnvelope.new(req, config.sampling_defaults)
             if plan.stream:
-                return await stream_events(plan, request, req, caller, t, envelope)
+                return await stream_events(plan, request, req, caller, t, items, envelope)
             body = await service.complete(plan, request.is_disconnected)
         except ServerError as exc:
             raise responses_error(exc) from None
@@ -150,10 +172,30 @@ def responses_router(
         output = output_items(choice["message"], choice["finish_reason"])
         status = status_of(choice["finish_reason"])
         response = envelope.object(status, output, usage=usage(body["usage"]))
-        keep(caller, req, response, t)
+        keep(caller, req, response, t, items)
         truncation = body.get("prompt_truncation")
         headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None
         return JSONResponse(response, headers=headers)
+
+    @router.post(
+        "/responses/input_tokens",
+        openapi_extra=json_body(InputTokensRequest),
+        responses=responses(InputTokenCount, errors=(400, 401, 404, 413)),
+    )
+    async def count_input_tokens(request: Request, caller: Caller = authenticated) -> dict[str, Any]:
+        """The prompt tokens ``POST /v1/responses`` would queue for this input (rendered by the same chat
+        template, tools included), as OpenAI's input-token count; nothing is generated or stored."""
+        body = await parse_request(request, InputTokensRequest, config)
+        if body.personality is not None:
+            raise UnsupportedFeatureError(
+                "personality: personality presets are not supported.", param="personality"
+            )
+        try:
+            t, _ = translate(body.as_request(config.model_names[0]), caller)
+            tokens = await off_loop(request, chat_prompt_tokens, t.request, engine, config)
+        except ServerError as exc:
+            raise responses_error(exc) from None
+        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @router.get("/responses/{response_id}", responses=responses(ResponseObject, errors=(400, 401, 404)))
     async def get_response(
@@ -165,6 +207,29 @@ def responses_router(
         if stored is None:
             raise ResponseNotFoundError(response_id)
         return stored.response
+
+    @router.get(
+        "/responses/{response_id}/input_items", responses=responses(InputItemList, errors=(400, 401, 404))
+    )
+    async def list_input_items(
+        response_id: str,
+        request: Request,
+        caller: Caller = authenticated,
+        limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """The input items of a stored response: the whole conversation it continued (inherited input and
+        output items), then its own input, as a cursor page (newest first unless ``order=asc``)."""
+        if any(request.query_params.get(name) for name in ("include", "include[]")):
+            raise UnsupportedFeatureError(
+                "include: include is not supported (no images, logprobs or tool outputs to add).",
+                param="include",
+            )
+        stored = store.get(caller.key_salt, response_id)
+        if stored is None:
+            raise ResponseNotFoundError(response_id)
+        return page(stored.items, limit=limit, order=order, after=after)
 
     @router.delete("/responses/{response_id}", responses=responses(DeletedResponse, errors=(401, 404)))
     async def delete_response(response_id: str, caller: Caller = authenticated) -> dict[str, Any]:
