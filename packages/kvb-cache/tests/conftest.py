@@ -156,6 +156,16 @@ def words(n: int, seed: int = 0) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 10, (n,), generator=g))
 
 
+def reply_text(
+    tokenizer: T.PreTrainedTokenizerBase, prompt: str, ids: list[int], *, skip_special_tokens: bool = True
+) -> str:
+    """The text of the reply ``ids`` as it reads after ``prompt`` (what the engine returns): with this
+    word-level tokenizer, a space before each word, the first included."""
+    context = tokenizer(prompt)["input_ids"]
+    full = tokenizer.decode(context + list(ids), skip_special_tokens=skip_special_tokens)
+    return full[len(tokenizer.decode(context, skip_special_tokens=skip_special_tokens)) :]
+
+
 def rag_prompts(tokenizer: T.PreTrainedTokenizerFast) -> tuple[list[int], list[int]]:
     """The same three documents in two orders after a shared system prompt, then different questions: the
     second prompt stitches the first one's chunks."""

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import words
+from conftest import reply_text, words
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, NonFiniteLogitsError, SamplingParams
 from kvb_cache.sampling import RequestProcessor
@@ -169,8 +169,7 @@ def test_stop_token_ids_end_generation_and_name_the_token(engine, path):
     stopped = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=[stop_id], ignore_eos=True, **extra)
     assert stopped.output_ids == free.output_ids[:4]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
-    upto = engine.tokenizer.decode(free.output_ids[:3], skip_special_tokens=True)
-    assert stopped.output_text == upto
+    assert stopped.output_text == reply_text(engine.tokenizer, PROMPT, free.output_ids[:3])
     kept = engine.generate(
         PROMPT,
         max_new_tokens=24,
@@ -179,7 +178,7 @@ def test_stop_token_ids_end_generation_and_name_the_token(engine, path):
         ignore_eos=True,
         **extra,
     )
-    assert kept.output_text == engine.tokenizer.decode(free.output_ids[:4], skip_special_tokens=True)
+    assert kept.output_text == reply_text(engine.tokenizer, PROMPT, free.output_ids[:4])
     held = engine.generate(
         PROMPT, max_new_tokens=24, stop_token_ids=[stop_id], min_tokens=10, ignore_eos=True, **extra
     )
@@ -200,7 +199,7 @@ def test_skip_special_tokens_false_keeps_their_text(engine):
     forced = {"logit_bias": {eos: 100}, "ignore_eos": True, "max_new_tokens": 3}
     assert engine.generate(PROMPT, **forced).output_text == ""
     kept = engine.generate(PROMPT, skip_special_tokens=False, **forced).output_text
-    assert kept == engine.tokenizer.decode([eos] * 3, skip_special_tokens=False) and kept
+    assert kept == reply_text(engine.tokenizer, PROMPT, [eos] * 3, skip_special_tokens=False) and kept
 
 
 @pytest.mark.parametrize("value", [[-1], ["7"], [True], 7, [10**6]])
@@ -223,7 +222,7 @@ def _stop_cases(text: str, words_out: list[str]):
     """Stop strings cutting the output inside token ``k`` or exactly at its start (whose text is " w.."),
     each found first where intended; yields ``(stop, k, tokens left, tokens left with the stop kept)``."""
     for k in range(2, len(words_out) - 2):
-        start = len(" ".join(words_out[:k]))  # where token k's text (" wN") begins
+        start = len(" ".join(["", *words_out[:k]]))  # where token k's text (" wN") begins
         inside = words_out[k][1:] + " " + words_out[k + 1]  # from the second character of token k's word
         at = " " + words_out[k] + " " + words_out[k + 1]
         if text.find(inside) == start + 2 and text.find(at) == start:
@@ -239,7 +238,7 @@ def test_logprobs_leave_out_the_tokens_of_a_cut_stop_string(engine, path):
     # server's text_offset pointed past the text, and the tokens' bytes spelt the stop string).
     extra = {"kv_cache_bits": 8} if path == "solo" else {}  # a private quantized cache runs generation.py
     full = engine.generate(PROMPT, max_new_tokens=10, logprobs=0, ignore_eos=True, **extra)
-    words_out = full.output_text.split(" ")
+    words_out = full.output_text.split()  # the text is " w1 w2 ...": each word after a space
     assert len(words_out) == 10
     for stop, k, kept, kept_with_stop in _stop_cases(full.output_text, words_out):
         cut = engine.generate(PROMPT, max_new_tokens=10, logprobs=0, ignore_eos=True, stop=stop, **extra)

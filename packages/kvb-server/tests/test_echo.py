@@ -249,3 +249,46 @@ def test_bad_echo_requests_are_400s(tiny_url: str, tiny_engine: KVBoost) -> None
     full = [5] * tiny_engine.context_length  # fills the context: scorable, nothing generated
     resp = httpx.post(url, json={**body, "prompt": full}, timeout=60)
     assert resp.status_code == 200 and len(resp.json()["choices"][0]["logprobs"]["tokens"]) == len(full)
+
+
+def test_a_bos_the_echoed_text_lacks_takes_no_room_in_the_offsets() -> None:
+    """A text prompt is echoed as sent; the BOS it was encoded with is a token of the prompt but not of the
+    text. Its text ("<|begin_of_text|>") was counted: "Hello world" had offsets [0, 17, 22]."""
+    from kvb_cache.results import TokenLogprob
+    from kvb_server.echo import Echo
+    from kvb_server.token_bytes import TextOffsets
+
+    scored = (
+        TokenLogprob(token_id=5, token="Hello", logprob=-1.0),
+        TokenLogprob(token_id=6, token=" world", logprob=-2.0),
+    )
+    echo = Echo(
+        text="Hello world",
+        first_token="<|begin_of_text|>",
+        first_token_id=1,
+        logprobs=scored,
+        special_ids=frozenset({1}),
+    )
+    assert echo.logprob_arrays(TextOffsets())["text_offset"] == [0, 0, 5]
+    # Echoing token ids, the text is their decode, BOS included: it takes its room there.
+    ids_echo = Echo(
+        text="<|begin_of_text|>Hello world",
+        first_token="<|begin_of_text|>",
+        first_token_id=1,
+        logprobs=scored,
+        special_ids=frozenset({1}),
+    )
+    assert ids_echo.logprob_arrays(TextOffsets())["text_offset"] == [0, 17, 22]
+
+
+def test_completion_top_keeps_the_chosen_tokens_own_logprob_under_a_shared_text() -> None:
+    """Every lone byte token reads U+FFFD: the chosen one's entry was shadowed by a likelier namesake."""
+    from kvb_cache.results import TokenLogprob
+    from kvb_server.echo import completion_top
+
+    entry = TokenLogprob(
+        token_id=7, token="\ufffd", logprob=-6.8, top=((3, "ad", -3.7), (9, "\ufffd", -4.3), (4, "ex", -4.1))
+    )
+    assert completion_top(entry) == {"ad": -3.7, "\ufffd": -6.8, "ex": -4.1}
+    among = TokenLogprob(token_id=3, token="ad", logprob=-3.7, top=((3, "ad", -3.7), (4, "ex", -4.1)))
+    assert completion_top(among) == {"ad": -3.7, "ex": -4.1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,8 +30,9 @@ class Emitter:
     ``eos`` ends generation (empty with ``ignore_eos``); ``stop_ids`` (the request's ``stop_token_ids``) end
     it too and become its ``stop_reason``. The text of the token or string that stopped generation is left
     out unless ``include_stop`` (vLLM's ``include_stop_str_in_output``). ``min_new`` (the request's
-    ``min_tokens``): stop strings count only once that many tokens are generated, as vLLM does; stop
-    tokens are held back earlier, in the logits.
+    ``min_tokens``): stop strings count only in the text of the tokens after the first ``min_new``, as
+    vLLM's detokenizer does (one reaching back into that text counts, one wholly inside it never does);
+    stop tokens are held back earlier, in the logits.
     """
 
     detok: IncrementalDetokenizer
@@ -50,11 +52,18 @@ class Emitter:
 
     @classmethod
     def build(
-        cls, tokenizer: PreTrainedTokenizerBase, eos: frozenset[int], params: SamplingParams
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        eos: frozenset[int],
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
     ) -> Emitter:
-        """The emitter of one request (``eos``: the model's end-of-sequence ids)."""
+        """The emitter of one request (``eos``: the model's end-of-sequence ids; ``prompt``: its prompt ids,
+        whose last tokens the text is decoded after)."""
         return cls(
-            detok=IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens),
+            detok=IncrementalDetokenizer(
+                tokenizer, skip_special_tokens=params.skip_special_tokens, context=prompt
+            ),
             stops=StopStrings(params.stop),
             eos=frozenset() if params.ignore_eos else eos,
             max_new=params.max_new_tokens,
@@ -80,12 +89,13 @@ class Emitter:
             return self._finish("stop", len(self.text))
         before = len(self.text)
         self.text += self.detok.push(token)
-        match = self.stops.find(self.text, before) if produced >= self.min_new else None
+        counts = produced > self.min_new  # stop strings count in this token's text
+        match = self.stops.find(self.text, before) if counts else None
         if match is not None:
             return self._stopped(match)
         if produced >= self.max_new:
             self.text += self.detok.flush()
-            match = self.stops.find(self.text, before)
+            match = self.stops.find(self.text, before) if counts else None
             if match is not None:
                 return self._stopped(match)
             return self._finish("length", len(self.text))

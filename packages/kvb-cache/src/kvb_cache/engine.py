@@ -20,6 +20,7 @@ from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder
+from kvb_cache.detokenize import token_text as piece_text
 from kvb_cache.engine_args import EngineArgs, seed_torch
 from kvb_cache.errors import ConfigError, ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
@@ -288,7 +289,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_text[token_id] = piece_text(self.tokenizer, token_id)
         return text
 
     # ----------------------------------------------------------------------------------- public API

@@ -34,7 +34,7 @@ def run(
     cache = prepared.cache
     hist = torch.empty(n + params.max_new_tokens, dtype=torch.long, device=device)
     hist[:n] = torch.tensor(ids, dtype=torch.long, device=device)
-    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params)
+    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params, ids)
     processor = RequestProcessor(params, prompt_len=n, device=device, eos=emitter.stop_tokens)
     out: list[int] = []
     streamed = 0  # tokens of ``out`` already carried by an event

@@ -25,7 +25,7 @@ def new_request(
     root: ChunkHash | None = None,
 ) -> Request:
     """A loop request with its sampling processor and text emitter (``root``: its salted chain root)."""
-    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params)
+    emitter = Emitter.build(engine.tokenizer, engine.eos_token_ids, params, ids)
     return Request(
         request_id=rid,
         tokens=list(ids),

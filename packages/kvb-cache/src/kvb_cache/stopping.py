@@ -19,13 +19,18 @@ class StopStrings:
         self._longest = max((len(s) for s in stops), default=0)
 
     def find(self, text: str, new_from: int) -> StopMatch | None:
-        """Earliest stop string in ``text`` that ends at or after ``new_from`` (only new text can complete one)."""
+        """Earliest stop string in ``text`` that ends past ``new_from`` (only new text can complete one).
+
+        Each stop is looked for from ``len(stop) - 1`` characters before ``new_from``, its own length: with
+        the longest stop's reach for all, a short stop lying wholly before ``new_from`` was found, which
+        with ``min_tokens`` is one completed (and streamed) before stops counted (vLLM's
+        ``check_stop_strings`` sizes the window per stop the same way).
+        """
         if not self.stops:
             return None
-        begin = max(0, new_from - self._longest + 1)
         best: StopMatch | None = None
         for stop in self.stops:
-            index = text.find(stop, begin)
+            index = text.find(stop, max(0, new_from - len(stop) + 1))
             if index != -1 and (best is None or index < best.index):
                 best = StopMatch(index, stop)
         return best

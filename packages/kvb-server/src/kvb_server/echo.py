@@ -34,11 +34,15 @@ def completion_top(entry: TokenLogprob) -> dict[str, float]:
     OpenAI and vLLM always include the chosen (sampled, or for an echoed prompt the prompt's) token, so a
     dict holds up to N + 1 entries and a client can read the token's rank from it; the engine's
     alternatives are only the N best, which leave it out whenever it is not among them (a sampled token
-    below the top N, any prompt token the model did not expect). Added last: it ranks below them all.
+    below the top N, any prompt token the model did not expect). Added last when it is not among them (it
+    ranks below them all).
     """
-    top = {text: lp for _, text, lp in entry.top}
-    if not any(token_id == entry.token_id for token_id, _, _ in entry.top):
-        top.setdefault(entry.token, entry.logprob)
+    top: dict[str, float] = {}
+    for _, text, lp in entry.top:
+        top.setdefault(text, lp)  # most likely first: a text two tokens share keeps the likelier one
+    # The chosen token's own entry wins a shared text (every lone byte token reads U+FFFD): a client reads
+    # top_logprobs[token] as its token's log-probability.
+    top[entry.token] = entry.logprob
     return top
 
 
@@ -53,6 +57,9 @@ class Echo:
     first_token_id: int
     #: The prompt's tokens after the first (``KVBoost.prompt_scorer``); None: logprobs not requested.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: The tokenizer's special tokens: one the echoed text does not hold where it stands (the BOS a text
+    #: prompt was encoded with: ``text`` is the prompt as sent) takes no room in it.
+    special_ids: frozenset[int] = frozenset()
 
     def logprob_arrays(self, offsets: TextOffsets) -> dict[str, list[Any]]:
         """OpenAI's completions-style arrays for the prompt tokens, their text offsets read from ``offsets``
@@ -62,14 +69,21 @@ class Echo:
             "tokens": [self.first_token],
             "token_logprobs": [None],
             "top_logprobs": [None],
-            "text_offset": [offsets.advance(self.first_token_id, self.first_token)],
+            "text_offset": [self._advance(offsets, self.first_token_id, self.first_token)],
         }
         for e in self.logprobs:
             arrays["tokens"].append(e.token)
             arrays["token_logprobs"].append(e.logprob)
             arrays["top_logprobs"].append(completion_top(e))
-            arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
+            arrays["text_offset"].append(self._advance(offsets, e.token_id, e.token))
         return arrays
+
+    def _advance(self, offsets: TextOffsets, token_id: int, token: str) -> int:
+        if token_id in self.special_ids and not self.text.startswith(token, offsets.position):
+            # Added by the tokenizer, not in the echoed text (a "Hello" prompt encoded as BOS + "Hello"):
+            # counted, every offset after it ran len(BOS) characters past its token, most past the text.
+            return offsets.position
+        return offsets.advance(token_id, token)
 
 
 def prompt_only_result(prompt_tokens: int, *, logprobs: bool) -> GenerationResult:

@@ -164,6 +164,7 @@ class GenerationService:
         if self._engine is None or self._scoring is None:
             raise EngineError("echo needs the service to hold the engine (GenerationService(engine=...)).")
         engine, top = self._engine, plan.sampling.logprobs
+        special = frozenset(getattr(engine.tokenizer, "all_special_ids", ()) or ())
         echoes = []
         for prompt, text in zip(plan.prompts, plan.echo):
             scored = None
@@ -182,6 +183,7 @@ class GenerationService:
                     first_token=engine.token_text(prompt[0]),
                     first_token_id=prompt[0],
                     logprobs=scored,
+                    special_ids=special,
                 )
             )
         return echoes
