@@ -70,6 +70,14 @@ def test_miss_gives_an_empty_cache_and_every_token_to_feed(llama, tokenizer):
     assert hit.remaining_ids == PROMPT and hit.token_ids == tuple(PROMPT)
 
 
+def test_storing_a_misses_empty_cache_stores_nothing(llama, tokenizer):
+    """lookup then store is a natural round trip; a miss's empty cache was a 400 ("holds no dense KV")."""
+    eng = engine(llama, tokenizer)
+    assert eng.store_cache(PROMPT, eng.lookup_cache(PROMPT).cache) == 0
+    assert eng.store_cache(PROMPT, T.DynamicCache()) == 0
+    assert eng.lookup_cache(PROMPT).cached_tokens == 0
+
+
 def test_store_then_lookup_is_a_full_hit_cropped_for_generate(llama, tokenizer):
     eng = engine(llama, tokenizer)
     assert eng.store_cache(PROMPT, prefilled(llama, PROMPT)) == len(PROMPT)

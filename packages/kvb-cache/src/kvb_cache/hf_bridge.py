@@ -179,6 +179,10 @@ class HFCacheBridge:
         """
         ids = self._bridge_ids(token_ids)
         root = self._salted_root(cache_salt)
+        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+            # Nothing to store: the empty cache of a lookup_cache miss (its layers hold no tensors yet) handed
+            # back, a natural round trip, was a 400.
+            return 0
         dense = self._dense_layers(cache)
         length = min(len(ids), dense[0][0].shape[2])
         if length == 0 or not self.kv.caching:

@@ -74,7 +74,13 @@ def bench_restore(
                 raise InvalidRequestError(
                     f"the benchmark text has only {len(prompt_ids)} tokens; lower --lengths"
                 )
-            cold = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16))
+            # Pools sized to the prompt: the derived ones (256 MiB with reuse off, the byte budget with it on)
+            # held 5824 SmolLM2 tokens, so --lengths 6000 failed inside the model's context, advising a
+            # --num-blocks this command does not take.
+            blocks = -(-(n + 2) // EngineConfig().block_size) + 1
+            cold = KVBoost(
+                model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16, num_blocks=blocks)
+            )
             cold_ms, _ = _median_ms(
                 lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None
             )
@@ -82,9 +88,8 @@ def bench_restore(
                 RestoreTiming(tokens=n, source="cold", median_ms=cold_ms, cached_tokens=0, speedup=1.0)
             )
             for source, tier in tiers.items():
-                engine = KVBoost(
-                    model, tokenizer, config=EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier)
-                )
+                config = EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier, num_blocks=blocks)
+                engine = KVBoost(model, tokenizer, config=config)
                 engine.warm(ids[:n])
                 engine.flush()
                 # Empty RAM (the pool's cached blocks) before each run so the chain comes from the tier
