@@ -51,3 +51,35 @@ def test_duplicate_hash_keeps_first_and_partial_tails_are_children():
     pool.release([c])
     pool.reset()
     assert pool.children(h("A")) == [] and pool.lookup(h("A")) is a  # owned blocks keep their index
+
+
+def test_longest_child_equals_a_scan_of_every_child():
+    """The sorted tail index answers what scanning every child answered (the block sharing the longest
+    prefix with the query), through registrations, re-registrations and evictions."""
+    import random
+
+    from kvb_cache.lookup import common_prefix_len
+
+    rng = random.Random(0)
+    pool = BlockPool(64, 8)
+    blocks = pool.take(64)
+    for step in range(400):
+        block = rng.choice(blocks)
+        tokens = tuple(rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 8)))
+        if rng.random() < 0.2 and block.indexed:
+            pool.release([block])  # evictable; reset drops the index of every unowned block
+            pool.reset()
+            blocks = [b for b in blocks if b.ref_count]
+            if not blocks:
+                break
+            continue
+        if len(tokens) == 8:
+            pool.register_full(block, parent=ROOT, block_hash=h(f"{step}"), token_ids=tokens)
+        else:
+            pool.register_partial(block, parent=ROOT, token_ids=tokens)
+        query = [rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 10))]
+        scan = max((common_prefix_len(b.token_ids, query) for b in pool.children(ROOT)), default=0)
+        best, n = pool.longest_child(ROOT, query)
+        assert n == scan and (best is None) == (n == 0)
+        assert best is None or common_prefix_len(best.token_ids, query) == n
+    assert pool.longest_child(h("nothing"), [1]) == (None, 0)

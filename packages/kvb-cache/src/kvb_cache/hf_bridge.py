@@ -22,7 +22,6 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 from kvb_cache.kv_sharing import own_kv_layers
-from kvb_cache.lookup import common_prefix_len
 from kvb_cache.pool_io import dense_cache, probe_request
 
 if TYPE_CHECKING:
@@ -294,5 +293,5 @@ class HFCacheBridge:
             return full
         blocks = full // self.kv.block_size
         parent = probe.block_hashes[blocks - 1] if blocks else self.kv.root_of(probe)
-        tail = max((common_prefix_len(b.token_ids, rest) for b in self.kv.pool.children(parent)), default=0)
+        tail = self.kv.pool.longest_child(parent, rest)[1]
         return full + min(tail, len(rest))

@@ -34,9 +34,10 @@ MAX_REPETITION_PENALTY = 1e3
 class SamplingParams:
     """How one request decodes.
 
-    ``temperature == 0`` (anything below :data:`GREEDY_TEMPERATURE`) is greedy. ``top_k == 0``, ``top_p == 1``
-    and ``min_p == 0`` disable those filters (``min_p``: drop tokens less likely than ``min_p`` times the
-    most likely one, after temperature, top-k and top-p, as transformers orders them).
+    ``temperature == 0`` (anything below :data:`GREEDY_TEMPERATURE`) is greedy. ``top_k == 0`` (or -1),
+    ``top_p == 1`` and ``min_p == 0`` disable those filters (``min_p``: drop tokens less likely than ``min_p``
+    times the most likely one, after temperature and before top-k and top-p, as vLLM orders them;
+    transformers applies it after top-p). ``seed`` -1 means no seed, as in vLLM.
     ``repetition_penalty`` follows Hugging Face (divides positive logits of every token seen, prompt
     included); ``presence_penalty`` / ``frequency_penalty`` follow OpenAI (subtracted from the logits of
     tokens already generated). ``min_tokens`` (vLLM) holds end-of-sequence and stop strings back until that
@@ -98,8 +99,10 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         # The batched sampler holds every row's k in one int64 tensor: a wider k failed the step of every
         # request decoding beside this one (any k past the vocabulary keeps every token anyway).
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
+            object.__setattr__(self, "top_k", 0)  # vLLM's "off"
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
-            raise bad("top_k", "must be an int in [0, 2**63) (0 disables it)")
+            raise bad("top_k", "must be an int in [0, 2**63) (0 or -1 disables it)")
         if not 0 <= number("min_p") <= 1:
             raise bad("min_p", "must be in [0, 1] (0 disables it)")
         # Bounded so penalized logits stay finite in float32 (1e-308 is 0 there: logits / 0 = inf, and the
@@ -127,6 +130,10 @@ class SamplingParams:
                 raise bad(flag, "must be a bool")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an int or None")
+        if self.seed == -1:
+            # vLLM's rule, and the "random seed" of clients that send -1 (text-generation-webui, SillyTavern):
+            # taken as a seed, every such request sampled the same reply.
+            object.__setattr__(self, "seed", None)
         # torch.Generator.manual_seed takes a 64-bit seed (negative ones wrap); anything wider raised a bare
         # ValueError ("Overflow when unpacking long long") from inside torch.
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -253,12 +260,13 @@ class RequestProcessor:
         if not params.greedy:
             if params.temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(params.temperature))
+            # vLLM's order (the batched sampler's): min-p before top-k / top-p, not after as transformers.
+            if params.min_p > 0.0:
+                processors.append(MinPLogitsWarper(params.min_p))
             if params.top_k:
                 processors.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:
                 processors.append(TopPLogitsWarper(params.top_p))
-            if params.min_p > 0.0:
-                processors.append(MinPLogitsWarper(params.min_p))
         self._processors = processors
         self._penalized = bool(params.presence_penalty or params.frequency_penalty)
         self.bias_ids: torch.Tensor | None = None

@@ -17,12 +17,14 @@ last-block-first, so a chain's tail is evicted before its head and a surviving h
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from bisect import bisect_left, insort
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
 from kvb_cache.hashing import ChunkHash
+from kvb_cache.lookup import common_prefix_len
 
 BlockId = NewType("BlockId", int)
 
@@ -71,8 +73,11 @@ class BlockPool:
         # block id -> None, in eviction order (front first). Every block with ref_count 0 is here.
         self._free: OrderedDict[BlockId, None] = OrderedDict((b.id, None) for b in self.blocks)
         self._by_hash: dict[ChunkHash, BlockId] = {}
-        # parent hash -> cached blocks (full or partial) that follow it: the token-granular tail match.
-        self._children: dict[ChunkHash, set[BlockId]] = defaultdict(set)
+        # parent hash -> the cached blocks (full or partial) that follow it, as (token_ids, block id) sorted:
+        # the token-granular tail match. Sorted, the block sharing the longest prefix with a query is next to
+        # the query's insertion point (O(log n)); scanning every child made admission slow down linearly
+        # with the finished requests whose tails share a prefix (5120 of them: 4x slower).
+        self._children: dict[ChunkHash, list[tuple[tuple[int, ...], BlockId]]] = {}
         self.evictions = 0
         self.registrations = 0
 
@@ -100,7 +105,23 @@ class BlockPool:
 
     def children(self, parent: ChunkHash) -> list[Block]:
         """Indexed blocks (full or partial) whose tokens directly follow ``parent``."""
-        return [self.blocks[b] for b in self._children.get(parent, ())]
+        return [self.blocks[b] for _, b in self._children.get(parent, ())]
+
+    def longest_child(self, parent: ChunkHash, tokens: Sequence[int]) -> tuple[Block | None, int]:
+        """The indexed block after ``parent`` whose tokens share the longest prefix with ``tokens``, and
+        that length (``(None, 0)`` when none shares a first token)."""
+        children = self._children.get(parent)
+        if not children:
+            return None, 0
+        query = tuple(tokens[: self.block_size])
+        at = bisect_left(children, (query,))
+        best, best_len = None, 0
+        for i in (at - 1, at):
+            if 0 <= i < len(children):
+                n = common_prefix_len(children[i][0], query)
+                if n > best_len:
+                    best, best_len = self.blocks[children[i][1]], n
+        return best, best_len
 
     # ---------------------------------------------------------------------------------------- ownership
     def take(self, count: int) -> list[Block]:
@@ -154,7 +175,7 @@ class BlockPool:
         block.hash, block.parent, block.token_ids = block_hash, parent, token_ids
         self.registrations += 1
         self._by_hash[block_hash] = block.id
-        self._children[parent].add(block.id)
+        insort(self._children.setdefault(parent, []), (token_ids, block.id))
         return True
 
     def register_partial(self, block: Block, *, parent: ChunkHash, token_ids: tuple[int, ...]) -> None:
@@ -162,7 +183,7 @@ class BlockPool:
         if block.indexed:
             self._drop_index(block)
         block.hash, block.parent, block.token_ids = None, parent, token_ids
-        self._children[parent].add(block.id)
+        insort(self._children.setdefault(parent, []), (token_ids, block.id))
 
     def touch(self, block: Block) -> None:
         """Move an unowned cached block to the back of the eviction order (it was just read)."""
@@ -187,7 +208,10 @@ class BlockPool:
             del self._by_hash[block.hash]
         siblings = self._children.get(block.parent)
         if siblings is not None:
-            siblings.discard(block.id)
+            entry = (block.token_ids, block.id)
+            at = bisect_left(siblings, entry)
+            if at < len(siblings) and siblings[at] == entry:
+                del siblings[at]
             if not siblings:
                 del self._children[block.parent]
         block.hash, block.parent, block.token_ids = None, None, ()

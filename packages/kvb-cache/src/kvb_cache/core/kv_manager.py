@@ -20,7 +20,6 @@ from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.request import PreparedKV, Request
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash
-from kvb_cache.lookup import common_prefix_len
 from kvb_cache.store import ChunkEntry
 
 
@@ -177,11 +176,7 @@ class KVCacheManager:
         if not rest or not self.store_partial_tail:
             return 0
         parent = req.block_hashes[len(req.blocks) - 1] if req.blocks else self.root_of(req)
-        best, best_len = None, 0
-        for child in self.pool.children(parent):
-            n = common_prefix_len(child.token_ids, rest)
-            if n > best_len:
-                best, best_len = child, n
+        best, best_len = self.pool.longest_child(parent, rest)
         if best is None:
             return 0
         best_len = min(best_len, self.block_size - 1, len(rest))

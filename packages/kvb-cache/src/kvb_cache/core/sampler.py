@@ -62,6 +62,15 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     sub = scores[idx]
     temps = torch.tensor([requests[i].params.temperature for i in sampled], device=device, dtype=sub.dtype)
     sub = sub / temps.unsqueeze(1)
+    min_p = torch.tensor([requests[i].params.min_p for i in sampled], device=device, dtype=sub.dtype)
+    if bool((min_p > 0).any()):
+        # transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the top one's
+        # (the top token always stays). Before top-k / top-p, as vLLM's sampler applies it (transformers'
+        # order puts it after top-p: top-p then cut the nucleus of the unfiltered distribution, and a model
+        # whose generation config sets top_p, asked for min_p, sampled tokens vLLM never picks).
+        probs = sub.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        sub = sub.masked_fill(probs < threshold, -float("inf"))
     top_k = torch.tensor([requests[i].params.top_k for i in sampled], device=device)
     top_p = torch.tensor([requests[i].params.top_p for i in sampled], device=device, dtype=sub.dtype)
     if bool((top_k > 0).any()):
@@ -77,13 +86,6 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         drop[:, -1] = False
         drop &= (top_p < 1).unsqueeze(1)
         sub = sub.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    min_p = torch.tensor([requests[i].params.min_p for i in sampled], device=device, dtype=sub.dtype)
-    if bool((min_p > 0).any()):
-        # transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the top one's
-        # (the top token always stays).
-        probs = sub.softmax(dim=-1)
-        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        sub = sub.masked_fill(probs < threshold, -float("inf"))
     scores[idx] = sub
     return scores
 
