@@ -483,3 +483,33 @@ def test_vllm_off_values_for_seed_and_top_k():
     assert SamplingParams(seed=-1).seed is None  # vLLM: -1 is no seed (clients send it for "random")
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(seed=-2).seed == -2
+
+
+def test_two_requests_that_fit_the_pool_one_at_a_time_both_finish(llama, tokenizer):
+    """Admitted before the running prefill continued, a waiting request took the last free block; the
+    running one, unable to grow and with no older victim, preempted itself; the next step the roles swapped.
+    Neither finished (a livelock). A request admitted in the same step is now taken back first."""
+    enc = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    shared = enc(words(16, seed=9))
+    prompts = [shared + enc(words(40, seed=1)), shared + enc(words(40, seed=2))]  # 58 of 64 tokens each
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    solo = KVBoost(llama, tokenizer, config=EngineConfig(block_size=4, num_blocks=16))
+    expected = [solo.generate(p, max_new_tokens=2, ignore_eos=True).output_ids for p in prompts]
+    config = EngineConfig(
+        block_size=4, num_blocks=16, prefill_chunk_size=3, max_num_batched_tokens=32, max_num_seqs=2
+    )
+    engine = KVBoost(llama, tokenizer, config=config)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+    for _ in range(300):
+        if not engine.has_unfinished():
+            break
+        outputs |= {o.request_id: o.result.output_ids for o in engine.step() if o.finished}
+    assert not engine.has_unfinished()
+    assert [outputs[i] for i in ids] == expected
+    stats = engine.paged_stats()
+    assert stats.blocks_used == 0
+    # Taken-back admissions are neither preemptions nor prefix-cache queries: each admission that stands
+    # queries its tokens but the last (55 a prompt; a readmission after a preemption 55 to 57).
+    queries, preemptions = stats.prefix_cache_queries, stats.preemptions
+    assert 110 + 55 * preemptions <= queries <= 110 + 57 * preemptions

@@ -373,3 +373,28 @@ def test_approximate_chunks_are_kept_only_when_asked(llama, tokenizer):
     assert not any(
         p in c_range for h in result.chunks if h.kind is HitKind.STITCHED for p in range(h.start, h.end)
     )
+
+
+@pytest.mark.parametrize("ends", ["abort", "finish"])
+def test_a_held_prompt_waits_on_its_source_request_not_on_its_id(llama, tokenizer, ends):
+    """A prompt held for the request computing its documents waited on that request's *id*: once the
+    source ended and a new request took the id before the next step (held behind the first in turn), the two
+    waited on each other and the engine never finished."""
+    first, second = rag_prompts(tokenizer)
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig()))
+    p = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add_request(first, p if ends == "abort" else SamplingParams(max_new_tokens=1), request_id="a")
+    engine.add_request(second, p, request_id="b")
+    assert "b" in engine.core.deferred
+    if ends == "abort":
+        engine.abort("a")
+    else:
+        while engine.core.scheduler.find("a") is not None:
+            engine.step()
+    engine.add_request(first, p, request_id="a")  # the id is free again
+    finished = []
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert not engine.has_unfinished() and sorted(finished) == ["a", "b"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request
 from kvb_cache.hashing import ChunkHash, content_hash
 from kvb_cache.lookup import common_prefix_len
@@ -33,7 +32,7 @@ def _occurs(haystack: bytes, needle: bytes) -> bool:
 
 def stitch_sources(
     store: ChunkStore, root: ChunkHash, req: Request, pending: Iterable[Request], *, wanted: int = 1
-) -> frozenset[RequestId]:
+) -> tuple[Request, ...]:
     """The ``pending`` requests (earlier ones whose prompts are not computed yet) whose prompts will bring a
     complete chunk of ``req``'s prompt, past the prefix the two share, to ``wanted`` stored copies
     (``StitchConfig.collect_copies``; 1: one copy) where the store holds fewer.
@@ -45,7 +44,7 @@ def stitch_sources(
     """
     prompt = req.tokens[: req.prompt_len]
     haystack = _as_bytes(prompt)
-    holders: dict[ChunkHash, set[RequestId]] = {}
+    holders: dict[ChunkHash, dict[int, Request]] = {}  # by id(): requests are compared by identity
     stored: dict[ChunkHash, int] = {}
     for other in pending:
         if other.root != req.root:
@@ -61,9 +60,9 @@ def stitch_sources(
                 stored[key] = sum(1 for e in store.by_content(key) if not e.derived and e.token_ids == tokens)
             if stored[key] >= wanted or not _occurs(haystack, _as_bytes(tokens)):
                 continue
-            holders.setdefault(key, set()).add(other.request_id)
-    sources: set[RequestId] = set()
+            holders.setdefault(key, {})[id(other)] = other
+    sources: dict[int, Request] = {}
     for key, names in holders.items():
         if stored[key] + len(names) >= wanted:
-            sources |= names
-    return frozenset(sources)
+            sources.update(names)
+    return tuple(sources.values())

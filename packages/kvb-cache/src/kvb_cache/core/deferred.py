@@ -15,10 +15,15 @@ from kvb_cache.core.request import Request, RequestStatus
 
 
 class Deferred:
-    """The held requests, oldest first, each with the requests whose prompts it waits for."""
+    """The held requests, oldest first, each with the requests whose prompts it waits for.
+
+    Sources are held as the request objects, not their ids: an ended request's id may be taken by a new
+    request before the next step, and waiting on the id, a held request waited on the newcomer, which
+    could be held behind it in turn (a deadlock: ``has_unfinished()`` stayed true forever).
+    """
 
     def __init__(self) -> None:
-        self._held: dict[RequestId, tuple[Request, frozenset[RequestId]]] = {}
+        self._held: dict[RequestId, tuple[Request, tuple[Request, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -29,10 +34,10 @@ class Deferred:
     def requests(self) -> Iterable[Request]:
         return (req for req, _ in self._held.values())
 
-    def add(self, req: Request, sources: frozenset[RequestId]) -> None:
+    def add(self, req: Request, sources: tuple[Request, ...]) -> None:
         self._held[req.request_id] = (req, sources)
 
-    def release(self, pending: Callable[[RequestId], bool]) -> list[Request]:
+    def release(self, pending: Callable[[Request], bool]) -> list[Request]:
         """The held requests none of whose sources is ``pending`` any more, oldest first (removed here)."""
         ready = [req for req, sources in self._held.values() if not any(pending(s) for s in sources)]
         for req in ready:

@@ -104,7 +104,7 @@ class EngineCore:
         if self.preparing.add(req, work):
             self.scheduler.add(req)
 
-    def defer(self, req: Request, sources: frozenset[RequestId]) -> None:
+    def defer(self, req: Request, sources: tuple[Request, ...]) -> None:
         """Hold ``req`` until the requests ``sources`` have computed their prompts (or ended); then
         ``plan_deferred`` plans and queues it (a stitched prompt that reuses their documents)."""
         self.deferred.add(req, sources)
@@ -118,11 +118,11 @@ class EngineCore:
             *(r for r in queued if not r.output_ids and r.status is not RequestStatus.FINISHED),
         ]
 
-    def _prompt_pending(self, request_id: RequestId) -> bool:
-        if request_id in self.deferred or request_id in self.preparing:
-            return True
-        req = self.scheduler.find(request_id)
-        return req is not None and not req.output_ids
+    @staticmethod
+    def _prompt_pending(source: Request) -> bool:
+        """Whether ``source`` (a request a deferred one waits for) is yet to compute its prompt: neither
+        ended (finished or aborted: ``FINISHED``) nor past its first token."""
+        return source.status is not RequestStatus.FINISHED and not source.output_ids
 
     def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
         self.solo[request_id] = events

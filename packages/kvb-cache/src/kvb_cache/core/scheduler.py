@@ -12,7 +12,10 @@ Long prompts are prefilled in slices of at most the remaining budget (and the re
 ``prefill_chunk_size``), so a new arrival's first token never waits for another request's whole prompt.
 When a running request needs a block and the pool has none, the newest other running request is
 preempted: its blocks are released (full ones stay cached, so its resumption is mostly a prefix hit) and it
-goes back to the front of the waiting queue; it keeps its generated tokens and recomputes their KV.
+goes back to the front of the waiting queue; it keeps its generated tokens and recomputes their KV. A
+request admitted in the same step is taken back first (it has not run yet): admitted before the running
+prefills continue, two requests that fit the pool one at a time, not together, otherwise took turns
+preempting themselves, each admission taking the block the other needed, and neither ever finished.
 
 A request's first admission is stamped (``Request.scheduled_at``, the end of its WAITING phase in the
 vLLM metrics); a preempted request readmitted later keeps that first time, as vLLM v1 does.
@@ -45,6 +48,16 @@ class Scheduled:
 class Admission:
     request: Request
     hit: PrefixHit
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """What admitting ``request`` this step did, to undo it (:meth:`Scheduler._take_back`)."""
+
+    request: Request
+    num_tokens: int
+    counted: tuple[int, int]  # the prefix-cache queries and hits its lookup added
+    scheduled_at: float | None  # its first-scheduling time before this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +115,16 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Admission] = []
         chosen: set[int] = set()
+        fresh: list[_Admitted] = []  # admitted this step, oldest first
 
         def grow(req: Request, n: int) -> bool:
-            """Blocks for ``n`` more tokens of running ``req``, preempting newer requests if needed."""
+            """Blocks for ``n`` more tokens of running ``req``: take back this step's admissions (newest
+            first), then preempt newer running requests, then ``req`` itself."""
+            nonlocal budget
             while not self.kv.allocate(req, n):
+                if fresh:
+                    budget += self._take_back(fresh.pop(), scheduled, admitted, chosen)
+                    continue
                 victim = next(
                     (r for r in reversed(self.running) if r is not req and id(r) not in chosen), None
                 )
@@ -127,7 +146,7 @@ class Scheduler:
 
         budget = max(0, budget - reserved)
         if not preempted:
-            self._admit(budget, scheduled, admitted, chosen)
+            self._admit(budget, scheduled, admitted, chosen, fresh)
             budget = max(0, self.max_num_batched_tokens - reserved - sum(s.num_tokens for s in scheduled))
 
         for req in [r for r in self.running if id(r) not in chosen and r.remaining > 1]:
@@ -141,7 +160,12 @@ class Scheduler:
         return StepPlan(tuple(scheduled), tuple(admitted), tuple(preempted))
 
     def _admit(
-        self, budget: int, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]
+        self,
+        budget: int,
+        scheduled: list[Scheduled],
+        admitted: list[Admission],
+        chosen: set[int],
+        fresh: list[_Admitted],
     ) -> None:
         if not self.waiting:
             return
@@ -166,6 +190,9 @@ class Scheduler:
                 self.kv.queries, self.kv.hits = counted
                 break
             self.waiting.remove(req)
+            if req.prepared_kv is None:  # an adopted (stitched) admission is not taken back: its KV is spent
+                delta = (self.kv.queries - counted[0], self.kv.hits - counted[1])
+                fresh.append(_Admitted(req, n, delta, req.scheduled_at))
             req.prepared_kv = None  # written into its blocks
             req.status = RequestStatus.RUNNING
             req.mark_scheduled()  # first admission only: a preempted request keeps its time
@@ -175,6 +202,24 @@ class Scheduler:
             scheduled.append(Scheduled(req, n))
             chosen.add(id(req))
             budget -= n
+
+    def _take_back(
+        self, entry: _Admitted, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]
+    ) -> int:
+        """Undo this step's admission of ``entry.request``: it goes back to the front of the waiting queue
+        as it was (not a preemption: it never ran); returns the budget its slice held."""
+        req = entry.request
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.scheduled_at = entry.scheduled_at
+        self.waiting.appendleft(req)
+        self.kv.queries -= entry.counted[0]
+        self.kv.hits -= entry.counted[1]
+        scheduled[:] = [s for s in scheduled if s.request is not req]
+        admitted[:] = [a for a in admitted if a.request is not req]
+        chosen.discard(id(req))
+        return entry.num_tokens
 
     @staticmethod
     def _slice(req: Request, budget: int) -> int:
