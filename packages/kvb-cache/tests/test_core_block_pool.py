@@ -83,3 +83,36 @@ def test_longest_child_equals_a_scan_of_every_child():
         assert n == scan and (best is None) == (n == 0)
         assert best is None or common_prefix_len(best.token_ids, query) == n
     assert pool.longest_child(h("nothing"), [1]) == (None, 0)
+
+
+def test_the_cached_count_follows_every_move_of_a_block():
+    """num_cached is kept as blocks move (walking the free queue was O(num_blocks) per stats read)."""
+    import random
+
+    rng = random.Random(1)
+    pool = BlockPool(32, 4)
+    owned: list = []
+    for step in range(2000):
+        action = rng.random()
+        if action < 0.3 and pool.num_free:
+            owned += pool.take(rng.randint(1, min(3, pool.num_free)))
+        elif action < 0.55 and owned:
+            block = owned.pop(rng.randrange(len(owned)))
+            pool.release([block])
+        elif action < 0.75 and owned:
+            block = rng.choice(owned)
+            tokens = tuple(rng.randint(0, 9) for _ in range(rng.randint(1, 4)))
+            if len(tokens) == 4:
+                pool.register_full(block, parent=ROOT, block_hash=h(f"{tokens}"), token_ids=tokens)
+            else:
+                pool.register_partial(block, parent=ROOT, token_ids=tokens)
+        elif action < 0.9:
+            cached = [b for b in pool.blocks if b.ref_count == 0 and b.indexed]
+            if cached:
+                block = rng.choice(cached)
+                pool.share(block)
+                owned.append(block)
+        elif action < 0.95:
+            pool.reset()
+        walked = sum(1 for b in pool.blocks if b.ref_count == 0 and b.indexed)
+        assert pool.num_cached == walked, step

@@ -80,6 +80,9 @@ class BlockPool:
         self._children: dict[ChunkHash, list[tuple[tuple[int, ...], BlockId]]] = {}
         self.evictions = 0
         self.registrations = 0
+        # Free blocks that hold indexed KV, kept as blocks move: counting them walked the whole free queue,
+        # and the server reads the pool's stats after every step (O(num_blocks) per step).
+        self._cached_free = 0
 
     # ---------------------------------------------------------------------------------------- queries
     @property
@@ -94,9 +97,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Evictable blocks that still hold indexed KV."""
-        # list() snapshots the queue in one C call: stats readers on other threads (the server's /metrics)
-        # never iterate it while the engine thread changes it.
-        return sum(1 for b in list(self._free) if self.blocks[b].indexed)
+        return self._cached_free
 
     def lookup(self, block_hash: ChunkHash) -> Block | None:
         """The full block cached under ``block_hash`` (used or not), or None."""
@@ -137,6 +138,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.indexed:
+                self._cached_free -= 1  # out of the free queue already: _drop_index counts nothing
                 if self.on_evict is not None:
                     self.on_evict(block)
                 self._drop_index(block)
@@ -149,6 +151,7 @@ class BlockPool:
         """Add an owner to ``block`` (a prefix hit); a cached block leaves the free queue."""
         if block.ref_count == 0:
             del self._free[block.id]
+            self._cached_free -= block.indexed
         block.ref_count += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -161,6 +164,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.id] = None
+                self._cached_free += block.indexed
 
     # ---------------------------------------------------------------------------------------- indexing
     def register_full(
@@ -173,6 +177,7 @@ class BlockPool:
         if block.indexed:
             self._drop_index(block)
         block.hash, block.parent, block.token_ids = block_hash, parent, token_ids
+        self._cached_free += block.id in self._free
         self.registrations += 1
         self._by_hash[block_hash] = block.id
         insort(self._children.setdefault(parent, []), (token_ids, block.id))
@@ -183,6 +188,7 @@ class BlockPool:
         if block.indexed:
             self._drop_index(block)
         block.hash, block.parent, block.token_ids = None, parent, token_ids
+        self._cached_free += block.id in self._free
         insort(self._children.setdefault(parent, []), (token_ids, block.id))
 
     def touch(self, block: Block) -> None:
@@ -204,6 +210,7 @@ class BlockPool:
 
     def _drop_index(self, block: Block) -> None:
         assert block.parent is not None
+        self._cached_free -= block.id in self._free
         if block.hash is not None and self._by_hash.get(block.hash) == block.id:
             del self._by_hash[block.hash]
         siblings = self._children.get(block.parent)

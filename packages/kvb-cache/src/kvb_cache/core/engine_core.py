@@ -115,14 +115,14 @@ class EngineCore:
         return [
             *self.deferred.requests(),
             *self.preparing.requests(),
-            *(r for r in queued if not r.output_ids and r.status is not RequestStatus.FINISHED),
+            *(r for r in queued if not r.num_output and r.status is not RequestStatus.FINISHED),
         ]
 
     @staticmethod
     def _prompt_pending(source: Request) -> bool:
         """Whether ``source`` (a request a deferred one waits for) is yet to compute its prompt: neither
         ended (finished or aborted: ``FINISHED``) nor past its first token."""
-        return source.status is not RequestStatus.FINISHED and not source.output_ids
+        return source.status is not RequestStatus.FINISHED and not source.num_output
 
     def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
         self.solo[request_id] = events

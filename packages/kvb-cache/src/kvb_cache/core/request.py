@@ -101,6 +101,11 @@ class Request:
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    @property
+    def num_output(self) -> int:
+        """``len(output_ids)`` without copying them (hot paths read it every step)."""
+        return len(self.tokens) - self.prompt_len
+
     def mark_scheduled(self) -> None:
         """The engine works on this request now (admitted into the batch, or a stitched prompt's repair
         slice): the end of its WAITING phase. Only the first call counts (see ``queued_ms``)."""

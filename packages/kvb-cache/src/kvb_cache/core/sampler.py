@@ -92,8 +92,10 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 
 def _holds_eos(req: Request) -> bool:
     """True while ``min_tokens`` still bans this request's end-of-sequence and stop tokens."""
-    # min_tokens first: this runs for every row of every step, and it is 0 for most requests.
-    return len(req.output_ids) < req.params.min_tokens and bool(req.emitter.stop_tokens)
+    # min_tokens first: this runs for every row of every step, and it is 0 for most requests (and
+    # num_output, not len(output_ids), which copied every generated token each time).
+    min_tokens = req.params.min_tokens
+    return bool(min_tokens) and req.num_output < min_tokens and bool(req.emitter.stop_tokens)
 
 
 def _mask_grammar_rows(scores: torch.Tensor, requests: Sequence[Request]) -> None:

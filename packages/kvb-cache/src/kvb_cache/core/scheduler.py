@@ -3,8 +3,8 @@
 Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most ``max_num_seqs`` requests:
 
 1. every running request that is decoding (one token each), oldest first, so streams never stall;
-2. waiting requests, longest cached prefix first (their prefill is mostly a cache hit, so they reach their
-   first token soonest), admitted while the token budget, the sequence cap and the pool allow; a request
+2. waiting requests, longest cached prefix first among the oldest ``ADMIT_WINDOW`` (their prefill is mostly
+   a cache hit, so they reach their first token soonest), admitted while the token budget, the sequence cap and the pool allow; a request
    carrying prepared KV (a stitched prompt) adopts it into private blocks instead of a prefix lookup;
 3. running requests still part-way through a long prompt, with what is left of the budget.
 
@@ -23,12 +23,16 @@ vLLM metrics); a preempted request readmitted later keeps that first time, as vL
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 from kvb_cache.core.kv_manager import KVCacheManager, PrefixHit
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
+
+#: Waiting requests (oldest first) among which each step admits the longest cached prefixes first.
+ADMIT_WINDOW = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +171,13 @@ class Scheduler:
         chosen: set[int],
         fresh: list[_Admitted],
     ) -> None:
-        if not self.waiting:
-            return
-        # Longest cached prefix first; arrival order among equals (sorted() is stable).
-        order = sorted(self.waiting, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
+        if not self.waiting or budget == 0 or len(self.running) >= self.max_num_seqs:
+            return  # nothing can be admitted: skip ordering the queue (a lookup per block per request)
+        # Longest cached prefix first; arrival order among equals (sorted() is stable). Among the oldest
+        # ADMIT_WINDOW only: the key is a pool lookup per cached block, and ordering a queue of thousands
+        # (generate_batch queues every prompt at once) cost more than the step it scheduled.
+        window = itertools.islice(self.waiting, ADMIT_WINDOW)
+        order = sorted(window, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
