@@ -42,6 +42,23 @@ def test_restart_with_disk_tier_gets_exact_hits_and_identical_output(llama, toke
     assert torch.allclose(got, ref, atol=1e-5)
 
 
+def test_a_prompt_the_tiers_never_saw_costs_one_probe_per_tier(llama, tokenizer, tmp_path):
+    """The run of tier hits ends at the first miss: every block of a new prompt was looked up (a failed
+    open per block on the disk tier); a cached chain is still fetched whole."""
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path), block_size=4)
+    tier = eng.tiers.lower[0].tier
+    probed: list[int] = []
+    get_many = tier.get_many
+    tier.get_many = lambda keys: probed.append(len(keys)) or get_many(keys)
+    eng.generate(PROMPTS[1], max_new_tokens=2, ignore_eos=True)  # 70 tokens: 17 full blocks, none stored
+    assert probed == [1]
+    eng.flush()
+    eng.clear_cache()  # RAM emptied: the chain comes back from the disk
+    probed.clear()
+    again = eng.generate(PROMPTS[1], max_new_tokens=2, ignore_eos=True)
+    assert probed == [1, 16] and again.cached_tokens == 68
+
+
 def test_corrupted_disk_record_is_recomputed_with_unchanged_output(llama, tokenizer, tmp_path):
     tiers = TierConfig(disk_cache_dir=tmp_path)
     first = engine(llama, tokenizer, tiers=tiers)
