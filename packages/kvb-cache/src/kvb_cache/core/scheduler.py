@@ -80,6 +80,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        # Waiting and running requests by id: add_request checks every new id against them (a scan of both
+        # queues, linear in a queue of thousands).
+        self._by_id: dict[RequestId, Request] = {}
 
     def add(self, req: Request) -> None:
         # The last sampled token is never fed back, so its KV is never computed.
@@ -92,6 +95,7 @@ class Scheduler:
                 f"more than the pool's {self.kv.pool.num_blocks} blocks hold"
             )
         self.waiting.append(req)
+        self._by_id[req.request_id] = req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -104,6 +108,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+        if self._by_id.get(req.request_id) is req:
+            del self._by_id[req.request_id]
 
     def schedule(self, *, reserved: int = 0) -> StepPlan:
         """Decide this step: one token for each decoding request, then prefill slices in the budget left.
@@ -245,10 +251,4 @@ class Scheduler:
         self.preemptions += 1
 
     def find(self, request_id: RequestId) -> Request | None:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        for req in self.waiting:
-            if req.request_id == request_id:
-                return req
-        return None
+        return self._by_id.get(request_id)
