@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: A SentencePiece byte-fallback piece, ``<0xHH>``.
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _METASPACE = "\u2581"  # SentencePiece's word-start mark, "▁"
 
 #: Prompt tokens the window starts with (vLLM's ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``).
@@ -77,17 +78,24 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     ``text_offset`` lost one space per word and no longer spelt or indexed the text.
     """
     text = tokenizer.decode([token_id])
-    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
-    try:
-        piece = convert(token_id) if convert is not None else None
-    except (IndexError, KeyError, TypeError, ValueError):  # an id the vocabulary lacks
+    piece = token_piece(tokenizer, token_id)
+    if piece is None:
         return text
-    if not isinstance(piece, str):
-        return text
-    fallback = _BYTE_PIECE.fullmatch(piece)
+    fallback = BYTE_PIECE.fullmatch(piece)
     if fallback is not None and int(fallback.group(1), 16) < 0x80:
         return chr(int(fallback.group(1), 16))
     # Only where the decoder turns the mark into a space (it is gone from the text) and dropped this one.
     if piece.startswith(_METASPACE) and _METASPACE not in text and not text.startswith(" "):
         return " " + text
     return text
+
+
+def token_piece(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
+    """The vocabulary piece of ``token_id`` (``convert_ids_to_tokens``); None for an id the vocabulary
+    lacks or a tokenizer without pieces."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    try:
+        piece = convert(token_id) if convert is not None else None
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    return piece if isinstance(piece, str) else None

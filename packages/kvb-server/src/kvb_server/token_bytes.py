@@ -10,14 +10,14 @@ character through GPT-2's byte-to-unicode table; a SentencePiece byte-fallback p
 from __future__ import annotations
 
 import codecs
-import re
 from collections.abc import Callable
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from kvb_cache.detokenize import BYTE_PIECE, token_piece
+
 _REPLACEMENT = "\ufffd"
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 #: A token's UTF-8 bytes from its id and decoded text (:class:`TokenBytes`).
 TokenBytesFn = Callable[[int, str], list[int]]
@@ -38,9 +38,9 @@ class TokenBytes:
     def __call__(self, token_id: int, text: str) -> list[int]:
         if _REPLACEMENT not in text:
             return list(text.encode("utf-8"))  # a whole character (or several): its text is exact
-        piece = self._piece(token_id)
+        piece = token_piece(self._tokenizer, token_id)
         if piece is not None:
-            if (fallback := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            if (fallback := BYTE_PIECE.fullmatch(piece)) is not None:
                 return [int(fallback.group(1), 16)]
             if all(char in self._byte_of for char in piece):
                 raw = bytes(self._byte_of[char] for char in piece)
@@ -49,14 +49,6 @@ class TokenBytes:
                 if raw.decode("utf-8", errors="replace") == text:
                     return list(raw)
         return list(text.encode("utf-8"))
-
-    def _piece(self, token_id: int) -> str | None:
-        convert = getattr(self._tokenizer, "convert_ids_to_tokens", None)
-        try:
-            piece = convert(token_id) if convert is not None else None
-        except (IndexError, KeyError, TypeError, ValueError):  # an id the vocabulary lacks
-            return None
-        return piece if isinstance(piece, str) else None
 
 
 class TextOffsets:
