@@ -159,3 +159,66 @@ def test_approximate_write_back_marks_chunks_holding_copied_kv_derived():
     assert [e.start for e in stored] == list(range(20, 40, 4)) and not any(e.derived for e in stored)
     # The first one kept is computed after the skipped chunk: it roots its run; the rest chain on it.
     assert stored[0].parent not in store and all(b.parent == a.key for a, b in pairwise(stored))
+
+
+class ScanStore(ChunkStore):
+    """Reference: picks each victim by scanning every leaf (the definition the heap must reproduce)."""
+
+    def _evict_one(self, protected):
+        leaves = [e for k, e in self._entries.items() if k not in protected and not self._children.get(k)]
+        if not leaves:
+            return False
+        victim = min(leaves, key=self.policy.priority)
+        self._remove(victim)
+        self._evictions += 1
+        return True
+
+
+def test_heap_eviction_matches_a_full_scan_of_the_leaves():
+    """Random puts (chains, branches, partial tails), hits and aging: the heap-ordered store evicts exactly
+    what a scan over every leaf would, keeps its leaf set right, and never orphans a chain."""
+    import random
+
+    from kvb_cache.store import FrequencyRecencyPolicy
+
+    def entry(parent, ids, start, complete=True):
+        n = len(ids)
+        return ChunkEntry(
+            key=prefix_hash(parent, ids),
+            parent=parent,
+            content=content_hash(ROOT, ids),
+            token_ids=tuple(ids),
+            kv=((torch.zeros(1, 2, n, 8), torch.zeros(1, 2, n, 8)),),
+            start=start,
+            complete=complete,
+        )
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        stores = [
+            # Aging re-ranks everything (a heap rebuild) every 37 inserts for half the seeds, never for the rest.
+            cls(max_bytes=24 * ENTRY_BYTES, policy=FrequencyRecencyPolicy(37 if seed % 2 else 10**9))
+            for cls in (ChunkStore, ScanStore)
+        ]
+        for step in range(1500):
+            keys = sorted(stores[1]._entries, key=lambda k: stores[1]._entries[k].last_used)
+            op = rng.random()
+            if op < 0.35 and keys:  # a hit on some stored chunk (a frequency and recency change)
+                key = rng.choice(keys)
+                for store in stores:
+                    store.get(key)
+                continue
+            parents = [e for e in (stores[1]._entries[k] for k in keys) if e.complete]
+            parent = rng.choice(parents) if parents and rng.random() < 0.7 else None
+            base, start = (parent.key, parent.start + TOKENS) if parent else (ROOT, 0)
+            ids = [rng.randrange(6) for _ in range(TOKENS)]
+            if rng.random() < 0.2:  # a partial tail: 1-3 tokens, later subsumed by a complete sibling
+                ids = ids[: rng.randrange(1, TOKENS)]
+            for store in stores:
+                store.put(entry(base, ids, start, complete=len(ids) == TOKENS), root=ROOT)
+            heap, scan = stores
+            assert set(heap._entries) == set(scan._entries), f"seed {seed} step {step}"
+            assert heap.stats() == scan.stats(), f"seed {seed} step {step}"
+            assert heap._leaves == {k for k in heap._entries if not heap._children.get(k)}
+            assert all(reachable(heap, e) for e in heap._entries.values())
+        assert stores[0].stats().evictions > 200  # the comparison covered a full store

@@ -9,12 +9,22 @@ from kvb_cache.store.entry import ChunkEntry
 
 
 class EvictionPolicy(Protocol):
-    def victim(self, leaves: Iterable[ChunkEntry]) -> ChunkEntry:
-        """Pick the leaf to evict next (``leaves`` is never empty)."""
+    """Ranks leaves for eviction: the store evicts the leaf with the lowest :meth:`priority` first.
+
+    The store keeps leaves in a heap keyed by this rank (an eviction costs O(log leaves), not a scan), so a
+    rank may change only when the store counts a use of the entry (its ``hits`` / ``last_used``) or when
+    :meth:`on_insert` returns True.
+    """
+
+    def priority(self, entry: ChunkEntry) -> tuple[int, ...]:
+        """The entry's rank; lower is evicted first."""
         ...
 
-    def on_insert(self, entries: Iterable[ChunkEntry]) -> None:
-        """Called after each insertion with every stored entry (for aging)."""
+    def on_insert(self, entries: Iterable[ChunkEntry]) -> bool:
+        """Called after each insertion with every stored entry (for aging).
+
+        Returns True when it changed stored entries' ranks, so the store re-ranks them.
+        """
         ...
 
 
@@ -30,11 +40,13 @@ class FrequencyRecencyPolicy:
         self.aging_interval = aging_interval
         self._inserts = 0
 
-    def victim(self, leaves: Iterable[ChunkEntry]) -> ChunkEntry:
-        return min(leaves, key=lambda e: (e.hits.bit_length(), e.last_used))
+    def priority(self, entry: ChunkEntry) -> tuple[int, ...]:
+        return (entry.hits.bit_length(), entry.last_used)
 
-    def on_insert(self, entries: Iterable[ChunkEntry]) -> None:
+    def on_insert(self, entries: Iterable[ChunkEntry]) -> bool:
         self._inserts += 1
-        if self._inserts % self.aging_interval == 0:
-            for entry in entries:
-                entry.hits //= 2
+        if self._inserts % self.aging_interval:
+            return False
+        for entry in entries:
+            entry.hits //= 2
+        return True
