@@ -9,9 +9,18 @@ has computed its prompt (or finished, or was aborted), and then stitches their c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _Held:
+    req: Request
+    sources: tuple[Request, ...]
+    #: How many leading ``sources`` are known to be done (they never pend again).
+    done: int = 0
 
 
 class Deferred:
@@ -23,7 +32,7 @@ class Deferred:
     """
 
     def __init__(self) -> None:
-        self._held: dict[RequestId, tuple[Request, tuple[Request, ...]]] = {}
+        self._held: dict[RequestId, _Held] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -32,14 +41,23 @@ class Deferred:
         return request_id in self._held
 
     def requests(self) -> Iterable[Request]:
-        return (req for req, _ in self._held.values())
+        return (held.req for held in self._held.values())
 
     def add(self, req: Request, sources: tuple[Request, ...]) -> None:
-        self._held[req.request_id] = (req, sources)
+        self._held[req.request_id] = _Held(req, sources)
 
     def release(self, pending: Callable[[Request], bool]) -> list[Request]:
-        """The held requests none of whose sources is ``pending`` any more, oldest first (removed here)."""
-        ready = [req for req, sources in self._held.values() if not any(pending(s) for s in sources)]
+        """The held requests none of whose sources is ``pending`` any more, oldest first (removed here).
+
+        A source that stopped pending never pends again (its prompt is computed or it ended), so each held
+        request keeps a cursor past its done sources: a step costs O(held), not O(held x sources).
+        """
+        ready = []
+        for held in self._held.values():
+            while held.done < len(held.sources) and not pending(held.sources[held.done]):
+                held.done += 1
+            if held.done == len(held.sources):
+                ready.append(held.req)
         for req in ready:
             del self._held[req.request_id]
         return ready
@@ -48,5 +66,5 @@ class Deferred:
         entry = self._held.pop(request_id, None)
         if entry is None:
             return False
-        entry[0].status = RequestStatus.FINISHED
+        entry.req.status = RequestStatus.FINISHED
         return True

@@ -75,6 +75,9 @@ class Request:
     preemptions: int = 0
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
     spans: tuple = ()
+    #: Stitching: the prompt's complete chunks under a root, hashed once (``(root, pieces)``; see
+    #: :func:`kvb_cache.stitch_sources.prompt_pieces`), since every later arrival reads them while pending.
+    stitch_pieces: tuple | None = None
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None
