@@ -52,7 +52,7 @@ def reference(store, root, req, pending, wanted):
 def request(tokens, tenant=None):
     """The fields ``stitch_sources`` reads (a full Request needs a model's processor and emitter)."""
     return SimpleNamespace(
-        tokens=list(tokens) + [7, 7],  # generated tokens past the prompt must be ignored
+        tokens=[*tokens, 7, 7],  # generated tokens past the prompt must be ignored
         prompt_len=len(tokens),
         root=tenant,
         spans=tuple(Chunker(CHUNK).split(tokens)),
@@ -85,7 +85,7 @@ def test_sources_match_the_definition_on_random_rag_prompts():
         def prompt():
             head = system[: rng.randrange(len(system) + 1)]
             # Documents may repeat: a chunk straddling the end of a shared prefix can recur later.
-            body = sum(rng.choices(docs, k=rng.randrange(1, 5)), [])
+            body = [t for doc in rng.choices(docs, k=rng.randrange(1, 5)) for t in doc]
             return head + body + [rng.randrange(50, 60) for _ in range(rng.randrange(3))]
 
         pending = [request(prompt(), tenant=rng.choice((None, None, b"t"))) for _ in range(12)]
