@@ -215,6 +215,36 @@ def test_batched_sampler_matches_transformers_processors_row_by_row(llama, token
         torch.testing.assert_close(batched[row], expected, atol=1e-6, rtol=0)
 
 
+def test_penalties_follow_the_tokens_step_by_step(llama, tokenizer):
+    """Penalty statistics are folded in incrementally (core/penalties.py): after every appended token, and
+    after the list shrinks (a rollback), the scores equal transformers' processors over the whole history."""
+    engine = KVBoost(llama, tokenizer)
+    params = SamplingParams(
+        max_new_tokens=64,
+        temperature=0.8,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.7,
+    )
+    req = new_request(engine, "p", list(range(5, 25)), params, 0.0)
+    g = torch.Generator().manual_seed(1)
+    reference = RequestProcessor(params, prompt_len=req.prompt_len, device=torch.device("cpu"), eos=())
+    for step in range(40):
+        if step == 30:
+            del req.tokens[-12:]  # rolled back: the statistics must shrink with it
+        else:
+            req.tokens.append(int(torch.randint(0, 40, (), generator=g)))
+        logits = torch.randn(1, 300, generator=g) * 3
+        expected = reference.process(torch.tensor(req.tokens), logits[0])
+        torch.testing.assert_close(
+            process_logits(logits, [req])[0],
+            expected,
+            atol=1e-6,
+            rtol=1e-6,
+            msg=lambda m: f"step {step}: {m}",
+        )
+
+
 def test_seeded_sampling_is_independent_of_the_batch(llama, tokenizer):
     engine = KVBoost(llama, tokenizer)
     alone = engine.generate(words(20, seed=1), max_new_tokens=12, temperature=0.9, seed=7, ignore_eos=True)

@@ -10,6 +10,7 @@ import torch
 
 from kvb_cache.core.block_pool import Block
 from kvb_cache.core.outputs import RequestId
+from kvb_cache.core.penalties import PenaltyHistory
 from kvb_cache.emitter import Emitter
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.results import TokenLogprob
@@ -81,6 +82,9 @@ class Request:
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None
+    #: Seen ids and output counts for repetition/presence/frequency penalties (made by the sampler on first
+    #: use, then updated with each step's new tokens only).
+    penalty_history: PenaltyHistory | None = None
     #: The ``response_format`` matcher (None: unconstrained); the sampler masks and advances it.
     grammar: GrammarState | None = None
     #: KV to adopt at admission instead of a prefix lookup (stitched prompts); dropped once written.

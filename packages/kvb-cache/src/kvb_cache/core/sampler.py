@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvb_cache.core.penalties import PenaltyHistory
 from kvb_cache.core.request import Request
 from kvb_cache.errors import NonFiniteLogitsError
 from kvb_cache.structured.mask import apply_bitmask, bitmask_words
@@ -24,7 +25,8 @@ from kvb_cache.structured.mask import apply_bitmask, bitmask_words
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """``logits`` ``[R, V]`` raw -> ``[R, V]`` float32 processed (filtered tokens ``-inf``); ``logits`` is
-    left as it was."""
+    left as it was. Its only effect on ``requests`` is bringing their penalty statistics up to date with
+    their tokens (:mod:`kvb_cache.core.penalties`), so running it again gives the same scores."""
     # A copy even for fp32 logits (where .float() is the same tensor): the rows are edited in place below,
     # and the caller still reads the raw rows afterwards (logprobs, captured logits).
     scores = logits.to(torch.float32, copy=True)
@@ -42,18 +44,18 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
             # An end-of-sequence id past the logits (a generation config or tokenizer naming a token the
             # model cannot produce) needs no ban; indexing it would fail the whole step.
             scores[i, [t for t in sorted(req.emitter.stop_tokens) if t < vocab]] = -float("inf")
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if req.penalty_history is None:
+                req.penalty_history = PenaltyHistory()
+            history = req.penalty_history
         if p.repetition_penalty != 1.0:
-            history = torch.tensor(req.tokens, device=device)
-            history = history[history < vocab]
-            picked = scores[i].gather(0, history)
+            seen = history.seen_ids(req.tokens, vocab, device)  # [U]
+            picked = scores[i].gather(0, seen)
             picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
-            scores[i].scatter_(0, history, picked)
+            scores[i].scatter_(0, seen, picked)
         if p.presence_penalty or p.frequency_penalty:
-            out = req.output_ids
-            if out:
-                counts = torch.bincount(torch.tensor(out, device=device), minlength=vocab)[:vocab].to(
-                    scores.dtype
-                )
+            if req.num_output:
+                counts = history.output_counts(req.tokens, req.prompt_len, vocab, device)  # [V]
                 scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     sampled = [i for i, r in zip(rows, requests) if not r.params.greedy]
     if not sampled:
@@ -115,7 +117,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
 
     A row whose token cannot be chosen (its processing, draw or matcher raised) gets the exception in its
     place; the other rows are unaffected (each row's draw uses its own generator, and a batched processing
-    failure is redone row by row: :func:`process_logits` has no side effects).
+    failure is redone row by row: running :func:`process_logits` again gives the same scores).
     """
     # argmax would pick a NaN's index as if it were a token: such rows are flagged, read with the tokens.
     nan_rows = torch.isnan(logits).any(dim=-1)  # [R]
@@ -157,7 +159,7 @@ def _processed_rows(
     """:func:`process_logits` of every row (``[V]`` each), every row's argmax when batched, and ``nan_rows``
     ``[R]`` as a list (read in the argmax's host sync).
 
-    Batched normally; row by row when the batch raised (``process_logits`` has no side effects), so that one
+    Batched normally; row by row when the batch raised (``process_logits`` can run again), so that one
     row's failure, its exception in its place, leaves the other rows' scores as the batch gives them."""
     try:
         scores = process_logits(logits, requests)
