@@ -241,7 +241,7 @@ def test_penalties_follow_the_tokens_step_by_step(llama, tokenizer):
             expected,
             atol=1e-6,
             rtol=1e-6,
-            msg=lambda m: f"step {step}: {m}",
+            msg=lambda m, step=step: f"step {step}: {m}",
         )
 
 

@@ -53,10 +53,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
             picked = scores[i].gather(0, seen)
             picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
             scores[i].scatter_(0, seen, picked)
-        if p.presence_penalty or p.frequency_penalty:
-            if req.num_output:
-                counts = history.output_counts(req.tokens, req.prompt_len, vocab, device)  # [V]
-                scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if (p.presence_penalty or p.frequency_penalty) and req.num_output:
+            counts = history.output_counts(req.tokens, req.prompt_len, vocab, device)  # [V]
+            scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     sampled = [i for i, r in zip(rows, requests) if not r.params.greedy]
     if not sampled:
         return scores
