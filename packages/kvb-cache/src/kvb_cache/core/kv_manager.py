@@ -257,8 +257,22 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------------ helpers
     def slots(self, req: Request, length: int) -> torch.Tensor:
-        """``[length]`` pool slots of ``req``'s first ``length`` tokens."""
-        return self.storage.slots([b.id for b in req.blocks], length)
+        """``[length]`` pool slots of ``req``'s first ``length`` tokens.
+
+        Every scheduled request needs its whole slot table each step; building it from the block list each
+        time (a handful of small tensor ops and a host-to-device copy per request) was ~20% of a 32-row
+        decode step on a small model. The table is kept on the request and only extended by the blocks it
+        gained since; a block list that changed otherwise (preempted, blocks replaced) rebuilds it.
+        """
+        ids = [b.id for b in req.blocks]
+        cached = req.slot_table
+        if cached is None or ids[: len(cached[0])] != cached[0]:
+            cached = (ids, self.storage.slots(ids, len(ids) * self.block_size))
+        elif len(ids) > len(cached[0]):
+            grown = self.storage.slots(ids[len(cached[0]) :], (len(ids) - len(cached[0])) * self.block_size)
+            cached = (ids, torch.cat([cached[1], grown]))
+        req.slot_table = cached
+        return cached[1][:length]
 
     def _block_slots(self, block_id: int, count: int) -> torch.Tensor:
         start = block_id * self.block_size

@@ -82,6 +82,9 @@ class Request:
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None
+    #: ``(block ids, [len(ids) * block_size] slots)``: the pool slots of ``blocks``, extended as they grow
+    #: (:meth:`kvb_cache.core.kv_manager.KVCacheManager.slots`).
+    slot_table: tuple[list[int], torch.Tensor] | None = None
     #: Seen ids and output counts for repetition/presence/frequency penalties (made by the sampler on first
     #: use, then updated with each step's new tokens only).
     penalty_history: PenaltyHistory | None = None
