@@ -339,6 +339,28 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(engine, llama, 
     assert [t[2] for t in step.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+def test_logprobs_in_a_batch_equal_each_request_alone(engine, llama):
+    """One step computes every row's logprobs together (emitter.token_logprobs): rows asking for 0, 2, 5
+    or more than the vocabulary, beside a row without logprobs, get what each gets alone."""
+    vocab = llama.get_input_embeddings().num_embeddings
+    tops = [0, 2, None, 5, vocab + 3]
+    prompts = [f"{PROMPT} {i}" for i in range(len(tops))]
+    batch = engine.generate_batch(
+        prompts, sampling=[{"logprobs": t} for t in tops], max_new_tokens=4, ignore_eos=True
+    )
+    for prompt, top, got in zip(prompts, tops, batch):
+        alone = engine.generate(prompt, max_new_tokens=4, logprobs=top, ignore_eos=True)
+        assert got.output_ids == alone.output_ids
+        if top is None:
+            assert got.logprobs is None
+            continue
+        for a, b in zip(got.logprobs, alone.logprobs, strict=True):
+            assert (a.token_id, a.token) == (b.token_id, b.token)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t[:2] for t in a.top] == [t[:2] for t in b.top] and len(a.top) == min(top, vocab)
+            assert [t[2] for t in a.top] == pytest.approx([t[2] for t in b.top], abs=1e-5)
+
+
 def test_choose_refuses_nan_logits():
     """The solo path's choice: a NaN in the logits is a typed error, not argmax's NaN index."""
     logits = torch.zeros(16)

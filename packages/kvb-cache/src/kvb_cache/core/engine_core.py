@@ -44,7 +44,7 @@ from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
-from kvb_cache.emitter import TokenTexts, token_logprob
+from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -226,11 +226,12 @@ class EngineCore:
                 if s.request.internal:
                     self.idle_tokens += s.num_tokens
             tokens = sample(logits, sampling)
+            logprobs = self._logprobs(logits, sampling, tokens)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
                 try:
                     if isinstance(token, Exception):
                         raise token
-                    output = self._emit(req, token, logits[row])
+                    output = self._emit(req, token, logits[row], logprobs.get(row))
                 except Exception as exc:  # ends this request only; the rest of the batch goes on
                     output = self._fail(req, exc)
                 if output is None:
@@ -244,10 +245,36 @@ class EngineCore:
         self.steps += 1
         return outputs
 
-    def _emit(self, req: Request, token: int, logits) -> RequestOutput | None:
+    def _logprobs(
+        self, logits: torch.Tensor, requests: list[Request], tokens: list[int | Exception]
+    ) -> dict[int, TokenLogprob]:
+        """The sampled tokens' logprobs for the rows that asked for them, by row (``logits`` ``[R, V]``)."""
+        rows = [
+            i
+            for i, (r, t) in enumerate(zip(requests, tokens))
+            if r.params.logprobs is not None and not isinstance(t, Exception)
+        ]
+        if not rows:
+            return {}
+        try:
+            found = token_logprobs(
+                self.texts,
+                logits[rows],
+                [tokens[i] for i in rows],
+                [requests[i].params.logprobs for i in rows],
+            )
+        except Exception:  # each row then redoes its own in _emit, where a failure ends that request only
+            return {}
+        return dict(zip(rows, found))
+
+    def _emit(
+        self, req: Request, token: int, logits, logprob: TokenLogprob | None = None
+    ) -> RequestOutput | None:
         params = req.params
         if params.logprobs is not None:
-            req.logprobs.append(token_logprob(self.texts, logits, token, params.logprobs))
+            if logprob is None:
+                logprob = token_logprob(self.texts, logits, token, params.logprobs)
+            req.logprobs.append(logprob)
         if req.capture_logits:
             req.last_logits = logits
         req.tokens.append(token)
