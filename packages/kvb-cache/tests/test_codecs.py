@@ -138,3 +138,42 @@ def test_codecs_by_name_and_bits():
         codec_from_name("zstd")
     with pytest.raises(ValueError, match="group_size"):
         KiviCodec(bits=8, group_size=1)
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-9, 3e5])
+@pytest.mark.parametrize(
+    "codec", [KiviCodec(bits=8), KiviCodec(bits=4), AbsmaxInt8Codec()], ids=lambda c: c.name
+)
+def test_kv_beyond_fp16_range_keeps_its_snr(codec, scale):
+    """Scales and zero points outside fp16's normal range are stored in fp32: at 3e5 an fp16 scale was inf
+    (decoded NaN, every record refused); at 1e-6 a subnormal one decoded worse than zeros."""
+    kv = tuple((k * scale, v * scale) for k, v in gaussian_kv(layers=1, tokens=37))
+    encoded = EncodedKV.from_dense(codec, kv)
+    k, v = encoded.layer(0)
+    floor = 15 if codec.name.startswith("kivi4") else 35
+    assert snr_db(kv[0][0], k) > floor and snr_db(kv[0][1], v) > floor
+    # Ordinary magnitudes keep fp16 statistics (their bytes are what the docs count).
+    plain = codec.encode(gaussian_kv(layers=1, tokens=37))
+    assert all(t.dtype != torch.float32 for t in plain.values())
+
+
+@pytest.mark.parametrize(
+    "codec", [KiviCodec(bits=8), KiviCodec(bits=4), AbsmaxInt8Codec()], ids=lambda c: c.name
+)
+def test_non_finite_kv_is_refused_at_encode(codec):
+    from kvb_cache.errors import NonFiniteLogitsError
+
+    kv = gaussian_kv(layers=1, tokens=16)
+    kv[0][1][0, 0, 3, 5] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="NaN or inf"):
+        codec.encode(kv)
+
+
+def test_odd_codes_do_not_pack_and_odd_4bit_groups_are_refused():
+    with pytest.raises(ValueError, match="must be even"):
+        pack_nibbles(torch.zeros(2, 5, dtype=torch.uint8))
+    with pytest.raises(ConfigError, match="must be even"):
+        KiviCodec(bits=4, group_size=5)
+    with pytest.raises(ConfigError, match="8 or 4"):
+        KiviCodec(bits=8.0)
+    assert KiviCodec(bits=8, group_size=5).name == "kivi8-g5"  # 8-bit codes are not packed

@@ -17,14 +17,44 @@ def engine(model, tok, **config) -> KVBoost:
     return KVBoost(model, tok, config=EngineConfig(chunk_size=16, **config))
 
 
-def test_default_engine_has_no_tiers_and_codec_in_fingerprint(llama, tokenizer):
+def test_default_engine_has_no_tiers_and_codec_in_fingerprint(llama, tokenizer, tmp_path):
     plain = engine(llama, tokenizer)
     assert plain.tiers is None
-    assert engine(llama, tokenizer, kv_cache_bits=8).fingerprint != plain.fingerprint
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    assert engine(llama, tokenizer, kv_cache_bits=8, tiers=tiers).fingerprint != plain.fingerprint
     assert (
-        engine(llama, tokenizer, kv_cache_bits=4).fingerprint
-        != engine(llama, tokenizer, kv_cache_bits=8).fingerprint
+        engine(llama, tokenizer, kv_cache_bits=4, tiers=tiers).fingerprint
+        != engine(llama, tokenizer, kv_cache_bits=8, tiers=tiers).fingerprint
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        # Quantizing records with no tier to hold them did nothing (the pool keeps KV as computed).
+        ({"kv_cache_bits": 8}, "quantizes disk/Redis records only"),
+        ({"kv_group_size": 64}, "no effect with kv_cache_bits=16"),
+        # 8.0 == 8 passed, then every tier write failed on a float shift count.
+        ({"kv_cache_bits": 8.0, "tiers": "disk"}, "kv_cache_bits must be 16"),
+        # 4-bit codes pack two per byte inside a group: an odd group failed or corrupted every write.
+        ({"kv_cache_bits": 4, "kv_group_size": 5, "tiers": "disk"}, "must be even"),
+    ],
+)
+def test_engine_config_refuses_quantization_settings_that_cannot_work(options, match, tmp_path):
+    from kvb_cache.errors import ConfigError
+
+    if options.get("tiers") == "disk":
+        options = {**options, "tiers": TierConfig(disk_cache_dir=tmp_path)}
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**options)
+
+
+def test_tier_config_names_an_unknown_codec_at_once():
+    from kvb_cache.errors import ConfigError
+
+    for name in ("fp8", "kivi8-g1", "kivi4-g3"):
+        with pytest.raises(ConfigError):
+            TierConfig(remote_url="redis://127.0.0.1:6379/0", remote_codec=name)
 
 
 def test_restart_with_disk_tier_gets_exact_hits_and_identical_output(llama, tokenizer, tmp_path):
@@ -260,3 +290,25 @@ def test_tiered_store_built_for_another_kv_layout_is_refused(llama, tokenizer, t
     store.close()
     matching = build_store(tiers, fingerprint=fingerprint, root=root_hash(fingerprint), shapes=own)
     KVBoost(llama, tokenizer, config=config, store=matching).close()
+
+
+def test_records_that_cannot_be_stored_are_counted_and_logged_once(
+    llama, tokenizer, tmp_path, caplog, monkeypatch
+):
+    """A write-behind failing on every block (an encode error) used to log a traceback per block and leave
+    the tier's stats at ``stores=0 errors=0``."""
+    import kvb_cache.core.block_tiers as block_tiers
+
+    def refuse(entry, fmt):
+        raise ValueError("cannot encode this block")
+
+    eng = engine(llama, tokenizer, kv_cache_bits=8, tiers=TierConfig(disk_cache_dir=tmp_path))
+    monkeypatch.setattr(block_tiers, "encode_record", refuse)
+    with caplog.at_level("WARNING", logger="kvb_cache.core.block_tiers"):
+        eng.generate(PROMPTS[1], max_new_tokens=2, ignore_eos=True)
+        eng.flush()
+    disk = eng.tiers.stats()[0]
+    assert disk.stores == 0 and disk.errors == 4  # 4 full 16-token blocks of a 70-token prompt
+    logged = [r for r in caplog.records if "could not be stored" in r.getMessage()]
+    assert len(logged) == 1 and "ValueError" in logged[0].getMessage()
+    eng.close()

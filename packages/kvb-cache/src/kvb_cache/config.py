@@ -28,6 +28,10 @@ DEFAULT_CHUNK_SIZE = 128
 STITCHING_CHUNK_SIZE = 32
 
 
+#: Quantization group of ``kv_cache_bits`` 8/4 when none is given.
+DEFAULT_KV_GROUP_SIZE = 32
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """How the engine chunks, stores and reuses KV.
@@ -77,7 +81,7 @@ class EngineConfig:
     store_partial_tail: bool = True
     stitching: StitchConfig | None = None
     kv_cache_bits: int = 16
-    kv_group_size: int = 32
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     tiers: TierConfig | None = None
     block_size: int = 16
     num_blocks: int | None = None
@@ -138,17 +142,33 @@ class EngineConfig:
             raise ConfigError(
                 f"stitching must be a StitchConfig or None, got {type(self.stitching).__name__}"
             )
-        if self.kv_cache_bits not in (16, 8, 4):
-            raise ConfigError(
-                f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {self.kv_cache_bits!r}"
-            )
-        if not isinstance(self.kv_group_size, int) or self.kv_group_size < 2:
-            raise ConfigError(
-                f"kv_group_size must be an int >= 2 (32 or 128 are typical), got {self.kv_group_size!r}"
-            )
+        # An int, not merely equal to one: 8.0 passed "in (16, 8, 4)" and then failed every tier write.
+        bits = self.kv_cache_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (16, 8, 4):
+            raise ConfigError(f"kv_cache_bits must be 16 (exact), 8 or 4 (quantized), got {bits!r}")
+        group = self.kv_group_size
+        if isinstance(group, bool) or not isinstance(group, int) or group < 2:
+            raise ConfigError(f"kv_group_size must be an int >= 2 (32 or 128 are typical), got {group!r}")
+        if bits == 4 and group % 2:
+            # 4-bit codes are packed two per byte within a group: an odd group failed every write.
+            raise ConfigError(f"kv_group_size must be even with kv_cache_bits=4, got {group}")
         from kvb_cache.tiers.config import TierConfig  # deferred: kvb_cache.tiers imports this module
 
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(
                 f"tiers must be a kvb_cache.tiers.TierConfig or None, got {type(self.tiers).__name__}"
+            )
+        # Both were accepted and silently did nothing; "--kv-cache-bits 8" reads like vLLM's
+        # --kv-cache-dtype (smaller live KV), which is a per-request kv_cache_bits here.
+        if bits != 16 and (self.tiers is None or not self.tiers.enabled):
+            raise ConfigError(
+                f"kv_cache_bits={bits} quantizes disk/Redis records only, and no tier is configured: add "
+                "tiers=TierConfig(disk_cache_dir=... or remote_url=...) (from_pretrained and the CLI: "
+                "disk_cache_dir / --disk-cache-dir, remote_url / --remote-url), or drop it (a request's own "
+                "kv_cache_bits quantizes its live KV)"
+            )
+        if bits == 16 and group != DEFAULT_KV_GROUP_SIZE:
+            raise ConfigError(
+                f"kv_group_size={group} has no effect with kv_cache_bits=16: add kv_cache_bits 8 or 4 "
+                "(--kv-cache-bits), or drop it"
             )

@@ -337,19 +337,6 @@ class EngineArgs:
                 f"tokenizer must be a folder or a hub id, or None (the model's), got {self.tokenizer!r}"
             )
         tiers = self.tier_config()
-        # Both were accepted and silently did nothing; "--kv-cache-bits 8" reads like vLLM's
-        # --kv-cache-dtype (smaller live KV), which is a per-request kv_cache_bits here.
-        if self.kv_cache_bits != 16 and tiers is None:
-            raise ConfigError(
-                f"kv_cache_bits={self.kv_cache_bits} quantizes disk/Redis records only, and no tier is "
-                "configured: add disk_cache_dir (--disk-cache-dir) or remote_url (--remote-url), or drop it "
-                "(a request's own kv_cache_bits quantizes its live KV)"
-            )
-        if self.kv_cache_bits == 16 and self.kv_group_size != EngineConfig().kv_group_size:
-            raise ConfigError(
-                f"kv_group_size={self.kv_group_size} has no effect with kv_cache_bits=16: add kv_cache_bits 8 "
-                "or 4 (--kv-cache-bits), or drop it"
-            )
         return EngineConfig(
             chunk_size=self.chunk_size,
             stitching=self.stitch_config(),

@@ -15,10 +15,13 @@ from collections.abc import Sequence
 import torch
 
 from kvb_cache.codecs.base import LayerPair, TensorMap, layer_names
+from kvb_cache.codecs.packing import check_finite, stats_dtype
 
 
 def _absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (x.float().abs().amax(dim=dim, keepdim=True) / 127).to(torch.float16)
+    check_finite(x)
+    scale = x.float().abs().amax(dim=dim, keepdim=True) / 127
+    scale = scale.to(stats_dtype(scale))  # fp16, or fp32 beyond its range (as KIVI's)
     safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
     return torch.round(x.float() / safe).clamp_(-127, 127).to(torch.int8), scale
 

@@ -19,6 +19,7 @@ import torch
 
 from kvb_cache.codecs.base import LayerPair, TensorMap, layer_names
 from kvb_cache.codecs.packing import Quantized, dequantize_groups, quantize_groups
+from kvb_cache.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,11 +37,14 @@ class KiviCodec:
     group_size: int = 32
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"KIVI bits must be 8 or 4, got {self.bits!r}")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(
-                f"group_size must be an int >= 2 (32 or 128 are typical), got {self.group_size!r}"
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in (4, 8):
+            raise ConfigError(f"KIVI bits must be the int 8 or 4, got {self.bits!r}")
+        group = self.group_size
+        if isinstance(group, bool) or not isinstance(group, int) or group < 2:
+            raise ConfigError(f"group_size must be an int >= 2 (32 or 128 are typical), got {group!r}")
+        if self.bits == 4 and group % 2:
+            raise ConfigError(
+                f"4-bit KIVI packs two codes per byte within a group: group_size must be even, got {group}"
             )
 
     @property

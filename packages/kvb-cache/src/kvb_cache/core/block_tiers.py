@@ -46,6 +46,7 @@ class BlockTiers:
         self.writer = writer
         self.shapes = tuple(shapes) if shapes is not None else None
         self.block_size = block_size
+        self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
 
     @classmethod
     def from_config(
@@ -149,8 +150,26 @@ class BlockTiers:
         """``entry``'s dense KV, checked against the pool's block layout (RecordError when it differs)."""
         return checked_kv(entry, self.shapes, tokens=self.block_size)
 
-    @staticmethod
-    def _store(entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:
+    def _store(self, entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:
+        """Write ``entry`` to each of ``tiers`` lacking it (on the writer thread).
+
+        A record that cannot be encoded (KV the codec refuses, e.g. NaN from an overflowing model) or
+        written is counted as the tier's ``errors`` and logged once per tier and kind of failure: failing
+        quietly on every block, the tier stayed empty while its stats read ``stores=0 errors=0``.
+        """
         for lower in tiers:
-            if not lower.tier.contains(entry.key):
-                lower.tier.put(entry.key, encode_record(entry, lower.format))
+            try:
+                if not lower.tier.contains(entry.key):
+                    lower.tier.put(entry.key, encode_record(entry, lower.format))
+            except Exception as exc:
+                lower.tier.count("errors")
+                kind = (lower.tier.name, type(exc).__name__)
+                if kind not in self._warned:
+                    self._warned.add(kind)
+                    logger.warning(
+                        "%s tier: a record could not be stored (%s: %s); counted in its errors, "
+                        "further failures of this kind are not logged",
+                        lower.tier.name,
+                        type(exc).__name__,
+                        exc,
+                    )
