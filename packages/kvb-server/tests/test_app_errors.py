@@ -571,6 +571,7 @@ def test_queue_full_is_503_then_recovers() -> None:
                     await asyncio.sleep(0.01)
                 rejected = await c.post("/v1/completions", json=body)
                 assert_openai_error(rejected, 503, code="queue_full")
+                assert rejected.headers["retry-after"] == "1"  # the openai SDKs wait this long
                 fake.hold.set()
                 return [r.status_code for r in await asyncio.gather(running, queued)]
 
@@ -604,6 +605,8 @@ def test_timeout_is_504_and_aborts_the_request() -> None:
         t0 = time.monotonic()
         resp = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100}, timeout=30)
         assert_openai_error(resp, 504, code="timeout")
+        # The openai SDKs retried a 504 twice, each retry costing another --request-timeout of engine time.
+        assert resp.headers["x-should-retry"] == "false"
         assert time.monotonic() - t0 < 3
         wait_until(lambda: len(fake.aborted) == 1)  # the engine was told to stop, not left running 5 s
         assert fake.aborted == [fake.added[0].request_id]

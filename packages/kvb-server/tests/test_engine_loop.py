@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import threading
+import time
 
 import httpx
 import pytest
@@ -513,3 +514,32 @@ def test_aborting_the_last_requests_in_flight_refreshes_the_queue_counts() -> No
                 return await post(json=completion("d", 2))
 
         assert asyncio.run(scenario()).status_code == 200
+
+
+def test_a_crashed_engine_loop_fails_health_and_refuses_requests_at_once() -> None:
+    """A bug escaping the loop itself (not a failing step) ended the engine thread while /health kept
+    answering ok and every later request waited for its --request-timeout (then 504, then a growing queue
+    refused as queue_full). Now the request in flight gets a 500, /health a 503 and new requests a 503
+    ``engine_dead`` at once (vLLM's EngineDeadError)."""
+    fake = FakeEngine()
+    crash = threading.Event()
+    original = fake.has_unfinished
+
+    def has_unfinished() -> bool:
+        if crash.is_set():
+            raise RuntimeError("a bug in the loop")
+        return original()
+
+    fake.has_unfinished = has_unfinished
+    config = ServerConfig(model_names=(MODEL,), request_timeout_s=60)
+    with serve(create_app(fake, config)) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        crash.set()
+        first = httpx.post(f"{url}/v1/completions", json=completion("hi", 3), timeout=30)
+        assert_openai_error(first, 500)
+        health = httpx.get(f"{url}/health")
+        assert_openai_error(health, 503, code="engine_dead")
+        started = time.monotonic()
+        later = httpx.post(f"{url}/v1/completions", json=completion("hi", 3), timeout=30)
+        assert_openai_error(later, 503, code="engine_dead")
+        assert time.monotonic() - started < 10  # refused at once, not after --request-timeout (60 s)

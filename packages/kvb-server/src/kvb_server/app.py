@@ -108,8 +108,10 @@ class _RequestMetrics:
 
 
 def _error_response(exc: ServerError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthenticationError) else None
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+    headers = dict(exc.headers or {})
+    if isinstance(exc, AuthenticationError):
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers or None)
 
 
 def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate | None = None) -> FastAPI:

@@ -8,6 +8,7 @@ every error here carries both.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 #: OpenAI's error code for a prompt (or prompt plus max_tokens) beyond the context window: clients match it
@@ -20,6 +21,8 @@ class ServerError(Exception):
 
     status_code: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
+    #: HTTP headers the response carries (``Retry-After`` for overload; OpenAI's SDKs read both below).
+    headers: ClassVar[Mapping[str, str] | None] = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -141,11 +144,18 @@ class CacheBusyConflictError(ServerError):
         super().__init__(message, code="cache_busy")
 
 
+#: The overload answers' ``Retry-After``: the openai SDKs wait this long (their own backoff otherwise).
+RETRY_AFTER: Mapping[str, str] = MappingProxyType({"Retry-After": "1"})
+#: Read by the openai SDKs (Python and Node): do not retry this response.
+NO_RETRY: Mapping[str, str] = MappingProxyType({"x-should-retry": "false"})
+
+
 class QueueFullError(ServerError):
     """The request queue is full (503); the client should retry later."""
 
     status_code = 503
     error_type = "server_overloaded"
+    headers = RETRY_AFTER
 
     def __init__(self, max_queue_size: int) -> None:
         super().__init__(
@@ -160,10 +170,27 @@ class ShuttingDownError(ServerError):
 
     status_code = 503
     error_type = "server_overloaded"
+    headers = RETRY_AFTER
 
     def __init__(self) -> None:
         super().__init__(
             "The server is shutting down and accepts no new requests. Retry shortly.", code="shutting_down"
+        )
+
+
+class EngineDeadError(ServerError):
+    """The engine thread has stopped after an internal error (503): this process serves nothing more, and
+    ``/health`` says so, so that a supervisor restarts it (vLLM's ``EngineDeadError``)."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, cause: BaseException | None = None) -> None:
+        reason = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(
+            f"The server's engine loop has stopped after an internal error{reason}; this server must be "
+            "restarted (see its log).",
+            code="engine_dead",
         )
 
 
@@ -172,6 +199,9 @@ class RequestTimeoutError(ServerError):
 
     status_code = 504
     error_type = "timeout_error"
+    # The openai SDKs retry a 504 twice by default, each retry costing another --request-timeout of engine
+    # time; a request that took too long under load is not worth repeating blindly.
+    headers = NO_RETRY
 
     def __init__(self, timeout_s: float) -> None:
         super().__init__(

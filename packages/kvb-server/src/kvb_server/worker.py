@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from kvb_cache.core.outputs import PagedStats
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import QueueFullError, RequestTimeoutError, ShuttingDownError
+from kvb_server.errors import EngineDeadError, QueueFullError, RequestTimeoutError, ShuttingDownError
 from kvb_server.idle_work import IdleWork
 from kvb_server.in_flight import InFlight
 from kvb_server.jobs import CallJob, Job, JobIds, JobUpdate
@@ -63,6 +63,8 @@ class EngineWorker:
         # queue-full check never misses a job in transit.
         self._pending: deque[Job] = deque()
         self._stopping = False
+        #: Why the engine thread stopped on its own (a bug in the loop): every later request is refused.
+        self._dead: BaseException | None = None
         self._close_on_exit = False
         self._stop_deadline = 0.0
         self._thread: threading.Thread | None = None
@@ -112,6 +114,11 @@ class EngineWorker:
             )
         self._thread = None
 
+    @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine thread on its own (None while it runs, or after a clean stop)."""
+        return self._dead
+
     # -- submission (event loop) -----------------------------------------------------------------------
     @property
     def depth(self) -> int:
@@ -130,6 +137,8 @@ class EngineWorker:
         if self._thread is None and not self._stopping:
             raise RuntimeError("EngineWorker.start() must run before submit()")
         with self._cond:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
             if self._stopping:
                 raise ShuttingDownError()
             if bounded and self.depth + len(jobs) > self._config.max_queue_size:
@@ -205,13 +214,18 @@ class EngineWorker:
                     self._step()
                 elif self._idle.due() <= 0:
                     self._idle_step()
-        except Exception:  # a bug in the loop itself: nothing else would ever answer the jobs
-            logger.exception("engine loop crashed")
+        except Exception as exc:  # a bug in the loop itself: nothing else would ever answer the jobs
+            logger.exception("engine loop crashed; the server answers 503 engine_dead from now on")
+            with self._cond:
+                # Set before answering anyone: a submission racing with the crash is refused, not left
+                # in a queue nobody reads until its --request-timeout.
+                self._dead = exc
             self._fail_in_flight(RuntimeError("the server's engine loop crashed; see the server log"))
-            raise
         finally:
             self._abort_all()
-            self._refuse_pending()
+            self._refuse_pending(
+                EngineDeadError(self._dead) if self._dead is not None else ShuttingDownError()
+            )
             if self._close_on_exit:
                 self._close_engine()
 
@@ -306,15 +320,16 @@ class EngineWorker:
         self._in_flight.abort_all()
         self._idle.clear()  # the prompt part-way holds blocks too; what it stored stays cached
 
-    def _refuse_pending(self) -> None:
-        """On shutdown: answer the jobs never handed to the engine, so no handler waits for its timeout."""
+    def _refuse_pending(self, error: Exception) -> None:
+        """When the thread ends: answer the jobs never handed to the engine with ``error``, so no handler
+        waits for its timeout."""
         with self._cond:
             pending, self._pending = list(self._pending), deque()
         for job in pending:
             if isinstance(job, CallJob):
-                _resolve(job.future, error=ShuttingDownError())
+                _resolve(job.future, error=error)
             else:
-                job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=ShuttingDownError()))
+                job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=error))
 
     def _close_engine(self) -> None:
         started = time.monotonic()

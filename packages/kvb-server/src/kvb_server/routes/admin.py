@@ -8,13 +8,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
 from kvb_server.engine_errors import engine_error
-from kvb_server.errors import InvalidParameterError, ServerError
+from kvb_server.errors import EngineDeadError, InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import json_body, responses
@@ -51,7 +51,11 @@ def admin_router(
     v1 = APIRouter(prefix="/v1")
 
     @open_router.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        if worker.dead is not None:
+            # vLLM's /health fails once its engine is dead: probes restart the process instead of sending it
+            # requests that can only be refused.
+            return JSONResponse(EngineDeadError(worker.dead).body(), status_code=503)
         return {"status": "ok", "model": config.model_names[0], "queue_depth": worker.depth}
 
     @open_router.get("/version")
