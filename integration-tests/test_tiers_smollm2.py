@@ -48,19 +48,29 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"][: 200 + 13 * i] for i, t in enumerate(texts)]
 
 
-def test_int8_cached_prefix_agrees_with_uncompressed(smollm2):
+def test_int8_prefix_restored_from_disk_agrees_with_uncompressed(smollm2, tmp_path):
+    """A writer engine stores the prefixes as int8 records; a fresh engine (empty RAM) restores them. Its
+    next-token logits are quantized ones (they differ from no-cache's: a single engine would have served
+    the exact pool and measured nothing) and pick the same top token on all 12 prompts."""
     model, tokenizer = smollm2
-    engine = KVBoost(model, tokenizer, config=EngineConfig(kv_cache_bits=8))
-    agree = 0
+    config = EngineConfig(kv_cache_bits=8, tiers=TierConfig(disk_cache_dir=tmp_path))
     prompts = _prompts(tokenizer)
+    writer = KVBoost(model, tokenizer, config=config)
     for ids in prompts:
-        engine.warm(ids[:-1])
-        got = engine.next_token_logits(ids)
+        writer.warm(ids[:-1])
+    writer.close()  # drains the write-behind queue
+    reader = KVBoost(model, tokenizer, config=config)
+    agree, largest = 0, 0.0
+    for ids in prompts:
+        got = reader.next_token_logits(ids)
         assert got.cached_tokens >= 128
         with torch.inference_mode():
             ref = model(torch.tensor([ids])).logits[0, -1]
         agree += int(got.logits.argmax() == ref.argmax())
+        largest = max(largest, (got.logits - ref).abs().max().item())
+    reader.close()
     assert agree == len(prompts)
+    assert largest > 1e-3  # the restored KV went through the codec (the exact path is within 1e-4)
 
 
 def test_disk_restore_of_a_512_token_prefix_is_exact(smollm2, prompt_ids, tmp_path):

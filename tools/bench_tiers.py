@@ -2,9 +2,14 @@
 
 1. Restore vs recompute: next-token latency of a 512- and 2048-token prompt, cold (full prefill) vs its
    KV restored from RAM, disk and Redis on loopback (a redis-server started here on a free port).
-2. Codec fidelity: SNR (dB) of every codec on the model's real KV of a 2048-token prompt, bytes against
-   fp16, and first-token top-1 agreement of cached quantized prefixes against uncompressed no-cache
-   logits on fidelity prompts (pydoc topics + chitchat conversations), plus greedy 16-token agreement.
+2. Codec error: SNR (dB) of every codec on the model's real KV of a 2048-token prompt, in the records the
+   engine writes (one per ``block_size``-token block), and the bytes of those records (header included)
+   against the block's KV in fp16.
+3. Codec fidelity through the tiers: a writer engine stores each prompt's prefix in a disk tier (Redis with
+   the ``absmax8`` wire codec); a fresh reader engine (RAM empty) restores it and scores the next tokens
+   teacher-forced against a no-cache forward: first-token and teacher-forced top-1 agreement, KL, the
+   largest logit difference, and greedy 16-token agreement. (The RAM pool never holds quantized KV, so a
+   single engine measures nothing but the exact path.)
 
 Writes docs/tiers.json and docs/tiers.png; prints tables. Timings are medians of --repeats runs.
 """
@@ -17,6 +22,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +31,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvb_cache import EngineConfig, KVBoost
 from kvb_cache.cache_kwarg import output_cache
-from kvb_cache.codecs import AbsmaxInt8Codec, EncodedKV, KiviCodec, bytes_ratio, chunk_snr_db
+from kvb_cache.codecs import AbsmaxInt8Codec, EncodedKV, KiviCodec, chunk_snr_db
 from kvb_cache.embedded import embedded_model_path
-from kvb_cache.fingerprint import model_fingerprint
-from kvb_cache.hashing import root_hash
+from kvb_cache.hashing import content_hash, prefix_hash, root_hash
 from kvb_cache.kv import slice_kv
-from kvb_cache.store import ChunkStore
-from kvb_cache.tiers import BackgroundWriter, TieredStore
+from kvb_cache.records import RecordFormat, encode_record
+from kvb_cache.store import ChunkEntry
+from kvb_cache.tiers import TierConfig
 from kvb_cache.tiers.bench import bench_restore, format_table
 from kvb_cache.tiers.text import benchmark_token_ids
 
@@ -87,70 +93,104 @@ def fidelity_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts[::step][:n]
 
 
-def codec_snr(model, ids: list[int]) -> list[dict]:
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
-    rows = []
-    for codec in (
+def _codecs() -> list:
+    return [
         KiviCodec(bits=8, group_size=32),
         KiviCodec(bits=4, group_size=32),
         KiviCodec(bits=8, group_size=128),
         KiviCodec(bits=4, group_size=128),
         AbsmaxInt8Codec(),
-    ):
+    ]
+
+
+def codec_snr(model, ids: list[int], *, block_size: int) -> list[dict]:
+    """Each codec on the real KV of ``ids``, block by block as the engine writes records."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = output_cache(out)
+    fmt_root = root_hash("bench")
+    rows = []
+    for codec in _codecs():
         snrs, ratios = [], []
-        for start in range(0, len(ids) - 127, 128):
-            kv = slice_kv(output_cache(out), start, start + 128)
-            enc = EncodedKV.from_dense(codec, kv)
-            snrs.append(chunk_snr_db(kv, enc))
-            ratios.append(bytes_ratio(kv, enc, element_size=2))
+        fmt = RecordFormat(fingerprint="bench", codec=codec)
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            kv = slice_kv(cache, start, start + block_size)
+            snrs.append(chunk_snr_db(kv, EncodedKV.from_dense(codec, kv)))
+            tokens = ids[start : start + block_size]
+            entry = ChunkEntry(
+                key=prefix_hash(fmt_root, tokens),
+                parent=fmt_root,
+                content=content_hash(fmt_root, tokens),
+                token_ids=tuple(tokens),
+                kv=tuple((k.contiguous(), v.contiguous()) for k, v in kv),
+                start=start,
+            )
+            fp16_bytes = sum(k.numel() * 2 + v.numel() * 2 for k, v in kv)
+            ratios.append(len(encode_record(entry, fmt)) / fp16_bytes)
         rows.append(
             {
                 "codec": codec.name,
                 "snr_db_mean": sum(snrs) / len(snrs),
                 "snr_db_min": min(snrs),
-                "bytes_vs_fp16": sum(ratios) / len(ratios),
+                "record_bytes_vs_fp16": sum(ratios) / len(ratios),
             }
         )
     return rows
 
 
-def agreement(model, tokenizer, prompts, *, bits: int, remote_codec: bool, greedy_prompts: int) -> dict:
-    """Cached prefix (all but the last token) through the codec vs uncompressed no-cache logits."""
-    config = EngineConfig(kv_cache_bits=bits)
-    store = None
-    if remote_codec:
-        # What a Redis round trip through the wire codec returns: RAM entries held as absmax8.
-        root = root_hash(model_fingerprint(model, config))
-        store = TieredStore(
-            ChunkStore(config.max_cache_bytes),
-            root=root,
-            codec=AbsmaxInt8Codec(),
-            lower=[],
-            writer=BackgroundWriter(1),
-        )
-    engine = KVBoost(model, tokenizer, config=config, store=store)
-    top1, worst, tokens_same, tokens_all = 0, 0.0, 0, 0
-    for i, ids in enumerate(prompts):
-        engine.warm(ids[:-1])
-        got = engine.next_token_logits(ids)
+def agreement(
+    model, tokenizer, prompts, *, bits: int, tiers: TierConfig, steps: int, greedy_prompts: int
+) -> dict:
+    """Prefixes restored from ``tiers`` by a fresh engine vs uncompressed no-cache logits.
+
+    A writer engine stores each prompt's prefix (all but its last ``steps`` tokens) in the tiers; a reader
+    engine with an empty RAM pool restores it and scores the next ``steps`` positions teacher-forced.
+    """
+    config = EngineConfig(kv_cache_bits=bits, tiers=tiers)
+    writer = KVBoost(model, tokenizer, config=config)
+    for ids in prompts:
+        writer.warm(ids[:-steps])
+    writer.close()  # drains the write-behind queue
+    reader = KVBoost(model, tokenizer, config=config)
+    first, top1, positions, kls, worst, restored = 0, 0, 0, [], 0.0, []
+    for ids in prompts:
         with torch.inference_mode():
-            ref = model(torch.tensor([ids])).logits[0, -1]
-        top1 += int(got.logits.argmax() == ref.argmax())
-        worst = max(worst, (got.logits - ref).abs().max().item())
-        if i < greedy_prompts:
-            cached = engine.generate(ids, max_new_tokens=16, ignore_eos=True).output_ids
-            plain = (
-                KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0))
-                .generate(ids, max_new_tokens=16, ignore_eos=True)
-                .output_ids
+            ref = model(torch.tensor([ids])).logits[0].float()
+        prefix = len(ids) - steps
+        for j in range(steps):
+            got = reader.next_token_logits(ids[: prefix + j])
+            if j == 0:
+                restored.append(got.cached_tokens)
+            logits, want = got.logits.float(), ref[prefix + j - 1]
+            same = int(logits.argmax() == want.argmax())
+            first += same if j == 0 else 0
+            top1 += same
+            positions += 1
+            kls.append(
+                torch.nn.functional.kl_div(
+                    logits.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="sum"
+                ).item()
             )
-            tokens_same += sum(a == b for a, b in zip(cached, plain))
-            tokens_all += len(plain)
+            worst = max(worst, (logits - want).abs().max().item())
+    tokens_same, tokens_all = 0, 0
+    plain = KVBoost(model, tokenizer, config=EngineConfig(max_cache_bytes=0))
+    for ids in prompts[:greedy_prompts]:
+        fresh = KVBoost(model, tokenizer, config=config)  # restores the prefix from the tier again
+        cached = fresh.generate(ids[:-steps], max_new_tokens=16, ignore_eos=True).output_ids
+        fresh.close()
+        expected = plain.generate(ids[:-steps], max_new_tokens=16, ignore_eos=True).output_ids
+        tokens_same += sum(a == b for a, b in zip(cached, expected))
+        tokens_all += len(expected)
+    reader.close()
     return {
-        "top1_agreement": top1 / len(prompts),
+        "first_token_top1": first / len(prompts),
+        "teacher_forced_top1": top1 / positions,
+        "positions": positions,
+        "kl_mean": sum(kls) / len(kls),
+        "kl_max": max(kls),
         "max_abs_logit_diff": worst,
         "greedy16_token_agreement": tokens_same / max(tokens_all, 1),
+        "restored_tokens_mean": sum(restored) / len(restored),
         "prompts": len(prompts),
     }
 
@@ -161,7 +201,8 @@ def main() -> None:
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=60, help="fidelity prompts for top-1 agreement")
+    parser.add_argument("--prompts", type=int, default=24, help="fidelity prompts for top-1 agreement")
+    parser.add_argument("--steps", type=int, default=16, help="teacher-forced positions per prompt")
     parser.add_argument("--greedy-prompts", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -179,18 +220,44 @@ def main() -> None:
             proc.kill()
             proc.wait()
     print(format_table(restore))
-    snr = codec_snr(model, ids[:2048])
+    snr = codec_snr(model, ids[:2048], block_size=EngineConfig().block_size)
     for row in snr:
         print(
-            f"{row['codec']:>11}  SNR mean {row['snr_db_mean']:.1f} dB (min {row['snr_db_min']:.1f})  bytes/fp16 {row['bytes_vs_fp16']:.3f}"
+            f"{row['codec']:>11}  SNR mean {row['snr_db_mean']:.1f} dB (min {row['snr_db_min']:.1f})  "
+            f"record bytes/fp16 {row['record_bytes_vs_fp16']:.3f}"
         )
     prompts = fidelity_prompts(tokenizer, args.prompts)
     fidelity = {}
-    for name, bits, wire in (("kivi8-g32", 8, False), ("kivi4-g32", 4, False), ("absmax8 (wire)", 16, True)):
-        fidelity[name] = agreement(
-            model, tokenizer, prompts, bits=bits, remote_codec=wire, greedy_prompts=args.greedy_prompts
-        )
-        print(f"{name:>15}: {fidelity[name]}")
+    proc, url = start_redis()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            settings = [("kivi8-g32", 8), ("kivi4-g32", 4)]
+            for name, bits in settings:
+                fidelity[name] = agreement(
+                    model,
+                    tokenizer,
+                    prompts,
+                    bits=bits,
+                    tiers=TierConfig(disk_cache_dir=Path(folder) / name),
+                    steps=args.steps,
+                    greedy_prompts=args.greedy_prompts,
+                )
+                print(f"{name:>15}: {fidelity[name]}")
+            if url is not None:
+                fidelity["absmax8 (wire)"] = agreement(
+                    model,
+                    tokenizer,
+                    prompts,
+                    bits=16,
+                    tiers=TierConfig(remote_url=url, remote_codec="absmax8"),
+                    steps=args.steps,
+                    greedy_prompts=args.greedy_prompts,
+                )
+                print(f"{'absmax8 (wire)':>15}: {fidelity['absmax8 (wire)']}")
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
     result = {
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread (shared CPU)",
         "model": "SmolLM2-135M-Instruct fp32",

@@ -198,7 +198,7 @@ class EngineArgs:
         None,
         group="cache",
         choices=("absmax8",),
-        help="send Redis records through the int8 wire codec (lossy, ~4x fewer bytes); unset: as in RAM",
+        help="send Redis records through the int8 wire codec (lossy; records 0.57x the bytes of fp16 KV, 0.28x of fp32); unset: as in RAM",
     )
     exit_flush_timeout_s: float = option(
         10.0,
