@@ -314,6 +314,36 @@ class FakeEngine:
             steps=len(self.step_log),
         )
 
+    # -- warming: a request like the others (``/v1/warm``), or one call (``--warm``) ------------------------
+    def add_warm_request(
+        self, prompt: list[int], *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
+    ) -> RequestId:
+        self.warmed.append("".join(chr(t) for t in prompt))
+        self.warm_salts.append(cache_salt)
+        return self.add_request(
+            prompt,
+            SamplingParams(max_new_tokens=1),
+            prefill_chunk_size=prefill_chunk_size,
+            cache_salt=cache_salt,
+        )
+
+    def warm_result(
+        self,
+        prompt: list[int],
+        *,
+        cache_salt: str | None = None,
+        already_cached_tokens: int = 0,
+        elapsed_ms: float = 0.0,
+    ) -> WarmResult:
+        return WarmResult(
+            tokens=len(prompt),
+            chunks=1,
+            new_chunks=1,
+            already_cached_tokens=already_cached_tokens,
+            elapsed_ms=elapsed_ms,
+            cached_tokens=len(prompt),
+        )
+
     # -- engine calls between steps ----------------------------------------------------------------------
     def warm(self, text: str, *, cache_salt: str | None = None) -> WarmResult:
         self.warmed.append(text)

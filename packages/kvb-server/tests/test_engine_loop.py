@@ -288,6 +288,45 @@ def test_warm_runs_between_steps_while_requests_are_running() -> None:
     assert fake.warmed == ["shared prefix"] and running.json()["choices"][0]["text"] == "bcdefg"
 
 
+def test_warm_shares_steps_with_running_requests_and_is_aborted_when_it_times_out() -> None:
+    """/v1/warm is an engine request like the others (audit: as one engine call its whole prefill ran on
+    the engine thread, 16 s of stall for every stream at 3.3k tokens, and it ran on after its client left):
+    it is stepped beside the running request, and a warm past its deadline is answered 504 and aborted."""
+    fake = FakeEngine(token_delay_s=0.05)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=1.0))) as url:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            running = threading.Thread(
+                target=c.post, args=("/v1/completions",), kwargs={"json": completion("hi", 40)}
+            )
+            running.start()
+            wait_until(lambda: len(fake.added) == 1)
+            warm = c.post("/v1/warm", json={"text": "shared prefix"})
+            assert warm.status_code == 200 and warm.json()["results"][0]["tokens"] == len("shared prefix")
+            running.join()
+        warm_id = fake.added[1].request_id
+        assert any(warm_id in step and fake.added[0].request_id in step for step in fake.step_log)
+    # One slot, taken by a long request: the warm waits inside the engine; the engine then stalls past the
+    # warm's deadline (a long step), and the warm is aborted in the engine, not left queued.
+    fake = FakeEngine(max_num_seqs=1, token_delay_s=0.01)
+    config = ServerConfig(model_names=(MODEL,), request_timeout_s=1.0)
+    with serve(create_app(fake, config)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        running = threading.Thread(
+            target=c.post, args=("/v1/completions",), kwargs={"json": completion("hi", 190)}
+        )
+        running.start()
+        wait_until(lambda: len(fake.added) == 1)
+        warm = threading.Thread(target=lambda: results.append(c.post("/v1/warm", json={"text": "never"})))
+        results: list[httpx.Response] = []
+        warm.start()
+        wait_until(lambda: len(fake.added) == 2)  # handed to the engine, waiting for the slot
+        fake.hold.clear()
+        warm.join()
+        assert_openai_error(results[0], 504, code="timeout")
+        fake.hold.set()
+        wait_until(lambda: fake.added[1].request_id in fake.aborted)
+        running.join()
+
+
 def test_stats_and_metrics_show_the_engine_loop() -> None:
     fake = FakeEngine(max_num_seqs=1)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:

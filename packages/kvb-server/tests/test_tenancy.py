@@ -51,7 +51,8 @@ def test_cache_salt_reaches_the_engine(fake: FakeEngine) -> None:
         httpx.post(url + "/v1/completions", json=COMPLETION)
         assert httpx.post(url + "/v1/warm", json={"text": "doc", "cache_salt": "s-1"}).status_code == 200
         assert_openai_error(httpx.post(url + "/v1/completions", json={**COMPLETION, "cache_salt": ""}), 400)
-    assert [a.cache_salt for a in fake.added] == ["s-1"] * 8 + [None]
+    # The warm is an engine request too (the last one added).
+    assert [a.cache_salt for a in fake.added] == ["s-1"] * 8 + [None, "s-1"]
     assert fake.warm_salts == ["s-1"]
 
 

@@ -19,6 +19,7 @@ from kvb_cache.errors import InvalidRequestError
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
+from kvb_cache.request_checks import check_prefill_chunk_size
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 
@@ -257,16 +258,37 @@ class EngineLoops:
 
     def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
         """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit
-        (those with the same ``cache_salt``)."""
+        (those with the same ``cache_salt``). Runs the engine loop until it is done (other requests in the
+        loop advance too); a server queues :meth:`add_warm_request` instead, stepping it with the rest."""
+        t0 = time.perf_counter()
+        ids = self._tokenize(text)
+        already = self._cached_prefix(ids, cache_salt)
+        rid = self.add_warm_request(ids, cache_salt=cache_salt)
+        self._run_to_end([rid])
+        return self.warm_result(
+            ids,
+            cache_salt=cache_salt,
+            already_cached_tokens=already,
+            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+        )
+
+    def add_warm_request(
+        self, text: Prompt, *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
+    ) -> RequestId:
+        """Queue ``text`` to be computed and cached, exactly (never stitched: what a warm stores must be an
+        exact prefix hit for the prompts starting with it); it is prefilled in slices like any prompt and
+        can be aborted. Its one output is a result whose token is discarded (``cached_tokens``: the tokens
+        already cached when it was admitted).
+
+        Raises (nothing queued): :class:`InvalidRequestError` / :class:`ContextLengthError` for bad input.
+        """
         t0 = time.perf_counter()
         root = self._salted_root(cache_salt)
         ids = self._tokenize(text)
-        probe = probe_request(ids, root=root)
-        already = self.kv.cached_prefix_len(probe, len(ids)) if self.kv.caching else 0
+        chunk = check_prefill_chunk_size(prefill_chunk_size)
         # NOTE: the prompt alone must fit (a prompt of exactly the context is warmed): add_request would count
         # the one generated token against the context. That token only makes the loop compute every prompt
-        # token; it is discarded and its KV never computed. The prompt is computed exactly, never stitched:
-        # what warm stores must be an exact prefix hit for the prompts that start with it.
+        # token; it is discarded and its KV never computed.
         self._check_context(len(ids), 0)
         rid = self._fresh_id("warm")
         request = new_request(
@@ -275,21 +297,39 @@ class EngineLoops:
             ids,
             SamplingParams(max_new_tokens=1),
             t0,
-            prefill_chunk_size=self.config.prefill_chunk_size,
+            prefill_chunk_size=chunk if chunk is not None else self.config.prefill_chunk_size,
             root=root,
         )
         self.core.add(request)
-        self._run_to_end([rid])
-        chunks = sum(span.complete for span in self.chunker.split(ids))
-        done = sum(span.complete and span.end <= already for span in self.chunker.split(ids))
+        return rid
+
+    def warm_result(
+        self,
+        text: Prompt,
+        *,
+        cache_salt: str | None = None,
+        already_cached_tokens: int = 0,
+        elapsed_ms: float = 0.0,
+    ) -> WarmResult:
+        """What a warm of ``text`` left cached (no forward runs): its chunks, and the tokens the pool holds."""
+        ids = self._tokenize(text)
+        spans = self.chunker.split(ids)
+        chunks = sum(span.complete for span in spans)
+        done = sum(span.complete and span.end <= already_cached_tokens for span in spans)
         return WarmResult(
             tokens=len(ids),
             chunks=chunks,
             new_chunks=chunks - done,
-            already_cached_tokens=already,
-            elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            cached_tokens=self.kv.cached_prefix_len(probe, len(ids)) if self.kv.caching else 0,
+            already_cached_tokens=already_cached_tokens,
+            elapsed_ms=elapsed_ms,
+            cached_tokens=self._cached_prefix(ids, cache_salt),
         )
+
+    def _cached_prefix(self, ids: list[int], cache_salt: str | None) -> int:
+        """Leading tokens of ``ids`` the block pool holds under ``cache_salt``'s chain (0 without caching)."""
+        if not self.kv.caching:
+            return 0
+        return self.kv.cached_prefix_len(probe_request(ids, root=self._salted_root(cache_salt)), len(ids))
 
 
 class RequestStream(Iterator[StreamEvent]):

@@ -126,7 +126,27 @@ class ServingEngine(Protocol):
         ...
 
     def warm(self, text: str, *, cache_salt: str | None = None) -> WarmResult:
-        """Prefill ``text`` under ``cache_salt`` and store its KV so later prompts of that salt hit."""
+        """Prefill ``text`` under ``cache_salt`` and store its KV so later prompts of that salt hit (runs the
+        engine to the end; the server uses it only before serving, ``--warm``)."""
+        ...
+
+    def add_warm_request(
+        self, prompt: list[int], *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
+    ) -> RequestId:
+        """Queue ``prompt`` to be computed and cached exactly, nothing generated (``/v1/warm``): stepped with
+        the other requests, aborted like them. Its one output carries a result whose token is discarded.
+        Validates synchronously, like :meth:`add_request`."""
+        ...
+
+    def warm_result(
+        self,
+        prompt: list[int],
+        *,
+        cache_salt: str | None = None,
+        already_cached_tokens: int = 0,
+        elapsed_ms: float = 0.0,
+    ) -> WarmResult:
+        """What a warm of ``prompt`` left cached (chunks, tokens the pool holds); runs no forward."""
         ...
 
     def reset_cache(self, *, lower_tiers: bool = False) -> Mapping[str, Any]:

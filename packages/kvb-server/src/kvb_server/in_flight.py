@@ -61,13 +61,18 @@ class InFlight:
         if solo:
             _call_probe(job, "start")
         try:
-            request_id = self._engine.add_request(
-                job.prompt,
-                job.sampling,
-                prefill_chunk_size=job.settings.prefill_chunk_size,
-                kv_cache_bits=job.settings.kv_cache_bits,
-                cache_salt=job.cache_salt,
-            )
+            if job.warm:
+                request_id = self._engine.add_warm_request(
+                    job.prompt, cache_salt=job.cache_salt, prefill_chunk_size=job.settings.prefill_chunk_size
+                )
+            else:
+                request_id = self._engine.add_request(
+                    job.prompt,
+                    job.sampling,
+                    prefill_chunk_size=job.settings.prefill_chunk_size,
+                    kv_cache_bits=job.settings.kv_cache_bits,
+                    cache_salt=job.cache_salt,
+                )
         except Exception as exc:  # invalid for the engine: only this job fails
             self.rejected += 1
             job.inbox.put_threadsafe(JobUpdate(choice=job.choice, error=exc, queue_s=queue_s))

@@ -12,6 +12,7 @@ from typing import Any, NewType
 
 from kvb_cache.results import GenerationResult, StreamEvent
 from kvb_cache.sampling import SamplingParams
+from kvb_server.errors import RequestTimeoutError
 from kvb_server.gate import EngineSettings, RunProbe
 
 JobId = NewType("JobId", int)
@@ -77,6 +78,26 @@ class Inbox:
             on_unread(self._queue.get_nowait())
 
 
+async def next_update(
+    inbox: Inbox, deadline: float, timeout_s: float, is_disconnected: IsDisconnected | None
+) -> JobUpdate:
+    """The next update in ``inbox`` (a request's jobs).
+
+    Raises:
+        RequestTimeoutError: ``deadline`` (``time.monotonic()``; ``timeout_s`` after arrival) passed first.
+        ClientDisconnected: ``is_disconnected`` (polled every :data:`DISCONNECT_POLL_S`) said so.
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeoutError(timeout_s)
+        try:
+            return await inbox.get(min(remaining, DISCONNECT_POLL_S))
+        except TimeoutError:
+            if is_disconnected is not None and await is_disconnected():
+                raise ClientDisconnected() from None
+
+
 @dataclass(eq=False, slots=True, kw_only=True)
 class GenerationJob:
     """One choice of one request: a prompt, its sampling settings and where to report.
@@ -101,6 +122,8 @@ class GenerationJob:
     probe: RunProbe | None = None
     #: Roots the request's prefix-cache hash chain (see :mod:`kvb_server.tenancy`); None: unsalted.
     cache_salt: str | None = None
+    #: A ``/v1/warm`` text: computed and cached exactly, nothing generated (``engine.add_warm_request``).
+    warm: bool = False
 
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline

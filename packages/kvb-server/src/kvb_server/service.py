@@ -18,16 +18,16 @@ from kvb_server.config import ServerConfig
 from kvb_server.echo import Echo, PromptScoring, prompt_only_result
 from kvb_server.engine import ServingEngine
 from kvb_server.engine_errors import engine_error, grammar_failure
-from kvb_server.errors import EngineError, RequestTimeoutError, RequestTooLargeError
+from kvb_server.errors import EngineError, RequestTooLargeError
 from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
 from kvb_server.jobs import (
-    DISCONNECT_POLL_S,
     ClientDisconnected,
     GenerationJob,
     Inbox,
     IsDisconnected,
     JobIds,
     JobUpdate,
+    next_update,
 )
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_log import log_request
@@ -138,21 +138,8 @@ class GenerationService:
     async def next_update(
         self, inbox: Inbox, deadline: float, is_disconnected: IsDisconnected | None
     ) -> JobUpdate:
-        """The next update of a request's jobs.
-
-        Raises:
-            RequestTimeoutError: ``deadline`` passed first.
-            ClientDisconnected: ``is_disconnected`` (polled every :data:`DISCONNECT_POLL_S`) said so.
-        """
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeoutError(self._config.request_timeout_s)
-            try:
-                return await inbox.get(min(remaining, DISCONNECT_POLL_S))
-            except TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    raise ClientDisconnected() from None
+        """The next update of a request's jobs (:func:`kvb_server.jobs.next_update`)."""
+        return await next_update(inbox, deadline, self._config.request_timeout_s, is_disconnected)
 
     async def _echoes(
         self, plan: GenerationPlan, deadline: float, is_disconnected: IsDisconnected
