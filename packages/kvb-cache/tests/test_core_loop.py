@@ -543,3 +543,29 @@ def test_two_requests_that_fit_the_pool_one_at_a_time_both_finish(llama, tokeniz
     # queries its tokens but the last (55 a prompt; a readmission after a preemption 55 to 57).
     queries, preemptions = stats.prefix_cache_queries, stats.preemptions
     assert 110 + 55 * preemptions <= queries <= 110 + 57 * preemptions
+
+
+def test_a_warm_request_is_sliced_beside_running_requests_and_can_be_aborted(llama, tokenizer):
+    """``add_warm_request`` (the server's /v1/warm): the text is prefilled in slices while another request
+    decodes, its blocks are cached for a later prompt, it yields one result and nothing else; aborted
+    mid-prefill it leaves no block in use."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(prefill_chunk_size=16))
+    system = tokenizer(words(70, seed=5))["input_ids"]
+    running = engine.add_request(words(10, seed=6), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    warm = engine.add_warm_request(system)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert len(outputs[running]) >= 5  # it decoded while the warm's slices ran
+    assert [o.result is not None for o in outputs[warm]] == [True]
+    summary = engine.warm_result(system, already_cached_tokens=outputs[warm][0].result.cached_tokens)
+    assert summary.already_cached_tokens == 0 and summary.cached_tokens == len(system) // 16 * 16
+    hit = engine.generate([*system, 5, 6], max_new_tokens=1, ignore_eos=True)
+    assert hit.cached_tokens >= len(system) // 16 * 16
+
+    other = tokenizer(words(90, seed=7))["input_ids"]
+    wid = engine.add_warm_request(other)
+    engine.step()  # one 16-token slice
+    assert engine.abort(wid) and not engine.has_unfinished()
+    assert engine.paged_stats().blocks_used == 0
