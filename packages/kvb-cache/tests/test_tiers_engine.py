@@ -312,3 +312,20 @@ def test_records_that_cannot_be_stored_are_counted_and_logged_once(
     logged = [r for r in caplog.records if "could not be stored" in r.getMessage()]
     assert len(logged) == 1 and "ValueError" in logged[0].getMessage()
     eng.close()
+
+
+def test_engines_chunking_differently_share_the_block_records(llama, tokenizer, tmp_path):
+    """Records are 16-token blocks keyed by their own prefix hash: an engine with stitching (other chunks)
+    restores what a plain engine stored (chunk_size was in the namespace, so they shared nothing)."""
+    from kvb_cache import StitchConfig
+
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    writer = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=128, tiers=tiers))
+    expected = writer.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    writer.close()
+    reader_config = EngineConfig(chunk_size=32, stitching=StitchConfig(), tiers=tiers)
+    reader = KVBoost(llama, tokenizer, config=reader_config)
+    assert reader.fingerprint == writer.fingerprint
+    got = reader.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    assert got.cached_tokens == 64 and got.output_ids == expected.output_ids
+    reader.close()

@@ -107,10 +107,13 @@ def _device_checksums(flat: torch.Tensor) -> bytes:
 
 
 def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: str | None = None) -> str:
-    """Identity of the KV a model produces: architecture config, weights, dtype, chunking and codec.
+    """Identity of the KV a model produces: architecture config, weights, dtype and codec.
 
     ``codec`` defaults to every codec ``config`` stores KV in (``"none"`` for exact KV), so quantized and
-    exact entries never share a namespace.
+    exact entries never share a namespace. Chunking is left out: a record's key is the prefix hash of its
+    own tokens (a block's, or a chunk's), so records cut differently never share a key, and records cut
+    alike hold the same KV. With ``chunk_size`` in it, an engine with stitching (32-token chunks) and one
+    without (128) shared no disk/Redis record, although both write 16-token blocks.
     """
     if codec is None:
         codec = codec_label(config)
@@ -131,8 +134,6 @@ def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: st
         "config": cfg,
         "weights": weights_digest(model),
         "dtype": str(model.dtype),
-        "chunk_size": config.chunk_size,
-        "boundary_window": config.boundary_window,
         "codec": codec,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
