@@ -201,6 +201,19 @@ def test_aborted_requests_are_counted_as_vllm_counts_them() -> None:
             lambda: value(scrape(url), "vllm:request_success_total", **m, finished_reason="abort") == 1
         )
         assert value(scrape(url), "vllm:request_success_total", **m, finished_reason="stop") == 0
+        # Its prompt was computed and its tokens generated before the abort: the token counters count them
+        # (vLLM's do; they counted finished choices only).
+        aborted_tokens = sum(fake.added[0].request_id in step for step in fake.step_log)
+        after = scrape(url)
+        prompts = sum(len(a.prompt) for a in fake.added)
+        assert aborted_tokens > 1
+        assert value(after, "vllm:generation_tokens_total", **m) == 3 + aborted_tokens
+        assert value(after, "kvboost_completion_tokens_total") == 3 + aborted_tokens
+        assert (
+            value(after, "vllm:prompt_tokens_total", **m)
+            == value(after, "kvboost_prompt_tokens_total")
+            == prompts
+        )
 
 
 def test_a_streams_inter_token_latency_is_timed_per_token() -> None:

@@ -92,6 +92,8 @@ class ServerMetrics:
         speculative_stats: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._worker_stats = worker_stats
+        self._aborted_seen = (0, 0)
         self._vllm = _VllmRequestMetrics(
             self.registry, model_name, lambda: worker_stats().aborted, max_model_len=max_model_len
         )
@@ -158,7 +160,25 @@ class ServerMetrics:
             self.chunk_hits.labels(kind=chunk.kind.value).inc()
 
     def render(self) -> bytes:
+        self._count_aborted_tokens()
         return generate_latest(self.registry)
+
+    def _count_aborted_tokens(self) -> None:
+        """Add the tokens of requests aborted since the last scrape (the worker counts them on the engine
+        thread; no result reaches :meth:`observe_result` for them) to the token counters, as vLLM counts
+        every prefilled and generated token (a client hanging up mid-stream left them out)."""
+        stats = self._worker_stats()
+        prompt = stats.aborted_prompt_tokens - self._aborted_seen[0]
+        generated = stats.aborted_generation_tokens - self._aborted_seen[1]
+        self._aborted_seen = (stats.aborted_prompt_tokens, stats.aborted_generation_tokens)
+        for counter, n in (
+            (self.prompt_tokens, prompt),
+            (self._vllm.prompt_tokens, prompt),
+            (self.completion_tokens, generated),
+            (self._vllm.generation_tokens, generated),
+        ):
+            if n > 0:
+                counter.inc(n)
 
 
 class _VllmRequestMetrics:

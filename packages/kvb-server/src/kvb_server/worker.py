@@ -184,6 +184,8 @@ class EngineWorker:
             busy_s=round(self._busy_s, 6),
             idle_steps=self._idle.steps,
             idle_s=round(self._idle.seconds, 6),
+            aborted_prompt_tokens=self._in_flight.aborted_prompt_tokens,
+            aborted_generation_tokens=self._in_flight.aborted_generation_tokens,
         )
 
     def paged_stats(self) -> PagedStats | None:
