@@ -230,6 +230,32 @@ def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on() -> No
         assert queue["step_errors"] == 1 and queue["aborted"] == 2 and queue["finished"] == 1
 
 
+def test_out_of_memory_in_a_shared_step_is_a_retryable_503_and_alone_a_413() -> None:
+    """An OOM in a step two requests shared answered both 413 "retry with a shorter prompt", though the
+    small one only shared the step; alone, the request's own size is the likely cause (413 stays)."""
+    fake = FakeEngine()
+    fake.pause_before_step = 2
+    fake.fail_step(3, MemoryError())
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 9)))
+                await until(fake.stalled.is_set)
+                second = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 9)))
+                while await depth(c) < 1:
+                    await asyncio.sleep(0.01)
+                fake.hold.set()  # step 3, with both in flight, runs out of memory
+                return [await first, await second]
+
+        for resp in asyncio.run(scenario()):
+            assert_openai_error(resp, 503, code="out_of_memory")
+            assert resp.headers["retry-after"] == "1"
+        fake.fail_step(len(fake.step_log) + 1, MemoryError())
+        alone = httpx.post(url + "/v1/completions", json=completion("hi", 3), timeout=30)
+        assert_openai_error(alone, 413, code="request_too_large")
+
+
 def test_a_failing_row_fails_its_request_alone() -> None:
     """The engine ended one request because its token could not be chosen (a sampler row failed): that
     request gets the error (a 500, or the last event of its stream), the requests beside it finish, no step

@@ -24,7 +24,7 @@ def engine_error(exc: BaseException) -> ServerError:
     """Map an exception raised by the engine to the HTTP error the client gets."""
     if isinstance(exc, ServerError):
         return exc
-    if _is_out_of_memory(exc):
+    if is_out_of_memory(exc):
         logger.error("engine ran out of memory: %r", exc)
         return OutOfMemoryDuringRunError(exc)
     if isinstance(exc, CacheBusyError):
@@ -56,7 +56,8 @@ def grammar_failure(result: GenerationResult, *, tools: bool) -> InvalidParamete
     )
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's out-of-memory error (host or CUDA)."""
     # CUDA raises its own type; the CPU allocator raises a RuntimeError naming itself.
     return isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)

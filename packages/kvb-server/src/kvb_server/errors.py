@@ -165,6 +165,23 @@ class QueueFullError(ServerError):
         )
 
 
+class SharedStepOutOfMemoryError(ServerError):
+    """The engine ran out of memory in a step several requests shared (503, retryable): which of them
+    needed the memory is unknown, and a small request that merely shared the step is not too large, so
+    they are not answered 413 (a client error the openai SDKs do not retry)."""
+
+    status_code = 503
+    error_type = "server_overloaded"
+    headers = RETRY_AFTER
+
+    def __init__(self, cause: BaseException, *, sharing: int) -> None:
+        super().__init__(
+            f"The server ran out of memory ({type(cause).__name__}) in a step shared by {sharing} requests. "
+            "Retry shortly.",
+            code="out_of_memory",
+        )
+
+
 class ShuttingDownError(ServerError):
     """The server is shutting down and takes no new work (503); retry against another replica or later."""
 

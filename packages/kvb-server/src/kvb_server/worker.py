@@ -35,7 +35,14 @@ from typing import Any, TypeVar
 from kvb_cache.core.outputs import PagedStats
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
-from kvb_server.errors import EngineDeadError, QueueFullError, RequestTimeoutError, ShuttingDownError
+from kvb_server.engine_errors import is_out_of_memory
+from kvb_server.errors import (
+    EngineDeadError,
+    QueueFullError,
+    RequestTimeoutError,
+    SharedStepOutOfMemoryError,
+    ShuttingDownError,
+)
 from kvb_server.idle_work import IdleWork
 from kvb_server.in_flight import InFlight
 from kvb_server.jobs import CallJob, Job, JobIds, JobUpdate
@@ -298,8 +305,13 @@ class EngineWorker:
             outputs = self._engine.step()
         except Exception as exc:
             self._step_errors += 1
-            logger.error("engine step failed with %d requests in flight: %r", len(self._in_flight), exc)
-            self._fail_in_flight(exc)
+            sharing = len(self._in_flight)
+            logger.error("engine step failed with %d requests in flight: %r", sharing, exc)
+            if sharing > 1 and is_out_of_memory(exc):
+                # Not 413 for each: a small request that shared the step is not too large (retryable 503).
+                self._fail_in_flight(SharedStepOutOfMemoryError(exc, sharing=sharing))
+            else:
+                self._fail_in_flight(exc)
             return
         finally:
             self._busy_s += time.monotonic() - started
