@@ -312,6 +312,7 @@ class FakeEngine:
             prefix_cache_hits=self._hits,
             preemptions=0,
             steps=len(self.step_log),
+            max_num_seqs=self.max_num_seqs,
         )
 
     # -- warming: a request like the others (``/v1/warm``), or one call (``--warm``) ------------------------

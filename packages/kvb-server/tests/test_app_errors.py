@@ -579,6 +579,30 @@ def test_queue_full_is_503_then_recovers() -> None:
         assert len(fake.added) == 2  # the refused request never reached the engine
 
 
+def test_a_burst_the_server_has_room_for_is_served_whole() -> None:
+    """Requests on their way to free running slots are not queued: 6 at once to an idle server with 2
+    slots and a queue of 4 were answered {200: 4, 503: 2}; a 7th is beyond its room."""
+    fake = FakeEngine(max_num_seqs=2, token_delay_s=0.2)
+    config = ServerConfig(model_names=(MODEL,), max_queue_size=4)
+    with serve(create_app(fake, config)) as url:
+        httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=30
+        )
+
+        async def burst(count: int) -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 5}
+                return [
+                    r.status_code
+                    for r in await asyncio.gather(
+                        *(c.post("/v1/completions", json=body) for _ in range(count))
+                    )
+                ]
+
+        assert asyncio.run(burst(6)) == [200] * 6
+        assert sorted(asyncio.run(burst(7))) == [200] * 6 + [503]
+
+
 def test_more_choices_than_the_queue_holds_is_400_not_queue_full() -> None:
     """A request is queued whole or not at all, so one with more choices (prompts x n) than
     ``--max-queue-size`` could never be queued: it was a 503 ``queue_full`` (which the openai SDK retries)

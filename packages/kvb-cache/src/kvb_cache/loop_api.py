@@ -184,6 +184,7 @@ class LoopAPI:
             prefix_cache_hits=self.kv.hits,
             preemptions=sched.preemptions,
             steps=self.core.steps,
+            max_num_seqs=sched.max_num_seqs,
         )
 
     def _prompt_computed(self, req: Request) -> None:

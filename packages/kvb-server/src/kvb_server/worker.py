@@ -132,6 +132,15 @@ class EngineWorker:
         """Requests not running yet: submitted but not handed to the engine, plus waiting inside it."""
         return len(self._pending) + self._engine_waiting
 
+    def _must_wait(self) -> int:
+        """Requests not running yet that will wait for a running slot: :attr:`depth` less the free slots
+        (as of the last step), which requests still on their way to the engine thread take first. Counted
+        as queued, a burst the server had room for was partly refused (6 requests to an idle server with
+        2 slots and a queue of 4: two 503s)."""
+        paged = self._paged
+        room = max(0, paged.max_num_seqs - paged.running) if paged is not None else 0
+        return max(0, self.depth - room)
+
     def submit(self, jobs: list[Job], *, bounded: bool = True) -> None:
         """Queue all of ``jobs`` or none (an ``n > 1`` request is never half-queued).
 
@@ -139,7 +148,8 @@ class EngineWorker:
             bounded: count against ``max_queue_size`` (stats calls are not bounded).
 
         Raises:
-            QueueFullError: fewer than ``len(jobs)`` free places among the requests not running yet.
+            QueueFullError: fewer than ``len(jobs)`` free places among the requests not running yet (free
+                running slots first take requests on their way: :meth:`_must_wait`).
         """
         if self._thread is None and not self._stopping:
             raise RuntimeError("EngineWorker.start() must run before submit()")
@@ -148,7 +158,7 @@ class EngineWorker:
                 raise EngineDeadError(self._dead)
             if self._stopping:
                 raise ShuttingDownError()
-            if bounded and self.depth + len(jobs) > self._config.max_queue_size:
+            if bounded and self._must_wait() + len(jobs) > self._config.max_queue_size:
                 raise QueueFullError(self._config.max_queue_size)
             self._pending.extend(jobs)
             self._cond.notify()

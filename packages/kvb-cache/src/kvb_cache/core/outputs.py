@@ -47,6 +47,7 @@ class PagedStats:
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / served from cached blocks.
         preemptions: requests sent back to waiting because the pool ran out of blocks.
         steps: engine steps run.
+        max_num_seqs: most requests running at once (0: not known).
     """
 
     block_size: int
@@ -60,6 +61,7 @@ class PagedStats:
     prefix_cache_hits: int
     preemptions: int
     steps: int
+    max_num_seqs: int = 0
 
     @property
     def hit_rate(self) -> float:
