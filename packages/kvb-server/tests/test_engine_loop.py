@@ -373,6 +373,7 @@ def test_stats_and_metrics_show_the_engine_loop() -> None:
             "prefix_cache_hits": 4,
             "preemptions": 0,
             "steps": 6,
+            "max_num_seqs": 1,
             "hit_rate": 0.5,
             "kv_cache_usage": 0.0,
         }
