@@ -79,6 +79,25 @@ def test_required_and_named_choices_return_valid_tool_calls(client: openai.OpenA
         assert [c.function.name for c in choice0.message.tool_calls] == ["set_alarm"]
 
 
+def test_allowed_tools_required_calls_only_the_allowed_subset(client: openai.OpenAI) -> None:
+    """``allowed_tools`` (pydantic-ai's restriction of a run to some tools) through the SDK: every call is
+    one of the allowed functions, although both stay declared."""
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "set_alarm"}}],
+        },
+    }
+    resp = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, ALARM], tool_choice=choice, temperature=0, max_tokens=160
+    )
+    calls = resp.choices[0].message.tool_calls
+    assert calls and {c.function.name for c in calls} == {"set_alarm"}
+    for call in calls:
+        check_call(call.function.name, call.function.arguments)
+
+
 def test_streamed_tool_calls_equal_the_non_streamed_ones(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, ALARM], tool_choice="required", temperature=0)
     whole = client.chat.completions.create(**kwargs, max_tokens=160).choices[0].message.tool_calls

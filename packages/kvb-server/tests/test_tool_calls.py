@@ -22,6 +22,7 @@ from kvb_server.tool_calls import (
     tool_grammar,
     tool_plan,
 )
+from kvb_server.tool_calls.grammar import call_schema
 from kvb_server.tool_calls.syntax import LLAMA3_JSON, MISTRAL, hermes
 
 WEATHER = {
@@ -319,13 +320,58 @@ def test_bad_tool_definitions_name_the_parameter() -> None:
         ),
         ([WEATHER, WEATHER], None, "tools"),
         ([WEATHER], "sometimes", "tool_choice"),
-        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        # The Responses API's shape on chat: it read "no function named None".
+        ([WEATHER], {"type": "function", "name": "get_weather"}, "tool_choice.function"),
         (None, "auto", "tool_choice"),
+        ([WEATHER], {"type": "allowed_tools"}, "tool_choice.allowed_tools"),
+        (
+            [WEATHER],
+            {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": []}},
+            "tool_choice.allowed_tools",
+        ),
+        (
+            [WEATHER],
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+            "tool_choice.allowed_tools.tools",
+        ),
+        (
+            [WEATHER],
+            {
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "x"}}]},
+            },
+            "tool_choice.allowed_tools.tools[0].function.name",
+        ),
+        (
+            [WEATHER],
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": ["get_weather"]}},
+            "tool_choice.allowed_tools.tools[0]",
+        ),
     ]:
         with pytest.raises(InvalidParameterError) as info:
             tool_plan(tools, choice, None, syntax)
         assert info.value.param == param
     assert tool_plan(None, "none", None, syntax) is None
+
+
+@pytest.mark.parametrize(("mode", "plan_mode"), [("auto", "auto"), ("required", "calls")])
+def test_allowed_tools_restricts_the_calls_to_a_subset_of_the_declared_tools(
+    mode: str, plan_mode: str
+) -> None:
+    """OpenAI's ``allowed_tools`` (pydantic-ai sends it to restrict a run to some tools while keeping every
+    tool declared, so the prompt and its cached prefix stay the same): it was a 400."""
+    syntax = hermes(native=False)
+    for entry in (
+        {"type": "function", "function": {"name": "get_time"}},
+        {"type": "function", "name": "get_time"},
+    ):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [entry]}}
+        plan = tool_plan([WEATHER, TIME], choice, None, syntax)
+        assert plan.mode == plan_mode and [t.name for t in plan.tools] == ["get_weather", "get_time"]
+        assert [t.name for t in plan.callable] == ["get_time"] and not plan.named and plan.max_calls > 1
+        schema = call_schema(plan)
+        assert schema["properties"]["name"] == {"const": "get_time"}  # the grammar offers only the subset
 
 
 def test_refs_under_properties_named_like_data_keywords_are_rebased() -> None:

@@ -153,20 +153,68 @@ def _choice(raw: Any, tools: tuple[Tool, ...]) -> tuple[ChoiceMode, tuple[Tool, 
         return "calls", tools
     if isinstance(raw, dict) and raw.get("type") == "function":
         function = raw.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        for tool in tools:
-            if tool.name == name:
-                return "calls", (tool,)
-        raise _bad(
-            f"Invalid value for 'tool_choice': no function named {name!r} in 'tools' "
-            f"(declared: {', '.join(t.name for t in tools)}).",
-            "tool_choice",
-        )
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            # {"type": "function", "name": ...} is the Responses API's shape: say what chat expects.
+            raise _bad(
+                "Invalid value for 'tool_choice.function': expected an object with the function's 'name' "
+                '({"type": "function", "function": {"name": ...}}).',
+                "tool_choice.function",
+            )
+        return "calls", (_declared(function["name"], tools, "tool_choice.function.name"),)
+    if isinstance(raw, dict) and raw.get("type") == "allowed_tools":
+        return _allowed(raw.get("allowed_tools"), tools)
     raise _bad(
-        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or "
-        '{"type": "function", "function": {"name": ...}}.',
+        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required', "
+        '{"type": "function", "function": {"name": ...}} or '
+        '{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [...]}}.',
         "tool_choice",
     )
+
+
+def _declared(name: str, tools: tuple[Tool, ...], param: str) -> Tool:
+    for tool in tools:
+        if tool.name == name:
+            return tool
+    raise _bad(
+        f"Invalid value for '{param}': no function named {name!r} in 'tools' "
+        f"(declared: {', '.join(t.name for t in tools)}).",
+        param,
+    )
+
+
+def _allowed(spec: Any, tools: tuple[Tool, ...]) -> tuple[ChoiceMode, tuple[Tool, ...]]:
+    """OpenAI's ``allowed_tools`` choice: ``mode`` ``auto`` (text or a call) or ``required`` (calls) over a
+    subset of ``tools``, all of which stay declared (so the prompt, and its cached prefix, do not change
+    with the subset: why clients such as pydantic-ai send it)."""
+    param = "tool_choice.allowed_tools"
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+        raise _bad(
+            f'Invalid value for \'{param}\': expected {{"mode": "auto" | "required", "tools": '
+            '[{"type": "function", "function": {"name": ...}}, ...]}.',
+            param,
+        )
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise _bad(
+            f"Invalid value for '{param}.tools': expected a non-empty list of functions.", f"{param}.tools"
+        )
+    subset: list[Tool] = []
+    for i, entry in enumerate(listed):
+        where = f"{param}.tools[{i}]"
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            entry = {}
+        # Chat's shape, or the Responses API's ({"type": "function", "name": ...}).
+        function = entry.get("function", entry)
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise _bad(
+                f'Invalid value for \'{where}\': expected {{"type": "function", "function": {{"name": ...}}}}.',
+                where,
+            )
+        tool = _declared(name, tools, f"{where}.function.name")
+        if tool not in subset:
+            subset.append(tool)
+    return ("auto" if spec["mode"] == "auto" else "calls"), tuple(subset)
 
 
 def tool_plan(
@@ -179,7 +227,7 @@ def tool_plan(
         return None
     # A named tool_choice forces one call of that function (as on OpenAI); otherwise parallel calls are on
     # unless the request turns them off.
-    named = isinstance(choice_raw, dict)
+    named = isinstance(choice_raw, dict) and choice_raw.get("type") == "function"
     max_calls = MAX_PARALLEL_CALLS if (parallel is None or parallel) and not named else 1
     if syntax.max_calls is not None:
         max_calls = min(max_calls, syntax.max_calls)
