@@ -122,6 +122,27 @@ def test_a_named_tool_choice_completes_with_its_call(client: openai.OpenAI) -> N
     assert [(i.type, i.name) for i in events[-1].response.output] == [("function_call", "get_weather")]
 
 
+def test_allowed_tools_restricts_the_calls_and_is_echoed(client: openai.OpenAI) -> None:
+    """``allowed_tools`` (pydantic-ai's OpenAIResponsesModel restricts a run with it): it was refused by
+    type; the calls are of the allowed function only, and the response repeats the choice."""
+    alarm = {
+        **WEATHER,
+        "name": "set_alarm",
+        "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}},
+    }
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "set_alarm"}],
+    }
+    resp = client.responses.create(
+        model=MODEL, input="weather?", tools=[WEATHER, alarm], tool_choice=choice, temperature=0
+    )
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert calls and {c.name for c in calls} == {"set_alarm"}
+    assert resp.tool_choice.type == "allowed_tools" and resp.tool_choice.mode == "required"
+
+
 def test_a_tool_whose_parameters_refer_to_their_own_defs_is_called(client: openai.OpenAI) -> None:
     """The Agents SDK's ``@function_tool`` with a pydantic argument: ``$defs`` and a ``$ref`` (a 400 before)."""
     city = {

@@ -15,7 +15,12 @@ from typing import Any, Literal
 
 from kvb_server.generation_config import NO_DEFAULTS, SamplingDefaults
 from kvb_server.responses_api.convert import new_id
-from kvb_server.responses_api.schemas import FunctionTool, ResponsesRequest, ToolChoiceFunction
+from kvb_server.responses_api.schemas import (
+    FunctionTool,
+    ResponsesRequest,
+    ToolChoiceAllowed,
+    ToolChoiceFunction,
+)
 from kvb_server.responses_api.store import ChatMessage
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
@@ -28,7 +33,7 @@ def _echo(req: ResponsesRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> di
     top_p = req.top_p if req.top_p is not None else defaults.top_p
     text_format = req.text.format if req.text is not None else None
     tool_choice: Any = req.tool_choice or "auto"
-    if isinstance(tool_choice, ToolChoiceFunction):
+    if isinstance(tool_choice, ToolChoiceFunction | ToolChoiceAllowed):
         tool_choice = tool_choice.model_dump()
     return {
         "instructions": req.instructions,

@@ -26,6 +26,7 @@ from kvb_server.responses_api.schemas import (
     ReasoningItem,
     RefusalPart,
     ResponsesRequest,
+    ToolChoiceAllowed,
     ToolChoiceFunction,
     UnsupportedItem,
     UnsupportedPart,
@@ -262,7 +263,7 @@ def _tool_fields(req: ResponsesRequest) -> dict[str, Any]:
     tools = [t for t in req.tools or () if isinstance(t, FunctionTool)]
     choice = req.tool_choice
     if not tools:
-        if choice == "required" or isinstance(choice, ToolChoiceFunction):
+        if choice == "required" or isinstance(choice, ToolChoiceFunction | ToolChoiceAllowed):
             raise InvalidParameterError(
                 "tool_choice requires tools: declare the function in tools.", param="tool_choice"
             )
@@ -282,6 +283,12 @@ def _tool_fields(req: ResponsesRequest) -> dict[str, Any]:
     }
     if isinstance(choice, ToolChoiceFunction):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif isinstance(choice, ToolChoiceAllowed):
+        listed = [{"type": "function", "function": {"name": t.name}} for t in choice.tools]
+        fields["tool_choice"] = {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": choice.mode, "tools": listed},
+        }
     elif choice is not None:
         fields["tool_choice"] = choice
     if req.parallel_tool_calls is not None:

@@ -240,8 +240,26 @@ class ToolChoiceFunction(BaseModel):
     name: Annotated[str, Field(min_length=1)]
 
 
+class AllowedFunction(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+
+
+class ToolChoiceAllowed(BaseModel):
+    """``{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", "name"}]}``:
+    calls restricted to a subset of the declared tools (the chat route's ``allowed_tools``)."""
+
+    model_config = _STRICT
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[AllowedFunction], Field(min_length=1)]
+
+
 class UnsupportedToolChoice(BaseModel):
-    """``allowed_tools``, built-in tool types, MCP, ...: refused by type."""
+    """Built-in tool types, MCP, ...: refused by type."""
 
     model_config = _LOOSE
 
@@ -250,8 +268,9 @@ class UnsupportedToolChoice(BaseModel):
 
 ToolChoiceObject = Annotated[
     Annotated[ToolChoiceFunction, Tag("function")]
+    | Annotated[ToolChoiceAllowed, Tag("allowed_tools")]
     | Annotated[UnsupportedToolChoice, Tag("unsupported"), _NONE_ACCEPTED],
-    _tag(frozenset({"function"})),
+    _tag(frozenset({"function", "allowed_tools"})),
 ]
 
 
