@@ -134,6 +134,26 @@ def test_a_call_finishes_tool_calls_unless_tool_choice_named_it(choice, finish: 
     assert assistant_message(plan, CALL + "<tool_call>", "length")[1] == "length"
 
 
+@pytest.mark.parametrize(
+    ("cut", "auto_text"), [(len(CALL) - 30, True), (len(CALL) - 14, True), (len(CALL) - 3, False)]
+)
+def test_a_forced_call_cut_by_max_tokens_stays_a_call_as_streamed(cut: int, auto_text: bool) -> None:
+    """With tool_choice "required" a reply cut inside its call returned the call syntax as ``content`` (the
+    stream had sent a tool call): it is the call with the arguments written so far, finish ``length``.
+    Under "auto" a first call cut inside its arguments is still text (the model might not have been
+    calling); one whose arguments are whole counts, as before."""
+    text = CALL[:cut]
+    forced = tool_plan([WEATHER, TIME], "required", None, hermes(native=False))
+    message, finish = assistant_message(forced, text, "length")
+    assert finish == "length" and message["content"] is None
+    [call] = message["tool_calls"]
+    streamed = [d["tool_calls"][0] for d in stream_all(ToolCallStream(forced), text, 5)]
+    assert call["function"]["name"] == "get_weather" == streamed[0]["function"]["name"]
+    assert call["function"]["arguments"] == "".join(d["function"]["arguments"] for d in streamed)
+    auto = tool_plan([WEATHER, TIME], "auto", None, hermes(native=False))
+    assert (assistant_message(auto, text, "length")[0]["content"] == text) is auto_text
+
+
 def stream_all(stream: ToolCallStream, text: str, step: int) -> list[dict]:
     deltas = []
     for i in range(0, len(text), step):

@@ -119,7 +119,12 @@ def assistant_message(
             message.update(dict.fromkeys(REASONING_FIELDS, thought))
     if tools is None:
         return message, finish_reason
-    reply = split_reply(message["content"] or "", tools.syntax, truncated=finish_reason == "length")
+    reply = split_reply(
+        message["content"] or "",
+        tools.syntax,
+        truncated=finish_reason == "length",
+        forced=tools.mode == "calls",
+    )
     if not reply.calls:
         return message, finish_reason
     message["content"] = None

@@ -133,11 +133,17 @@ class ToolCallText:
     calls: tuple[PartialCall, ...]
 
 
-def split_reply(text: str, syntax: ToolSyntax, *, truncated: bool = False) -> ToolCallText:
+def split_reply(
+    text: str, syntax: ToolSyntax, *, truncated: bool = False, forced: bool = False
+) -> ToolCallText:
     """Read a finished reply: all complete calls whose arguments are valid JSON, else it is plain text.
 
-    ``truncated``: the reply was cut by ``max_tokens``; its complete calls still count (a partial last one
-    is dropped; the finish reason stays ``"length"`` so the client knows).
+    ``truncated``: the reply was cut by ``max_tokens``; its complete calls still count, and the finish
+    reason stays ``"length"`` so the client knows. A partial last one is dropped, unless ``forced``: the
+    request's ``tool_choice`` required calls (``"required"``, a named function), so the reply can only be
+    calls, and the cut call is kept with the arguments written so far (possibly incomplete JSON), as the
+    stream already sent them and OpenAI returns it; read as text, the call syntax itself reached clients
+    (agents took the markup for the final answer).
     """
     stripped = text.strip()
     starts_like_call = any(stripped.startswith(t) for t in syntax.triggers)
@@ -145,14 +151,15 @@ def split_reply(text: str, syntax: ToolSyntax, *, truncated: bool = False) -> To
         return ToolCallText(text, ())
     calls, state = scan_calls(text, syntax)
     if truncated and state == "partial":
-        calls = [c for c in calls if c.complete]
+        calls = calls if forced else [c for c in calls if c.complete]
     elif state != "done":
         return ToolCallText(text, ())
     if not calls:
         return ToolCallText(text, ())
     try:
         for call in calls:
-            json.loads(call.arguments)
+            if call.complete:
+                json.loads(call.arguments)
     except ValueError:
         return ToolCallText(text, ())
     return ToolCallText(None, tuple(calls))
