@@ -173,7 +173,7 @@ def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake:
                 "tools": [{"type": "function", "function": {"name": "f"}}],
                 "tool_choice": {"type": "function", "function": {"name": "g"}},
             },
-            "tool_choice",
+            "tool_choice.function.name",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
