@@ -169,6 +169,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         throughput=throughput,
         gate=gate,
         keys=keys,
+        service=service,
     )
     app.include_router(open_routes)
     auth = [Depends(keys)]

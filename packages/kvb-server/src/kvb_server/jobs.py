@@ -12,7 +12,6 @@ from typing import Any, NewType
 
 from kvb_cache.results import GenerationResult, StreamEvent
 from kvb_cache.sampling import SamplingParams
-from kvb_server.errors import RequestTimeoutError
 from kvb_server.gate import EngineSettings, RunProbe
 
 JobId = NewType("JobId", int)
@@ -76,26 +75,6 @@ class Inbox:
         self._on_unread = on_unread
         while not self._queue.empty():
             on_unread(self._queue.get_nowait())
-
-
-async def next_update(
-    inbox: Inbox, deadline: float, timeout_s: float, is_disconnected: IsDisconnected | None
-) -> JobUpdate:
-    """The next update in ``inbox`` (a request's jobs).
-
-    Raises:
-        RequestTimeoutError: ``deadline`` (``time.monotonic()``; ``timeout_s`` after arrival) passed first.
-        ClientDisconnected: ``is_disconnected`` (polled every :data:`DISCONNECT_POLL_S`) said so.
-    """
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RequestTimeoutError(timeout_s)
-        try:
-            return await inbox.get(min(remaining, DISCONNECT_POLL_S))
-        except TimeoutError:
-            if is_disconnected is not None and await is_disconnected():
-                raise ClientDisconnected() from None
 
 
 @dataclass(eq=False, slots=True, kw_only=True)

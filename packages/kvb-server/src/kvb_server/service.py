@@ -14,20 +14,21 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvb_cache.results import GenerationResult
+from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.echo import Echo, PromptScoring, prompt_only_result
 from kvb_server.engine import ServingEngine
 from kvb_server.engine_errors import engine_error, grammar_failure
-from kvb_server.errors import EngineError, RequestTooLargeError
-from kvb_server.gate import AdmissionDecision, AdmissionRequest, RequestGate
+from kvb_server.errors import EngineError, RequestTimeoutError, RequestTooLargeError
+from kvb_server.gate import AdmissionDecision, AdmissionRequest, EngineSettings, RequestGate
 from kvb_server.jobs import (
+    DISCONNECT_POLL_S,
     ClientDisconnected,
     GenerationJob,
     Inbox,
     IsDisconnected,
     JobIds,
     JobUpdate,
-    next_update,
 )
 from kvb_server.metrics import ServerMetrics
 from kvb_server.request_log import log_request
@@ -79,7 +80,7 @@ class GenerationService:
         self._ids = JobIds()
 
     def _admit(self, plan: GenerationPlan) -> AdmissionDecision:
-        decision = self._gate.admit(
+        return self._admit_request(
             AdmissionRequest(
                 endpoint=plan.endpoint,
                 model=plan.model,
@@ -90,6 +91,9 @@ class GenerationService:
                 constrained=plan.sampling.response_format is not None,
             )
         )
+
+    def _admit_request(self, request: AdmissionRequest) -> AdmissionDecision:
+        decision = self._gate.admit(request)
         if not decision.admitted:
             raise RequestTooLargeError(
                 decision.message, details=decision.details, param=decision.param, fields=decision.error_fields
@@ -138,8 +142,62 @@ class GenerationService:
     async def next_update(
         self, inbox: Inbox, deadline: float, is_disconnected: IsDisconnected | None
     ) -> JobUpdate:
-        """The next update of a request's jobs (:func:`kvb_server.jobs.next_update`)."""
-        return await next_update(inbox, deadline, self._config.request_timeout_s, is_disconnected)
+        """The next update of a request's jobs.
+
+        Raises:
+            RequestTimeoutError: ``deadline`` passed first.
+            ClientDisconnected: ``is_disconnected`` (polled every :data:`DISCONNECT_POLL_S`) said so.
+        """
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError(self._config.request_timeout_s)
+            try:
+                return await inbox.get(min(remaining, DISCONNECT_POLL_S))
+            except TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected() from None
+
+    async def warm(
+        self, prompt: list[int], *, cache_salt: str | None, is_disconnected: IsDisconnected
+    ) -> GenerationResult:
+        """Compute and cache ``prompt`` (a ``/v1/warm`` text) as an engine request like any other: admitted
+        by the gate, bounded by the queue, prefilled in slices between the other requests' steps, aborted
+        when its client leaves or its deadline passes. (As one engine call it ran the whole prefill on the
+        engine thread: every stream stalled for it, 16 s for a 3.3k-token text here, and it ran on after
+        its client had gone.) Returns the engine's result (its ``cached_tokens``: those cached before)."""
+        decision = self._admit_request(
+            AdmissionRequest(
+                endpoint="warm",
+                model=self._config.model_names[0],
+                prompt_tokens=(len(prompt),),
+                max_new_tokens=1,
+                n=1,
+                queue_depth=self._worker.depth,
+            )
+        )
+        deadline = time.monotonic() + self._config.request_timeout_s
+        job = GenerationJob(
+            id=self._ids.next(),
+            prompt=prompt,
+            sampling=SamplingParams(max_new_tokens=1),
+            stream=False,
+            choice=0,
+            inbox=Inbox(asyncio.get_running_loop()),
+            deadline=deadline,
+            settings=EngineSettings(prefill_chunk_size=decision.settings.prefill_chunk_size),
+            cache_salt=cache_salt,
+            warm=True,
+        )
+        self._worker.submit([job])
+        try:
+            update = await self.next_update(job.inbox, deadline, is_disconnected)
+        finally:
+            job.cancelled.set()  # the worker aborts it if still queued or running (a no-op once finished)
+        if update.error is not None:
+            raise engine_error(update.error)
+        assert update.result is not None
+        return update.result
 
     async def _echoes(
         self, plan: GenerationPlan, deadline: float, is_disconnected: IsDisconnected

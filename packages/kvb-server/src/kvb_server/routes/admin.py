@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -11,19 +10,19 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from kvb_cache.sampling import SamplingParams
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.engine_errors import engine_error
-from kvb_server.errors import EngineDeadError, InvalidParameterError, RequestTooLargeError, ServerError
-from kvb_server.gate import AdmissionRequest, AdmitAll, EngineSettings, RequestGate
-from kvb_server.jobs import ClientDisconnected, GenerationJob, Inbox, JobIds, next_update
+from kvb_server.errors import EngineDeadError, InvalidParameterError, ServerError
+from kvb_server.gate import RequestGate
+from kvb_server.jobs import ClientDisconnected
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import json_body, responses
 from kvb_server.request_body import off_loop, parse_request
 from kvb_server.routes.openai import CLIENT_CLOSED
 from kvb_server.schemas.admin import CacheResetRequest, WarmRequest
+from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter, engine_cache_stats, json_safe, stats_snapshot
 from kvb_server.tenancy import ApiKeys, Caller, request_salt
 from kvb_server.worker import EngineWorker
@@ -43,6 +42,7 @@ def admin_router(
     throughput: ThroughputMeter,
     gate: RequestGate | None = None,
     keys: ApiKeys,
+    service: GenerationService,
 ) -> tuple[APIRouter, APIRouter]:
     """Returns ``(open_router, v1_router)``: the second is mounted under ``/v1`` behind the API key.
 
@@ -53,7 +53,6 @@ def admin_router(
     # The router-level dependency is the same callable: FastAPI runs it once per request.
     authenticated = Depends(keys)
     v1 = APIRouter(prefix="/v1")
-    warm_ids = JobIds()
 
     @open_router.get("/health")
     async def health() -> Any:
@@ -117,55 +116,13 @@ def admin_router(
         }
 
     async def _warm_one(request: Request, ids: list[int], salt: str | None) -> Any:
-        """Warm ``ids`` as an engine request like any other: admitted by the gate, bounded by the queue,
-        prefilled in slices between the other requests' steps, aborted when its client leaves or its
-        deadline passes. (As one engine call it ran the whole prefill on the engine thread: every stream
-        stalled for it, 16 s for a 3.3k-token text here, and it ran on after its client had gone.)"""
         started = time.monotonic()
-        decision = (gate or AdmitAll()).admit(
-            AdmissionRequest(
-                endpoint="warm",
-                model=config.model_names[0],
-                prompt_tokens=(len(ids),),
-                max_new_tokens=1,
-                n=1,
-                queue_depth=worker.depth,
-            )
-        )
-        if not decision.admitted:
-            raise RequestTooLargeError(
-                decision.message, details=decision.details, param=decision.param, fields=decision.error_fields
-            )
-        deadline = started + config.request_timeout_s
-        job = GenerationJob(
-            id=warm_ids.next(),
-            prompt=ids,
-            sampling=SamplingParams(max_new_tokens=1),
-            stream=False,
-            choice=0,
-            inbox=Inbox(asyncio.get_running_loop()),
-            deadline=deadline,
-            settings=EngineSettings(prefill_chunk_size=decision.settings.prefill_chunk_size),
-            cache_salt=salt,
-            warm=True,
-        )
-        worker.submit([job])
-        try:
-            update = await next_update(job.inbox, deadline, config.request_timeout_s, request.is_disconnected)
-        except (
-            BaseException
-        ):  # timed out, client gone, or cancelled: the worker aborts it before its next step
-            job.cancelled.set()
-            raise
-        if update.error is not None:
-            if isinstance(update.error, ServerError):
-                raise update.error
-            raise engine_error(update.error) from update.error
+        result = await service.warm(ids, cache_salt=salt, is_disconnected=request.is_disconnected)
         summary = functools.partial(
             engine.warm_result,
             ids,
             cache_salt=salt,
-            already_cached_tokens=update.result.cached_tokens,
+            already_cached_tokens=result.cached_tokens,
             elapsed_ms=(time.monotonic() - started) * 1e3,
         )
         return await worker.call(summary, timeout_s=config.request_timeout_s, bounded=False)
