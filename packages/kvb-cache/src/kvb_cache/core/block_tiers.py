@@ -18,7 +18,7 @@ from kvb_cache.hashing import ChunkHash
 from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
-from kvb_cache.tiers.tiered import LowerTier, drop_unread
+from kvb_cache.tiers.tiered import LowerTier, drop_unread, gather_records
 from kvb_cache.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
@@ -78,13 +78,7 @@ class BlockTiers:
         """
         found: dict[ChunkHash, tuple[int, bytes]] = {}
         for probe in (keys[:1], keys):
-            for level, lower in enumerate(self.lower):
-                missing = [k for k in probe if k not in found]
-                if not missing:
-                    break
-                for key, record in zip(missing, lower.tier.get_many(missing)):
-                    if record is not None:
-                        found[key] = (level, record)
+            gather_records(self.lower, probe, found)
             if not keys or keys[0] not in found:
                 return []
         run: list[LayerKV] = []

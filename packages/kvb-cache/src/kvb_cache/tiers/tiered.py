@@ -35,6 +35,20 @@ class LowerTier:
     format: RecordFormat
 
 
+def gather_records(
+    lower: Sequence[LowerTier], keys: Sequence[ChunkHash], found: dict[ChunkHash, tuple[int, bytes]]
+) -> None:
+    """Fetch the records of ``keys`` into ``found`` (key -> (tier level, record)), fastest tier first:
+    one batched ``get_many`` per tier for the keys no faster tier (nor an earlier call) had."""
+    for level, tier in enumerate(lower):
+        missing = [k for k in keys if k not in found]
+        if not missing:
+            return
+        for key, record in zip(missing, tier.tier.get_many(missing)):
+            if record is not None:
+                found[key] = (level, record)
+
+
 def drop_unread(
     found: dict[ChunkHash, tuple[int, bytes]],
     after: Sequence[ChunkHash],
@@ -170,13 +184,7 @@ class TieredStore:
         if not wanted or not self.lower:
             return 0
         found: dict[ChunkHash, tuple[int, bytes]] = {}
-        for level, lower in enumerate(self.lower):
-            missing = [k for k in wanted if k not in found]
-            if not missing:
-                break
-            for key, record in zip(missing, lower.tier.get_many(missing)):
-                if record is not None:
-                    found[key] = (level, record)
+        gather_records(self.lower, wanted, found)
         promoted = 0
         chain = keys[start:]
         for i, key in enumerate(chain):
