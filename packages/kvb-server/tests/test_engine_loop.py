@@ -199,25 +199,30 @@ def test_an_add_request_error_fails_only_that_request() -> None:
         assert stats["rejected"] == 1 and stats["in_flight"] == 0
 
 
+async def second_joins_the_stalled_first(
+    url: str, fake: FakeEngine, first: dict, second: dict
+) -> tuple[httpx.Response, httpx.Response]:
+    """Post ``first``; once the engine stalls on ``fake.hold`` (``pause_before_step``), post ``second``, wait
+    until it is queued, release the engine and return both responses."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        one = asyncio.create_task(c.post("/v1/completions", json=first))
+        await until(fake.stalled.is_set)
+        two = asyncio.create_task(c.post("/v1/completions", json=second))
+        while await depth(c) < 1:
+            await asyncio.sleep(0.01)
+        fake.hold.set()
+        return await one, await two
+
+
 def test_a_failing_step_fails_the_requests_in_flight_and_serving_goes_on() -> None:
     fake = FakeEngine()
     fake.pause_before_step = 2
     fake.fail_step(3, RuntimeError("kernel exploded"))
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
-
-        async def scenario() -> tuple[httpx.Response, httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-                streamed = asyncio.create_task(
-                    c.post("/v1/completions", json=completion("hi", 9, stream=True))
-                )
-                await until(fake.stalled.is_set)
-                plain = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 9)))
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
-                fake.hold.set()  # step 2 runs the first request, step 3 (both in flight) raises
-                return await streamed, await plain
-
-        streamed, plain = asyncio.run(scenario())
+        # step 2 runs the first request, step 3 (both in flight) raises
+        streamed, plain = asyncio.run(
+            second_joins_the_stalled_first(url, fake, completion("hi", 9, stream=True), completion("hj", 9))
+        )
         assert streamed.status_code == 200  # the stream had started: the error is its last event
         assert sse_text(streamed.text) == "bc" and '"type":"server_error"' in streamed.text
         assert "kernel exploded" in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
@@ -237,18 +242,9 @@ def test_out_of_memory_in_a_shared_step_is_a_retryable_503_and_alone_a_413() -> 
     fake.pause_before_step = 2
     fake.fail_step(3, MemoryError())
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,)))) as url:
-
-        async def scenario() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-                first = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 9)))
-                await until(fake.stalled.is_set)
-                second = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 9)))
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
-                fake.hold.set()  # step 3, with both in flight, runs out of memory
-                return [await first, await second]
-
-        for resp in asyncio.run(scenario()):
+        # step 3, with both in flight, runs out of memory
+        pair = second_joins_the_stalled_first(url, fake, completion("hi", 9), completion("hj", 9))
+        for resp in asyncio.run(pair):
             assert_openai_error(resp, 503, code="out_of_memory")
             assert resp.headers["retry-after"] == "1"
         fake.fail_step(len(fake.step_log) + 1, MemoryError())
