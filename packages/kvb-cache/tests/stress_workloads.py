@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -899,13 +899,8 @@ class Workload:
         for block in pool.blocks:
             if not block.indexed:
                 continue
-            prefix, parent = list(block.token_ids), block.parent
-            for _ in range(pool.num_blocks):  # a chain of full blocks back to a root, or unreachable
-                previous = None if parent in roots else pool.lookup(parent)
-                if previous is None:
-                    break
-                prefix, parent = [*previous.token_ids, *prefix], previous.parent
-            if parent not in roots or len(prefix) > MODEL_CONTEXT:
+            prefix = _chain_tokens(block.token_ids, block.parent, pool.lookup, roots, pool.num_blocks)
+            if prefix is None:
                 continue
             n = len(block.token_ids)
             slots = torch.arange(block.id * pool.block_size, block.id * pool.block_size + n)
@@ -918,13 +913,8 @@ class Workload:
         for entry in list(entries.values()):
             if not entry.exact or entry.encoded is not None:
                 continue
-            prefix, parent = list(entry.token_ids), entry.parent
-            for _ in range(len(entries)):  # the chain back to a root, or unreachable
-                previous = None if parent in roots else entries.get(parent)
-                if previous is None:
-                    break
-                prefix, parent = [*previous.token_ids, *prefix], previous.parent
-            if parent not in roots or len(prefix) > MODEL_CONTEXT:
+            prefix = _chain_tokens(entry.token_ids, entry.parent, entries.get, roots, len(entries))
+            if prefix is None:
                 continue
             if len(prefix) != entry.start + entry.num_tokens:
                 self.fail(
@@ -955,3 +945,17 @@ class Workload:
                     f"{what}, reachable by an exact prefix hash of {len(prefix)} tokens, holds KV that "
                     f"differs from a no-cache forward by {diff:.2e} at layer {i}"
                 )
+
+
+def _chain_tokens(
+    token_ids: Sequence[int], parent: Any, lookup: Callable[[Any], Any], roots: set[ChunkHash], bound: int
+) -> list[int] | None:
+    """The tokens of a block's (or chunk's) whole prefix: its own after those of the chain of parents
+    ``lookup`` finds back to one of ``roots``; None when the chain breaks or outgrows the model's context."""
+    prefix = list(token_ids)
+    for _ in range(bound):  # a chain back to a root, or unreachable
+        previous = None if parent in roots else lookup(parent)
+        if previous is None:
+            break
+        prefix, parent = [*previous.token_ids, *prefix], previous.parent
+    return prefix if parent in roots and len(prefix) <= MODEL_CONTEXT else None
