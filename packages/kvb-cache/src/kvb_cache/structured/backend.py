@@ -192,7 +192,16 @@ class GrammarCache:
         serialized = backend.to_str()
         key = TokenizerKey(hashlib.sha256(f"{vocab_size}\0{serialized}".encode()).hexdigest())
         # ~1 s for a 50k vocabulary (it builds the token trie), once per tokenizer.
-        ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        try:
+            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        except (ValueError, TypeError, RuntimeError) as e:
+            # A tokenizer whose decoder llguidance cannot map to bytes (a word-level vocabulary without a
+            # decoder, say): no grammar can be enforced with it. Was a bare ValueError (HTTP 500).
+            raise InvalidRequestError(
+                f"response_format is not available with this model's tokenizer: the grammar library cannot "
+                f"read it ({e})",
+                param="response_format",
+            ) from None
         found = self._tokenizers[ident] = _Tokenizer(key, ll, tokenizer)
         return found
 
