@@ -151,6 +151,56 @@ def test_nesting_within_the_limit_reaches_validation(server: tuple[FakeEngine, s
     assert_openai_error(post_raw(url, "/v1/completions", json.dumps(body).encode()), 400, param="logit_bias")
 
 
+DEEP_TEXT = "[" * 30_000 + "]" * 30_000  # JSON nested past the interpreter's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "guided_json": DEEP_TEXT}, "guided_json"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": DEEP_TEXT}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_TEXT}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            },
+            "arguments",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_TEXT},
+                    {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                ],
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            },
+            "",
+        ),
+    ],
+)
+def test_json_text_nested_inside_a_string_is_400_not_a_recursion_error(
+    server: tuple[FakeEngine, str], path: str, body: dict, param: str
+) -> None:
+    """The body's nesting check skips strings; JSON text held in one (a schema sent as text, a tool call's
+    arguments) was parsed later without it: a RecursionError, a 500 with a long traceback."""
+    _, url = server
+    resp = post_raw(url, path, json.dumps({"model": MODEL, **body}).encode())
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert param in (err["param"] or ""), err
+
+
 @pytest.mark.parametrize("path", ROUTES)
 def test_invalid_utf8_is_400(server: tuple[FakeEngine, str], path: str) -> None:
     _, url = server
@@ -173,6 +223,9 @@ def test_invalid_utf8_is_400(server: tuple[FakeEngine, str], path: str) -> None:
         b'{"model": {"a": 1}, "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
         b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\udfff"}]}',
         b"\x00\x01\x02",
+        # Past Python's int_max_str_digits (4300): json.loads' ValueError was a 500 and a dropped connection.
+        b'{"model": "fake-model", "prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}",
+        b'{"model": "fake-model", "prompt": "hi", "user": ' + b"9" * 5000 + b"}",
         '{"model": "fake-model", "prompt": "\u2028"}'.encode("utf-16"),
     ],
 )

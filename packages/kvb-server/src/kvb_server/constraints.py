@@ -19,6 +19,7 @@ from typing import Any
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.structured import ResponseFormat, StructuredOutputsUnavailable, check_grammar
 from kvb_server.errors import InvalidParameterError, UnsupportedFeatureError
+from kvb_server.limits import loads_inner
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -134,7 +135,7 @@ def _guided_raw(field: str, value: Any, param: str) -> dict[str, Any]:
     if field == "guided_json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = loads_inner(value)
             except ValueError:
                 raise _bad(f"Invalid value for '{param}': not a JSON schema (invalid JSON).", param) from None
         if not isinstance(value, dict):

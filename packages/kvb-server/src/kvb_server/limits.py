@@ -3,7 +3,8 @@
 Every body any route parses goes through :func:`read_body` and then :func:`decode_json`, so no body can
 make the server allocate without bound, recurse without bound (``json.loads`` recurses once per nesting
 level and raises ``RecursionError`` past ~1000) or hand the tokenizer a string it cannot encode. Each
-failure is an OpenAI-style 400 or 413, never a 5xx.
+failure is an OpenAI-style 400 or 413, never a 5xx. JSON text held in a string inside a body (a tool
+call's arguments, a schema sent as text) is parsed with :func:`loads_inner`, under the same guard.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def decode_json(raw: bytes, *, max_depth: int) -> Any:
         )
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's int_max_str_digits (was a 500)
         raise InvalidParameterError(
             f"We could not parse the JSON body of your request ({exc}). Send a valid JSON object with "
             "Content-Type: application/json."
@@ -136,6 +137,20 @@ def decode_json(raw: bytes, *, max_depth: int) -> Any:
             "valid Unicode text."
         )
     return data
+
+
+def loads_inner(text: str) -> Any:
+    """``json.loads`` of JSON text held in a string *inside* a request (a tool call's ``arguments``, a
+    schema sent as text), which :func:`decode_json`'s nesting check never looks into.
+
+    Raises:
+        ValueError: invalid JSON, an integer longer than Python's ``int_max_str_digits``, or nesting deeper
+            than ``MAX_JSON_DEPTH_LIMIT`` (checked before parsing: ``json.loads`` would recurse into a
+            ``RecursionError``, which callers catching ``ValueError`` turned into a 500).
+    """
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH_LIMIT and json_depth(text) > MAX_JSON_DEPTH_LIMIT:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH_LIMIT} levels")
+    return json.loads(text)
 
 
 def _has_lone_surrogate(data: Any) -> bool:

@@ -8,12 +8,12 @@ from the prefix cache).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvb_server.generation_config import NO_DEFAULTS, SamplingDefaults
+from kvb_server.limits import loads_inner
 from kvb_server.responses_api.convert import new_id
 from kvb_server.responses_api.schemas import (
     FunctionTool,
@@ -194,7 +194,7 @@ def _cut_call(item: dict[str, Any]) -> bool:
     if not arguments.strip():
         return True
     try:
-        json.loads(arguments)
+        loads_inner(arguments)
     except ValueError:
         return True
     return False

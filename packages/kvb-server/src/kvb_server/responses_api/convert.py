@@ -7,7 +7,6 @@ chat template, caps and refusals). What the chat route names differently is rena
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from kvb_server.errors import InvalidParameterError, ServerError, UnsupportedFeatureError
+from kvb_server.limits import loads_inner
 from kvb_server.responses_api.schemas import (
     FormatJsonObject,
     FormatJsonSchema,
@@ -147,7 +147,7 @@ def _json_arguments(arguments: str) -> bool:
     if not arguments.strip():
         return True
     try:
-        json.loads(arguments)
+        loads_inner(arguments)
     except ValueError:
         return False
     return True

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from kvb_server.limits import loads_inner
 from kvb_server.tool_calls.syntax import ToolSyntax
 
 ScanState = Literal["done", "partial", "bad"]
@@ -159,7 +160,7 @@ def split_reply(
     try:
         for call in calls:
             if call.complete:
-                json.loads(call.arguments)
+                loads_inner(call.arguments)
     except ValueError:
         return ToolCallText(text, ())
     return ToolCallText(None, tuple(calls))

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from kvb_server.errors import InvalidParameterError
+from kvb_server.limits import loads_inner
 from kvb_server.tool_calls.history import check_tool_history
 from kvb_server.tool_calls.spec import ToolPlan
 from kvb_server.tool_calls.syntax import ToolSyntax
@@ -96,7 +97,7 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = loads_inner(arguments) if arguments.strip() else {}
             except ValueError:
                 raise InvalidParameterError(
                     f"Invalid value for '{at}.function.arguments': not valid JSON.",
