@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvb_cache.codecs import DenseCodec, KiviCodec
+from kvb_cache.codecs import AbsmaxInt8Codec, DenseCodec, KiviCodec
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
 from kvb_cache.records import MAGIC, RecordError, RecordFormat, decode_record, encode_record
 from kvb_cache.store import ChunkEntry
@@ -158,3 +158,44 @@ def test_well_checksummed_record_with_malformed_fields_is_a_record_error(mutate)
     data = _forge(encode_record(make_entry(), fmt()), mutate)
     with pytest.raises(RecordError):
         decode_record(data, fmt())
+
+
+@pytest.mark.parametrize(
+    ("codec", "mutate"),
+    [
+        (
+            KiviCodec(bits=8),
+            lambda t: t.update(
+                {
+                    "0.k.q": torch.zeros(300, 1, 1, dtype=torch.uint8),
+                    "0.k.scale": torch.ones(1, 300, 1, dtype=t["0.k.scale"].dtype),
+                    "0.k.min": torch.zeros(1, 1, 300, dtype=t["0.k.min"].dtype),
+                }
+            ),
+        ),
+        (
+            KiviCodec(bits=4),
+            lambda t: t.update({"1.v.scale": torch.ones(1, 2, 4, 16, 16, dtype=t["1.v.scale"].dtype)}),
+        ),
+        (
+            AbsmaxInt8Codec(),
+            lambda t: t.update(
+                {"0.v.q": torch.zeros(3000, 1, dtype=torch.int8), "0.v.scale": torch.ones(1, 3000)}
+            ),
+        ),
+    ],
+    ids=["kivi8-cube", "kivi4-scale-wider-than-codes", "absmax-square"],
+)
+def test_forged_quantized_record_cannot_broadcast_into_a_larger_tensor(codec, mutate):
+    """A forged record's codes and scales broadcast into N**2-N**3 floats (300**3 here: 108 MB from ~1 KB;
+    the audit's N=1500 wanted 13.5 GB) before the decoded KV's shape was checked: refused while decoding,
+    with nothing larger than the codes allocated."""
+    from kvb_cache.core.kv_storage import LayerShape
+    from kvb_cache.records import checked_kv
+
+    encoded = with_codec(make_entry(), codec)
+    data = _forge(encode_record(encoded, fmt(codec)), lambda t, m: mutate(t))
+    entry = decode_record(data, fmt(codec))
+    shapes = [LayerShape(kv_heads=2, key_dim=16, value_dim=16, dtype=torch.float32)] * 3
+    with pytest.raises(RecordError, match="do not fit"):
+        checked_kv(entry, shapes)

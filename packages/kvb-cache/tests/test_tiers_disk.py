@@ -170,6 +170,56 @@ def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
     assert path.exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "oversized", "folder"])
+def test_what_no_record_write_leaves_is_refused_unread(tmp_path, kind):
+    """A named pipe at a record's path blocked the read (and the request) forever; a file larger than the
+    tier's budget was read whole and hashed first. Both are refused without reading, counted as corrupt,
+    removed, and the chunk is a miss (recomputed)."""
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=4096)
+    entry = chain(1)[0]
+    path = disk._path(entry.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)  # sparse: no disk space used
+    else:
+        path.mkdir()
+    t0 = time.monotonic()
+    assert disk.get(entry.key) is None
+    assert time.monotonic() - t0 < 5
+    stats = disk.stats()
+    assert (stats.corrupt, stats.misses, stats.hits) == (1, 1, 0)
+    if kind != "folder":  # unlink does not remove a folder: it stays a miss each time, refused unread
+        assert not os.path.lexists(path)
+        data = record(entry)
+        assert disk.put(entry.key, data) and disk.get(entry.key) == data
+
+
+def test_deletes_in_a_read_only_folder_are_counted_not_raised(tmp_path, monkeypatch, caplog):
+    """A corrupt record in a read-only folder: its delete (and those of the chain behind it) raised EROFS
+    into the writer thread, a traceback each, uncounted. Now counted as errors, one warning (the pause)."""
+    import errno
+    from pathlib import Path
+
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    entries = chain(3)
+    for e in entries:
+        assert disk.put(e.key, record(e))
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.disk"):
+        for e in entries:
+            disk.delete(e.key)
+        assert disk.clear() == 0
+    assert disk.stats().errors == 6
+    assert len([r for r in caplog.records if "cannot store records" in r.message]) == 1
+
+
 def test_a_chain_of_corrupt_records_heals_in_one_recompute(tmp_path):
     # The fetch stopped at the first bad record and the recompute's write-behind skipped keys the tier held:
     # the bad records further down were never replaced (each request healed one, reuse grew a chunk a time).

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvb_cache.codecs.base import LayerPair, TensorMap, layer_names
-from kvb_cache.codecs.packing import check_finite, stats_dtype
+from kvb_cache.codecs.packing import check_finite, check_stats_fit, stats_dtype
 
 
 def _absmax(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +52,8 @@ class AbsmaxInt8Codec:
 
     def decode_layer(self, tensors: TensorMap, layer: int, *, tokens: int, dtype: torch.dtype) -> LayerPair:
         k_name, v_name = layer_names(layer)
+        for name in (k_name, v_name):  # a forged record must not broadcast into more than its codes
+            check_stats_fit(tensors[f"{name}.q"], tensors[f"{name}.scale"])
         k = (tensors[f"{k_name}.q"].float() * tensors[f"{k_name}.scale"].float()).flatten(2, 3)[:, :, :tokens]
         v = tensors[f"{v_name}.q"].float() * tensors[f"{v_name}.scale"].float()
         return LayerPair(k.to(dtype), v.to(dtype))

@@ -72,7 +72,22 @@ def quantize_groups(x: torch.Tensor, bits: int, dim: int) -> Quantized:
 
 def dequantize_groups(q: Quantized, bits: int, dtype: torch.dtype) -> torch.Tensor:
     codes = unpack_nibbles(q.codes) if bits == 4 else q.codes
+    check_stats_fit(codes, q.scale, q.minimum)
     return (codes.float() * q.scale.float() + q.minimum.float()).to(dtype)
+
+
+def check_stats_fit(codes: torch.Tensor, *stats: torch.Tensor) -> None:
+    """Refuse statistics that do not broadcast *into* ``codes`` (one value per group, same rank).
+
+    A record read from disk or Redis may be forged: codes ``[N, 1, 1]`` against a scale ``[1, N, 1]`` and a
+    zero point ``[1, 1, N]`` broadcast into ``N**3`` floats, gigabytes allocated from a few kilobytes before
+    any shape check could refuse the result. So the decoded tensor is never larger than its codes.
+    """
+    for stat in stats:
+        if stat.dim() != codes.dim() or any(s not in (1, c) for s, c in zip(stat.shape, codes.shape)):
+            raise ValueError(
+                f"group statistics of shape {tuple(stat.shape)} do not fit codes of shape {tuple(codes.shape)}"
+            )
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

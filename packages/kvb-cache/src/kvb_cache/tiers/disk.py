@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +28,10 @@ _FULL_PAUSE_S = 30.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 # A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
 _STALE_TMP_S = 600.0
+
+
+class _NotARecord(Exception):
+    """A path holding something no record write could have left (see :meth:`DiskTier._read`)."""
 
 
 class DiskTier(RecordTier):
@@ -74,7 +79,14 @@ class DiskTier(RecordTier):
         index = self._loaded()
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            data = self._read(path)
+        except _NotARecord as exc:
+            # Not a file this tier wrote: refused unread, counted and removed like a corrupt record.
+            logger.warning("disk tier: %s at %s; removed, treated as a miss", exc, path)
+            self.counters.add("corrupt")
+            self.counters.add("misses")
+            self.delete(key)
+            return None
         except FileNotFoundError:
             with self._lock:
                 self._forget(key.hex())
@@ -95,6 +107,26 @@ class DiskTier(RecordTier):
             os.utime(path)
         self.counters.add("hits")
         return data
+
+    def _read(self, path: Path) -> bytes:
+        """The bytes of the record file at ``path``; :class:`_NotARecord` for anything this tier cannot have
+        written: not a regular file (a named pipe there blocked ``read_bytes`` forever, the request with
+        it) or larger than the tier's whole budget (a 1 GiB file was read and hashed before being refused).
+        """
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused on fstat below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _NotARecord("not a regular file")
+            if st.st_size > self.max_bytes:
+                raise _NotARecord(f"{st.st_size} bytes, more than the tier's budget of {self.max_bytes}")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read(
+                    st.st_size + 1
+                )  # +1: a file growing under us is read whole, then fails its check
+        finally:
+            os.close(fd)
 
     def put(self, key: ChunkHash, record: bytes) -> bool:
         index = self._loaded()
@@ -166,9 +198,28 @@ class DiskTier(RecordTier):
         return self._path(key).exists()
 
     def delete(self, key: ChunkHash) -> None:
-        self._path(key).unlink(missing_ok=True)
+        self._unlink(self._path(key))
         with self._lock:
             self._forget(key.hex())
+
+    def _unlink(self, path: Path, *, missing_ok: bool = True) -> bool:
+        """Remove one record file; whether it was removed. Never raises but FileNotFoundError (when not
+        ``missing_ok``): in a read-only folder every delete of a corrupt record (and of the chain read
+        behind it) escaped into the writer thread, a traceback each, uncounted. Counted as ``errors``, with
+        the stores' pause and its one warning for a folder that cannot be written."""
+        try:
+            path.unlink(missing_ok=missing_ok)
+            return True
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            self.counters.add("errors")
+            if exc.errno in _FULL_ERRNOS:
+                if time.monotonic() >= self._full_until:
+                    self._pause(exc)
+            else:
+                logger.warning("disk tier could not remove %s (%s)", path, exc)
+            return False
 
     def clear(self) -> int:
         with self._lock:
@@ -181,8 +232,7 @@ class DiskTier(RecordTier):
             removed = 0
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
-                    self._file(name).unlink()
-                    removed += 1
+                    removed += self._unlink(self._file(name), missing_ok=False)
                 self._forget(name)
         return removed
 
@@ -245,7 +295,7 @@ class DiskTier(RecordTier):
         while self._bytes > self.max_bytes and self._index:
             name, size = self._index.popitem(last=False)
             self._bytes -= size
-            self._file(name).unlink(missing_ok=True)
+            self._unlink(self._file(name))
             self.counters.add("evictions")
 
     def _read_stats(self) -> dict[str, int]:
