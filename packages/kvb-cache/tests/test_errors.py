@@ -124,6 +124,24 @@ def test_a_path_that_is_no_model_folder_says_why(tmp_path):
         KVBoost.from_pretrained(str(tmp_path / "weights.bin"), device="cpu")
 
 
+def test_pickle_only_weights_are_refused_never_unpickled(tmp_path, llama, tokenizer, monkeypatch):
+    """A folder with only pytorch_model.bin was loaded through torch.load (weights_only, still an
+    unpickler): refused before anything is read, naming the conversion to safetensors."""
+    llama.save_pretrained(tmp_path)  # transformers 5 writes safetensors only: make it an old checkpoint
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    torch.save(llama.state_dict(), tmp_path / "pytorch_model.bin")
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "pytorch_model.bin").exists() and not list(tmp_path.glob("*.safetensors"))
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    with pytest.raises(ModelLoadError, match=r"pickle files \(pytorch_model\.bin\).*safetensors"):
+        KVBoost.from_pretrained(str(tmp_path), device="cpu")
+
+
 def test_a_hub_id_missing_from_the_local_cache_is_not_fetched(monkeypatch):
     """The documented contract is "a hub id already in the local cache": the loader went to the hub
     (offline: five retries, ~45 s) and then blamed the internet connection."""

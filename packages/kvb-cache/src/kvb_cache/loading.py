@@ -103,6 +103,22 @@ def check_local_model(name_or_path: str) -> None:
             f"{name_or_path!r} has no config.json; pass the folder that holds config.json, the tokenizer "
             "and the weights (*.safetensors)"
         )
+    pickles = [p.name for pattern in _PICKLE_WEIGHTS for p in path.glob(pattern)]
+    if pickles and not any(path.glob("*.safetensors")):
+        raise ModelLoadError(_pickle_message(name_or_path, sorted(pickles)))
+
+
+#: Checkpoint files that are Python pickles: never loaded (torch.load unpickles, even with weights_only).
+_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _pickle_message(name: str, files: list[str]) -> str:
+    return (
+        f"{name!r} holds its weights only as pickle files ({', '.join(files[:3])}), which are not loaded: "
+        "unpickling runs code from the file. Convert them once to safetensors, in a trusted environment: "
+        "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) (transformers writes "
+        "model.safetensors)"
+    )
 
 
 def load_model_and_tokenizer(
@@ -147,8 +163,15 @@ def load_model_and_tokenizer(
             if own_tokenizer is None
             else own_tokenizer
         )
+        # use_safetensors=True: a folder (or cached hub id) with only pytorch_model.bin was unpickled
+        # (torch.load, weights_only or not, is still an unpickler); never read anything else.
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False, output_loading_info=True, **kwargs
+            path,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            output_loading_info=True,
+            **kwargs,
         )
     except ImportError as exc:
         # An optional package the load asked for (attn_implementation="flash_attention_2" without flash-attn).
