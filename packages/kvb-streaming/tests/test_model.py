@@ -171,7 +171,9 @@ def test_streamed_linear_called_outside_its_layer_raises(awq_llama_dir: Path) ->
     model.model.layers[0].self_attn.q_proj(torch.randn(1, 2, 64))  # attention stays resident
 
 
-def test_save_pretrained_is_refused_not_written_broken(awq_llama_dir: Path, tmp_path: Path) -> None:
+def test_save_pretrained_is_refused_not_written_broken(
+    awq_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """transformers wrote the int4 payloads under names the architecture does not read, and the folder
     loaded back through AutoModelForCausalLM (warnings only) with random linears."""
     model = StreamingCausalLM.from_pretrained(awq_llama_dir, device="cpu")
@@ -179,6 +181,14 @@ def test_save_pretrained_is_refused_not_written_broken(awq_llama_dir: Path, tmp_
         model.save_pretrained(tmp_path / "saved")
     assert str(awq_llama_dir) in str(info.value) and isinstance(info.value, NotImplementedError)
     assert not (tmp_path / "saved").exists()
+    # push_to_hub created the Hub repository before it reached save_pretrained: refused before any call.
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda *a, **k: calls.append(a))
+    with pytest.raises(SaveUnsupportedError):
+        model.push_to_hub("someone/some-model")
+    assert calls == []
 
 
 def test_get_runtime_rejects_other_models(tiny_llama: torch.nn.Module) -> None:
@@ -274,6 +284,51 @@ def test_a_config_group_size_that_disagrees_with_the_tensors_names_the_right_one
     with pytest.raises(
         AWQFormatError, match=r"quantized with group_size=32: set quantization_config\.group_size"
     ):
+        StreamingCausalLM.from_pretrained(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            {"num_key_value_heads": 4},
+            r"k_proj: the checkpoint holds a 64 -> 32 linear, config\.json says 64 -> 64",
+        ),
+        ({"intermediate_size": 256}, r"the checkpoint holds a 64 -> 128 linear, config\.json says 64 -> 256"),
+        ({"num_hidden_layers": 2}, r"never reads \(model\.layers\.2\."),
+    ],
+)
+def test_a_config_that_disagrees_with_the_weights_is_refused_at_load(
+    awq_llama_dir: Path, tmp_path: Path, edit: dict, match: str
+) -> None:
+    """num_key_value_heads edited: loaded, then a bare RuntimeError in the first forward; intermediate_size
+    edited: loaded and ran with modules describing shapes they did not have; fewer layers: the last ones'
+    weights silently unused."""
+    import json
+    import shutil
+
+    folder = tmp_path / "awq"
+    shutil.copytree(awq_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AWQFormatError, match=match):
+        StreamingCausalLM.from_pretrained(str(folder), device="cpu")
+
+
+def test_integer_scales_are_refused(awq_llama_dir: Path, tmp_path: Path) -> None:
+    """int32 scales loaded and were multiplied as they were: wrong weights, silently."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "awq"
+    shutil.copytree(awq_llama_dir, folder)
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        tensors = {k: v.to(torch.int32) if k.endswith(".scales") else v for k, v in tensors.items()}
+        save_file(tensors, str(shard))
+    with pytest.raises(AWQFormatError, match="scales must be floating point"):
         StreamingCausalLM.from_pretrained(str(folder), device="cpu")
 
 

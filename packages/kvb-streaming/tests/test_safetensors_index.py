@@ -69,6 +69,13 @@ def _shard(header: bytes, declared: int | None = None) -> bytes:
         # offsets that do not fit the shape: read_tensor's view / reshape raised RuntimeError
         _shard(json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}).encode()),
         _shard(json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}).encode()),
+        # dimensions that are not sizes passed math.prod, then failed in reshape with a bare torch error
+        _shard(json.dumps({"a": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}).encode()),
+        _shard(json.dumps({"a": {"dtype": "F32", "shape": [2.0, 2.0], "data_offsets": [0, 16]}}).encode()),
+        # data past the end of the file: read_tensor allocated what the header claimed (4 GiB here) first
+        _shard(
+            json.dumps({"a": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 1 << 32]}}).encode()
+        ),
     ],
 )
 def test_corrupt_headers_are_format_errors(tmp_path: Path, data: bytes) -> None:
@@ -77,3 +84,18 @@ def test_corrupt_headers_are_format_errors(tmp_path: Path, data: bytes) -> None:
     shard.write_bytes(data)
     with pytest.raises(AWQFormatError, match="corrupt safetensors header"):
         read_header(shard)
+
+
+def test_shards_the_index_lists_must_be_there(tmp_path: Path) -> None:
+    """A missing shard read as a missing tensor (or a layer with no quantized linear)."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(AWQFormatError, match=r"model-00002-of-00002\.safetensors listed in .* are missing"):
+        index_folder(tmp_path)
+
+
+def test_a_pickle_only_folder_says_why_it_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(AWQFormatError, match=r"only as pickle files \(pytorch_model\.bin\)"):
+        index_folder(tmp_path)

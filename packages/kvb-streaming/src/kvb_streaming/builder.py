@@ -17,7 +17,7 @@ from kvb_streaming.binding import LayerBinding
 from kvb_streaming.config import StreamingConfig
 from kvb_streaming.errors import AWQFormatError
 from kvb_streaming.kernels import KernelContext, LinearShape, QuantKernel, resolve_kernel
-from kvb_streaming.loader import AWQLoader
+from kvb_streaming.loader import AWQ_SUFFIXES, AWQLoader
 from kvb_streaming.qlinear import StreamingQLinear
 from kvb_streaming.residency import (
     LayerIndex,
@@ -105,7 +105,9 @@ def build_model(
                 linear.in_features, linear.out_features, kernel=kernel, bias=linear.bias is not None
             )
             layer.set_submodule(name, qlinear)
-            payload = kernel.prepare(loader.read_awq(f"{prefix}.{name}"))
+            awq = loader.read_awq(f"{prefix}.{name}")
+            _check_linear_shape(f"{prefix}.{name}", linear, awq.qweight, loader)
+            payload = kernel.prepare(awq)
             if plan.is_streamed(LayerIndex(index), name):
                 streamed_payload.update({f"{name}.{p}": t for p, t in payload.items()})
                 streamed_modules[name] = qlinear
@@ -116,6 +118,22 @@ def build_model(
             bindings[LayerIndex(index)] = LayerBinding(loader.pack_layer(streamed_payload), streamed_modules)
 
     _load_plain_tensors(model, loader, device=device, dtype=dtype)
+    quantized = [
+        f"{prefix}.{name}" for prefix, per_layer in zip(layer_prefixes, linears) for name in per_layer
+    ]
+    unused = _unused_tensors(model, loader, quantized)
+    if any(name.endswith(".qweight") for name in unused):
+        # A quantized linear the model never reads: config.json describes fewer layers (or other modules)
+        # than the weights hold, and the model would run silently without them.
+        raise AWQFormatError(
+            f"{loader.path} holds quantized linears the model built from its config.json never reads "
+            f"({', '.join(n for n in unused if n.endswith('.qweight'))[:200]}): does config.json (e.g. "
+            "num_hidden_layers) belong to these weights?"
+        )
+    if unused:
+        logger.warning(
+            "%d checkpoint tensors are not used by the model (%s)", len(unused), ", ".join(unused[:5])
+        )
     _warn_unquantized_weights(model, layer_prefixes, dtype)
     model.to(device)  # non-persistent buffers (rotary tables) were built on the host
     model.eval()
@@ -148,6 +166,26 @@ def _streamed_weights(bindings: Mapping[LayerIndex, LayerBinding]) -> list[tuple
 def _module_names(model: nn.Module, modules: nn.ModuleList) -> list[str]:
     names = {id(module): name for name, module in model.named_modules()}
     return [names[id(module)] for module in modules]
+
+
+def _check_linear_shape(name: str, linear: nn.Linear, qweight: torch.Tensor, loader: AWQLoader) -> None:
+    """The checkpoint's linear has the shape the config gives it: an edited or borrowed config.json
+    (``num_key_value_heads``, ``intermediate_size``) loaded, then failed in the first forward with a bare
+    torch error, or ran with modules describing shapes they did not have."""
+    have = (qweight.shape[0], qweight.shape[1] * 8)  # AWQ GEMM: [in, out / 8] int32 words
+    want = (linear.in_features, linear.out_features)
+    if have != want:
+        raise AWQFormatError(
+            f"{name}: the checkpoint holds a {have[0]} -> {have[1]} linear, config.json says "
+            f"{want[0]} -> {want[1]}; does config.json belong to these weights ({loader.path})?"
+        )
+
+
+def _unused_tensors(model: nn.Module, loader: AWQLoader, quantized: list[str]) -> list[str]:
+    """Checkpoint tensors the built model reads nowhere (a config with fewer layers than the weights)."""
+    used = {name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
+    used |= {f"{prefix}.{suffix}" for prefix in quantized for suffix in AWQ_SUFFIXES}
+    return sorted(name for name in loader.index if name not in used)
 
 
 def _quantized_linears(layer: nn.Module, prefix: str, loader: AWQLoader) -> dict[str, nn.Linear]:

@@ -126,6 +126,8 @@ class AWQLoader:
         qweight, qzeros, scales = (self.read(f"{module_prefix}.{suffix}") for suffix in AWQ_SUFFIXES)
         if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
             raise AWQFormatError(f"{module_prefix}: qweight/qzeros must be int32 (AWQ GEMM)")
+        if not scales.is_floating_point():  # int32 scales loaded and multiplied: wrong weights, silently
+            raise AWQFormatError(f"{module_prefix}: scales must be floating point (fp16), got {scales.dtype}")
         in_features, words = qweight.shape
         g = self.quant.group_size
         if (

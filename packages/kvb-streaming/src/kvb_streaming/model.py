@@ -126,8 +126,11 @@ class StreamingCausalLM:
         )
         setattr(built.model, _RUNTIME_ATTR, runtime)
         # transformers would write the int4 payloads under names no architecture reads, and the model would
-        # load back (AutoModelForCausalLM: warnings only) with random linears. push_to_hub saves through it.
+        # load back (AutoModelForCausalLM: warnings only) with random linears.
         built.model.save_pretrained = functools.partial(_refuse_save, loader.path)
+        # push_to_hub created the Hub repository (transformers' create_repo) before it reached
+        # save_pretrained: refused before anything is sent.
+        built.model.push_to_hub = functools.partial(_refuse_save, loader.path)
         # Like AutoModelForCausalLM: the checkpoint's generation defaults (extra EOS ids such as Llama 3's
         # <|eot_id|>, sampling settings) override those derived from config.json.
         if (loader.path / GENERATION_CONFIG_NAME).is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 # A header larger than this is not a safetensors file (the format caps it at 100 MB).
 _MAX_HEADER = 100 * (1 << 20)
+#: The sharded checkpoint's map of tensor -> shard file (transformers' and AutoAWQ's name).
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,7 @@ def read_header(shard: Path) -> dict[str, TensorInfo]:
         AWQFormatError: the file is not a valid safetensors file or uses an unsupported dtype.
     """
     with open(shard, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) != 8:
             raise AWQFormatError(f"{shard} is too short to be a safetensors file")
@@ -81,18 +85,28 @@ def read_header(shard: Path) -> dict[str, TensorInfo]:
             if entry["dtype"] not in _DTYPES:
                 raise AWQFormatError(f"{shard}: tensor {name} has unsupported dtype {entry['dtype']}")
             begin, end = entry["data_offsets"]
+            shape = entry["shape"]
+            # Types first: a float or negative dimension passed math.prod and failed later in reshape
+            # with a bare torch error (bool is an int subclass: refused too).
+            if not all(type(x) is int for x in (begin, end, *shape)) or min(shape, default=0) < 0:
+                raise ValueError(f"tensor {name}: shape {shape} / data_offsets {[begin, end]} are not sizes")
             dtype = _DTYPES[entry["dtype"]]
-            expected = math.prod(entry["shape"]) * dtype.itemsize
+            expected = math.prod(shape) * dtype.itemsize
             if not 0 <= begin <= end or end - begin != expected:
+                raise ValueError(f"tensor {name}: data_offsets {[begin, end]} do not hold shape {shape}")
+            # Past the end of the file: caught here, before read_tensor allocates what the header claims
+            # (a 100-byte file claiming 4 GiB allocated 4 GiB, then found the data missing).
+            if data_start + end > file_size:
                 raise ValueError(
-                    f"tensor {name}: data_offsets {[begin, end]} do not hold shape {entry['shape']}"
+                    f"tensor {name} ends at byte {data_start + end}, past the end of the file "
+                    f"({file_size} bytes): truncated download?"
                 )
             infos[name] = TensorInfo(
                 name=name,
                 shard=shard,
                 offset=data_start + begin,
                 nbytes=end - begin,
-                shape=tuple(entry["shape"]),
+                shape=tuple(shape),
                 dtype=dtype,
             )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
@@ -112,7 +126,15 @@ def index_folder(folder: Path) -> dict[str, TensorInfo]:
     """
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
+        pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+        if pickles:
+            raise AWQFormatError(
+                f"{folder} holds its weights only as pickle files ({', '.join(pickles[:3])}), which are never "
+                "loaded (unpickling runs code from the file); save the checkpoint as safetensors "
+                "(AutoAWQ: model.save_quantized(folder, safetensors=True))"
+            )
         raise AWQFormatError(f"no *.safetensors file in {folder}; pass a checkpoint folder")
+    _check_listed_shards(folder, {shard.name for shard in shards})
     index: dict[str, TensorInfo] = {}
     for shard in shards:
         for name, info in read_header(shard).items():
@@ -120,6 +142,25 @@ def index_folder(folder: Path) -> dict[str, TensorInfo]:
                 raise AWQFormatError(f"tensor {name} is in both {index[name].shard.name} and {shard.name}")
             index[name] = info
     return index
+
+
+def _check_listed_shards(folder: Path, present: set[str]) -> None:
+    """Every shard ``model.safetensors.index.json`` lists is there: a missing one read as a missing tensor
+    (or as a layer with no AWQ-quantized linear), pointing at quantization instead of the download."""
+    listing = folder / INDEX_FILE
+    if not listing.is_file():
+        return
+    try:
+        weight_map = json.loads(listing.read_text(encoding="utf-8"))["weight_map"]
+        listed = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        raise AWQFormatError(f"{listing} is not a safetensors index ({type(exc).__name__}: {exc})") from exc
+    missing = sorted(name for name in listed if name not in present)
+    if missing:
+        raise AWQFormatError(
+            f"{folder}: shard(s) {', '.join(missing[:3])} listed in {INDEX_FILE} are missing "
+            "(an incomplete download or copy?)"
+        )
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:
