@@ -50,6 +50,14 @@ def test_unsupported_devices():
             DeviceProfile.probe("cuda")
 
 
+def test_device_must_be_a_torch_device():
+    """Any string was taken, and "gpu" / "CUDA:0" were then planned by the CPU's (cheaper) rules."""
+    for bad in ("gpu", "CUDA:0", "", "cuda0"):
+        with pytest.raises(PlannerConfigError, match="torch device"):
+            DeviceProfile(device=bad, total_bytes=2, free_bytes=1)
+    assert DeviceProfile(device=torch.device("cuda", 1), total_bytes=2, free_bytes=1).device == "cuda:1"
+
+
 def test_validation():
     with pytest.raises(PlannerConfigError, match="cannot exceed"):
         DeviceProfile(device="cpu", total_bytes=1, free_bytes=2)

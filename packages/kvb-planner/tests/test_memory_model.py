@@ -102,6 +102,10 @@ def test_cuda_fp32_gqa_without_a_mask_runs_the_math_backend(tiny_shape):
     assert sliced.attention_scratch_bytes == max(3 * 4 * 25 * 25 * 4, 63_700)
     # Unknown device: the costlier rule; half precision or no GQA: a fused kernel (no scores).
     assert estimate_memory(request, SINGLE, tiny_shape).attention_scratch_bytes == 3 * 4 * 100 * 100 * 4
+    # Only the CPU gets the CPU's rules: by prefix, "CUDA:0", "gpu" or "xpu:0" were planned as the CPU (0 B).
+    for device in ("CUDA:0", "gpu", "xpu:0", "cuda"):
+        got = estimate_memory(request, SINGLE, tiny_shape, device=device).attention_scratch_bytes
+        assert got == 3 * 4 * 100 * 100 * 4, device
     half = dataclasses.replace(tiny_shape, dtype_bytes=2)
     assert estimate_memory(request, SINGLE, half, device="cuda:0").attention_scratch_bytes == 0
     mha = dataclasses.replace(tiny_shape, num_kv_heads=tiny_shape.num_attention_heads)

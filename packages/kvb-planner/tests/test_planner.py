@@ -155,8 +155,9 @@ def test_plan_to_dict_is_json_safe_on_a_probed_cpu(tiny_shape):
 
 
 def test_policy_validation():
-    with pytest.raises(PlannerConfigError, match="safety_margin"):
-        PlannerPolicy(safety_margin=1.0)
+    for bad in (1.0, "0.1", None, True, float("nan")):  # a string or None was a bare TypeError
+        with pytest.raises(PlannerConfigError, match="safety_margin"):
+            PlannerPolicy(safety_margin=bad)
 
 
 # ----------------------------------------------------------------------------------- context length

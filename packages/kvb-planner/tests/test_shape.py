@@ -254,3 +254,42 @@ def test_gemma3n_per_layer_mlp_widths_and_shared_kv():
     shape = ModelShape.from_config(config)
     assert shape.intermediate_size == 256
     assert shape.kv_layer_channels == ((32, 32),) * 2 and shape.kv_bytes_per_token == 2 * 64 * 4
+
+
+def test_a_config_naming_no_attention_is_planned_as_its_class_would_run():
+    """A config fresh from AutoConfig names no attention implementation, and transformers builds Gemma 2 and
+    gpt-oss with eager (their classes do not support SDPA): planned as SDPA, a Gemma 2 prefill's fp32
+    scores went uncharged (0.08x of the measured peak)."""
+    from transformers import Gemma2Config
+
+    gemma2 = Gemma2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, head_dim=16,
+    )  # fmt: skip
+    assert getattr(gemma2, "_attn_implementation", None) is None
+    assert ModelShape.from_config(gemma2).attn_implementation == "eager"
+    assert ModelShape.from_config(LlamaConfig()).attn_implementation == "sdpa"
+    unknown = SimpleNamespace(
+        hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8, vocab_size=10
+    )
+    assert ModelShape.from_config(unknown).attn_implementation == "eager"  # unresolved: the costlier rule
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("head_dim", "32"), ("num_key_value_heads", 0), ("num_key_value_heads", 2.0)]
+)
+def test_optional_sizes_in_a_config_must_be_positive_ints(field, value):
+    """A string head_dim (a hand-edited config.json) was a TypeError in the arithmetic; 0 KV heads was
+    silently read as multi-head attention."""
+    config = SimpleNamespace(  # transformers' own configs now refuse such values when set
+        model_type="llama",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
+    setattr(config, field, value)
+    with pytest.raises(PlannerConfigError, match=field):
+        ModelShape.from_config(config)

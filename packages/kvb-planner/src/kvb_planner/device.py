@@ -57,6 +57,16 @@ class DeviceProfile:
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        # Any string was taken, and one torch does not parse ("gpu", "CUDA:0") was planned by the CPU's
+        # cheaper rules; a torch.device is kept as its string.
+        try:
+            device = str(torch.device(self.device))
+        except (RuntimeError, TypeError, ValueError):
+            raise PlannerConfigError(
+                f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:0' (got {self.device!r})"
+            ) from None
+        if device != self.device:
+            object.__setattr__(self, "device", device)
         check_int("total_bytes", self.total_bytes, minimum=0)
         check_int("free_bytes", self.free_bytes, minimum=0)
         if self.total_bytes < 0 or self.free_bytes < 0:

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvb_planner.kv_layout import DEFAULT_KV_LAYOUT, KVQuantLayout, kv_cache_bytes
 from kvb_planner.ladder import LadderStep
 from kvb_planner.paged_loop import SAMPLER_FP32_COPIES, PagedLoop
@@ -88,9 +90,21 @@ def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bo
     return scratch
 
 
+def _device_type(device: str | None) -> str | None:
+    """``torch.device(device).type`` ("cpu", "cuda", ...); None for None or a string torch does not parse."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _on_cuda(device: str | None) -> bool:
-    """``device`` None (unknown) counts as CUDA, whose rules are the costlier ones."""
-    return device is None or str(device).startswith("cuda")
+    """Whether the CUDA rules (the costlier ones) apply: every device but the CPU, and an unknown one.
+
+    By prefix, "CUDA:0", "gpu" or "xpu:0" got the CPU's cheaper rule (16x less for an fp32 GQA prefill)."""
+    return _device_type(device) != "cpu"
 
 
 def cpu_sdpa_tile_bytes(q_len: int, kv_len: int, value_dim: int, dtype_bytes: int, threads: int) -> int:
@@ -108,7 +122,7 @@ def cpu_sdpa_tile_bytes(q_len: int, kv_len: int, value_dim: int, dtype_bytes: in
 
 def _cpu_tile(device: str | None, threads: int | None, q_len: int, kv_len: int, shape: ModelShape) -> int:
     """:func:`cpu_sdpa_tile_bytes` when the device is the CPU and its thread count is known, else 0."""
-    if threads is None or device is None or not str(device).startswith("cpu"):
+    if threads is None or _device_type(device) != "cpu":
         return 0
     return cpu_sdpa_tile_bytes(q_len, kv_len, shape.head_dim, shape.dtype_bytes, threads)
 

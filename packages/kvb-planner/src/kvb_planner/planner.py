@@ -55,9 +55,10 @@ class PlannerPolicy:
     loop: PagedLoop | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.safety_margin < 1.0:
+        margin = self.safety_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0:
             raise PlannerConfigError(
-                f"safety_margin must be in [0, 1) (got {self.safety_margin}); 0.1 keeps 10% back"
+                f"safety_margin must be a number in [0, 1) (got {margin!r}); 0.1 keeps 10% back"
             )
         if self.loop is not None and not isinstance(self.loop, PagedLoop):
             raise PlannerConfigError(f"loop must be a PagedLoop or None, got {type(self.loop).__name__}")

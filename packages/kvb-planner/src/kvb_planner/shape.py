@@ -9,7 +9,9 @@ import torch
 
 from kvb_planner.errors import PlannerConfigError
 
-#: Attention implementation assumed when a config does not name one (transformers' own default).
+#: Attention implementation of a hand-built ``ModelShape`` that names none (transformers' default for most
+#: architectures). ``from_config`` resolves a config that names none through its model class instead
+#: (:func:`_default_attn_implementation`).
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
 #: Config fields that hold a model's context length, in the order kvb-cache's ``model_traits`` reads them.
 CONTEXT_LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -58,6 +60,17 @@ def _attr(config: Any, name: str) -> Any:
         return getattr(config, name, None)
     except Exception:  # AmbiguousGlobalPerLayerAttributeError (a RuntimeError) and the like
         return None
+
+
+def _optional_size(config: Any, name: str) -> int | None:
+    """An optional positive int field (None when absent or None). A string (a hand-edited config.json) was
+    a TypeError deep in the arithmetic, and an explicit 0 KV heads was silently read as MHA."""
+    value = _attr(config, name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlannerConfigError(f"config {name} must be a positive int or absent, got {value!r}")
+    return value
 
 
 def _layer_mlp_widths(text: Any, layers: int) -> list[int]:
@@ -249,9 +262,10 @@ class ModelShape:
             )
         hidden = _require(text, "hidden_size")
         heads = _require(text, "num_attention_heads")
-        kv_heads = _attr(text, "num_key_value_heads") or heads
+        kv_heads = _optional_size(text, "num_key_value_heads") or heads  # absent / None: MHA
         layers = _require(text, "num_hidden_layers")
-        layer_heads = _layer_heads(text, layers, kv_heads, _attr(text, "head_dim") or hidden // heads)
+        head_dim = _optional_size(text, "head_dim") or hidden // heads
+        layer_heads = _layer_heads(text, layers, kv_heads, head_dim)
         head_dim = max(d for _, d in layer_heads)  # the widest head sizes the attention phase
         widths = _layer_mlp_widths(text, layers)
         vocab = _require(text, "vocab_size")
@@ -266,7 +280,7 @@ class ModelShape:
         impl = (
             attn_implementation
             or getattr(config, "_attn_implementation", None)
-            or DEFAULT_ATTN_IMPLEMENTATION
+            or _default_attn_implementation(config)
         )
         # Gemma 3n / Gemma 4 E2B: the last num_kv_shared_layers layers attend to an earlier layer's
         # keys/values and cache none (transformers gives them a DummyLayer).
@@ -302,3 +316,22 @@ class ModelShape:
             weight_bytes += param.numel() * param.element_size()
             dtype = dtype or param.dtype
         return replace(cls.from_config(model.config, dtype=dtype), weight_bytes=weight_bytes)
+
+
+def _default_attn_implementation(config: Any) -> str:
+    """The attention a model built from ``config`` gets when the config names none.
+
+    A config fresh from ``AutoConfig.from_pretrained`` names none, and transformers then picks per model
+    class: SDPA where the class supports it, else eager (Gemma 2, gpt-oss: soft-capping / sinks). Planned as
+    SDPA, a Gemma 2 prefill's ``[B, H, P, P]`` fp32 scores went uncharged (0.08x of the measured peak). An
+    architecture this cannot resolve (no transformers, a model type it does not map) is charged as eager,
+    the costlier rule.
+    """
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return "eager"
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
