@@ -148,8 +148,18 @@ def _forge(data: bytes, mutate) -> bytes:
         lambda t, m: m.pop("start"),
         lambda t, m: m.update(key="zz"),
         lambda t, m: t.update(__token_ids__=t["__token_ids__"].float()),
+        lambda t, m: m.update(start="-5"),
+        lambda t, m: m.update(start=str(10**30)),
     ],
-    ids=["layers-not-int", "zero-layers", "no-start", "key-not-hex", "float-token-ids"],
+    ids=[
+        "layers-not-int",
+        "zero-layers",
+        "no-start",
+        "key-not-hex",
+        "float-token-ids",
+        "start<0",
+        "start-huge",
+    ],
 )
 def test_well_checksummed_record_with_malformed_fields_is_a_record_error(mutate):
     # The checksum only says the bytes are those written: a record written by another program (or version)

@@ -116,6 +116,10 @@ def decode_record(data: bytes, fmt: RecordFormat) -> ChunkEntry:
         raise RecordError(f"malformed record fields: {type(exc).__name__}: {exc}") from exc
 
 
+#: The largest ``start`` a record may carry (far past any model's context; bounds what a forged one can ask).
+MAX_START = 1 << 40
+
+
 def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: RecordFormat) -> ChunkEntry:
     """The :class:`ChunkEntry` a checksummed record describes, after checking its fields agree."""
     _check(meta.get("format") == FORMAT_VERSION, f"unsupported record format {meta.get('format')!r}")
@@ -128,6 +132,10 @@ def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: Rec
     token_ids = tuple(tokens.tolist())
     num_layers, num_tokens = int(meta["num_layers"]), int(meta["num_tokens"])
     _check(len(token_ids) == num_tokens and num_tokens > 0, "token count does not match the token ids")
+    start = int(meta["start"])
+    # Positions are re-rotated from it (stitching) and become tensors: a forged 10**30 overflowed int64 in
+    # torch, a negative one rotated keys to positions no request has.
+    _check(0 <= start <= MAX_START, f"record start {start} is not a position")
     key, parent, content = (ChunkHash(bytes.fromhex(meta[f])) for f in ("key", "parent", "content"))
     _check(prefix_hash(parent, token_ids) == key, "stored key does not hash from parent and tokens")
     _check(content_hash(fmt.root, token_ids) == content, "stored content hash does not match the tokens")
@@ -152,7 +160,7 @@ def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: Rec
         parent=parent,
         content=content,
         token_ids=token_ids,
-        start=int(meta["start"]),
+        start=start,
         complete=meta["complete"] == "1",
         kv=kv,
         encoded=None if kv else encoded,
