@@ -302,6 +302,26 @@ def test_solo_requests_count_their_prefix_lookups(llama, tokenizer):
     assert after.prefix_cache_hits - before.prefix_cache_hits == solo.cached_tokens
 
 
+def test_solo_requests_count_in_the_lookup_counters_as_batched_ones_do(llama, tokenizer):
+    """cache_stats' lookups / hits / partial_tokens were recorded by the batched path only: a speculative or
+    kv_cache_bits server reported 0 lookups and hits for every request."""
+    from kvb_cache import HitKind
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    prompt = words(40, seed=3)
+    engine.generate(prompt, max_new_tokens=2, ignore_eos=True)  # batched: computes and caches the prompt
+    before = engine.cache_stats()
+    solo = engine.generate(prompt + " w7 w8", max_new_tokens=2, ignore_eos=True, kv_cache_bits=8)
+    after = engine.cache_stats()
+    kinds = [c.kind for c in solo.chunks]
+    assert HitKind.EXACT in kinds  # the solo request did reuse the cached prefix
+    assert after["lookups"] - before["lookups"] == 1
+    assert after["hits"]["exact"] - before["hits"]["exact"] == kinds.count(HitKind.EXACT)
+    assert after["hits"]["partial"] - before["hits"]["partial"] == kinds.count(HitKind.PARTIAL)
+    partial = sum(c.cached_tokens for c in solo.chunks if c.kind is HitKind.PARTIAL)
+    assert after["partial_tokens"] - before["partial_tokens"] == partial
+
+
 def test_queued_ms_is_arrival_to_first_scheduling(llama, tokenizer):
     """vLLM's WAITING phase: a request the batch cannot admit yet waits in the engine's queue, and that wait
     is its ``queued_ms`` (part of its TTFT), not prefill. With two sequences per step, the third request

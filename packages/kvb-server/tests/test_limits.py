@@ -158,7 +158,11 @@ DEEP_TEXT = "[" * 30_000 + "]" * 30_000  # JSON nested past the interpreter's re
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": "hi", "guided_json": DEEP_TEXT}, "guided_json"),
-        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": DEEP_TEXT}}, "structured_outputs"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "structured_outputs": {"json": DEEP_TEXT}},
+            "structured_outputs",
+        ),
         (
             "/v1/chat/completions",
             {
@@ -167,7 +171,11 @@ DEEP_TEXT = "[" * 30_000 + "]" * 30_000  # JSON nested past the interpreter's re
                     {
                         "role": "assistant",
                         "tool_calls": [
-                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_TEXT}}
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": DEEP_TEXT},
+                            }
                         ],
                     },
                     {"role": "tool", "tool_call_id": "c1", "content": "ok"},

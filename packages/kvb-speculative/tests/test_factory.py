@@ -40,3 +40,9 @@ def test_inconsistent_arguments_are_refused(target, other_model):
 def test_vocabulary_mismatch_is_refused_at_construction(target):
     with pytest.raises(VocabularyMismatchError):
         make_decoder(target, draft_model=tiny_llama(4, vocab_size=64))
+
+
+def test_a_draft_model_that_is_not_a_model_is_a_config_error(target):
+    """A path string failed with AttributeError: 'str' object has no attribute 'get_output_embeddings'."""
+    with pytest.raises(SpeculativeConfigError, match="must be a loaded model"):
+        make_decoder(target, speculative="draft_model", draft_model="/some/path")

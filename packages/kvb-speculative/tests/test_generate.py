@@ -65,3 +65,6 @@ def test_bad_arguments_are_refused(target, prompt, kwargs, message):
 def test_batch_of_two_is_refused(target, prompt):
     with pytest.raises(SpeculativeConfigError, match="batch size 1"):
         speculative_generate(target, prompt.repeat(2, 1), PromptLookupDrafter(), max_new_tokens=4)
+    # An empty prompt failed deep in the model (cannot reshape a tensor of 0 elements).
+    with pytest.raises(SpeculativeConfigError, match="non-empty"):
+        speculative_generate(target, prompt[:, :0], PromptLookupDrafter(), max_new_tokens=4)

@@ -43,7 +43,11 @@ def test_index_grows_with_committed_tokens():
     assert session.propose(history, 3, None).probs is None
 
 
-@pytest.mark.parametrize(("max_ngram", "min_ngram"), [(0, 0), (1, 2)])
+@pytest.mark.parametrize(
+    ("max_ngram", "min_ngram"),
+    # "3" was a bare TypeError; 1.5 was accepted and failed every request later, inside the engine
+    [(0, 0), (1, 2), ("3", 2), (3, 1.5), (True, 1)],
+)
 def test_bad_config_is_refused(max_ngram, min_ngram):
     with pytest.raises(SpeculativeConfigError):
         PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)

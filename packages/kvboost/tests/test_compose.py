@@ -200,3 +200,8 @@ def test_draft_model_mode_without_a_draft_is_refused_before_the_target_loads(tar
     monkeypatch.setattr(kvb_cache.KVBoost, "from_engine_args", classmethod(no_target_load))
     with pytest.raises(SpeculativeConfigError, match=r"needs draft_model \(--draft-model\)"):
         KVBoost.from_pretrained(target, device="cpu", speculative="draft_model")
+    # Also said only after the target (and the draft) had loaded: gamma past 64, a draft with prompt_lookup.
+    with pytest.raises(SpeculativeConfigError, match=r"gamma=1000 must be an int in 1\.\.64"):
+        KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", gamma=1000)
+    with pytest.raises(SpeculativeConfigError, match="prompt_lookup' uses no draft model"):
+        KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", draft_model=target)

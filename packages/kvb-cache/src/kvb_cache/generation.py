@@ -16,7 +16,7 @@ import torch
 from kvb_cache.decoding import start_decode
 from kvb_cache.emitter import Emitter, token_logprob
 from kvb_cache.forward import decode_step, prefill
-from kvb_cache.results import ChunkHit, GenerationResult, StreamEvent, TokenLogprob
+from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 
 if TYPE_CHECKING:
@@ -121,14 +121,16 @@ def run(
         logprobs=tuple(logprobs[: emitter.covered()]) if params.logprobs is not None else None,
         stop_reason=emitter.stop_reason,
     )
+    # The lookup counters (cache_stats' lookups / hits / partial_tokens) as the batched path records them: a
+    # speculative or kv_cache_bits server reported 0 lookups and hits.
+    partial = sum(c.cached_tokens for c in prepared.chunks if c.kind is HitKind.PARTIAL)
+    engine.counters.record_chunks(prepared.chunks, partial_tokens=partial)
     engine.record_request(result)
     yield StreamEvent(delta_text="", result=result)
 
 
 def chunk_hits(prepared_spans, cached_tokens: int) -> tuple[ChunkHit, ...]:
     """Describe each prompt span as exact / partial / miss given how many leading tokens were cached."""
-    from kvb_cache.results import HitKind
-
     hits = []
     for span in prepared_spans:
         cached = max(0, min(span.end, cached_tokens) - span.start)

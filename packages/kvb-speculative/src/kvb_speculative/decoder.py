@@ -114,9 +114,9 @@ class SpeculativeDecoder:
             raise SpeculativeConfigError(
                 f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}"
             )
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
             raise SpeculativeConfigError(
-                f"input_ids has shape {tuple(input_ids.shape)}; pass one sequence as [1, S] (batch size 1)."
+                f"input_ids has shape {tuple(input_ids.shape)}; pass one non-empty sequence as [1, S] (batch size 1, S >= 1)."
             )
         if cache.get_seq_length() != input_ids.shape[1]:
             # The cache must hold exactly the prompt's KV: a shorter one silently gave wrong tokens.

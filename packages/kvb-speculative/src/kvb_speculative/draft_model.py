@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_speculative.cache_ops import extend, make_croppable, rollback
+from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.protocols import Draft, TokenProcessor
 from kvb_speculative.sampling import sample_token
 from kvb_speculative.vocab import check_vocab_parity
@@ -31,6 +32,12 @@ class DraftModelDrafter:
         target_tokenizer: PreTrainedTokenizerBase | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
+        if not isinstance(draft_model, torch.nn.Module):  # a path string failed in vocab.py's AttributeError
+            raise SpeculativeConfigError(
+                f"draft_model must be a loaded model (a transformers PreTrainedModel), got "
+                f"{type(draft_model).__name__}; load it first (AutoModelForCausalLM.from_pretrained(path)), or "
+                "pass the path as KVBoost.from_pretrained(..., draft_model=path) / --draft-model"
+            )
         check_vocab_parity(
             target_model, draft_model, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer
         )

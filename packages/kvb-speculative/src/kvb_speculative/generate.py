@@ -94,9 +94,9 @@ def speculative_generate(
     # (forever without one); 2.5 gave 3 tokens.
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise SpeculativeConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise SpeculativeConfigError(
-            f"input_ids has shape {tuple(input_ids.shape)}; pass one sequence as [1, S] (batch size 1)."
+            f"input_ids has shape {tuple(input_ids.shape)}; pass one non-empty sequence as [1, S] (batch size 1, S >= 1)."
         )
     decoder = SpeculativeDecoder(drafter, SpeculativeConfig(gamma=gamma))
     processor = LogitsTokenProcessor(

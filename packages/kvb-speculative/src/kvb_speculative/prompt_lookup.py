@@ -32,6 +32,11 @@ class PromptLookupConfig:
     min_ngram: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("min_ngram", "max_ngram"):
+            value = getattr(self, name)
+            # A str was a bare TypeError; a float was accepted and then failed every request in the engine.
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpeculativeConfigError(f"{name} must be an int, got {value!r}.")
         if self.min_ngram < 1:
             raise SpeculativeConfigError(f"min_ngram={self.min_ngram} must be >= 1.")
         if self.max_ngram < self.min_ngram:

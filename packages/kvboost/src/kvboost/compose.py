@@ -138,6 +138,16 @@ class KVBoost(_Engine):
                 "speculative='draft_model' needs draft_model (--draft-model): a smaller model with the "
                 "target's vocabulary; or use speculative='prompt_lookup' (no extra model)"
             )
+        if speculative.enabled:
+            from kvb_speculative import SpeculativeConfig, SpeculativeConfigError
+
+            # Both were said only after the target (and the draft) had loaded: minutes on a large model.
+            SpeculativeConfig(gamma=speculative.gamma)  # gamma's range (1..64)
+            if speculative.speculative == "prompt_lookup" and speculative.draft_model is not None:
+                raise SpeculativeConfigError(
+                    "speculative='prompt_lookup' uses no draft model; drop draft_model (--draft-model) or use "
+                    "speculative='draft_model'"
+                )
         if isinstance(speculative.draft_model, str):
             # Checked before the target loads (minutes on a large model), and named: the draft's load error
             # read like the target's ("model path '/x' does not exist") and came only after that load.
