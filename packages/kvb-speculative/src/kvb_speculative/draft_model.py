@@ -9,7 +9,7 @@ from kvb_speculative.cache_ops import extend, make_croppable, rollback
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.protocols import Draft, TokenProcessor
 from kvb_speculative.sampling import sample_token
-from kvb_speculative.vocab import check_vocab_parity
+from kvb_speculative.vocab import check_vocab_parity, fit_width, logits_width
 
 
 class DraftModelDrafter:
@@ -43,10 +43,16 @@ class DraftModelDrafter:
         )
         self.draft_model = draft_model
         self.context_length = _context_length(draft_model)
+        # Equal unless the two embedding tables are padded differently (vocab.py): the draft's logits are
+        # fitted to the target's width, and ids past the draft's table end its proposals.
+        self.width = logits_width(target_model)
+        self.draft_rows = draft_model.get_input_embeddings().num_embeddings
 
     def start(self, prompt_ids: torch.Tensor) -> DraftModelSession:
         """Open a session with an empty draft cache; the prompt is prefilled on the first proposal."""
-        return DraftModelSession(self.draft_model, self.context_length)
+        return DraftModelSession(
+            self.draft_model, self.context_length, width=self.width, draft_rows=self.draft_rows
+        )
 
 
 def _context_length(model: PreTrainedModel) -> int | None:
@@ -58,8 +64,20 @@ def _context_length(model: PreTrainedModel) -> int | None:
 class DraftModelSession:
     """The draft model's KV cache for one request, kept equal to a prefix of the committed tokens."""
 
-    def __init__(self, draft_model: PreTrainedModel, context_length: int | None = None) -> None:
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        context_length: int | None = None,
+        *,
+        width: int | None = None,
+        draft_rows: int | None = None,
+    ) -> None:
         self._model = draft_model
+        #: The target's logits width (None: the draft's own), and the draft's embedding rows: a committed
+        #: id past them (the target sampling one of its padding ids) cannot be fed to the draft model.
+        self._width = width
+        self._draft_rows = draft_rows
+        self._stopped = False
         #: Positions the draft model may take (None: no limit). A draft model with a shorter context than
         #: the target stops proposing past it: learned absolute positions (GPT-2) raised IndexError there,
         #: and RoPE models past their trained length propose little worth verifying.
@@ -84,6 +102,10 @@ class DraftModelSession:
             KV sits one position past the token before it.
         """
         assert history.shape[0] > self._cached, "the committed history never shrinks"
+        if self._draft_rows is not None and not self._stopped:
+            self._stopped = bool((history[self._cached :] >= self._draft_rows).any())
+        if self._stopped:  # the target committed an id the draft has no embedding for: it decodes alone
+            return Draft(torch.empty(0, dtype=torch.long), None)
         if self._context_length is not None:
             # The forward computes positions up to len(history) + max_tokens - 2.
             max_tokens = min(max_tokens, self._context_length - history.shape[0] + 1)
@@ -92,7 +114,7 @@ class DraftModelSession:
         # Self-healing when a caller skipped rollback(): drop any proposal KV beyond the committed prefix.
         rollback(self.cache, self._cached)
         prefilling = self._cached == 0
-        logits = extend(self._model, self.cache, history[self._cached :])[-1]
+        logits = self._fit(extend(self._model, self.cache, history[self._cached :])[-1])
         if prefilling:
             # After the prompt (not before: it would be held whole), so rejected proposals can be cropped
             # from a sliding-window draft model's cache past its window.
@@ -117,11 +139,14 @@ class DraftModelSession:
             if step + 1 < max_tokens:
                 next_token = torch.tensor([token], dtype=torch.long, device=history.device)
                 context = torch.cat([context, next_token])
-                logits = extend(self._model, self.cache, next_token)[-1]
+                logits = self._fit(extend(self._model, self.cache, next_token)[-1])
         self._proposed = len(tokens)
         # The cache now also holds the first ``max_tokens - 1`` proposals; rollback() keeps the accepted ones.
         self._cached = self._history_length
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self._width is None else fit_width(logits, self._width)
 
     def rollback(self, num_accepted: int) -> None:
         """Drop the draft KV of rejected proposals (the last proposal never had KV computed)."""

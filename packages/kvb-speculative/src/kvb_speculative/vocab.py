@@ -1,11 +1,15 @@
-"""Strict vocabulary parity between a target model and its draft model.
+"""Vocabulary parity between a target model and its draft model.
 
 Verification compares token *ids*: a draft model whose ids mean other strings (or whose special tokens
-differ) would silently propose garbage, so any difference is refused at construction time.
+differ) would silently propose garbage, so any difference is refused at construction time. One difference
+is allowed: embedding tables padded to different sizes (Qwen2.5-0.5B has 151,936 rows, 7B 152,064, for
+the same 151,665-token tokenizer), when both tokenizers are given and equal and every tokenizer id has a
+row in both models; the draft's logits are then fitted to the target's width (:func:`fit_width`).
 """
 
 from __future__ import annotations
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvb_speculative.errors import VocabularyMismatchError
@@ -77,12 +81,16 @@ def check_vocab_parity(
     ``bos/eos/pad/decoder_start/sep_token_id`` in both ``config`` and ``generation_config``. When both
     tokenizers are given, their lengths, token -> id maps and special ids are compared too.
 
+    Sizes may differ when both tokenizers are given, equal, and no longer than any of the sizes: tables
+    padded past the tokenizer (the padding rows are ids no text maps to).
+
     Raises:
         VocabularyMismatchError: listing every difference.
     """
     mismatches = []
+    padded = _padded_tables(target, draft, target_tokenizer, draft_tokenizer)
     for key, (want, got) in _zip_dicts(_sizes(target), _sizes(draft)).items():
-        if want != got:
+        if want != got and not padded:
             mismatches.append(f"{key}: target {want} != draft {got}")
     for key, (want, got) in _zip_dicts(_special_ids(target), _special_ids(draft)).items():
         if want != got:
@@ -93,6 +101,42 @@ def check_vocab_parity(
         mismatches.extend(_tokenizer_mismatches(target_tokenizer, draft_tokenizer))
     if mismatches:
         raise VocabularyMismatchError(tuple(mismatches))
+
+
+def _padded_tables(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase | None,
+    draft_tokenizer: PreTrainedTokenizerBase | None,
+) -> bool:
+    """Whether both tokenizers are given and equal and every size of both models covers them."""
+    if target_tokenizer is None or draft_tokenizer is None:
+        return False
+    if _tokenizer_mismatches(target_tokenizer, draft_tokenizer):
+        return False
+    sizes = [*_sizes(target).values(), *_sizes(draft).values()]
+    return all(isinstance(n, int) and n >= len(target_tokenizer) for n in sizes)
+
+
+def logits_width(model: PreTrainedModel) -> int:
+    """The width of ``model``'s logits: its output embedding rows (``config.vocab_size`` without a head)."""
+    sizes = _sizes(model)
+    width = sizes["output embedding rows"] or sizes["config.vocab_size"]
+    if not isinstance(width, int):
+        raise VocabularyMismatchError((f"cannot tell the logits width of {type(model).__name__}",))
+    return width
+
+
+def fit_width(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """``logits`` ``[..., V]`` as ``[..., width]``: padding ids past ``V`` get -inf (never proposed), ids
+    past ``width`` (the draft's own padding) are dropped."""
+    have = logits.shape[-1]
+    if have == width:
+        return logits
+    if have > width:
+        return logits[..., :width]
+    pad = logits.new_full((*logits.shape[:-1], width - have), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
 
 
 def _zip_dicts(a: dict[str, object], b: dict[str, object]) -> dict[str, tuple[object, object]]:
