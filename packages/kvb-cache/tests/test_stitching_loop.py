@@ -153,6 +153,21 @@ def test_stitched_request_decodes_in_the_batched_loop(llama, tokenizer):
     assert got.cached_tokens == expected.cached_tokens == 100
 
 
+def test_a_stitched_request_counts_its_whole_prompt_as_a_prefix_lookup(llama, tokenizer):
+    """Its admission looked up only the exact prefix, so vllm:prefix_cache_queries grew by that alone and
+    the stitched server's hit rate read ~5x too high (41% where vLLM's definition gives 8.4%)."""
+    first, second = rag_prompts(tokenizer)
+    engine = _engine(llama, tokenizer, recompute_strategy="selective", overlap_k=4)
+    engine.generate(first, max_new_tokens=2, ignore_eos=True)
+    before = engine.paged_stats()
+    result = engine.generate(second, max_new_tokens=2, ignore_eos=True)
+    after = engine.paged_stats()
+    assert any(c.kind is HitKind.STITCHED for c in result.chunks)
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(second) - 1
+    exact = sum(c.cached_tokens for c in result.chunks if c.kind in (HitKind.EXACT, HitKind.PARTIAL))
+    assert after.prefix_cache_hits - before.prefix_cache_hits == exact < len(second) - 1
+
+
 def test_a_request_added_while_another_decodes_stitches_its_prompt(llama, tokenizer):
     """A running request's prompt chunks are kept once its prompt is computed: a RAG request arriving while
     it still decodes stitches them (it used to wait for the first request to finish), and the stitched one

@@ -184,6 +184,41 @@ def test_real_engine_counts_prefix_cache_tokens(tiny_url: str, tiny_engine: KVBo
     assert 0 <= value(after, "vllm:kv_cache_usage_perc", **m) <= 1
 
 
+def test_a_warm_is_no_prefix_lookup_and_a_prompt_only_echo_is_a_request(tiny_url: str) -> None:
+    """/v1/warm added its whole text to vllm:prefix_cache_queries_total (it is cache management, not a
+    request); an echo with max_tokens 0 (lm-eval's scoring) computed its prompt and moved no counter."""
+    m = {"model_name": "tiny-llama"}
+    before = scrape(tiny_url)
+    text = "A text warmed before any request asks for it, long enough for a few blocks. " * 3
+    assert httpx.post(tiny_url + "/v1/warm", json={"text": text}).status_code == 200
+    mid = scrape(tiny_url)
+    for name in (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+    ):
+        assert value(mid, name, **m) == value(before, name, **m), name
+    body = {
+        "model": "tiny-llama",
+        "prompt": "score these words",
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 1,
+    }
+    resp = httpx.post(tiny_url + "/v1/completions", json=body)
+    assert resp.status_code == 200
+    prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+    after = scrape(tiny_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(mid, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total", **m) == prompt_tokens
+    assert delta("vllm:request_success_total", **m, finished_reason="length") == 1
+    assert delta("vllm:request_prompt_tokens_count", **m) == 1
+    assert delta("vllm:time_to_first_token_seconds_count", **m) == 0  # no first token to time
+
+
 def test_aborted_requests_are_counted_as_vllm_counts_them() -> None:
     fake = FakeEngine(token_delay_s=0.05)
     with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=0.4))) as url:

@@ -214,7 +214,7 @@ class LoopAPI:
             stop_reason=req.emitter.stop_reason,
             grammar_error=req.grammar.error if req.grammar is not None else None,
         )
-        if not req.internal:  # an idle prompt (core/idle.py) is the engine's work, not a request
+        if req.counted:  # an idle prompt (core/idle.py) or a warm is the engine's work, not a request
             self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)
             self.record_request(result)
         if self.config.stitching is not None:

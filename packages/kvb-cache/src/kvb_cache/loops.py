@@ -300,6 +300,7 @@ class EngineLoops:
             prefill_chunk_size=chunk if chunk is not None else self.config.prefill_chunk_size,
             root=root,
         )
+        request.warm = True
         self.core.add(request)
         return rid
 

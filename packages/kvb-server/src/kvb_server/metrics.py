@@ -159,6 +159,16 @@ class ServerMetrics:
         for chunk in result.chunks:
             self.chunk_hits.labels(kind=chunk.kind.value).inc()
 
+    def observe_prompt_only(self, result: GenerationResult) -> None:
+        """Record a choice that generated nothing (echo with ``max_tokens: 0``): its prompt tokens (scored
+        when logprobs were asked) and its finish, but no latency histograms, which time a first token it
+        never had. Such requests moved no counter before."""
+        self._vllm.prompt_tokens.inc(result.prompt_tokens)
+        self._vllm.success.count(result.finish_reason)
+        self._vllm.request_prompt_tokens.observe(result.prompt_tokens)
+        self._vllm.request_generation_tokens.observe(0)
+        self.prompt_tokens.inc(result.prompt_tokens)
+
     def render(self) -> bytes:
         self._count_aborted_tokens()
         return generate_latest(self.registry)

@@ -234,9 +234,13 @@ class GenerationService:
         return echoes
 
     def prompt_only(self, plan: GenerationPlan) -> list[GenerationResult]:
-        """Results of a request that generates nothing (echo with ``max_tokens: 0``), one per choice."""
+        """Results of a request that generates nothing (echo with ``max_tokens: 0``), one per choice,
+        counted in the metrics."""
         logprobs = plan.sampling.logprobs is not None
-        return [prompt_only_result(len(p), logprobs=logprobs) for p in plan.prompts for _ in range(plan.n)]
+        results = [prompt_only_result(len(p), logprobs=logprobs) for p in plan.prompts for _ in range(plan.n)]
+        for result in results:
+            self._metrics.observe_prompt_only(result)
+        return results
 
     def record(
         self, update: JobUpdate, result: GenerationResult, token_intervals: Sequence[float] | None = None

@@ -128,11 +128,15 @@ class KVCacheManager:
         (approximate) KV never becomes reachable by a prefix hash.
         """
         limit = prepared.length if req.exact_until is None else min(req.exact_until, prepared.length)
-        hit = self.admit(req, max_tokens=limit)
+        hit = self.admit(req, max_tokens=limit, count=False)
         start = req.num_computed
         if not self.allocate(req, prepared.length - start):
             self.free(req)
             return None
+        # The whole prompt was looked up, as for any admission (and a solo request): counting only the exact
+        # prefix as queried made the stitched server's vLLM-style hit rate ~5x too high (41% for 8.4%).
+        # Once, when it is admitted (a retry after a short pool is not a second lookup).
+        self.count_lookup(len(req.tokens) - 1, hit.tokens)
         slots = self.slots(req, prepared.length)[start:]
         self.storage.write(
             slots,

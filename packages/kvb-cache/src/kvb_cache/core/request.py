@@ -106,6 +106,15 @@ class Request:
     #: The engine's own work (a prompt computed while idle, :mod:`kvb_cache.core.idle`): its outputs are
     #: never returned and it is left out of the request and prefix-cache counters.
     internal: bool = False
+    #: A warm (:meth:`~kvb_cache.KVBoost.add_warm_request`): cache management, not a request: its outputs are
+    #: returned, but it is left out of the request and prefix-cache counters (its lookup of the text it
+    #: came to compute added the whole text to ``vllm:prefix_cache_queries_total``).
+    warm: bool = False
+
+    @property
+    def counted(self) -> bool:
+        """Whether the request and prefix-cache counters see this request."""
+        return not (self.internal or self.warm)
 
     @property
     def output_ids(self) -> list[int]:

@@ -196,7 +196,7 @@ class Scheduler:
                     break  # the pool is short; retry next step
                 hit = adopted
             else:
-                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1, count=not req.internal)
+                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1, count=req.counted)
             n = self._slice(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
