@@ -8,7 +8,10 @@ random operations on it:
   and sometimes asked for while still live) or engine-chosen ones: RAG prompts with shuffled documents,
   prefixes and next turns of earlier prompts, tiny prompts, prompts that fill the pool; greedy or seeded
   sampling, penalties, stop tokens and stop strings taken from the request's own continuation (so they
-  fire), ``min_tokens``, cache salts, a private 8-bit cache;
+  fire), ``min_tokens``, cache salts, a private 8-bit cache, ``logprobs`` and ``logit_bias`` (drawn from a
+  second generator, :func:`add_extras`, so the seeds of the first still name the same workloads);
+  sometimes a disk tier under the pool (:func:`add_disk_tier`), which evicted blocks go to and come back
+  from;
 - 1-5 steps; aborts of live, held, preparing, finished and unknown requests; idle work; ``clear_cache``;
   ``reset_cache``; library calls (``generate``, ``generate_batch``, a stream closed part-way, ``warm``,
   ``next_token_logits``) interleaved with the caller's own requests; deliberately invalid requests.
@@ -20,22 +23,26 @@ exactly. The checks raise :class:`StressFailure` naming what diverged:
   queue is exactly the unowned blocks, ``paged_stats`` agrees with a recount of the pool, waiting requests
   hold no blocks, the engine's unfinished requests are the workload's live ones, prefix-cache counters
   never decrease;
-- every output: one final output per request and none after an abort; streamed tokens and text add up to
-  the result; lengths and finish reasons agree with the parameters;
+- every output: one final output per request and none after an abort; streamed tokens, text and
+  logprobs add up to the result; lengths and finish reasons agree with the parameters; logprobs are one
+  per token of the returned text, name it, and rank their alternatives best first;
 - every abort: the request is gone and holds no blocks (the pool check above sees them released);
 - no hang: every step, the workload's and those of library loops, counts against a bound scaled to the
   workload's tokens; passing it raises :class:`Hang`, saying what each unfinished request is stuck on;
 - at the end (requests drained, idle work run): no block is held; every finished request that neither
   stitched (approximate by design) nor used a private 8-bit cache produced the tokens, text and finish
   reason of the same request alone on an engine without a cache (fp32), except a greedy divergence where
-  the no-cache top-2 logits tie (``NEAR_TIE``); every pool block and stored chunk reachable by an exact
-  prefix hash holds the no-cache KV of its prefix; ``clear_cache`` empties the pool.
+  the no-cache top-2 logits tie (``NEAR_TIE``), and the logprobs it ran (within ``ATOL``); every pool
+  block and stored chunk reachable by an exact
+  prefix hash holds the no-cache KV of its prefix; a disk tier counted no error and no corrupt record;
+  ``clear_cache`` empties the pool.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import tempfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +65,7 @@ from kvb_cache import (
 from kvb_cache.cache_kwarg import output_cache
 from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.hashing import ChunkHash, salted_root
+from kvb_cache.tiers import TierConfig
 
 #: conftest's models: ``max_position_embeddings`` and the eos token id.
 MODEL_CONTEXT = 512
@@ -303,11 +311,39 @@ def make_ops(rng: random.Random, world: World, config: dict[str, Any], count: in
     return ops
 
 
+def add_extras(seed: int, ops: list[dict[str, Any]]) -> None:
+    """Give some requests ``logprobs`` and ``logit_bias``, drawn from a generator of their own so the draws
+    above (and the seed numbers that name their workloads) stay as they were. A +-100 bias forces or bans
+    a token, smaller ones tilt the choice; a bias on eos ends or prolongs requests that do not ignore it."""
+    rng = random.Random(f"extras-{seed}")
+    for op in ops:
+        if "params" not in op:
+            continue
+        if rng.random() < 0.2:
+            op["params"]["logprobs"] = rng.choice([0, 1, 4])
+        if rng.random() < 0.12:
+            tokens = [EOS if rng.random() < 0.15 else rng.randrange(5, 295) for _ in range(rng.randint(1, 3))]
+            op["params"]["logit_bias"] = [[t, rng.choice([-100.0, -3.0, 2.0, 100.0])] for t in tokens]
+
+
+def add_disk_tier(seed: int, config: dict[str, Any]) -> None:
+    """Sometimes a disk tier below the pool (``"disk_tier"``: its byte budget; the folder is the workload's
+    own temporary one): blocks evicted from RAM are written behind to disk and a later prefix lookup
+    restores them, so the end-of-workload checks also see KV that went through a record and back. Records
+    keep KV as computed (``kv_cache_bits`` 16), so served requests must still equal no-cache."""
+    rng = random.Random(f"disk-{seed}")
+    if rng.random() < 0.25:
+        # From a few blocks' records (the disk evicts too) to room for everything.
+        config["disk_tier"] = rng.choice([8_000, 40_000, 1 << 24])
+
+
 def make_workload(seed: int, world: World) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The engine config and the operations of workload ``seed``."""
     rng = random.Random(seed)
     config = make_config(rng)
     ops = make_ops(rng, world, config, rng.randint(20, 80))
+    add_extras(seed, ops)
+    add_disk_tier(seed, config)
     return config, ops
 
 
@@ -322,10 +358,13 @@ def step_bound(token_budget: int, ops: list[dict[str, Any]]) -> int:
     return STEP_SLACK + 3 * tokens // min(token_budget, 64)
 
 
-def build_engine(world: World, config: dict[str, Any]) -> KVBoost:
+def build_engine(world: World, config: dict[str, Any], disk_dir: str | None = None) -> KVBoost:
     kwargs = dict(config)
     if "stitching" in kwargs:
         kwargs["stitching"] = StitchConfig(**kwargs["stitching"])
+    if "disk_tier" in kwargs:
+        budget = kwargs.pop("disk_tier")
+        kwargs["tiers"] = TierConfig(disk_cache_dir=disk_dir, disk_cache_bytes=budget)
     return KVBoost(world.model, world.tokenizer, config=EngineConfig(**kwargs))
 
 
@@ -369,7 +408,8 @@ class Workload:
     ) -> None:
         self.world = world
         self.config, self.ops = config, ops
-        self.engine = build_engine(world, config)
+        self._disk = tempfile.TemporaryDirectory(prefix="kvb-stress-") if "disk_tier" in config else None
+        self.engine = build_engine(world, config, self._disk.name if self._disk else None)
         pool, scheduler = self.engine.kv.pool, self.engine.core.scheduler
         self.cap = min(pool.num_blocks * pool.block_size, MODEL_CONTEXT)  # capacity(config)
         self.stitching = "stitching" in config
@@ -396,6 +436,14 @@ class Workload:
     # ------------------------------------------------------------------------------------------- driver
     def run(self) -> None:
         """Every operation, then drain, idle work and the end-of-workload checks; raises StressFailure."""
+        try:
+            self._run()
+        finally:
+            if self._disk is not None:
+                self.engine.close()
+                self._disk.cleanup()
+
+    def _run(self) -> None:
         handlers = {
             "add": self._add,
             "readd": self._readd,
@@ -429,6 +477,7 @@ class Workload:
         self._check_pool_kv()
         self._check_store_kv()
         self.coverage["preemptions"] = self.engine.paged_stats().preemptions
+        self._check_tiers()
         self.engine.clear_cache()
         self._check_pool_empty("clear_cache at the end")
 
@@ -517,6 +566,10 @@ class Workload:
             kw.update(temperature=p["temperature"], seed=p["seed"], top_k=p["top_k"], top_p=p["top_p"])
         penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, min_p=0.05)
         kw.update({name: value for name, value in penalties.items() if name in p})
+        if "logprobs" in p:
+            kw["logprobs"] = p["logprobs"]
+        if "logit_bias" in p:
+            kw["logit_bias"] = {token: bias for token, bias in p["logit_bias"]}
         if "stop_token_at" in p or "stop_string_at" in p:
             # Taken from what this request generates alone, so the stop does fire.
             reference = self.world.solo_run(prompt, SamplingParams(**{**kw, "ignore_eos": True})).output_ids
@@ -753,6 +806,7 @@ class Workload:
             self.fail(f"{t.name}: streamed delta_text does not add up to output_text {r.output_text!r}")
         if any(o.finished for o in t.outputs[:-1]):
             self.fail(f"{t.name}: more than one final output")
+        self._check_logprobs(t)
         if not 1 <= len(out) <= p.max_new_tokens:
             self.fail(f"{t.name}: {len(out)} output tokens, max_new_tokens={p.max_new_tokens}")
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
@@ -783,6 +837,31 @@ class Workload:
                 self.fail(f"{t.name}: result.chunks {spans} do not tile the {r.prompt_tokens}-token prompt")
             if sum(c.cached_tokens for c in r.chunks) != r.cached_tokens:
                 self.fail(f"{t.name}: the chunks' cached_tokens do not add up to {r.cached_tokens}")
+
+    def _check_logprobs(self, t: Tracked) -> None:
+        """Logprobs only when asked, one per generated token, naming it; alternatives best first; streamed
+        ones add up to the result's."""
+        r, k = t.result, t.params.logprobs
+        streamed = [lp for o in t.outputs for lp in o.logprobs]
+        if k is None:
+            if r.logprobs is not None or streamed:
+                self.fail(f"{t.name}: logprobs returned although none were asked for")
+            return
+        got = list(r.logprobs or ())
+        if streamed != got:
+            self.fail(f"{t.name}: streamed logprobs do not add up to the result's")
+        # A stop string cut from the text takes the logprobs of the tokens after the cut with it (they
+        # spell the returned text, Emitter.covered); every other output has one per token.
+        cut = isinstance(r.stop_reason, str) and not t.params.include_stop_str_in_output
+        named = [lp.token_id for lp in got]
+        if named != list(r.output_ids)[: len(named) if cut else None]:
+            self.fail(f"{t.name}: logprobs name tokens {named}, output {r.output_ids}")
+        for i, lp in enumerate(got):
+            values = [v for _, _, v in lp.top]
+            if len(lp.top) != k or values != sorted(values, reverse=True) or not lp.logprob <= 1e-6:
+                self.fail(f"{t.name}: logprobs at {i}: {lp} (asked for {k} alternatives, best first)")
+            if values and lp.logprob > values[0] + ATOL:
+                self.fail(f"{t.name}: the chosen token's logprob {lp.logprob} beats the best {values[0]}")
 
     def _check_engine(self, when: str) -> None:
         """Pool bookkeeping and the engine's view of the live requests (after every operation and step)."""
@@ -833,6 +912,14 @@ class Workload:
             )
         self.last_stats = stats
 
+    def _check_tiers(self) -> None:
+        """A disk tier wrote and read records without an error or a corrupt one."""
+        for tier in self.engine.cache_stats().get("tiers", []):
+            self.coverage["tier_hits"] += tier["hits"]
+            self.coverage["tier_stores"] += tier["stores"]
+            if tier["errors"] or tier["corrupt"]:
+                self.fail(f"the {tier.get('name', 'lower')} tier counted errors: {tier}")
+
     def _check_quiescent(self, when: str) -> None:
         """Nothing unfinished: no block held but by the engine's own idle prompt, no queue entry left."""
         core, stats = self.engine.core, self.engine.paged_stats()
@@ -874,6 +961,7 @@ class Workload:
                         f"{t.name}: same tokens as its solo no-cache run, but (finish_reason, stop_reason, "
                         f"text) {ends} != {want_ends}"
                     )
+                self._compare_logprobs(t, expected)
                 continue
             at = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
             diverged = at < min(len(have), len(want))
@@ -887,6 +975,18 @@ class Workload:
                 f"{have[at : at + 4]} (finish_reason expected {expected.finish_reason!r}, got "
                 f"{got.finish_reason!r}; no-cache top-2 logit margin there {margin:.2e})"
             )
+
+    def _compare_logprobs(self, t: Tracked, expected: GenerationResult) -> None:
+        """The logprobs of a request served exactly equal those of its solo no-cache run (fp32)."""
+        for i, (a, b) in enumerate(zip(t.result.logprobs or (), expected.logprobs or ())):
+            pairs = [(a.logprob, b.logprob), *((x[2], y[2]) for x, y in zip(a.top, b.top))]
+            diff = max(abs(x - y) for x, y in pairs)
+            if diff > ATOL:
+                self.fail(
+                    f"{t.name}: logprobs at position {i} differ from its solo no-cache run by {diff:.2e} "
+                    f"({t.result.cached_tokens} prompt tokens cached): {a} vs {b}"
+                )
+        self.coverage["logprobs_compared"] += t.params.logprobs is not None
 
     def _roots(self) -> set[ChunkHash]:
         """The chain roots: the engine's, and each salt's."""
