@@ -65,6 +65,8 @@ def test_vllm_names_types_and_labels_from_the_start() -> None:
                 # vLLM labels with the first served name, whatever alias a request used.
                 assert sample.labels["model_name"] == MODEL, sample
         samples = scrape(url)
+        # No *_created series (vLLM disables them; they doubled the series count).
+        assert not [name for name, _ in samples if name.endswith("_created")]
         # Counters and histograms exist at zero before any request, as vLLM's do.
         assert value(samples, "vllm:prompt_tokens_total", model_name=MODEL) == 0
         assert value(samples, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == 0
