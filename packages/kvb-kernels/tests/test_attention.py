@@ -175,3 +175,23 @@ def test_inputs_that_require_grad_are_refused_not_silently_cut_off(device):
         flash_attention(weight, k, v)
     with torch.no_grad():
         assert flash_attention(weight, k, v).shape == q.shape  # inference on parameters is fine
+    # Keys and values too: the output had no grad_fn either, and they got no gradient.
+    for name, args in (
+        ("key", (q, k.clone().requires_grad_(), v)),
+        ("value", (q, k, v.clone().requires_grad_())),
+    ):
+        with pytest.raises(GradientError, match=f"^{name} requires grad"):
+            flash_attention(*args)
+
+
+def test_numpy_and_tensor_ints_are_taken_as_ints(device):
+    """window / num_splits as NumPy ints or 0-d tensors passed the checks, then failed inside Triton's launch
+    with an untyped InterpreterError."""
+    import numpy as np
+
+    q, k, v = _inputs(CASES[0], torch.float32, device)
+    want = flash_attention(q, k, v, causal=True, window=2, num_splits=2)
+    for window, splits in ((np.int64(2), np.int64(2)), (torch.tensor(2), 2)):
+        torch.testing.assert_close(
+            flash_attention(q, k, v, causal=True, window=window, num_splits=splits), want
+        )

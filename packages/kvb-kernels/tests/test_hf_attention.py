@@ -139,6 +139,16 @@ def test_dropout_goes_to_sdpa(device, monkeypatch):
     assert reasons == ["attention dropout > 0 (training)"]
 
 
+def test_a_value_head_unlike_the_keys_goes_to_sdpa(device, monkeypatch):
+    """DeepSeek-V3's multi-head latent attention has a narrower value head: the kernel raised ShapeError."""
+    reasons: list[str] = []
+    monkeypatch.setattr(hf, "_log_fallback_once", reasons.append)
+    q = torch.randn(1, 2, 4, 24, device=device)
+    v = torch.randn(1, 2, 4, 16, device=device)
+    out, _ = hf.kvb_attention_forward(torch.nn.Module(), q, q, v, None)
+    assert out.shape[-1] == 16 and reasons == ["head_dim 24 (key 24, value 16)"]
+
+
 def test_training_goes_to_sdpa_and_keeps_gradients(device, kernel_calls):
     """The kernel is forward-only: a forward that needs gradients must not run it (its output has no grad_fn,
     so q/k/v projections silently got no gradient when fine-tuning with kvb_attention installed)."""

@@ -111,3 +111,23 @@ def test_torch_compile_sees_one_opaque_op(device):
     torch._dynamo.reset()
     compiled = torch.compile(lambda q: kivi_attention(q, coded) * 1, fullgraph=True, backend="aot_eager")(q)
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+
+
+def test_scales_are_checked(device):
+    """Integer scales were taken as they were (wrong K/V, silently), an integer scale_dtype was an untyped
+    RuntimeError, fp16 scales of K/V past its range decoded to NaN; a NumPy group_size failed in the launch."""
+    import numpy as np
+
+    key, value = _kv(device)
+    coded = kivi_quantize(key, value, group_size=np.int64(8))
+    assert type(coded.group_size) is int
+    fields = {
+        f: getattr(coded, f)
+        for f in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+    }
+    with pytest.raises(DTypeError, match="key_scale must be floating point"):
+        KiviKV(**{**fields, "key_scale": coded.key_scale.int()}, group_size=8)
+    with pytest.raises(DTypeError, match="scale_dtype must be a floating dtype"):
+        kivi_quantize(key, value, scale_dtype=torch.int32)
+    with pytest.raises(DTypeError, match="overflow"):
+        kivi_quantize(key * 1e6, value, scale_dtype=torch.float16)

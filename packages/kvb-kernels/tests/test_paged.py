@@ -146,3 +146,17 @@ def test_torch_compile_sees_one_opaque_op(device):
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")(*args)
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+
+
+def test_an_empty_batch_gathers_to_empty_tensors():
+    """paged_attention takes an empty batch; gather() raised (reshape could not infer a length of 0)."""
+    from kvb_kernels import PagedKV
+
+    kv = PagedKV(
+        key_pages=torch.randn(3, 1, 4, 16),
+        value_pages=torch.randn(3, 1, 4, 16),
+        block_table=torch.zeros(0, 2, dtype=torch.int32),
+        kv_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    keys, values = kv.gather()
+    assert kv.max_kv_len == 0 and keys.shape == values.shape == (0, 1, 0, 16)

@@ -69,7 +69,7 @@ def _flash_attention(
 ) -> torch.Tensor:
     """:func:`flash_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
-    check_window(window)
+    window = check_window(window)
     if key.dim() != 4 or key.shape != value.shape:
         raise ShapeError(
             f"key and value must both be [batch, kv_heads, kv_len, head_dim]; got {tuple(key.shape)} and "

@@ -29,8 +29,22 @@ _TRUTHY = ("1", "true", "on", "yes")
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``, or true/on/yes)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``, or true/on/yes).
+
+    Triton's own reading of the variable where it has one (``triton.knobs``): a spelling parsed here and
+    there differently ("y" interpreted by Triton but not here, " 1" here but not by Triton) made this package
+    refuse CPU tensors Triton would run, or send CPU tensors to a compiled launch ("0 active drivers").
+    """
+    if "TRITON_INTERPRET" not in os.environ:
+        return False
+    if triton_installed():
+        try:
+            from triton import knobs
+
+            return bool(knobs.runtime.interpret)
+        except (ImportError, AttributeError):  # a Triton without knobs (< 3.3): the usual spellings
+            pass
+    return os.environ["TRITON_INTERPRET"].strip().lower() in _TRUTHY
 
 
 def autotune_enabled() -> bool:

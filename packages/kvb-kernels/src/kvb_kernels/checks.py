@@ -33,8 +33,12 @@ def check_query(query: torch.Tensor) -> None:
         raise DeviceError(f"kvb-kernels run on CUDA tensors; query is on {query.device}. {hint}".strip())
     if not dtype_supported(query.dtype, query.device):
         raise DTypeError(
-            f"query dtype {query.dtype} is not served on {query.device.type}; use float16 or bfloat16 "
-            "(float32 also works; bfloat16 is not served by the CPU interpreter)"
+            f"query dtype {query.dtype} is not served on {query.device.type}; "
+            + (
+                "the CPU interpreter serves float16 and float32 (its bfloat16 dot products are wrong)"
+                if query.device.type == "cpu"
+                else "use float16 or bfloat16 (float32 also works)"
+            )
         )
 
 
@@ -58,14 +62,22 @@ def check_same(
     want = query.dtype if dtype is None else dtype
     if other.dtype != want:
         raise DTypeError(f"{name} has dtype {other.dtype}; expected {want}")
+    if torch.is_grad_enabled() and other.requires_grad:
+        # As for the query: the output has no grad_fn, so keys / values / scales would get no gradient.
+        raise GradientError(
+            f"{name} requires grad, but kvb-kernels are forward-only (no backward): call them under "
+            "torch.no_grad() or torch.inference_mode(), or train with torch's scaled_dot_product_attention"
+        )
 
 
-def check_window(window: int | None) -> None:
-    """A sliding window counts the keys a query sees, itself included, so it must be >= 1."""
+def check_window(window: int | None) -> int | None:
+    """A sliding window counts the keys a query sees, itself included, so it must be >= 1. Returns it as a
+    Python int (a NumPy int or 0-d tensor passed the check and then failed inside Triton's launch)."""
     if window is not None and (not is_int(window) or window < 1):
         raise ShapeError(
             f"window must be an int >= 1 (keys visible per query, itself included) or None, got {window!r}"
         )
+    return None if window is None else operator.index(window)
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:

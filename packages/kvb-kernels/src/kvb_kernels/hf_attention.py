@@ -132,8 +132,9 @@ def _unserved_reason(
         return f"kernel cannot run on {query.device.type} here (needs CUDA and Triton)"
     if not dtype_supported(query.dtype, query.device):
         return f"dtype {query.dtype} on {query.device.type}"
-    if query.shape[-1] > MAX_HEAD_DIM or key.shape[-1] != query.shape[-1]:
-        return f"head_dim {query.shape[-1]} (key {key.shape[-1]})"
+    if query.shape[-1] > MAX_HEAD_DIM or key.shape[-1] != query.shape[-1] or value.shape[-1] != key.shape[-1]:
+        # A value head wider or narrower than the keys' (DeepSeek-V3's MLA) raised ShapeError from the kernel.
+        return f"head_dim {query.shape[-1]} (key {key.shape[-1]}, value {value.shape[-1]})"
     if dropout:
         return "attention dropout > 0 (training)"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):

@@ -13,13 +13,14 @@ Layout contract (per attention layer; KIVI, Liu et al. 2024: keys per channel, v
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from kvb_kernels import launch
 from kvb_kernels.checks import check_group, check_query, check_same, check_window, is_int, softmax_scale
-from kvb_kernels.errors import DeviceError, DTypeError, ShapeError
+from kvb_kernels.errors import DeviceError, DTypeError, GradientError, ShapeError
 
 _LEVELS = 255
 
@@ -39,6 +40,14 @@ class KiviKV:
     def __post_init__(self) -> None:
         if not is_int(self.group_size) or self.group_size < 1:
             raise ShapeError(f"group_size must be an int >= 1 (tokens), got {self.group_size!r}")
+        # A Python int: the kernel takes it as a compile-time constant (a NumPy int failed in the launch).
+        object.__setattr__(self, "group_size", operator.index(self.group_size))
+        for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
+            stat = getattr(self, name)
+            if not stat.is_floating_point():  # integer scales were taken as they were: wrong K/V, silently
+                raise DTypeError(f"{name} must be floating point (the codec's scale_dtype), got {stat.dtype}")
+            if stat.requires_grad and torch.is_grad_enabled():
+                raise GradientError(f"{name} requires grad, but kvb-kernels are forward-only (no backward)")
         for name in ("key_codes", "value_codes"):
             codes = getattr(self, name)
             if codes.dtype != torch.uint8 or codes.dim() != 4:
@@ -98,6 +107,12 @@ def kivi_quantize(
         )
     if not is_int(group_size) or group_size < 1:
         raise ShapeError(f"group_size must be an int >= 1 (tokens), got {group_size!r}")
+    group_size = operator.index(group_size)
+    if not (isinstance(scale_dtype, torch.dtype) and scale_dtype.is_floating_point):
+        # An integer dtype was an untyped RuntimeError from finfo.
+        raise DTypeError(
+            f"scale_dtype must be a floating dtype (float32, float16, bfloat16), got {scale_dtype!r}"
+        )
     batch, heads, length, dim = key.shape
     groups = -(-length // group_size)
     pad = groups * group_size - length
@@ -114,6 +129,13 @@ def kivi_quantize(
         v.amin(dim=3, keepdim=True), v.amax(dim=3, keepdim=True), scale_dtype
     )  # [B, H, L, 1]
     value_codes = ((v - v_lo.float()) / v_scale.float()).round().clamp(0, _LEVELS).to(torch.uint8)
+    for name, stat in (("key", k_scale), ("key", k_lo), ("value", v_scale), ("value", v_lo)):
+        if not bool(torch.isfinite(stat).all()):
+            # fp16 scales of K/V past +-65504 overflowed to inf and every decoded value was NaN, silently.
+            raise DTypeError(
+                f"the {name} scales or zeros overflow scale_dtype={scale_dtype} (K/V beyond its range, or "
+                "not finite): use scale_dtype=torch.float32"
+            )
     return KiviKV(
         key_codes=key_codes,
         key_scale=k_scale,
@@ -195,7 +217,7 @@ def _kivi_attention(
 ) -> torch.Tensor:
     """:func:`kivi_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
-    check_window(window)
+    window = check_window(window)
     batch, heads, q_len, head_dim = query.shape
     _, kv_heads, kv_len, kv_dim = kv.key_codes.shape
     if kv.key_codes.shape[0] != batch or kv_dim != head_dim:

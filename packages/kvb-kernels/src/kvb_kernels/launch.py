@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ def run(
         num_splits = choose_num_splits(programs=programs, kv_len=kv_len, device=out.device)
     elif not is_int(num_splits) or num_splits < 1:
         raise ShapeError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
+    else:
+        num_splits = operator.index(num_splits)  # a NumPy int failed inside Triton's launch
     kernel = tuned(kernel_name, decode, interpreter_enabled(), autotune_enabled())
 
     def grid(meta: dict) -> tuple[int, int, int]:

@@ -60,8 +60,8 @@ class PagedKV:
 
     @property
     def max_kv_len(self) -> int:
-        """Longest sequence, read from ``kv_lens`` (one host sync)."""
-        return int(self.kv_lens.max().item())
+        """Longest sequence, read from ``kv_lens`` (one host sync); 0 for an empty batch."""
+        return int(self.kv_lens.max().item()) if self.kv_lens.numel() else 0
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``[batch, kv_heads, max_kv_len, head_dim]`` copies of K and V, zero past each ``kv_lens``.
@@ -69,6 +69,11 @@ class PagedKV:
         This is the unfused equivalent (the ``torch.cat`` the kernel avoids): used by tests and benchmarks.
         """
         batch, max_pages = self.block_table.shape
+        if batch == 0:  # an empty batch (paged_attention takes one): reshape(-1) could not infer the length
+            empty = self.key_pages.new_empty(0, self.key_pages.shape[1], 0, self.key_pages.shape[3])
+            return empty, self.value_pages.new_empty(
+                0, self.value_pages.shape[1], 0, self.value_pages.shape[3]
+            )
         lens = self.kv_lens.long()
         # Entries past a sequence's last page are ignored (any value, e.g. a -1 or out-of-range sentinel).
         in_use = (
@@ -130,7 +135,7 @@ def _paged_attention(
 ) -> torch.Tensor:
     """:func:`paged_attention`'s checks and launch (positional, the custom op's schema)."""
     check_query(query)
-    check_window(window)
+    window = check_window(window)
     check_same(query, "key_pages", kv.key_pages)
     check_same(query, "value_pages", kv.value_pages)
     if kv.block_table.device != query.device or kv.kv_lens.device != query.device:
