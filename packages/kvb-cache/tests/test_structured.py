@@ -174,16 +174,27 @@ def test_bad_response_formats_name_the_param(engine, fmt):
     assert info.value.param == "response_format"
 
 
-def test_a_tokenizer_the_grammar_library_cannot_read_is_a_request_error():
+def test_a_tokenizer_the_grammar_library_cannot_read_is_a_request_error(monkeypatch):
     """conftest's word-level tokenizer has no decoder llguidance can map to bytes: a typed error naming
     response_format (was a bare ValueError, a 500 through the server), and the engine serves on."""
     from conftest import make_model, make_tokenizer
 
     engine = KVBoost(make_model("llama"), make_tokenizer())
+    import llguidance.hf
+
+    calls = []
+    real = llguidance.hf.from_tokenizer
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", counted)
     for fmt in ("json", {"type": "regex", "pattern": "w[0-9]+"}):
         with pytest.raises(InvalidRequestError, match="tokenizer") as info:
             engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2, response_format=fmt))
         assert info.value.param == "response_format"
+    assert len(calls) == 1  # the conversion failed once; the second request is refused without it
     assert not engine.has_unfinished()
     assert len(engine.generate([5, 6, 7], max_new_tokens=2).output_ids) == 2
 

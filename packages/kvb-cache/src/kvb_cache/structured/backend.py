@@ -153,6 +153,7 @@ class GrammarCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, TokenizerKey], Any] = OrderedDict()
         self._tokenizers: dict[tuple[int, int], _Tokenizer] = {}
+        self._unreadable: dict[tuple[int, int], str] = {}  # tokenizers llguidance cannot read: why
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -183,6 +184,9 @@ class GrammarCache:
         found = self._tokenizers.get(ident)
         if found is not None:
             return found
+        unreadable = self._unreadable.get(ident)
+        if unreadable is not None:  # said once already: not converted again for every request
+            raise InvalidRequestError(unreadable, param="response_format")
         llguidance = import_llguidance()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -197,11 +201,11 @@ class GrammarCache:
         except (ValueError, TypeError, RuntimeError) as e:
             # A tokenizer whose decoder llguidance cannot map to bytes (a word-level vocabulary without a
             # decoder, say): no grammar can be enforced with it. Was a bare ValueError (HTTP 500).
-            raise InvalidRequestError(
+            message = self._unreadable[ident] = (
                 f"response_format is not available with this model's tokenizer: the grammar library cannot "
-                f"read it ({e})",
-                param="response_format",
-            ) from None
+                f"read it ({e})"
+            )
+            raise InvalidRequestError(message, param="response_format") from None
         found = self._tokenizers[ident] = _Tokenizer(key, ll, tokenizer)
         return found
 
