@@ -185,3 +185,29 @@ def test_options_that_would_do_nothing_are_refused(options, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(**options).engine_config()
     EngineArgs(**{"kv_cache_bits": 8, **options, "disk_cache_dir": str(tmp_path)}).engine_config()
+
+
+def test_parser_errors_are_one_line_and_name_the_flag(capsys):
+    """argparse printed its whole usage block before the error; a value the options class refused was named
+    by its field (num_blocks), not by the flag that was typed."""
+    from kvb_cache.options import ArgumentParser, flag_hint
+
+    parser = ArgumentParser(prog="prog")
+    add_option_arguments(parser, EngineArgs)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--chunk-size", "x"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "usage:" not in err and "prog --help" in err
+    said = "num_blocks must be an int >= 2 or None (derived from max_cache_bytes), got 1"
+    assert flag_hint(parser, said) == said + " (--num-blocks)"  # the name said first, not max_cache_bytes
+    assert flag_hint(parser, "pass recompute_strategy (--recompute-strategy)").endswith(
+        "(--recompute-strategy)"
+    )
+    assert flag_hint(parser, "the model's context is 512") == "the model's context is 512"
+
+
+def test_an_unknown_remote_codec_is_named_before_the_missing_url():
+    from kvb_cache.tiers import TierConfig
+
+    with pytest.raises(ConfigError, match="foo"):
+        TierConfig(remote_codec="foo")

@@ -40,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or a torch dtype, got {dtype!r}")
+    raise ConfigError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or a torch dtype, got {dtype!r}")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

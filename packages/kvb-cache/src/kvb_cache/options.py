@@ -21,7 +21,7 @@ import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 OPTION_KEY = "kvb_option"
 _MISSING = dataclasses.MISSING
@@ -218,6 +218,36 @@ def options_table(classes: Iterable[type]) -> str:
 
 # -- value parsers shared by every CLI ---------------------------------------------------------------------
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` whose errors are one line: ``prog: error: message (see prog --help)``.
+
+    argparse's own ``error`` printed the whole usage block first (56 lines for the server), burying the one
+    line that says which flag is wrong. Subcommand parsers made from it are of this class too.
+    """
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def flag_hint(parser: argparse.ArgumentParser, message: str) -> str:
+    """``message`` with the flag of the first option it names by its field name (one with an underscore),
+    when it names no flag already: a value the argument type let through and the options class refused says
+    ``num_blocks must be ...``, which is not how it was spelled on the command line."""
+    for action in parser._actions:  # argparse has no public iteration over its actions
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if flags and any(f in message for f in flags):
+            return message
+    found = []  # (where the name is in the message, its flag): the name said first is the one refused
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        # Only names with an underscore: "model" or "seed" would match plain words of a message.
+        if flags and "_" in action.dest:
+            match = re.search(rf"\b{re.escape(action.dest)}(_s)?\b", message)
+            if match is not None:
+                found.append((match.start(), flags[0]))
+    return f"{message} ({min(found)[1]})" if found else message
 
 
 def parse_bytes(text: str) -> int:

@@ -17,7 +17,14 @@ from typing import NamedTuple, NoReturn
 
 from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import KVBoostError
-from kvb_cache.options import add_option_arguments, as_keywords, from_namespace, positive_int
+from kvb_cache.options import (
+    ArgumentParser,
+    add_option_arguments,
+    as_keywords,
+    flag_hint,
+    from_namespace,
+    positive_int,
+)
 from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
@@ -40,7 +47,7 @@ def build_parser(
     composer: EngineComposer | None = None, *, prog: str = "kvboost-server"
 ) -> argparse.ArgumentParser:
     """The server's flags; with ``composer``, its option groups too (see :func:`add_arguments`)."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, SSE streaming) "
         "on a KVBoost engine that reuses the KV cache of repeated prompt chunks."
@@ -380,7 +387,7 @@ def exit_with_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn
     buried the one line that says what is wrong."""
 
     def error(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
+        parser.exit(2, f"{parser.prog}: error: {flag_hint(parser, message)}\n")
 
     return error
 
@@ -396,6 +403,8 @@ def serve(
     """
     if args.oom_planning is False and (args.auto_truncate or args.planner_safety_margin is not None):
         error("--auto-truncate and --planner-safety-margin need OOM planning; remove --no-oom-planning")
+    if any(not text.strip() for text in args.warm):  # said after the model had loaded, without the flag
+        error("--warm needs a non-empty text")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

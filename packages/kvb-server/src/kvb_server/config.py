@@ -110,9 +110,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             parser_syntax(self.reasoning_parser)  # an unknown name is a ValueError listing the known ones
-        if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
+        if not self.model_names:
+            raise ValueError("model_names must hold at least one model name, e.g. ('smollm2-135m',)")
+        if not all(isinstance(n, str) and n.strip() for n in self.model_names):
             raise ValueError(
-                "model_names must hold at least one non-empty model name, e.g. ('smollm2-135m',)"
+                f"model_names (--served-model-name) must all be non-empty strings, got {list(self.model_names)!r}"
             )
         positive_ints = {
             "max_queue_size": self.max_queue_size,

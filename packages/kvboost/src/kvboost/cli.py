@@ -7,13 +7,15 @@ import argparse
 import logging
 import sys
 
+from kvb_cache.options import ArgumentParser
 from kvb_cache.tiers.cli import add_cache_commands
 from kvboost import demo
 from kvboost._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # One-line errors (no usage block), for every subcommand's parser too.
+    parser = ArgumentParser(
         prog="kvboost", description="KVBoost: chunk-level KV-cache reuse for HF causal LMs"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

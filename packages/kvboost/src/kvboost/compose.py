@@ -139,9 +139,13 @@ class KVBoost(_Engine):
                 "target's vocabulary; or use speculative='prompt_lookup' (no extra model)"
             )
         if speculative.enabled:
-            from kvb_speculative import SpeculativeConfig, SpeculativeConfigError
+            from kvb_speculative import DRAFTERS, SpeculativeConfig, SpeculativeConfigError
 
-            # Both were said only after the target (and the draft) had loaded: minutes on a large model.
+            # These were said only after the target (and the draft) had loaded: minutes on a large model.
+            if speculative.speculative is not None and speculative.speculative not in DRAFTERS:
+                raise SpeculativeConfigError(
+                    f"speculative={speculative.speculative!r} is not a drafter; choose one of {sorted(DRAFTERS)}"
+                )
             SpeculativeConfig(gamma=speculative.gamma)  # gamma's range (1..64)
             if speculative.speculative == "prompt_lookup" and speculative.draft_model is not None:
                 raise SpeculativeConfigError(

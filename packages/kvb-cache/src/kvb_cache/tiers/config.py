@@ -66,12 +66,13 @@ class TierConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ConfigError(f"remote_url must look like redis://host:6379/0, got {self.remote_url!r}")
-        if self.remote_codec is not None and self.remote_url is None:
-            raise ConfigError("remote_codec only applies with a remote_url; set both or neither")
         if self.remote_codec is not None:
             from kvb_cache.codecs import codec_from_name  # deferred: the codecs import torch
 
+            # The name first: an unknown one was reported as missing a remote_url.
             codec_from_name(self.remote_codec)  # an unknown name fails here, not when an engine is built
+        if self.remote_codec is not None and self.remote_url is None:
+            raise ConfigError("remote_codec only applies with a remote_url; set both or neither")
         if self.remote_ttl_s is not None and (
             not isinstance(self.remote_ttl_s, int) or self.remote_ttl_s < 1
         ):
