@@ -37,6 +37,7 @@ from kvb_cache.model_traits import cap_context, inspect_model
 from kvb_cache.options import pick_keywords
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_cache_salt, check_context, tokenize_prompt
+from kvb_cache.serialized import new_engine_lock, serialized
 from kvb_cache.stats import EngineCounters
 from kvb_cache.step_limits import StepLimits, step_limits
 from kvb_cache.stitch_config import StitchConfig
@@ -67,7 +68,14 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
     still alive at interpreter exit is closed by an ``atexit`` hook, bounded by
     ``TierConfig.exit_flush_timeout_s``. :meth:`reset_cache` forgets every cached prefix (admin).
 
-    Not thread-safe: call it from one thread (the server's worker thread, or your own loop).
+    Threads: one engine may be called from several threads; each engine operation (a step, an
+    ``add_request``, a cache reset) runs under the engine's lock, and library loops take it one step at a
+    time, so several threads' ``generate`` calls share batched steps (:mod:`kvb_cache.serialized`).
+
+    The model: the engine is built for its dtype, device and weights. Moving it to another dtype or device
+    afterwards is refused (``ConfigError``, build a new engine); changing its weights in place
+    (``load_state_dict``, training steps) is not detected: call :meth:`reset_cache` with
+    ``lower_tiers=True`` (or build a new engine), or the KV cached from the old weights is served.
     """
 
     def __init__(
@@ -80,7 +88,9 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         drafter: SpeculativeDecoder | None = None,
         model_name: str | None = None,
     ) -> None:
+        self._engine_lock = new_engine_lock()  # serialized.py: engine calls from several threads
         self.model = model.eval()
+        self._built_for = (model.dtype, model.device)  # checked by add_request (LoopAPI._check_model_unmoved)
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.traits = cap_context(inspect_model(model), self.config.max_model_len)
@@ -319,6 +329,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             chat_template_kwargs=chat_template_kwargs,
         )
 
+    @serialized
     def cache_stats(self) -> dict[str, Any]:
         """Pool, reuse and tier counters (JSON-safe)."""
         paged = self.paged_stats()
@@ -340,6 +351,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             stats["tiers"] = [t.as_dict() for t in self.tiers.stats()]
         return stats
 
+    @serialized
     def clear_cache(self) -> None:
         """Forget every cached block (RAM); lower tiers keep their records. See also :meth:`reset_cache`."""
         self.core.clear_idle()

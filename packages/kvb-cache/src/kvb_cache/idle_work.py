@@ -17,6 +17,7 @@ from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request
 from kvb_cache.loop_request import new_request
 from kvb_cache.sampling import SamplingParams
+from kvb_cache.serialized import serialized
 
 if TYPE_CHECKING:
     from kvb_cache.config import EngineConfig
@@ -37,6 +38,7 @@ class IdleWork:
         (``StitchConfig.idle_copies``)."""
         return self.core.has_idle_work()
 
+    @serialized
     def run_idle(self, max_steps: int | None = None) -> int:
         """Compute queued idle prompts now, while no request is unfinished: at most ``max_steps`` steps (None:
         until the queue is empty). Returns the steps run (0 when a request is unfinished: requests first)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvb_cache.errors import CacheBusyError, InvalidRequestError
+from kvb_cache.serialized import serialized
 from kvb_cache.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class EngineLifecycle:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @serialized
     def reset_cache(self, *, lower_tiers: bool = False) -> dict[str, int]:
         """Forget every cached prefix: the pool's index, the stitching store and, with ``lower_tiers``, the
         disk/Redis records of this engine's namespace (its model fingerprint: every salt, and every other

@@ -22,6 +22,7 @@ from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import NextTokenLogits, Prompt
 from kvb_cache.results import TokenLogprob
 from kvb_cache.sampling import SamplingParams
+from kvb_cache.serialized import serialized
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,7 @@ class LogitQueries:
     device: torch.device
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
 
+    @serialized
     def next_token_logits(self, prompt: Prompt, *, cache_salt: str | None = None) -> NextTokenLogits:
         """Raw logits for the token after ``prompt``, computed through the cache, and the prompt cached
         (under ``cache_salt``'s chain).
@@ -70,6 +72,7 @@ class LogitQueries:
             recomputed_tokens=result.recomputed_tokens,
         )
 
+    @serialized
     def prompt_logprobs(self, prompt: Prompt, *, top_logprobs: int = 0) -> list[TokenLogprob]:
         """Log-probability of every prompt token after the first, under the model given the tokens before it,
         with the ``top_logprobs`` (the whole vocabulary at most) most likely tokens at each position: what OpenAI's ``echo`` with

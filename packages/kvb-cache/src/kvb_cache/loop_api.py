@@ -17,17 +17,19 @@ from typing import TYPE_CHECKING
 from kvb_cache import generation
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
-from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
 from kvb_cache.results import GenerationResult
 from kvb_cache.sampling import SamplingParams, check_token_ids
+from kvb_cache.serialized import serialized
 from kvb_cache.stitch_sources import stitch_sources
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kvb_cache.config import EngineConfig
     from kvb_cache.core.engine_core import EngineCore
@@ -56,8 +58,11 @@ class LoopAPI:
     stitcher: Stitcher
     store: ChunkStore
     tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel
+    _built_for: tuple[torch.dtype, torch.device]  # the model's dtype and device when the pool was built
     _ids: itertools.count[int]
 
+    @serialized
     def add_request(
         self,
         prompt: Prompt,
@@ -80,6 +85,7 @@ class LoopAPI:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
+        self._check_model_unmoved()
         prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
         if prefill_chunk_size is None:
             prefill_chunk_size = self.config.prefill_chunk_size
@@ -158,11 +164,24 @@ class LoopAPI:
         else:
             self.core.add_preparing(req, job)
 
+    def _check_model_unmoved(self) -> None:
+        """The model still has the dtype and device the pool was built for: ``model.to(torch.bfloat16)``
+        after the engine was built failed in the next forward with a bare SDPA error (query bf16, key fp32
+        from the pool)."""
+        now = (self.model.dtype, self.model.device)
+        if now != self._built_for:
+            raise ConfigError(
+                f"the model was moved to {now[0]} on {now[1]} after this engine was built for {self._built_for[0]}"
+                f" on {self._built_for[1]}: build a new KVBoost for it (the cached KV is of the old dtype/device)"
+            )
+
+    @serialized
     def step(self) -> list[RequestOutput]:
         """Run one iteration: new prefills (sliced to the token budget) and one token for every running
         request. Returns at most one :class:`RequestOutput` per request that produced text or finished."""
         return self.core.step()
 
+    @serialized
     def abort(self, request_id: RequestId | str) -> bool:
         """Drop a request now (its blocks are released); False when it is unknown or already finished."""
         return self.core.abort(RequestId(request_id))
@@ -170,6 +189,7 @@ class LoopAPI:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    @serialized
     def paged_stats(self) -> PagedStats:
         pool, sched = self.kv.pool, self.core.scheduler
         return PagedStats(

@@ -9,6 +9,7 @@ between a driver's steps (the server's ``/v1/warm``) never swallows them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
+from kvb_cache.serialized import serialized
 
 if TYPE_CHECKING:
     from kvb_cache.core.engine_core import EngineCore
@@ -37,6 +39,7 @@ class EngineLoops:
     _followed: set[RequestId]
     _unfollowed: list[RequestOutput]
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
+    _engine_lock: threading.RLock  # serialized.py
 
     def stream(self, prompt: Prompt, **sampling: Any) -> RequestStream:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
@@ -48,16 +51,18 @@ class EngineLoops:
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
         cache_salt = sampling.pop("cache_salt", None)
-        rid = self.add_request(
-            prompt,
-            SamplingParams.build(**sampling),
-            prefill_chunk_size=prefill_chunk_size,
-            kv_cache_bits=kv_cache_bits,
-            cache_salt=cache_salt,
-        )
-        self._followed.add(rid)
+        with self._engine_lock:  # followed before another thread's step can produce its first output
+            rid = self.add_request(
+                prompt,
+                SamplingParams.build(**sampling),
+                prefill_chunk_size=prefill_chunk_size,
+                kv_cache_bits=kv_cache_bits,
+                cache_salt=cache_salt,
+            )
+            self._followed.add(rid)
         return RequestStream(self, rid)
 
+    @serialized
     def take_unfollowed_outputs(self) -> list[RequestOutput]:
         """Outputs that library loops stepped past for requests none of them follows, in step order.
 
@@ -86,6 +91,7 @@ class EngineLoops:
         finally:
             self._unfollow(rid, finished=done)
 
+    @serialized
     def _unfollow(self, rid: RequestId, *, finished: bool) -> None:
         """Forget a library loop's request; abort it unless it finished."""
         self._mailbox.pop(rid, None)
@@ -98,16 +104,20 @@ class EngineLoops:
 
         Several loops may share the engine (interleaved streams): outputs of the others are kept in their
         mailboxes until they ask."""
-        box = self._mailbox.setdefault(rid, deque())
-        while not box:
-            if not self.has_unfinished():
-                raise RuntimeError(f"request {rid} ended without a final output")
-            for out in self.step():
-                if out.request_id in self._followed:
-                    self._mailbox.setdefault(out.request_id, deque()).append(out)
-                else:
-                    self._unfollowed.append(out)
-        return box.popleft()
+        while True:
+            # One step per hold of the lock: loops of other threads step in between, and whichever steps
+            # files every output in its loop's mailbox.
+            with self._engine_lock:
+                box = self._mailbox.setdefault(rid, deque())
+                if box:
+                    return box.popleft()
+                if not self.has_unfinished():
+                    raise RuntimeError(f"request {rid} ended without a final output")
+                for out in self.step():
+                    if out.request_id in self._followed:
+                        self._mailbox.setdefault(out.request_id, deque()).append(out)
+                    else:
+                        self._unfollowed.append(out)
 
     def generate(
         self,
@@ -173,13 +183,15 @@ class EngineLoops:
             # generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
             **unknown,
         )
-        rid = self.add_request(
-            prompt,
-            params,
-            prefill_chunk_size=prefill_chunk_size,
-            kv_cache_bits=kv_cache_bits,
-            cache_salt=cache_salt,
-        )
+        with self._engine_lock:
+            rid = self.add_request(
+                prompt,
+                params,
+                prefill_chunk_size=prefill_chunk_size,
+                kv_cache_bits=kv_cache_bits,
+                cache_salt=cache_salt,
+            )
+            self._followed.add(rid)
         return self._run_to_end([rid])[0]
 
     def generate_batch(
@@ -220,24 +232,26 @@ class EngineLoops:
             self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
         self._salted_root(cache_salt)  # validated before any prompt is queued
         ids: list[RequestId] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(
-                    self.add_request(
-                        prompt,
-                        p,
-                        prefill_chunk_size=prefill_chunk_size,
-                        kv_cache_bits=kv_cache_bits,
-                        cache_salt=cache_salt,
+        with self._engine_lock:
+            try:
+                for prompt, p in zip(prompts, params):
+                    ids.append(
+                        self.add_request(
+                            prompt,
+                            p,
+                            prefill_chunk_size=prefill_chunk_size,
+                            kv_cache_bits=kv_cache_bits,
+                            cache_salt=cache_salt,
+                        )
                     )
-                )
-        except BaseException:
-            # add_request has checks of its own (the pool's size, stop_token_ids against the vocabulary):
-            # when a later prompt fails them, the ones already queued would be left running with no loop
-            # following them (their outputs piling up unread). The batch is all or nothing.
-            for rid in ids:
-                self.abort(rid)
-            raise
+            except BaseException:
+                # add_request has checks of its own (the pool's size, stop_token_ids against the
+                # vocabulary): when a later prompt fails them, the ones already queued would be left running
+                # with no loop following them (their outputs piling up unread). The batch is all or nothing.
+                for rid in ids:
+                    self.abort(rid)
+                raise
+            self._followed.update(ids)
         return self._run_to_end(ids)
 
     def _run_to_end(self, rids: list[RequestId]) -> list[GenerationResult]:
@@ -262,8 +276,10 @@ class EngineLoops:
         loop advance too); a server queues :meth:`add_warm_request` instead, stepping it with the rest."""
         t0 = time.perf_counter()
         ids = self._tokenize(text)
-        already = self._cached_prefix(ids, cache_salt)
-        rid = self.add_warm_request(ids, cache_salt=cache_salt)
+        with self._engine_lock:
+            already = self._cached_prefix(ids, cache_salt)
+            rid = self.add_warm_request(ids, cache_salt=cache_salt)
+            self._followed.add(rid)
         self._run_to_end([rid])
         return self.warm_result(
             ids,
@@ -272,6 +288,7 @@ class EngineLoops:
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
         )
 
+    @serialized
     def add_warm_request(
         self, text: Prompt, *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
     ) -> RequestId:

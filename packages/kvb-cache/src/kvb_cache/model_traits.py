@@ -6,6 +6,7 @@ import inspect
 import logging
 from dataclasses import dataclass, replace
 
+import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_argument
@@ -82,6 +83,15 @@ def cap_context(traits: ModelTraits, max_model_len: int | None) -> ModelTraits:
 
 def inspect_model(model: PreTrainedModel) -> ModelTraits:
     """Read a model's traits; raise :class:`UnsupportedModelError` for models whose cache is not plain KV."""
+    compiled = getattr(model, "_orig_mod", None)
+    if isinstance(compiled, torch.nn.Module):
+        # torch.compile(model) wraps it in an OptimizedModule whose forward hides the cache argument: it was
+        # refused as a model "that keeps its own recurrent state (RWKV's state, ...)".
+        raise UnsupportedModelError(
+            f"{type(compiled).__name__} was passed compiled (torch.compile(model)); pass the model itself. "
+            "model.compile() keeps the model object and works, but the engine's cache routing breaks the "
+            "graph (dynamo falls back to eager), so it is no faster"
+        )
     config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):

@@ -1,0 +1,68 @@
+"""How an engine may be used beyond one thread and one model object: from several threads (executor pools,
+web frameworks: every result equals the same call made alone; before the engine lock, four threads'
+``generate`` calls interleaved their steps on one scheduler: outputs that matched no prompt, an
+``AssertionError`` from the block manager, ``IndexError``), and what is refused clearly (a model moved to
+another dtype or device after the engine was built, a ``torch.compile`` wrapper)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import words
+
+from kvb_cache import EngineConfig, KVBoost
+
+
+def test_generate_from_several_threads_equals_each_call_alone(llama, tokenizer):
+    prompts = [words(30 + 7 * i, seed=40 + i) for i in range(8)]
+    shared = words(20, seed=99)
+    prompts += [shared + " " + words(5, seed=60 + i) for i in range(4)]  # prefix hits between threads
+    alone = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    want = [alone.generate(p, max_new_tokens=12, ignore_eos=True).output_ids for p in prompts]
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=4))
+
+    def one(i: int) -> list[int]:
+        if i % 3 == 0:  # a stream, read to its end
+            events = list(engine.stream(prompts[i], max_new_tokens=12, ignore_eos=True))
+            return events[-1].result.output_ids
+        if i % 3 == 1:
+            return engine.generate_batch([prompts[i]], max_new_tokens=12, ignore_eos=True)[0].output_ids
+        return engine.generate(prompts[i], max_new_tokens=12, ignore_eos=True).output_ids
+
+    for _ in range(3):
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            got = list(pool.map(one, range(len(prompts))))
+        assert got == want
+    assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0
+    assert engine.take_unfollowed_outputs() == []
+
+
+def test_a_model_moved_after_the_engine_was_built_is_refused(tokenizer):
+    """model.to(torch.bfloat16) after construction failed in the next forward with a bare SDPA error."""
+    import pytest
+    import torch
+    from conftest import make_model
+
+    from kvb_cache import ConfigError
+
+    model = make_model("llama")
+    engine = KVBoost(model, tokenizer)
+    engine.generate(words(10, seed=1), max_new_tokens=2)
+    model.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"moved to torch\.bfloat16 .* build a new KVBoost"):
+        engine.generate(words(10, seed=1), max_new_tokens=2)
+    assert not engine.has_unfinished()
+
+
+def test_a_compiled_model_is_refused_naming_the_fix(llama, tokenizer):
+    """torch.compile(model) was refused as a model "that keeps its own recurrent state (RWKV's ...)"."""
+    import pytest
+    import torch
+
+    from kvb_cache import UnsupportedModelError
+
+    with pytest.raises(
+        UnsupportedModelError, match=r"passed compiled \(torch.compile\(model\)\); pass the model"
+    ):
+        KVBoost(torch.compile(llama), tokenizer)
