@@ -205,5 +205,5 @@ def test_draft_model_mode_without_a_draft_is_refused_before_the_target_loads(tar
         KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", gamma=1000)
     with pytest.raises(SpeculativeConfigError, match="prompt_lookup' uses no draft model"):
         KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", draft_model=target)
-    with pytest.raises(SpeculativeConfigError, match="'foo' is not a drafter"):
+    with pytest.raises(SpeculativeConfigError, match="'foo' is unknown"):
         KVBoost.from_pretrained(target, device="cpu", speculative="foo")

@@ -144,7 +144,7 @@ class KVBoost(_Engine):
             # These were said only after the target (and the draft) had loaded: minutes on a large model.
             if speculative.speculative is not None and speculative.speculative not in DRAFTERS:
                 raise SpeculativeConfigError(
-                    f"speculative={speculative.speculative!r} is not a drafter; choose one of {sorted(DRAFTERS)}"
+                    f"speculative={speculative.speculative!r} is unknown; use one of {sorted(DRAFTERS)}"
                 )
             SpeculativeConfig(gamma=speculative.gamma)  # gamma's range (1..64)
             if speculative.speculative == "prompt_lookup" and speculative.draft_model is not None:
