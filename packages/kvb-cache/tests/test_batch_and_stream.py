@@ -109,6 +109,17 @@ def test_batch_unknown_sampling_option_is_named(llama, tokenizer):
     assert err.value.param == "max_tokens"
     with pytest.raises(InvalidRequestError, match=r"unknown sampling option.*tempreature"):
         engine.generate_batch(["w1 w2"], tempreature=0.5)
+    # transformers' and vLLM's names are refused naming the equivalent here (never silently ignored).
+    for name, value, said in (
+        ("min_new_tokens", 2, "use min_tokens"),
+        ("stop_strings", ["x"], "use stop"),
+        ("bad_words_ids", [[5]], "logit_bias"),
+        ("streamer", object(), "engine.stream"),
+        ("num_return_sequences", 2, "generate_batch"),
+    ):
+        with pytest.raises(InvalidRequestError, match=said) as err:
+            engine.generate("w1 w2", max_new_tokens=2, **{name: value})
+        assert err.value.param == name
     assert not engine.has_unfinished()
 
 

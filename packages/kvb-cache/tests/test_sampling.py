@@ -380,6 +380,7 @@ def test_sampling_params_take_lists_as_generate_does():
     assert params.stop == ("\n", "END") and params.stop_token_ids == (2, 7)
     assert params == SamplingParams.build(stop=["\n", "END"], stop_token_ids=[2, 7])
     hash(params.stop)
+    assert SamplingParams(stop="END").stop == ("END",)  # one string, as generate(stop="END") (it was refused)
     with pytest.raises(InvalidRequestError, match="stop"):
         SamplingParams(stop=["ok", ""])
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):

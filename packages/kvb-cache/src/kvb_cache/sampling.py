@@ -119,6 +119,10 @@ class SamplingParams:
         for param in ("stop", "stop_token_ids"):
             if isinstance(getattr(self, param), list):
                 object.__setattr__(self, param, tuple(getattr(self, param)))
+        if (
+            isinstance(self.stop, str) and self.stop
+        ):  # one stop string, as generate(stop="x") and vLLM take it
+            object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list or tuple of non-empty strings")
         if not isinstance(self.stop_token_ids, tuple) or not all(
@@ -173,8 +177,9 @@ class SamplingParams:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             # NOTE: the dataclass's own TypeError ("unexpected keyword argument") names neither the valid options
-            # nor the usual slip: OpenAI's max_tokens for max_new_tokens (generate_batch passes dicts through).
-            hint = " (the length limit is max_new_tokens)" if "max_tokens" in unknown else ""
+            # nor the equivalent of a transformers / vLLM / OpenAI name (generate_batch passes dicts through).
+            hints = [f"{name}: {FOREIGN_OPTIONS[name]}" for name in unknown if name in FOREIGN_OPTIONS]
+            hint = f" ({'; '.join(hints)})" if hints else ""
             valid = ", ".join(f.name for f in dataclasses.fields(cls))
             raise InvalidRequestError(
                 f"unknown sampling option(s) {', '.join(unknown)}{hint}; valid: {valid}", param=unknown[0]
@@ -186,6 +191,30 @@ class SamplingParams:
         # Below GREEDY_TEMPERATURE the division by the temperature overflows the logits to inf/NaN (a fuzzer's
         # 1.4e-83 crashed multinomial); the distribution is one-hot long before that, so it *is* greedy.
         return self.temperature < GREEDY_TEMPERATURE
+
+
+#: What a transformers ``generate`` / vLLM ``SamplingParams`` / OpenAI name is here: unknown options are
+#: refused (never silently ignored), with this said.
+FOREIGN_OPTIONS = {
+    "max_tokens": "the length limit is max_new_tokens",
+    "max_length": "the length limit is max_new_tokens (new tokens, not prompt + new)",
+    "min_new_tokens": "use min_tokens",
+    "do_sample": "sampling is on when temperature > 0 (0, the default, is greedy)",
+    "stop_strings": "use stop",
+    "eos_token_id": "use stop_token_ids (the model's eos ids always stop unless ignore_eos)",
+    "bad_words_ids": "ban tokens with logit_bias={id: -100}",
+    "bad_words": "ban tokens with logit_bias={id: -100}",
+    "allowed_token_ids": "constrain the output with response_format (a regex or grammar) or logit_bias",
+    "prompt_logprobs": "use engine.prompt_logprobs(prompt)",
+    "guided_decoding": "use response_format",
+    "structured_outputs": "use response_format",
+    "streamer": "use engine.stream(prompt, ...), which yields text deltas",
+    "n": "one completion per call: engine.generate_batch([prompt] * n, seed=...) for several",
+    "num_return_sequences": "one completion per call: engine.generate_batch([prompt] * n, seed=...) for several",
+    "logits_processor": "custom logits processors are not supported: use logit_bias or response_format",
+    "stopping_criteria": "custom stopping criteria are not supported: use stop / stop_token_ids",
+    "generator": "use seed (an int) for a reproducible sample",
+}
 
 
 def _check_logit_bias(bias: object) -> dict[int, float] | None:
