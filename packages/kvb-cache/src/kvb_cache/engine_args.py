@@ -82,14 +82,14 @@ class EngineArgs:
         group="model",
         metavar="NAME",
         help="transformers attention for plain forwards: sdpa, eager, or kvb_attention (kvb-kernels' Triton "
-        "kernels: pip install 'kvboost[triton]'); the paged engine loop runs its own attention over the block pool",
+        "kernels, installed with kvb-kernels' triton extra); the paged engine loop runs its own attention over the block pool",
     )
     attention_backend: str = option(
         "auto",
         group="model",
         choices=ATTENTION_BACKENDS,
         help="the engine loop's attention over the block pool: kvb_kernels reads the blocks in place with "
-        "kvb-kernels' Triton paged kernel (CUDA; pip install 'kvboost[triton]'), sdpa gathers each request's "
+        "kvb-kernels' Triton paged kernel (CUDA; kvb-kernels with its triton extra), sdpa gathers each request's "
         "context and runs torch SDPA; auto: kvb_kernels on CUDA in fp16/bf16 when installed, else sdpa. Soft-capped, "
         "attention-sink and chunked-attention layers always use sdpa",
     )

@@ -35,7 +35,7 @@ from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import resolve as resolve_generation_config
 from kvb_server.http_options import add_http_arguments, uvicorn_options
 from kvb_server.reasoning import PARSERS
-from kvb_server.vllm_flags import add_vllm_flags
+from kvb_server.vllm_flags import add_full_stack_flags, add_vllm_flags
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     add_option_arguments(p, EngineArgs, groups)
     for options in composer.option_classes() if composer is not None else ():
         add_option_arguments(p, options, groups)
+    if composer is None:
+        add_full_stack_flags(p)
     planning = p.add_argument_group("memory planning (pip install kvb-server[planner])")
     planning.add_argument(
         "--oom-planning",

@@ -148,3 +148,46 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for flag in SATISFIED_VLLM_FLAGS:
         dest = f"_vllm_{flag.lstrip('-').replace('-', '_')}"
         parser.add_argument(flag, *VLLM_ALIASES.get(flag, ()), dest=dest, action=SatisfiedFlag)
+
+
+#: Flags of the full stack's option groups (the ``kvboost`` meta-package's composer adds them): without it,
+#: ``--speculative prompt_lookup`` was taken as an abbreviation of vLLM's ``--speculative-config`` and
+#: refused under that name, and ``--gamma`` / ``--awq-streaming`` were merely "unrecognized".
+FULL_STACK_FLAGS = (
+    "--speculative",
+    "--draft-model",
+    "--gamma",
+    "--awq-streaming",
+    "--streaming-mode",
+    "--residency-mode",
+    "--keep-first-k",
+    "--keep-last-k",
+    "--staging-slots",
+    "--streaming-quant-kernel",
+    "--streaming-simulate-on-host",
+)
+
+
+class FullStackFlag(_VllmFlag):
+    """A full-stack flag on a server without the meta-package: exit 2 saying what provides it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{self.option_strings[0]} is an option of the full stack (speculative decoding, AWQ layer "
+            "streaming): install the kvboost meta-package (from this tree: pip install './packages/kvboost[all]')"
+            " and run kvboost serve (or kvboost-server, which then composes it)"
+        )
+
+
+def add_full_stack_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare :data:`FULL_STACK_FLAGS` (hidden) on a parser without the full stack's option groups."""
+    for flag in FULL_STACK_FLAGS:
+        parser.add_argument(
+            flag, dest=f"_full_stack_{flag.lstrip('-').replace('-', '_')}", action=FullStackFlag
+        )

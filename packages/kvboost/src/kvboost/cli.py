@@ -40,7 +40,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     try:
         from kvb_server import cli as server_cli
     except ImportError:
-        serve = commands.add_parser("serve", help=help_text + ' (pip install "kvboost[server]")')
+        serve = commands.add_parser("serve", help=help_text + " (needs kvb-server)")
         serve.set_defaults(func=_server_missing)
         return
     from kvboost.serving import FullStack
@@ -56,7 +56,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _server_missing(args: argparse.Namespace) -> int:
-    raise ImportError('kvboost serve needs kvb-server: pip install "kvboost[server]"')
+    raise ImportError(
+        'kvboost serve needs kvb-server (from the source tree: pip install "./packages/kvboost[server]")'
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,13 @@ def load_user_turns(max_conversations: int, *, min_turns: int = 3) -> list[list[
     """The first speaker's messages of the first conversations that have at least ``min_turns`` of them.
 
     Raises:
-        ImportError: chitchat-dataset is not installed (``pip install "kvboost[demo]"``).
+        ImportError: chitchat-dataset is not installed (``pip install chitchat-dataset``).
     """
     try:
         data_file = resources.files("chitchat_dataset").joinpath("dataset.json")
     except ModuleNotFoundError as exc:
         raise ImportError(
-            'The conversation replay needs chitchat-dataset: pip install "kvboost[demo]"'
+            "The conversation replay needs chitchat-dataset: pip install chitchat-dataset"
         ) from exc
     with data_file.open() as f:
         data = json.load(f)

@@ -31,7 +31,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 AUTO_DTYPES = (torch.float16, torch.bfloat16)
 #: Widest head kvb-kernels serves; wider layers (Gemma 4's 512-wide global heads) keep gather + SDPA.
 KERNEL_MAX_HEAD_DIM = 256
-INSTALL_HINT = 'pip install "kvb-kernels[triton]" (or "kvboost[triton]")'
+INSTALL_HINT = 'install kvb-kernels with its triton extra (from the source tree: pip install "./packages/kvb-kernels[triton]")'
 
 
 class PoolKernel(Protocol):

@@ -54,9 +54,7 @@ def _redis_module() -> Any:
     try:
         import redis
     except ImportError as exc:
-        raise ImportError(
-            "the Redis tier needs redis-py: pip install 'kvb-cache[redis]' (or 'kvboost[redis]')"
-        ) from exc
+        raise ImportError("the Redis tier needs redis-py: pip install 'kvb-cache[redis]'") from exc
     return redis
 
 
