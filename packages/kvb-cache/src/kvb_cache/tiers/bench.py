@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -44,6 +45,20 @@ def _median_ms(run: Callable[[], int], repeats: int, before: Callable[[], None])
     return statistics.median(times), cached
 
 
+@contextlib.contextmanager
+def _pool_warning_off() -> Iterator[None]:
+    """The engine's "pool holds fewer tokens than the model's context" warning, off while a bench engine is
+    built: the pools are sized to the prompt on purpose, and the warning advised flags (--num-blocks,
+    --max-cache-bytes) this command does not take."""
+    log = logging.getLogger("kvb_cache.engine")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def bench_restore(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -78,9 +93,12 @@ def bench_restore(
             # held 5824 SmolLM2 tokens, so --lengths 6000 failed inside the model's context, advising a
             # --num-blocks this command does not take.
             blocks = -(-(n + 2) // EngineConfig().block_size) + 1
-            cold = KVBoost(
-                model, tokenizer, config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16, num_blocks=blocks)
-            )
+            with _pool_warning_off():
+                cold = KVBoost(
+                    model,
+                    tokenizer,
+                    config=EngineConfig(max_cache_bytes=0, kv_cache_bits=16, num_blocks=blocks),
+                )
             cold_ms, _ = _median_ms(
                 lambda e=cold, p=ids: e.next_token_logits(p).cached_tokens, repeats, lambda: None
             )
@@ -89,7 +107,8 @@ def bench_restore(
             )
             for source, tier in tiers.items():
                 config = EngineConfig(kv_cache_bits=kv_cache_bits, tiers=tier, num_blocks=blocks)
-                engine = KVBoost(model, tokenizer, config=config)
+                with _pool_warning_off():
+                    engine = KVBoost(model, tokenizer, config=config)
                 engine.warm(ids[:n])
                 engine.flush()
                 # Empty RAM (the pool's cached blocks) before each run so the chain comes from the tier
