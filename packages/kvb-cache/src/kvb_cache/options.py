@@ -235,18 +235,17 @@ def flag_hint(parser: argparse.ArgumentParser, message: str) -> str:
     """``message`` with the flag of the first option it names by its field name (one with an underscore),
     when it names no flag already: a value the argument type let through and the options class refused says
     ``num_blocks must be ...``, which is not how it was spelled on the command line."""
+    found = []  # (where the name is in the message, its flag): the name said first is the one refused
     for action in parser._actions:  # argparse has no public iteration over its actions
         flags = [o for o in action.option_strings if o.startswith("--")]
-        if flags and any(f in message for f in flags):
+        if not flags:
+            continue
+        if any(f in message for f in flags):
             return message
-    found = []  # (where the name is in the message, its flag): the name said first is the one refused
-    for action in parser._actions:
-        flags = [o for o in action.option_strings if o.startswith("--")]
         # Only names with an underscore: "model" or "seed" would match plain words of a message.
-        if flags and "_" in action.dest:
-            match = re.search(rf"\b{re.escape(action.dest)}(_s)?\b", message)
-            if match is not None:
-                found.append((match.start(), flags[0]))
+        match = re.search(rf"\b{re.escape(action.dest)}(_s)?\b", message) if "_" in action.dest else None
+        if match is not None:
+            found.append((match.start(), flags[0]))
     return f"{message} ({min(found)[1]})" if found else message
 
 

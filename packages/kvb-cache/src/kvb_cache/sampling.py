@@ -119,9 +119,8 @@ class SamplingParams:
         for param in ("stop", "stop_token_ids"):
             if isinstance(getattr(self, param), list):
                 object.__setattr__(self, param, tuple(getattr(self, param)))
-        if (
-            isinstance(self.stop, str) and self.stop
-        ):  # one stop string, as generate(stop="x") and vLLM take it
+        # One stop string, as generate(stop="x") and vLLM take it.
+        if isinstance(self.stop, str) and self.stop:
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list or tuple of non-empty strings")

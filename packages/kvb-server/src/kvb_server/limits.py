@@ -103,6 +103,12 @@ def json_depth(text: str) -> int:
     return max(0, max(map(operator.sub, accumulate(weights), count(1))))
 
 
+def _deeper_than(text: str, max_depth: int) -> bool:
+    """Whether JSON ``text`` nests deeper than ``max_depth``; the bracket count first, a cheap bound: most
+    texts hold fewer brackets than the limit."""
+    return text.count("[") + text.count("{") > max_depth and json_depth(text) > max_depth
+
+
 def decode_json(raw: bytes, *, max_depth: int) -> Any:
     """Decode a body as UTF-8 JSON nested at most ``max_depth`` levels.
 
@@ -117,8 +123,7 @@ def decode_json(raw: bytes, *, max_depth: int) -> Any:
             f"The request body is not valid UTF-8 (byte {exc.start}: {exc.reason}). Send JSON encoded "
             "as UTF-8."
         ) from None
-    # Cheap bound first: most bodies hold fewer brackets than the limit.
-    if text.count("[") + text.count("{") > max_depth and json_depth(text) > max_depth:
+    if _deeper_than(text, max_depth):
         raise InvalidParameterError(
             f"The JSON body nests arrays/objects deeper than this server's limit of {max_depth} levels "
             "(--max-json-depth).",
@@ -148,7 +153,7 @@ def loads_inner(text: str) -> Any:
             than ``MAX_JSON_DEPTH_LIMIT`` (checked before parsing: ``json.loads`` would recurse into a
             ``RecursionError``, which callers catching ``ValueError`` turned into a 500).
     """
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH_LIMIT and json_depth(text) > MAX_JSON_DEPTH_LIMIT:
+    if _deeper_than(text, MAX_JSON_DEPTH_LIMIT):
         raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH_LIMIT} levels")
     return json.loads(text)
 

@@ -105,7 +105,14 @@ class _VllmFlag(argparse.Action):
 
 
 class RefusedFlag(_VllmFlag):
-    """Exit with status 2 and the flag's explanation as soon as the flag is parsed."""
+    """Exit with status 2 and ``why`` as soon as the flag is parsed (default: its vLLM explanation)."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, why: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        flag = option_strings[0]  # the full spelling, also when an abbreviation was typed
+        self.why = why or f"{flag} (a vLLM flag) is not supported: {REFUSED_VLLM_FLAGS[flag]}"
 
     def __call__(
         self,
@@ -114,8 +121,7 @@ class RefusedFlag(_VllmFlag):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        flag = self.option_strings[0]  # the full spelling, also when an abbreviation was typed
-        parser.error(f"{flag} (a vLLM flag) is not supported: {REFUSED_VLLM_FLAGS[flag]}")
+        parser.error(self.why)
 
 
 class SatisfiedFlag(_VllmFlag):
@@ -168,26 +174,14 @@ FULL_STACK_FLAGS = (
 )
 
 
-class FullStackFlag(_VllmFlag):
-    """A full-stack flag on a server without the meta-package: exit 2 saying what provides it."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        parser.error(
-            f"{self.option_strings[0]} is an option of the full stack (speculative decoding, AWQ layer "
-            "streaming): install the kvboost meta-package (from this tree: pip install './packages/kvboost[all]')"
-            " and run kvboost serve (or kvboost-server, which then composes it)"
-        )
-
-
 def add_full_stack_flags(parser: argparse.ArgumentParser) -> None:
-    """Declare :data:`FULL_STACK_FLAGS` (hidden) on a parser without the full stack's option groups."""
+    """Declare :data:`FULL_STACK_FLAGS` (hidden) on a parser without the full stack's option groups: each
+    exits 2 saying what provides it."""
     for flag in FULL_STACK_FLAGS:
-        parser.add_argument(
-            flag, dest=f"_full_stack_{flag.lstrip('-').replace('-', '_')}", action=FullStackFlag
+        why = (
+            f"{flag} is an option of the full stack (speculative decoding, AWQ layer streaming): install the "
+            "kvboost meta-package (from this tree: pip install './packages/kvboost[all]') and run kvboost "
+            "serve (or kvboost-server, which then composes it)"
         )
+        dest = f"_full_stack_{flag.lstrip('-').replace('-', '_')}"
+        parser.add_argument(flag, dest=dest, action=RefusedFlag, why=why)

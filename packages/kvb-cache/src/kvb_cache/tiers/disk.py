@@ -121,10 +121,9 @@ class DiskTier(RecordTier):
                 raise _NotARecord("not a regular file")
             if st.st_size > self.max_bytes:
                 raise _NotARecord(f"{st.st_size} bytes, more than the tier's budget of {self.max_bytes}")
+            # +1: a file growing under us is read whole, then fails its check.
             with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read(
-                    st.st_size + 1
-                )  # +1: a file growing under us is read whole, then fails its check
+                return f.read(st.st_size + 1)
         finally:
             os.close(fd)
 
@@ -202,16 +201,16 @@ class DiskTier(RecordTier):
         with self._lock:
             self._forget(key.hex())
 
-    def _unlink(self, path: Path, *, missing_ok: bool = True) -> bool:
-        """Remove one record file; whether it was removed. Never raises but FileNotFoundError (when not
-        ``missing_ok``): in a read-only folder every delete of a corrupt record (and of the chain read
-        behind it) escaped into the writer thread, a traceback each, uncounted. Counted as ``errors``, with
-        the stores' pause and its one warning for a folder that cannot be written."""
+    def _unlink(self, path: Path) -> bool:
+        """Remove one record file; whether it was there and removed. Never raises: in a read-only folder
+        every delete of a corrupt record (and of the chain read behind it) escaped into the writer thread, a
+        traceback each, uncounted. Counted as ``errors``, with the stores' pause and its one warning for a
+        folder that cannot be written."""
         try:
-            path.unlink(missing_ok=missing_ok)
+            path.unlink()
             return True
         except FileNotFoundError:
-            raise
+            return False
         except OSError as exc:
             self.counters.add("errors")
             if exc.errno in _FULL_ERRNOS:
@@ -231,8 +230,7 @@ class DiskTier(RecordTier):
             }
             removed = 0
             for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    removed += self._unlink(self._file(name), missing_ok=False)
+                removed += self._unlink(self._file(name))
                 self._forget(name)
         return removed
 
