@@ -552,7 +552,7 @@ def check_idle(base: Snapshot, end: Snapshot) -> list[Check]:
     label = f'model_name="{MODEL}"'
 
     def succ(m: dict, reason: str) -> float:
-        return m.get(f'vllm:request_success_total{{finished_reason="{reason}",{label}}}', 0.0)
+        return m.get(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",{label}}}', 0.0)
 
     stop_len = succ(m1, "stop") + succ(m1, "length") - succ(m0, "stop") - succ(m0, "length")
     abort = succ(m1, "abort") - succ(m0, "abort")

@@ -1,4 +1,5 @@
-"""``/metrics`` under vLLM's names (``vllm:*`` with a ``model_name`` label), parsed as Prometheus text."""
+"""``/metrics`` under vLLM's names (``vllm:*`` with ``model_name`` and ``engine`` labels), parsed as Prometheus
+text."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value (NaN if absent); a ``vllm:*`` sample carries vLLM's ``engine`` label, index 0."""
+    if name.startswith("vllm:"):
+        labels = {"engine": "0", **labels}
     return samples.get((name, frozenset(labels.items())), math.nan)
 
 
@@ -62,8 +66,10 @@ def test_vllm_names_types_and_labels_from_the_start() -> None:
         for name, kind in VLLM_FAMILIES.items():
             assert families[name].type == kind, name
             for sample in families[name].samples:
-                # vLLM labels with the first served name, whatever alias a request used.
+                # vLLM labels with the first served name, whatever alias a request used, and the engine's
+                # index (data-parallel rank; one engine here).
                 assert sample.labels["model_name"] == MODEL, sample
+                assert sample.labels["engine"] == "0", sample
         samples = scrape(url)
         # No *_created series (vLLM disables them; they doubled the series count).
         assert not [name for name, _ in samples if name.endswith("_created")]

@@ -2,7 +2,7 @@
 
 Queue and running-request gauges, engine and idle steps, KV usage, prefix-cache queries and hits,
 preemptions and block states: each under this server's ``kvboost*`` name and, where vLLM exports the same
-quantity, under vLLM's ``vllm:*`` name with its ``model_name`` label.
+quantity, under vLLM's ``vllm:*`` name with its ``model_name`` and ``engine`` labels.
 """
 
 from __future__ import annotations
@@ -18,8 +18,15 @@ from kvb_cache.core.outputs import PagedStats
 if TYPE_CHECKING:
     from kvb_server.worker_stats import WorkerStats
 
-#: vLLM's label on every ``vllm:*`` metric.
-MODEL_LABEL = "model_name"
+#: vLLM's labels on every ``vllm:*`` metric (v1: ``PrometheusStatLogger``): the first served model name and
+#: the engine's index under data parallelism; one engine here, so always index 0.
+VLLM_LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"
+
+
+def vllm_label_values(model_name: str) -> list[str]:
+    """The values of :data:`VLLM_LABELS` for this server's one engine."""
+    return [model_name, ENGINE_INDEX]
 
 
 class EngineLoopCollector(Collector):
@@ -49,13 +56,13 @@ class EngineLoopCollector(Collector):
         yield from self._vllm_families(worker, paged)
 
     def _vllm_families(self, worker: WorkerStats | None, paged: PagedStats | None) -> Iterator[Metric]:
-        """The same readings under vLLM's names and ``model_name`` label (no sample until known)."""
-        labels = [self._model_name]
+        """The same readings under vLLM's names and labels (no sample until known)."""
+        labels = vllm_label_values(self._model_name)
 
         def family(
             kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float | None
         ) -> Metric:
-            metric = kind(name, doc, labels=[MODEL_LABEL])
+            metric = kind(name, doc, labels=list(VLLM_LABELS))
             if value is not None:
                 metric.add_metric(labels, value)
             return metric

@@ -3,7 +3,7 @@
 Two sets of names:
 
 - ``vllm:*``: where vLLM exports the same quantity, under vLLM's exact name, type, unit and
-  ``model_name`` label (the first ``--served-model-name``), so dashboards and alerts built for vLLM work
+  ``model_name`` and ``engine`` labels (the first ``--served-model-name``; engine ``"0"``), so dashboards and alerts built for vLLM work
   unchanged: requests running / waiting, KV usage, prefix-cache queries and hits (in tokens), preemptions,
   prompt and generation tokens, finished requests by reason, and the request-level histograms with vLLM's
   buckets (time to first token, end-to-end latency, tokens per request, inter-token latency, and the
@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 
 from kvb_cache.core.outputs import PagedStats
 from kvb_cache.results import GenerationResult
-from kvb_server.engine_loop_metrics import MODEL_LABEL, EngineLoopCollector
+from kvb_server.engine_loop_metrics import VLLM_LABELS, EngineLoopCollector, vllm_label_values
 from kvb_server.speculative_metrics import SpeculativeCollector
 
 if TYPE_CHECKING:
@@ -212,10 +212,11 @@ class _VllmRequestMetrics:
         *,
         max_model_len: int | None,
     ) -> None:
-        label = [MODEL_LABEL]
+        label = list(VLLM_LABELS)
+        values = vllm_label_values(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(*values)
 
         token_buckets = one_two_five_buckets(max_model_len or 2**20)
         self.request_prompt_tokens = histogram(
@@ -254,10 +255,10 @@ class _VllmRequestMetrics:
         )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=registry
-        ).labels(model_name)
+        ).labels(*values)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=registry
-        ).labels(model_name)
+        ).labels(*values)
         self.success = _FinishedRequests(model_name, aborted)
         registry.register(self.success)
         self.ttft = Histogram(
@@ -266,14 +267,14 @@ class _VllmRequestMetrics:
             label,
             buckets=VLLM_TTFT_BUCKETS,
             registry=registry,
-        ).labels(model_name)
+        ).labels(*values)
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             label,
             buckets=VLLM_E2E_BUCKETS,
             registry=registry,
-        ).labels(model_name)
+        ).labels(*values)
 
     def observe(
         self, result: GenerationResult, *, queue_s: float, token_intervals: Sequence[float] | None = None
@@ -318,7 +319,7 @@ class _FinishedRequests(Collector):
     """
 
     def __init__(self, model_name: str, aborted: Callable[[], int]) -> None:
-        self._model_name = model_name
+        self._labels = vllm_label_values(model_name)
         self._aborted = aborted
         self._counts = dict.fromkeys(FINISHED_REASONS, 0)
         self._lock = threading.Lock()
@@ -336,8 +337,8 @@ class _FinishedRequests(Collector):
         with self._lock:
             counts = dict(self._counts)
         for reason, value in counts.items():
-            family.add_metric([self._model_name, reason], value)
-        family.add_metric([self._model_name, "abort"], self._aborted())
+            family.add_metric([*self._labels, reason], value)
+        family.add_metric([*self._labels, "abort"], self._aborted())
         yield family
 
     @staticmethod
@@ -345,5 +346,5 @@ class _FinishedRequests(Collector):
         return CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels=[MODEL_LABEL, "finished_reason"],
+            labels=[*VLLM_LABELS, "finished_reason"],
         )

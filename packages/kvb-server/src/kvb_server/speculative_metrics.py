@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvb_server.engine_loop_metrics import MODEL_LABEL
+from kvb_server.engine_loop_metrics import VLLM_LABELS, vllm_label_values
 
 
 class SpeculativeCollector(Collector):
@@ -33,23 +33,23 @@ class SpeculativeCollector(Collector):
         stats = self._stats()
         if stats is None:
             return
-        labels = [self._model_name]
+        labels = vllm_label_values(self._model_name)
         for name, doc, key in (
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "rounds"),
             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "drafted_tokens"),
             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "accepted_tokens"),
         ):
-            metric = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])
+            metric = CounterMetricFamily(name, doc, labels=list(VLLM_LABELS))
             metric.add_metric(labels, float(stats.get(key, 0)))
             yield metric
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
-            labels=[MODEL_LABEL, "position"],
+            labels=[*VLLM_LABELS, "position"],
         )
         # accepted_histogram[i]: rounds that accepted exactly i tokens, so position p was accepted in every
         # round that accepted more than p.
         histogram = list(stats.get("accepted_histogram") or ())
         for position in range(max(len(histogram) - 1, 0)):
-            per_pos.add_metric([self._model_name, str(position)], float(sum(histogram[position + 1 :])))
+            per_pos.add_metric([*labels, str(position)], float(sum(histogram[position + 1 :])))
         yield per_pos
