@@ -22,6 +22,20 @@ def test_single_shot_terms(tiny_shape):
     assert est.peak_bytes == 65_536 + 32_768 + 1_024 + 256_000 == 355_328
 
 
+def test_a_weight_transient_is_added_on_top_of_the_larger_phase(tiny_shape):
+    """A dequantizing int4 kernel's block (kvb-streaming's "torch" kernel) lives while a linear runs, in
+    either phase: both the solo and the paged-loop estimates add it once, and report it."""
+    from kvb_planner import PagedLoop
+
+    request = PlanRequest(prompt_tokens=100, max_new_tokens=28)
+    with_block = dataclasses.replace(tiny_shape, weight_transient_bytes=1_000_000)
+    for loop in (None, PagedLoop(step_tokens=32, sampled_rows=4, decode_gather_tokens=64)):
+        plain = estimate_memory(request, SINGLE, tiny_shape, device="cpu", loop=loop)
+        est = estimate_memory(request, SINGLE, with_block, device="cpu", loop=loop)
+        assert est.weight_transient_bytes == 1_000_000 and plain.weight_transient_bytes == 0
+        assert est.peak_bytes == plain.peak_bytes + 1_000_000, loop
+
+
 def test_chunked_prefill_charges_mask_and_repeat_kv(tiny_shape):
     est = estimate_memory(
         PlanRequest(prompt_tokens=100, max_new_tokens=28),

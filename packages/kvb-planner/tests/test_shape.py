@@ -293,3 +293,10 @@ def test_optional_sizes_in_a_config_must_be_positive_ints(field, value):
     setattr(config, field, value)
     with pytest.raises(PlannerConfigError, match=field):
         ModelShape.from_config(config)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "8", True])
+def test_weight_transient_bytes_is_a_non_negative_int(value):
+    shape = ModelShape.from_config(LlamaConfig(), dtype="float32")
+    with pytest.raises(PlannerConfigError, match="weight_transient_bytes"):
+        replace(shape, weight_transient_bytes=value)

@@ -3,6 +3,7 @@ full stack composes stitching, speculative decoding, AWQ layer streaming and kvb
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -117,6 +118,40 @@ def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
     stats = engine.cache_stats()["streaming"]
     assert stats["streaming_enabled"] and stats["streamed_layers"] == 1
     assert stats["hits"] + stats["misses"] > 0 and stats["bytes_moved"] > 0
+
+
+def test_the_planner_charges_the_torch_int4_kernels_dequantized_block(target, tmp_path):
+    """A streamed model's "torch" int4 kernel dequantizes a block of each linear's weight per call: the
+    server's planner gate charges it (``weight_transient_bytes``), so the estimate of a forward covers its
+    measured tensor peak (without it, the estimate was a fraction of the peak)."""
+    from kvb_cache.cache_kwarg import cache_kwargs
+    from kvb_planner import LadderStep, PlanRequest, estimate_memory, tensor_peak
+    from kvb_server.planner_gate import PlannerGate
+    from kvb_streaming import get_runtime
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    model = T.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    awq = save_awq_checkpoint(model, tmp_path / "awq", group_size=32)
+    T.AutoTokenizer.from_pretrained(target).save_pretrained(awq)
+    engine = _streamed_engine(awq)
+    transient = get_runtime(engine.model).transient_bytes
+    assert transient > 0
+    shape = PlannerGate.for_engine(engine).shape
+    assert shape.weight_transient_bytes == transient
+    ids = torch.arange(5, 21).unsqueeze(0)
+
+    def forward() -> None:
+        with torch.no_grad():
+            cache = T.DynamicCache(config=engine.model.config)
+            engine.model(input_ids=ids, **cache_kwargs(engine.model, cache), use_cache=True, logits_to_keep=1)
+
+    forward()
+    measured = tensor_peak(forward)
+    request = PlanRequest(prompt_tokens=ids.shape[1], max_new_tokens=1)
+    step = LadderStep(prefill_chunk_size=None)
+    assert estimate_memory(request, step, shape, device="cpu").peak_bytes >= measured
+    without = dataclasses.replace(shape, weight_transient_bytes=0)
+    assert estimate_memory(request, step, without, device="cpu").peak_bytes < measured
 
 
 def test_awq_streaming_fingerprint_sees_the_streamed_layers(target, tmp_path):

@@ -5,7 +5,7 @@ Notation: ``B`` batch, ``P`` prompt tokens, ``N`` max new tokens, ``T = P + N``,
 query/KV heads, ``d`` head dim, ``V`` vocab, ``e`` bytes per element. Everything is *on top of* the
 loaded weights, i.e. what a request adds to a warm server::
 
-    peak = kv(T, bits) + cache_growth + logits + max(attention_phase, mlp_phase)
+    peak = kv(T, bits) + cache_growth + logits + max(attention_phase, mlp_phase) + weight_transient
 
 - ``kv``: the whole request's KV reserved up front at the chosen bits (see :mod:`kvb_planner.kv_layout`).
 - ``cache_growth``: appending to a ``DynamicCache`` layer is a ``torch.cat``, so the old and new tensors of
@@ -14,6 +14,9 @@ loaded weights, i.e. what a request adds to a warm server::
   attention, doubling it.
 - ``logits``: ``B * rows * V * e`` (``rows`` = 1 with ``logits_to_keep=1``, ``C`` when prompt logprobs are
   needed) plus the fp32 copy the sampler takes, ``B * V * 4``.
+- ``weight_transient``: ``ModelShape.weight_transient_bytes``, what a dequantizing int4 kernel
+  materializes of one linear's weight while it runs (0 for weights used as stored); a linear runs in
+  either phase, so it is added to the larger one.
 - Activations of one slice. No-grad forwards free each layer's intermediates, so only the largest phase
   of one layer is live:
   - ``mlp_phase = B * C * (3 I + 4 H) * e``: ``act(gate)``, ``up`` and their product (``3 I``), plus the
@@ -79,6 +82,8 @@ class MemoryEstimate:
     sampler_bytes: int = 0
     #: Whether this is the paged-loop estimate (KV in the engine's pool, not charged here).
     paged: bool = False
+    #: ``ModelShape.weight_transient_bytes``, included in ``peak_bytes`` (on top of the larger phase).
+    weight_transient_bytes: int = 0
 
 
 def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bool) -> int:
@@ -215,7 +220,8 @@ def _loop_estimate(
         attention_phase_bytes=attention,
         attention_scratch_bytes=scratch,
         sampler_bytes=sampler,
-        peak_bytes=max(logits + max(mlp, attention), sampler),
+        weight_transient_bytes=shape.weight_transient_bytes,
+        peak_bytes=max(logits + max(mlp, attention) + shape.weight_transient_bytes, sampler),
         paged=True,
     )
 
@@ -254,5 +260,6 @@ def _solo_estimate(
         mlp_phase_bytes=mlp,
         attention_phase_bytes=attention,
         attention_scratch_bytes=scratch,
-        peak_bytes=kv + growth + logits + max(mlp, attention),
+        weight_transient_bytes=shape.weight_transient_bytes,
+        peak_bytes=kv + growth + logits + max(mlp, attention) + shape.weight_transient_bytes,
     )

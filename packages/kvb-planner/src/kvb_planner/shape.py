@@ -160,6 +160,11 @@ class ModelShape:
             ``num_kv_shared_layers`` layers hold none). None: ``num_layers`` layers of ``num_kv_heads x
             head_dim`` each. :meth:`from_config` sets it for KV-shared configs; an engine's measured pool
             shapes give the exact one (``kvb_server.PlannerGate.for_engine`` uses them).
+        weight_transient_bytes: Bytes a forward materializes from the weights at once, on top of its
+            activations: a quantized model whose kernel dequantizes a block of a linear's weight per call
+            (kvb-streaming's ``"torch"`` int4 kernel: its ``StreamingRuntime.transient_bytes``, at most
+            ``dequant_chunk_bytes``). 0 for weights used as stored. Charged once per estimate, during
+            whichever phase peaks.
     """
 
     num_layers: int
@@ -174,11 +179,12 @@ class ModelShape:
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     context_length: int | None = None
     kv_layer_channels: tuple[tuple[int, int], ...] | None = None
+    weight_transient_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Every size is checked to be an int first: a float (num_layers=1.5) was accepted and gave fractional
         # byte counts, a string ("2", as read from a JSON file by hand) failed with a bare TypeError.
-        for name in (*_POSITIVE_SIZES, "dtype_bytes", "weight_bytes"):
+        for name in (*_POSITIVE_SIZES, "dtype_bytes", "weight_bytes", "weight_transient_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PlannerConfigError(f"{name} must be an int, got {value!r}")
@@ -192,8 +198,9 @@ class ModelShape:
             )
         if self.dtype_bytes not in (1, 2, 4, 8):
             raise PlannerConfigError(f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes})")
-        if self.weight_bytes < 0:
-            raise PlannerConfigError(f"weight_bytes must be >= 0 (got {self.weight_bytes})")
+        for name in ("weight_bytes", "weight_transient_bytes"):
+            if getattr(self, name) < 0:
+                raise PlannerConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
         channels = self.kv_layer_channels
         if channels is not None and (
             not isinstance(channels, tuple)

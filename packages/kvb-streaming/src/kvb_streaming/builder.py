@@ -42,6 +42,8 @@ class BuiltModel:
         plan: which linears are streamed.
         kernel: the int4 GEMM backend in use.
         resident_bytes: device bytes of resident int4 payloads (staging slots not included).
+        transient_bytes: the most weight-side temporaries one quantized linear's kernel call holds
+            (``QuantKernel.transient_bytes`` over the model's linear shapes).
     """
 
     model: PreTrainedModel
@@ -49,6 +51,7 @@ class BuiltModel:
     plan: ResidencyPlan
     kernel: QuantKernel
     resident_bytes: int
+    transient_bytes: int
 
 
 def build_model(
@@ -146,7 +149,12 @@ def build_model(
     # namespaces) would not see them: two fine-tunes differing only in streamed layers would share records.
     model.kvb_extra_weights = partial(_streamed_weights, bindings)
     return BuiltModel(
-        model=model, scheduler=scheduler, plan=plan, kernel=kernel, resident_bytes=resident_bytes
+        model=model,
+        scheduler=scheduler,
+        plan=plan,
+        kernel=kernel,
+        resident_bytes=resident_bytes,
+        transient_bytes=max(kernel.transient_bytes(shape) for shape in shapes),
     )
 
 

@@ -40,6 +40,11 @@ class StreamingRuntime:
         kernel_name: the int4 GEMM backend in use.
         resident_int4_bytes: device bytes of resident int4 payloads.
         pinned: whether every streamed layer's host buffer is pinned.
+        transient_bytes: the most bytes one quantized linear's kernel materializes at once beyond its input,
+            output and payload (the ``"torch"`` kernel's dequantized block and its int32 temporaries, at most
+            ``dequant_chunk_bytes``; 0 for kernels that read int4 directly). A forward's peak is higher by
+            this much than the same model's in full precision, besides the staging slots; kvb-planner
+            charges it as ``ModelShape.weight_transient_bytes`` (``kvboost serve`` sets it).
     """
 
     requested: StreamingConfig
@@ -51,6 +56,7 @@ class StreamingRuntime:
     kernel_name: str
     resident_int4_bytes: int
     pinned: bool
+    transient_bytes: int = 0
 
     def stats(self) -> StreamingStats:
         return self.scheduler.stats()
@@ -122,6 +128,7 @@ class StreamingCausalLM:
             scheduler=built.scheduler,
             kernel_name=built.kernel.name,
             resident_int4_bytes=built.resident_bytes,
+            transient_bytes=built.transient_bytes,
             pinned=loader.allocator.pin_failures == 0 and loader.allocator.pin_requested,
         )
         setattr(built.model, _RUNTIME_ATTR, runtime)

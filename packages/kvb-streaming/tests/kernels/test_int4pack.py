@@ -74,3 +74,7 @@ def test_cuda_tinygemm_matches_reference() -> None:
     x = torch.randn(4, 512, device="cuda", dtype=torch.float16)
     expected = x.float() @ dequantize(awq, 128, torch.float32).cuda()
     torch.testing.assert_close(kernel.linear(x, payload).float(), expected, rtol=0.05, atol=0.5)
+
+
+def test_reads_the_packed_payload_with_no_weight_transient() -> None:
+    assert Int4PackKernel(context()).transient_bytes(LinearShape(4096, 4096)) == 0

@@ -55,6 +55,12 @@ class QuantKernel(Protocol):
         """``x`` ``[..., in]`` -> ``[..., out]`` (no bias)."""
         ...
 
+    def transient_bytes(self, shape: LinearShape) -> int:
+        """Most bytes of weight-side temporaries one ``linear`` call of this shape holds at once (beyond its
+        input, output and payload): 0 for a kernel that reads the payload directly; what a memory planner
+        must add to a forward's peak."""
+        ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelSpec:

@@ -73,6 +73,10 @@ class Int4PackKernel:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self._group_size, scales_and_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
+    def transient_bytes(self, shape: LinearShape) -> int:
+        """0: the GEMM reads the packed int4 payload directly (no dequantized weight)."""
+        return 0
+
 
 def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -> str | None:
     if context.device.type == "cuda":

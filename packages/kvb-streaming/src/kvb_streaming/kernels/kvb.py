@@ -85,6 +85,10 @@ class KvbKernelsKernel:
         y = self._gemm(x2, payload["qweight"], payload["qzeros"], payload["scales"], self._group_size)
         return y.reshape(*x.shape[:-1], out_features)
 
+    def transient_bytes(self, shape: LinearShape) -> int:
+        """0: the GEMM reads the packed int4 payload directly (no dequantized weight)."""
+        return 0
+
 
 def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -> str | None:
     if find_awq_gemm() is None:

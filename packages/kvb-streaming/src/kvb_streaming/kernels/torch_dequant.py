@@ -26,6 +26,7 @@ class TorchDequantKernel:
     def __init__(self, context: KernelContext) -> None:
         self._group_size = context.group_size
         self._chunk_bytes = context.dequant_chunk_bytes
+        self._element_size = context.dtype.itemsize
 
     def prepare(self, awq: AWQTensors) -> dict[str, torch.Tensor]:
         return {"qweight": awq.qweight, "qzeros": awq.qzeros, "scales": awq.scales}
@@ -47,9 +48,19 @@ class TorchDequantKernel:
 
     def chunk_columns(self, in_features: int, element_size: int) -> int:
         """Output columns per block (a multiple of 8) so one block's temporaries fit the byte budget."""
-        # Per weight element: unpacked int32 nibbles + int32 difference + the dtype product (+ its input).
-        per_column = in_features * (4 + 4 + 2 * element_size)
-        return max(8, self._chunk_bytes // per_column // 8 * 8)
+        return max(8, self._chunk_bytes // _bytes_per_column(in_features, element_size) // 8 * 8)
+
+    def transient_bytes(self, shape: LinearShape) -> int:
+        """One block's dequantization temporaries: ``dequant_chunk_bytes`` at most, less for a linear whose
+        whole ``[in, out]`` weight fits it (and more only when 8 columns alone exceed it)."""
+        columns = min(self.chunk_columns(shape.in_features, self._element_size), shape.out_features)
+        return columns * _bytes_per_column(shape.in_features, self._element_size)
+
+
+def _bytes_per_column(in_features: int, element_size: int) -> int:
+    """Temporaries per dequantized output column: per weight element, the unpacked int32 nibbles, their
+    int32 difference with the zeros, and the product in the activation dtype (+ its input)."""
+    return in_features * (4 + 4 + 2 * element_size)
 
 
 def _always_available(context: KernelContext, shapes: Sequence[LinearShape]) -> str | None:
