@@ -105,6 +105,44 @@ def test_a_decoder_without_the_budget_keyword_still_works(gpt2, tokenizer):
     assert decoder.calls == 1
 
 
+class _IteratorDecoder:
+    """A decoder returning a plain ``Iterator[int]`` (what the protocol's annotation allows), not a generator:
+    it has no ``close``."""
+
+    def decode(self, model, cache, input_ids, next_logits, processor):
+        return iter(_LegacyDecoder().decode(model, cache, input_ids, next_logits, processor).__next__, None)
+
+
+def test_a_decoder_returning_a_plain_iterator_works(gpt2, tokenizer):
+    # The engine called ``tokens.close()``, which only generators have: every request failed with a bare
+    # AttributeError after its tokens were produced.
+    prompt = list(range(20, 40))
+    plain = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        prompt, max_new_tokens=8, ignore_eos=True
+    )
+    engine = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16), drafter=_IteratorDecoder())
+    assert engine.generate(prompt, max_new_tokens=8, ignore_eos=True).output_ids == plain.output_ids
+
+
+def test_a_cancelled_request_closes_its_decoders_generator(gpt2, tokenizer):
+    """A stream closed early (client gone) closes the decoder's generator too (its ``finally`` runs), as a
+    finished request does, before the request's cache is stored (explicitly, not by reference counting)."""
+    closed: list[bool] = []
+
+    class Tracked(_LegacyDecoder):
+        def decode(self, *args):
+            try:
+                yield from super().decode(*args)
+            finally:
+                closed.append(True)
+
+    engine = KVBoost(gpt2, tokenizer, config=EngineConfig(chunk_size=16), drafter=Tracked())
+    stream = engine.stream(list(range(20, 40)), max_new_tokens=8, ignore_eos=True)
+    next(iter(stream))
+    stream.close()
+    assert closed == [True]
+
+
 def test_start_decode_passes_the_budget_only_where_accepted():
     seen: list[dict] = []
 

@@ -42,6 +42,7 @@ def run(
     logprobs: list[TokenLogprob] = []
     ttft_ms = 0.0
     stored = False
+    tokens: Iterator[int] | None = None
     try:
         with torch.inference_mode():
             suffix = hist[prepared.cached_tokens : n].unsqueeze(0)
@@ -92,8 +93,7 @@ def run(
                     logits = decode_step(
                         engine.model, cache, hist[n + len(out) - 1 : n + len(out)].unsqueeze(0), pos
                     )[0]
-            if tokens is not None:
-                tokens.close()
+            tokens = _close(tokens)
         stored = True
         engine.store_sequence(
             prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids),
@@ -101,6 +101,7 @@ def run(
             root=prepared.root,
         )
     finally:
+        _close(tokens)  # a drafter's generator releases what it holds before the cache is stored
         if not stored:
             # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
             engine.store_sequence(
@@ -142,3 +143,12 @@ def chunk_hits(prepared_spans, cached_tokens: int) -> tuple[ChunkHit, ...]:
             kind = HitKind.MISS
         hits.append(ChunkHit(start=span.start, end=span.end, kind=kind, cached_tokens=cached))
     return tuple(hits)
+
+
+def _close(tokens: Iterator[int] | None) -> None:
+    """Close a speculative decoder's token iterator when it can be closed (a generator's ``finally`` runs;
+    a plain iterator, which the :class:`~kvb_cache.decoding.SpeculativeDecoder` protocol allows, has nothing
+    to close). Returns None, so ``tokens = _close(tokens)`` marks it closed."""
+    close = getattr(tokens, "close", None)
+    if close is not None:
+        close()
