@@ -489,3 +489,61 @@ def test_quantized_record_whose_kv_length_is_not_its_token_count_is_a_miss(tmp_p
     assert store.lower[0].tier.stats().corrupt == 1 and not store.lower[0].tier.contains(bad.key)
     got = store.get(good.key)
     assert got is not None and got.layer(1)[1].shape == (1, 2, 8, 8)
+
+
+def test_a_tier_implementing_only_the_abstract_methods_is_counted_against():
+    """``RecordTier`` is the public base for custom tiers: one that sets no ``counters`` of its own got an
+    AttributeError from the store on its first corrupt record (the store promises such records are misses,
+    never raised) and when the write-behind queue dropped a write."""
+    from kvb_cache.tiers import RecordTier, TierStats
+
+    class DictTier(RecordTier):
+        name = "dict"
+
+        def __init__(self) -> None:
+            self.records: dict = {}
+
+        def get(self, key):
+            return self.records.get(key)
+
+        def put(self, key, record):
+            self.records[key] = record
+            return True
+
+        def contains(self, key):
+            return key in self.records
+
+        def delete(self, key):
+            self.records.pop(key, None)
+
+        def clear(self):
+            n = len(self.records)
+            self.records.clear()
+            return n
+
+        def stats(self):
+            return TierStats(name=self.name, entries=len(self.records), **self.counters.snapshot())
+
+    tier, codec = DictTier(), DenseCodec()
+    store = TieredStore(
+        ChunkStore(1 << 20),
+        root=ROOT,
+        codec=codec,
+        lower=[LowerTier(tier=tier, format=RecordFormat(fingerprint=FINGERPRINT, codec=codec))],
+        writer=BackgroundWriter(1),
+    )
+    entries = chain(3)
+    tier.put(entries[0].key, b"not a record")
+    assert store.get(entries[0].key) is None
+    store.flush()  # the corrupt record is deleted behind
+    assert tier.stats().corrupt == 1 and not tier.contains(entries[0].key)
+    import threading
+
+    gate = threading.Event()
+    store.writer.submit(gate.wait)  # occupies the writer: the next write-behinds are dropped
+    for e in entries:
+        store.put(e, root=ROOT)
+    gate.set()
+    store.flush()
+    assert tier.stats().dropped >= 1
+    store.close()

@@ -97,7 +97,7 @@ class BlockTiers:
         tiers = self.lower
         if tiers and not self.writer.submit(lambda: self._store(entry, tiers)):
             for lower in tiers:
-                lower.tier.counters.add("dropped")
+                lower.tier.count("dropped")
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued writes reached their tiers; False when ``timeout_s`` passed first."""

@@ -75,9 +75,25 @@ class RecordTier(ABC):
 
     Implementations never raise on I/O trouble from :meth:`get`, :meth:`get_many` or :meth:`put`: they log,
     count an error and behave as a miss / a skipped store.
+
+    :attr:`counters` is created on first use when a subclass does not set its own, so a tier implementing
+    only the abstract methods can be counted against (a corrupt record, a dropped write-behind) by the store.
     """
 
     name: str
+
+    @property
+    def counters(self) -> Counters:
+        """This tier's :class:`Counters` (a subclass may assign its own)."""
+        # NOTE: not made in an __init__: subclasses (users' too) set their attributes without calling super().
+        counters = self.__dict__.get("_counters")
+        if counters is None:
+            counters = self.__dict__["_counters"] = Counters()
+        return counters
+
+    @counters.setter
+    def counters(self, value: Counters) -> None:
+        self.__dict__["_counters"] = value
 
     @abstractmethod
     def get(self, key: ChunkHash) -> bytes | None:

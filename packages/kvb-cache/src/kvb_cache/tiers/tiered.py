@@ -260,7 +260,7 @@ class TieredStore:
     def _write_behind(self, entry: ChunkEntry, tiers: Sequence[LowerTier]) -> None:
         if not self.writer.submit(lambda: self._store_where_missing(entry, tiers, check=False)):
             for lower in tiers:
-                lower.tier.counters.add("dropped")
+                lower.tier.count("dropped")
 
     @staticmethod
     def _store_where_missing(entry: ChunkEntry, tiers: Sequence[LowerTier], *, check: bool = True) -> None:
