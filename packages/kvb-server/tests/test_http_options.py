@@ -239,3 +239,23 @@ def test_enable_log_requests_logs_each_prompt_and_its_sampling(tiny_engine, capl
         assert f"prompt={prompt[:12]!r}" in line and f"={ids[:12]} " in line
         assert f"(first 12 of {len(ids)})" in line and "max_new_tokens=2" in line
         assert line.split(" ")[2].count(",") == 1  # both choices' job ids
+
+
+def test_log_requests_without_a_tokenizer_logs_the_ids(caplog) -> None:
+    """``GenerationService`` may be built without its engine (no tokenizer): with request logging on, every
+    submit raised AttributeError before its jobs were queued."""
+    from kvb_server.request_log import log_request
+
+    with caplog.at_level(logging.INFO, logger="kvb_server.requests"):
+        log_request(
+            endpoint="completions",
+            model=MODEL,
+            job_ids=["cmpl-1"],
+            prompts=[[5, 6, 7]],
+            n=1,
+            sampling="s",
+            tokenizer=None,
+            max_len=None,
+        )
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvb_server.requests"]
+    assert "prompt=None" in line and "prompt_token_ids=[5, 6, 7]" in line

@@ -261,7 +261,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         return self.model.device
 
     @property
-    def context_length(self) -> int | None:
+    def context_length(self) -> int:
         """Most prompt + generated tokens one request may take: the model's context window, capped by what
         the KV block pool holds (``num_blocks * block_size``), as vLLM's ``max_model_len`` is by its cache.
         The server reports it as ``max_model_len`` and shrinks a default ``max_tokens`` to it."""

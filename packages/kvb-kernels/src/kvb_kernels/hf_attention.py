@@ -65,7 +65,7 @@ def kvb_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention function (the ``AttentionInterface`` contract).
 
     NOTE: ``**kwargs`` is part of that contract (models pass position ids, sliding windows, ...); they are only
@@ -82,7 +82,9 @@ def kvb_attention_forward(
         is_causal: Overrides ``module.is_causal``.
 
     Returns:
-        ``([batch, q_len, heads, head_dim], None)``, like every transformers attention function.
+        ``([batch, q_len, heads, head_dim], None)``, like every transformers attention function; where it
+        falls back to the model's eager attention (soft-capping, sinks, ``output_attentions``), that
+        function's ``(output, attention weights [batch, heads, q_len, kv_len])``.
     """
     reason = _unserved_reason(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:

@@ -131,7 +131,7 @@ class ServingEngine(Protocol):
         ...
 
     def add_warm_request(
-        self, prompt: list[int], *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
+        self, prompt: list[int], /, *, cache_salt: str | None = None, prefill_chunk_size: int | None = None
     ) -> RequestId:
         """Queue ``prompt`` to be computed and cached exactly, nothing generated (``/v1/warm``): stepped with
         the other requests, aborted like them. Its one output carries a result whose token is discarded.
@@ -141,6 +141,7 @@ class ServingEngine(Protocol):
     def warm_result(
         self,
         prompt: list[int],
+        /,
         *,
         cache_salt: str | None = None,
         already_cached_tokens: int = 0,

@@ -22,18 +22,19 @@ def log_request(
     prompts: Sequence[Sequence[int]],
     n: int,
     sampling: object,
-    tokenizer: Any,
+    tokenizer: Any | None,
     max_len: int | None,
 ) -> None:
     """Log one line per prompt of a request: its choices' job ids, the prompt as text and as token ids
-    (each cut to ``max_len``), and the sampling parameters (``repr``, as vLLM logs them)."""
+    (each cut to ``max_len``), and the sampling parameters (``repr``, as vLLM logs them). Without a
+    ``tokenizer`` (a service built without its engine) the text is logged as None, the ids as ever."""
     if not logger.isEnabledFor(logging.INFO):
         return
     for p, ids in enumerate(prompts):
         shown = list(ids[:max_len])  # a slice to None keeps them all
         # The prompt is tokens by now (text prompts were encoded in the plan): decoded back, special
         # tokens kept, it is what the model reads.
-        text = tokenizer.decode(shown)[:max_len]
+        text = None if tokenizer is None else tokenizer.decode(shown)[:max_len]
         cut = "" if len(shown) == len(ids) else f" (first {max_len} of {len(ids)})"
         jobs = [str(j) for j in job_ids[p * n : (p + 1) * n]] or ["none: prompt only"]
         logger.info(

@@ -132,7 +132,7 @@ class GenerationService:
                 prompts=plan.prompts,
                 n=plan.n,
                 sampling=plan.sampling,
-                tokenizer=self._engine.tokenizer,
+                tokenizer=None if self._engine is None else self._engine.tokenizer,
                 max_len=self._config.max_log_len,
             )
         if jobs:
