@@ -154,6 +154,29 @@ def test_the_planner_charges_the_torch_int4_kernels_dequantized_block(target, tm
     assert estimate_memory(request, step, without, device="cpu").peak_bytes < measured
 
 
+def test_the_torch_int4_kernels_transient_bounds_what_a_call_allocates():
+    """kvb-streaming's ``transient_bytes`` for its "torch" kernel against a call's measured allocations: its
+    dequantized block and int32 temporaries, plus its output, stay within it plus the output, chunked or not,
+    and it is not a gross over-estimate."""
+    from kvb_planner import tensor_peak
+    from kvb_streaming.awq_format import quantize
+    from kvb_streaming.kernels.base import KernelContext, LinearShape
+    from kvb_streaming.kernels.torch_dequant import TorchDequantKernel
+
+    awq = quantize(torch.randn(1000, 2048, generator=torch.Generator().manual_seed(0)), 32)
+    x = torch.randn(3, 2048)
+    output = 3 * 1000 * 4
+    for budget in (1 << 20, 256 << 20):
+        context = KernelContext(
+            device=torch.device("cpu"), dtype=torch.float32, group_size=32, dequant_chunk_bytes=budget
+        )
+        kernel = TorchDequantKernel(context)
+        payload = kernel.prepare(awq)
+        transient = kernel.transient_bytes(LinearShape(2048, 1000))
+        measured = tensor_peak(lambda k=kernel, p=payload: k.linear(x, p))
+        assert transient // 2 <= measured <= transient + output, (budget, measured, transient)
+
+
 def test_awq_streaming_fingerprint_sees_the_streamed_layers(target, tmp_path):
     # The streamed layers' int4 weights live in host buffers outside the module tree: the fingerprint (the
     # disk/Redis namespace) missed them, so checkpoints differing only there shared records as exact hits.
