@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvb_server._version import __version__
 from kvb_server.config import ServerConfig
+from kvb_server.cross_origin import CrossOriginGuard
 from kvb_server.engine import ServingEngine
 from kvb_server.errors import AuthenticationError, InvalidParameterError, ServerError
 from kvb_server.gate import AdmitAll, RequestGate
@@ -92,7 +93,7 @@ class _RequestMetrics:
                 status["code"] = message["status"]
             await send(message)
 
-        path = scope["path"]
+        path = route_path(scope)
         # Bounded label values: unknown paths (scanners, typos) share one label.
         route = (
             path
@@ -107,10 +108,22 @@ class _RequestMetrics:
                 self._metrics.latency.labels(route=route).observe(time.monotonic() - started)
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: uvicorn puts ``--root-path`` in front of ``scope["path"]`` (Starlette
+    takes it off again to route), so counting by ``scope["path"]`` put every request under ``other``."""
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
 def _error_response(exc: ServerError) -> JSONResponse:
     headers = dict(exc.headers or {})
     if isinstance(exc, AuthenticationError):
         headers["WWW-Authenticate"] = "Bearer"
+        # Refused before the body was read (a dependency): close, or a client that sent
+        # `Expect: 100-continue` and withholds its body has its next request read as that body.
+        headers["Connection"] = "close"
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers or None)
 
 
@@ -158,6 +171,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan, **docs)
+    app.add_middleware(CrossOriginGuard, allowed_origins=config.cors.allowed_origins)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     config.cors.install(app)  # added last: outermost
@@ -232,7 +246,9 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "server_error"
         if exc.status_code == 404:
             # A route OpenAI has but this server does not (/v1/embeddings, ...) says so by name.
-            body["error"]["message"] = not_found_message(request.method, request.url.path)
+            # scope["path"] is the path as the client sent it (--root-path included once; request.url
+            # put the root path in front of it a second time).
+            body["error"]["message"] = not_found_message(request.method, request.scope["path"])
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)

@@ -141,6 +141,13 @@ class ServerConfig:
             raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must be a non-empty string, or None to disable authentication")
+        for key in [self.api_key, *(t.key for t in self.tenant_keys)]:
+            if key is not None and not _header_safe(key):
+                # HTTP headers are read as latin-1 and keys compared as UTF-8 bytes: such a key never matched.
+                raise ValueError(
+                    "API keys must be printable ASCII without spaces (they travel in an HTTP header); "
+                    "a key with other characters could never be matched"
+                )
         if self.max_json_depth > MAX_JSON_DEPTH_LIMIT:
             raise ValueError(
                 f"max_json_depth must be at most {MAX_JSON_DEPTH_LIMIT} (the JSON parser recurses per "
@@ -309,3 +316,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_log_len=args.max_log_len,
         reasoning_parser=args.reasoning_parser,
     )
+
+
+def _header_safe(key: str) -> bool:
+    """Whether ``key`` can be sent as ``Authorization: Bearer <key>`` and compared byte for byte."""
+    return key.isascii() and key.isprintable() and " " not in key

@@ -67,6 +67,16 @@ class AuthenticationError(ServerError):
         super().__init__(message, code="invalid_api_key")
 
 
+class UnsupportedMediaTypeError(ServerError):
+    """The body is not JSON by its ``Content-Type``, or is compressed (``Content-Encoding``) (415)."""
+
+    status_code = 415
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="unsupported_media_type")
+
+
 class PermissionDeniedError(ServerError):
     """The API key is valid but may not use this route (403), e.g. a tenant key on the cache reset route."""
 

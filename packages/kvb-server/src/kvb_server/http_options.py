@@ -3,8 +3,10 @@
 
 CORS is off unless ``--allowed-origins`` is given. vLLM answers every origin by default (``["*"]``); here a
 browser page on another site cannot call a server on this machine unless the operator says so (the server
-binds 127.0.0.1 by default, and a page the user merely visits could otherwise drive it). The headers
-themselves come from Starlette's ``CORSMiddleware``, preflight requests included.
+binds 127.0.0.1 by default, and a page the user merely visits could otherwise drive it): no CORS headers
+(the page cannot read replies) and, since requests that need no preflight would still run, a 403 for a
+request from another origin (:mod:`kvb_server.cross_origin`). The headers themselves come from Starlette's
+``CORSMiddleware``, preflight requests included.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
         type=string_list,
         default=(),
         metavar="JSON_LIST",
-        help="browser origins answered with CORS headers, e.g. '[\"http://localhost:3000\"]' or '[\"*\"]' "
-        "(unset: no CORS headers; vLLM's default is every origin)",
+        help="browser origins answered with CORS headers and served, e.g. '[\"http://localhost:3000\"]' or "
+        "'[\"*\"]' (unset: no CORS headers, and requests from pages of other origins are refused; vLLM's "
+        "default is every origin)",
     )
     http.add_argument(
         "--allowed-methods",
@@ -116,7 +119,8 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
         "--root-path",
         default=None,
         metavar="PATH",
-        help="the path prefix a reverse proxy serves this server under (e.g. /llm), for /docs and URLs",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm), for /docs and URLs; "
+        "the proxy strips it before forwarding",
     )
     http.add_argument("--ssl-keyfile", type=Path, default=None, metavar="FILE", help="TLS private key (PEM)")
     http.add_argument(

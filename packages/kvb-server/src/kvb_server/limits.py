@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvb_server.errors import InvalidParameterError, RequestTooLargeError
+from kvb_server.errors import InvalidParameterError, RequestTooLargeError, UnsupportedMediaTypeError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_JSON_DEPTH = 64
@@ -49,6 +49,44 @@ class BodyTooLargeError(RequestTooLargeError):
         self.code = "body_too_large"
 
 
+#: Headers an early refusal (before the body is read) carries: a client that sent ``Expect: 100-continue``
+#: withholds its body, and a connection kept open would read the client's next request as that body.
+CLOSE = {"Connection": "close"}
+
+
+def check_content_headers(request: Request) -> None:
+    """Refuse (415) a body that is not JSON by its ``Content-Type`` or that is compressed.
+
+    As FastAPI (hence vLLM) reads a body: ``application/json`` or ``application/*+json``, any charset
+    parameter; no ``Content-Type`` at all is read as JSON too. ``text/plain`` and form bodies were parsed as
+    JSON whatever they said (a web page can send those without a CORS preflight; see
+    :mod:`kvb_server.cross_origin`). A ``Content-Encoding`` other than ``identity`` was ignored: a gzip
+    body got a misleading "not UTF-8" 400, and plain JSON labelled gzip was served.
+
+    Raises:
+        UnsupportedMediaTypeError: either header says something else.
+    """
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        media = content_type.split(";", 1)[0].strip().lower()
+        if not (
+            media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+        ):
+            error = UnsupportedMediaTypeError(
+                f"Content-Type {content_type!r} is not JSON: send the body as JSON with "
+                "'Content-Type: application/json'."
+            )
+            error.headers = CLOSE
+            raise error
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        error = UnsupportedMediaTypeError(
+            f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed."
+        )
+        error.headers = CLOSE
+        raise error
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``.
 
@@ -62,7 +100,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLargeError(max_bytes)
+        error = BodyTooLargeError(max_bytes)
+        error.headers = CLOSE  # nothing was read (a client may be waiting on Expect: 100-continue)
+        raise error
     body = bytearray()
     stream = request.stream()
     async for chunk in stream:
@@ -117,7 +157,8 @@ def decode_json(raw: bytes, *, max_depth: int) -> Any:
             (``"\\ud800"``, which no tokenizer can encode).
     """
     try:
-        text = raw.decode("utf-8")
+        # "utf-8-sig": a leading byte-order mark is dropped, as Starlette's request.json() (vLLM) takes it.
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InvalidParameterError(
             f"The request body is not valid UTF-8 (byte {exc.start}: {exc.reason}). Send JSON encoded "

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvb_server.config import ServerConfig
 from kvb_server.errors import InvalidParameterError
-from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, decode_json, read_body
+from kvb_server.limits import DEFAULT_MAX_JSON_DEPTH, check_content_headers, decode_json, read_body
 from kvb_server.validation import invalid_parameter
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -42,7 +42,9 @@ def parse_body(raw: bytes, schema: type[ModelT], *, max_depth: int = DEFAULT_MAX
 
 
 async def parse_request(request: Request, schema: type[ModelT], config: ServerConfig) -> ModelT:
-    """Read the body under ``config``'s size limit, then :func:`parse_body` it (413 / 400 on failure)."""
+    """Check its headers (415 unless JSON, uncompressed), read the body under ``config``'s size limit, then
+    :func:`parse_body` it (413 / 400 on failure)."""
+    check_content_headers(request)
     raw = await read_body(request, config.max_body_bytes)
     request.state.body_bytes = len(raw)  # read by off_loop
     if len(raw) > OFFLOAD_PARSE_BYTES:

@@ -17,9 +17,10 @@ from kvb_server.engine_errors import engine_error
 from kvb_server.errors import EngineDeadError, InvalidParameterError, ServerError
 from kvb_server.gate import RequestGate
 from kvb_server.jobs import ClientDisconnected
+from kvb_server.limits import check_content_headers, read_body
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import json_body, responses
-from kvb_server.request_body import off_loop, parse_request
+from kvb_server.request_body import off_loop, parse_body, parse_request
 from kvb_server.routes.openai import CLIENT_CLOSED
 from kvb_server.schemas.admin import CacheResetRequest, WarmRequest
 from kvb_server.service import GenerationService
@@ -128,12 +129,14 @@ def admin_router(
         return await worker.call(summary, timeout_s=config.request_timeout_s, bounded=False)
 
     async def reset(request: Request) -> dict[str, Any]:
-        # An empty body means the defaults: vLLM's route takes none.
-        req = (
-            await parse_request(request, CacheResetRequest, config)
-            if await _has_body(request)
-            else CacheResetRequest()
-        )
+        # An empty body means the defaults (vLLM's route takes none), however it is framed: no length,
+        # Content-Length 0 or an empty chunked body (the last was a 400).
+        raw = await read_body(request, config.max_body_bytes)
+        if raw.strip():
+            check_content_headers(request)
+            req = parse_body(raw, CacheResetRequest, max_depth=config.max_json_depth)
+        else:
+            req = CacheResetRequest()
         call = functools.partial(engine.reset_cache, lower_tiers=req.lower_tiers)
         try:
             # On the engine thread, between steps (the engine is not thread-safe); not bounded by the
@@ -158,10 +161,3 @@ def admin_router(
     open_router.post("/reset_prefix_cache", dependencies=operator, **reset_doc)(reset)
 
     return open_router, v1
-
-
-async def _has_body(request: Request) -> bool:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        return declared != "0"
-    return "chunked" in request.headers.get("transfer-encoding", "")
