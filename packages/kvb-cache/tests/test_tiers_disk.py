@@ -325,6 +325,27 @@ def test_other_fingerprints_live_in_other_folders(tmp_path):
     assert b.get(entry.key) is None and a.get(entry.key) is not None
 
 
+def test_a_process_reading_a_shared_folder_keeps_its_budget_and_counts_only_its_evictions(tmp_path):
+    """A process that only read records another process wrote indexed them and never evicted (it reported
+    2.2x its budget), and an eviction of a file another process had already removed was counted."""
+    entries = chain(5)
+    size = len(record(entries[0]))
+    writer = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=3 * size)
+    reader = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=3 * size)
+    reader.get(entries[0].key)  # indexes the (empty) folder now
+    for e in entries[:3]:
+        writer.put(e.key, record(e))
+    for e in entries[:3]:
+        assert reader.get(e.key) is not None
+    for e in entries[3:]:
+        writer.put(e.key, record(e))  # the writer removes the two oldest files
+    for e in entries[3:]:
+        assert reader.get(e.key) is not None
+    assert reader.stats().bytes <= 3 * size
+    assert writer.stats().evictions == 2 and reader.stats().evictions == 0
+    assert len(list((tmp_path / FINGERPRINT[:32]).rglob("*.kvb"))) == 3
+
+
 def test_clear_drops_records_another_process_wrote_after_the_scan(tmp_path):
     # reset_cache(lower_tiers=True) cleared only the files this tier had indexed: a record another process
     # wrote into the shared folder afterwards survived and the next engine was served it.

@@ -6,6 +6,7 @@ Skipped locally when ``redis-server`` is not installed; under CI (``CI=true``) a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -302,3 +303,28 @@ def test_engine_survives_redis_stopping_mid_run(redis_server, llama, tokenizer):
     assert second.cached_tokens == 0
     assert first.output_ids == second.output_ids == expected.output_ids
     assert engine.tiers.lower[0].tier.stats().errors >= 1
+
+
+def test_a_full_redis_refusing_writes_still_serves_reads(redis_server, caplog):
+    """Under ``maxmemory-policy noeviction`` a full Redis answers SET with an OOM error: that took the tier
+    off for ``retry_after_s`` as if Redis were down (reads of records still there missed), and the log
+    flapped between "failed" and "reachable again". Now the write is dropped (counted) and reads go on."""
+    entries = chain(3)
+    store = tiered(redis_server.url)
+    tier = store.lower[0].tier
+    assert tier.put(entries[0].key, b"kept")
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", max(1, int(client.info("memory")["used_memory"]) - 1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvb_cache.tiers.remote"):
+            for _ in range(3):
+                assert not tier.put(entries[1].key, b"x" * 100_000)
+            assert tier.get(entries[0].key) == b"kept"  # read right after the refusals
+    finally:
+        client.config_set("maxmemory", 0)
+    stats = tier.stats()
+    assert stats.dropped == 3 and stats.errors == 3
+    warnings = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage()]
+    assert len(warnings) == 1 and "refused a write" in warnings[0], warnings
+    assert tier.put(entries[1].key, b"y") and tier.get(entries[1].key) == b"y"

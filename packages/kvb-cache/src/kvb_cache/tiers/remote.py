@@ -63,7 +63,10 @@ class RedisTier(RecordTier):
 
     Any Redis error (connection refused, timeout, OOM under ``maxmemory-policy noeviction``) is logged once
     per outage, counted, and answered as a miss or a skipped store. After a connection error the tier stays
-    off for ``retry_after_s`` so requests do not each pay a connect timeout while Redis is down.
+    off for ``retry_after_s`` so requests do not each pay a connect timeout while Redis is down. A write
+    Redis answers with an error (OOM when full under ``noeviction``, a read-only replica) leaves it on:
+    Redis is there and its records can still be read (one such refusal turned reads off for 2 s, and a full
+    Redis flapped between "failed" and "reachable again" in the log).
 
     Args:
         url: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://`` sockets).
@@ -94,6 +97,8 @@ class RedisTier(RecordTier):
         self.retry_after_s = retry_after_s
         self.counters = Counters()
         self._errors = redis.exceptions.RedisError
+        self._refusals = redis.exceptions.ResponseError  # Redis answered, and said no
+        self._refusal_logged = False
         #: Why the last :meth:`ping_ms` got no answer (None: it did, or none was sent).
         self.ping_error: str | None = None
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -155,12 +160,16 @@ class RedisTier(RecordTier):
         except self._errors as exc:
             self._failed("SET", exc)
             return False
+        if isinstance(replies[0], self._refusals):
+            self._refused(replies[0])
+            return False
         if isinstance(replies[0], Exception):
             self._failed("SET", replies[0])
             return False
         if any(isinstance(r, Exception) for r in replies[1:]):
             logger.debug("Redis counters %s not updated: %s", self.prefix + STATS_SUFFIX, replies[1:])
         self._recovered()
+        self._refusal_logged = False
         self.counters.add("stores")
         return True
 
@@ -277,6 +286,20 @@ class RedisTier(RecordTier):
                 type(exc).__name__,
                 exc,
                 self.retry_after_s,
+            )
+
+    def _refused(self, exc: Exception) -> None:
+        """A write Redis refused: counted (``errors`` and ``dropped``), logged once until a write succeeds;
+        the tier stays on for reads."""
+        self.counters.add("errors")
+        self.counters.add("dropped")
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning(
+                "Redis at %s refused a write (%s); records are not stored until it takes writes again, "
+                "reads go on (a full Redis: set maxmemory-policy allkeys-lru, or a larger maxmemory)",
+                self._shown_url,
+                exc,
             )
 
     def _recovered(self) -> None:
