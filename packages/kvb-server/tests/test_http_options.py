@@ -228,7 +228,12 @@ def test_enable_log_requests_logs_each_prompt_and_its_sampling(tiny_engine, capl
             caplog.at_level(logging.INFO, logger="kvb_server.requests"),
             serve(create_app(tiny_engine, cfg)) as url,
         ):
-            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert (
+                httpx.post(
+                    url + "/v1/completions", json=body, timeout=60, headers={"x-request-id": "trace-7"}
+                ).status_code
+                == 200
+            )
         lines = [r.getMessage() for r in caplog.records if r.name == "kvb_server.requests"]
         if not logged:
             assert lines == []
@@ -236,6 +241,7 @@ def test_enable_log_requests_logs_each_prompt_and_its_sampling(tiny_engine, capl
         (line,) = lines
         ids = tiny_engine.tokenizer.encode(prompt, add_special_tokens=False)
         assert line.startswith("request completions ") and f"model={MODEL}" in line
+        assert "x-request-id=trace-7" in line  # the gateway's id, to find the request by
         assert f"prompt={prompt[:12]!r}" in line and f"={ids[:12]} " in line
         assert f"(first 12 of {len(ids)})" in line and "max_new_tokens=2" in line
         assert line.split(" ")[2].count(",") == 1  # both choices' job ids

@@ -23,7 +23,7 @@ from kvb_server.errors import AuthenticationError, InvalidParameterError, Server
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
-from kvb_server.request_id import RequestIdMiddleware
+from kvb_server.request_id import CURRENT, RequestIdMiddleware
 from kvb_server.responses_api.objects import (
     DeletedResponse,
     InputItemList,
@@ -258,7 +258,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %s (x-request-id %s)", request.scope["path"], CURRENT.get())
         return JSONResponse(
             ServerError(f"Internal server error: {type(exc).__name__}").body(), status_code=500
         )

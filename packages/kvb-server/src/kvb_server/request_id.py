@@ -3,17 +3,22 @@
 ``response._request_id`` in Python) for support tickets and log correlation.
 
 A client's own ``X-Request-Id`` is echoed back when it is a short printable token (a proxy or a gateway
-sets one to follow a request through several services); otherwise one is made up.
+sets one to follow a request through several services); otherwise one is made up. While the request is
+handled, :data:`CURRENT` holds it, so the server's log lines about the request (``--enable-log-requests``,
+an unexpected error) carry the id a client or gateway can search for.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = b"x-request-id"
+#: The id of the request being handled (None outside one); set by :class:`RequestIdMiddleware`.
+CURRENT: ContextVar[str | None] = ContextVar("kvb_request_id", default=None)
 #: An incoming id is echoed only if it is this (header-safe, log-safe: no spaces or control characters).
 _ACCEPTED = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
 
@@ -37,7 +42,9 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        rid = request_id(scope).encode("ascii")
+        text = request_id(scope)
+        rid = text.encode("ascii")
+        token = CURRENT.set(text)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -45,4 +52,7 @@ class RequestIdMiddleware:
                 message = {**message, "headers": [*headers, (HEADER, rid)]}
             await send(message)
 
-        await self._app(scope, receive, send_with_id)
+        try:
+            await self._app(scope, receive, send_with_id)
+        finally:
+            CURRENT.reset(token)

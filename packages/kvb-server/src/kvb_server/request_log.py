@@ -11,6 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from kvb_server.request_id import CURRENT
+
 logger = logging.getLogger("kvb_server.requests")
 
 
@@ -26,7 +28,8 @@ def log_request(
     max_len: int | None,
 ) -> None:
     """Log one line per prompt of a request: its choices' job ids, the prompt as text and as token ids
-    (each cut to ``max_len``), and the sampling parameters (``repr``, as vLLM logs them). Without a
+    (each cut to ``max_len``), the sampling parameters (``repr``, as vLLM logs them) and the request's
+    ``x-request-id`` (the client's or gateway's, else the one the response carries). Without a
     ``tokenizer`` (a service built without its engine) the text is logged as None, the ids as ever."""
     if not logger.isEnabledFor(logging.INFO):
         return
@@ -38,9 +41,10 @@ def log_request(
         cut = "" if len(shown) == len(ids) else f" (first {max_len} of {len(ids)})"
         jobs = [str(j) for j in job_ids[p * n : (p + 1) * n]] or ["none: prompt only"]
         logger.info(
-            "request %s %s model=%s prompt=%r prompt_token_ids%s=%s sampling=%r",
+            "request %s %s x-request-id=%s model=%s prompt=%r prompt_token_ids%s=%s sampling=%r",
             endpoint,
             ",".join(jobs),
+            CURRENT.get(),
             model,
             text,
             cut,
