@@ -445,6 +445,63 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         lambda: T.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB),
         "ALiBi, attention outside AttentionInterface",
     ),
+    "bart": (
+        lambda: T.BartConfig(
+            d_model=64,
+            decoder_layers=2,
+            encoder_layers=2,
+            decoder_attention_heads=4,
+            encoder_attention_heads=4,
+            decoder_ffn_dim=128,
+            encoder_ffn_dim=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=512,
+            init_std=0.2,
+        ),
+        "decoder counting positions from its cache",
+    ),
+    "bert": (
+        lambda: T.BertConfig(**_MHA),
+        "bidirectional encoder (is_decoder=False)",
+    ),
+    "gemma3-bidirectional": (
+        lambda: T.Gemma3TextConfig(**_C, head_dim=16, use_bidirectional_attention=True),
+        "bidirectional attention (embedding models)",
+    ),
+    "beam": (
+        lambda: T.BeamConfig(
+            **{**_C, "num_hidden_layers": 6},
+            head_dim=16,
+            sliding_window=24,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            mlp_layer_types=["dense"] + ["sparse"] * 5,
+        ),
+        "NoPE full-attention layers (no RoPE parameters for them)",
+    ),
+    "mllama": (
+        lambda: T.MllamaConfig(
+            text_config=dict(
+                **{**_C, "num_hidden_layers": 4}, cross_attention_layers=[1], pad_token_id=0, eos_token_id=1
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_global_layers=1,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vision_output_dim=64,
+                image_size=56,
+                patch_size=14,
+                intermediate_layers_indices=[0],
+            ),
+        ),
+        "cross-attention layers (Llama 3.2 Vision)",
+    ),
     "deepseek_v3": (
         lambda: T.DeepseekV3Config(
             **_C,
@@ -663,6 +720,17 @@ multimodal RoPE, GPT-J's sinusoidal table) and chunked attention (the repair for
   before the routing probe counted calls, its logits were off by ~4.
 - *Attention outside `AttentionInterface`*: Falcon, Bloom; GPT-J before transformers 5.24 (which routes it
   through the interface: served exactly since).
+- *Not causal, or positions not taken from `position_ids`* (a probe of three two-token forwards when the
+  engine is built, `check_causal_positions`): bidirectional encoders (BERT / ELECTRA without
+  `is_decoder=True`, Gemma 3 / Gemma 4 unified text with `use_bidirectional_attention`), whose first token's
+  logits change with the token after it, and the BART-family decoders (`BartForCausalLM`, mBART, Marian,
+  Pegasus, PLBart, Blenderbot, Blenderbot-small, BigBird-Pegasus), which count positions from their cache and
+  ignore the `position_ids` the packed forward passes. Served before the probe, both were wrong (logits off
+  by 0.9-4 with nothing cached; BART's every cached prefix, decode step and batched request).
+- *Cross-attention layers*: Mllama (Llama 3.2 Vision), whose cross-attention layers keep no keys/values for a
+  text prompt (was a bare `AttributeError` when the engine was built).
+- *No transformers `Cache` at all*: OpenAI GPT, XLNet, Reformer (their forwards take no cache argument, or
+  a `cache` of their own type).
 
 **Served with a capped context**: LongRoPE models (Phi-3-128k, Phi-3.5) up to their
 `original_max_position_embeddings`. LongRoPE takes its short or long frequencies from the longest position of
@@ -685,6 +753,15 @@ plain keys/values: dots3's `indexed_attention`, a sparse-attention indexer's key
 Compass and dots3, first left unchecked because the generic tiny config did not run in plain transformers,
 were checked with configs that do (Cohere Compass needs `rope_parameters` per layer type, dots3 as many KV
 heads as query heads).
+
+A second sweep (2026-11-29, transformers 5.24, 139 variants of the 123 causal-LM model types the table
+still lacked, the same checks) found 53 served exactly, 58 declined and 14 wrong or crashing, all fixed
+since: the BART family and the bidirectional configs are declined by the causal / position probe (rows
+`bart`, `bert`, `gemma3-bidirectional`), Mllama's cross-attention layers are declined (row `mllama`), and
+Beam, whose full-attention layers carry no RoPE parameters, no longer crashes the key re-rotation's set-up
+and is served exactly (row `beam`). Ernie with `is_decoder=True` and the RoBERTa family stay declined: their
+forwards annotate `cache` as a list of tensors, and RoBERTa's own forward and `generate` take different
+positions.
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;

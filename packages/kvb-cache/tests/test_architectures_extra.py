@@ -249,6 +249,24 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
         torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5, msg=f"layer {layer}")
 
 
+def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
+    """Beam's full-attention layers have no RoPE parameters (``rope_parameters["full_attention"] = None``):
+    building the engine raised a bare AttributeError while reading them."""
+    config = T.BeamConfig(
+        **{**_SMALL, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=24,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 5,
+    )
+    _assert_served_exactly(_build(config), tokenizer, solo=12, batched=10)
+
+
 @pytest.mark.parametrize(
     ("make_config", "match"),
     [
@@ -270,14 +288,78 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
         # Its own recurrent state object, no transformers Cache at all.
         (
             lambda: T.RwkvConfig(**_SSM, attention_hidden_size=32, intermediate_size=64, context_length=128),
-            "own recurrent state",
+            "keeps no transformers Cache",
         ),
         # The mask is computed inside the attention module from every cached token's values.
         (lambda: T.DogeConfig(**_SMALL, keep_window_size=24), "builds its own attention mask"),
         # Differential attention: two attention calls per layer, one per half of the values.
         (lambda: T.DiffLlamaConfig(**_SMALL), "calls attention 2 times in one forward of layer 0"),
+        # No cache of any kind (was told "recurrent state").
+        (
+            lambda: T.OpenAIGPTConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB),
+            "takes no `past_key_values`",
+        ),
+        # BartForCausalLM counts positions from its cache: served, every cached prefix, decode step and
+        # batched request was wrong (logits off by up to 6.7).
+        (
+            lambda: T.BartConfig(
+                d_model=64,
+                decoder_layers=2,
+                encoder_layers=2,
+                decoder_attention_heads=4,
+                encoder_attention_heads=4,
+                decoder_ffn_dim=128,
+                encoder_ffn_dim=128,
+                vocab_size=VOCAB,
+                init_std=0.2,
+            ),
+            "ignores the position_ids",
+        ),
+        # Bidirectional encoders served with causal attention: logits off by 0.9-4 with nothing cached.
+        (
+            lambda: T.BertConfig(**{k: v for k, v in _SMALL.items() if k != "num_key_value_heads"}),
+            "bidirectionally",
+        ),
+        (
+            lambda: T.Gemma3TextConfig(**_SMALL, head_dim=16, use_bidirectional_attention=True),
+            "bidirectionally",
+        ),
+        # Cross-attention layers keep no keys for a text prompt (was a bare AttributeError).
+        (
+            lambda: T.MllamaConfig(
+                text_config=dict(
+                    **{**_SMALL, "num_hidden_layers": 4},
+                    cross_attention_layers=[1],
+                    pad_token_id=0,
+                    eos_token_id=1,
+                ),
+                vision_config=dict(
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_global_layers=1,
+                    num_attention_heads=2,
+                    intermediate_size=64,
+                    vision_output_dim=64,
+                    image_size=56,
+                    patch_size=14,
+                    intermediate_layers_indices=[0],
+                ),
+            ),
+            "keep no keys/values",
+        ),
     ],
-    ids=["mamba", "falcon-h1-hybrid", "rwkv", "doge", "diffllama"],
+    ids=[
+        "mamba",
+        "falcon-h1-hybrid",
+        "rwkv",
+        "doge",
+        "diffllama",
+        "openai-gpt",
+        "bart",
+        "bert",
+        "gemma3-bidirectional",
+        "mllama",
+    ],
 )
 def test_models_the_pool_cannot_serve_are_declined(make_config, match, tokenizer):
     """Served anyway, these crashed when the engine was built (RWKV) or gave wrong

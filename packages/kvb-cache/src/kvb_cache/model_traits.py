@@ -108,10 +108,17 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         )
     params = inspect.signature(model.forward).parameters
     if cache_argument(model) is None:
+        cache = params.get("cache")
+        held = (
+            f"its `cache` argument is {getattr(cache.annotation, '__name__', None) or cache.annotation}, not a "
+            "transformers Cache"
+            if cache is not None
+            else "its forward takes no `past_key_values` / `cache`"
+        )
         raise UnsupportedModelError(
-            f"{name} keeps its own recurrent state instead of a transformers Cache (RWKV's `state`, xLSTM's "
-            "`cache_params`: its forward takes no `past_key_values` / `cache`): a fixed-size summary of the whole prefix, "
-            "not per-token keys/values, so a cached prefix cannot be reused block by block."
+            f"{name} keeps no transformers Cache of per-token keys/values ({held}): either a recurrent state "
+            "of the whole prefix (RWKV, xLSTM) or no cache at all (OpenAI-GPT, XLNet, Reformer's own), so a "
+            "cached prefix cannot be reused block by block."
         )
     unsupported = sorted(set(layer_types) - _KV_LAYER_TYPES)
     if unsupported:

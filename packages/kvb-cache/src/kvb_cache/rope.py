@@ -107,7 +107,9 @@ def _partial_factors(config, per_type: bool) -> dict[str | None, float]:
         return 1.0 if p.get("rope_type") == "proportional" else float(p.get("partial_rotary_factor", default))
 
     if per_type:
-        return {kind: factor(p) for kind, p in params.items()}
+        # A layer type without parameters has no RoPE (Beam's full-attention layers): its layers are found
+        # to be NoPE by their keys (``_nope_layers``) and never rotated.
+        return {kind: factor(p) for kind, p in params.items() if p is not None}
     return {None: factor(params)}
 
 

@@ -117,3 +117,56 @@ def check_attention_routing(
                 f"{got[0]} heads x {got[1]}/{got[2]}), e.g. the compressed latent of multi-head latent "
                 "attention; KVBoost's pool stores per-head keys and values and cannot serve it"
             )
+
+
+#: A causal model's first position does not see the token after it: its logits move by float noise at most
+#: (none, as a rule: same shapes, same kernels); a bidirectional one's move by a good part of their scale.
+CAUSAL_TOLERANCE = 1e-2
+
+
+def check_causal_positions(model: PreTrainedModel) -> None:
+    """Raise :class:`UnsupportedModelError` unless the model is causal and takes its positions from
+    ``position_ids``, as the engine's packed forwards need (they pass no cache, so a model counting positions
+    from its cache length would restart every request's positions at 0).
+
+    Three two-token forwards without a cache: ``[a, b]`` and ``[a, c]`` at positions ``[0, 1]`` (the first
+    token's logits must not depend on the second: a bidirectional encoder's do), and ``[a, b]`` at ``[0, 2]``
+    (the last token's logits must move with its position: BART-family decoders' do not, they count
+    positions from the cache). A model with fewer than 3 positions is not probed for the second.
+    """
+    name = type(model).__name__
+    config = model.config.get_text_config(decoder=True)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 4:
+        return
+    pad = getattr(config, "pad_token_id", None)
+    a, b, c = [t for t in (1, 2, 3, 4) if t != pad][:3]
+    device = model.device
+
+    def logits(ids: list[int], positions: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                use_cache=False,
+            )
+        return out.logits[0].float()
+
+    first = logits([a, b], [0, 1])
+    other = logits([a, c], [0, 1])
+    scale = float(first[0].abs().max().clamp(min=1.0))
+    if float((first[0] - other[0]).abs().max()) > CAUSAL_TOLERANCE * scale:
+        raise UnsupportedModelError(
+            f"{name} attends bidirectionally (a token's output depends on the tokens after it: an encoder "
+            "such as BERT without is_decoder=True, or a config with use_bidirectional_attention); KVBoost "
+            "serves causal LMs, whose cached prefix does not change as the prompt goes on"
+        )
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and limit < 3:
+        return
+    if torch.equal(first[1], logits([a, b], [0, 2])[1]):
+        raise UnsupportedModelError(
+            f"{name} ignores the position_ids it is passed (it counts positions from its cache, as BART-family "
+            "decoders do); KVBoost's packed forwards pass positions explicitly and no cache, so every request's "
+            "positions would restart at 0"
+        )

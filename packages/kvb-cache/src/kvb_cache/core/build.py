@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from kvb_cache.config import EngineConfig
-from kvb_cache.core.attention_routing import check_attention_routing
+from kvb_cache.core.attention_routing import check_attention_routing, check_causal_positions
 from kvb_cache.core.block_pool import BlockPool
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_manager import KVCacheManager
@@ -69,6 +69,7 @@ def build_loop(
             "of its layers compute their own; KVBoost cannot tell which layers its pool should hold"
         )
     check_attention_routing(model, shapes, sources)
+    check_causal_positions(model)
     if len(shapes) < len(sources):
         logger.info(
             "%s: layers %d-%d attend to earlier layers' keys/values; the KV pool holds the other %d layers",

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
-from kvb_cache.errors import ConfigError, KVBoostError, ModelLoadError
+from kvb_cache.errors import ConfigError, KVBoostError, ModelLoadError, UnsupportedModelError
 from kvb_cache.kv_sharing import own_kv_layers
 
 
@@ -42,6 +42,13 @@ def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
             f"{type(model).__name__} failed a one-token forward ({type(exc).__name__}: {first}); the "
             "checkpoint does not run as loaded (try model(input_ids=...) in transformers)"
         ) from exc
+    empty = [i for i, layer in enumerate(own_kv_layers(cache)) if getattr(layer, "keys", None) is None]
+    if empty:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s layers {empty[:4]}{'...' if len(empty) > 4 else ''} keep no keys/values "
+            "for the prompt's tokens (cross-attention layers, which attend to an image's states, as in Mllama); "
+            "KVBoost's pool holds per-token keys/values of self-attention layers only"
+        )
     return tuple(
         LayerShape(
             kv_heads=layer.keys.shape[1],
