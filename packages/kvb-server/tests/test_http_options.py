@@ -92,6 +92,26 @@ def test_disable_fastapi_docs_hides_the_docs_pages(tiny_engine) -> None:
         assert httpx.get(url + "/v1/models").status_code == 200
 
 
+def test_keep_alive_timeout_from_the_flag_or_vllms_variable(monkeypatch) -> None:
+    """uvicorn's 5 s keep-alive could not be changed: behind a load balancer that keeps idle connections
+    longer (AWS ALB: 60 s), requests sent on connections the server was closing got 502s."""
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    assert "timeout_keep_alive" not in uvicorn_options(build_parser().parse_args([]))
+    assert (
+        uvicorn_options(build_parser().parse_args(["--timeout-keep-alive", "75"]))["timeout_keep_alive"] == 75
+    )
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "300")
+    assert uvicorn_options(build_parser().parse_args([]))["timeout_keep_alive"] == 300
+    assert (
+        uvicorn_options(build_parser().parse_args(["--timeout-keep-alive", "9"]))["timeout_keep_alive"] == 9
+    )
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "soon")
+    with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        uvicorn_options(build_parser().parse_args([]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--timeout-keep-alive", "0"])
+
+
 def test_root_path_and_access_log_reach_uvicorn() -> None:
     args = build_parser().parse_args(["--root-path", "/llm/", "--disable-uvicorn-access-log"])
     assert uvicorn_options(args) == {"root_path": "/llm", "access_log": False, "log_level": "info"}

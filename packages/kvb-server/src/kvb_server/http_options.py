@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
+
+from kvb_cache.options import positive_int
+
+#: vLLM's variable for the keep-alive timeout (it has no flag); ``--timeout-keep-alive`` wins over it.
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +128,15 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
         help="the path prefix a reverse proxy serves this server under (e.g. /llm), for /docs and URLs; "
         "the proxy strips it before forwarding",
     )
+    http.add_argument(
+        "--timeout-keep-alive",
+        type=positive_int,
+        default=None,
+        metavar="SECONDS",
+        help=f"close an idle keep-alive connection after this many seconds (uvicorn's flag; default: "
+        f"${KEEP_ALIVE_ENV}, vLLM's variable, else 5); behind a load balancer, set it above the balancer's "
+        "idle timeout",
+    )
     http.add_argument("--ssl-keyfile", type=Path, default=None, metavar="FILE", help="TLS private key (PEM)")
     http.add_argument(
         "--ssl-certfile",
@@ -188,6 +203,16 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """
     options: dict[str, Any] = {"access_log": False} if args.disable_uvicorn_access_log else {}
     options["log_level"] = args.uvicorn_log_level or args.log_level
+    keep_alive = args.timeout_keep_alive
+    if keep_alive is None and os.environ.get(KEEP_ALIVE_ENV, "").strip():
+        try:
+            keep_alive = positive_int(os.environ[KEEP_ALIVE_ENV].strip())
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"${KEEP_ALIVE_ENV}: {exc} (seconds)") from None
+    if keep_alive is not None:
+        # NOTE: a load balancer keeping idle connections longer than the server (AWS ALB: 60 s; uvicorn: 5 s)
+        # sends requests on connections the server is closing and answers them 502.
+        options["timeout_keep_alive"] = keep_alive
     if args.root_path is not None:
         if not args.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', e.g. /llm; got {args.root_path!r}")
