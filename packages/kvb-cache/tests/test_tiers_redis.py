@@ -161,6 +161,19 @@ def test_outage_warning_and_status_never_show_the_password(url, caplog):
     assert tier.url == url  # the connection itself still uses the real one
 
 
+def test_an_unreachable_redis_is_reported_when_the_engine_is_built(caplog):
+    """A wrong port or password showed only at the first request (a failed lookup); now one warning when the
+    tiers are built, the password masked, and the engine starts."""
+    from kvb_cache.tiers.factory import lower_tiers
+
+    url = f"redis://:s3cret@127.0.0.1:{_free_port()}/0"
+    config = EngineConfig(tiers=TierConfig(remote_url=url, remote_timeout_s=0.5))
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.remote"):
+        (remote,) = lower_tiers(config, fingerprint=FINGERPRINT)
+    assert "PING" in caplog.text and "***@127.0.0.1" in caplog.text and "s3cret" not in caplog.text
+    assert remote.tier.stats().errors == 1
+
+
 @pytest.mark.parametrize("timeout", [None, "2", True, float("inf"), float("nan"), 0, -1.0])
 def test_remote_timeout_must_be_a_finite_positive_number(timeout):
     # None and "2" raised a bare TypeError; inf passed and every Redis call then raised OverflowError.

@@ -72,6 +72,7 @@ def lower_tiers(config: EngineConfig, *, fingerprint: str) -> list[LowerTier]:
             ttl_s=tiers.remote_ttl_s,
             timeout_s=tiers.remote_timeout_s,
         )
+        remote.check_reachable()
         remote_codec = codec_from_name(tiers.remote_codec) if tiers.remote_codec else codec
         lower.append(LowerTier(tier=remote, format=RecordFormat(fingerprint=fingerprint, codec=remote_codec)))
     return lower

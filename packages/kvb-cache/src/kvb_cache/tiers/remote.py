@@ -229,7 +229,18 @@ class RedisTier(RecordTier):
                 logger.debug("Redis counters %s not sent at close: %s", self.prefix + STATS_SUFFIX, exc)
         self._client.close()
 
-    # ------------------------------------------------------------------ diagnostics (CLI)
+    # ------------------------------------------------------------------ diagnostics
+    def check_reachable(self) -> bool:
+        """PING once, when the engine is built: a Redis that does not answer (down, a wrong password, a
+        wrong port) is reported then, as an outage (one warning, skipped for ``retry_after_s``), not at the
+        first request. The engine starts either way."""
+        try:
+            self._client.ping()
+        except self._errors as exc:
+            self._failed("PING", exc)
+            return False
+        return True
+
     def ping_ms(self) -> float | None:
         """Round-trip time of a PING in milliseconds, or None when Redis did not answer it (why in
         :attr:`ping_error`)."""
