@@ -346,6 +346,34 @@ def test_a_process_reading_a_shared_folder_keeps_its_budget_and_counts_only_its_
     assert len(list((tmp_path / FINGERPRINT[:32]).rglob("*.kvb"))) == 3
 
 
+def test_a_disk_full_before_the_budget_evicts_the_oldest_records_to_store(tmp_path, monkeypatch):
+    """Other files filled the disk before the tier reached its budget: stores paused, retried, paused again,
+    and the cache froze with its oldest records in place. The oldest records now make way (twice the new
+    record's size), and the store goes through."""
+    import errno
+    from pathlib import Path
+
+    entries = chain(4)
+    tier = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in entries[:3]:
+        assert tier.put(e.key, record(e))
+    real = Path.write_bytes
+    failures = iter([OSError(errno.ENOSPC, "No space left on device")])
+
+    def full_once(self, data):
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_once)
+    assert tier.put(entries[3].key, record(entries[3]))
+    stats = tier.stats()
+    assert stats.evictions == 2 and stats.errors == 1 and stats.entries == 2
+    assert tier.get(entries[0].key) is None and tier.get(entries[3].key) is not None
+    assert tier.put(chain(1, tag=9)[0].key, b"x" * 10)  # not paused
+
+
 def test_clear_drops_records_another_process_wrote_after_the_scan(tmp_path):
     # reset_cache(lower_tiers=True) cleared only the files this tier had indexed: a record another process
     # wrote into the shared folder afterwards survived and the next engine was served it.

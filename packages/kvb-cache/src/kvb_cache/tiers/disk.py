@@ -26,6 +26,9 @@ _STATS_INTERVAL_S = 5.0
 # this long before the next try (one warning each time, not one per block).
 _FULL_PAUSE_S = 30.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+#: Errors eviction can help with (no space, quota), and how many records' worth a failed store frees first.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+_ROOM_RECORDS = 2
 # A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
 _STALE_TMP_S = 600.0
 
@@ -132,6 +135,9 @@ class DiskTier(RecordTier):
             os.close(fd)
 
     def put(self, key: ChunkHash, record: bytes) -> bool:
+        return self._put(key, record, retry=True)
+
+    def _put(self, key: ChunkHash, record: bytes, *, retry: bool) -> bool:
         index = self._loaded()
         name = key.hex()
         with self._lock:
@@ -155,6 +161,10 @@ class DiskTier(RecordTier):
             # a traceback per block from the writer thread.
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+            if retry and exc.errno in _NO_SPACE and self._make_room(_ROOM_RECORDS * len(record)):
+                # The disk filled up before the tier reached its budget (other files share it): the
+                # oldest records make way, as the budget would have had them do; the cache froze before.
+                return self._put(key, record, retry=False)
             if exc.errno in _FULL_ERRNOS:
                 # NOTE: one warning per pause, not one per block: a full disk would otherwise log every
                 # write behind every request. Reads go on; stores retry after the pause.
@@ -292,6 +302,18 @@ class DiskTier(RecordTier):
         size = self._index.pop(name, None) if self._index is not None else None
         if size is not None:
             self._bytes -= size
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict the least recently used records until ``nbytes`` are freed; whether any was removed."""
+        freed = 0
+        with self._lock:
+            while freed < nbytes and self._index:
+                name, size = self._index.popitem(last=False)
+                self._bytes -= size
+                if self._unlink(self._file(name)):
+                    freed += size
+                    self.counters.add("evictions")
+        return freed > 0
 
     def _evict_over_budget(self) -> None:
         while self._bytes > self.max_bytes and self._index:
