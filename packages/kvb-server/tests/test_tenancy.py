@@ -112,6 +112,15 @@ def test_tenant_keys_require_auth_and_salts_cannot_be_forged(fake: FakeEngine, t
     assert fake.added == []
 
 
+def test_stats_are_the_operators_when_an_operator_key_is_set(fake: FakeEngine, tenants: str) -> None:
+    """/v1/stats carries every tenant's traffic (the planner's last plan names the last prompt's length, the
+    cache counters move by another tenant's cached tokens): tenant keys get 403, as on the cache reset."""
+    url = tenants
+    resp = httpx.get(url + "/v1/stats", headers=bearer("key-a"))
+    assert_openai_error(resp, 403, code="permission_denied")
+    assert httpx.get(url + "/v1/stats", headers=bearer("operator")).status_code == 200
+
+
 def test_tenants_share_no_cached_prefix_on_the_real_engine() -> None:
     """Same prompt: another tenant gets no hit; the same tenant (and the same body salt) a full one."""
     config = ServerConfig(

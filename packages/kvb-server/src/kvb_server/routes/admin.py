@@ -72,7 +72,9 @@ def admin_router(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @v1.get("/stats", responses=responses(errors=(401,)))
+    # NOTE: the operator's, as the reset is: the stats carry every tenant's traffic (the planner's last plan
+    # names the last request's prompt length, the cache counters move by another tenant's cached tokens).
+    @v1.get("/stats", responses=responses(errors=(401, 403)), dependencies=[Depends(keys.operator)])
     async def stats() -> dict[str, Any]:
         cache = await engine_cache_stats(engine, worker, min(STATS_TIMEOUT_S, config.request_timeout_s))
         sampling = {
