@@ -107,6 +107,20 @@ def test_tiers_and_stitching_contradiction():
         EngineArgs(chunk_size=0).engine_config()
 
 
+def test_remote_ttl_reaches_the_redis_tier_from_the_flag():
+    """docs/tiers.md advises a TTL with volatile-lru; it could be set through TierConfig only (no flag, no
+    from_pretrained keyword)."""
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    ns = parser.parse_args(["--remote-url", "redis://127.0.0.1:6379/0", "--remote-ttl", "3600"])
+    tiers = from_namespace(EngineArgs, ns).tier_config()
+    assert tiers is not None and tiers.remote_ttl_s == 3600
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--remote-ttl", "0"])
+    with pytest.raises(ConfigError, match="remote_ttl_s only applies with a remote_url"):
+        EngineArgs(remote_ttl_s=60).tier_config()
+
+
 def test_other_groups_share_sections_and_the_docs_table():
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Extra:

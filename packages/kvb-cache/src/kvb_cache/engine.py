@@ -179,6 +179,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
         remote_url: str | None = None,
         remote_codec: str | None = None,
+        remote_ttl_s: int | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,
@@ -216,6 +217,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             remote_url: ``redis://host:port/db`` of a Redis shared by engine processes
                 (``pip install "kvb-cache[redis]"``); None: no remote tier.
             remote_codec: ``"absmax8"`` to send Redis records through the int8 wire codec (lossy).
+            remote_ttl_s: expire Redis records after this many seconds (None: no TTL).
             stitching: reuse chunks cached after a *different* history too (approximate; see
                 :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
             recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:

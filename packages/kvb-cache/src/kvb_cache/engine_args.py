@@ -200,6 +200,15 @@ class EngineArgs:
         choices=("absmax8",),
         help="send Redis records through the int8 wire codec (lossy; records 0.57x the bytes of fp16 KV, 0.28x of fp32); unset: as in RAM",
     )
+    remote_ttl_s: int | None = option(
+        None,
+        group="cache",
+        flag="--remote-ttl",
+        metavar="SECONDS",
+        parse=positive_int,
+        help="expire Redis records after this many seconds; with Redis' maxmemory-policy volatile-lru only "
+        "records are evicted, never the shared counters hash (only with --remote-url); unset: no TTL",
+    )
     exit_flush_timeout_s: float = option(
         10.0,
         group="cache",
@@ -315,6 +324,7 @@ class EngineArgs:
             disk_cache_bytes=self.disk_cache_bytes,
             remote_url=self.remote_url,
             remote_codec=self.remote_codec,
+            remote_ttl_s=self.remote_ttl_s,
             exit_flush_timeout_s=self.exit_flush_timeout_s,
         )
         return tiers if tiers.enabled else None

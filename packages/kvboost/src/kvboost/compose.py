@@ -63,6 +63,7 @@ class KVBoost(_Engine):
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
         remote_url: str | None = None,
         remote_codec: str | None = None,
+        remote_ttl_s: int | None = None,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,

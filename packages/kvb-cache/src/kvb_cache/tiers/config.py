@@ -73,6 +73,8 @@ class TierConfig:
             codec_from_name(self.remote_codec)  # an unknown name fails here, not when an engine is built
         if self.remote_codec is not None and self.remote_url is None:
             raise ConfigError("remote_codec only applies with a remote_url; set both or neither")
+        if self.remote_ttl_s is not None and self.remote_url is None:
+            raise ConfigError("remote_ttl_s only applies with a remote_url; set both or neither")
         if self.remote_ttl_s is not None and (
             not isinstance(self.remote_ttl_s, int) or self.remote_ttl_s < 1
         ):

@@ -308,7 +308,8 @@ class RedisTier(RecordTier):
             self._refusal_logged = True
             logger.warning(
                 "Redis at %s refused a write (%s); records are not stored until it takes writes again, "
-                "reads go on (a full Redis: set maxmemory-policy allkeys-lru, or a larger maxmemory)",
+                "reads go on (a full Redis: give records a TTL, --remote-ttl, and set maxmemory-policy volatile-lru; or "
+                "allkeys-lru; or a larger maxmemory)",
                 self._shown_url,
                 exc,
             )
