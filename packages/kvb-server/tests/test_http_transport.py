@@ -160,32 +160,65 @@ def _raw_head(url: str, head: str) -> bytes:
     return reply
 
 
+def _expecting(method: str, path: str, length: int, content_type: str = "application/json") -> str:
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+        f"Expect: 100-continue\r\nContent-Length: {length}\r\n\r\n"
+    )
+
+
 def test_refusals_before_the_body_is_read_close_the_connection(fake_url) -> None:
-    """A 413 on the declared length, a 401 and a 415 answer before the body is read: without ``Connection:
-    close`` a client that withholds its body (``Expect: 100-continue``) had its next request on the
-    connection read as that body, and hung."""
+    """A 413 on the declared length, a 415, a 404 or 405 from the router answer before the body is read:
+    without ``Connection: close`` a client that withholds its body (``Expect: 100-continue``) had its next
+    request on the connection read as that body, and hung."""
     _, url = fake_url
-    for head in (
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        "Expect: 100-continue\r\nContent-Length: 10000000\r\n\r\n",
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-        "Expect: 100-continue\r\nContent-Length: 100\r\n\r\n",
+    for head, status in (
+        (_expecting("POST", "/v1/completions", 10_000_000), b"413"),
+        (_expecting("POST", "/v1/completions", 100, "text/plain"), b"415"),
+        (_expecting("POST", "/v1/embeddings", 100), b"404"),
+        (_expecting("PUT", "/v1/completions", 100), b"405"),
     ):
         reply = _raw_head(url, head)
-        assert reply.startswith((b"HTTP/1.1 413", b"HTTP/1.1 415")), reply[:100]
+        assert reply.startswith(b"HTTP/1.1 " + status), reply[:100]
         assert b"connection: close" in reply.lower()
+    # A request whose body was read keeps its connection.
+    with httpx.Client() as client:
+        resp = client.post(url + "/v1/completions", json=BODY)
+        assert resp.status_code == 200 and resp.headers.get("connection") != "close"
 
 
-def test_a_401_closes_the_connection() -> None:
+def test_a_401_and_a_tenants_403_close_the_connection() -> None:
     from conftest import serve
 
-    with serve(create_app(FakeEngine(), ServerConfig(model_names=(MODEL,), api_key="k"))) as url:
-        reply = _raw_head(
+    from kvb_server.config import TenantKey
+
+    config = ServerConfig(model_names=(MODEL,), api_key="k", tenant_keys=(TenantKey(key="t", salt="s"),))
+    with serve(create_app(FakeEngine(), config)) as url:
+        unauthorized = _raw_head(url, _expecting("POST", "/v1/completions", 100))
+        tenant = _raw_head(
             url,
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            "Expect: 100-continue\r\nContent-Length: 100\r\n\r\n",
+            "POST /v1/cache/reset HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n"
+            "Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: 20\r\n\r\n",
         )
-    assert reply.startswith(b"HTTP/1.1 401") and b"connection: close" in reply.lower()
+    assert unauthorized.startswith(b"HTTP/1.1 401") and b"connection: close" in unauthorized.lower()
+    assert tenant.startswith(b"HTTP/1.1 403") and b"connection: close" in tenant.lower()
+
+
+def test_an_unexpected_error_carries_the_request_id(caplog) -> None:
+    """Starlette answers an unhandled error outside the request-id middleware: the 500 had no x-request-id
+    and its log line said None."""
+    from conftest import serve
+
+    app = create_app(FakeEngine(), ServerConfig(model_names=(MODEL,)))
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    app.add_api_route("/boom", boom)
+    with caplog.at_level("ERROR", logger="kvb_server.app"), serve(app) as url:
+        resp = httpx.get(url + "/boom", headers={"x-request-id": "trace-9"})
+    assert resp.status_code == 500 and resp.headers["x-request-id"] == "trace-9"
+    assert "x-request-id trace-9" in caplog.text
 
 
 @pytest.mark.parametrize("key", ["kéy", "a key", "k\x01"])

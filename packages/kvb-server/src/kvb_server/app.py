@@ -23,7 +23,7 @@ from kvb_server.errors import AuthenticationError, InvalidParameterError, Server
 from kvb_server.gate import AdmitAll, RequestGate
 from kvb_server.metrics import ServerMetrics
 from kvb_server.openapi import install_openapi
-from kvb_server.request_id import CURRENT, RequestIdMiddleware
+from kvb_server.request_id import RequestIdMiddleware
 from kvb_server.responses_api.objects import (
     DeletedResponse,
     InputItemList,
@@ -53,6 +53,7 @@ from kvb_server.schemas.tokenize import (
 from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter
 from kvb_server.tenancy import ApiKeys
+from kvb_server.unread_body import CloseOnUnreadBody
 from kvb_server.unserved_routes import not_found_message
 from kvb_server.worker import EngineWorker
 
@@ -121,9 +122,6 @@ def _error_response(exc: ServerError) -> JSONResponse:
     headers = dict(exc.headers or {})
     if isinstance(exc, AuthenticationError):
         headers["WWW-Authenticate"] = "Bearer"
-        # Refused before the body was read (a dependency): close, or a client that sent
-        # `Expect: 100-continue` and withholds its body has its next request read as that body.
-        headers["Connection"] = "close"
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers or None)
 
 
@@ -173,6 +171,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     app = FastAPI(title="KVBoost OpenAI-compatible server", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(CrossOriginGuard, allowed_origins=config.cors.allowed_origins)
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.add_middleware(CloseOnUnreadBody)
     app.add_middleware(RequestIdMiddleware)
     config.cors.install(app)  # added last: outermost
     open_routes, admin_v1 = admin_router(
@@ -258,9 +257,12 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s (x-request-id %s)", request.scope["path"], CURRENT.get())
+        rid = getattr(request.state, "request_id", None)
+        logger.exception("unhandled error on %s (x-request-id %s)", request.scope["path"], rid)
         return JSONResponse(
-            ServerError(f"Internal server error: {type(exc).__name__}").body(), status_code=500
+            ServerError(f"Internal server error: {type(exc).__name__}").body(),
+            status_code=500,
+            headers={"x-request-id": rid} if rid else None,
         )
 
     return app

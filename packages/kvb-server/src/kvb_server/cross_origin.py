@@ -79,6 +79,5 @@ class CrossOriginGuard:
             f"--allowed-origins '[\"{text}\"]' to let pages from it use this server."
         )
         error.code = "cross_origin_refused"
-        # The body may not have been read: close rather than read the next request from its remains.
-        response = JSONResponse(error.body(), status_code=error.status_code, headers={"Connection": "close"})
+        response = JSONResponse(error.body(), status_code=error.status_code)
         await response(scope, receive, send)

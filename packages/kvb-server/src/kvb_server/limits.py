@@ -49,11 +49,6 @@ class BodyTooLargeError(RequestTooLargeError):
         self.code = "body_too_large"
 
 
-#: Headers an early refusal (before the body is read) carries: a client that sent ``Expect: 100-continue``
-#: withholds its body, and a connection kept open would read the client's next request as that body.
-CLOSE = {"Connection": "close"}
-
-
 def check_content_headers(request: Request) -> None:
     """Refuse (415) a body that is not JSON by its ``Content-Type`` or that is compressed.
 
@@ -72,19 +67,15 @@ def check_content_headers(request: Request) -> None:
         if not (
             media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
         ):
-            error = UnsupportedMediaTypeError(
+            raise UnsupportedMediaTypeError(
                 f"Content-Type {content_type!r} is not JSON: send the body as JSON with "
                 "'Content-Type: application/json'."
             )
-            error.headers = CLOSE
-            raise error
     encoding = request.headers.get("content-encoding")
     if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-        error = UnsupportedMediaTypeError(
+        raise UnsupportedMediaTypeError(
             f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed."
         )
-        error.headers = CLOSE
-        raise error
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -100,9 +91,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        error = BodyTooLargeError(max_bytes)
-        error.headers = CLOSE  # nothing was read (a client may be waiting on Expect: 100-continue)
-        raise error
+        raise BodyTooLargeError(max_bytes)  # unread: kvb_server.unread_body closes the connection
     body = bytearray()
     stream = request.stream()
     async for chunk in stream:

@@ -45,6 +45,9 @@ class RequestIdMiddleware:
         text = request_id(scope)
         rid = text.encode("ascii")
         token = CURRENT.set(text)
+        # Also on the scope's state (``request.state.request_id``): an unexpected error is answered by
+        # Starlette's outermost error middleware, outside this one, after CURRENT is reset.
+        scope.setdefault("state", {})["request_id"] = text
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
