@@ -748,20 +748,22 @@ calling attention more than once per layer (served, they were off by ~4 and 0.01
 (among them ExaONE and ExaONE-MoE, GLM, OLMo, Granite SWA, Hunyuan v1 MoE and v3, InternLM 3, Persimmon, VaultGemma,
 FlexOlmo, Cohere 2 MoE, Cohere Compass, CodeGen, GPTBigCode, CTRL, BioGPT), 28 declined with one of the reasons above (MLA:
 MiniCPM3, Youtu, DeepSeek-V3.2/V4; recurrent or hybrid layers: Qwen3.5, Zaya, Bailing hybrid, OLMo hybrid,
-LFM2-MoE, LFM3; attention outside the interface: GPT-Neo, MPT, XGLM, OpenAI GPT; layers whose cache is not
+LFM2-MoE, LFM3; attention outside the interface: GPT-Neo, MPT, XGLM; no transformers `Cache`: OpenAI GPT; layers whose cache is not
 plain keys/values: dots3's `indexed_attention`, a sparse-attention indexer's keys beside them; ...). Cohere
 Compass and dots3, first left unchecked because the generic tiny config did not run in plain transformers,
 were checked with configs that do (Cohere Compass needs `rope_parameters` per layer type, dots3 as many KV
 heads as query heads).
 
 A second sweep (2026-11-29, transformers 5.24, 139 variants of the 123 causal-LM model types the table
-still lacked, the same checks) found 53 served exactly, 58 declined and 14 wrong or crashing, all fixed
-since: the BART family and the bidirectional configs are declined by the causal / position probe (rows
+still lacked, the same checks; per variant in
+[architectures_sweep_2026-11-29.md](architectures_sweep_2026-11-29.md)) found 53 served exactly, 58
+declined, 14 wrong or crashing and 14 whose generic tiny config does not run in plain transformers; the 14
+wrong or crashing are fixed since: the BART family and the bidirectional configs are declined by the causal / position probe (rows
 `bart`, `bert`, `gemma3-bidirectional`), Mllama's cross-attention layers are declined (row `mllama`), and
 Beam, whose full-attention layers carry no RoPE parameters, no longer crashes the key re-rotation's set-up
-and is served exactly (row `beam`). Ernie with `is_decoder=True` and the RoBERTa family stay declined: their
-forwards annotate `cache` as a list of tensors, and RoBERTa's own forward and `generate` take different
-positions.
+and is served exactly (row `beam`). Ernie with `is_decoder=True` and the RoBERTa family stay declined:
+their forwards annotate `cache` as a list of tensors (Ernie) or a tuple of tuples (RoBERTa), not a
+transformers `Cache`, and RoBERTa's own forward and `generate` take different positions.
 
 The unit tests cover Llama, Qwen2, Mistral, Gemma 2/3, StableLM, gpt-oss, GPT-NeoX and GPT-2 (exactness,
 batching, stitching), chunked attention (Llama 4), Gemma 4 (dense, 31B-style, MoE: exactness and batching;
