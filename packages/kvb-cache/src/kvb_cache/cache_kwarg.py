@@ -40,7 +40,7 @@ def _takes_any_cache(annotation: object) -> bool:
 
 def cache_argument(module: torch.nn.Module) -> str | None:
     """``"cache"`` (transformers >= 5.24) or ``"past_key_values"``; None when the forward takes neither (a
-    model that keeps its own recurrent state)."""
+    model that keeps no transformers Cache: a recurrent state of its own, or no cache at all)."""
     return _name_for(type(module))
 
 

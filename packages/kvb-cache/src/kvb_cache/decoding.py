@@ -54,7 +54,8 @@ class SpeculativeDecoder(Protocol):
         next_logits: torch.Tensor,
         processor: TokenProcessor,
     ) -> Iterator[int]:
-        """Yield committed tokens one at a time, indefinitely; the engine closes the iterator when done.
+        """Yield committed tokens one at a time, indefinitely; the engine closes the iterator when the
+        request ends (finished or cancelled) if it has a ``close`` (a generator's ``finally`` runs).
 
         Args:
             model: the target causal LM.

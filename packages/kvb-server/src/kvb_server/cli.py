@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (default: ${API_KEY_ENV}; "
         "unset: no authentication unless tenant keys are given); the operator's key, the only one that may "
-        "reset the cache",
+        "reset the cache or read /v1/stats",
     )
     http.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"

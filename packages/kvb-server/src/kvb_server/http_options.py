@@ -99,8 +99,8 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
         default=(),
         metavar="JSON_LIST",
         help="browser origins answered with CORS headers and served, e.g. '[\"http://localhost:3000\"]' or "
-        "'[\"*\"]' (unset: no CORS headers, and requests from pages of other origins are refused; vLLM's "
-        "default is every origin)",
+        "'[\"*\"]' (unset: no CORS headers, and POST/DELETE requests from pages of other origins are "
+        "refused; vLLM's default is every origin)",
     )
     http.add_argument(
         "--allowed-methods",
