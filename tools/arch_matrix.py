@@ -27,7 +27,17 @@ import transformers as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "kvb-cache" / "tests"))
 from arch_paths import path_problems, paths_table, run_paths  # noqa: E402
-from conftest import MORE_ARCHITECTURES, VOCAB, gemma4_config, make_tokenizer, rag_prompts, words  # noqa: E402
+from conftest import (  # noqa: E402
+    MORE_ARCHITECTURES,
+    VOCAB,
+    bart_config,
+    beam_config,
+    gemma4_config,
+    make_tokenizer,
+    mllama_config,
+    rag_prompts,
+    words,
+)
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig, UnsupportedModelError  # noqa: E402
 from kvb_cache.cache_kwarg import output_cache  # noqa: E402
@@ -446,18 +456,7 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         "ALiBi, attention outside AttentionInterface",
     ),
     "bart": (
-        lambda: T.BartConfig(
-            d_model=64,
-            decoder_layers=2,
-            encoder_layers=2,
-            decoder_attention_heads=4,
-            encoder_attention_heads=4,
-            decoder_ffn_dim=128,
-            encoder_ffn_dim=128,
-            vocab_size=VOCAB,
-            max_position_embeddings=512,
-            init_std=0.2,
-        ),
+        bart_config,
         "decoder counting positions from its cache",
     ),
     "bert": (
@@ -469,37 +468,11 @@ ARCHS: dict[str, tuple[Callable[[], T.PretrainedConfig], str]] = {
         "bidirectional attention (embedding models)",
     ),
     "beam": (
-        lambda: T.BeamConfig(
-            **{**_C, "num_hidden_layers": 6},
-            head_dim=16,
-            sliding_window=24,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            layer_types=["sliding_attention"] * 5 + ["full_attention"],
-            mlp_layer_types=["dense"] + ["sparse"] * 5,
-        ),
+        beam_config,
         "NoPE full-attention layers (no RoPE parameters for them)",
     ),
     "mllama": (
-        lambda: T.MllamaConfig(
-            text_config=dict(
-                **{**_C, "num_hidden_layers": 4}, cross_attention_layers=[1], pad_token_id=0, eos_token_id=1
-            ),
-            vision_config=dict(
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_global_layers=1,
-                num_attention_heads=2,
-                intermediate_size=64,
-                vision_output_dim=64,
-                image_size=56,
-                patch_size=14,
-                intermediate_layers_indices=[0],
-            ),
-        ),
+        mllama_config,
         "cross-attention layers (Llama 3.2 Vision)",
     ),
     "deepseek_v3": (

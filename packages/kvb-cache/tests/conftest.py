@@ -71,6 +71,59 @@ def gemma4_config(**overrides) -> T.Gemma4TextConfig:
     )
 
 
+def bart_config() -> T.BartConfig:
+    """A tiny BART; ``AutoModelForCausalLM`` builds its decoder alone (``BartForCausalLM``), which counts
+    positions from its cache (the engine declines it)."""
+    return T.BartConfig(
+        d_model=64,
+        decoder_layers=2,
+        encoder_layers=2,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        encoder_ffn_dim=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        init_std=0.2,
+    )
+
+
+def beam_config() -> T.BeamConfig:
+    """Beam: five sliding-window layers and a full-attention one without RoPE parameters (NoPE), MoE MLPs."""
+    return T.BeamConfig(
+        **{**_COMMON, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=24,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 5,
+    )
+
+
+def mllama_config() -> T.MllamaConfig:
+    """Llama 3.2 Vision, tiny: four text layers, the second a cross-attention layer (no keys for text)."""
+    return T.MllamaConfig(
+        text_config=dict(
+            **{**_COMMON, "num_hidden_layers": 4}, cross_attention_layers=[1], pad_token_id=0, eos_token_id=1
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vision_output_dim=64,
+            image_size=56,
+            patch_size=14,
+            intermediate_layers_indices=[0],
+        ),
+    )
+
+
 #: More structurally different configs, for the per-path checks (live quantization, hf_bridge, disk tier):
 #: kept out of ``ARCHITECTURES`` so the suites parametrized over it do not grow.
 MORE_ARCHITECTURES = {

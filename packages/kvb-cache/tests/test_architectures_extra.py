@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from conftest import MORE_ARCHITECTURES, VOCAB, gemma4_config, words
+from conftest import MORE_ARCHITECTURES, VOCAB, bart_config, beam_config, gemma4_config, mllama_config, words
 
 from kvb_cache import ContextLengthError, EngineConfig, KVBoost, UnsupportedModelError
 from kvb_cache.cache_kwarg import output_cache
@@ -252,18 +252,7 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
 def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
     """Beam's full-attention layers have no RoPE parameters (``rope_parameters["full_attention"] = None``):
     building the engine raised a bare AttributeError while reading them."""
-    config = T.BeamConfig(
-        **{**_SMALL, "num_hidden_layers": 6},
-        head_dim=16,
-        sliding_window=24,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        mlp_layer_types=["dense"] + ["sparse"] * 5,
-    )
+    config = beam_config()
     _assert_served_exactly(_build(config), tokenizer, solo=12, batched=10)
 
 
@@ -302,17 +291,7 @@ def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
         # BartForCausalLM counts positions from its cache: served, every cached prefix, decode step and
         # batched request was wrong (logits off by up to 6.7).
         (
-            lambda: T.BartConfig(
-                d_model=64,
-                decoder_layers=2,
-                encoder_layers=2,
-                decoder_attention_heads=4,
-                encoder_attention_heads=4,
-                decoder_ffn_dim=128,
-                encoder_ffn_dim=128,
-                vocab_size=VOCAB,
-                init_std=0.2,
-            ),
+            bart_config,
             "ignores the position_ids",
         ),
         # Bidirectional encoders served with causal attention: logits off by 0.9-4 with nothing cached.
@@ -326,25 +305,7 @@ def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
         ),
         # Cross-attention layers keep no keys for a text prompt (was a bare AttributeError).
         (
-            lambda: T.MllamaConfig(
-                text_config=dict(
-                    **{**_SMALL, "num_hidden_layers": 4},
-                    cross_attention_layers=[1],
-                    pad_token_id=0,
-                    eos_token_id=1,
-                ),
-                vision_config=dict(
-                    hidden_size=32,
-                    num_hidden_layers=2,
-                    num_global_layers=1,
-                    num_attention_heads=2,
-                    intermediate_size=64,
-                    vision_output_dim=64,
-                    image_size=56,
-                    patch_size=14,
-                    intermediate_layers_indices=[0],
-                ),
-            ),
+            mllama_config,
             "keep no keys/values",
         ),
     ],
