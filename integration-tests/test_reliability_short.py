@@ -105,8 +105,9 @@ def test_a_full_disk_pauses_the_disk_tier_with_one_warning(tmp_path, monkeypatch
     from kvb_cache.tiers.disk import DiskTier
 
     tier = DiskTier(tmp_path, namespace="ns", max_bytes=10**6)
-    key = ChunkHash(bytes(32))
-    assert tier.put(key, b"record")  # the disk works: stored
+    stored = [ChunkHash(bytes([200 + i]) * 32) for i in range(3)]
+    for k in stored:
+        assert tier.put(k, b"record")  # the disk works: stored
     real_write = Path.write_bytes
 
     def full(self, data):
@@ -117,9 +118,11 @@ def test_a_full_disk_pauses_the_disk_tier_with_one_warning(tmp_path, monkeypatch
     with caplog.at_level("WARNING", logger="kvb_cache.tiers.disk"):
         assert not any(tier.put(k, b"record") for k in keys)
     stats = tier.stats()
-    assert (stats.errors, stats.dropped) == (1, 4)  # one failed write, then skipped without touching disk
+    # The first store evicts the two oldest records to make room and retries once; the retry fails too,
+    # so the tier pauses: the other four are skipped without touching the disk.
+    assert (stats.errors, stats.evictions, stats.dropped) == (2, 2, 4)
     assert sum("cannot store records" in r.getMessage() for r in caplog.records) == 1
-    assert tier.get(key) == b"record"  # reads go on
+    assert tier.get(stored[2]) == b"record"  # reads go on
     monkeypatch.setattr(Path, "write_bytes", real_write)
     monkeypatch.setattr(disk_module.time, "monotonic", lambda: 1e12)  # the pause is over
     assert tier.put(keys[0], b"record")
