@@ -113,7 +113,7 @@ def test_batch_unknown_sampling_option_is_named(llama, tokenizer):
     for name, value, said in (
         ("min_new_tokens", 2, "use min_tokens"),
         ("stop_strings", ["x"], "use stop"),
-        ("bad_words_ids", [[5]], "logit_bias"),
+        ("prompt_logprobs", 1, "engine.prompt_logprobs"),
         ("streamer", object(), "engine.stream"),
         ("num_return_sequences", 2, "generate_batch"),
     ):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from kvb_cache import KVBoost
+from kvb_cache.token_bans import bad_words_ids
 
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog and"
@@ -141,6 +142,11 @@ def test_continue_final_message_and_chat_template_kwargs(tiny_url: str, tiny_eng
         ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ("chat/completions", {"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
         ("chat/completions", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids"),  # past the vocabulary
+        ("chat/completions", {"bad_words": [""]}, "bad_words[0]"),
+        ("chat/completions", {"bad_words": ["   "]}, "bad_words"),
+        ("chat/completions", {"allowed_token_ids": [5], "bad_words_ids": [[5]]}, "bad_words_ids"),
         (
             "chat/completions",
             {"continue_final_message": True, "add_generation_prompt": True},
@@ -154,6 +160,41 @@ def test_bad_options_are_400s_naming_the_parameter(
     prompt = {"prompt": "hi"} if route == "completions" else {"messages": MESSAGES}
     resp = _post(tiny_url, route, max_tokens=2, **prompt, **extra)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_allowed_token_ids_and_bad_words_equal_the_engine(
+    tiny_url: str, tiny_engine: KVBoost, route: str
+) -> None:
+    """vLLM's allowed_token_ids and bad_words (strings, tokenized by the server as vLLM does), streamed and
+    not: the reply the engine gives for the same prompt ids, which the options change."""
+    prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    ids = httpx.post(f"{tiny_url}/tokenize", json={"model": MODEL, **prompt}, timeout=30).json()["tokens"]
+    free = tiny_engine.generate(ids, max_new_tokens=8, ignore_eos=True)
+    # A reply token that is a word of its own (a byte-level piece of a character decodes to U+FFFD).
+    tok = tiny_engine.tokenizer
+    word = next(tok.decode([t]) for t in free.output_ids if (t,) in bad_words_ids(tok, [tok.decode([t])]))
+    allowed = sorted({*free.output_ids[1:5]} - {free.output_ids[0]})
+    body = dict(max_tokens=8, temperature=0, ignore_eos=True, **prompt)
+    for extra in ({"allowed_token_ids": allowed}, {"bad_words": [word]}):
+        want = tiny_engine.generate(ids, max_new_tokens=8, ignore_eos=True, **extra)
+        assert want.output_ids != free.output_ids  # the option changes the reply
+        if "allowed_token_ids" in extra:
+            assert set(want.output_ids) <= set(allowed)
+        choice = _post(tiny_url, route, **body, **extra).json()["choices"][0]
+        text = choice["text"] if route == "completions" else choice["message"]["content"]
+        streamed = "".join(
+            c["choices"][0]["text"]
+            if route == "completions"
+            else c["choices"][0]["delta"].get("content") or ""
+            for c in _stream(tiny_url, route, stream=True, **body, **extra)
+            if c["choices"]
+        )
+        assert text == streamed == want.output_text
+    # Options that leave no token (the only allowed one is end-of-sequence, held back) are the client's 400.
+    eos = tiny_engine.tokenizer.eos_token_id
+    resp = _post(tiny_url, route, **prompt, max_tokens=8, allowed_token_ids=[eos], min_tokens=3)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
 
 
 def test_tokenize_takes_the_chat_template_options(tiny_url: str, tiny_engine: KVBoost) -> None:

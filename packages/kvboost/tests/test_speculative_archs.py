@@ -106,3 +106,27 @@ def test_speculative_greedy_equals_plain_greedy(arch, tokenizer):
     # The draft model's rejections were rolled back (past the window on Mistral and gpt-oss); Gemma's random
     # draft happens to agree with its target on every token here.
     assert stats.accepted_tokens < stats.drafted_tokens or arch.startswith("gemma"), stats
+
+
+@pytest.mark.parametrize(
+    "bans",
+    # Tokens of the unrestricted greedy reply (38 192 164 83 162 56 155 174 192 8 ...): both bans change it.
+    [{"allowed_token_ids": [*range(20, 28), *range(100, 106)]}, {"bad_words_ids": [[192], [83, 162], [8]]}],
+)
+def test_speculative_decoding_keeps_vllm_token_bans(tokenizer, bans):
+    """allowed_token_ids / bad_words_ids hold on every accepted draft token: speculative output equals the
+    plain engine's (greedy), and no banned token appears."""
+    target, draft = tiny("llama", 0), tiny("llama", 1)
+    plain = KVBoost(target, tokenizer, config=EngineConfig(chunk_size=16))
+    expected = plain.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, **bans).output_ids
+    assert expected != plain.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True).output_ids
+    for drafter in (make_decoder(target, min_ngram=1), make_decoder(target, draft_model=draft)):
+        engine = KVBoost(target, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
+        out = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True, **bans)
+        assert out.output_ids == expected, type(drafter.drafter).__name__
+        assert drafter.speculative_stats().drafted_tokens > 0
+    if "allowed_token_ids" in bans:
+        assert set(expected) <= set(bans["allowed_token_ids"])
+    else:
+        assert {192, 8}.isdisjoint(expected)
+        assert all(expected[i : i + 2] != [83, 162] for i in range(len(expected) - 1))

@@ -24,6 +24,7 @@ from kvb_cache.request_checks import check_prefill_chunk_size
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.serialized import serialized
+from kvb_cache.token_bans import bad_words_ids, check_sequences
 
 if TYPE_CHECKING:
     from kvb_cache.core.engine_core import EngineCore
@@ -40,6 +41,7 @@ class EngineLoops:
     _unfollowed: list[RequestOutput]
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
     _engine_lock: threading.RLock  # serialized.py
+    tokenizer: Any
 
     def stream(self, prompt: Prompt, **sampling: Any) -> RequestStream:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
@@ -54,13 +56,26 @@ class EngineLoops:
         with self._engine_lock:  # followed before another thread's step can produce its first output
             rid = self.add_request(
                 prompt,
-                SamplingParams.build(**sampling),
+                self._sampling_params(sampling),
                 prefill_chunk_size=prefill_chunk_size,
                 kv_cache_bits=kv_cache_bits,
                 cache_salt=cache_salt,
             )
             self._followed.add(rid)
         return RequestStream(self, rid)
+
+    def _sampling_params(self, fields: dict[str, Any]) -> SamplingParams:
+        """:meth:`SamplingParams.build` of a library call's keywords; vLLM's ``bad_words`` (strings) become
+        ``bad_words_ids`` with this engine's tokenizer (:func:`kvb_cache.token_bans.bad_words_ids`)."""
+        words = fields.pop("bad_words", None)
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, (list, tuple)):
+                raise InvalidRequestError(
+                    f"bad_words must be a list of strings, got {type(words).__name__}", param="bad_words"
+                )
+            extra = bad_words_ids(self.tokenizer, words)
+            fields["bad_words_ids"] = (*check_sequences(fields.get("bad_words_ids", ())), *extra)
+        return SamplingParams.build(**fields)
 
     @serialized
     def take_unfollowed_outputs(self) -> list[RequestOutput]:
@@ -160,28 +175,30 @@ class EngineLoops:
         ``stop_token_ids`` end generation like end-of-sequence; ``include_stop_str_in_output`` keeps the stop
         string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
         """
-        params = SamplingParams.build(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            stop=stop,
-            seed=seed,
-            logprobs=logprobs,
-            ignore_eos=ignore_eos,
-            min_tokens=min_tokens,
-            stop_token_ids=stop_token_ids,
-            include_stop_str_in_output=include_stop_str_in_output,
-            skip_special_tokens=skip_special_tokens,
-            response_format=response_format,
-            logit_bias=logit_bias,
-            # NOTE: a misspelt option raises the InvalidRequestError naming the valid ones, as stream() and
-            # generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
-            **unknown,
+        params = self._sampling_params(
+            dict(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                stop=stop,
+                seed=seed,
+                logprobs=logprobs,
+                ignore_eos=ignore_eos,
+                min_tokens=min_tokens,
+                stop_token_ids=stop_token_ids,
+                include_stop_str_in_output=include_stop_str_in_output,
+                skip_special_tokens=skip_special_tokens,
+                response_format=response_format,
+                logit_bias=logit_bias,
+                # NOTE: a misspelt option raises the InvalidRequestError naming the valid ones, as stream()
+                # and generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
+                **unknown,
+            )
         )
         with self._engine_lock:
             rid = self.add_request(
@@ -225,7 +242,7 @@ class EngineLoops:
                 param="sampling",
             )
         params = [
-            SamplingParams.build(**{**common, **(sampling[i] if sampling else {})})
+            self._sampling_params({**common, **(sampling[i] if sampling else {})})
             for i in range(len(prompts))
         ]
         for prompt, p in zip(prompts, params):

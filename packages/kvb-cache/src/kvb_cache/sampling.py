@@ -20,6 +20,7 @@ from transformers import (
 
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError
 from kvb_cache.structured.spec import ResponseFormat
+from kvb_cache.token_bans import TokenBans, check_allowed, check_choosable, check_sequences
 
 #: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
 GREEDY_TEMPERATURE = 1e-5
@@ -53,7 +54,10 @@ class SamplingParams:
     ``response_format`` constrains the output to a grammar (anything :meth:`ResponseFormat.parse` accepts:
     a JSON schema dict, a pydantic model class, ``"json"``, a regex or a Lark/GBNF grammar; needs
     ``kvb-cache[structured]``). ``logit_bias`` maps token ids to a bias added to their logits (OpenAI
-    semantics: clamped to [-100, 100]; -100 bans a token, +100 all but forces it).
+    semantics: clamped to [-100, 100]; -100 bans a token, +100 all but forces it). ``allowed_token_ids``
+    (vLLM) keeps only those tokens; ``bad_words_ids`` (transformers' name, vLLM's ``bad_words`` as token ids:
+    :func:`kvb_cache.token_bans.bad_words_ids`) bans each sequence's last token wherever the output ends with
+    its other tokens (:mod:`kvb_cache.token_bans`). Both act before penalties and filters, as in vLLM.
     """
 
     max_new_tokens: int = 256
@@ -74,6 +78,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -147,6 +153,8 @@ class SamplingParams:
             raise bad("logprobs", "must be None or an int >= 0")
         object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", check_allowed(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_ids", check_sequences(self.bad_words_ids))
 
     @classmethod
     def build(
@@ -201,9 +209,7 @@ FOREIGN_OPTIONS = {
     "do_sample": "sampling is on when temperature > 0 (0, the default, is greedy)",
     "stop_strings": "use stop",
     "eos_token_id": "use stop_token_ids (the model's eos ids always stop unless ignore_eos)",
-    "bad_words_ids": "ban tokens with logit_bias={id: -100}",
-    "bad_words": "ban tokens with logit_bias={id: -100}",
-    "allowed_token_ids": "constrain the output with response_format (a regex or grammar) or logit_bias",
+    "bad_words": "pass token ids as bad_words_ids (kvb_cache.token_bans.bad_words_ids(tokenizer, words))",
     "prompt_logprobs": "use engine.prompt_logprobs(prompt)",
     "guided_decoding": "use response_format",
     "structured_outputs": "use response_format",
@@ -243,9 +249,14 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Every ``logit_bias`` and ``stop_token_ids`` token id must exist in the model's vocabulary (checked at
-    admission)."""
-    for param, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+    """Every ``logit_bias``, ``stop_token_ids``, ``allowed_token_ids`` and ``bad_words_ids`` token id must
+    exist in the model's vocabulary (checked at admission)."""
+    for param, ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+    ):
         if ids and max(ids) >= vocab_size:
             raise InvalidRequestError(
                 f"{param} token id {max(ids)} is outside the vocabulary (size {vocab_size})", param=param
@@ -304,6 +315,11 @@ class RequestProcessor:
             self.bias_values = torch.tensor(
                 list(params.logit_bias.values()), dtype=torch.float32, device=device
             )
+        self.bans: TokenBans | None = (
+            TokenBans(params.allowed_token_ids, params.bad_words_ids, device)
+            if params.allowed_token_ids is not None or params.bad_words_ids
+            else None
+        )
         self._generator: torch.Generator | None = None
         if params.seed is not None:
             self._generator = torch.Generator(device=device)
@@ -326,6 +342,7 @@ class RequestProcessor:
             and not self._processors
             and not self._penalized
             and self.bias_ids is None
+            and self.bans is None
         )
 
     def holds_eos(self, history: torch.Tensor) -> bool:
@@ -337,6 +354,8 @@ class RequestProcessor:
         scores = logits.float().unsqueeze(0)
         if self.bias_ids is not None:
             scores = scores.index_add(1, self.bias_ids, self.bias_values.unsqueeze(0))
+        if self.bans is not None:
+            self.bans.apply_(scores[0], history.tolist(), self.prompt_len)
         if self._repetition is not None:
             scores = self._repetition(history.unsqueeze(0), scores)
         if self._penalized:
@@ -350,6 +369,8 @@ class RequestProcessor:
                 )
         if self._min_tokens is not None:
             scores = self._min_tokens(history.unsqueeze(0), scores)
+        if self.bans is not None:
+            check_choosable(scores[0])
         if self._processors:
             scores = self._processors(history.unsqueeze(0), scores)
         return scores[0]

@@ -184,7 +184,12 @@ def completion_plan(
         prompts=prompts,
         n=n,
         sampling=sampling_params(
-            req, max_new, req.logprobs, constraints.requested_format(req)[1], config.sampling_defaults
+            req,
+            max_new,
+            req.logprobs,
+            constraints.requested_format(req)[1],
+            config.sampling_defaults,
+            engine.tokenizer,
         ),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -227,7 +232,7 @@ def chat_plan(
         model=model,
         prompts=prompts,
         n=n,
-        sampling=sampling_params(req, max_new, logprobs, fmt, config.sampling_defaults),
+        sampling=sampling_params(req, max_new, logprobs, fmt, config.sampling_defaults, engine.tokenizer),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),

@@ -9,11 +9,12 @@ an ``n > 1`` request.
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.sampling import GREEDY_TEMPERATURE, SamplingParams
 from kvb_cache.structured import ResponseFormat
+from kvb_cache.token_bans import bad_words_ids
 from kvb_server import constraints
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine
@@ -94,10 +95,12 @@ def sampling_params(
     logprobs: int | None,
     fmt: ResponseFormat | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
+    tokenizer: Any = None,
 ) -> SamplingParams:
     """OpenAI's parameters as the engine's sampling settings; a field the request omits (or sends as null)
     gets ``defaults``' value (``--generation-config``), else OpenAI's default. ``fmt`` constrains the reply
-    (``response_format`` or a tool-call grammar)."""
+    (``response_format`` or a tool-call grammar). ``tokenizer`` encodes vLLM's ``bad_words`` (required when
+    the request has them)."""
     temperature = _or(req.temperature, defaults.temperature, 1.0)  # OpenAI's default, not the engine's 0
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
@@ -114,6 +117,7 @@ def sampling_params(
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
         temperature, top_p = 0.0, 1.0
     try:
+        banned = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else ()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -133,6 +137,8 @@ def sampling_params(
             logprobs=logprobs,
             response_format=fmt,
             logit_bias=constraints.logit_bias(req.logit_bias),
+            allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids else None,
+            bad_words_ids=banned,
         )
     except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
         param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)

@@ -29,8 +29,6 @@ VLLM_EXTRAS: dict[str, str] = {
     "documents": _TEMPLATE,
     "use_beam_search": "beam search is not supported; sample several choices with 'n'",
     "length_penalty": "beam search is not supported; sample several choices with 'n'",
-    "bad_words": "ban tokens with 'logit_bias' (-100)",
-    "allowed_token_ids": "constrain the reply with 'logit_bias' or 'response_format' (e.g. a regex)",
     "prompt_logprobs": "score the prompt with /v1/completions, 'echo': true and 'logprobs'",
     "truncate_prompt_tokens": "shorten the prompt on the client (POST /tokenize counts its tokens)",
     "priority": "requests are served first come, first served",

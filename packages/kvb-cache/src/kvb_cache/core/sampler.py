@@ -2,7 +2,8 @@
 
 The processing order and semantics are transformers' logits processors, applied per row with per-row
 values (transformers' warpers take one value for the whole batch, which is why they are not used here;
-``tests/test_core_sampler.py`` checks every row against them): OpenAI ``logit_bias``, the grammar mask of
+``tests/test_core_loop.py`` checks every row against them): OpenAI ``logit_bias``, vLLM's
+``allowed_token_ids`` and ``bad_words`` (:mod:`kvb_cache.token_bans`), the grammar mask of
 rows with a ``response_format`` (disallowed tokens ``-inf``, before any filter so top-k/top-p choose among
 allowed tokens), end-of-sequence banned while a row has fewer than its ``min_tokens`` (transformers'
 ``MinNewTokensLengthLogitsProcessor``), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
@@ -21,6 +22,7 @@ from kvb_cache.core.penalties import PenaltyHistory
 from kvb_cache.core.request import Request
 from kvb_cache.errors import NonFiniteLogitsError
 from kvb_cache.structured.mask import apply_bitmask, bitmask_words
+from kvb_cache.token_bans import check_choosable
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -40,6 +42,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     _mask_grammar_rows(scores, requests)
     for i, req in zip(rows, requests):
         p = req.params
+        bans = req.processor.bans
+        if bans is not None:
+            bans.apply_(scores[i], req.tokens, req.prompt_len)
         if _holds_eos(req):
             # An end-of-sequence id past the logits (a generation config or tokenizer naming a token the
             # model cannot produce) needs no ban; indexing it would fail the whole step.
@@ -56,6 +61,8 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         if (p.presence_penalty or p.frequency_penalty) and req.num_output:
             counts = history.output_counts(req.tokens, req.prompt_len, vocab, device)  # [V]
             scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if bans is not None:
+            check_choosable(scores[i])
     sampled = [i for i, r in zip(rows, requests) if not r.params.greedy]
     if not sampled:
         return scores

@@ -93,6 +93,10 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    #: vLLM's: only these token ids may be generated (a label set, a Yes/No judge).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    #: vLLM's: words never generated (each as it starts the text and after a space; kvb_cache.token_bans).
+    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     #: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name",
