@@ -197,6 +197,41 @@ def test_allowed_token_ids_and_bad_words_equal_the_engine(
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
 
 
+def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(tiny_url: str, tiny_engine: KVBoost) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens (text or token-id prompts, chat's rendered prompt),
+    cut before the budget check; usage counts what the model read, echo shows it."""
+    ids = tiny_engine.tokenizer(PROMPT)["input_ids"]
+    body = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    want = tiny_engine.generate(ids[-5:], max_new_tokens=4, ignore_eos=True).output_text
+    for prompt in (PROMPT, ids, [ids, ids[:3]]):
+        reply = _post(tiny_url, "completions", prompt=prompt, truncate_prompt_tokens=5, **body).json()
+        assert reply["choices"][0]["text"] == want
+        assert reply["usage"]["prompt_tokens"] == (5 + 3 if isinstance(prompt[0], list) else 5)
+    echoed = _post(tiny_url, "completions", prompt=PROMPT, truncate_prompt_tokens=5, echo=True, **body).json()
+    assert echoed["choices"][0]["text"] == tiny_engine.tokenizer.decode(ids[-5:]) + want
+    untouched = _post(tiny_url, "completions", prompt=PROMPT, truncate_prompt_tokens=-1, **body).json()
+    assert untouched["usage"]["prompt_tokens"] == len(ids)
+    # Without truncation this prompt leaves no room for the reply (512-token context); cut to 100 it fits.
+    long = [7] * 600
+    assert _post(tiny_url, "completions", prompt=long, **body).status_code == 400
+    cut = _post(tiny_url, "completions", prompt=long, truncate_prompt_tokens=100, **body).json()
+    assert cut["usage"]["prompt_tokens"] == 100
+
+    rendered = httpx.post(f"{tiny_url}/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()[
+        "tokens"
+    ]
+    chat = _post(tiny_url, "chat/completions", messages=MESSAGES, truncate_prompt_tokens=4, **body).json()
+    assert chat["usage"]["prompt_tokens"] == 4
+    assert chat["choices"][0]["message"]["content"] == (
+        tiny_engine.generate(rendered[-4:], max_new_tokens=4, ignore_eos=True).output_text
+    )
+    for bad in (0, -2, 513, 1.5):
+        resp = _post(tiny_url, "completions", prompt=PROMPT, truncate_prompt_tokens=bad, **body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", (
+            resp.text
+        )
+
+
 def test_tokenize_takes_the_chat_template_options(tiny_url: str, tiny_engine: KVBoost) -> None:
     messages = [*MESSAGES, {"role": "assistant", "content": "The quick brown"}]
     body = {"model": MODEL, "messages": messages, "continue_final_message": True}

@@ -160,11 +160,12 @@ def completion_plan(
         prompts = tuple(list(p) for p in raw)  # type: ignore[union-attr]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InvalidParameterError("prompt must not be empty.", param="prompt")
+    truncated = truncate_prompts(prompts, req.truncate_prompt_tokens, engine)
     generate = req.max_tokens != 0
     max_new = max_new_tokens(
         req.max_tokens if generate else None,
         default_max_tokens(config.default_completion_max_tokens, config.sampling_defaults),
-        prompts,
+        truncated,
         engine,
         config,
         prompt_param="prompt",
@@ -175,6 +176,9 @@ def completion_plan(
         # A text prompt is echoed as sent; token ids as the tokenizer decodes them (special tokens kept).
         texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
         echo = tuple(texts) if texts is not None else tuple(engine.tokenizer.decode(p) for p in prompts)  # type: ignore[arg-type]
+        if truncated is not prompts:  # echoed as the model saw it
+            echo = tuple(engine.tokenizer.decode(p) for p in truncated)
+    prompts = truncated
     n = choice_count(req, config)
     if generate:  # a prompt that is only scored (echo, max_tokens 0) queues no generation
         _check_queue_room(len(prompts), n, config, prompt_param="prompt")
@@ -210,7 +214,7 @@ def chat_plan(
     _reject_chat(req)
     check_logprobs(req.top_logprobs if req.logprobs else None, config, param="top_logprobs")
     syntax, tools, prompt = _chat_prompt(req, engine)
-    prompts = (prompt,)
+    prompts = truncate_prompts((prompt,), req.truncate_prompt_tokens, engine)
     requested = constraints.requested_format(req)  # compile-checks the grammar: once per request
     thinking = _reasoning_plan(config, engine, prompts[0], req, tools, requested[1])
     fmt = reply_format(requested, tools, engine, syntax, thinking)
@@ -242,6 +246,38 @@ def chat_plan(
         service_tier="default" if req.service_tier is not None else None,
         reasoning=thinking,
     )
+
+
+def truncate_prompts(
+    prompts: tuple[list[int], ...], keep: int | None, engine: ServingEngine
+) -> tuple[list[int], ...]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``keep`` tokens of each prompt (-1: the context
+    length); ``prompts`` itself when nothing is cut.
+
+    As in vLLM the *end* is kept (a chat prompt loses its system prompt and oldest turns first) and the cut
+    comes before the reply's budget is checked against the context.
+    """
+    if keep is None:
+        return prompts
+    context = engine.context_length
+    if keep == -1:
+        if context is None:
+            return prompts
+        keep = context
+    if keep == 0:
+        raise InvalidParameterError(
+            "truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got 0.",
+            param="truncate_prompt_tokens",
+        )
+    if context is not None and keep > context:
+        raise InvalidParameterError(
+            f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context length "
+            f"({context}); select a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if not any(len(p) > keep for p in prompts):
+        return prompts
+    return tuple(p[-keep:] for p in prompts)
 
 
 def _chat_prompt(

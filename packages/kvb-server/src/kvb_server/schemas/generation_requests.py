@@ -93,6 +93,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    #: vLLM's: keep only the last this-many prompt tokens (-1: the model's context length).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), WHOLE] | None = None
     #: vLLM's: only these token ids may be generated (a label set, a Yes/No judge).
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     #: vLLM's: words never generated (each as it starts the text and after a space; kvb_cache.token_bans).
