@@ -56,6 +56,39 @@ def test_max_tokens_capped_by_server_and_context() -> None:
     assert info.value.param == "prompt"
 
 
+def test_a_default_budget_is_each_prompts_own_room() -> None:
+    """vLLM sizes each prompt of a batch by itself: beside a 190-token prompt (context 200), a 1-token prompt
+    still gets the completions default of 16, not the 10 that fit after the longest."""
+    plan = completion(prompt=["a", "x" * 190])
+    assert plan.budgets == (16, 10)
+    assert [plan.prompt_sampling(p, 0).max_new_tokens for p in (0, 1)] == [16, 10]
+    seeded = completion(prompt=["a", "x" * 190], n=2, seed=7)
+    assert seeded.prompt_sampling(1, 1).seed == 8 and seeded.prompt_sampling(1, 1).max_new_tokens == 10
+    assert completion(prompt=["a", "x" * 190], max_tokens=5).budgets == (5, 5)  # an explicit budget is one
+    with pytest.raises(InvalidParameterError, match="min_tokens") as info:  # at most the smallest budget
+        completion(prompt=["a", "x" * 190], min_tokens=12)
+    assert info.value.param == "min_tokens"
+
+
+def test_context_length_errors_use_vllms_wording() -> None:
+    """Clients parse these sentences (to turn an over-long request into a ``length`` finish); the ``code``
+    is ours on top."""
+    with pytest.raises(InvalidParameterError) as info:
+        completion(prompt="x" * 30, max_tokens=180)
+    assert str(info.value.message) == (
+        "'max_tokens' or 'max_completion_tokens' is too large: 180. This model's maximum context length is "
+        "200 tokens and your request has 30 input tokens (180 > 200 - 30)."
+    )
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidParameterError) as info:
+        completion(prompt="x" * 231)
+    assert str(info.value.message) == (
+        "This model's maximum context length is 200 tokens. However, your request has 231 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    assert info.value.code == "context_length_exceeded"
+
+
 def test_max_completion_tokens_wins_and_top_p_zero_is_greedy() -> None:
     plan = chat(
         messages=[{"role": "user", "content": "hi"}],

@@ -240,3 +240,13 @@ def test_tokenize_takes_the_chat_template_options(tiny_url: str, tiny_engine: KV
     body = {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}
     resp = httpx.post(f"{tiny_url}/tokenize", json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs", resp.text
+
+
+def test_a_batch_gives_each_prompt_its_own_default_budget(tiny_url: str) -> None:
+    """Without max_tokens, each prompt of a /v1/completions batch gets the default of 16 or its own room
+    (512-token context): the short prompt's reply no longer shrinks to the long prompt's room."""
+    body = dict(temperature=0, ignore_eos=True, prompt=[[7] * 3, [7] * 500])
+    reply = _post(tiny_url, "completions", **body).json()
+    lengths = {c["index"]: c["finish_reason"] for c in reply["choices"]}
+    assert lengths == {0: "length", 1: "length"}
+    assert reply["usage"]["completion_tokens"] == 16 + 12

@@ -7,6 +7,7 @@ The body is read and validated first (:mod:`kvb_server.request_body`); the sampl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +21,7 @@ from kvb_server.errors import InvalidParameterError, ModelNotFoundError, Unsuppo
 from kvb_server.reasoning import ReasoningPlan, opens_block, parser_syntax
 from kvb_server.sampling_params import (
     choice_count,
+    choice_params,
     continuous_usage,
     default_max_tokens,
     max_new_tokens,
@@ -54,6 +56,8 @@ class GenerationPlan:
         service_tier: the tier a chat response reports (``"default"``, the only one, when the request named
             one; None otherwise: OpenAI reports it when asked).
         reasoning: how a chat reply's thinking is split out (``--reasoning-parser``); None: not at all.
+        budgets: each prompt's ``max_new_tokens`` (a default shrinks to each prompt's own room; ``sampling``
+            holds the largest); empty: ``sampling``'s for every prompt.
     """
 
     endpoint: Endpoint
@@ -71,6 +75,14 @@ class GenerationPlan:
     continuous_usage: bool = False
     service_tier: str | None = None
     reasoning: ReasoningPlan | None = None
+    budgets: tuple[int, ...] = ()
+
+    def prompt_sampling(self, prompt: int, choice: int) -> SamplingParams:
+        """The sampling of choice ``choice`` of prompt ``prompt``: its own seed and its prompt's budget."""
+        params = choice_params(self.sampling, choice)
+        if self.budgets and self.budgets[prompt] != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=self.budgets[prompt])
+        return params
 
 
 def served_model(model: str | None, config: ServerConfig) -> str:
@@ -202,6 +214,7 @@ def completion_plan(
         cache_salt=cache_salt,
         echo=echo,
         generate=generate,
+        budgets=max_new,
     )
 
 
@@ -245,6 +258,7 @@ def chat_plan(
         tools=tools if tools is not None and tools.parses_calls else None,
         service_tier="default" if req.service_tier is not None else None,
         reasoning=thinking,
+        budgets=max_new,
     )
 
 

@@ -42,36 +42,42 @@ def max_new_tokens(
     prompt_param: str,
     budget_param: str = "max_tokens",
     room_needed: int = 1,
-) -> int:
-    """OpenAI's budget rule: an explicit request beyond the context window is a 400; a default shrinks.
+) -> tuple[int, ...]:
+    """OpenAI's budget rule, one budget per prompt: an explicit request beyond the context window is a 400;
+    a default shrinks to each prompt's own room (vLLM sizes each prompt of a batch by itself: sized by the
+    longest, a 5-token prompt got 8 tokens instead of 16 beside a 120-token one in a 128-token window).
 
     The request is checked against the window before the server's ``--max-tokens`` clamp, as vLLM checks
     it: clamped first, ``max_tokens: 100000`` on an 8192-token model was served 1024 tokens as if that were
     what the client asked for. ``budget_param`` names the field the client sent (``max_tokens`` or
     ``max_completion_tokens``). ``room_needed`` is 0 for a prompt that is only scored (echo with
-    ``max_tokens: 0``): it may fill the context. The result is then at least 1 (what the admission gate
-    plans for), never generated."""
+    ``max_tokens: 0``): it may fill the context. The budget is then at least 1 (what the admission gate
+    plans for), never generated. The messages are vLLM's, so clients that parse them (to turn an
+    over-long request into a ``length`` finish) read ours too; ``code`` is ``context_length_exceeded``."""
     longest = max(len(p) for p in prompts)
     context = engine.context_length
-    room = config.max_tokens if context is None else context - longest
-    if room < room_needed:
+    if context is None:
+        rooms = tuple(config.max_tokens for _ in prompts)
+    else:
+        rooms = tuple(context - len(p) for p in prompts)
+    if min(rooms) < room_needed:
         raise InvalidParameterError(
-            f"This model's maximum context length is {engine.context_length} tokens, but the prompt has "
-            f"{longest} tokens. Shorten the prompt.",
+            f"This model's maximum context length is {context} tokens. However, your request has {longest} "
+            "input tokens. Please reduce the length of the input messages.",
             param=prompt_param,
             code=CONTEXT_LENGTH_EXCEEDED,
         )
     if requested is None:
-        return max(min(default, config.max_tokens, room), 1)
-    if context is not None and requested > room:
+        return tuple(max(min(default, config.max_tokens, room), 1) for room in rooms)
+    if context is not None and requested > min(rooms):
         raise InvalidParameterError(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
-            f"Reduce the prompt or {budget_param}.",
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
+            f"context length is {context} tokens and your request has {longest} input tokens "
+            f"({requested} > {context} - {longest}).",
             param=budget_param,
             code=CONTEXT_LENGTH_EXCEEDED,
         )
-    return min(requested, config.max_tokens)
+    return tuple(min(requested, config.max_tokens) for _ in prompts)
 
 
 def default_max_tokens(endpoint_default: int, defaults: SamplingDefaults) -> int:
@@ -91,7 +97,7 @@ def _or(value: T | None, default: T | None, builtin: T) -> T:
 
 def sampling_params(
     req: SamplingFields,
-    max_new_tokens: int,
+    max_new_tokens: tuple[int, ...],
     logprobs: int | None,
     fmt: ResponseFormat | None = None,
     defaults: SamplingDefaults = NO_DEFAULTS,
@@ -99,17 +105,18 @@ def sampling_params(
 ) -> SamplingParams:
     """OpenAI's parameters as the engine's sampling settings; a field the request omits (or sends as null)
     gets ``defaults``' value (``--generation-config``), else OpenAI's default. ``fmt`` constrains the reply
-    (``response_format`` or a tool-call grammar). ``tokenizer`` encodes vLLM's ``bad_words`` (required when
+    (``response_format`` or a tool-call grammar). ``max_new_tokens``: each prompt's budget; the params
+    hold the largest (:meth:`GenerationPlan.prompt_sampling` gives each prompt its own). ``tokenizer`` encodes vLLM's ``bad_words`` (required when
     the request has them)."""
     temperature = _or(req.temperature, defaults.temperature, 1.0)  # OpenAI's default, not the engine's 0
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.
         temperature = 0.0
-    if req.min_tokens is not None and req.min_tokens > max_new_tokens:
+    if req.min_tokens is not None and req.min_tokens > min(max_new_tokens):
         # Checked here so the message names the request's fields; the engine's own check names its
         # internal ``max_new_tokens``, which no client sent.
         raise InvalidParameterError(
-            f"min_tokens must be at most the completion's token budget ({max_new_tokens}: max_tokens or "
+            f"min_tokens must be at most the completion's token budget ({min(max_new_tokens)}: max_tokens or "
             f"max_completion_tokens, capped by the context window and the server), got {req.min_tokens}.",
             param="min_tokens",
         )
@@ -119,7 +126,7 @@ def sampling_params(
     try:
         banned = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else ()
         return SamplingParams(
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max(max_new_tokens),
             temperature=temperature,
             top_p=top_p,
             top_k=max(_or(req.top_k, defaults.top_k, 0), 0),  # -1 (vLLM's old "off") and 0 both disable it

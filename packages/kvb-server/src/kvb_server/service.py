@@ -34,7 +34,6 @@ from kvb_server.metrics import ServerMetrics
 from kvb_server.request_log import log_request
 from kvb_server.request_plan import GenerationPlan
 from kvb_server.responses import ResponseIds, final_response
-from kvb_server.sampling_params import choice_params
 from kvb_server.stats import ThroughputMeter
 from kvb_server.streaming import OpenStream
 from kvb_server.token_bytes import TokenBytes, TokenBytesFn, utf8
@@ -110,7 +109,7 @@ class GenerationService:
             GenerationJob(
                 id=self._ids.next(),
                 prompt=prompt,
-                sampling=choice_params(plan.sampling, i),
+                sampling=plan.prompt_sampling(p, i),
                 stream=plan.stream,
                 choice=p * plan.n + i,
                 inbox=inbox,

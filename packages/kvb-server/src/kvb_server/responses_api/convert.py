@@ -46,6 +46,7 @@ _RENAMES = (
 )
 #: The renames that also apply inside error messages (a message's "messages" is a plain word).
 _MESSAGE_RENAMES = (
+    (re.compile(r"'max_tokens' or 'max_completion_tokens'"), "'max_output_tokens'"),  # vLLM's wording
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
     *_RENAMES[2:],
 )
