@@ -225,3 +225,31 @@ def test_an_unknown_remote_codec_is_named_before_the_missing_url():
 
     with pytest.raises(ConfigError, match="foo"):
         TierConfig(remote_codec="foo")
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("2048", 2048),
+        ("1k", 1000),
+        ("1K", 1024),
+        ("25.6k", 25600),
+        ("32K", 32768),
+        ("-1", None),
+        ("auto", None),
+    ],
+)
+def test_max_model_len_takes_vllms_human_readable_lengths(flag, expected):
+    """A `vllm serve` command line with `--max-model-len 32k` failed at start-up."""
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    assert from_namespace(EngineArgs, parser.parse_args(["--max-model-len", flag])).max_model_len == expected
+
+
+@pytest.mark.parametrize("flag", ["0", "1.5", "k", "-5", "32q"])
+def test_max_model_len_refuses_what_is_not_a_length(flag, capsys):
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", flag])
+    assert "1k / 1K style" in capsys.readouterr().err

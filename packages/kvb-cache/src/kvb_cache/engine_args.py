@@ -21,7 +21,7 @@ from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
 from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
-from kvb_cache.options import option, parse_bytes, positive_int
+from kvb_cache.options import model_len, option, parse_bytes, positive_int
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
 from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, TierConfig
 
@@ -96,10 +96,11 @@ class EngineArgs:
     max_model_len: int | None = option(
         None,
         group="model",
-        parse=positive_int,
+        parse=model_len,
         metavar="TOKENS",
-        help="most prompt + generated tokens one request may take, below the model's context (vLLM's); "
-        "unset: the model's context (reported as max_model_len)",
+        help="most prompt + generated tokens one request may take, below the model's context (vLLM's; "
+        "also 32k / 32K, k=1000 and K=1024, and -1 or auto for unset); unset: the model's context "
+        "(reported as max_model_len)",
     )
     tokenizer: str | None = option(
         None,

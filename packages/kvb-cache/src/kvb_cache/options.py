@@ -258,6 +258,32 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def model_len(text: str) -> int | None:
+    """vLLM's ``--max-model-len``: an integer >= 1, or human-readable (``1k`` 1000, ``1K`` 1024, ``25.6k``
+    25600; k/m/g decimal, K/M/G binary); ``-1`` and ``auto`` mean unset (the model's context, capped by
+    what the block pool holds: the largest length that fits, as vLLM's ``auto``).
+
+    NOTE: a ``vllm serve`` command line with ``--max-model-len 32k`` failed here at start-up.
+    """
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    body, scale = text.strip(), 1
+    if body[-1:] in _SIZE_SUFFIXES:
+        body, scale = body[:-1], _SIZE_SUFFIXES[body[-1]]
+    try:
+        value = float(body) * scale if scale != 1 else int(body)
+    except ValueError:
+        value = 0
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a length: an integer >= 1, 1k / 1K style (k=1000, K=1024), or -1 / auto"
+        )
+    return int(value)
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (block and scheduling sizes)."""
     try:
