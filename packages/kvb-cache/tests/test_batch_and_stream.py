@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import make_model, words
@@ -267,3 +269,43 @@ def test_engine_wide_prefill_chunk_size_slices_every_prompt(llama, tokenizer):
     assert a.output_ids == b.output_ids
     # One step prefills the whole prompt without the option; 16-token slices need one step per slice.
     assert sliced.paged_stats().steps >= plain.paged_stats().steps + a.prompt_tokens // 16 - 1
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_stream_collected_during_a_step_is_aborted_after_it(llama, tokenizer, block_size):
+    """A stream reachable only through a reference cycle is closed by the garbage collector whenever it
+    runs: inside another caller's step (the engine lock is re-entrant), its abort freed a scheduled
+    request's blocks part-way, and the step failed (IndexError committing its KV) for every request, or
+    sampled the aborted request after its abort returned."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(block_size=block_size, num_blocks=256))
+    kept = engine.stream(words(40, seed=1), max_new_tokens=12, ignore_eos=True)
+    dropped = engine.stream(words(40, seed=2), max_new_tokens=12, ignore_eos=True)
+    holder = {"stream": dropped}
+    holder["self"] = holder  # only a reference cycle keeps the stream alive
+    dropped_id = dropped.request_id
+    del dropped, holder
+    forward = engine.core.runner.forward
+    seen: list[bool] = []
+
+    def collecting_forward(seqs):
+        logits = forward(seqs)
+        if not seen:  # what an allocation-triggered collection does at this point of a step
+            seen.append(engine.core.scheduler.find(dropped_id) is not None)
+            gc.collect()
+        return logits
+
+    engine.core.runner.forward = collecting_forward
+    gc.disable()
+    try:
+        events = list(kept)
+    finally:
+        gc.enable()
+        engine.core.runner.forward = forward
+    assert seen == [True]  # the dropped request was scheduled in the step the collector ran in
+    assert (
+        events[-1].result.output_ids
+        == engine.generate(words(40, seed=1), max_new_tokens=12, ignore_eos=True).output_ids
+    )
+    assert not engine.has_unfinished() and engine.core.scheduler.find(dropped_id) is None
+    assert engine.take_unfollowed_outputs() == []  # nothing emitted for it after its abort
+    assert engine.paged_stats().blocks_used == 0

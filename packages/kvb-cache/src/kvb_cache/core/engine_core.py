@@ -95,6 +95,9 @@ class EngineCore:
         self.idle_done = 0
         self.idle_yields = 0
         self.idle_tokens = 0
+        # Aborts asked for while a step runs, applied when it ends (see abort()).
+        self._stepping = False
+        self._abort_after_step: dict[RequestId, None] = {}
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -150,6 +153,19 @@ class EngineCore:
         return self.make_idle is not None and (self._idle is not None or bool(self.idle))
 
     def abort(self, request_id: RequestId) -> bool:
+        """End an unfinished request now (its blocks go back to the pool); False if none has this id.
+
+        NOTE: called *during* a step (a stream dropped in a reference cycle, closed by the garbage collector
+        while this thread runs the step's forward: the engine lock is re-entrant) the abort waits for the
+        step's end: freed part-way, a scheduled request's blocks were gone when the step committed its KV
+        (``IndexError``, failing every request of the batch), or it was sampled and emitted after its abort.
+        """
+        if self._stepping:
+            req = self.scheduler.find(request_id)
+            if not self.knows(request_id) or (req is not None and req.internal):
+                return False
+            self._abort_after_step[request_id] = None
+            return True
         if self.preparing.abort(request_id) or self.deferred.abort(request_id):
             return True
         events = self.solo.pop(request_id, None)
@@ -191,8 +207,21 @@ class EngineCore:
             self._idle = None
             self.idle_done += 1
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One scheduling decision, one forward, one token for each request whose slice ended; returns the
+        outputs of the callers' requests (none for a request aborted during the step)."""
+        self._stepping = True
+        try:
+            outputs = self._step()
+        finally:
+            self._stepping = False
+            aborted, self._abort_after_step = self._abort_after_step, {}
+            for request_id in aborted:
+                self.abort(request_id)
+        return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self.deferred and self.plan_deferred is not None:
             for req in self.deferred.release(self._prompt_pending):
