@@ -589,3 +589,64 @@ def test_a_warm_request_is_sliced_beside_running_requests_and_can_be_aborted(lla
     engine.step()  # one 16-token slice
     assert engine.abort(wid) and not engine.has_unfinished()
     assert engine.paged_stats().blocks_used == 0
+
+
+def test_a_request_waiting_for_room_leaves_the_prefix_cache_alone(llama, tokenizer):
+    """Admission was tried by admitting: the tail match took a block (evicting the least recently used
+    cached one) and the failed attempt indexed its copy, so each step a request waited for room cost the
+    cache one block. A request that cannot fit is now turned away before any lookup touches the pool."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(block_size=8, num_blocks=12, max_num_seqs=4))
+    pool = engine.kv.pool
+
+    def ids(n: int, seed: int) -> list[int]:
+        return tokenizer(words(n, seed=seed))["input_ids"]
+
+    cached = [ids(16, 10 + i) for i in range(3)]  # three prompts of two full blocks each
+    for prompt in cached:
+        engine.generate(prompt, max_new_tokens=1, ignore_eos=True)
+    tail = ids(11, 20)  # one full block and a 3-token partial tail
+    engine.generate(tail, max_new_tokens=1, ignore_eos=True)
+    engine.add_request(ids(25, 30), SamplingParams(max_new_tokens=7, ignore_eos=True), request_id="R")
+    engine.step()  # R holds 4 blocks and decodes in them
+    engine.add_request(tail + ids(60, 40), SamplingParams(max_new_tokens=1, ignore_eos=True), request_id="W")
+    for _ in range(5):  # W needs 9 blocks; 8 are free or cached
+        engine.step()
+        assert engine.core.scheduler.find("W").status.name == "WAITING"
+    assert pool.evictions == 0
+    assert [engine._cached_prefix(p, None) for p in cached] == [16, 16, 16]
+    engine.abort("W")
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine._cached_prefix(p, None) for p in cached] == [16, 16, 16]
+    assert engine.generate(tail + ids(60, 40), max_new_tokens=1, ignore_eos=True).cached_tokens == 11
+
+
+def test_the_oldest_waiting_request_is_admitted_after_a_bounded_number_of_bypasses(llama, tokenizer):
+    """Longest-cached-prefix-first admission with no bound starved a request without a cached prefix: a
+    stream of cache-hitting arrivals (one a step, two batch slots) was served while it waited forever."""
+    from kvb_cache.core.scheduler import MAX_BYPASS
+
+    engine = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(block_size=4, num_blocks=200, max_num_seqs=2, max_num_batched_tokens=64),
+    )
+    system = tokenizer(words(32, seed=1))["input_ids"]
+    engine.warm(system)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for j in range(2):
+        engine.add_request(system + tokenizer(words(3, seed=50 + j))["input_ids"], params)
+    engine.step()
+    engine.add_request(tokenizer(words(10, seed=2))["input_ids"], params, request_id="X")
+    finished_before_x = 0
+    for step in range(400):
+        engine.add_request(
+            system + tokenizer(words(3, seed=100 + step))["input_ids"], params, request_id=f"h{step}"
+        )
+        done = {o.request_id for o in engine.step() if o.finished}
+        if "X" in done:
+            break
+        finished_before_x += len(done)
+    else:
+        pytest.fail("the request without a cached prefix was never served")
+    assert finished_before_x <= MAX_BYPASS + 2  # the two running when it arrived, then at most MAX_BYPASS

@@ -84,6 +84,37 @@ class KVCacheManager:
         return n * self.block_size
 
     # ------------------------------------------------------------------------------------ admission
+    def blocks_to_admit(self, req: Request, *, max_tokens: int, upto: int | None = None, cap: int = 0) -> int:
+        """Free-queue blocks that admitting ``req`` would take, computed without side effects (at least that
+        many when tiers may promote blocks): the cached blocks it would share that sit in the free queue,
+        a copy of a cached partial tail, and fresh blocks up to token ``upto`` (None: ``cap`` tokens past
+        what the lookup reuses, at most the whole of ``req.tokens``).
+
+        NOTE: the scheduler asks this before :meth:`admit`. Admitting to find out evicted the least recently
+        used cached block for the tail copy, and the failed attempt indexed that copy: a request waiting for
+        room wore away one cached block per step, exactly when the pool was under pressure.
+        """
+        bs = self.block_size
+        hits, reused = 0, 0
+        parent = self.root_of(req)
+        if self.caching:
+            for h in self.hashes(req, max_tokens):
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                hits += 1
+                reused += block.ref_count == 0  # shared, it leaves the free queue
+                parent = h
+        covered = hits * bs
+        partial = 0
+        rest = req.tokens[covered:max_tokens]
+        if self.caching and self.store_partial_tail and rest:
+            best, best_len = self.pool.longest_child(parent, rest)
+            if best is not None:
+                partial = min(best_len, bs - 1, len(rest))
+        end = upto if upto is not None else min(len(req.tokens), covered + partial + cap)
+        return reused + max(-(-end // bs) - hits, 0)
+
     def admit(self, req: Request, *, max_tokens: int, count: bool = True) -> PrefixHit:
         """Map the longest cached prefix of ``req.tokens[:max_tokens]`` onto ``req.blocks``.
 

@@ -74,6 +74,8 @@ class Request:
     #: Kept across preemptions (see ``queued_ms``).
     scheduled_at: float | None = None
     preemptions: int = 0
+    #: Later requests admitted while this one was the oldest waiting (the scheduler's bound on its wait).
+    bypassed: int = 0
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
     spans: tuple = ()
     #: Stitching: the prompt's complete chunks under a root, hashed once (``(root, pieces)``; see

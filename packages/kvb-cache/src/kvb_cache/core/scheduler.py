@@ -4,7 +4,9 @@ Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most
 
 1. every running request that is decoding (one token each), oldest first, so streams never stall;
 2. waiting requests, longest cached prefix first among the oldest ``ADMIT_WINDOW`` (their prefill is mostly
-   a cache hit, so they reach their first token soonest), admitted while the token budget, the sequence cap and the pool allow; a request
+   a cache hit, so they reach their first token soonest), except that the oldest waiting request goes first
+   once ``MAX_BYPASS`` later requests were admitted ahead of it (so its wait is bounded under a stream of
+   cache hits), admitted while the token budget, the sequence cap and the pool allow; a request
    carrying prepared KV (a stitched prompt) adopts it into private blocks instead of a prefix lookup;
 3. running requests still part-way through a long prompt, with what is left of the budget.
 
@@ -33,6 +35,10 @@ from kvb_cache.core.request import Request, RequestStatus
 
 #: Waiting requests (oldest first) among which each step admits the longest cached prefixes first.
 ADMIT_WINDOW = 256
+#: Admissions that may pass the oldest waiting request before it goes first. NOTE: without a bound, a
+#: request with no cached prefix waited forever while cache-hitting arrivals kept the batch full (still
+#: waiting after 500 steps and 250 later requests, in an audit).
+MAX_BYPASS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,11 +190,17 @@ class Scheduler:
         # (generate_batch queues every prompt at once) cost more than the step it scheduled.
         window = itertools.islice(self.waiting, ADMIT_WINDOW)
         order = sorted(window, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
+        head = self.waiting[0]
+        if head.bypassed >= MAX_BYPASS:
+            order.remove(head)
+            order.insert(0, head)
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             # A failed attempt is retried next step: only the lookup that admits counts as a query.
             counted = self.kv.queries, self.kv.hits
+            if self._short_of_blocks(req, budget):
+                break  # nothing fits now; retry next step (running requests free blocks)
             if req.prepared_kv is not None:
                 adopted = self.kv.adopt(req, req.prepared_kv)
                 if adopted is None:
@@ -202,6 +214,8 @@ class Scheduler:
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
                 self.kv.queries, self.kv.hits = counted
                 break
+            if req is not head:
+                head.bypassed += 1
             self.waiting.remove(req)
             if req.prepared_kv is None:  # an adopted (stitched) admission is not taken back: its KV is spent
                 delta = (self.kv.queries - counted[0], self.kv.hits - counted[1])
@@ -233,6 +247,21 @@ class Scheduler:
         admitted[:] = [a for a in admitted if a.request is not req]
         chosen.discard(id(req))
         return entry.num_tokens
+
+    def _short_of_blocks(self, req: Request, budget: int) -> bool:
+        """Whether the pool surely lacks the blocks admitting ``req`` this step would take (checked before
+        any lookup changes the pool: see :meth:`KVCacheManager.blocks_to_admit`)."""
+        if req.prepared_kv is not None:
+            limit = (
+                req.prepared_kv.length
+                if req.exact_until is None
+                else min(req.exact_until, req.prepared_kv.length)
+            )
+            need = self.kv.blocks_to_admit(req, max_tokens=limit, upto=req.prepared_kv.length)
+        else:
+            cap = min(budget, req.prefill_chunk_size) if req.prefill_chunk_size else budget
+            need = self.kv.blocks_to_admit(req, max_tokens=len(req.tokens) - 1, cap=cap)
+        return need > self.kv.pool.num_free
 
     @staticmethod
     def _slice(req: Request, budget: int) -> int:
