@@ -214,8 +214,10 @@ FOREIGN_OPTIONS = {
     "guided_decoding": "use response_format",
     "structured_outputs": "use response_format",
     "streamer": "use engine.stream(prompt, ...), which yields text deltas",
-    "n": "one completion per call: engine.generate_batch([prompt] * n, seed=...) for several",
-    "num_return_sequences": "one completion per call: engine.generate_batch([prompt] * n, seed=...) for several",
+    "n": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': s + i} for i in "
+    "range(n)]) for several (one seed for all gives n identical completions)",
+    "num_return_sequences": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': "
+    "s + i} for i in range(n)]) for several (one seed for all gives n identical completions)",
     "logits_processor": "custom logits processors are not supported: use logit_bias or response_format",
     "stopping_criteria": "custom stopping criteria are not supported: use stop / stop_token_ids",
     "generator": "use seed (an int) for a reproducible sample",
