@@ -91,8 +91,27 @@ def test_logits_rows(tiny_shape):
     request = PlanRequest(prompt_tokens=100, max_new_tokens=0)
     every_token = dataclasses.replace(LOOP, logits_rows=32)  # a model that cannot keep only sampled rows
     assert estimate_memory(request, SINGLE, tiny_shape, loop=every_token).logits_bytes == 32 * 128 * 4
-    echo = dataclasses.replace(request, prompt_logprobs=True)
-    assert estimate_memory(echo, SINGLE, tiny_shape, loop=LOOP).logits_bytes == 32 * 128 * 4
+    echo = dataclasses.replace(request, prompt_logprobs=True)  # scoring is charged apart (next test)
+    assert estimate_memory(echo, SINGLE, tiny_shape, loop=LOOP).logits_bytes == 4 * 128 * 4
+
+
+@pytest.mark.parametrize("dtype_bytes", [4, 2])
+def test_a_scored_prompt_adds_the_scorers_cache_and_fp32_slice(tiny_shape, dtype_bytes):
+    """Echo + logprobs: the engine scores the prompt beside its steps, on a DynamicCache of the whole prompt
+    and one slice of fp32 logits at a time. Charged as plain generation, a bf16 4000-token request peaked at
+    3.3x the plan; the fp32 terms do not halve with the model's dtype."""
+    shape = dataclasses.replace(tiny_shape, dtype_bytes=dtype_bytes)
+    plain = PlanRequest(prompt_tokens=100, max_new_tokens=0)
+    scored = dataclasses.replace(plain, prompt_logprobs=True)
+    loop = dataclasses.replace(LOOP, score_slice_tokens=64)
+    base = estimate_memory(plain, SINGLE, shape, loop=loop)
+    est = estimate_memory(scored, SINGLE, shape, loop=loop)
+    assert est.logits_bytes == base.logits_bytes  # the steps keep their rows; scoring is charged apart
+    kv = 2 * 2 * (2 * 16) * 100 * dtype_bytes  # layers x (K + V) x kv_heads * head_dim x prompt x e
+    assert est.kv_bytes == kv
+    fp32 = 64 * 128 * ((4 if dtype_bytes != 4 else 0) + 4)  # the fp32 copy (16-bit logits) and log_softmax
+    assert est.scoring_bytes >= 64 * 128 * dtype_bytes + fp32
+    assert est.peak_bytes == max(base.peak_bytes, est.scoring_bytes) + kv
 
 
 def test_quantized_steps_run_on_a_cache_of_their_own(tiny_shape):

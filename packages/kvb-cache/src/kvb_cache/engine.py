@@ -37,6 +37,7 @@ from kvb_cache.model_traits import cap_context, inspect_model
 from kvb_cache.options import pick_keywords
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_cache_salt, check_context, tokenize_prompt
+from kvb_cache.scoring import SLICE
 from kvb_cache.serialized import new_engine_lock, serialized
 from kvb_cache.stats import EngineCounters
 from kvb_cache.step_limits import StepLimits, step_limits
@@ -288,6 +289,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             context=self.context_length or self.config.max_num_batched_tokens,
             logits_to_keep=self.traits.logits_to_keep,
             solo_paths=self.drafter is not None or self.stitcher.enabled,
+            score_slice_tokens=self.config.prefill_chunk_size or SLICE,
         )
 
     @property

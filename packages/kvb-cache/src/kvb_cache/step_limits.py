@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from kvb_cache.core.paged_attention import DECODE_GATHER_TOKENS, PREFILL_MASK_ELEMENTS
+from kvb_cache.scoring import SLICE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +33,8 @@ class StepLimits:
             materialises scores.
         solo_paths: a request may run outside the pool on a cache of its own: speculative decoding (on an
             idle engine) or a stitched prompt whose KV is assembled and repaired before it joins the pool.
+        score_slice_tokens: prompt positions per forward of :class:`~kvb_cache.scoring.PromptScorer` (echo
+            with logprobs), which scores beside the steps on a cache of its own.
     """
 
     step_tokens: int
@@ -41,6 +44,7 @@ class StepLimits:
     decode_gather_tokens: int
     eager_attention: bool
     solo_paths: bool
+    score_slice_tokens: int
 
 
 def eager_loop_attention(model: PreTrainedModel) -> bool:
@@ -66,6 +70,7 @@ def step_limits(
     context: int,
     logits_to_keep: bool,
     solo_paths: bool,
+    score_slice_tokens: int = SLICE,
 ) -> StepLimits:
     """The step bounds of a loop over ``model`` whose requests reach at most ``context`` tokens."""
     return StepLimits(
@@ -76,4 +81,5 @@ def step_limits(
         decode_gather_tokens=decode_gather_tokens(context, max_num_seqs),
         eager_attention=eager_loop_attention(model),
         solo_paths=solo_paths,
+        score_slice_tokens=score_slice_tokens,
     )

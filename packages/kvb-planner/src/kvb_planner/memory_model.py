@@ -44,7 +44,7 @@ keeps KV in a preallocated block pool and runs steps of bounded size, pass a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,6 +84,9 @@ class MemoryEstimate:
     paged: bool = False
     #: ``ModelShape.weight_transient_bytes``, included in ``peak_bytes`` (on top of the larger phase).
     weight_transient_bytes: int = 0
+    #: A paged loop's prompt scoring (``prompt_logprobs``): one scoring slice's peak beside the scorer's own
+    #: cache (``kv_bytes``); 0 otherwise.
+    scoring_bytes: int = 0
 
 
 def _masked_scratch(shape: ModelShape, b: int, c: int, p: int, e: int, eager: bool) -> int:
@@ -169,8 +172,44 @@ def estimate_memory(
         return solo
     paged = _loop_estimate(request, step, shape, loop, device=device, threads=cpu_threads)
     if loop.solo_paths and solo.peak_bytes > paged.peak_bytes:
-        return solo
+        paged = solo
+    if request.prompt_logprobs:
+        paged = _with_scoring(paged, request, shape, loop, layout=layout, device=device)
     return paged
+
+
+def _with_scoring(
+    estimate: MemoryEstimate,
+    request: PlanRequest,
+    shape: ModelShape,
+    loop: PagedLoop,
+    *,
+    layout: KVQuantLayout,
+    device: str | None,
+) -> MemoryEstimate:
+    """``estimate`` plus the prompt's scoring beside the loop (:mod:`kvb_planner.paged_loop`): the scorer's
+    ``DynamicCache`` of the whole prompt stays while steps run, and each scoring slice is a solo forward of
+    ``score_slice_tokens`` rows keeping every row's logits, plus their fp32 copy and ``log_softmax``
+    (``C * V * 4`` each; no copy when the logits already are fp32). Prompts are scored one at a time.
+
+    NOTE: charged as plain generation, an lm-eval loglikelihood request (echo + logprobs) of 4000 tokens
+    peaked at 3.3x the plan in bf16 (2026-11-29 audit): the fp32 terms do not shrink with the model's dtype.
+    """
+    scored = PlanRequest(prompt_tokens=request.prompt_tokens, max_new_tokens=0, prompt_logprobs=True)
+    scorer = _solo_estimate(
+        scored, LadderStep(prefill_chunk_size=loop.score_slice_tokens), shape, layout=layout, device=device
+    )
+    rows = min(loop.score_slice_tokens, request.prompt_tokens)
+    vocab = shape.vocab_size
+    fp32 = rows * vocab * ((SAMPLER_FP32_BYTES if shape.dtype_bytes != 4 else 0) + SAMPLER_FP32_BYTES)
+    # _solo_estimate's logits term ends with a sampler's [V] fp32 row; scoring has its [C, V] rows instead.
+    slice_peak = scorer.peak_bytes - scorer.kv_bytes - vocab * SAMPLER_FP32_BYTES + fp32
+    return replace(
+        estimate,
+        kv_bytes=estimate.kv_bytes + scorer.kv_bytes,
+        scoring_bytes=slice_peak,
+        peak_bytes=max(estimate.peak_bytes, slice_peak) + scorer.kv_bytes,
+    )
 
 
 def _loop_estimate(
@@ -209,8 +248,7 @@ def _loop_estimate(
 
     mlp = s * (3 * shape.intermediate_size + 4 * shape.hidden_size) * e
     attention = s * (3 * shape.hidden_size + 4 * hq * d + 4 * hkv * d) * e + scratch
-    rows_kept = s if request.prompt_logprobs else loop.kept_rows
-    logits = rows_kept * shape.vocab_size * e
+    logits = loop.kept_rows * shape.vocab_size * e  # scored prompts are charged apart (_with_scoring)
     sampler = loop.sampled_rows * shape.vocab_size * (e + SAMPLER_FP32_COPIES * SAMPLER_FP32_BYTES)
     return MemoryEstimate(
         kv_bytes=0,

@@ -27,7 +27,9 @@ charges (notation of :mod:`kvb_planner.memory_model`; ``S`` step tokens, ``R`` s
   softmax and its cumulative sum).
 
 Not charged: the request's KV (in the pool) and a ``DynamicCache``'s concatenation copies (the loop writes
-slots in place). A ladder step with quantized KV (8/4 bits) runs outside the pool with a cache of its own,
+slots in place). A request whose prompt is scored (``prompt_logprobs``) is scored outside the steps, as
+kvb-cache's ``PromptScorer`` does: its own ``DynamicCache`` of the prompt, held while the steps go on, and
+one slice of ``score_slice_tokens`` positions at a time with fp32 logits (``log_softmax`` of an fp32 copy). A ladder step with quantized KV (8/4 bits) runs outside the pool with a cache of its own,
 so it is estimated as such; so is a 16-bit request when the engine has ``solo_paths`` (the larger of both).
 """
 
@@ -58,6 +60,9 @@ class PagedLoop:
             which SDPA lacks).
         solo_paths: 16-bit requests may run outside the pool with a cache of their own (speculative decoding
             on an idle engine, a stitched prompt's KV being prepared): each is charged the larger estimate.
+        score_slice_tokens: Prompt positions per forward when a prompt is scored (``prompt_logprobs``: echo
+            with logprobs). The engine scores outside its steps, on a ``DynamicCache`` of the whole prompt
+            held between slices, with the slice's logits in fp32 (:func:`kvb_planner.estimate_memory`).
     """
 
     step_tokens: int
@@ -67,9 +72,16 @@ class PagedLoop:
     decode_gather_tokens: int = 1 << 16
     eager_attention: bool = False
     solo_paths: bool = False
+    score_slice_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("step_tokens", "sampled_rows", "mask_elements", "decode_gather_tokens"):
+        for name in (
+            "step_tokens",
+            "sampled_rows",
+            "mask_elements",
+            "decode_gather_tokens",
+            "score_slice_tokens",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlannerConfigError(f"PagedLoop.{name} must be an int >= 1, got {value!r}")

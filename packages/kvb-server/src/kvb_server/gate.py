@@ -27,6 +27,8 @@ class AdmissionRequest:
         queue_depth: requests not running yet (submitted to the engine thread or waiting inside the engine).
         constrained: the reply is grammar-constrained (``response_format`` / tools): such requests decode in
             the engine's batched loop, where a quantized private KV (``kv_cache_bits``) is not available.
+        prompt_logprobs: each prompt is scored too (echo with logprobs): the engine's prompt scorer runs
+            beside the steps on a cache of its own.
     """
 
     endpoint: str
@@ -36,6 +38,7 @@ class AdmissionRequest:
     n: int
     queue_depth: int
     constrained: bool = False
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -328,6 +328,7 @@ class PlannerGate:
             max_new_tokens=request.max_new_tokens,
             batch_size=sequences,
             auto_truncate=self.auto_truncate,
+            prompt_logprobs=request.prompt_logprobs,
         )
         profile = replace(self.profile, free_bytes=self.free_bytes())
         ladder = self.ladder

@@ -88,6 +88,7 @@ class GenerationService:
                 n=plan.n,
                 queue_depth=self._worker.depth,
                 constrained=plan.sampling.response_format is not None,
+                prompt_logprobs=plan.echo is not None and plan.sampling.logprobs is not None,
             )
         )
 
