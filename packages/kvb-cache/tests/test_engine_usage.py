@@ -44,15 +44,38 @@ def test_a_model_moved_after_the_engine_was_built_is_refused(tokenizer):
     import torch
     from conftest import make_model
 
-    from kvb_cache import ConfigError
+    from kvb_cache import ConfigError, SamplingParams
 
     model = make_model("llama")
     engine = KVBoost(model, tokenizer)
     engine.generate(words(10, seed=1), max_new_tokens=2)
     model.to(torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"moved to torch\.bfloat16 .* build a new KVBoost"):
-        engine.generate(words(10, seed=1), max_new_tokens=2)
-    assert not engine.has_unfinished()
+    prompt = words(10, seed=1)
+    ids = tokenizer(prompt)["input_ids"]
+    # Every entry point, not only generate: warm / next_token_logits / the prompt scorer failed with a bare
+    # SDPA dtype error, add_warm_request queued, lookup_cache handed fp32 KV to the bf16 model.
+    for call in (
+        lambda: engine.generate(prompt, max_new_tokens=2),
+        lambda: engine.warm(prompt),
+        lambda: engine.add_warm_request(prompt),
+        lambda: engine.next_token_logits(prompt),
+        lambda: engine.prompt_scorer(prompt),
+        lambda: engine.lookup_cache(ids),
+    ):
+        with pytest.raises(ConfigError, match=r"moved to torch\.bfloat16 .* build a new KVBoost"):
+            call()
+        assert not engine.has_unfinished()
+    # A request queued before the move: the step refuses too, and the engine serves again once moved back.
+    model.to(torch.float32)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=2))
+    model.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="moved to"):
+        engine.step()
+    model.to(torch.float32)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.abort(rid) is False
+    assert engine.generate(prompt, max_new_tokens=2).cached_tokens > 0
 
 
 def test_a_compiled_model_is_refused_naming_the_fix(llama, tokenizer):

@@ -92,6 +92,8 @@ class HFCacheBridge:
 
         def _salted_root(self, cache_salt: object) -> ChunkHash | None: ...
 
+        def _check_model_unmoved(self) -> None: ...
+
         def store_sequence(
             self, ids: Sequence[int], cache: Cache, *, root: ChunkHash | None = None
         ) -> WritebackResult: ...
@@ -132,6 +134,7 @@ class HFCacheBridge:
             InvalidRequestError: empty ``token_ids``, ids outside the vocabulary, a bad ``cache_salt`` or
                 ``min_uncached``.
         """
+        self._check_model_unmoved()  # KV of the old dtype/device would be handed to the moved model
         ids = self._bridge_ids(token_ids)
         root = self._salted_root(cache_salt)
         if isinstance(min_uncached, bool) or not isinstance(min_uncached, int) or min_uncached < 0:

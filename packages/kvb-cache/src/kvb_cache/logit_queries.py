@@ -41,6 +41,7 @@ class LogitQueries:
     model: PreTrainedModel
     device: torch.device
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
+    _check_model_unmoved: Callable[[], None]  # LoopAPI's
 
     @serialized
     def next_token_logits(self, prompt: Prompt, *, cache_salt: str | None = None) -> NextTokenLogits:
@@ -49,6 +50,7 @@ class LogitQueries:
 
         The reference point of every fidelity check: compare against ``model(ids).logits[0, -1]``.
         """
+        self._check_model_unmoved()
         root = self._salted_root(cache_salt)
         ids = self._tokenize(prompt)
         # NOTE: this request skips add_request's checks; a prompt larger than the pool was admitted slice by
@@ -90,7 +92,9 @@ class LogitQueries:
     def prompt_scorer(self, prompt: Prompt, *, top_logprobs: int = 0) -> scoring.PromptScorer:
         """:meth:`prompt_logprobs` one slice (``prefill_chunk_size`` positions, default 256) per
         ``advance()`` call, so the running requests can take a :meth:`step` between slices; ``result()``
-        once ``done``. Validates now (:class:`InvalidRequestError`, :class:`ContextLengthError`)."""
+        once ``done``. Validates now (:class:`InvalidRequestError`, :class:`ContextLengthError`,
+        :class:`ConfigError` for a model moved since the engine was built)."""
+        self._check_model_unmoved()
         ids = self._tokenize(prompt)
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
             raise InvalidRequestError(

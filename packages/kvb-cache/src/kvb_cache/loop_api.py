@@ -178,7 +178,13 @@ class LoopAPI:
     @serialized
     def step(self) -> list[RequestOutput]:
         """Run one iteration: new prefills (sliced to the token budget) and one token for every running
-        request. Returns at most one :class:`RequestOutput` per request that produced text or finished."""
+        request. Returns at most one :class:`RequestOutput` per request that produced text or finished.
+
+        Raises:
+            ConfigError: the model was moved to another dtype or device since the engine was built (the
+                pool holds KV of the old one); nothing runs until it is moved back.
+        """
+        self._check_model_unmoved()
         return self.core.step()
 
     @serialized

@@ -40,6 +40,7 @@ class EngineLoops:
     _followed: set[RequestId]
     _unfollowed: list[RequestOutput]
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
+    _check_model_unmoved: Callable[[], None]  # LoopAPI's
     _engine_lock: threading.RLock  # serialized.py
     tokenizer: Any
 
@@ -316,6 +317,7 @@ class EngineLoops:
 
         Raises (nothing queued): :class:`InvalidRequestError` / :class:`ContextLengthError` for bad input.
         """
+        self._check_model_unmoved()
         t0 = time.perf_counter()
         root = self._salted_root(cache_salt)
         ids = self._tokenize(text)
