@@ -171,6 +171,7 @@ class FakeEngine:
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestId:
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")

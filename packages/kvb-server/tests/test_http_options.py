@@ -174,8 +174,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         "--enforce-eager",
         "--trust-remote-code",
         "--disable-log-requests",
-        "--scheduling-policy",
-        "fcfs",
         # Single-device values, common in vLLM command lines (-tp 1), are what runs here.
         "-tp",
         "1",
@@ -206,7 +204,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--scheduling-policy", "priority"], "first come, first served (accepted: fcfs)"),
         (["--swap-space", "4"], "a preempted request is recomputed"),
         (["--enable-lora"], "merge_and_unload"),
         (["--lora-modules", "a=b"], "merge_and_unload"),
@@ -285,3 +282,12 @@ def test_log_requests_without_a_tokenizer_logs_the_ids(caplog) -> None:
         )
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvb_server.requests"]
     assert "prompt=None" in line and "prompt_token_ids=[5, 6, 7]" in line
+
+
+def test_scheduling_policy_is_vllms_flag_and_reaches_the_engine() -> None:
+    """--scheduling-policy priority used to be refused as unsupported; it is the engine's own option now."""
+    args = build_parser().parse_args(["--model", "m", "--scheduling-policy", "priority"])
+    assert args.scheduling_policy == "priority"
+    assert build_parser().parse_args(["--model", "m"]).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--scheduling-policy", "lifo"])

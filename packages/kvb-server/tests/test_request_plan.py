@@ -251,7 +251,7 @@ def test_error_paths_leave_out_union_tags(schema: type, body: dict, path: str) -
     assert f"'{path}'" in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["use_beam_search", "chat_template", "priority"])
+@pytest.mark.parametrize("name", ["use_beam_search", "chat_template", "guided_decoding_backend"])
 def test_vllm_extras_this_server_does_not_take_are_400s_naming_the_fix(name: str) -> None:
     with pytest.raises(InvalidParameterError, match=f"supplied: {name} \\(vLLM's; not supported") as info:
         chat(messages=[{"role": "user", "content": "a"}], **{name: True})

@@ -250,3 +250,34 @@ def test_a_batch_gives_each_prompt_its_own_default_budget(tiny_url: str) -> None
     lengths = {c["index"]: c["finish_reason"] for c in reply["choices"]}
     assert lengths == {0: "length", 1: "length"}
     assert reply["usage"]["completion_tokens"] == 16 + 12
+
+
+def test_priority_needs_priority_scheduling(tiny_url: str) -> None:
+    """vLLM's priority: 0 is accepted anywhere; another value is a 400 naming the flag unless the engine
+    schedules by priority (then it orders the queue: kvb-cache's test_priority.py)."""
+    body = dict(prompt=PROMPT, max_tokens=2, temperature=0)
+    assert _post(tiny_url, "completions", priority=0, **body).status_code == 200
+    resp = _post(tiny_url, "chat/completions", messages=MESSAGES, max_tokens=2, priority=3)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in resp.json()["error"]["message"]
+
+
+def test_a_priority_server_passes_each_requests_priority_to_the_engine() -> None:
+    from conftest import build_tiny_engine, serve
+
+    from kvb_server import ServerConfig, create_app
+
+    engine = build_tiny_engine(scheduling_policy="priority")
+    seen: list[int] = []
+    add = engine.add_request
+
+    def spy(*args, priority: int = 0, **kwargs):
+        seen.append(priority)
+        return add(*args, priority=priority, **kwargs)
+
+    engine.add_request = spy  # type: ignore[method-assign]
+    with serve(create_app(engine, ServerConfig(model_names=(MODEL,), max_tokens=8))) as url:
+        for priority in (5, -1, 0):
+            body = dict(prompt=PROMPT, max_tokens=2, temperature=0, priority=priority)
+            assert _post(url, "completions", **body).status_code == 200
+    assert seen == [5, -1, 0]

@@ -32,6 +32,10 @@ STITCHING_CHUNK_SIZE = 32
 DEFAULT_KV_GROUP_SIZE = 32
 
 
+#: vLLM's ``--scheduling-policy`` values (:attr:`EngineConfig.scheduling_policy`).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """How the engine chunks, stores and reuses KV.
@@ -72,6 +76,9 @@ class EngineConfig:
         attention_backend: the engine loop's attention over the pool: ``"kvb_kernels"`` (kvb-kernels'
             block-table kernel reads the blocks in place; CUDA), ``"sdpa"`` (each context gathered, then
             torch SDPA), ``"auto"`` (the kernel on CUDA when kvb-kernels is installed with Triton, else SDPA).
+        scheduling_policy: ``"fcfs"`` (arrival order, longest cached prefix first among waiting requests)
+            or ``"priority"`` (vLLM's: a request's ``priority``, lower first, then arrival; the running
+            request of the lowest priority is preempted first). Only ``"priority"`` takes ``priority != 0``.
     """
 
     chunk_size: int | None = None
@@ -90,6 +97,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.chunk_size is None:
@@ -97,6 +105,10 @@ class EngineConfig:
             size = DEFAULT_CHUNK_SIZE if self.stitching is None else STITCHING_CHUNK_SIZE
             object.__setattr__(self, "chunk_size", size)
         check_backend(self.attention_backend)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, get_args
 
-from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, EngineConfig
+from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, SCHEDULING_POLICIES, EngineConfig
 from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
@@ -260,6 +260,14 @@ class EngineArgs:
         help="most tokens (prefill + decode) one engine step feeds the model; longer prompts are prefilled "
         "in slices interleaved with the running requests' decoding",
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        group="scheduling",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: arrival order (longest cached prefix first among waiting requests); priority: each "
+        "request's priority (lower first, then arrival; the lowest running one is preempted first), vLLM's "
+        "--scheduling-policy",
+    )
     prefill_chunk_size: int | None = option(
         None,
         group="scheduling",
@@ -363,4 +371,5 @@ class EngineArgs:
             prefill_chunk_size=self.prefill_chunk_size,
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
+            scheduling_policy=self.scheduling_policy,
         )

@@ -72,11 +72,14 @@ class LoopAPI:
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestId:
         """Queue a request; it joins the running batch at the next :meth:`step`.
 
         ``cache_salt`` (vLLM's name) isolates a tenant: it roots the request's prefix-hash chain, so only
         requests with the same salt share its cached KV (RAM, stitching store, disk and Redis records).
+        ``priority`` (vLLM's; lower runs first) needs ``scheduling_policy="priority"``; speculative and
+        ``kv_cache_bits`` requests run beside the loop and do not wait in its queue.
 
         Raises (synchronously, nothing queued): :class:`InvalidRequestError`, :class:`PromptTypeError`,
         :class:`ContextLengthError` for bad input or a request larger than the pool.
@@ -86,6 +89,7 @@ class LoopAPI:
         if not isinstance(params, SamplingParams):
             raise PromptTypeError(f"params must be a kvb_cache.SamplingParams, got {type(params).__name__}")
         self._check_model_unmoved()
+        self._check_priority(priority)
         prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
         if prefill_chunk_size is None:
             prefill_chunk_size = self.config.prefill_chunk_size
@@ -131,6 +135,7 @@ class LoopAPI:
             self.core.add_solo(rid, generation.run(self, prepared, params, t0))
             return rid
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        req.priority = priority
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)
         if self.config.stitching is None or constrained or not self.stitcher.enabled:
@@ -163,6 +168,17 @@ class LoopAPI:
             self.core.add(req)
         else:
             self.core.add_preparing(req, job)
+
+    def _check_priority(self, priority: object) -> None:
+        """``priority`` is an int, and 0 unless the engine schedules by priority (vLLM refuses it too)."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be an int, got {priority!r}", param="priority")
+        if priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs priority scheduling: build the engine with "
+                "scheduling_policy='priority' (kvboost-server --scheduling-policy priority)",
+                param="priority",
+            )
 
     def _check_model_unmoved(self) -> None:
         """The model still has the dtype and device the pool was built for: ``model.to(torch.bfloat16)``

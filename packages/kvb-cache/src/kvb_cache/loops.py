@@ -54,6 +54,7 @@ class EngineLoops:
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
         cache_salt = sampling.pop("cache_salt", None)
+        priority = sampling.pop("priority", 0)
         with self._engine_lock:  # followed before another thread's step can produce its first output
             rid = self.add_request(
                 prompt,
@@ -61,6 +62,7 @@ class EngineLoops:
                 prefill_chunk_size=prefill_chunk_size,
                 kv_cache_bits=kv_cache_bits,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             self._followed.add(rid)
         return RequestStream(self, rid)
@@ -160,6 +162,7 @@ class EngineLoops:
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
         **unknown: Any,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (a string, or token ids) reusing cached KV.
@@ -169,6 +172,7 @@ class EngineLoops:
         ``kv_cache_bits`` 8 or 4 holds this request's live KV KIVI-quantized (lower peak memory, approximate
         outputs, nothing stored; see :mod:`kvb_cache.live_quant`); 16 or None keep the exact path.
         ``cache_salt`` isolates a tenant: only requests with the same salt share cached KV.
+        ``priority`` (lower first) orders concurrent requests under ``scheduling_policy="priority"``.
         ``response_format`` constrains the output (a JSON schema dict, a pydantic model class, ``"json"``,
         ``{"type": "regex", "pattern": ...}`` or ``{"type": "grammar", "grammar": <Lark/GBNF>}``; see
         docs/structured.md). ``logit_bias``: token id -> bias in [-100, 100] added to its logit.
@@ -208,6 +212,7 @@ class EngineLoops:
                 prefill_chunk_size=prefill_chunk_size,
                 kv_cache_bits=kv_cache_bits,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             self._followed.add(rid)
         return self._run_to_end([rid])[0]
@@ -224,8 +229,8 @@ class EngineLoops:
     ) -> list[GenerationResult]:
         """Generate for several prompts through the engine loop, each with its own sampling parameters.
 
-        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i``; ``cache_salt`` applies to every
-        prompt (one tenant per batch). Each row equals what
+        ``sampling[i]`` (if given) overrides ``common`` for prompt ``i`` (``priority`` included);
+        ``cache_salt`` applies to every prompt (one tenant per batch). Each row equals what
         :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
         Every prompt is validated before any is queued.
         """
@@ -242,17 +247,16 @@ class EngineLoops:
                 "keyword arguments)",
                 param="sampling",
             )
-        params = [
-            self._sampling_params({**common, **(sampling[i] if sampling else {})})
-            for i in range(len(prompts))
-        ]
+        rows = [{**common, **(sampling[i] if sampling else {})} for i in range(len(prompts))]
+        priorities = [row.pop("priority", 0) for row in rows]
+        params = [self._sampling_params(row) for row in rows]
         for prompt, p in zip(prompts, params):
             self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
         self._salted_root(cache_salt)  # validated before any prompt is queued
         ids: list[RequestId] = []
         with self._engine_lock:
             try:
-                for prompt, p in zip(prompts, params):
+                for prompt, p, priority in zip(prompts, params, priorities):
                     ids.append(
                         self.add_request(
                             prompt,
@@ -260,6 +264,7 @@ class EngineLoops:
                             prefill_chunk_size=prefill_chunk_size,
                             kv_cache_bits=kv_cache_bits,
                             cache_salt=cache_salt,
+                            priority=priority,
                         )
                     )
             except BaseException:

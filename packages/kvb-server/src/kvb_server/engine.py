@@ -94,6 +94,7 @@ class ServingEngine(Protocol):
         prefill_chunk_size: int | None = None,
         kv_cache_bits: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestId:
         """Queue one generation; it joins the next :meth:`step`.
 
@@ -101,7 +102,8 @@ class ServingEngine(Protocol):
         ``ContextLengthError``, ...) and nothing is queued. ``prefill_chunk_size`` / ``kv_cache_bits`` are
         the admission gate's per-request overrides (None: the engine's default). ``cache_salt`` roots the
         request's prefix hash chain: requests with different salts never share cached blocks (None:
-        unsalted).
+        unsalted). ``priority`` (vLLM's, lower first) is passed only when not 0, to an engine scheduling by
+        priority.
         """
         ...
 

@@ -71,12 +71,15 @@ class InFlight:
                     job.prompt, cache_salt=job.cache_salt, prefill_chunk_size=job.settings.prefill_chunk_size
                 )
             else:
+                # Passed only when set: an engine without priority scheduling need not take the keyword.
+                ranked = {"priority": job.priority} if job.priority else {}
                 request_id = self._engine.add_request(
                     job.prompt,
                     job.sampling,
                     prefill_chunk_size=job.settings.prefill_chunk_size,
                     kv_cache_bits=job.settings.kv_cache_bits,
                     cache_salt=job.cache_salt,
+                    **ranked,
                 )
         except Exception as exc:  # invalid for the engine: only this job fails
             self.rejected += 1

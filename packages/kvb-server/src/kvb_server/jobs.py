@@ -103,6 +103,8 @@ class GenerationJob:
     cache_salt: str | None = None
     #: A ``/v1/warm`` text: computed and cached exactly, nothing generated (``engine.add_warm_request``).
     warm: bool = False
+    #: vLLM's request priority (lower first; the engine's ``--scheduling-policy priority``); 0: none.
+    priority: int = 0
 
     def expired(self) -> bool:
         return self.cancelled.is_set() or time.monotonic() > self.deadline

@@ -56,6 +56,7 @@ class GenerationPlan:
         service_tier: the tier a chat response reports (``"default"``, the only one, when the request named
             one; None otherwise: OpenAI reports it when asked).
         reasoning: how a chat reply's thinking is split out (``--reasoning-parser``); None: not at all.
+        priority: vLLM's request priority (lower first), checked against the engine's scheduling policy.
         budgets: each prompt's ``max_new_tokens`` (a default shrinks to each prompt's own room; ``sampling``
             holds the largest); empty: ``sampling``'s for every prompt.
     """
@@ -76,6 +77,7 @@ class GenerationPlan:
     service_tier: str | None = None
     reasoning: ReasoningPlan | None = None
     budgets: tuple[int, ...] = ()
+    priority: int = 0
 
     def prompt_sampling(self, prompt: int, choice: int) -> SamplingParams:
         """The sampling of choice ``choice`` of prompt ``prompt``: its own seed and its prompt's budget."""
@@ -215,6 +217,7 @@ def completion_plan(
         echo=echo,
         generate=generate,
         budgets=max_new,
+        priority=check_priority(req.priority, engine),
     )
 
 
@@ -259,7 +262,23 @@ def chat_plan(
         service_tier="default" if req.service_tier is not None else None,
         reasoning=thinking,
         budgets=max_new,
+        priority=check_priority(req.priority, engine),
     )
+
+
+def check_priority(priority: int | None, engine: ServingEngine) -> int:
+    """vLLM's ``priority`` (default 0): any other value needs an engine scheduling by priority (vLLM refuses
+    it otherwise too), checked before anything is queued."""
+    if not priority:
+        return 0
+    config = getattr(engine, "config", None)
+    if getattr(config, "scheduling_policy", None) != "priority":
+        raise InvalidParameterError(
+            f"priority {priority} needs priority scheduling, which is off: start the server with "
+            "--scheduling-policy priority.",
+            param="priority",
+        )
+    return priority
 
 
 def truncate_prompts(

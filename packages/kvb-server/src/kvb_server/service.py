@@ -119,6 +119,7 @@ class GenerationService:
                 settings=decision.settings,
                 probe=decision.probe,
                 cache_salt=plan.cache_salt,
+                priority=plan.priority,
             )
             for p, prompt in enumerate(plan.prompts)
             for i in range(plan.n)

@@ -68,7 +68,6 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         "usage.prompt_tokens_details.cached_tokens is always reported",
         None,
     ),
-    "--scheduling-policy": ("requests are scheduled first come, first served", ("fcfs",)),
     "--enable-request-id-headers": ("every response carries an x-request-id header", None),
     # Explicit single-device values are common in vLLM command lines (-tp 1): accepted, larger ones refused.
     "--tensor-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
@@ -126,7 +125,7 @@ class RefusedFlag(_VllmFlag):
 
 class SatisfiedFlag(_VllmFlag):
     """Warn that the flag asks for what the server already does and go on; a value outside the ones that
-    ask for it (``--scheduling-policy priority``) is refused like a :class:`RefusedFlag`."""
+    ask for it (``--distributed-executor-backend ray``) is refused like a :class:`RefusedFlag`."""
 
     def __call__(
         self,

@@ -73,6 +73,7 @@ class KVBoost(_Engine):
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 1024,
+        scheduling_policy: str = "fcfs",
         prefill_chunk_size: int | None = None,
         exit_flush_timeout_s: float = 10.0,
         # kvboost.args.SpeculativeArgs

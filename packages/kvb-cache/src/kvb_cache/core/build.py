@@ -99,7 +99,10 @@ def build_loop(
         store_partial_tail=config.store_partial_tail,
     )
     scheduler = Scheduler(
-        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=packed_budget(traits, config)
+        kv,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=packed_budget(traits, config),
+        priority=config.scheduling_policy == "priority",
     )
     kernel = resolve_backend(config.attention_backend, model.device, shapes[0].dtype)
     runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep, kernel=kernel)

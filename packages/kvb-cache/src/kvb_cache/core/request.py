@@ -76,6 +76,14 @@ class Request:
     preemptions: int = 0
     #: Later requests admitted while this one was the oldest waiting (the scheduler's bound on its wait).
     bypassed: int = 0
+    #: vLLM's request priority (lower runs first) under the ``priority`` scheduling policy.
+    priority: int = 0
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """Order under the priority policy: priority, then arrival (earlier first)."""
+        return self.priority, self.arrival
+
     #: Chunk spans of the prompt (telemetry: which chunks were served from cache).
     spans: tuple = ()
     #: Stitching: the prompt's complete chunks under a root, hashed once (``(root, pieces)``; see

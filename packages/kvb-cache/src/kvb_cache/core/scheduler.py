@@ -19,6 +19,11 @@ request admitted in the same step is taken back first (it has not run yet): admi
 prefills continue, two requests that fit the pool one at a time, not together, otherwise took turns
 preempting themselves, each admission taking the block the other needed, and neither ever finished.
 
+Under the ``priority`` policy (vLLM's ``--scheduling-policy priority``) the waiting queue is kept in
+``(priority, arrival)`` order (a preempted request goes back to its place in it, not to the front), decodes
+are fed in that order, and the running request preempted for want of blocks is the lowest-ranked one: the
+largest ``(priority, arrival)``, which may be the request that needs the blocks itself.
+
 A request's first admission is stamped (``Request.scheduled_at``, the end of its WAITING phase in the
 vLLM metrics); a preempted request readmitted later keeps that first time, as vLLM v1 does.
 """
@@ -79,8 +84,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, priority: bool = False
+    ) -> None:
         self.kv = kv
+        #: The ``priority`` policy (else first come, first served).
+        self.priority = priority
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -100,8 +109,26 @@ class Scheduler:
                 f"request {req.request_id} needs {needed} tokens of KV, "
                 f"more than the pool's {self.kv.pool.num_blocks} blocks hold"
             )
-        self.waiting.append(req)
+        if self.priority:
+            self._insert_ranked(req)
+        else:
+            self.waiting.append(req)
         self._by_id[req.request_id] = req
+
+    def _insert_ranked(self, req: Request) -> None:
+        """Put ``req`` into the waiting queue at its ``(priority, arrival)`` place (scanning from the back:
+        most arrivals rank last)."""
+        i = len(self.waiting)
+        while i and self.waiting[i - 1].rank > req.rank:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def _requeue(self, req: Request) -> None:
+        """A preempted or taken-back request waits again: first in line under FCFS, at its rank otherwise."""
+        if self.priority:
+            self._insert_ranked(req)
+        else:
+            self.waiting.appendleft(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -141,9 +168,7 @@ class Scheduler:
                 if fresh:
                     budget += self._take_back(fresh.pop(), scheduled, admitted, chosen)
                     continue
-                victim = next(
-                    (r for r in reversed(self.running) if r is not req and id(r) not in chosen), None
-                )
+                victim = self._victim(req, chosen)
                 if victim is None:
                     self._preempt(req)
                     preempted.append(req)
@@ -152,7 +177,10 @@ class Scheduler:
                 preempted.append(victim)
             return True
 
-        for req in [r for r in self.running if r.remaining == 1]:
+        decoding = [r for r in self.running if r.remaining == 1]
+        if self.priority:
+            decoding.sort(key=lambda r: r.rank)
+        for req in decoding:
             if budget == 0:
                 break
             if req.status is RequestStatus.RUNNING and grow(req, 1):
@@ -189,7 +217,12 @@ class Scheduler:
         # ADMIT_WINDOW only: the key is a pool lookup per cached block, and ordering a queue of thousands
         # (generate_batch queues every prompt at once) cost more than the step it scheduled.
         window = itertools.islice(self.waiting, ADMIT_WINDOW)
-        order = sorted(window, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
+        if self.priority:  # the window is in rank order; within a priority, cache hits first
+            order = sorted(
+                window, key=lambda r: (r.priority, -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
+            )
+        else:
+            order = sorted(window, key=lambda r: -self.kv.cached_prefix_len(r, len(r.tokens) - 1))
         head = self.waiting[0]
         if head.bypassed >= MAX_BYPASS:
             order.remove(head)
@@ -240,7 +273,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.scheduled_at = entry.scheduled_at
-        self.waiting.appendleft(req)
+        self._requeue(req)
         self.kv.queries -= entry.counted[0]
         self.kv.hits -= entry.counted[1]
         scheduled[:] = [s for s in scheduled if s.request is not req]
@@ -268,6 +301,19 @@ class Scheduler:
         n = min(req.remaining, budget)
         return min(n, req.prefill_chunk_size) if req.prefill_chunk_size else n
 
+    def _victim(self, req: Request, chosen: set[int]) -> Request | None:
+        """The running request to preempt so ``req`` can grow; None: ``req`` itself must go.
+
+        FCFS: the newest other request not yet scheduled this step. Priority: the lowest-ranked of those,
+        unless ``req`` ranks lower still (vLLM preempts the lowest-priority request, whichever it is)."""
+        others = [r for r in self.running if r is not req and id(r) not in chosen]
+        if not others:
+            return None
+        if not self.priority:
+            return others[-1]
+        victim = max(others, key=lambda r: r.rank)
+        return None if req.rank > victim.rank else victim
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -276,7 +322,7 @@ class Scheduler:
         req.copied = ()
         req.status = RequestStatus.WAITING
         req.preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue(req)
         self.preemptions += 1
 
     def find(self, request_id: RequestId) -> Request | None:

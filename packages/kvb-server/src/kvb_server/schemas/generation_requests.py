@@ -93,6 +93,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    #: vLLM's: lower runs first under --scheduling-policy priority (0 on any server).
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63), WHOLE] | None = None
     #: vLLM's: keep only the last this-many prompt tokens (-1: the model's context length).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), WHOLE] | None = None
     #: vLLM's: only these token ids may be generated (a label set, a Yes/No judge).
