@@ -299,6 +299,15 @@ def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
             lambda: T.BertConfig(**{k: v for k, v in _SMALL.items() if k != "num_key_value_heads"}),
             "bidirectionally",
         ),
+        # A masked-LM checkpoint at BERT's default initialisation (std 0.02): its logits move by 1.4e-2 of
+        # their scale, under the probe's first tolerance (1e-2 of max(|logits|, 1)); served, it answered noise.
+        (
+            lambda: T.BertConfig(
+                **{k: v for k, v in _SMALL.items() if k not in ("num_key_value_heads", "initializer_range")},
+                initializer_range=0.02,
+            ),
+            "bidirectionally",
+        ),
         (
             lambda: T.Gemma3TextConfig(**_SMALL, head_dim=16, use_bidirectional_attention=True),
             "bidirectionally",
@@ -318,6 +327,7 @@ def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
         "openai-gpt",
         "bart",
         "bert",
+        "bert-default-init",
         "gemma3-bidirectional",
         "mllama",
     ],

@@ -378,9 +378,17 @@ def test_served_model_names_come_first_as_in_vllm(monkeypatch) -> None:
         "y",
     ]
     build_server(build_parser().parse_args(flags))
-    (config,) = configs
-    assert config.model_names[:2] == ("gpt-x", "y")
-    assert {FakeEngine().model_name, "/ckpt/m"} <= set(config.model_names)
+    # vLLM takes several names after one flag (nargs="+"): "unrecognized arguments: y" before.
+    build_server(
+        build_parser().parse_args(
+            ["--no-oom-planning", "--model", "/ckpt/m", "--served-model-name", "gpt-x", "y"]
+        )
+    )
+    assert len(configs) == 2
+    for config in configs:
+        assert config.model_names[:2] == ("gpt-x", "y")
+        assert {FakeEngine().model_name, "/ckpt/m"} <= set(config.model_names)
+    assert build_parser().parse_args(["--dtype", "float"]).dtype == "float"  # vLLM's spelling of float32
 
 
 def test_an_empty_api_key_is_refused_not_authentication_off(monkeypatch, capsys) -> None:

@@ -276,3 +276,25 @@ def test_stats_and_the_startup_log_show_the_merged_defaults(model_dir: Path, cap
     with serve(server.app) as url:
         stats = httpx.get(f"{url}/v1/stats").json()["sampling_defaults"]
         assert stats["overrides"] == {"temperature": 0.5, "top_k": 4}
+
+
+def test_an_unreadable_generation_config_json_is_warned_about(tmp_path: Path, caplog) -> None:
+    """transformers (and vLLM) fall back to the model config without a word: the folder's sampling defaults
+    and its end-of-sequence ids were dropped silently."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "eos_token_id": [2,')
+    with caplog.at_level(logging.WARNING, logger="kvb_server.generation_config"):
+        gc.resolve(
+            gc.AUTO,
+            SimpleNamespace(model=SimpleNamespace(generation_config=GenerationConfig())),
+            str(tmp_path),
+        )
+    assert "generation_config.json is not valid JSON" in caplog.text
+    caplog.clear()
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3}')
+    with caplog.at_level(logging.WARNING, logger="kvb_server.generation_config"):
+        gc.resolve(
+            gc.AUTO,
+            SimpleNamespace(model=SimpleNamespace(generation_config=GenerationConfig())),
+            str(tmp_path),
+        )
+    assert "not valid JSON" not in caplog.text

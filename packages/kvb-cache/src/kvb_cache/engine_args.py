@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 #: ``auto`` (the checkpoint's, as when unset) and ``half`` are vLLM's spellings: ``--dtype auto`` is in most
 #: vLLM command lines and was an "invalid choice" here.
-DTYPES = ("auto", "float32", "bfloat16", "float16", "half")
+#: vLLM's ``--dtype`` values ("float" is float32, "half" float16).
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 RECOMPUTE_STRATEGIES: tuple[str, ...] = get_args(RecomputeStrategy)
 
 

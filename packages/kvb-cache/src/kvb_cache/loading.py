@@ -7,15 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_cache.embedded import is_embedded_name, resolve_model_path
+from kvb_cache.embedded import embedded_model_folder, is_embedded_name, resolve_model_path
 from kvb_cache.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
+    "float": torch.float32,  # vLLM's --dtype float
     "fp32": torch.float32,
     "float16": torch.float16,
     "fp16": torch.float16,
@@ -190,6 +192,9 @@ def load_model_and_tokenizer(
             f"(nothing is downloaded); fetch it first (hf download {name_or_path}) or pass a local folder "
             "with config.json and weights, or 'smollm2-135m' for the embedded model"
         ) from exc
+    except SafetensorError as exc:
+        # A truncated or corrupt weights file (a cut copy, a full disk) escaped as a traceback.
+        raise ModelLoadError(_damaged_weights(name_or_path, path, exc)) from exc
     except RuntimeError as exc:
         # Weights of other shapes than config.json says ("size mismatch for ...") escaped as a traceback.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -225,21 +230,55 @@ def load_model_and_tokenizer(
     return LoadedModel(model=model.eval(), tokenizer=loaded_tokenizer, name=name_or_path)
 
 
+def _damaged_weights(name: str, path: str, exc: Exception) -> str:
+    if is_embedded_name(name) or Path(path) == Path(embedded_model_folder()):
+        return (
+            f"the embedded model's converted folder {path} is damaged ({exc}); delete that folder and start "
+            "again to convert the embedded model anew"
+        )
+    return f"could not load model {name!r}: a weights file is truncated or corrupt ({exc}); copy or download it again"
+
+
 def load_own_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer a ``tokenizer`` option names, loaded as the model's would be; its errors name the
-    option (left to the model's handler they read as the model's)."""
-    path = Path(name_or_path).expanduser()
+    """The tokenizer a ``tokenizer`` option names (a folder, a cached hub id or the embedded model's short
+    name), loaded as the model's would be; its errors name the option and say what to pass (transformers'
+    own ones spoke of an internet connection never tried, or of sentencepiece for a folder without a
+    tokenizer)."""
+    option = f"tokenizer (--tokenizer) {name_or_path!r}"
+    path = Path(resolve_model_path(name_or_path)).expanduser()
     if _path_like(name_or_path) and not path.exists():
         raise ModelLoadError(
             f"tokenizer (--tokenizer) path {name_or_path!r} does not exist; pass a folder with the tokenizer's "
             "files (tokenizer.json, tokenizer_config.json) or a hub id already in your local Hugging Face cache"
         )
+    if path.is_file():
+        raise ModelLoadError(
+            f"{option} is a file; pass the folder holding the tokenizer's files (tokenizer.json, "
+            "tokenizer_config.json)"
+        )
+    if path.is_dir() and not _has_tokenizer_files(path):
+        raise ModelLoadError(
+            f"{option} holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model or vocab "
+            "files); pass the folder its tokenizer was saved into (tokenizer.save_pretrained(folder))"
+        )
     try:
         return AutoTokenizer.from_pretrained(
             str(path) if path.exists() else name_or_path, local_files_only=True, trust_remote_code=False
         )
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise ModelLoadError(f"could not load tokenizer (--tokenizer) {name_or_path!r}: {exc}") from exc
+    except OSError as exc:
+        if path.exists():
+            raise ModelLoadError(f"could not load {option}: {exc}") from exc
+        raise ModelLoadError(
+            f"{option} is neither a local folder nor a hub id in the local Hugging Face cache (nothing is "
+            f"downloaded); fetch it first (hf download {name_or_path}) or pass a folder with its files"
+        ) from exc
+    except (ValueError, KeyError, ImportError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(
+                f"could not load {option}: it needs its own tokenizer code (tokenizer_config.json's auto_map), "
+                "which KVBoost never runs; pass a tokenizer transformers ships (--tokenizer)"
+            ) from exc
+        raise ModelLoadError(f"could not load {option}: {exc}") from exc
 
 
 def check_vocabulary(

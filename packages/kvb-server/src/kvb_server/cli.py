@@ -71,11 +71,12 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     )
     model.add_argument(
         "--served-model-name",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="NAME",
-        help="extra name clients may send as 'model' (repeatable); the engine's model id and "
-        "--model are always accepted",
+        help="extra names clients may send as 'model' (several after one flag, as vLLM takes them, or the "
+        "flag repeated); the engine's model id and --model are always accepted",
     )
     model.add_argument(
         "--chat-template",

@@ -16,6 +16,7 @@ are defaults. A ``null`` value drops the source's default for that field, as vLL
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from kvb_server.schemas.fields import MaxTokens, RepetitionPenalty, Temperature, TopK, TopP
+
+logger = logging.getLogger(__name__)
 
 #: ``--generation-config`` values that are not a folder.
 AUTO, VLLM = "auto", "vllm"
@@ -188,6 +191,25 @@ def resolve(
     return merge(_source_defaults(value, engine, model_path), override or {})
 
 
+def _warn_if_unreadable(model_path: str | None) -> None:
+    """Say so when the model folder's ``generation_config.json`` is not JSON: transformers (and vLLM) then
+    fall back to the model config without a word, dropping its sampling defaults and its eos ids."""
+    if not model_path:
+        return
+    path = Path(model_path).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "%s is not valid JSON (%s): its sampling defaults and end-of-sequence ids are ignored; fix or "
+            "remove it",
+            path,
+            exc,
+        )
+
+
 def _source_defaults(value: str, engine: object, model_path: str | None) -> SamplingDefaults:
     if value == VLLM:
         return NO_DEFAULTS
@@ -196,6 +218,7 @@ def _source_defaults(value: str, engine: object, model_path: str | None) -> Samp
     if value != AUTO:
         check_flag(value)
         return defaults_from(GenerationConfig.from_pretrained(value, local_files_only=True), value)
+    _warn_if_unreadable(model_path)
     generation_config = getattr(getattr(engine, "model", None), "generation_config", None)
     source = "the model's generation config"
     if generation_config is None and model_path and (Path(model_path) / "generation_config.json").is_file():

@@ -121,7 +121,10 @@ def check_attention_routing(
 
 #: A causal model's first position does not see the token after it: its logits move by float noise at most
 #: (none, as a rule: same shapes, same kernels); a bidirectional one's move by a good part of their scale.
-CAUSAL_TOLERANCE = 1e-2
+#: Relative to the largest logit: the 82 causal tiny models of tools/arch_matrix.py move by 5.4e-7 at most,
+#: while a BERT masked-LM checkpoint at its default initialisation (std 0.02, logits up to 0.44) moves by
+#: 1.4e-2. NOTE: 1e-2 of max(|logits|, 1) let that BERT through: served as a causal LM, it answered noise.
+CAUSAL_TOLERANCE = 1e-3
 
 
 def check_causal_positions(model: PreTrainedModel) -> None:
@@ -154,7 +157,7 @@ def check_causal_positions(model: PreTrainedModel) -> None:
 
     first = logits([a, b], [0, 1])
     other = logits([a, c], [0, 1])
-    scale = float(first[0].abs().max().clamp(min=1.0))
+    scale = float(first[0].abs().max().clamp(min=1e-6))
     if float((first[0] - other[0]).abs().max()) > CAUSAL_TOLERANCE * scale:
         raise UnsupportedModelError(
             f"{name} attends bidirectionally (a token's output depends on the tokens after it: an encoder "
