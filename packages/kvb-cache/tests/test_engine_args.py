@@ -234,6 +234,8 @@ def test_an_unknown_remote_codec_is_named_before_the_missing_url():
         ("1k", 1000),
         ("1K", 1024),
         ("25.6k", 25600),
+        ("1.001k", 1001),  # a float product is 1000.9999999999999
+        ("131.072k", 131072),
         ("32K", 32768),
         ("-1", None),
         ("auto", None),
@@ -246,7 +248,7 @@ def test_max_model_len_takes_vllms_human_readable_lengths(flag, expected):
     assert from_namespace(EngineArgs, parser.parse_args(["--max-model-len", flag])).max_model_len == expected
 
 
-@pytest.mark.parametrize("flag", ["0", "1.5", "k", "-5", "32q"])
+@pytest.mark.parametrize("flag", ["0", "1.5", "k", "-5", "32q", "1.0001k", "nan", "infk"])
 def test_max_model_len_refuses_what_is_not_a_length(flag, capsys):
     parser = argparse.ArgumentParser()
     add_option_arguments(parser, EngineArgs)

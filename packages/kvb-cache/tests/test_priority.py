@@ -86,3 +86,36 @@ def test_library_calls_take_a_priority(llama, tokenizer):
         [words(12), words(12)], sampling=[{"priority": 3}, {}], max_new_tokens=3, ignore_eos=True, priority=1
     )
     assert [r.output_ids for r in rows] == [alone.output_ids] * 2
+
+
+def test_a_prefilling_urgent_request_preempts_a_low_priority_one_that_decoded_first(llama, tokenizer):
+    """Decodes are scheduled first; the victim search skipped requests already scheduled in the step, so an
+    urgent request running short while prefilling preempted itself and waited for the low-priority one to
+    finish (vLLM takes the lowest-priority request back out of the step)."""
+    engine = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(
+            block_size=4, num_blocks=20, max_num_batched_tokens=8, scheduling_policy="priority"
+        ),
+    )
+    low_ids = tokenizer(words(40, seed=1))["input_ids"][:36]
+    high_ids = tokenizer(words(80, seed=2))["input_ids"][:40]
+    engine.add_request(
+        low_ids, SamplingParams(max_new_tokens=36, ignore_eos=True), request_id="low", priority=10
+    )
+    for _ in range(6):
+        engine.step()
+    engine.add_request(high_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="high")
+    requests = {rid: engine.core.scheduler.find(rid) for rid in ("low", "high")}
+    finished, results = [], {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                finished.append(out.request_id)
+                results[out.request_id] = out.result.output_ids
+    assert requests["high"].preemptions == 0 and requests["low"].preemptions > 0
+    assert finished == ["high", "low"]
+    solo = KVBoost(llama, tokenizer)
+    assert results["high"] == solo.generate(high_ids, max_new_tokens=4, ignore_eos=True).output_ids
+    assert results["low"] == solo.generate(low_ids, max_new_tokens=36, ignore_eos=True).output_ids

@@ -191,10 +191,24 @@ def test_allowed_token_ids_and_bad_words_equal_the_engine(
             if c["choices"]
         )
         assert text == streamed == want.output_text
-    # Options that leave no token (the only allowed one is end-of-sequence, held back) are the client's 400.
+    # Options that leave no token (the only allowed one is end-of-sequence, held back) are the client's 400,
+    # naming the options the request sent (a grammar too).
     eos = tiny_engine.tokenizer.eos_token_id
     resp = _post(tiny_url, route, **prompt, max_tokens=8, allowed_token_ids=[eos], min_tokens=3)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+    assert "allowed_token_ids and min_tokens" in resp.json()["error"]["message"]
+    letter = tiny_engine.tokenizer.encode("G", add_special_tokens=False)
+    resp = _post(
+        tiny_url,
+        route,
+        **prompt,
+        max_tokens=4,
+        allowed_token_ids=letter,
+        response_format={"type": "json_object"},
+    )
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "allowed_token_ids and response_format" in message and "bad_words" not in message
 
 
 def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(tiny_url: str, tiny_engine: KVBoost) -> None:

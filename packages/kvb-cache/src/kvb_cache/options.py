@@ -21,6 +21,7 @@ import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, NoReturn
 
 OPTION_KEY = "kvb_option"
@@ -274,10 +275,11 @@ def model_len(text: str) -> int | None:
     if body[-1:] in _SIZE_SUFFIXES:
         body, scale = body[:-1], _SIZE_SUFFIXES[body[-1]]
     try:
-        value = float(body) * scale if scale != 1 else int(body)
-    except ValueError:
-        value = 0
-    if value != int(value) or value < 1:
+        # Decimal: in floats 1.001 * 1000 is 1000.9999999999999, and "1.001k" was refused.
+        value = Decimal(body) * scale if scale != 1 else Decimal(int(body))
+    except (ArithmeticError, ValueError):
+        value = Decimal(0)
+    if not value.is_finite() or value != value.to_integral_value() or value < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a length: an integer >= 1, 1k / 1K style (k=1000, K=1024), or -1 / auto"
         )

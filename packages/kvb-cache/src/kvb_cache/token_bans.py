@@ -132,19 +132,34 @@ class TokenBans:
             row[[t for t in banned if t < row.shape[0]]] = -float("inf")
 
 
-def check_choosable(row: torch.Tensor) -> None:
+def check_choosable(row: torch.Tensor, causes: Sequence[str]) -> None:
     """Raise when every token of ``row`` ``[V]`` (fully processed scores) is ``-inf``.
 
-    With ``allowed_token_ids`` and ``bad_words`` (or ``min_tokens``, which bans end-of-sequence) a request can
-    exclude every token; argmax would then return token 0 as if the model had chosen it, and a draw from the
-    NaN softmax raise from inside torch.
+    With ``allowed_token_ids`` and ``bad_words`` (with ``min_tokens``, which bans end-of-sequence, or a
+    ``response_format`` grammar) a request can exclude every token; argmax would then return token 0 as if
+    the model had chosen it, and a draw from the NaN softmax raise from inside torch. ``causes``: the
+    request's options that ban tokens, named in the message.
 
     Raises:
-        InvalidRequestError: naming the options that together leave nothing.
+        InvalidRequestError: naming those options.
     """
     if not bool(torch.isfinite(row).any()):
         raise InvalidRequestError(
-            "no token can be chosen: allowed_token_ids, bad_words and min_tokens (which holds end-of-sequence "
-            "back) together exclude every token at this point of the output; loosen one of them",
-            param="allowed_token_ids",
+            f"no token can be chosen: {' and '.join(causes)} together exclude every token at this point of the "
+            "output; loosen one of them",
+            param="allowed_token_ids" if "allowed_token_ids" in causes else (causes[0] if causes else None),
         )
+
+
+def ban_causes(params: object, *, holds_eos: bool, constrained: bool) -> list[str]:
+    """The options of ``params`` (a :class:`~kvb_cache.SamplingParams`) that ban tokens at this step."""
+    causes = []
+    if getattr(params, "allowed_token_ids", None) is not None:
+        causes.append("allowed_token_ids")
+    if getattr(params, "bad_words_ids", ()):
+        causes.append("bad_words")
+    if constrained:
+        causes.append("response_format (or the tools' grammar)")
+    if holds_eos:
+        causes.append("min_tokens (which holds end-of-sequence back)")
+    return causes

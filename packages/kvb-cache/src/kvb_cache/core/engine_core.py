@@ -45,6 +45,7 @@ from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduler
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
+from kvb_cache.errors import InvalidRequestError
 from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -337,7 +338,14 @@ class EngineCore:
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """End ``req`` because its token could not be chosen or emitted: its blocks are freed, nothing of it
         is stored, and its last output carries ``error``."""
-        logger.error("request %s failed in the sampler/emitter: %r", req.request_id, error, exc_info=error)
+        if isinstance(
+            error, InvalidRequestError
+        ):  # the request's own options (token bans): the client's error
+            logger.info("request %s ended: %s", req.request_id, error)
+        else:
+            logger.error(
+                "request %s failed in the sampler/emitter: %r", req.request_id, error, exc_info=error
+            )
         if req.status is not RequestStatus.FINISHED:  # _emit may have finished it before failing
             self.scheduler.remove(req)
         if req.internal:

@@ -173,6 +173,11 @@ class Scheduler:
                     self._preempt(req)
                     preempted.append(req)
                     return False
+                if id(victim) in chosen:  # priority: already scheduled this step; nothing has run yet
+                    budget += sum(s.num_tokens for s in scheduled if s.request is victim)
+                    scheduled[:] = [s for s in scheduled if s.request is not victim]
+                    admitted[:] = [a for a in admitted if a.request is not victim]
+                    chosen.discard(id(victim))
                 self._preempt(victim)
                 preempted.append(victim)
             return True
@@ -304,13 +309,16 @@ class Scheduler:
     def _victim(self, req: Request, chosen: set[int]) -> Request | None:
         """The running request to preempt so ``req`` can grow; None: ``req`` itself must go.
 
-        FCFS: the newest other request not yet scheduled this step. Priority: the lowest-ranked of those,
-        unless ``req`` ranks lower still (vLLM preempts the lowest-priority request, whichever it is)."""
-        others = [r for r in self.running if r is not req and id(r) not in chosen]
+        FCFS: the newest other request not yet scheduled this step. Priority: the lowest-ranked other running
+        request, even one scheduled this step already (its slice is taken back: nothing has run yet), unless
+        ``req`` ranks lower still: vLLM preempts the lowest-priority request, whichever it is. (Only the
+        unscheduled ones were considered, so a high-priority request still prefilling preempted itself while
+        a low-priority one that decoded first in the step kept its blocks.)"""
+        if not self.priority:
+            return next((r for r in reversed(self.running) if r is not req and id(r) not in chosen), None)
+        others = [r for r in self.running if r is not req]
         if not others:
             return None
-        if not self.priority:
-            return others[-1]
         victim = max(others, key=lambda r: r.rank)
         return None if req.rank > victim.rank else victim
 
