@@ -231,7 +231,7 @@ def load_model_and_tokenizer(
 
 
 def _damaged_weights(name: str, path: str, exc: Exception) -> str:
-    if is_embedded_name(name) or Path(path) == Path(embedded_model_folder()):
+    if is_embedded_name(name) or Path(path) == embedded_model_folder():
         return (
             f"the embedded model's converted folder {path} is damaged ({exc}); delete that folder and start "
             "again to convert the embedded model anew"

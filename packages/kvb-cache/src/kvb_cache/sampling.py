@@ -20,7 +20,7 @@ from transformers import (
 
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError
 from kvb_cache.structured.spec import ResponseFormat
-from kvb_cache.token_bans import TokenBans, ban_causes, check_allowed, check_choosable, check_sequences
+from kvb_cache.token_bans import TokenBans, check_allowed, check_choosable, check_sequences
 
 #: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
 GREEDY_TEMPERATURE = 1e-5
@@ -372,9 +372,7 @@ class RequestProcessor:
         if self._min_tokens is not None:
             scores = self._min_tokens(history.unsqueeze(0), scores)
         if self.bans is not None:
-            check_choosable(
-                scores[0], ban_causes(self.params, holds_eos=self.holds_eos(history), constrained=False)
-            )
+            check_choosable(scores[0], self.params, holds_eos=self.holds_eos(history), constrained=False)
         if self._processors:
             scores = self._processors(history.unsqueeze(0), scores)
         return scores[0]

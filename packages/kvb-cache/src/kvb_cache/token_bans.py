@@ -48,6 +48,15 @@ def bad_words_ids(tokenizer: _Encoder, words: Sequence[str]) -> tuple[tuple[int,
     return tuple(dict.fromkeys(found))
 
 
+def _token_ids(value: object) -> bool:
+    """Whether ``value`` is a non-empty list or tuple of token ids (ints >= 0, not bools)."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
 def check_sequences(value: object) -> tuple[tuple[int, ...], ...]:
     """``bad_words_ids`` as a tuple of non-empty tuples of token ids >= 0.
 
@@ -61,11 +70,7 @@ def check_sequences(value: object) -> tuple[tuple[int, ...], ...]:
         )
     out = []
     for seq in value:
-        if (
-            not isinstance(seq, (list, tuple))
-            or not seq
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
-        ):
+        if not _token_ids(seq):
             raise InvalidRequestError(
                 f"bad_words_ids must hold non-empty lists of token ids >= 0, got {seq!r}",
                 param="bad_words_ids",
@@ -82,11 +87,7 @@ def check_allowed(value: object) -> tuple[int, ...] | None:
     """
     if value is None:
         return None
-    if (
-        not isinstance(value, (list, tuple))
-        or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    ):
+    if not _token_ids(value):
         raise InvalidRequestError(
             f"allowed_token_ids must be a non-empty list of token ids >= 0, got {value!r}",
             param="allowed_token_ids",
@@ -132,27 +133,20 @@ class TokenBans:
             row[[t for t in banned if t < row.shape[0]]] = -float("inf")
 
 
-def check_choosable(row: torch.Tensor, causes: Sequence[str]) -> None:
+def check_choosable(row: torch.Tensor, params: object, *, holds_eos: bool, constrained: bool) -> None:
     """Raise when every token of ``row`` ``[V]`` (fully processed scores) is ``-inf``.
 
     With ``allowed_token_ids`` and ``bad_words`` (with ``min_tokens``, which bans end-of-sequence, or a
     ``response_format`` grammar) a request can exclude every token; argmax would then return token 0 as if
-    the model had chosen it, and a draw from the NaN softmax raise from inside torch. ``causes``: the
-    request's options that ban tokens, named in the message.
+    the model had chosen it, and a draw from the NaN softmax raise from inside torch. ``params`` (a
+    :class:`~kvb_cache.SamplingParams`), ``holds_eos`` and ``constrained`` say which options ban tokens at
+    this step; they are read only to word the error.
 
     Raises:
         InvalidRequestError: naming those options.
     """
-    if not bool(torch.isfinite(row).any()):
-        raise InvalidRequestError(
-            f"no token can be chosen: {' and '.join(causes)} together exclude every token at this point of the "
-            "output; loosen one of them",
-            param="allowed_token_ids" if "allowed_token_ids" in causes else (causes[0] if causes else None),
-        )
-
-
-def ban_causes(params: object, *, holds_eos: bool, constrained: bool) -> list[str]:
-    """The options of ``params`` (a :class:`~kvb_cache.SamplingParams`) that ban tokens at this step."""
+    if bool(torch.isfinite(row).any()):
+        return
     causes = []
     if getattr(params, "allowed_token_ids", None) is not None:
         causes.append("allowed_token_ids")
@@ -162,4 +156,8 @@ def ban_causes(params: object, *, holds_eos: bool, constrained: bool) -> list[st
         causes.append("response_format (or the tools' grammar)")
     if holds_eos:
         causes.append("min_tokens (which holds end-of-sequence back)")
-    return causes
+    raise InvalidRequestError(
+        f"no token can be chosen: {' and '.join(causes)} together exclude every token at this point of the "
+        "output; loosen one of them",
+        param="allowed_token_ids" if "allowed_token_ids" in causes else (causes[0] if causes else None),
+    )

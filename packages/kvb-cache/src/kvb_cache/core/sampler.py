@@ -22,7 +22,7 @@ from kvb_cache.core.penalties import PenaltyHistory
 from kvb_cache.core.request import Request
 from kvb_cache.errors import NonFiniteLogitsError
 from kvb_cache.structured.mask import apply_bitmask, bitmask_words
-from kvb_cache.token_bans import ban_causes, check_choosable
+from kvb_cache.token_bans import check_choosable
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -62,8 +62,7 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
             counts = history.output_counts(req.tokens, req.prompt_len, vocab, device)  # [V]
             scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if bans is not None:
-            causes = ban_causes(p, holds_eos=_holds_eos(req), constrained=req.grammar is not None)
-            check_choosable(scores[i], causes)
+            check_choosable(scores[i], p, holds_eos=_holds_eos(req), constrained=req.grammar is not None)
     sampled = [i for i, r in zip(rows, requests) if not r.params.greedy]
     if not sampled:
         return scores
