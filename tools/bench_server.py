@@ -91,7 +91,16 @@ def serve_phases(
 
 def environment(args: argparse.Namespace, venv: Path, specs: dict[str, ServerSpec]) -> dict:
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        try:  # a copied tree (a GPU machine's) may have no git
+            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # run from the source tree (PYTHONPATH)
+            return "source tree"
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -101,8 +110,7 @@ def environment(args: argparse.Namespace, venv: Path, specs: dict[str, ServerSpe
         "python": platform.python_version(),
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty_paths": len(git("status", "--porcelain").splitlines()),
-        "kvboost_env": versions(sys.executable)
-        | {d: importlib.metadata.version(d) for d in ("kvb-cache", "kvb-server")},
+        "kvboost_env": versions(sys.executable) | {d: version(d) for d in ("kvb-cache", "kvb-server")},
         "transformers_venv": {"path": str(venv), **versions(specs["transformers"].python)},
         "server_threads_env": {"OMP_NUM_THREADS": args.threads, "MKL_NUM_THREADS": args.threads},
         "server_torch_threads_seen": {
@@ -156,6 +164,18 @@ def main() -> None:
         help=f"venv for transformers serve (default: <kvboost cache>/bench-venvs/transformers-{TRANSFORMERS_VERSION[:4]})",
     )
     p.add_argument(
+        "--peer-venv",
+        type=Path,
+        default=None,
+        help="an existing environment with transformers[serving] (its bin/transformers), used as it is: "
+        "no version check, nothing installed (a GPU machine's image)",
+    )
+    p.add_argument("--device", default="cpu", help="both servers' device (cuda on a GPU machine)")
+    p.add_argument("--dtype", default=None, help="both servers' dtype (unset: each server's default)")
+    p.add_argument(
+        "--model-path", default=None, help="model folder for both servers (default: the embedded SmolLM2)"
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 1 and 2 sessions, 2 turns, 4 library prompts, output under the temp folder",
@@ -179,13 +199,15 @@ def main() -> None:
 
     from kvb_cache.embedded import cache_root, embedded_model_path
 
-    model_path = embedded_model_path()
-    venv = ensure_transformers_venv(
+    model_path = args.model_path or embedded_model_path()
+    venv = args.peer_venv or ensure_transformers_venv(
         args.transformers_venv or cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}"
     )
     specs = {
-        "kvboost": kvboost_spec(model_path),
-        "transformers": transformers_spec(venv, model_path, cb_max_memory_percent=args.peer_cb_memory),
+        "kvboost": kvboost_spec(model_path, device=args.device, dtype=args.dtype),
+        "transformers": transformers_spec(
+            venv, model_path, cb_max_memory_percent=args.peer_cb_memory, device=args.device, dtype=args.dtype
+        ),
     }
     system = system_prompt(args.system_chars)
     workloads, used = {}, 0

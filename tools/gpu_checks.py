@@ -22,6 +22,11 @@ Sections (each independent; a failure is recorded and the next one runs):
                     (max_memory_allocated above the step's start), fp32 and bf16, long prompts beside decoders.
   kernels_trained   kernels_in_model on the real SmolLM2-135M-Instruct weights (--trained-dir) and real text
   engine_trained    engine_cuda on the real weights and real text (pydoc topics instead of random ids)
+  features_cuda     every request option through the engine loop on the device (tools/gpu_features.py):
+                    bans, biases, stops, seeds, penalties, logprobs, grammars, aborts, priority, threads,
+                    KIVI live KV, prompt-lookup speculation; fp32 over SDPA and bf16 over the default backend
+  server_cuda       kvboost-server on the device over HTTP (tools/gpu_server.py): chat, streams, echo logprobs,
+                    n, json_schema, tools, vLLM extras, Responses, a 400, 16 concurrent streams, metrics
 
 The trained sections need ``--trained-dir``: a safetensors folder of SmolLM2-135M-Instruct (the embedded GGUF
 converted on the machine, ``kvb_cache.embedded``), since trained weights have few near-ties and random ones
@@ -41,6 +46,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import gpu_features  # tools/ is on sys.path when a script here runs
+import gpu_server
 import torch
 
 from kvb_cache.cache_kwarg import cache_kwargs
@@ -697,6 +704,10 @@ def main() -> int:
         "launch_overhead": launch_overhead,
         "memory_share": lambda: memory_share(path),
         "planner_loop": lambda: planner_loop(path),
+        "features_cuda": lambda: gpu_features.features(path, DEVICE),
+        "server_cuda": lambda: gpu_server.server_http(
+            path, DEVICE, "bfloat16" if DEVICE == "cuda" else "float32"
+        ),
     }
     for name in args.sections:
         start = time.perf_counter()

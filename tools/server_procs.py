@@ -65,8 +65,9 @@ def server_env(threads: int) -> dict[str, str]:
     }
 
 
-def kvboost_spec(model_path: str) -> ServerSpec:
-    """``python -m kvb_server`` (the ``kvboost-server`` entry point) of this interpreter's environment."""
+def kvboost_spec(model_path: str, *, device: str | None = None, dtype: str | None = None) -> ServerSpec:
+    """``python -m kvb_server`` (the ``kvboost-server`` entry point) of this interpreter's environment;
+    ``device`` / ``dtype`` unset leave the server's defaults."""
     argv = (
         sys.executable,
         "-m",
@@ -77,12 +78,19 @@ def kvboost_spec(model_path: str) -> ServerSpec:
         "127.0.0.1",
         "--log-level",
         "warning",
+        *(("--device", device) if device else ()),
+        *(("--dtype", dtype) if dtype else ()),
     )
     return ServerSpec(name="kvboost", argv=argv, model_field=model_path, python=sys.executable)
 
 
 def transformers_spec(
-    venv: Path, model_path: str, *, cb_max_memory_percent: float | None = None
+    venv: Path,
+    model_path: str,
+    *,
+    cb_max_memory_percent: float | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> ServerSpec:
     """``transformers serve`` pinned to ``model_path`` (preloaded before ``/health`` answers).
 
@@ -98,7 +106,8 @@ def transformers_spec(
         model_path,
         "--continuous-batching",
         "--device",
-        "cpu",
+        device,
+        *(("--dtype", dtype) if dtype else ()),
         "--host",
         "127.0.0.1",
         "--log-level",
@@ -210,7 +219,7 @@ def save_results(results: dict, out: Path, plot: Callable[[dict, Path], bool], p
     """Write a benchmark's ``results`` as JSON to ``out`` and its plot beside it (``plot`` returns False when
     matplotlib is missing), then say where, with the run's ``elapsed_s``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps(results, indent=2, default=str))  # paths in the config
     png = out.with_name(png_name)
     wrote = f"{out} and {png}" if plot(results, png) else str(out)
     print(f"\nwrote {wrote} ({results['elapsed_s']:.0f} s in all)")
