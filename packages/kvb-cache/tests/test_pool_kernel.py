@@ -25,11 +25,13 @@ class ReferenceKernel:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, query, key_pages, value_pages, table, kv_lens, *, window, scale):
+    def __call__(self, query, key_pages, value_pages, table, kv_lens, *, window, scale, max_len):
         self.calls += 1
         batch, heads, q_len, dim = query.shape
         kv_heads, page = key_pages.shape[1], key_pages.shape[2]
         assert table.dtype == torch.int32 and kv_lens.dtype == torch.int32 and table.shape[0] == batch
+        # The host-side bound the runner passes (so the real kernel reads nothing back) is the longest length.
+        assert isinstance(max_len, int) and max_len == int(kv_lens.max())
         out = []
         for b in range(batch):
             n = int(kv_lens[b])

@@ -160,3 +160,66 @@ def test_an_empty_batch_gathers_to_empty_tensors():
     )
     keys, values = kv.gather()
     assert kv.max_kv_len == 0 and keys.shape == values.shape == (0, 1, 0, 16)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_host_side_max_len_skips_the_read_back_and_gives_the_same_result(window, device, monkeypatch):
+    """An engine knows every length on the host: with ``max_len`` the call reads nothing back from the device
+    (on CUDA a host sync per layer) and attends exactly as without it, for the exact bound and a larger one."""
+    from kvb_kernels import paged
+
+    kv = _paged(device, torch.float32, lens=[29, 11, 17], page_size=6)
+    q = torch.randn(3, 4, 2, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    expected = paged_attention(q, kv, window=window, num_splits=2)
+
+    def no_read_back(*_args):
+        raise AssertionError("kv_lens was read back although max_len was given")
+
+    monkeypatch.setattr(paged, "_table_summary", no_read_back)
+    for bound in (29, 30, kv.block_table.shape[1] * kv.page_size):
+        hinted = PagedKV(
+            key_pages=kv.key_pages,
+            value_pages=kv.value_pages,
+            block_table=kv.block_table,
+            kv_lens=kv.kv_lens,
+            max_len=bound,
+        )
+        assert hinted.max_kv_len == bound
+        torch.testing.assert_close(
+            paged_attention(q, hinted, window=window, num_splits=2), expected, atol=0, rtol=0
+        )
+
+
+def test_max_len_outside_the_table_is_refused(device):
+    kv = _paged(device, torch.float32, lens=[16, 9], page_size=8)
+    capacity = kv.block_table.shape[1] * kv.page_size
+    for bad in (-1, capacity + 1, 12.0, True, "16"):
+        with pytest.raises(ShapeError, match="max_len"):
+            PagedKV(
+                key_pages=kv.key_pages,
+                value_pages=kv.value_pages,
+                block_table=kv.block_table,
+                kv_lens=kv.kv_lens,
+                max_len=bad,
+            )
+
+
+def test_torch_compile_keeps_max_len(device, monkeypatch):
+    """The custom op carries ``max_len``: a compiled call reads nothing back either."""
+    from kvb_kernels import paged
+
+    kv = _paged(device, torch.float32, lens=[13, 7], page_size=4)
+    q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(6)).to(device)
+    eager = paged_attention(q, kv)
+    monkeypatch.setattr(paged, "_table_summary", lambda *_: pytest.fail("kv_lens read back"))
+
+    def attend(q, key_pages, value_pages, table, lens):
+        hinted = PagedKV(
+            key_pages=key_pages, value_pages=value_pages, block_table=table, kv_lens=lens, max_len=13
+        )
+        return paged_attention(q, hinted)
+
+    torch._dynamo.reset()
+    args = (q, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)

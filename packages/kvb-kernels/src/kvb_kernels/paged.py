@@ -12,12 +12,13 @@ Layout contract (what a cache layer must hand over, per attention layer):
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from kvb_kernels import launch
-from kvb_kernels.checks import check_group, check_query, check_same, check_window, softmax_scale
+from kvb_kernels.checks import check_group, check_query, check_same, check_window, is_int, softmax_scale
 from kvb_kernels.errors import DeviceError, ShapeError
 
 
@@ -30,12 +31,18 @@ class PagedKV:
         value_pages: Same shape as ``key_pages``.
         block_table: ``[batch, max_pages]`` int32 page indices.
         kv_lens: ``[batch]`` int32 token counts, each ``<= max_pages * page_size``.
+        max_len: At least the longest of ``kv_lens``, when the caller knows it on the host (an engine's
+            scheduler does). Given, :func:`paged_attention` neither reads ``kv_lens`` back nor checks the table
+            against the pool: on CUDA that read is a host sync per call, which stops the host from queueing
+            the next layer's kernels while this one runs (an engine calls once per layer per step). The caller
+            then vouches that the lengths and the table's pages in use are valid. None: read and checked.
     """
 
     key_pages: torch.Tensor
     value_pages: torch.Tensor
     block_table: torch.Tensor
     kv_lens: torch.Tensor
+    max_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.key_pages.dim() != 4 or self.key_pages.shape != self.value_pages.shape:
@@ -53,6 +60,13 @@ class PagedKV:
                 f"kv_lens must be [batch] = [{self.block_table.shape[0]}] int32, got {tuple(self.kv_lens.shape)} "
                 f"{self.kv_lens.dtype}"
             )
+        if self.max_len is not None:
+            capacity = self.block_table.shape[1] * self.page_size
+            if not is_int(self.max_len) or not 0 <= self.max_len <= capacity:
+                raise ShapeError(
+                    f"max_len must be an int in [0, {capacity}] (the block table's pages x page_size), got "
+                    f"{self.max_len!r}"
+                )
 
     @property
     def page_size(self) -> int:
@@ -60,7 +74,10 @@ class PagedKV:
 
     @property
     def max_kv_len(self) -> int:
-        """Longest sequence, read from ``kv_lens`` (one host sync); 0 for an empty batch."""
+        """Longest sequence: ``max_len`` when given, else read from ``kv_lens`` (one host sync); 0 for an
+        empty batch."""
+        if self.max_len is not None:
+            return self.max_len
         return int(self.kv_lens.max().item()) if self.kv_lens.numel() else 0
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +136,16 @@ def paged_attention(
     if torch.compiler.is_compiling():
         # One opaque custom op under torch.compile, as flash_attention (Inductor must not re-lower the kernel).
         out = torch.ops.kvb_kernels.paged_attention(
-            query, kv.key_pages, kv.value_pages, kv.block_table, kv.kv_lens, causal, window, scale, num_splits
+            query,
+            kv.key_pages,
+            kv.value_pages,
+            kv.block_table,
+            kv.kv_lens,
+            causal,
+            window,
+            scale,
+            num_splits,
+            kv.max_len,
         )
         return out.transpose(1, 2)
     return _paged_attention(query, kv, causal, window, scale, num_splits)
@@ -152,7 +178,10 @@ def _paged_attention(
     group = check_group(heads, kv_heads)
     # NOTE: the kernel reads kv_lens with unit stride (a strided view would give other sequences' lengths).
     kv_lens = kv.kv_lens.contiguous()
-    max_kv_len, min_kv_len, bad_pages = _table_summary(kv, kv_lens)
+    if kv.max_len is not None:  # the caller's host-side bound: no read-back, no table check (PagedKV)
+        max_kv_len, min_kv_len, bad_pages = operator.index(kv.max_len), 0, 0
+    else:
+        max_kv_len, min_kv_len, bad_pages = _table_summary(kv, kv_lens)
     if min_kv_len < 0:
         raise ShapeError(f"kv_lens holds a negative length ({min_kv_len}); lengths are token counts >= 0")
     if max_kv_len > kv.block_table.shape[1] * kv.page_size:
@@ -222,8 +251,15 @@ def _paged_attention_op(
     window: int | None,
     scale: float | None,
     num_splits: int | None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
-    kv = PagedKV(key_pages=key_pages, value_pages=value_pages, block_table=block_table, kv_lens=kv_lens)
+    kv = PagedKV(
+        key_pages=key_pages,
+        value_pages=value_pages,
+        block_table=block_table,
+        kv_lens=kv_lens,
+        max_len=max_len,
+    )
     # A custom op may not return a view: the contiguous [B, q_len, H, D] buffer; the caller transposes.
     return _paged_attention(query, kv, causal, window, scale, num_splits).transpose(1, 2)
 

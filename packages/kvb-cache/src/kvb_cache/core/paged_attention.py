@@ -29,7 +29,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -73,9 +73,21 @@ class DecodeGroup:
     slots: torch.Tensor
     valid: torch.Tensor
     lengths: torch.Tensor
+    #: ``rows`` is ``row_start, row_start + 1, ...`` (the scheduler puts decodes first, so it usually is):
+    #: layers then read and write the rows as a slice, not through an index gather and scatter each.
+    row_start: int | None = None
     #: ``[B, P]`` int32 blocks of ``slots`` and ``[B]`` int32 ``lengths``: set when a pool kernel attends.
     block_table: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None
+    #: Position masks built by the first layer that needs one and reused by every other layer of the step,
+    #: keyed by (row range, sliding window, attention chunk): ``[b, 1, 1, L]`` bool.
+    masks: dict[tuple[int, int, int | None, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def rows_at(self, part: slice) -> slice | torch.Tensor:
+        """The packed rows of ``part`` of this group: a slice when they are contiguous, else ``[b]`` indices."""
+        if self.row_start is None:
+            return self.rows[part]
+        return slice(self.row_start + part.start, self.row_start + part.stop)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,20 +176,33 @@ def paged_attention_forward(
     keys, values = batch.storage.keys[source], batch.storage.values[source]
     if source == layer:
         # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
-        keys.index_copy_(1, batch.slot_mapping, key[0].to(keys.dtype))
-        values.index_copy_(1, batch.slot_mapping, value[0].to(values.dtype))
+        # (No ``.to`` when the dtypes agree, the usual case: even a no-op is host work in every layer.)
+        keys.index_copy_(1, batch.slot_mapping, key[0] if key.dtype == keys.dtype else key[0].to(keys.dtype))
+        values.index_copy_(
+            1, batch.slot_mapping, value[0] if value.dtype == values.dtype else value[0].to(values.dtype)
+        )
     # else: a KV-shared layer (Gemma 3n / Gemma 4 E2B) is passed its producer's keys/values, which that
     # earlier layer of this forward already wrote into the slots read here.
     heads = query.shape[1]
     chunk = _attention_chunk(module)
     if batch.kernel is not None and _kernel_serves(query, keys, values, chunk, softcap, s_aux):
         return _kernel_attention(batch, query, keys, values, sliding_window, scaling), None
+    group = batch.decode
+    if group is not None and not batch.prefills and group.row_start == 0:
+        rows_n, width = group.slots.shape
+        if rows_n * width <= DECODE_GATHER_TOKENS:
+            # A decode-only step in one gather: its result is the layer's output as it is (no buffer, no
+            # copy; decode steps of small models are bound by the host's work per op, not by the GPU).
+            whole = slice(0, rows_n)
+            o = _decode_rows(
+                query, keys, values, group, whole, sliding_window, chunk, scaling, softcap, s_aux
+            )
+            return o.unsqueeze(0), None
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
     for seq in batch.prefills:
         # In a function of its own so that its gathered context and masks are freed before the decoding
         # rows gather theirs (they held on as loop variables, and the two peaks added up).
         _prefill_rows(seq, query, keys, values, out, sliding_window, chunk, scaling, softcap, s_aux)
-    group = batch.decode
     if group is not None:
         rows_n, width = group.slots.shape
         # Decoding rows gather their context padded to the longest one; in sub-batches of at most
@@ -186,7 +211,7 @@ def paged_attention_forward(
         per = max(1, DECODE_GATHER_TOKENS // width)
         for first in range(0, rows_n, per):
             part = slice(first, min(first + per, rows_n))
-            out[group.rows[part]] = _decode_rows(
+            out[group.rows_at(part)] = _decode_rows(
                 query, keys, values, group, part, sliding_window, chunk, scaling, softcap, s_aux
             )
     return out.unsqueeze(0), None
@@ -235,15 +260,26 @@ def _kernel_attention(
             seq.kv_len,
             window=sliding_window,
             scale=scaling,
+            max_len=seq.slots.shape[0],
         )  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     group = batch.decode
     if group is not None:
-        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        rows = group.rows_at(slice(0, group.slots.shape[0]))
+        q = query[0, :, rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         o = batch.kernel(
-            q, key_pages, value_pages, group.block_table, group.kv_lens, window=sliding_window, scale=scaling
+            q,
+            key_pages,
+            value_pages,
+            group.block_table,
+            group.kv_lens,
+            window=sliding_window,
+            scale=scaling,
+            max_len=group.slots.shape[1],  # the padded width: the longest context, known on the host
         )
-        out[group.rows] = o[:, :, 0]
+        if not batch.prefills and group.row_start == 0:  # a decode-only step: the kernel's output as it is
+            return o[:, :, 0].unsqueeze(0)
+        out[rows] = o[:, :, 0]
     return out.unsqueeze(0)
 
 
@@ -307,23 +343,35 @@ def _decode_rows(
     s_aux: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention of the decoding rows ``part`` of ``group``: ``[b, H, Dv]`` for its ``b`` rows."""
-    slots, valid, lengths = group.slots[part], group.valid[part], group.lengths[part]
+    slots = group.slots[part]
     rows_n, width = slots.shape
     heads, kv_heads = query.shape[1], keys.shape[0]
-    q = query[0, :, group.rows[part]].transpose(0, 1).reshape(rows_n, kv_heads, heads // kv_heads, -1)
+    q = query[0, :, group.rows_at(part)].transpose(0, 1).reshape(rows_n, kv_heads, heads // kv_heads, -1)
     flat = slots.reshape(-1)
     k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [b, KVH, L, D]
     v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
-    mask = valid
-    k_pos = torch.arange(width, device=mask.device).unsqueeze(0)
+    key = (part.start, part.stop, sliding_window, chunk)
+    mask = group.masks.get(key)
+    if mask is None:  # the first layer of the step with this window builds it; the others reuse it
+        mask = group.masks[key] = _decode_mask(group, part, sliding_window, chunk)
+    sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
+    o = attend(q, k, v, mask, scaling=scaling, softcap=softcap, sinks=sinks)
+    return o.reshape(rows_n, heads, -1)  # o: [b, KVH, G, Dv]
+
+
+def _decode_mask(
+    group: DecodeGroup, part: slice, sliding_window: int | None, chunk: int | None
+) -> torch.Tensor:
+    """``[b, 1, 1, L]`` bool: the keys each decoding row of ``part`` sees (its context, within the window and
+    its own attention chunk when the layer has one)."""
+    mask, lengths = group.valid[part], group.lengths[part]
+    k_pos = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
     q_pos = lengths.unsqueeze(1) - 1  # [b, 1]: each row's query is its last context token
     if sliding_window is not None:
         mask = mask & (k_pos > q_pos - sliding_window)
     if chunk is not None:
         mask = mask & (k_pos // chunk == q_pos // chunk)
-    sinks = None if s_aux is None else sink_column(s_aux, kv_heads, 1)
-    o = attend(q, k, v, mask[:, None, None, :], scaling=scaling, softcap=softcap, sinks=sinks)
-    return o.reshape(rows_n, heads, -1)  # o: [b, KVH, G, Dv]
+    return mask[:, None, None, :]
 
 
 def prefill_block_rows(groups: int, ctx: int) -> int:

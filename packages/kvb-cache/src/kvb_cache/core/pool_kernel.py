@@ -40,7 +40,9 @@ class PoolKernel(Protocol):
     ``block_table`` ``[b, P]`` int32 pages per sequence, ``kv_lens`` ``[b]`` int32 context lengths; query
     ``i`` of sequence ``s`` sits at position ``kv_lens[s] - q + i`` (its own key already in the pages).
     ``window``: keys visible per query, itself included (transformers' sliding window); None: all.
-    Returns ``[b, H, q, D]``.
+    ``max_len``: the longest of ``kv_lens``, known on the host (the runner builds both from the same
+    lengths), so the kernel need not read ``kv_lens`` back: on CUDA that read would be a host sync in every
+    layer of every step. Returns ``[b, H, q, D]``.
     """
 
     def __call__(
@@ -53,6 +55,7 @@ class PoolKernel(Protocol):
         *,
         window: int | None,
         scale: float | None,
+        max_len: int,
     ) -> torch.Tensor: ...
 
 
@@ -89,8 +92,14 @@ def _kvb_kernels(device: torch.device, dtype: torch.dtype) -> tuple[PoolKernel |
     if not dtype_supported(dtype, device):
         return None, f"kvb-kernels does not serve {dtype} on {device.type}"
 
-    def kernel(query, key_pages, value_pages, block_table, kv_lens, *, window, scale):
-        kv = PagedKV(key_pages=key_pages, value_pages=value_pages, block_table=block_table, kv_lens=kv_lens)
+    def kernel(query, key_pages, value_pages, block_table, kv_lens, *, window, scale, max_len):
+        kv = PagedKV(
+            key_pages=key_pages,
+            value_pages=value_pages,
+            block_table=block_table,
+            kv_lens=kv_lens,
+            max_len=max_len,
+        )
         return paged_attention(query, kv, causal=True, window=window, scale=scale)
 
     return kernel, "kvb-kernels paged_attention"
