@@ -355,3 +355,21 @@ def test_include_reasoning_false_leaves_the_thinking_out(stream: bool) -> None:
                 if json.loads(p)["choices"]
             )
             assert text == "Four."
+
+
+def test_responses_logprobs_with_a_reasoning_parser_are_refused_by_name() -> None:
+    """The message's logprobs cannot be told apart from the thinking's here: a 400 naming the option, rather
+    than a message whose logprobs spell its thinking too."""
+    _, app = _app("<think>2 + 2 is 4.</think>\n\nFour.")
+    with serve(app) as url:
+        for ask, param in (
+            ({"include": ["message.output_text.logprobs"]}, "include"),
+            ({"top_logprobs": 1}, "top_logprobs"),
+        ):
+            got = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "2+2?", **ask})
+            assert (got.status_code, got.json()["error"]["param"]) == (400, param)
+        plain = httpx.post(
+            f"{url}/v1/responses",
+            json={"model": MODEL, "input": "2+2?", "include": ["reasoning.encrypted_content"]},
+        )
+        assert plain.status_code == 200 and plain.json()["output"][0]["encrypted_content"] is None

@@ -183,8 +183,10 @@ def test_retrieve_options_this_server_cannot_serve_are_refused_by_name(
         list(client.responses.retrieve(kept.id, stream=True))
     assert (err.value.body["param"], err.value.body["code"]) == ("stream", "unsupported_parameter")
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.retrieve(kept.id, include=["message.output_text.logprobs"])
-    assert err.value.body["param"] == "include"
+        client.responses.retrieve(kept.id, include=["file_search_call.results"])
+    assert err.value.body["param"] == "include" and "file_search_call.results" in err.value.body["message"]
+    # What this server adds at creation is accepted here too (the stored response is returned as it is).
+    assert client.responses.retrieve(kept.id, include=["message.output_text.logprobs"]).id == kept.id
     got = httpx.get(f"{url}/v1/responses/{kept.id}", params={"starting_after": 3})
     assert (got.status_code, got.json()["error"]["param"]) == (400, "starting_after")
     assert client.responses.retrieve(kept.id, extra_query={"stream": "false"}).id == kept.id
@@ -309,11 +311,13 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"input": [{"role": "user", "content": [{"type": 5}]}]}, "input[0].content[0].type"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": ["message.output_text.logprobs", "message.input_image.image_url"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2, "tools": [{"type": "function", "name": "f"}]}, "tools"),
         ({"text": {"verbosity": "loud"}}, "text.verbosity"),
         ({"service_tier": "turbo"}, "service_tier"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -387,3 +391,54 @@ def test_openapi_documents_the_route(url: str) -> None:
     assert set(schemas["ResponsesRequest"]["required"]) == {"model", "input"}
     assert {"ResponseObject", "ResponseStreamEvent"} <= set(schemas)
     assert "/v1/responses/{response_id}" in doc["paths"]
+
+
+def _entries(logprobs: list) -> list[tuple[str, float, int]]:
+    return [(lp["token"], lp["logprob"], len(lp["top_logprobs"])) for lp in logprobs]
+
+
+@pytest.mark.parametrize("ask", [{"include": ["message.output_text.logprobs"]}, {"top_logprobs": 2}])
+def test_message_logprobs_streamed_and_not(url: str, fake: FakeEngine, ask: dict) -> None:
+    """``include: ["message.output_text.logprobs"]`` (or ``top_logprobs``) puts the message text's token
+    logprobs in its ``output_text`` part, in OpenAI's shape: the same entries whole and streamed, where each
+    ``output_text.delta`` carries those of its own text and ``output_text.done`` all of them. They were a 400."""
+    body = {"model": MODEL, "input": "hi", **ask}
+    whole = httpx.post(f"{url}/v1/responses", json=body).json()
+    part = whole["output"][0]["content"][0]
+    assert whole["top_logprobs"] == ask.get("top_logprobs", 0)
+    tokens = [lp["token"] for lp in part["logprobs"]]
+    assert tokens and "".join(tokens) == part["text"] + "e"  # the stop string's token too, as on chat
+    assert all(set(lp) == {"token", "logprob", "bytes", "top_logprobs"} for lp in part["logprobs"])
+    assert {len(lp["top_logprobs"]) for lp in part["logprobs"]} == {ask.get("top_logprobs", 0)}
+    ResponseObject.model_validate(whole)
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    streamed = [lp for e in deltas for lp in e["logprobs"]]
+    # As on the chat route, a streamed reply leaves out the stop string's token, which a whole one keeps.
+    assert _entries(done["logprobs"]) == _entries(part["logprobs"])[: len(done["logprobs"])]
+    assert len(part["logprobs"]) - len(done["logprobs"]) in (0, 1)
+    assert _entries(streamed) == _entries(done["logprobs"])
+    for e in deltas:  # a delta's logprobs spell its own text
+        assert "".join(lp["token"] for lp in e["logprobs"]) == e["delta"]
+    for event in events:
+        ResponseStreamEvent.model_validate(event)
+    completed = next(e for e in events if e["type"] == "response.completed")
+    assert _entries(completed["response"]["output"][0]["content"][0]["logprobs"]) == _entries(
+        done["logprobs"]
+    )
+
+
+def test_without_logprobs_asked_none_are_computed(url: str, fake: FakeEngine) -> None:
+    resp = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hi"}).json()
+    assert resp["output"][0]["content"][0]["logprobs"] == [] and fake.added[-1].params.logprobs is None
+
+
+def test_encrypted_reasoning_is_accepted_as_nothing_to_add(client: openai.OpenAI) -> None:
+    """Clients that keep no server state (the Agents SDK, Codex with ``store: false``) always ask for
+    ``reasoning.encrypted_content``; it was a 400 that failed every request of theirs."""
+    resp = client.responses.create(
+        model=MODEL, input="hi", include=["reasoning.encrypted_content"], store=False
+    )
+    assert resp.status == "completed" and resp.output_text

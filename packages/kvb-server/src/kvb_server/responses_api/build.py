@@ -56,7 +56,7 @@ def _echo(req: ResponsesRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> di
         },
         "tool_choice": tool_choice,
         "tools": [t.model_dump() for t in req.tools or () if isinstance(t, FunctionTool)],
-        "top_logprobs": 0,
+        "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if top_p is None else top_p,
         "truncation": "disabled",
         "user": req.user,
@@ -120,18 +120,22 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def message_item(item_id: str, text: str, status: Status) -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str, status: Status, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "message",
         "status": status,
-        "content": [output_text(text)] if status != "in_progress" else [],
+        "content": [output_text(text, logprobs)] if status != "in_progress" else [],
         "role": "assistant",
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part; ``logprobs``: its tokens' ``{token, logprob, bytes, top_logprobs}`` entries
+    (the chat route's ``logprobs.content`` entries have OpenAI's Responses shape already)."""
+    return {"type": "output_text", "annotations": [], "logprobs": logprobs or [], "text": text}
 
 
 def reasoning_item(item_id: str, text: str, status: Status) -> dict[str, Any]:
@@ -164,17 +168,21 @@ def function_call_item(
     }
 
 
-def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
+def output_items(
+    message: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """A non-streamed chat message as output items: its thinking (``--reasoning-parser``) as a
     ``reasoning`` item, its text (if any, or if there is nothing else) as a ``message`` item, then one
     ``function_call`` item per tool call; the last is ``incomplete`` when the generation stopped at
-    ``max_output_tokens``."""
+    ``max_output_tokens``. ``logprobs``: the chat choice's (``{"content": [...]}``), given only when the
+    message text holds every generated token (no tools, no reasoning parser: the route refuses the others)."""
     items = []
     if message.get("reasoning"):
         items.append(reasoning_item(new_id("rs"), message["reasoning"], "completed"))
     calls = message.get("tool_calls") or []
     if message.get("content") or not (calls or items):
-        items.append(message_item(new_id("msg"), message.get("content") or "", "completed"))
+        entries = (logprobs or {}).get("content")
+        items.append(message_item(new_id("msg"), message.get("content") or "", "completed", entries))
     for call in calls:
         fn = call["function"]
         items.append(function_call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"))

@@ -89,6 +89,21 @@ def responses_error(exc: ServerError) -> ServerError:
     return exc
 
 
+#: The ``include`` values this server honours: the message text's token logprobs, and encrypted reasoning
+#: (accepted so that clients which always ask for it, with ``store: false``, work; nothing is encrypted).
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+def unknown_includes(include: list[str] | None) -> list[str]:
+    return [value for value in include or () if value not in INCLUDABLE]
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """The message's token logprobs are asked for: ``include`` lists them, or ``top_logprobs`` asks for
+    alternatives (which only exist beside them)."""
+    return "message.output_text.logprobs" in (req.include or ()) or bool(req.top_logprobs)
+
+
 def refuse_unsupported(req: ResponsesRequest) -> None:
     """Refuse, by name, what this server does not implement (a 400 rather than a silently ignored field)."""
     refusals = {
@@ -98,8 +113,16 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
             "the Conversations API is not supported; use previous_response_id",
         ),
         "prompt": (req.prompt, "prompt templates are not supported; send input"),
-        "include": (req.include, "include is not supported (no logprobs, reasoning or tool outputs to add)"),
-        "top_logprobs": (req.top_logprobs, "top_logprobs is not supported on /v1/responses"),
+        "include": (
+            unknown_includes(req.include),
+            f"{', '.join(map(repr, unknown_includes(req.include)))} not supported; this server adds "
+            f"{' and '.join(map(repr, INCLUDABLE))} only",
+        ),
+        "tools": (
+            req.tools and wants_logprobs(req),
+            "logprobs (include message.output_text.logprobs or top_logprobs) are not supported together with "
+            "tools: they would mix the tool calls' tokens into the message's",
+        ),
         "reasoning": (
             req.reasoning and any(v is not None for v in req.reasoning.values()),
             "reasoning options (effort, summary) are not supported: a model's reasoning is not steered "
@@ -337,6 +360,8 @@ def to_chat(req: ResponsesRequest, inherited: tuple[ChatMessage, ...] = ()) -> C
         "cache_salt": req.cache_salt,
         "response_format": _response_format(req),
     }
+    if wants_logprobs(req):
+        optional |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
     body.update({k: v for k, v in optional.items() if v is not None})
     try:
         chat = ChatCompletionRequest.model_validate(body)

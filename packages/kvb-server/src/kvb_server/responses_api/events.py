@@ -57,6 +57,8 @@ class _OpenItem:
     name: str = ""
     chat_index: int | None = None
     text: list[str] = field(default_factory=list)
+    #: A message's token logprobs sent so far (its ``output_text.done`` repeats them all).
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StreamTranslator:
@@ -72,6 +74,8 @@ class StreamTranslator:
         self.output: list[dict[str, Any]] = []
         #: Set once an error payload arrived: the stream has ended with ``response.failed``.
         self.failed = False
+        #: Token logprobs received and not yet sent with a text delta (only when the request asked for them).
+        self._logprobs: list[dict[str, Any]] = []
 
     def _event(self, kind: str, **fields: Any) -> Event:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -94,6 +98,9 @@ class StreamTranslator:
         events: list[Event] = []
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
+            # A chunk's token logprobs go with its text; tokens whose text is still held back (a possible
+            # stop string) arrive first, and wait for the text delta that carries them.
+            self._logprobs += (choice.get("logprobs") or {}).get("content") or ()
             if delta.get("reasoning"):
                 events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
@@ -155,8 +162,10 @@ class StreamTranslator:
         item = self._open
         assert item is not None
         item.text.append(text)
+        sent, self._logprobs = self._logprobs, []
+        item.logprobs += sent
         where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
-        return [*events, self._event("response.output_text.delta", **where, delta=text, logprobs=[])]
+        return [*events, self._event("response.output_text.delta", **where, delta=text, logprobs=sent)]
 
     def _tool_call(self, call: dict[str, Any]) -> list[Event]:
         events = []
@@ -205,11 +214,13 @@ class StreamTranslator:
                 self._event("response.content_part.done", **where, part=reasoning_text(text)),
             ]
         elif item.call_id is None:
-            done = message_item(item.id, text, status)
+            item.logprobs += self._logprobs  # tokens whose text never came (a trailing stop string's)
+            self._logprobs = []
+            done = message_item(item.id, text, status, item.logprobs)
             where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
             events = [
-                self._event("response.output_text.done", **where, text=text, logprobs=[]),
-                self._event("response.content_part.done", **where, part=output_text(text)),
+                self._event("response.output_text.done", **where, text=text, logprobs=item.logprobs),
+                self._event("response.content_part.done", **where, part=output_text(text, item.logprobs)),
             ]
         else:
             done = function_call_item(item.id, item.call_id, item.name, text, status)

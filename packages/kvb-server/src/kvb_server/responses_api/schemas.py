@@ -363,8 +363,24 @@ class ResponsesRequest(BaseModel):
     truncation: Annotated[
         Literal["auto", "disabled"] | None, _only({"enum": ["disabled", None]}, "truncation='auto'")
     ] = None
+    #: ``message.output_text.logprobs`` (the message's token logprobs) and ``reasoning.encrypted_content``
+    #: (accepted: reasoning items are never encrypted here, their ``encrypted_content`` stays null); any other
+    #: value is a 400 naming it (convert.refuse_unsupported).
     include: Annotated[
-        list[str] | None, _only({"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}, "include")
+        list[str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "array",
+                        "items": {"enum": ["message.output_text.logprobs", "reasoning.encrypted_content"]},
+                    },
+                    _NULL,
+                ],
+                "description": "message.output_text.logprobs adds the message text's token logprobs; "
+                "reasoning.encrypted_content is accepted (nothing is encrypted); anything else is a 400.",
+            }
+        ),
     ] = None
     reasoning: Annotated[
         dict[str, Any] | None,
@@ -382,7 +398,8 @@ class ResponsesRequest(BaseModel):
             "reasoning options",
         ),
     ] = None
-    top_logprobs: Annotated[TopLogprobs | None, _only({"enum": [0, None]}, "top_logprobs")] = None
+    #: Most likely alternatives per token in the message's logprobs (0-20); asking for any turns logprobs on.
+    top_logprobs: TopLogprobs | None = None
     conversation: Annotated[str | dict[str, Any] | None, _only(_NULL, "the Conversations API")] = None
     prompt: Annotated[dict[str, Any] | None, _only(_NULL, "prompt templates")] = None
 

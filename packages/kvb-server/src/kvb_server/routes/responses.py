@@ -29,7 +29,14 @@ from kvb_server.responses_api.build import (
     status_of,
     usage,
 )
-from kvb_server.responses_api.convert import ChatTranslation, responses_error, to_chat
+from kvb_server.responses_api.convert import (
+    INCLUDABLE,
+    ChatTranslation,
+    responses_error,
+    to_chat,
+    unknown_includes,
+    wants_logprobs,
+)
 from kvb_server.responses_api.events import StreamTranslator, sse
 from kvb_server.responses_api.items import DEFAULT_LIMIT, MAX_LIMIT, Item, page, resolve_references
 from kvb_server.responses_api.objects import (
@@ -62,9 +69,18 @@ def refuse_retrieve_options(query: Mapping[str, str]) -> None:
         raise UnsupportedFeatureError(
             "starting_after: resuming a response's stream is not supported.", param="starting_after"
         )
-    if any(query.get(name) for name in ("include", "include[]")):
+    # A repeated ``include[]`` (the SDK's list encoding) gives every value through getlist.
+    values = [
+        v
+        for name in ("include", "include[]")
+        for v in (query.getlist(name) if hasattr(query, "getlist") else [query.get(name)])
+        if v
+    ]
+    unknown = unknown_includes(values)
+    if unknown:  # the others change nothing here: a stored response holds the logprobs it was created with
         raise UnsupportedFeatureError(
-            "include: include is not supported (no logprobs, reasoning or tool outputs to add).",
+            f"include: {', '.join(map(repr, unknown))} not supported; this server adds "
+            f"{' and '.join(map(repr, INCLUDABLE))} only (at creation).",
             param="include",
         )
 
@@ -100,6 +116,12 @@ def responses_router(
                 )
             inherited, inherited_items = previous.conversation, previous.history()
         req, own = resolve_references(req, lambda i: store.item(caller.key_salt, i), inherited_items)
+        if config.reasoning_parser is not None and wants_logprobs(req):
+            raise UnsupportedFeatureError(
+                "include: message.output_text.logprobs (or top_logprobs) is not supported with "
+                "--reasoning-parser: the thinking's tokens would be mixed into the message's.",
+                param="include" if req.include else "top_logprobs",
+            )
         return to_chat(req, inherited), (*inherited_items, *own)
 
     def keep(
@@ -169,7 +191,7 @@ def responses_router(
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         choice = body["choices"][0]
-        output = output_items(choice["message"], choice["finish_reason"])
+        output = output_items(choice["message"], choice["finish_reason"], choice.get("logprobs"))
         status = status_of(choice["finish_reason"])
         response = envelope.object(status, output, usage=usage(body["usage"]))
         keep(caller, req, response, t, items)
