@@ -71,7 +71,10 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     temps = torch.tensor([requests[i].params.temperature for i in sampled], device=device, dtype=sub.dtype)
     sub = sub / temps.unsqueeze(1)
     min_p = torch.tensor([requests[i].params.min_p for i in sampled], device=device, dtype=sub.dtype)
-    if bool((min_p > 0).any()):
+    params = [requests[i].params for i in sampled]
+    # Which filters run is read from the requests' own numbers: a .any() of the device tensors would be a
+    # host sync each on CUDA (the results agree: a value the float32 copy rounds to off filters nothing).
+    if any(p.min_p > 0 for p in params):
         # transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the top one's
         # (the top token always stays). Before top-k / top-p, as vLLM's sampler applies it (transformers'
         # order puts it after top-p: top-p then cut the nucleus of the unfiltered distribution, and a model
@@ -81,11 +84,11 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         sub = sub.masked_fill(probs < threshold, -float("inf"))
     top_k = torch.tensor([requests[i].params.top_k for i in sampled], device=device)
     top_p = torch.tensor([requests[i].params.top_p for i in sampled], device=device, dtype=sub.dtype)
-    if bool((top_k > 0).any()):
+    if any(p.top_k > 0 for p in params):
         k = top_k.clamp(min=1, max=vocab)
         kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         sub = torch.where((top_k > 0).unsqueeze(1) & (sub < kth), torch.full_like(sub, -float("inf")), sub)
-    if bool((top_p < 1).any()):
+    if any(p.top_p < 1 for p in params):
         # transformers' TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass <= 1 - top_p,
         # always keeping the most likely one.
         ordered, order = torch.sort(sub, dim=-1, descending=False)
@@ -133,23 +136,52 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exce
         picked, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows.long()]).tolist()  # one host sync
         return _flag_nan(picked, nan)
     rows, best, nan = _processed_rows(logits, requests, nan_rows)
-    tokens: list[int | Exception] = []
+    tokens: list[int | Exception | None] = []
+    draws: dict[int, torch.Tensor] = {}  # sampled row -> its [2] (token, valid) on the device
     for i, (scores, req) in enumerate(zip(rows, requests)):
         if isinstance(scores, Exception):
             tokens.append(scores)
-            continue
-        try:
-            if req.params.greedy:
-                token = best[i] if best is not None else int(torch.argmax(scores))
-            else:
-                probs = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=req.processor.generator))
-            if req.grammar is not None:
+        elif not req.params.greedy:
+            tokens.append(None)
+            try:
+                draws[i] = _draw(scores, req.processor.generator)
+            except Exception as exc:  # this row's failure ends this request only (the caller reports it)
+                tokens[i] = exc
+        else:
+            try:
+                tokens.append(best[i] if best is not None else int(torch.argmax(scores)))
+            except Exception as exc:
+                tokens.append(exc)
+    if draws:  # every sampled row's token in one host read
+        for i, (token, valid) in zip(draws, torch.stack(list(draws.values())).tolist(), strict=True):
+            tokens[i] = token if valid else RuntimeError(_INVALID_DRAW)
+    for i, req in enumerate(requests):
+        token = tokens[i]
+        if req.grammar is not None and isinstance(token, int):
+            try:
                 req.grammar.advance(token)
-            tokens.append(token)
-        except Exception as exc:  # this row's failure ends this request only (the step's caller reports it)
-            tokens.append(exc)
+            except Exception as exc:
+                tokens[i] = exc
     return _flag_nan(tokens, nan)
+
+
+#: What ``torch.multinomial`` raises for the probabilities :func:`_draw` flags as invalid.
+_INVALID_DRAW = "probability tensor contains either `inf`, `nan` or element < 0, or sums to 0"
+
+
+def _draw(scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``[2]`` on ``scores``' device: a token drawn from ``softmax(scores)`` and whether the probabilities were
+    valid (finite, >= 0, not all 0).
+
+    ``torch.multinomial(probs, 1)`` draws exactly so (ATen's one-sample path: ``argmax(probs / q)`` with ``q ~
+    Exp(1)`` from the same generator, hence the same token; tested), but first reads two validity checks
+    back to the host, and its caller a third for the token: three syncs per sampled row per step on CUDA.
+    Here the checks travel with the token, and the sampler reads every row's at once."""
+    probs = torch.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    token = torch.argmax(torch.div(probs, race, out=race), dim=-1)  # in place, as ATen's own path
+    valid = (probs.max() < float("inf")) & (probs.min() >= 0) & (probs.sum() != 0)
+    return torch.stack([token, valid.long()])
 
 
 def _flag_nan(tokens: list, nan: list) -> list[int | Exception]:
