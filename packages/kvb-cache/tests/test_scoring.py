@@ -34,6 +34,9 @@ def test_prompt_logprobs_equal_one_plain_forward(arch, slice_size, tokenizer):
             torch.tensor([v for *_, v in e.top]), values, atol=2e-5
         )  # a near-tie may order equal values either way
         assert e.token == engine.token_text(e.token_id)
+        # vLLM's rank: 1 + the tokens more likely than the prompt's own (near-ties within 2e-5 either way).
+        above = int((row > row[e.token_id] + 2e-5).sum()) + 1
+        assert above <= e.rank <= int((row > row[e.token_id] - 2e-5).sum()) + 1
 
 
 def test_scoring_reads_and_writes_no_cache(llama, tokenizer):

@@ -154,7 +154,13 @@ class FakeEngine:
         for prev, tok in itertools.pairwise(prompt):
             top = tuple((prev + 1 + k, chr(prev + 1 + k), -k / 10) for k in range(top_logprobs))
             entries.append(
-                TokenLogprob(token_id=tok, token=chr(tok), logprob=-((tok - prev - 1) % 26) / 10, top=top)
+                TokenLogprob(
+                    token_id=tok,
+                    token=chr(tok),
+                    logprob=-((tok - prev - 1) % 26) / 10,
+                    top=top,
+                    rank=(tok - prev - 1) % 26 + 1,
+                )
             )
         return FakeScorer(self, list(prompt), top_logprobs, entries)
 

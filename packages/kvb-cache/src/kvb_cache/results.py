@@ -44,6 +44,9 @@ class TokenLogprob:
     logprob: float
     #: ``(token_id, token_text, logprob)`` for the ``top_logprobs`` most likely tokens, best first.
     top: tuple[tuple[int, str, float], ...] = ()
+    #: 1-based rank of ``token_id`` among all tokens (1: the most likely), as vLLM's prompt logprobs report
+    #: it; set by prompt scoring (:meth:`KVBoost.prompt_logprobs`), None for generated tokens.
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

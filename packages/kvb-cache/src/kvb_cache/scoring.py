@@ -87,19 +87,23 @@ class PromptScorer:
             ).logits[0]  # [S, V]
             logp = torch.log_softmax(logits.float(), dim=-1)
             targets = self._ids[start + 1 : end + 1]
-            chosen = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].tolist()
+            picked = logp.gather(1, torch.tensor(targets, device=device)[:, None])  # [S, 1]
+            # Rank: 1 + the tokens strictly more likely (vLLM's rank); read with the logprobs, one transfer.
+            ranks = (logp > picked).sum(dim=-1) + 1
+            chosen, rank = torch.stack([picked[:, 0].double(), ranks.double()]).tolist()
             best: list[list[tuple[int, float]]] = [[] for _ in targets]
             if self._top:
                 values, indices = torch.topk(logp, min(self._top, logp.shape[-1]), dim=-1)
                 best = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
         text = self._texts.token_text
-        for token, logprob, alternatives in zip(targets, chosen, best):
+        for token, logprob, place, alternatives in zip(targets, chosen, rank, best):
             self._entries.append(
                 TokenLogprob(
                     token_id=token,
                     token=text(token),
                     logprob=logprob,
                     top=tuple((i, text(i), v) for i, v in alternatives),
+                    rank=int(place),
                 )
             )
         if self.done:

@@ -27,7 +27,7 @@ from kvb_server.sampling_params import (
     max_new_tokens,
     sampling_params,
 )
-from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest
+from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvb_server.tenancy import request_salt
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, tool_plan
 
@@ -59,6 +59,8 @@ class GenerationPlan:
         priority: vLLM's request priority (lower first), checked against the engine's scheduling policy.
         budgets: each prompt's ``max_new_tokens`` (a default shrinks to each prompt's own room; ``sampling``
             holds the largest); empty: ``sampling``'s for every prompt.
+        prompt_logprobs: vLLM's ``prompt_logprobs``: alternatives per prompt position (the prompt is scored,
+            its own tokens' logprobs and ranks reported); None: not asked.
     """
 
     endpoint: Endpoint
@@ -78,6 +80,7 @@ class GenerationPlan:
     reasoning: ReasoningPlan | None = None
     budgets: tuple[int, ...] = ()
     priority: int = 0
+    prompt_logprobs: int | None = None
 
     def prompt_sampling(self, prompt: int, choice: int) -> SamplingParams:
         """The sampling of choice ``choice`` of prompt ``prompt``: its own seed and its prompt's budget."""
@@ -130,6 +133,36 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
             raise UnsupportedFeatureError(f"{name} is not supported by this server; remove it.", param=name)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+
+
+#: ``prompt_logprobs: -1`` (every token) on a server without a ``--max-logprobs`` cap: the scorer clamps it to
+#: the vocabulary.
+EVERY_TOKEN = 1 << 31
+
+
+def check_prompt_logprobs(req: SamplingFields, config: ServerConfig) -> int | None:
+    """vLLM's ``prompt_logprobs`` as an alternatives count (None: not asked): within ``--max-logprobs``
+    (-1, every token, only without a cap), and not with ``stream`` (vLLM's rule: they come with the whole
+    response)."""
+    count = req.prompt_logprobs
+    if count is None:
+        return None
+    if req.stream:
+        raise InvalidParameterError(
+            "prompt_logprobs are not available with stream=true (as on vLLM); send the request without "
+            "stream, or score the prompt with /v1/completions, echo and logprobs.",
+            param="prompt_logprobs",
+        )
+    if count == -1:
+        if config.max_logprobs != -1:
+            raise InvalidParameterError(
+                f"prompt_logprobs=-1 (every token) needs a server started with --max-logprobs -1; this one "
+                f"returns at most {config.max_logprobs} alternatives.",
+                param="prompt_logprobs",
+            )
+        return EVERY_TOKEN
+    check_logprobs(count, config, param="prompt_logprobs")
+    return count
 
 
 def check_logprobs(count: int | None, config: ServerConfig, *, param: str) -> None:
@@ -218,6 +251,7 @@ def completion_plan(
         generate=generate,
         budgets=max_new,
         priority=check_priority(req.priority, engine),
+        prompt_logprobs=check_prompt_logprobs(req, config),
     )
 
 
@@ -263,6 +297,7 @@ def chat_plan(
         reasoning=thinking,
         budgets=max_new,
         priority=check_priority(req.priority, engine),
+        prompt_logprobs=check_prompt_logprobs(req, config),
     )
 
 

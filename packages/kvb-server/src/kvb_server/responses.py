@@ -153,9 +153,11 @@ def final_response(
     results: Sequence[GenerationResult],
     echoes: Sequence[Echo] | None = None,
     token_bytes: TokenBytesFn = utf8,
+    scores: Sequence[Sequence[TokenLogprob]] | None = None,
 ) -> dict[str, Any]:
     """The non-streamed ``text_completion`` or ``chat.completion`` object; ``echoes`` (per prompt) lead each
-    completions choice's text and logprobs; ``token_bytes`` gives chat logprobs' ``bytes``."""
+    completions choice's text and logprobs; ``token_bytes`` gives chat logprobs' ``bytes``; ``scores`` (per
+    prompt) give vLLM's ``prompt_logprobs`` when the plan asks for them."""
     choices = []
     for index, r in enumerate(results):
         echo = echoes[index // plan.n] if echoes is not None else None
@@ -171,7 +173,12 @@ def final_response(
             )
         else:
             choice["text"] = (echo.text if echo is not None else "") + r.output_text
+            if plan.prompt_logprobs is not None and scores is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(scores[index // plan.n], plan.prompt_logprobs)
         choices.append(choice)
+    extra = {}
+    if plan.chat_logprobs and plan.prompt_logprobs is not None and scores is not None:
+        extra["prompt_logprobs"] = prompt_logprobs(scores[0], plan.prompt_logprobs)  # vLLM: not per choice
     return {
         "id": ids.id,
         "object": "chat.completion" if plan.chat_logprobs else "text_completion",
@@ -181,7 +188,21 @@ def final_response(
         **_service_tier(plan),
         "choices": choices,
         "usage": usage(plan, results),
+        **extra,
     }
+
+
+def prompt_logprobs(scored: Sequence[TokenLogprob], top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token (nothing precedes it), then for each
+    position the prompt's own token and its ``top`` most likely alternatives, keyed by token id (as a JSON
+    object's keys are strings), each ``{"logprob", "rank", "decoded_token"}``; the prompt's token first."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for e in scored:
+        entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for place, (token_id, text, logprob) in enumerate(e.top[:top], start=1):
+            entry.setdefault(str(token_id), {"logprob": logprob, "rank": place, "decoded_token": text})
+        out.append(entry)
+    return out
 
 
 def chunk(

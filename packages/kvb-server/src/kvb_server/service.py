@@ -9,11 +9,12 @@ Engine errors become HTTP errors through :func:`kvb_server.engine_errors.engine_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvb_cache.results import GenerationResult
+from kvb_cache.results import GenerationResult, TokenLogprob
 from kvb_cache.sampling import SamplingParams
 from kvb_server.config import ServerConfig
 from kvb_server.echo import Echo, PromptScoring, prompt_only_result
@@ -88,7 +89,8 @@ class GenerationService:
                 n=plan.n,
                 queue_depth=self._worker.depth,
                 constrained=plan.sampling.response_format is not None,
-                prompt_logprobs=plan.echo is not None and plan.sampling.logprobs is not None,
+                prompt_logprobs=(plan.echo is not None and plan.sampling.logprobs is not None)
+                or plan.prompt_logprobs is not None,
             )
         )
 
@@ -200,29 +202,47 @@ class GenerationService:
         assert update.result is not None
         return update.result
 
-    async def _echoes(
+    async def _scores(
         self, plan: GenerationPlan, deadline: float, is_disconnected: IsDisconnected
+    ) -> list[tuple[TokenLogprob, ...]] | None:
+        """Each prompt's tokens after the first, scored on the engine thread one slice per call between steps
+        (:class:`PromptScoring`) until the client goes away, with as many alternatives as echo's logprobs
+        and vLLM's ``prompt_logprobs`` ask (one pass serves both); None when neither asks."""
+        echo_top = plan.sampling.logprobs if plan.echo is not None else None
+        asked = [k for k in (echo_top, plan.prompt_logprobs) if k is not None]
+        if not asked:
+            return None
+        if self._scoring is None:
+            raise EngineError("scoring needs the service to hold the engine (GenerationService(engine=...)).")
+        scores = []
+        for prompt in plan.prompts:
+            try:
+                scores.append(
+                    await self._scoring.score(
+                        prompt, top_logprobs=max(asked), deadline=deadline, is_disconnected=is_disconnected
+                    )
+                )
+            except ClientDisconnected:
+                raise
+            except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
+                raise engine_error(exc) from None
+        return scores
+
+    def _echoes(
+        self, plan: GenerationPlan, scores: list[tuple[TokenLogprob, ...]] | None
     ) -> list[Echo] | None:
-        """Each prompt's :class:`Echo`; with logprobs its tokens are scored on the engine thread, one slice
-        per call between steps (:class:`PromptScoring`), until the client goes away."""
+        """Each prompt's :class:`Echo`, its tokens' logprobs (when asked) cut to echo's alternatives."""
         if plan.echo is None:
             return None
-        if self._engine is None or self._scoring is None:
+        if self._engine is None:
             raise EngineError("echo needs the service to hold the engine (GenerationService(engine=...)).")
         engine, top = self._engine, plan.sampling.logprobs
         special = frozenset(getattr(engine.tokenizer, "all_special_ids", ()) or ())
         echoes = []
-        for prompt, text in zip(plan.prompts, plan.echo):
+        for p, (prompt, text) in enumerate(zip(plan.prompts, plan.echo)):
             scored = None
-            if top is not None:
-                try:
-                    scored = await self._scoring.score(
-                        prompt, top_logprobs=top, deadline=deadline, is_disconnected=is_disconnected
-                    )
-                except ClientDisconnected:
-                    raise
-                except Exception as exc:  # engine_error passes a ServerError (queue full, timeout) through
-                    raise engine_error(exc) from None
+            if top is not None and scores is not None:
+                scored = tuple(dataclasses.replace(e, top=e.top[:top]) for e in scores[p])
             echoes.append(
                 Echo(
                     text=text,
@@ -289,7 +309,8 @@ class GenerationService:
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
         results: list[GenerationResult | None] = [None] * len(jobs)
         try:
-            echoes = await self._echoes(plan, deadline, is_disconnected)
+            scores = await self._scores(plan, deadline, is_disconnected)
+            echoes = self._echoes(plan, scores)
             if not plan.generate:
                 results = self.prompt_only(plan)  # type: ignore[assignment]
             for _ in jobs:
@@ -306,7 +327,7 @@ class GenerationService:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
             self.record_unread(inbox, results)
-        body = final_response(plan, ResponseIds.new(plan), results, echoes, self.token_bytes)  # type: ignore[arg-type]
+        body = final_response(plan, ResponseIds.new(plan), results, echoes, self.token_bytes, scores)  # type: ignore[arg-type]
         if truncation is not None:
             body["prompt_truncation"] = truncation.to_dict()
         return body
@@ -317,7 +338,7 @@ class GenerationService:
         jobs, inbox, deadline, plan, truncation = self._submit(plan)
         first = None
         try:
-            echoes = await self._echoes(plan, deadline, is_disconnected)
+            echoes = self._echoes(plan, await self._scores(plan, deadline, is_disconnected))
             if jobs:
                 first = await self.next_update(inbox, deadline, is_disconnected)
                 if first.error is not None:

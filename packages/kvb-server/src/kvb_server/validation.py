@@ -29,7 +29,6 @@ VLLM_EXTRAS: dict[str, str] = {
     "documents": _TEMPLATE,
     "use_beam_search": "beam search is not supported; sample several choices with 'n'",
     "length_penalty": "beam search is not supported; sample several choices with 'n'",
-    "prompt_logprobs": "score the prompt with /v1/completions, 'echo': true and 'logprobs'",
     "request_id": "the server assigns response ids",
     "guided_decoding_backend": "the server picks the grammar library",
     "guided_whitespace_pattern": "the server picks the grammar library",

@@ -99,6 +99,9 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), WHOLE] | None = None
     #: vLLM's: only these token ids may be generated (a label set, a Yes/No judge).
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    #: vLLM's: each prompt token's logprob, its rank and this many most likely alternatives (the first token:
+    #: null); -1: every token (within --max-logprobs); not with stream (vLLM's rule). kvb_server.request_plan.
+    prompt_logprobs: Annotated[int, Field(ge=-1), WHOLE] | None = None
     #: vLLM's: words never generated (each as it starts the text and after a space; kvb_cache.token_bans).
     bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.

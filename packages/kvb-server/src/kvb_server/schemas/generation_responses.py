@@ -45,12 +45,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: null for the first prompt token, then per position the prompt's own token and
+#: the requested alternatives, keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
+    #: With the request's ``prompt_logprobs`` only (its prompt's).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -136,6 +151,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_truncation: PromptTruncation | None = None
+    #: With the request's ``prompt_logprobs`` only (vLLM puts a chat prompt's here, not in the choices).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):
