@@ -66,10 +66,11 @@ class PrefillSeq:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeGroup:
-    """Requests feeding one token each: ``rows`` ``[B]`` packed offsets, ``slots`` ``[B, L]`` context slots
-    padded with slot 0, ``valid`` ``[B, L]`` bool (False on pads), ``lengths`` ``[B]`` context lengths."""
+    """Requests feeding one token each: ``rows`` ``[B]`` packed offsets (None when ``row_start`` says them),
+    ``slots`` ``[B, L]`` context slots padded with slot 0, ``valid`` ``[B, L]`` bool (False on pads),
+    ``lengths`` ``[B]`` context lengths."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     slots: torch.Tensor
     valid: torch.Tensor
     lengths: torch.Tensor
@@ -86,6 +87,7 @@ class DecodeGroup:
     def rows_at(self, part: slice) -> slice | torch.Tensor:
         """The packed rows of ``part`` of this group: a slice when they are contiguous, else ``[b]`` indices."""
         if self.row_start is None:
+            assert self.rows is not None
             return self.rows[part]
         return slice(self.row_start + part.start, self.row_start + part.stop)
 

@@ -112,7 +112,8 @@ class ModelRunner:
             }
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         return DecodeGroup(
-            rows=torch.tensor(rows, device=self.device),
+            # Uploaded only when read (a blocking host-to-device copy on CUDA): contiguous rows are a slice.
+            rows=None if contiguous else torch.tensor(rows, device=self.device),
             slots=padded,
             valid=valid,
             lengths=lengths,
