@@ -313,7 +313,7 @@ def test_stream_disconnect_aborts_the_request() -> None:
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"include": ["message.output_text.logprobs", "message.input_image.image_url"]}, "include"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "middle"}, "truncation"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 21}, "top_logprobs"),
@@ -442,3 +442,41 @@ def test_encrypted_reasoning_is_accepted_as_nothing_to_add(client: openai.OpenAI
         model=MODEL, input="hi", include=["reasoning.encrypted_content"], store=False
     )
     assert resp.status == "completed" and resp.output_text
+
+
+class ShortContext(StoppingFake):
+    context_length = 150
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits() -> None:
+    """OpenAI's ``truncation: "auto"``: a conversation longer than the context loses its oldest items (never
+    the instructions; a tool result with its call) instead of a 400; the stored response keeps them all, and
+    the response echoes ``"auto"``. Without it, or when the last item alone does not fit, the 400 stands.
+    It was a 400 naming the field."""
+    fake = ShortContext()
+    history = [
+        {"role": "user", "content": "first " + "a" * 40},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "b" * 30},
+        {"role": "user", "content": "second " + "c" * 30},
+        {"role": "user", "content": "last question"},
+    ]
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), max_tokens=20))) as url:
+        body = {"model": MODEL, "input": history, "instructions": "be brief", "max_output_tokens": 10}
+        refused = httpx.post(f"{url}/v1/responses", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        resp = httpx.post(f"{url}/v1/responses", json={**body, "truncation": "auto"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["truncation"] == "auto"
+        seen = prompt_text(fake)
+        assert "be brief" in seen and "last question" in seen and "first" not in seen
+        assert "b" * 30 not in seen  # the tool result left with its call
+        assert len(fake.added[-1].prompt) + 10 <= ShortContext.context_length
+        kept = httpx.get(f"{url}/v1/responses/{resp.json()['id']}/input_items").json()["data"]
+        assert len(kept) == len(history)  # only what the model read was cut
+        alone = {**body, "input": "x" * 200, "truncation": "auto"}
+        still = httpx.post(f"{url}/v1/responses", json=alone)
+        assert still.status_code == 400 and still.json()["error"]["code"] == "context_length_exceeded"
+        count = {"model": MODEL, "input": history, "truncation": "auto"}
+        counted = httpx.post(f"{url}/v1/responses/input_tokens", json=count)
+        assert (counted.status_code, counted.json()["error"]["param"]) == (400, "truncation")

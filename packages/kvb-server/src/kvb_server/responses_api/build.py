@@ -58,7 +58,7 @@ def _echo(req: ResponsesRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> di
         "tools": [t.model_dump() for t in req.tools or () if isinstance(t, FunctionTool)],
         "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if top_p is None else top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "user": req.user,
         "metadata": dict(req.metadata or {}),
     }

@@ -128,10 +128,6 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
             "reasoning options (effort, summary) are not supported: a model's reasoning is not steered "
             "here (with --reasoning-parser its thinking is returned as a reasoning item)",
         ),
-        "truncation": (
-            req.truncation == "auto",
-            "truncation='auto' is not supported; start the server with --auto-truncate instead",
-        ),
     }
     for param, (value, why) in refusals.items():
         if value:

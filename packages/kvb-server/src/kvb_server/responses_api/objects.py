@@ -97,7 +97,7 @@ class ResponseObject(BaseModel):
     tools: list[dict[str, Any]]
     top_logprobs: int
     top_p: float
-    truncation: Literal["disabled"]
+    truncation: Literal["auto", "disabled"]
     usage: ResponseUsage | None
     user: str | None
     metadata: dict[str, str]

@@ -360,9 +360,8 @@ class ResponsesRequest(BaseModel):
     cache_salt: CacheSalt | None = None
     # Declared only to be refused by name unless they hold their default (see convert.refuse_unsupported).
     background: Annotated[bool | None, _only({"enum": [False, None]}, "background mode")] = None
-    truncation: Annotated[
-        Literal["auto", "disabled"] | None, _only({"enum": ["disabled", None]}, "truncation='auto'")
-    ] = None
+    #: ``"auto"``: the oldest input items are dropped until the prompt fits (responses_api/truncation.py).
+    truncation: Literal["auto", "disabled"] | None = None
     #: ``message.output_text.logprobs`` (the message's token logprobs) and ``reasoning.encrypted_content``
     #: (accepted: reasoning items are never encrypted here, their ``encrypted_content`` stays null); any other
     #: value is a 400 naming it (convert.refuse_unsupported).

@@ -48,6 +48,7 @@ from kvb_server.responses_api.objects import (
 )
 from kvb_server.responses_api.schemas import InputTokensRequest, ResponsesRequest
 from kvb_server.responses_api.store import ResponseNotFoundError, ResponseStore
+from kvb_server.responses_api.truncation import fitting_plan
 from kvb_server.routes.openai import CLIENT_CLOSED, GENERATION_ERRORS, SSE_HEADERS
 from kvb_server.service import ClientDisconnected, GenerationService
 from kvb_server.streaming import EventStreamResponse
@@ -181,7 +182,13 @@ def responses_router(
         req = await parse_request(request, ResponsesRequest, config)
         try:
             t, items = translate(req, caller)
-            plan = await off_loop(request, chat_plan, t.request, engine, config, key_salt=caller.key_salt)
+            plan = await off_loop(
+                request,
+                fitting_plan,
+                t.request,
+                lambda chat: chat_plan(chat, engine, config, key_salt=caller.key_salt),
+                truncate=req.truncation == "auto",
+            )
             envelope = ResponseEnvelope.new(req, config.sampling_defaults)
             if plan.stream:
                 return await stream_events(plan, request, req, caller, t, items, envelope)
@@ -211,6 +218,12 @@ def responses_router(
         if body.personality is not None:
             raise UnsupportedFeatureError(
                 "personality: personality presets are not supported.", param="personality"
+            )
+        if body.truncation == "auto":  # the count is the whole input's: a client asks to know whether it fits
+            raise UnsupportedFeatureError(
+                "truncation: 'auto' is not supported when counting input tokens; the count is of the whole "
+                "input (POST /v1/responses with truncation 'auto' drops the oldest items that do not fit).",
+                param="truncation",
             )
         try:
             t, _ = translate(body.as_request(config.model_names[0]), caller)
