@@ -104,6 +104,11 @@ class PagedBatch:
     #: Attention that reads the pool's blocks in place (:mod:`kvb_cache.core.pool_kernel`); None: gather + SDPA.
     kernel: PoolKernel | None = None
 
+    @property
+    def decode_only(self) -> bool:
+        """Only decoding rows, packed 0..B-1: a layer's attention output is then theirs as it comes."""
+        return not self.prefills and self.decode is not None and self.decode.row_start == 0
+
 
 def _attention_chunk(module: torch.nn.Module) -> int | None:
     """Chunk size of a chunked-attention layer (Llama 4's local layers: a token sees only the keys of its own
@@ -190,7 +195,8 @@ def paged_attention_forward(
     if batch.kernel is not None and _kernel_serves(query, keys, values, chunk, softcap, s_aux):
         return _kernel_attention(batch, query, keys, values, sliding_window, scaling), None
     group = batch.decode
-    if group is not None and not batch.prefills and group.row_start == 0:
+    if batch.decode_only:
+        assert group is not None
         rows_n, width = group.slots.shape
         if rows_n * width <= DECODE_GATHER_TOKENS:
             # A decode-only step in one gather: its result is the layer's output as it is (no buffer, no
@@ -251,8 +257,10 @@ def _kernel_attention(
     ``batch.kernel`` over the pool's blocks in place (no gathered context, no mask)."""
     block_size = batch.storage.block_size
     key_pages, value_pages = pages(keys, block_size), pages(values, block_size)
-    out = query.new_empty((query.shape[2], query.shape[1], query.shape[-1]))  # [T, H, D]
+    # A decode-only step returns the kernel's output as it is: no buffer to copy it into.
+    out = None if batch.decode_only else query.new_empty((query.shape[2], query.shape[1], query.shape[-1]))
     for seq in batch.prefills:
+        assert out is not None
         rows = slice(seq.start, seq.start + seq.q_len)
         o = batch.kernel(
             query[:, :, rows],
@@ -279,7 +287,7 @@ def _kernel_attention(
             scale=scaling,
             max_len=group.slots.shape[1],  # the padded width: the longest context, known on the host
         )
-        if not batch.prefills and group.row_start == 0:  # a decode-only step: the kernel's output as it is
+        if out is None:
             return o[:, :, 0].unsqueeze(0)
         out[rows] = o[:, :, 0]
     return out.unsqueeze(0)
