@@ -171,7 +171,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         "hermes",
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
-        "--enforce-eager",
         "--trust-remote-code",
         "--disable-log-requests",
         # Single-device values, common in vLLM command lines (-tp 1), are what runs here.
@@ -193,7 +192,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
     for flag in (
         "--enable-auto-tool-choice",
         "--tool-call-parser",
-        "--enforce-eager",
         "--trust-remote-code",
         "--tensor-parallel-size",
         "--kv-cache-dtype",
@@ -291,3 +289,11 @@ def test_scheduling_policy_is_vllms_flag_and_reaches_the_engine() -> None:
     assert build_parser().parse_args(["--model", "m"]).scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "m", "--scheduling-policy", "lifo"])
+
+
+def test_enforce_eager_is_vllms_flag_and_reaches_the_engine_config() -> None:
+    """--enforce-eager was accepted as what the server always did; decode steps replay CUDA graphs now, so
+    it is the engine's option (no graphs), as in vLLM."""
+    args = build_parser().parse_args(["--model", "m", "--enforce-eager"])
+    assert args.enforce_eager is True
+    assert build_parser().parse_args(["--model", "m"]).enforce_eager is False

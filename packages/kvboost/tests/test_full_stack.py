@@ -118,6 +118,8 @@ def test_awq_streaming_engine_streams_layers_on_host(target, tmp_path):
     stats = engine.cache_stats()["streaming"]
     assert stats["streaming_enabled"] and stats["streamed_layers"] == 1
     assert stats["hits"] + stats["misses"] > 0 and stats["bytes_moved"] > 0
+    # A streamed forward is host-driven: never captured as a CUDA graph, whatever enforce_eager said.
+    assert engine.config.enforce_eager and engine.core.runner.graphs is None
 
 
 def test_the_planner_charges_the_torch_int4_kernels_dequantized_block(target, tmp_path):

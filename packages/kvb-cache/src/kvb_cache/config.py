@@ -76,6 +76,8 @@ class EngineConfig:
         attention_backend: the engine loop's attention over the pool: ``"kvb_kernels"`` (kvb-kernels'
             block-table kernel reads the blocks in place; CUDA), ``"sdpa"`` (each context gathered, then
             torch SDPA), ``"auto"`` (the kernel on CUDA when kvb-kernels is installed with Triton, else SDPA).
+        enforce_eager: run every step eagerly (vLLM's). False: on CUDA, decode-only steps replay CUDA graphs
+            (:mod:`kvb_cache.core.decode_graphs`); steps with a prefill, and every step off CUDA, run eagerly.
         scheduling_policy: ``"fcfs"`` (arrival order, longest cached prefix first among waiting requests)
             or ``"priority"`` (vLLM's: a request's ``priority``, lower first, then arrival; the running
             request of the lowest priority is preempted first). Only ``"priority"`` takes ``priority != 0``.
@@ -97,6 +99,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class EngineConfig:
             size = DEFAULT_CHUNK_SIZE if self.stitching is None else STITCHING_CHUNK_SIZE
             object.__setattr__(self, "chunk_size", size)
         check_backend(self.attention_backend)
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"

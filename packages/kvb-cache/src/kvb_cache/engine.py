@@ -170,6 +170,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,
@@ -206,6 +207,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             attention_backend: the engine loop's attention over the block pool: ``"kvb_kernels"``
                 (kvb-kernels' Triton kernel reads the blocks in place; CUDA), ``"sdpa"`` (gather + SDPA) or
                 ``"auto"`` (the kernel on CUDA when installed).
+            enforce_eager: no CUDA graphs (vLLM's); by default decode-only steps on CUDA replay captured graphs.
             max_model_len: most prompt + generated tokens per request, below the model's context (vLLM's);
                 None: the model's context.
             tokenizer: the tokenizer's folder or cached hub id when it is not the model's (vLLM's).
@@ -348,6 +350,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             "chunk_size": self.config.chunk_size,
             # What the loop attends with, resolved from ``attention_backend`` (``auto`` names neither).
             "attention_backend": "sdpa" if self.core.runner.kernel is None else "kvb_kernels",
+            "cuda_graphs": self._graph_stats(),
             **self.counters.as_dict(),
             "paged": paged.as_dict(),
             "stitching": {**self.stitcher.stats(), "idle": self.idle_stats()},
@@ -371,6 +374,14 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             k[:, : storage.block_size].nbytes + v[:, : storage.block_size].nbytes
             for k, v in zip(storage.keys, storage.values)
         )
+
+    def _graph_stats(self) -> dict[str, Any] | None:
+        """Decode steps replayed from CUDA graphs; None when every step runs eagerly (``enforce_eager``, or
+        not on CUDA). ``disabled``: why capturing failed (the steps then ran eagerly)."""
+        graphs = self.core.runner.graphs
+        if graphs is None:
+            return None
+        return {"captures": graphs.captures, "replays": graphs.replays, "disabled": graphs.disabled}
 
     @property
     def _logits_width(self) -> int:

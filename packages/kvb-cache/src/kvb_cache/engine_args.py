@@ -94,6 +94,13 @@ class EngineArgs:
         "context and runs torch SDPA; auto: kvb_kernels on CUDA in fp16/bf16 when installed, else sdpa. Soft-capped, "
         "attention-sink and chunked-attention layers always use sdpa",
     )
+    enforce_eager: bool = option(
+        False,
+        group="model",
+        help="run every step eagerly (vLLM's): no CUDA graphs. By default on CUDA a decode-only step is "
+        "padded to a batch/context bucket and replayed from a CUDA graph captured at the bucket's first step; "
+        "steps with a prefill always run eagerly",
+    )
     max_model_len: int | None = option(
         None,
         group="model",
@@ -372,5 +379,6 @@ class EngineArgs:
             prefill_chunk_size=self.prefill_chunk_size,
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             scheduling_policy=self.scheduling_policy,
         )

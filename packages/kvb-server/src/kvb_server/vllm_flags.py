@@ -2,7 +2,7 @@
 accepted with a warning; the others are refused with what to use here instead.
 
 A vLLM command line pasted into ``kvboost-server`` used to stop at argparse's bare "unrecognized arguments:
---enforce-eager", which says neither that the flag is known nor what replaces it; and flags that ask for
+--swap-space", which says neither that the flag is known nor what replaces it; and flags that ask for
 what this server always does (``--enable-prefix-caching``, ``--enable-auto-tool-choice --tool-call-parser
 hermes``, in most vLLM tool-calling recipes) were refused, so such a command line had to be edited first.
 Both kinds are declared hidden from ``--help``; none is silently ignored. The vLLM flags this server does
@@ -47,7 +47,6 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         "long prompts are always prefilled in slices of at most --max-num-batched-tokens",
         None,
     ),
-    "--enforce-eager": ("the model always runs eagerly (no CUDA graphs are captured)", None),
     "--enable-auto-tool-choice": ("tool calling is always on, decoded under a grammar", None),
     "--tool-call-parser": (
         "tool calls are decoded under a grammar and returned as OpenAI tool_calls; no parser is used",

@@ -53,6 +53,7 @@ class KVBoost(_Engine):
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,
@@ -230,6 +231,9 @@ class KVBoost(_Engine):
             check_vocabulary(model, tokenizer, engine.tokenizer)
         seed_torch(engine.seed)
         config = apply_utilization(model, config, engine.gpu_memory_utilization)
+        # NOTE: no CUDA graphs over a streamed model: its forward moves layers through staging slots under
+        # host control (events, slot bookkeeping), which a graph would freeze at the captured step's state.
+        config = dataclasses.replace(config, enforce_eager=True)
         return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:

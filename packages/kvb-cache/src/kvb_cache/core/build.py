@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.config import EngineConfig
 from kvb_cache.core.attention_routing import check_attention_routing, check_causal_positions
 from kvb_cache.core.block_pool import BlockPool
 from kvb_cache.core.block_tiers import BlockTiers
+from kvb_cache.core.decode_graphs import Capture, DecodeGraphs, cuda_capture
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
 from kvb_cache.core.paged_attention import install_paged_attention
@@ -57,6 +59,14 @@ def packed_budget(traits: ModelTraits, config: EngineConfig) -> int:
     return config.max_num_batched_tokens
 
 
+def graph_capture(device: torch.device) -> Capture | None:
+    """How decode steps are captured on ``device``: CUDA graphs on CUDA, none elsewhere (no eager-mode
+    overhead to save on a CPU, where the ops themselves dominate)."""
+    if device.type != "cuda":
+        return None
+    return cuda_capture(torch.cuda.graph_pool_handle())
+
+
 def build_loop(
     model: PreTrainedModel, traits: ModelTraits, config: EngineConfig, *, root: ChunkHash, fingerprint: str
 ) -> LoopParts:
@@ -79,12 +89,14 @@ def build_loop(
             len(shapes),
         )
     num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
+    capture = None if config.enforce_eager else graph_capture(model.device)
     storage = KVStorage(
         shapes,
         num_blocks=num_blocks,
         block_size=config.block_size,
         device=model.device,
         shared=shared_map(sources),
+        scratch=capture is not None,
     )
     pool = BlockPool(num_blocks, config.block_size)
     tiers = BlockTiers.from_config(config, fingerprint=fingerprint, shapes=shapes)
@@ -105,5 +117,16 @@ def build_loop(
         priority=config.scheduling_policy == "priority",
     )
     kernel = resolve_backend(config.attention_backend, model.device, shapes[0].dtype)
-    runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep, kernel=kernel)
+    graphs = None
+    if capture is not None:
+        pool_tokens = num_blocks * config.block_size
+        graphs = DecodeGraphs(
+            model,
+            storage,
+            kernel=kernel,
+            max_rows=config.max_num_seqs,
+            max_width=min(pool_tokens, config.max_model_len or pool_tokens),
+            capture=capture,
+        )
+    runner = ModelRunner(model, storage, logits_to_keep=traits.logits_to_keep, kernel=kernel, graphs=graphs)
     return LoopParts(kv=kv, scheduler=scheduler, runner=runner, tiers=tiers)

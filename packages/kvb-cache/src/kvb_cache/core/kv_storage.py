@@ -68,7 +68,8 @@ def bytes_per_block(shapes: Sequence[LayerShape], block_size: int) -> int:
 
 
 class KVStorage:
-    """Keys ``[kv_heads, num_blocks * block_size, key_dim]`` and values (same, ``value_dim``) per layer.
+    """Keys ``[kv_heads, num_blocks * block_size, key_dim]`` and values (same, ``value_dim``) per layer
+    (one block more with ``scratch``).
 
     Slots are laid out head-major so that gathering a sequence's slots gives ``[kv_heads, seq, dim]``
     directly, the layout attention consumes.
@@ -82,6 +83,7 @@ class KVStorage:
         block_size: int,
         device: torch.device,
         shared: Mapping[int, int] | None = None,
+        scratch: bool = False,
     ) -> None:
         self.shapes = tuple(shapes)
         #: ``{layer: producer layer}`` for the model's layers that attend another layer's keys/values
@@ -89,7 +91,10 @@ class KVStorage:
         self.shared = dict(shared or {})
         self.block_size = block_size
         self.num_blocks = num_blocks
-        slots = num_blocks * block_size
+        #: With ``scratch``, one block past ``num_blocks`` that no request owns (the block pool hands out
+        #: ``0..num_blocks-1``): padding rows of a captured decode step write and read its first slot.
+        self.scratch_slot: int | None = num_blocks * block_size if scratch else None
+        slots = (num_blocks + scratch) * block_size
         try:
             self.keys = [
                 torch.zeros((s.kv_heads, slots, s.key_dim), dtype=s.dtype, device=device) for s in shapes

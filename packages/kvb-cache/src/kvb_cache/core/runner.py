@@ -9,6 +9,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
+from kvb_cache.core.decode_graphs import DecodeGraphs
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask, paged_call
 from kvb_cache.core.pool_kernel import PoolKernel, block_table
@@ -41,17 +42,29 @@ class ModelRunner:
         *,
         logits_to_keep: bool,
         kernel: PoolKernel | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.storage = storage
         self.logits_to_keep = logits_to_keep
         #: Attention over the pool's blocks in place (None: each context gathered, then SDPA).
         self.kernel = kernel
+        #: Decode-only steps replayed from CUDA graphs (None: every step eager; ``enforce_eager``, or no CUDA).
+        self.graphs = graphs
         self.device = storage.keys[0].device
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         """``[R, V]`` logits for the sequences with ``sample`` set, in order."""
+        graphs = self.graphs
+        if graphs is not None and graphs.serves(
+            [len(s.token_ids) for s in seqs], [s.start for s in seqs], [s.sample for s in seqs]
+        ):
+            logits = graphs.forward(
+                [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slots for s in seqs]
+            )
+            if logits is not None:
+                return logits
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []

@@ -1,0 +1,265 @@
+"""Decode steps replayed from CUDA graphs instead of launched op by op.
+
+A decode step of a small model is bound by the host: every layer dispatches dozens of small kernels, and the
+Python and dispatcher work to launch them takes longer than the GPU takes to run them (an H200 measured a
+SmolLM2-135M step at ~27 ms of host time for well under 5 ms of kernels, docs/server.md). A CUDA graph records
+one step's launches once and replays them with a single call. vLLM and nano-vllm do the same; transformers'
+continuous batching captures graphs too.
+
+A graph replays fixed shapes and fixed memory, so a decode-only step (every scheduled request feeds one token
+and samples) is padded to a bucket: ``rows`` up to the next of :func:`row_buckets`, the padded context width
+up to the next of :func:`width_buckets`. Each bucket has its own static inputs: the token, position and
+context length of each row ``[3, rows]``, and each row's context slots ``[rows, width]``. Everything else the
+step needs (the pool slot each new key is written to, the block tables, the position mask) is computed from
+them inside the graph. Padding rows feed token 0 at position 0 with a context of one slot, the storage's
+scratch slot, which no request owns, so they write and read nothing anyone else sees. Steps with a prefill,
+a speculative verification (several tokens) or more rows than the largest bucket run eagerly as before.
+
+What is captured is :class:`ModelRunner`'s own forward over the same attention functions, so a replay
+computes what an eager step does; the padding only adds rows. A model whose forward cannot be captured (a
+host read of a tensor inside it, a data-dependent shape: some MoE routers) fails its first capture; that is
+logged once and every later step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers import PreTrainedModel
+
+from kvb_cache.core.kv_storage import KVStorage
+from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, no_mask, paged_call
+from kvb_cache.core.pool_kernel import PoolKernel, block_table
+
+logger = logging.getLogger(__name__)
+
+#: Narrowest padded context a graph is captured for (shorter contexts share it).
+MIN_WIDTH = 256
+
+#: Turns a step function (no arguments, returns ``[rows, V]`` logits computed from static inputs) into a
+#: replay function returning the same tensor refreshed. :func:`cuda_capture` records a CUDA graph; tests on
+#: CPU pass ``lambda fn: fn`` (every replay re-runs the function over the same static inputs).
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes graphs are captured for: powers of two below ``max_rows``, then ``max_rows``."""
+    sizes = []
+    size = 1
+    while size < max_rows:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_rows)
+
+
+def width_buckets(max_width: int, block_size: int) -> tuple[int, ...]:
+    """Padded context widths: :data:`MIN_WIDTH` doubling up to ``max_width``, each a multiple of
+    ``block_size`` (so a row's block table covers its width exactly)."""
+    top = -(-max_width // block_size) * block_size
+    sizes = []
+    size = -(-MIN_WIDTH // block_size) * block_size
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, top)
+
+
+def bucket(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) holding ``n``; None when none does."""
+    return next((s for s in sizes if s >= n), None)
+
+
+def cuda_capture(pool: object) -> Capture:
+    """A :data:`Capture` recording CUDA graphs into the shared memory ``pool`` (graphs of different buckets
+    never run at once, so their transients may share memory)."""
+
+    def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        # One eager run on a side stream first (as torch's docs ask): Triton autotuning, cuBLAS workspaces
+        # and lazy initialisations happen there, not inside the capture. It writes the step's real keys and
+        # values into their slots; the replay writes the same values again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (a server's tier writer) cannot invalidate the capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+@dataclass(slots=True, kw_only=True)
+class _Graph:
+    """One bucket's static inputs and its replay."""
+
+    ints: torch.Tensor  # [3, rows] long on the device: token, position, context length per row
+    host: torch.Tensor  # [3, rows] long on the host (pinned on CUDA): staged there, copied in one go
+    slots: torch.Tensor  # [rows, width] long: each row's context slots (stale past its length)
+    replay: Callable[[], torch.Tensor] | None = None
+    copied: torch.cuda.Event | None = None
+
+
+class DecodeGraphs:
+    """Runs decode-only steps through captured graphs (see the module docstring).
+
+    Args:
+        model: the model with ``kvb_paged`` attention installed.
+        storage: the pool; its :attr:`~KVStorage.scratch_slot` takes the padding rows' keys/values.
+        kernel: the pool attention kernel the eager steps use, or None (gather + SDPA).
+        max_rows: most rows of a captured step (the scheduler's ``max_num_seqs``).
+        max_width: the longest context a row can have (the pool's tokens or ``max_model_len``).
+        capture: how a step function becomes a replay (:func:`cuda_capture` on CUDA).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        storage: KVStorage,
+        *,
+        kernel: PoolKernel | None,
+        max_rows: int,
+        max_width: int,
+        capture: Capture,
+    ) -> None:
+        if storage.scratch_slot is None:
+            raise ValueError("decode graphs need a KVStorage with a scratch block (scratch=True)")
+        self.model = model
+        self.storage = storage
+        self.kernel = kernel
+        self.capture = capture
+        self.device = storage.keys[0].device
+        self.rows = row_buckets(max_rows)
+        self.widths = width_buckets(max_width, storage.block_size)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._scratch = torch.tensor([storage.scratch_slot], device=self.device)
+        #: Why capturing failed (every step then runs eagerly); None while graphs work.
+        self.disabled: str | None = None
+        #: Steps served by a replay, and graphs captured (stats and tests).
+        self.replays = 0
+        self.captures = 0
+
+    def serves(self, token_counts: Sequence[int], starts: Sequence[int], samples: Sequence[bool]) -> bool:
+        """Whether a step of these rows is decode-only and fits a bucket."""
+        return (
+            self.disabled is None
+            and 0 < len(token_counts) <= self.rows[-1]
+            and all(q == 1 for q in token_counts)
+            and all(s > 0 for s in starts)
+            and all(samples)
+            and max(starts) + 1 <= self.widths[-1]
+        )
+
+    def forward(
+        self, token_ids: Sequence[int], starts: Sequence[int], slots: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """``[B, V]`` logits of a decode-only step (row ``i`` feeds ``token_ids[i]`` at position ``starts[i]``
+        over context slots ``slots[i]`` ``[starts[i] + 1]``), or None when capturing failed just now."""
+        n = len(token_ids)
+        rows = bucket(self.rows, n)
+        width = bucket(self.widths, max(starts) + 1)
+        assert rows is not None and width is not None, "serves() was not asked first"
+        graph = self._graphs.get((rows, width))
+        if graph is None:
+            graph = self._graphs[(rows, width)] = self._buffers(rows, width)
+        self._fill(graph, token_ids, starts, slots, rows)
+        if graph.replay is None:
+            try:
+                graph.replay = self.capture(lambda: self._step(graph))
+            except Exception as exc:
+                self.disabled = (
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                )
+                self._graphs.clear()
+                logger.warning(
+                    "decode steps run eagerly: capturing %s's decode step as a CUDA graph failed (%s)",
+                    type(self.model).__name__,
+                    self.disabled,
+                )
+                return None
+            self.captures += 1
+        logits = graph.replay()
+        self.replays += 1
+        # A copy: the next replay of this bucket overwrites the graph's output.
+        return logits[:n].clone()
+
+    def _buffers(self, rows: int, width: int) -> _Graph:
+        host = torch.zeros((3, rows), dtype=torch.long)
+        cuda = self.device.type == "cuda"
+        return _Graph(
+            ints=torch.zeros((3, rows), dtype=torch.long, device=self.device),
+            host=host.pin_memory() if cuda else host,
+            slots=torch.full((rows, width), self.storage.scratch_slot, dtype=torch.long, device=self.device),
+            copied=torch.cuda.Event() if cuda else None,
+        )
+
+    def _fill(
+        self,
+        graph: _Graph,
+        token_ids: Sequence[int],
+        starts: Sequence[int],
+        slots: Sequence[torch.Tensor],
+        rows: int,
+    ) -> None:
+        n = len(token_ids)
+        pad = rows - n
+        if graph.copied is not None:
+            # The previous step's copy out of the pinned buffer must be done before it is overwritten.
+            graph.copied.synchronize()
+        # Padding rows: token 0 at position 0, one slot of context (the scratch slot).
+        graph.host.copy_(
+            torch.tensor(
+                [[*token_ids, *[0] * pad], [*starts, *[0] * pad], [s + 1 for s in starts] + [1] * pad]
+            )
+        )
+        graph.ints.copy_(graph.host, non_blocking=True)
+        if graph.copied is not None:
+            graph.copied.record()
+        padded = pad_sequence([*slots, *[self._scratch] * pad], batch_first=True)  # [rows, longest]
+        graph.slots[:, : padded.shape[1]].copy_(padded)
+
+    def _step(self, graph: _Graph) -> torch.Tensor:
+        """The captured step: ``[rows, V]`` logits from ``graph``'s static inputs."""
+        ids, positions, lengths = graph.ints[0], graph.ints[1], graph.ints[2]
+        slots = graph.slots
+        width = slots.shape[1]
+        tables = {}
+        if self.kernel is not None:
+            tables = {
+                "block_table": block_table(slots, self.storage.block_size),
+                "kv_lens": lengths.to(torch.int32),
+            }
+        group = DecodeGroup(
+            rows=None,
+            row_start=0,
+            slots=slots,
+            valid=torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1),
+            lengths=lengths,
+            **tables,
+        )
+        batch = PagedBatch(
+            storage=self.storage,
+            slot_mapping=slots.gather(1, positions.unsqueeze(1)).squeeze(1),
+            prefills=(),
+            decode=group,
+            kernel=self.kernel,
+        )
+        with paged_call(batch):
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=no_mask(self.device),
+                use_cache=False,
+            )
+        return out.logits[0]
