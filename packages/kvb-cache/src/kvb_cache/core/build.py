@@ -64,7 +64,7 @@ def graph_capture(device: torch.device) -> Capture | None:
     overhead to save on a CPU, where the ops themselves dominate)."""
     if device.type != "cuda":
         return None
-    return cuda_capture(torch.cuda.graph_pool_handle())
+    return cuda_capture(device)
 
 
 def build_loop(

@@ -73,23 +73,26 @@ def bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-def cuda_capture(pool: object) -> Capture:
-    """A :data:`Capture` recording CUDA graphs into the shared memory ``pool`` (graphs of different buckets
-    never run at once, so their transients may share memory)."""
+def cuda_capture(device: torch.device) -> Capture:
+    """A :data:`Capture` recording CUDA graphs on ``device``, all into one memory pool: graphs of different
+    buckets never run at once, and what each leaves behind (its output) is read before the next replay, so
+    their transients may share memory."""
+    pool = torch.cuda.graph_pool_handle()
 
     def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        # One eager run on a side stream first (as torch's docs ask): Triton autotuning, cuBLAS workspaces
-        # and lazy initialisations happen there, not inside the capture. It writes the step's real keys and
-        # values into their slots; the replay writes the same values again.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a server's tier writer) cannot invalidate the capture.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        with torch.cuda.device(device):
+            # One eager run on a side stream first (as torch's docs ask): Triton autotuning, cuBLAS
+            # workspaces and lazy initialisations happen there, not inside the capture. It writes the step's
+            # real keys and values into their slots; the replay writes the same values again.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA calls (a server's tier writer) cannot invalidate it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = fn()
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -144,6 +147,9 @@ class DecodeGraphs:
         self.widths = width_buckets(max_width, storage.block_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._scratch = torch.tensor([storage.scratch_slot], device=self.device)
+        # Every bucket's logits land in this one buffer ([max_rows, V], made by the first step): a graph's
+        # own output would stay allocated for as long as the graph, one [rows, V] per bucket.
+        self._logits: torch.Tensor | None = None
         #: Why capturing failed (every step then runs eagerly); None while graphs work.
         self.disabled: str | None = None
         #: Steps served by a replay, and graphs captured (stats and tests).
@@ -262,4 +268,9 @@ class DecodeGraphs:
                 attention_mask=no_mask(self.device),
                 use_cache=False,
             )
-        return out.logits[0]
+        logits = out.logits[0]  # [rows, V]
+        if self._logits is None:
+            self._logits = logits.new_empty((self.rows[-1], logits.shape[-1]))
+        rows = logits.shape[0]
+        self._logits[:rows].copy_(logits)
+        return self._logits[:rows]
