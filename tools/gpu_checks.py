@@ -387,6 +387,7 @@ def memory_share(path: Path) -> dict:
         row["peak_reserved_gib"] = peak / 2**30
         row["margin_mib"] = (total * fraction - peak) / 2**20
         row["within_share"] = peak <= total * fraction
+        row["cuda_graphs"] = engine.cache_stats().get("cuda_graphs")
         rows.append(row)
         print(row, flush=True)
         engine.close()

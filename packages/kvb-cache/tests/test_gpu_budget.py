@@ -15,6 +15,7 @@ from kvb_cache.gpu_budget import (
     DeviceMemory,
     blocks_for_utilization,
     check_utilization,
+    decode_graph_bytes,
     kv_pool_bytes,
     loop_attention_bytes,
 )
@@ -93,6 +94,20 @@ def test_a_fraction_outside_0_1_is_a_config_error(value: object) -> None:
 def test_it_and_num_blocks_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="pass one of them"):
         EngineArgs(gpu_memory_utilization=0.9, num_blocks=64).engine_config()
+
+
+def test_captured_decode_graphs_come_out_of_the_pool(llama) -> None:
+    """CUDA graphs keep a decode step's transients, the shared logits buffer and every bucket's static
+    inputs for good: charged beside the profiled step, growing with rows and context."""
+    assert kv_pool_bytes(memory(graphs=GiB), 0.9) == int(80 * GiB * 0.9) - 4 * GiB
+    shapes = probe_layer_shapes(llama)
+    small = decode_graph_bytes(llama, shapes, rows=4, context=256, step_peak=0)
+    vocab = llama.get_output_embeddings().weight.shape[0]
+    element = shapes[0].dtype.itemsize
+    gathered = 2 * 4 * 256 * shapes[0].kv_heads * shapes[0].key_dim * element
+    assert small == gathered + 4 * vocab * 4 + 8 * (2 * 256 + 3) * 8
+    assert decode_graph_bytes(llama, shapes, rows=4, context=256, step_peak=1000) == small + 1000
+    assert decode_graph_bytes(llama, shapes, rows=32, context=8192, step_peak=0) > 8 * small
 
 
 def test_blocks_follow_the_measured_memory() -> None:

@@ -18,6 +18,11 @@ prefill masks built in blocks of query rows, 16 x 1500 ends 106-119 MiB and 32 p
 (7900 tokens) 22-35 MiB inside a 0.3 and a 0.6 share, in torch's reserved memory (before the blocks, the
 long prompts ended 340-350 MiB above it). A thin margin measured on one model, not a guaranteed cap.
 
+With CUDA graphs on (the default; ``enforce_eager`` off), the captured decode steps keep memory of their own
+beside that: their shared graph pool (one decode step of ``max_num_seqs`` rows, profiled the same way, plus
+its gathered context on the SDPA path), the logits buffer they all write and each bucket's static inputs.
+Those are charged too (:func:`decode_graph_bytes`).
+
 As in vLLM, the share counts memory torch holds after CUDA is initialised: the CUDA context itself
 (~0.5 GiB, outside torch's allocator) is not in it.
 
@@ -48,7 +53,8 @@ GiB = float(1 << 30)
 class DeviceMemory:
     """Bytes on one device when the pool is sized: ``total`` and ``free`` as the driver reports them,
     ``weights`` held by torch once the model is loaded, ``activations`` the profiled step's peak above it,
-    ``loop_attention`` what the loop's attention adds beside it (:func:`loop_attention_bytes`)."""
+    ``loop_attention`` what the loop's attention adds beside it (:func:`loop_attention_bytes`), ``graphs``
+    what captured decode steps hold (:func:`decode_graph_bytes`)."""
 
     total: int
     free: int
@@ -56,6 +62,7 @@ class DeviceMemory:
     weights: int
     activations: int
     loop_attention: int = 0
+    graphs: int = 0
 
 
 def kv_pool_bytes(memory: DeviceMemory, utilization: float) -> int:
@@ -75,7 +82,7 @@ def kv_pool_bytes(memory: DeviceMemory, utilization: float) -> int:
             f"{memory.total / GiB:.2f} GiB, but only {available / GiB:.2f} GiB is free for this process "
             "(other processes hold the rest): lower gpu_memory_utilization"
         )
-    step = memory.activations + memory.loop_attention
+    step = memory.activations + memory.loop_attention + memory.graphs
     left = wanted - memory.weights - step
     if left <= 0:
         raise ConfigError(
@@ -193,17 +200,21 @@ def blocks_for_utilization(
     step_tokens: int,
     sample_rows: int = 1,
     loop_attention: int = 0,
+    graphs: int = 0,
     measure_memory: Callable[[PreTrainedModel, int, int], DeviceMemory] = measure,
 ) -> int:
     """KV blocks (``block_bytes`` each) that fit in ``utilization`` of the model's CUDA device, beside one
-    profiled step of ``step_tokens`` tokens sampling ``sample_rows`` rows and ``loop_attention`` bytes.
+    profiled step of ``step_tokens`` tokens sampling ``sample_rows`` rows, ``loop_attention`` bytes and
+    ``graphs`` bytes.
 
     Raises:
         ConfigError: the model is not on a CUDA device, or :func:`kv_pool_bytes` refuses.
     """
     if model.device.type != "cuda":
         raise _not_cuda(model.device)
-    memory = replace(measure_memory(model, step_tokens, sample_rows), loop_attention=loop_attention)
+    memory = replace(
+        measure_memory(model, step_tokens, sample_rows), loop_attention=loop_attention, graphs=graphs
+    )
     pool = kv_pool_bytes(memory, utilization)
     blocks = pool // max(block_bytes, 1)
     if blocks < 2:
@@ -213,13 +224,14 @@ def blocks_for_utilization(
         )
     logger.info(
         "KV pool sized for gpu_memory_utilization=%s: %d blocks (%.2f GiB; weights %.2f GiB, step "
-        "activations %.2f GiB measured + %.2f GiB loop attention, of %.2f GiB total)",
+        "activations %.2f GiB measured + %.2f GiB loop attention + %.2f GiB CUDA graphs, of %.2f GiB total)",
         utilization,
         blocks,
         blocks * block_bytes / GiB,
         memory.weights / GiB,
         memory.activations / GiB,
         memory.loop_attention / GiB,
+        memory.graphs / GiB,
         memory.total / GiB,
     )
     return int(blocks)
@@ -244,5 +256,36 @@ def apply_utilization(
         step_tokens=step,
         sample_rows=config.max_num_seqs,
         loop_attention=loop_attention_bytes(model, shapes, step_tokens=step, context=context),
+        graphs=0
+        if config.enforce_eager
+        else decode_graph_bytes(
+            model,
+            shapes,
+            rows=config.max_num_seqs,
+            context=context,
+            step_peak=profile_step_peak(model, config.max_num_seqs, config.max_num_seqs),
+        ),
     )
     return replace(config, num_blocks=blocks)
+
+
+def decode_graph_bytes(
+    model: PreTrainedModel, shapes: Sequence[LayerShape], *, rows: int, context: int, step_peak: int
+) -> int:
+    """Bytes captured decode steps (:mod:`kvb_cache.core.decode_graphs`) hold for good: their shared graph
+    pool, at most one decode step of ``rows`` rows (``step_peak``, profiled) and its gathered keys/values on
+    the SDPA path (at most ``DECODE_GATHER_TOKENS`` positions); the ``[rows, V]`` logits buffer; the static
+    inputs of every bucket (token/position/length ``[3, r]`` and slots ``[r, w]`` int64 for every row bucket
+    ``r`` and width bucket ``w``: under ``2 * rows`` by ``2 * context``)."""
+    from kvb_cache.core.paged_attention import DECODE_GATHER_TOKENS
+
+    element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
+    gathered = max(
+        2 * min(DECODE_GATHER_TOKENS, rows * context) * s.kv_heads * max(s.key_dim, s.value_dim) * element
+        for s in shapes
+    )
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+    logits = rows * vocab * 4  # fp32 at most
+    static = (2 * rows) * (2 * context + 3) * 8
+    return step_peak + gathered + logits + static

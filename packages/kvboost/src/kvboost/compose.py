@@ -230,10 +230,11 @@ class KVBoost(_Engine):
         if engine.tokenizer is not None:
             check_vocabulary(model, tokenizer, engine.tokenizer)
         seed_torch(engine.seed)
-        config = apply_utilization(model, config, engine.gpu_memory_utilization)
         # NOTE: no CUDA graphs over a streamed model: its forward moves layers through staging slots under
         # host control (events, slot bookkeeping), which a graph would freeze at the captured step's state.
+        # (Before the pool is sized: then it charges no graph memory either.)
         config = dataclasses.replace(config, enforce_eager=True)
+        config = apply_utilization(model, config, engine.gpu_memory_utilization)
         return cls(model, tokenizer, config=config, drafter=engine.drafter, model_name=model_name_or_path)
 
     def speculative_stats(self) -> dict[str, Any] | None:
