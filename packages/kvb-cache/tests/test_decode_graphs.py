@@ -106,7 +106,7 @@ def test_replayed_decode_steps_give_the_eager_logits(arch: str, tokenizer, ident
         torch.testing.assert_close(g, want, atol=tol, rtol=tol)
     # Decode-only steps of 1, 2, 3 (padded to 4) and 4 rows were replayed; the mixed ones were not.
     assert graphs.captures >= 3 and graphs.replays > graphs.captures and graphs.disabled is None
-    assert {(r, w) for r, w in graphs._graphs} >= {(1, 256), (2, 256), (4, 256)}
+    assert set(graphs._replays) >= {(1, 256), (2, 256), (4, 256)}
     stats = engine.cache_stats()["cuda_graphs"]
     assert stats == {"captures": graphs.captures, "replays": graphs.replays, "disabled": None}
 
@@ -160,11 +160,52 @@ def test_a_failed_capture_falls_back_to_eager_steps(tokenizer, monkeypatch, capl
     for (_, g), (_, want) in zip(got, reference, strict=True):
         torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
     graphs = engine.core.runner.graphs
+    assert graphs.replays == 0
     assert (
-        graphs.replays == 0
-        and graphs.disabled == "RuntimeError: operation not permitted when stream is capturing"
+        graphs.disabled == "capturing failed (RuntimeError: operation not permitted when stream is capturing)"
     )
-    assert sum("decode steps run eagerly" in r.message for r in caplog.records) == 1
+    assert sum("run eagerly from now on" in r.message for r in caplog.records) == 1
+    assert graphs._logits is None and not graphs._slots  # nothing kept for graphs that will never run
+
+
+def test_a_bucket_out_of_memory_runs_eagerly_alone(tokenizer, monkeypatch) -> None:
+    """Capturing the largest bucket may not fit beside a full pool: that bucket runs eagerly, the others
+    keep their graphs."""
+    calls = []
+
+    def capture(fn):
+        calls.append(fn)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fn
+
+    monkeypatch.setattr(build, "graph_capture", lambda device: capture)
+    model = make_model("llama")
+    reference = schedule(KVBoost(model, tokenizer, config=EAGER), prompts(), 6)
+    engine = KVBoost(model, tokenizer, config=CONFIG)
+    got = schedule(engine, prompts(), 6)
+    for (_, g), (_, want) in zip(got, reference, strict=True):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+    graphs = engine.core.runner.graphs
+    assert graphs.disabled is None and len(graphs._eager) == 1 and graphs.captures >= 2
+    assert not graphs._eager & set(graphs._replays) and graphs.replays > 0
+
+
+def test_a_model_with_forward_hooks_is_not_captured(tokenizer, identity_capture, caplog) -> None:
+    """A hook is Python a replay would skip (its state frozen at the captured step): such a model runs
+    eagerly, hooks and all."""
+    model = make_model("llama")
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(1))
+    try:
+        engine = KVBoost(model, tokenizer, config=CONFIG)
+        with caplog.at_level(logging.WARNING, logger="kvb_cache.core.decode_graphs"):
+            got = schedule(engine, prompts(), 4)
+    finally:
+        handle.remove()
+    graphs = engine.core.runner.graphs
+    assert graphs.replays == 0 and "forward hooks" in graphs.disabled
+    assert len(seen) >= len(got)  # the hook ran in every step (and in the engine's start-up probes)
 
 
 def test_no_graphs_off_cuda_or_when_eager(llama, tokenizer) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, words
 from test_decode_graphs import CONFIG, EAGER, prompts, schedule
 
 from kvb_cache import KVBoost
@@ -50,19 +50,23 @@ def test_a_forward_that_reads_the_device_falls_back(tokenizer) -> None:
     got = schedule(engine, prompts(), 6)
     graphs = engine.core.runner.graphs
     assert graphs.disabled is not None and graphs.replays == 0
+    # The failed capture left this thread on its own stream (torch.cuda.graph's exit did not restore it).
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     for (_, g), (_, want) in zip(got, reference, strict=True):
         torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_graphs_through_the_pool_kernel(tokenizer) -> None:
+@pytest.mark.parametrize("long", [False, True])  # long: 600+ token contexts, the kernel splits its keys
+def test_bf16_graphs_through_the_pool_kernel(long: bool, tokenizer) -> None:
     pytest.importorskip("kvb_kernels")
-    model = make_model("mistral").to("cuda", torch.bfloat16)
-    config = dataclasses.replace(CONFIG, attention_backend="kvb_kernels")
+    model = make_model("llama" if long else "mistral").to("cuda", torch.bfloat16)
+    config = dataclasses.replace(CONFIG, attention_backend="kvb_kernels", max_num_batched_tokens=512)
+    texts = [words(600, seed=i) + " " + p for i, p in enumerate(prompts())] if long else prompts()
     reference = schedule(
-        KVBoost(model, tokenizer, config=dataclasses.replace(config, enforce_eager=True)), prompts(), 8
+        KVBoost(model, tokenizer, config=dataclasses.replace(config, enforce_eager=True)), texts, 8
     )
     engine = KVBoost(model, tokenizer, config=config)
-    got = schedule(engine, prompts(), 8)
+    got = schedule(engine, texts, 8)
     graphs = engine.core.runner.graphs
     assert graphs.disabled is None and graphs.replays > 0 and graphs.kernel is not None
     for (_, g), (_, want) in zip(got, reference, strict=True):

@@ -105,7 +105,7 @@ def test_captured_decode_graphs_come_out_of_the_pool(llama) -> None:
     vocab = llama.get_output_embeddings().weight.shape[0]
     element = shapes[0].dtype.itemsize
     gathered = 2 * 4 * 256 * shapes[0].kv_heads * shapes[0].key_dim * element
-    assert small == gathered + 4 * vocab * 4 + 8 * (2 * 256 + 3) * 8
+    assert small == gathered + 4 * vocab * 4 + 4 * (2 * 256 + 3) * 8
     assert decode_graph_bytes(llama, shapes, rows=4, context=256, step_peak=1000) == small + 1000
     assert decode_graph_bytes(llama, shapes, rows=32, context=8192, step_peak=0) > 8 * small
 

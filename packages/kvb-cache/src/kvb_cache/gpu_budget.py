@@ -275,8 +275,8 @@ def decode_graph_bytes(
     """Bytes captured decode steps (:mod:`kvb_cache.core.decode_graphs`) hold for good: their shared graph
     pool, at most one decode step of ``rows`` rows (``step_peak``, profiled) and its gathered keys/values on
     the SDPA path (at most ``DECODE_GATHER_TOKENS`` positions); the ``[rows, V]`` logits buffer; the static
-    inputs of every bucket (token/position/length ``[3, r]`` and slots ``[r, w]`` int64 for every row bucket
-    ``r`` and width bucket ``w``: under ``2 * rows`` by ``2 * context``)."""
+    inputs (token/position/length ``[3, rows]`` and, per width bucket ``w``, slots ``[rows, w]`` int64: the
+    widths add up to under ``2 * context``)."""
     from kvb_cache.core.paged_attention import DECODE_GATHER_TOKENS
 
     element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
@@ -287,5 +287,5 @@ def decode_graph_bytes(
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
     logits = rows * vocab * 4  # fp32 at most
-    static = (2 * rows) * (2 * context + 3) * 8
+    static = rows * (2 * context + 3) * 8
     return step_peak + gathered + logits + static

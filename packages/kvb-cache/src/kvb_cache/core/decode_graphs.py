@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -74,25 +73,38 @@ def bucket(sizes: Sequence[int], n: int) -> int | None:
 
 
 def cuda_capture(device: torch.device) -> Capture:
-    """A :data:`Capture` recording CUDA graphs on ``device``, all into one memory pool: graphs of different
-    buckets never run at once, and what each leaves behind (its output) is read before the next replay, so
-    their transients may share memory."""
+    """A :data:`Capture` recording CUDA graphs on ``device`` on a capture stream of its own, all into one
+    memory pool: graphs of different buckets never run at once, and what each leaves behind (its output) is
+    read before the next replay, so their transients may share memory.
+
+    ``capture_begin`` / ``capture_end`` are driven here rather than through ``torch.cuda.graph``: that
+    context manager captures on one process-wide stream made on whichever device was current first (a
+    second GPU's engine then records an empty graph), and when ``capture_end`` raises (a forward that reads
+    the device invalidates the capture) it never restores the caller's stream, so every later eager step
+    would run on the capture stream.
+    """
     pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
 
     def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        with torch.cuda.device(device):
-            # One eager run on a side stream first (as torch's docs ask): Triton autotuning, cuBLAS
-            # workspaces and lazy initialisations happen there, not inside the capture. It writes the step's
-            # real keys and values into their slots; the replay writes the same values again.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        current = torch.cuda.current_stream(device)
+        # One eager run on the capture stream first (as torch's docs ask): Triton autotuning, cuBLAS
+        # workspaces and lazy initialisations happen there, not inside the capture. It writes the step's
+        # real keys and values into their slots; the replay writes the same values again.
+        stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
                 fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (a server's tier writer) cannot invalidate it.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                out = fn()
+                # thread_local: another thread's CUDA calls (a server's tier writer) cannot invalidate it.
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    out = fn()
+                finally:
+                    graph.capture_end()
+        finally:
+            current.wait_stream(stream)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -101,17 +113,6 @@ def cuda_capture(device: torch.device) -> Capture:
         return replay
 
     return capture
-
-
-@dataclass(slots=True, kw_only=True)
-class _Graph:
-    """One bucket's static inputs and its replay."""
-
-    ints: torch.Tensor  # [3, rows] long on the device: token, position, context length per row
-    host: torch.Tensor  # [3, rows] long on the host (pinned on CUDA): staged there, copied in one go
-    slots: torch.Tensor  # [rows, width] long: each row's context slots (stale past its length)
-    replay: Callable[[], torch.Tensor] | None = None
-    copied: torch.cuda.Event | None = None
 
 
 class DecodeGraphs:
@@ -145,7 +146,18 @@ class DecodeGraphs:
         self.device = storage.keys[0].device
         self.rows = row_buckets(max_rows)
         self.widths = width_buckets(max_width, storage.block_size)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        cuda = self.device.type == "cuda"
+        # Static inputs shared by every bucket (one replays at a time; a bucket of r rows reads the first r):
+        # token, position and context length per row, staged on the host (pinned on CUDA) and copied in one
+        # transfer; and per width bucket each row's context slots, stale past its length.
+        self._ints = torch.zeros((3, max_rows), dtype=torch.long, device=self.device)
+        host = torch.zeros((3, max_rows), dtype=torch.long)
+        self._host = host.pin_memory() if cuda else host
+        self._copied = torch.cuda.Event() if cuda else None
+        self._slots: dict[int, torch.Tensor] = {}
+        self._replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        #: Buckets that failed to capture for want of memory: they run eagerly, the others keep replaying.
+        self._eager: set[tuple[int, int]] = set()
         self._scratch = torch.tensor([storage.scratch_slot], device=self.device)
         # Every bucket's logits land in this one buffer ([max_rows, V], made by the first step): a graph's
         # own output would stay allocated for as long as the graph, one [rows, V] per bucket.
@@ -171,75 +183,86 @@ class DecodeGraphs:
         self, token_ids: Sequence[int], starts: Sequence[int], slots: Sequence[torch.Tensor]
     ) -> torch.Tensor | None:
         """``[B, V]`` logits of a decode-only step (row ``i`` feeds ``token_ids[i]`` at position ``starts[i]``
-        over context slots ``slots[i]`` ``[starts[i] + 1]``), or None when capturing failed just now."""
+        over context slots ``slots[i]`` ``[starts[i] + 1]``), or None when this step must run eagerly (its
+        bucket, or this model, failed to capture)."""
         n = len(token_ids)
         rows = bucket(self.rows, n)
         width = bucket(self.widths, max(starts) + 1)
         assert rows is not None and width is not None, "serves() was not asked first"
-        graph = self._graphs.get((rows, width))
-        if graph is None:
-            graph = self._graphs[(rows, width)] = self._buffers(rows, width)
-        self._fill(graph, token_ids, starts, slots, rows)
-        if graph.replay is None:
-            try:
-                graph.replay = self.capture(lambda: self._step(graph))
-            except Exception as exc:
-                self.disabled = (
-                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                )
-                self._graphs.clear()
-                logger.warning(
-                    "decode steps run eagerly: capturing %s's decode step as a CUDA graph failed (%s)",
-                    type(self.model).__name__,
-                    self.disabled,
-                )
+        key = (rows, width)
+        if key in self._eager:
+            return None
+        self._fill(token_ids, starts, slots, rows, width)
+        replay = self._replays.get(key)
+        if replay is None:
+            replay = self._capture(key)
+            if replay is None:
                 return None
-            self.captures += 1
-        logits = graph.replay()
+        logits = replay()
         self.replays += 1
-        # A copy: the next replay of this bucket overwrites the graph's output.
+        # A copy: the next replay overwrites the shared buffer.
         return logits[:n].clone()
 
-    def _buffers(self, rows: int, width: int) -> _Graph:
-        host = torch.zeros((3, rows), dtype=torch.long)
-        cuda = self.device.type == "cuda"
-        return _Graph(
-            ints=torch.zeros((3, rows), dtype=torch.long, device=self.device),
-            host=host.pin_memory() if cuda else host,
-            slots=torch.full((rows, width), self.storage.scratch_slot, dtype=torch.long, device=self.device),
-            copied=torch.cuda.Event() if cuda else None,
-        )
+    def _capture(self, key: tuple[int, int]) -> Callable[[], torch.Tensor] | None:
+        rows, width = key
+        if _hooked(self.model):
+            return self._disable("the model has forward hooks, which a graph would not run")
+        try:
+            replay = self.capture(lambda: self._step(rows, width))
+        except torch.OutOfMemoryError as exc:
+            # This bucket only (the largest ones need the most): the others keep their graphs.
+            self._eager.add(key)
+            logger.warning("decode steps of %d rows x %d positions run eagerly: %s", rows, width, exc)
+            return None
+        except Exception as exc:  # a forward that cannot be captured: this model runs eagerly
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return self._disable(f"capturing failed ({type(exc).__name__}: {first})")
+        self._replays[key] = replay
+        self.captures += 1
+        return replay
+
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        self._replays.clear()
+        self._slots.clear()
+        self._logits = None
+        logger.warning("decode steps of %s run eagerly from now on: %s", type(self.model).__name__, why)
+        return None
 
     def _fill(
         self,
-        graph: _Graph,
         token_ids: Sequence[int],
         starts: Sequence[int],
         slots: Sequence[torch.Tensor],
         rows: int,
+        width: int,
     ) -> None:
         n = len(token_ids)
         pad = rows - n
-        if graph.copied is not None:
+        if self._copied is not None:
             # The previous step's copy out of the pinned buffer must be done before it is overwritten.
-            graph.copied.synchronize()
+            self._copied.synchronize()
         # Padding rows: token 0 at position 0, one slot of context (the scratch slot).
-        graph.host.copy_(
+        self._host[:, :rows].copy_(
             torch.tensor(
                 [[*token_ids, *[0] * pad], [*starts, *[0] * pad], [s + 1 for s in starts] + [1] * pad]
             )
         )
-        graph.ints.copy_(graph.host, non_blocking=True)
-        if graph.copied is not None:
-            graph.copied.record()
+        self._ints[:, :rows].copy_(self._host[:, :rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+        table = self._slots.get(width)
+        if table is None:
+            table = self._slots[width] = torch.full(
+                (self.rows[-1], width), self.storage.scratch_slot, dtype=torch.long, device=self.device
+            )
         padded = pad_sequence([*slots, *[self._scratch] * pad], batch_first=True)  # [rows, longest]
-        graph.slots[:, : padded.shape[1]].copy_(padded)
+        table[:rows, : padded.shape[1]].copy_(padded)
 
-    def _step(self, graph: _Graph) -> torch.Tensor:
-        """The captured step: ``[rows, V]`` logits from ``graph``'s static inputs."""
-        ids, positions, lengths = graph.ints[0], graph.ints[1], graph.ints[2]
-        slots = graph.slots
-        width = slots.shape[1]
+    def _step(self, rows: int, width: int) -> torch.Tensor:
+        """The captured step: ``[rows, V]`` logits from the static inputs of bucket ``(rows, width)``."""
+        ids, positions, lengths = self._ints[0, :rows], self._ints[1, :rows], self._ints[2, :rows]
+        slots = self._slots[width][:rows]
         tables = {}
         if self.kernel is not None:
             tables = {
@@ -271,6 +294,15 @@ class DecodeGraphs:
         logits = out.logits[0]  # [rows, V]
         if self._logits is None:
             self._logits = logits.new_empty((self.rows[-1], logits.shape[-1]))
-        rows = logits.shape[0]
         self._logits[:rows].copy_(logits)
         return self._logits[:rows]
+
+
+def _hooked(model: torch.nn.Module) -> bool:
+    """Whether running ``model`` runs Python hooks a replay would skip (forward hooks, accelerate's
+    dispatch hooks): state they keep or work they do (moving offloaded weights) would be frozen."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
