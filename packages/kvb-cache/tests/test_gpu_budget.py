@@ -12,6 +12,7 @@ from kvb_cache import ConfigError, EngineArgs, KVBoost
 from kvb_cache.core import paged_attention
 from kvb_cache.core.kv_storage import probe_layer_shapes
 from kvb_cache.gpu_budget import (
+    CAPTURE_STREAM_WORKSPACES,
     DeviceMemory,
     blocks_for_utilization,
     check_utilization,
@@ -105,9 +106,9 @@ def test_captured_decode_graphs_come_out_of_the_pool(llama) -> None:
     vocab = llama.get_output_embeddings().weight.shape[0]
     element = shapes[0].dtype.itemsize
     gathered = 2 * 4 * 256 * shapes[0].kv_heads * shapes[0].key_dim * element
-    assert small == gathered + 4 * vocab * 4 + 4 * (2 * 256 + 3) * 8
+    assert small == gathered + 4 * vocab * 4 + 4 * (2 * 256 + 3) * 8 + CAPTURE_STREAM_WORKSPACES
     assert decode_graph_bytes(llama, shapes, rows=4, context=256, step_peak=1000) == small + 1000
-    assert decode_graph_bytes(llama, shapes, rows=32, context=8192, step_peak=0) > 8 * small
+    assert decode_graph_bytes(llama, shapes, rows=32, context=8192, step_peak=0) > small + (8 << 20)
 
 
 def test_blocks_follow_the_measured_memory() -> None:

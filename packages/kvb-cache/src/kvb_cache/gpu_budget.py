@@ -269,6 +269,11 @@ def apply_utilization(
     return replace(config, num_blocks=blocks)
 
 
+#: cuBLAS and cuBLASLt keep a workspace per stream, allocated through torch's caching allocator (32 MiB each
+#: on Hopper by default): the capture stream gets its own pair.
+CAPTURE_STREAM_WORKSPACES = 64 << 20
+
+
 def decode_graph_bytes(
     model: PreTrainedModel, shapes: Sequence[LayerShape], *, rows: int, context: int, step_peak: int
 ) -> int:
@@ -276,7 +281,7 @@ def decode_graph_bytes(
     pool, at most one decode step of ``rows`` rows (``step_peak``, profiled) and its gathered keys/values on
     the SDPA path (at most ``DECODE_GATHER_TOKENS`` positions); the ``[rows, V]`` logits buffer; the static
     inputs (token/position/length ``[3, rows]`` and, per width bucket ``w``, slots ``[rows, w]`` int64: the
-    widths add up to under ``2 * context``)."""
+    widths add up to under ``2 * context``); the capture stream's cuBLAS workspaces."""
     from kvb_cache.core.paged_attention import DECODE_GATHER_TOKENS
 
     element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
@@ -288,4 +293,4 @@ def decode_graph_bytes(
     vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
     logits = rows * vocab * 4  # fp32 at most
     static = rows * (2 * context + 3) * 8
-    return step_peak + gathered + logits + static
+    return step_peak + gathered + logits + static + CAPTURE_STREAM_WORKSPACES
