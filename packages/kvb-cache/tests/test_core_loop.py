@@ -706,3 +706,31 @@ def test_the_oldest_waiting_request_is_admitted_after_a_bounded_number_of_bypass
     else:
         pytest.fail("the request without a cached prefix was never served")
     assert finished_before_x <= MAX_BYPASS + 2  # the two running when it arrived, then at most MAX_BYPASS
+
+
+def test_a_prefill_mask_is_built_once_per_step(tokenizer, monkeypatch):
+    """A prefill slice over a cached prefix attends through a position mask; built in one block it is the
+    same in every layer, so the first layer builds it and the others reuse it (per step, per window). When
+    the step's prefills together would hold more than one block's bound, every layer rebuilds its own."""
+    from kvb_cache.core import paged_attention
+
+    model = make_model("mistral")  # sliding and global layers: one mask per window
+    built = []
+    original = paged_attention.causal_mask
+
+    def counted(q_len, ctx, window, device, chunk=None):
+        built.append((q_len, ctx, window))
+        return original(q_len, ctx, window, device, chunk)
+
+    monkeypatch.setattr(paged_attention, "causal_mask", counted)
+    engine = KVBoost(model, tokenizer, config=EngineConfig(block_size=8))
+    shared = words(40, seed=3)
+    engine.generate(shared, max_new_tokens=1, ignore_eos=True)
+    built.clear()
+    engine.generate(shared + " " + words(12, seed=4), max_new_tokens=1, ignore_eos=True)
+    layers = model.config.num_hidden_layers
+    assert built and len(built) == len(set(built)) < layers * len(set(built))  # once, not once per layer
+    monkeypatch.setattr(paged_attention, "PREFILL_MASK_ELEMENTS", 64)  # now several blocks per slice
+    built.clear()
+    engine.generate(shared + " " + words(12, seed=5), max_new_tokens=1, ignore_eos=True)
+    assert len(built) > len(set(built))  # rebuilt in every layer

@@ -62,6 +62,9 @@ class PrefillSeq:
     #: ``[1, P]`` int32 blocks of ``slots`` and ``[1]`` int32 ``ctx``: set when a pool kernel attends.
     block_table: torch.Tensor | None = None
     kv_len: torch.Tensor | None = None
+    #: The position mask of a slice attended in one block, built by the first layer that needs it and reused
+    #: by the others, keyed by (query groups, sliding window, attention chunk): ``[1, 1, G * q, ctx]`` bool.
+    masks: dict[tuple[int, int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,10 +210,14 @@ def paged_attention_forward(
             )
             return o.unsqueeze(0), None
     out = query.new_empty((query.shape[2], heads, value.shape[-1]))  # [T, H, Dv]
+    # Prefill masks are kept for the step's other layers only while all of them together stay within one
+    # block's bound (PREFILL_MASK_ELEMENTS, what the GPU budget charges); beyond it every layer rebuilds.
+    groups = heads // keys.shape[0]
+    keep = groups * sum(p.q_len * p.slots.shape[0] for p in batch.prefills) <= PREFILL_MASK_ELEMENTS
     for seq in batch.prefills:
         # In a function of its own so that its gathered context and masks are freed before the decoding
         # rows gather theirs (they held on as loop variables, and the two peaks added up).
-        _prefill_rows(seq, query, keys, values, out, sliding_window, chunk, scaling, softcap, s_aux)
+        _prefill_rows(seq, query, keys, values, out, sliding_window, chunk, scaling, softcap, s_aux, keep)
     if group is not None:
         rows_n, width = group.slots.shape
         # Decoding rows gather their context padded to the longest one; in sub-batches of at most
@@ -304,9 +311,11 @@ def _prefill_rows(
     scaling: float | None,
     softcap: float | None,
     s_aux: torch.Tensor | None,
+    keep_mask: bool = False,
 ) -> None:
     """Attention of one prefilling request's ``q_len`` new rows over its whole context, written into
-    ``out`` ``[T, H, Dv]`` at the request's packed offsets."""
+    ``out`` ``[T, H, Dv]`` at the request's packed offsets. ``keep_mask``: a mask built in one block is kept
+    in ``seq.masks`` for the step's other layers."""
     heads, kv_heads = query.shape[1], keys.shape[0]
     groups = heads // kv_heads
     q_len, ctx = seq.q_len, seq.slots.shape[0]
@@ -322,17 +331,26 @@ def _prefill_rows(
     # PREFILL_MASK_ELEMENTS, so a long slice over a long context does not hold one of G * q * ctx (SDPA
     # also makes a float copy of it); each block attends the keys up to its own last position.
     block = prefill_block_rows(groups, ctx)
+    # One block (the usual case): its mask is the same in every layer of this window, built once per step.
+    # Several blocks are built one at a time in every layer instead, holding one at once (bounded memory).
+    cached = (groups, sliding_window, chunk) if keep_mask and block >= q_len else None
     for first in range(0, q_len, block):
         last = min(first + block, q_len)
         seen = ctx - q_len + last
         q = group_queries(query[:, :, seq.start + first : seq.start + last], kv_heads)  # [1, KVH, G*b, D]
-        mask = causal_mask(last - first, seen, sliding_window, q.device, chunk).repeat(groups, 1)
+        mask = seq.masks.get(cached) if cached is not None else None
+        if mask is None:
+            mask = causal_mask(last - first, seen, sliding_window, q.device, chunk).repeat(groups, 1)[
+                None, None
+            ]
+            if cached is not None:
+                seq.masks[cached] = mask
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, last - first)
         o = attend(
             q,
             k[:, :, :seen],
             v[:, :, :seen],
-            mask[None, None],
+            mask,
             scaling=scaling,
             softcap=softcap,
             sinks=sinks,
