@@ -117,6 +117,7 @@ def environment(args: argparse.Namespace, venv: Path, specs: dict[str, ServerSpe
             name: torch_threads_seen(s.python, args.threads) for name, s in specs.items()
         },
         "library_torch_threads": 1,
+        "server_argv": {name: list(s.argv) for name, s in specs.items()},
     }
 
 
@@ -176,6 +177,14 @@ def main() -> None:
         "--model-path", default=None, help="model folder for both servers (default: the embedded SmolLM2)"
     )
     p.add_argument(
+        "--kvboost-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more kvboost-server flag, repeatable (--kvboost-flag=--enforce-eager, "
+        "--kvboost-flag=--max-num-seqs=64)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 1 and 2 sessions, 2 turns, 4 library prompts, output under the temp folder",
@@ -204,7 +213,9 @@ def main() -> None:
         args.transformers_venv or cache_root() / "bench-venvs" / f"transformers-{TRANSFORMERS_VERSION[:4]}"
     )
     specs = {
-        "kvboost": kvboost_spec(model_path, device=args.device, dtype=args.dtype),
+        "kvboost": kvboost_spec(
+            model_path, device=args.device, dtype=args.dtype, extra=tuple(args.kvboost_flag)
+        ),
         "transformers": transformers_spec(
             venv, model_path, cb_max_memory_percent=args.peer_cb_memory, device=args.device, dtype=args.dtype
         ),

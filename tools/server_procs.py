@@ -65,9 +65,15 @@ def server_env(threads: int) -> dict[str, str]:
     }
 
 
-def kvboost_spec(model_path: str, *, device: str | None = None, dtype: str | None = None) -> ServerSpec:
+def kvboost_spec(
+    model_path: str,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> ServerSpec:
     """``python -m kvb_server`` (the ``kvboost-server`` entry point) of this interpreter's environment;
-    ``device`` / ``dtype`` unset leave the server's defaults."""
+    ``device`` / ``dtype`` unset leave the server's defaults; ``extra``: more of its flags, as given."""
     argv = (
         sys.executable,
         "-m",
@@ -80,6 +86,7 @@ def kvboost_spec(model_path: str, *, device: str | None = None, dtype: str | Non
         "warning",
         *(("--device", device) if device else ()),
         *(("--dtype", dtype) if dtype else ()),
+        *extra,
     )
     return ServerSpec(name="kvboost", argv=argv, model_field=model_path, python=sys.executable)
 
