@@ -43,8 +43,9 @@ def test_a_prefills_gathered_context_is_freed_before_the_decoding_rows_gather(
     arch, tokenizer, monkeypatch
 ) -> None:
     """The step bound charges max(prefill gather, decode gather), not their sum: in a step that prefills one
-    request while another decodes, every tensor the prefill's attention gathered from the pool (its context,
-    its masks) must be gone when the decoding rows gather theirs."""
+    request while another decodes, every tensor the prefill's attention gathered from the pool (its context)
+    must be gone when the decoding rows gather theirs. Its position mask may stay (kept for the step's other
+    layers), within one block's bound: the budget charges a mask beside the gather."""
     from conftest import words
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -54,15 +55,16 @@ def test_a_prefills_gathered_context_is_freed_before_the_decoding_rows_gather(
     # Storage-level weak references: the engine runs in inference mode, where a view does not keep its base's
     # Python object, only its storage, alive.
     prefill_refs: list[StorageWeakRef] = []
+    mask_refs: list[tuple[StorageWeakRef, int]] = []
     checked: list[int] = []
     in_prefill = [False]
     original_attend, original_prefill, original_decode = pa.attend, pa._prefill_rows, pa._decode_rows
 
     def recording_attend(q, k, v, mask, **kwargs):
         if in_prefill[0]:
-            for t in (k, v, mask):
-                if t is not None:
-                    prefill_refs.append(StorageWeakRef(t.untyped_storage()))
+            prefill_refs.extend(StorageWeakRef(t.untyped_storage()) for t in (k, v))
+            if mask is not None:
+                mask_refs.append((StorageWeakRef(mask.untyped_storage()), mask.numel()))
         return original_attend(q, k, v, mask, **kwargs)
 
     def prefill(*args, **kwargs):
@@ -75,6 +77,8 @@ def test_a_prefills_gathered_context_is_freed_before_the_decoding_rows_gather(
     def decode(*args, **kwargs):
         alive = [ref for ref in prefill_refs if not ref.expired()]
         assert not alive, f"{len(alive)} tensors of this step's prefill attention are still referenced"
+        kept = sum(n for ref, n in mask_refs if not ref.expired())
+        assert kept <= pa.PREFILL_MASK_ELEMENTS
         checked.append(len(prefill_refs))
         return original_decode(*args, **kwargs)
 
@@ -88,5 +92,6 @@ def test_a_prefills_gathered_context_is_freed_before_the_decoding_rows_gather(
     engine.step()  # the first request's whole prompt and its first token
     engine.add_request(words(80, seed=3), params)
     prefill_refs.clear()
+    mask_refs.clear()
     engine.step()  # the second request prefills while the first decodes, on every layer
     assert checked and all(n > 0 for n in checked)  # the check ran after a prefill, so it could fail
