@@ -350,7 +350,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             "chunk_size": self.config.chunk_size,
             # What the loop attends with, resolved from ``attention_backend`` (``auto`` names neither).
             "attention_backend": "sdpa" if self.core.runner.kernel is None else "kvb_kernels",
-            "cuda_graphs": self._graph_stats(),
+            # None when every step runs eagerly (enforce_eager, or not on CUDA).
+            "cuda_graphs": None if self.core.runner.graphs is None else self.core.runner.graphs.stats(),
             **self.counters.as_dict(),
             "paged": paged.as_dict(),
             "stitching": {**self.stitcher.stats(), "idle": self.idle_stats()},
@@ -374,14 +375,6 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             k[:, : storage.block_size].nbytes + v[:, : storage.block_size].nbytes
             for k, v in zip(storage.keys, storage.values)
         )
-
-    def _graph_stats(self) -> dict[str, Any] | None:
-        """Decode steps replayed from CUDA graphs; None when every step runs eagerly (``enforce_eager``, or
-        not on CUDA). ``disabled``: why capturing failed (the steps then ran eagerly)."""
-        graphs = self.core.runner.graphs
-        if graphs is None:
-            return None
-        return {"captures": graphs.captures, "replays": graphs.replays, "disabled": graphs.disabled}
 
     @property
     def _logits_width(self) -> int:

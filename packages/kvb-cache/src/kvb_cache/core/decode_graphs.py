@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, no_mask, paged_call
-from kvb_cache.core.pool_kernel import PoolKernel, block_table
+from kvb_cache.core.pool_kernel import PoolKernel
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,10 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
 
+    def stats(self) -> dict[str, int | str | None]:
+        """Graphs captured, steps replayed, and why capturing failed (None while graphs work)."""
+        return {"captures": self.captures, "replays": self.replays, "disabled": self.disabled}
+
     def serves(self, token_counts: Sequence[int], starts: Sequence[int], samples: Sequence[bool]) -> bool:
         """Whether a step of these rows is decode-only and fits a bucket."""
         return (
@@ -276,20 +280,8 @@ class DecodeGraphs:
         """The captured step: ``[rows, V]`` logits from the static inputs of bucket ``(rows, width)``."""
         ids, positions, lengths = self._ints[0, :rows], self._ints[1, :rows], self._ints[2, :rows]
         slots = self._slots[width][:rows]
-        tables = {}
-        if self.kernel is not None:
-            tables = {
-                "block_table": block_table(slots, self.storage.block_size),
-                "kv_lens": lengths.to(torch.int32),
-            }
-        group = DecodeGroup(
-            rows=None,
-            row_start=0,
-            slots=slots,
-            valid=torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1),
-            lengths=lengths,
-            **tables,
-        )
+        block_size = None if self.kernel is None else self.storage.block_size
+        group = DecodeGroup.padded(slots, lengths, block_size=block_size, row_start=0)
         batch = PagedBatch(
             storage=self.storage,
             slot_mapping=slots.gather(1, positions.unsqueeze(1)).squeeze(1),

@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvb_cache.core.attend import attend, causal_mask, group_queries, sink_column
 from kvb_cache.core.attention_routing import record_layer
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.pool_kernel import KERNEL_MAX_HEAD_DIM, PoolKernel, pages
+from kvb_cache.core.pool_kernel import KERNEL_MAX_HEAD_DIM, PoolKernel, block_table, pages
 
 NAME = "kvb_paged"
 #: Most context positions decoding rows gather from the pool at once (rows x padded width), per layer.
@@ -86,6 +86,25 @@ class DecodeGroup:
     #: Position masks built by the first layer that needs one and reused by every other layer of the step,
     #: keyed by (row range, sliding window, attention chunk): ``[b, 1, 1, L]`` bool.
     masks: dict[tuple[int, int, int | None, int | None], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def padded(
+        cls,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        block_size: int | None,
+        rows: torch.Tensor | None = None,
+        row_start: int | None = None,
+    ) -> DecodeGroup:
+        """The group of rows whose context slots are ``slots`` ``[B, L]`` (padded past each row's length)
+        and ``lengths`` ``[B]``; ``block_size`` set: with the block tables a pool kernel reads (built once
+        per step, read by every layer)."""
+        tables = {}
+        if block_size is not None:
+            tables = {"block_table": block_table(slots, block_size), "kv_lens": lengths.to(torch.int32)}
+        valid = torch.arange(slots.shape[1], device=slots.device).unsqueeze(0) < lengths.unsqueeze(1)
+        return cls(rows=rows, slots=slots, valid=valid, lengths=lengths, row_start=row_start, **tables)
 
     def rows_at(self, part: slice) -> slice | torch.Tensor:
         """The packed rows of ``part`` of this group: a slice when they are contiguous, else ``[b]`` indices."""

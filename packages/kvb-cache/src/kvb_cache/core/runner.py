@@ -110,28 +110,18 @@ class ModelRunner:
         return logits if self.logits_to_keep else logits[kept]
 
     def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup:
-        # Lengths and the padded width from the host's own numbers: reading them back from the device
-        # would be a host sync per step (the GPU drained before the step's first layer is queued).
-        lens = [s.shape[0] for s in slots]
-        width = max(lens)
-        lengths = torch.tensor(lens, device=self.device)
+        # Lengths from the host's own numbers: reading them back from the device would be a host sync per
+        # step (the GPU drained before the step's first layer is queued).
+        lengths = torch.tensor([s.shape[0] for s in slots], device=self.device)
         padded = pad_sequence(slots, batch_first=True)  # [B, width], slot 0 on pads
-        valid = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
-        tables = {}
-        if self.kernel is not None:  # built once per step, read by every layer
-            tables = {
-                "block_table": block_table(padded, self.storage.block_size),
-                "kv_lens": lengths.to(torch.int32),
-            }
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return DecodeGroup(
+        return DecodeGroup.padded(
+            padded,
+            lengths,
+            block_size=None if self.kernel is None else self.storage.block_size,
             # Uploaded only when read (a blocking host-to-device copy on CUDA): contiguous rows are a slice.
             rows=None if contiguous else torch.tensor(rows, device=self.device),
-            slots=padded,
-            valid=valid,
-            lengths=lengths,
             row_start=rows[0] if contiguous else None,
-            **tables,
         )
 
     def _prefill_seq(self, start: int, q_len: int, slots: torch.Tensor) -> PrefillSeq:

@@ -68,13 +68,14 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         return scores
     idx = torch.tensor(sampled, device=device)
     sub = scores[idx]
-    temps = torch.tensor([requests[i].params.temperature for i in sampled], device=device, dtype=sub.dtype)
-    sub = sub / temps.unsqueeze(1)
-    min_p = torch.tensor([requests[i].params.min_p for i in sampled], device=device, dtype=sub.dtype)
     params = [requests[i].params for i in sampled]
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=sub.dtype)
+    sub = sub / temps.unsqueeze(1)
     # Which filters run is read from the requests' own numbers: a .any() of the device tensors would be a
-    # host sync each on CUDA (the results agree: a value the float32 copy rounds to off filters nothing).
+    # host sync each on CUDA (the results agree: a value the float32 copy rounds to off filters nothing);
+    # each filter's per-row tensor is uploaded only when it runs.
     if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=sub.dtype)
         # transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the top one's
         # (the top token always stays). Before top-k / top-p, as vLLM's sampler applies it (transformers'
         # order puts it after top-p: top-p then cut the nucleus of the unfiltered distribution, and a model
@@ -82,15 +83,15 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         probs = sub.softmax(dim=-1)
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         sub = sub.masked_fill(probs < threshold, -float("inf"))
-    top_k = torch.tensor([requests[i].params.top_k for i in sampled], device=device)
-    top_p = torch.tensor([requests[i].params.top_p for i in sampled], device=device, dtype=sub.dtype)
     if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
         k = top_k.clamp(min=1, max=vocab)
         kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         sub = torch.where((top_k > 0).unsqueeze(1) & (sub < kth), torch.full_like(sub, -float("inf")), sub)
     if any(p.top_p < 1 for p in params):
         # transformers' TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass <= 1 - top_p,
         # always keeping the most likely one.
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=sub.dtype)
         ordered, order = torch.sort(sub, dim=-1, descending=False)
         cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative <= (1 - top_p).unsqueeze(1)
