@@ -181,8 +181,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         "1",
         "--distributed-executor-backend",
         "uni",
-        "--kv-cache-dtype",
-        "auto",
         "--cpu-offload-gb",
         "0",
     ]
@@ -194,7 +192,6 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
         "--tool-call-parser",
         "--trust-remote-code",
         "--tensor-parallel-size",
-        "--kv-cache-dtype",
     ):
         assert f"{flag} (a vLLM flag) changes nothing here" in caplog.text
 
@@ -210,7 +207,7 @@ def test_a_vllm_tool_calling_command_line_starts(caplog) -> None:
             ["-tp", "2"],
             "--tensor-parallel-size 2 (a vLLM flag) is not supported: one engine runs on one device",
         ),
-        (["--kv-cache-dtype", "fp8"], "holds KV in the model's --dtype"),
+        (["--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
         (["--cpu-offload-gb", "4"], "--awq-streaming"),
         (["-q", "awq"], "--quantization (a vLLM flag) is not supported: AWQ int4 checkpoints load with"),
     ],
@@ -289,6 +286,17 @@ def test_scheduling_policy_is_vllms_flag_and_reaches_the_engine() -> None:
     assert build_parser().parse_args(["--model", "m"]).scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "m", "--scheduling-policy", "lifo"])
+
+
+def test_kv_cache_dtype_is_vllms_flag_and_reaches_the_engine_config() -> None:
+    """--kv-cache-dtype was refused except for ``auto``; the pool holds KV in that precision now."""
+    from kvb_cache import EngineArgs
+
+    for value in ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        args = build_parser().parse_args(["--model", "m", "--kv-cache-dtype", value])
+        engine_args = EngineArgs(**{f: getattr(args, f) for f in ("kv_cache_dtype",)})
+        assert engine_args.engine_config().kv_cache_dtype == value
+    assert build_parser().parse_args(["--model", "m"]).kv_cache_dtype == "auto"
 
 
 def test_enforce_eager_is_vllms_flag_and_reaches_the_engine_config() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvb_cache.core.kv_dtype import check_kv_cache_dtype
 from kvb_cache.core.pool_kernel import check_backend
 from kvb_cache.errors import ConfigError
 from kvb_cache.stitch_config import StitchConfig
@@ -62,6 +63,11 @@ class EngineConfig:
             live KV instead.
         kv_group_size: quantization group of ``kv_cache_bits`` 8/4 (tokens per key group, channels per value
             group).
+        kv_cache_dtype: precision the paged pool holds KV in (vLLM's ``kv_cache_dtype``): ``"auto"`` (the
+            model's), ``"bfloat16"``, ``"float16"``, ``"fp8"`` (= ``"fp8_e4m3"``) or ``"fp8_e5m2"``
+            (:mod:`kvb_cache.core.kv_dtype`). Every request attends its KV in that precision, its own prompt
+            included, so exact prefix reuse equals the same engine without reuse; against KV as computed it
+            is approximate (docs/kv_cache_dtype.md).
         tiers: disk and Redis tiers below RAM (:class:`kvb_cache.tiers.TierConfig`); None: RAM only.
         block_size: tokens per KV block of the paged pool (the unit of prefix sharing between requests).
         num_blocks: blocks in the pool; None derives it from ``max_cache_bytes`` (the pool *is* the RAM
@@ -91,6 +97,7 @@ class EngineConfig:
     stitching: StitchConfig | None = None
     kv_cache_bits: int = 16
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    kv_cache_dtype: str = "auto"
     tiers: TierConfig | None = None
     block_size: int = 16
     num_blocks: int | None = None
@@ -108,6 +115,7 @@ class EngineConfig:
             size = DEFAULT_CHUNK_SIZE if self.stitching is None else STITCHING_CHUNK_SIZE
             object.__setattr__(self, "chunk_size", size)
         check_backend(self.attention_backend)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -171,6 +171,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         attn_implementation: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,
@@ -208,6 +209,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
                 (kvb-kernels' Triton kernel reads the blocks in place; CUDA), ``"sdpa"`` (gather + SDPA) or
                 ``"auto"`` (the kernel on CUDA when installed).
             enforce_eager: no CUDA graphs (vLLM's); by default decode-only steps on CUDA replay captured graphs.
+            kv_cache_dtype: precision the block pool holds KV in (vLLM's): ``"auto"`` (the model's),
+                ``"bfloat16"``, ``"float16"``, ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"``.
             max_model_len: most prompt + generated tokens per request, below the model's context (vLLM's);
                 None: the model's context.
             tokenizer: the tokenizer's folder or cached hub id when it is not the model's (vLLM's).
@@ -350,6 +353,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             "chunk_size": self.config.chunk_size,
             # What the loop attends with, resolved from ``attention_backend`` (``auto`` names neither).
             "attention_backend": "sdpa" if self.core.runner.kernel is None else "kvb_kernels",
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             # None when every step runs eagerly (enforce_eager, or not on CUDA).
             "cuda_graphs": None if self.core.runner.graphs is None else self.core.runner.graphs.stats(),
             **self.counters.as_dict(),

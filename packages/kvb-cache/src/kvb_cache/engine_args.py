@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, get_args
 
 from kvb_cache.config import DEFAULT_MAX_CACHE_BYTES, SCHEDULING_POLICIES, EngineConfig
+from kvb_cache.core.kv_dtype import KV_CACHE_DTYPES
 from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
@@ -154,11 +155,19 @@ class EngineArgs:
         group="cache",
         choices=(16, 8, 4),
         help="precision of cached blocks in the disk/Redis tiers: 16 exact, 8/4 KIVI-quantized (more blocks "
-        "per byte, approximate reuse), so 8/4 need --disk-cache-dir or --remote-url; the RAM block pool always "
-        "holds KV as computed",
+        "per byte, approximate reuse), so 8/4 need --disk-cache-dir or --remote-url (the RAM block pool's "
+        "precision is --kv-cache-dtype)",
     )
     kv_group_size: int = option(
         32, group="cache", help="quantization group of --kv-cache-bits 8/4 (only with them)"
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        group="cache",
+        choices=KV_CACHE_DTYPES,
+        help="precision the paged block pool holds KV in (vLLM's): auto keeps the model's dtype; bfloat16 / "
+        "float16 halve an fp32 model's pool; fp8 (= fp8_e4m3) / fp8_e5m2 halve a 16-bit model's and quarter an "
+        "fp32 one's (scale 1.0, saturating). More tokens per byte, approximate KV (docs/kv_cache_dtype.md)",
     )
     block_size: int = option(
         16,
@@ -380,5 +389,6 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            kv_cache_dtype=self.kv_cache_dtype,
             scheduling_policy=self.scheduling_policy,
         )

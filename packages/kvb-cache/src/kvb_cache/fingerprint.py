@@ -136,4 +136,8 @@ def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: st
         "dtype": str(model.dtype),
         "codec": codec,
     }
+    if config.kv_cache_dtype != "auto":
+        # KV rounded to the pool's precision is not the model's: no record or prefix key in common. (Left out
+        # for "auto", so the records written before the option existed keep their keys.)
+        payload["kv_cache_dtype"] = config.kv_cache_dtype
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

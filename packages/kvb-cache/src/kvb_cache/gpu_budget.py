@@ -157,8 +157,28 @@ def profile_step_peak(model: PreTrainedModel, tokens: int, rows: int = 1) -> int
     return max(0, peak)
 
 
+def gathered_element_bytes(shapes: Sequence[LayerShape], kv_cache_dtype: str = "auto") -> int:
+    """Bytes per gathered key/value element: the model's dtype, plus the pool's narrower copy it is converted
+    from when ``kv_cache_dtype`` holds the pool in another dtype (both are alive during the conversion)."""
+    from kvb_cache.core.kv_dtype import pool_dtype
+
+    def size(dtype: torch.dtype) -> int:
+        return torch.empty((), dtype=dtype).element_size()
+
+    def element(shape: LayerShape) -> int:
+        pool = pool_dtype(kv_cache_dtype, shape.dtype)
+        return size(shape.dtype) + (0 if pool == shape.dtype else size(pool))
+
+    return max(element(s) for s in shapes)
+
+
 def loop_attention_bytes(
-    model: PreTrainedModel, shapes: Sequence[LayerShape], *, step_tokens: int, context: int
+    model: PreTrainedModel,
+    shapes: Sequence[LayerShape],
+    *,
+    step_tokens: int,
+    context: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes the engine loop's attention holds at once in one layer beyond a plain forward's: gathered keys
     and values (:func:`~kvb_cache.core.paged_attention.gather_bytes`); a prefill block's ``[G * rows, ctx]``
@@ -171,7 +191,8 @@ def loop_attention_bytes(
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
-    gathered = max(gather_bytes(context, s.kv_heads, max(s.key_dim, s.value_dim), element) for s in shapes)
+    moved = gathered_element_bytes(shapes, kv_cache_dtype)
+    gathered = max(gather_bytes(context, s.kv_heads, max(s.key_dim, s.value_dim), moved) for s in shapes)
     kv_heads = min(s.kv_heads for s in shapes)
     groups = heads // kv_heads
     rows = min(step_tokens, context, prefill_block_rows(groups, context))
@@ -246,7 +267,7 @@ def apply_utilization(
     from kvb_cache.model_traits import cap_context, inspect_model
 
     shapes = probe_layer_shapes(model)
-    block_bytes = bytes_per_block(shapes, config.block_size)
+    block_bytes = bytes_per_block(shapes, config.block_size, config.kv_cache_dtype)
     step = config.max_num_batched_tokens
     context = cap_context(inspect_model(model), config.max_model_len).context_length or step
     blocks = blocks_for_utilization(
@@ -255,7 +276,9 @@ def apply_utilization(
         block_bytes=block_bytes,
         step_tokens=step,
         sample_rows=config.max_num_seqs,
-        loop_attention=loop_attention_bytes(model, shapes, step_tokens=step, context=context),
+        loop_attention=loop_attention_bytes(
+            model, shapes, step_tokens=step, context=context, kv_cache_dtype=config.kv_cache_dtype
+        ),
         graphs=0
         if config.enforce_eager
         else decode_graph_bytes(
@@ -263,6 +286,7 @@ def apply_utilization(
             shapes,
             rows=config.max_num_seqs,
             context=context,
+            kv_cache_dtype=config.kv_cache_dtype,
             step_peak=profile_step_peak(model, config.max_num_seqs, config.max_num_seqs),
         ),
     )
@@ -275,7 +299,13 @@ CAPTURE_STREAM_WORKSPACES = 64 << 20
 
 
 def decode_graph_bytes(
-    model: PreTrainedModel, shapes: Sequence[LayerShape], *, rows: int, context: int, step_peak: int
+    model: PreTrainedModel,
+    shapes: Sequence[LayerShape],
+    *,
+    rows: int,
+    context: int,
+    step_peak: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes captured decode steps (:mod:`kvb_cache.core.decode_graphs`) hold for good: their shared graph
     pool, at most one decode step of ``rows`` rows (``step_peak``, profiled) and its gathered keys/values on
@@ -284,7 +314,7 @@ def decode_graph_bytes(
     widths add up to under ``2 * context``); the capture stream's cuBLAS workspaces."""
     from kvb_cache.core.paged_attention import DECODE_GATHER_TOKENS
 
-    element = max(torch.empty((), dtype=s.dtype).element_size() for s in shapes)
+    element = gathered_element_bytes(shapes, kv_cache_dtype)
     gathered = max(
         2 * min(DECODE_GATHER_TOKENS, rows * context) * s.kv_heads * max(s.key_dim, s.value_dim) * element
         for s in shapes

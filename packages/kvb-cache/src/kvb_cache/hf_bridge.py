@@ -244,7 +244,7 @@ class HFCacheBridge:
                 param="cache",
             )
         out = []
-        for i, (layer, pool_k) in enumerate(zip(layers, storage.keys)):
+        for i, (layer, pool_k, shape) in enumerate(zip(layers, storage.keys, storage.shapes)):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
                 raise InvalidRequestError(
@@ -271,9 +271,9 @@ class HFCacheBridge:
                     f"{pool_k.shape[0]} of {pool_k.shape[2]}; pass a cache this model filled",
                     param="cache",
                 )
-            if keys.dtype != pool_k.dtype:
+            if keys.dtype != shape.dtype:
                 raise InvalidRequestError(
-                    f"cache dtype {keys.dtype} differs from the model's KV dtype {pool_k.dtype}; exact hits "
+                    f"cache dtype {keys.dtype} differs from the model's KV dtype {shape.dtype}; exact hits "
                     "need KV computed in the model's own dtype",
                     param="cache",
                 )

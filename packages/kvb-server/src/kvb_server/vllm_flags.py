@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 #: flag -> why it is refused and what to use instead (one line each; docs/server.md lists them too).
 REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--no-enable-prefix-caching": "use --max-cache-bytes 0 to disable prefix reuse",
-    "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV quantization of "
-    "the disk/Redis tiers is --kv-cache-bits",
+    "--quantization": "AWQ int4 checkpoints load with --awq-streaming (kvboost serve); KV is held in fp8 with "
+    "--kv-cache-dtype fp8, and quantized in the disk/Redis tiers with --kv-cache-bits",
     "--swap-space": "there is no CPU swap space: a preempted request is recomputed (its prefix usually "
     "still cached)",
     "--revision": "nothing is downloaded: --model is a local folder or a hub id already in the local "
@@ -73,11 +73,6 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "--pipeline-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
     "--data-parallel-size": ("one engine runs on one device; start one server per GPU", ("1",)),
     "--distributed-executor-backend": ("one engine runs on one device, in this process", ("mp", "uni")),
-    "--kv-cache-dtype": (
-        "the block pool holds KV in the model's --dtype (a request's kv_cache_bits 8/4 quantizes its live KV; "
-        "--kv-cache-bits 8/4 the disk/Redis tiers)",
-        ("auto",),
-    ),
     "--cpu-offload-gb": (
         "weights are not offloaded (AWQ checkpoints larger than the GPU stream from host memory with "
         "--awq-streaming under kvboost serve)",

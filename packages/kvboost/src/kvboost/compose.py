@@ -54,6 +54,7 @@ class KVBoost(_Engine):
         attn_implementation: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,

@@ -16,10 +16,10 @@ from kvb_cache.core.decode_graphs import Capture, DecodeGraphs, cuda_capture
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.kv_storage import KVStorage, bytes_per_block, probe_layer_shapes
 from kvb_cache.core.paged_attention import install_paged_attention
-from kvb_cache.core.pool_kernel import resolve_backend
+from kvb_cache.core.pool_kernel import PoolKernel, resolve_backend
 from kvb_cache.core.runner import ModelRunner
 from kvb_cache.core.scheduler import Scheduler
-from kvb_cache.errors import UnsupportedModelError
+from kvb_cache.errors import ConfigError, UnsupportedModelError
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.kv_sharing import shared_map
 from kvb_cache.model_traits import ModelTraits
@@ -67,6 +67,23 @@ def graph_capture(device: torch.device) -> Capture | None:
     return cuda_capture(device)
 
 
+def pool_attention(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, pool: torch.dtype
+) -> PoolKernel | None:
+    """:func:`resolve_backend` for a pool held in ``pool`` by a model computing in ``dtype``: the block-table
+    kernel reads blocks in the queries' dtype, so a narrower ``kv_cache_dtype`` attends by gather + SDPA
+    (the gathered context is converted back to ``dtype``)."""
+    if pool == dtype:
+        return resolve_backend(config.attention_backend, device, dtype)
+    if config.attention_backend == "kvb_kernels":
+        raise ConfigError(
+            f"attention_backend='kvb_kernels' reads the pool in the model's dtype ({dtype}), and "
+            f"kv_cache_dtype={config.kv_cache_dtype!r} holds it in {pool}: use attention_backend='sdpa' (or "
+            "'auto'), or kv_cache_dtype='auto'"
+        )
+    return None
+
+
 def build_loop(
     model: PreTrainedModel, traits: ModelTraits, config: EngineConfig, *, root: ChunkHash, fingerprint: str
 ) -> LoopParts:
@@ -88,7 +105,7 @@ def build_loop(
             len(sources) - 1,
             len(shapes),
         )
-    num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size))
+    num_blocks = derive_num_blocks(config, bytes_per_block(shapes, config.block_size, config.kv_cache_dtype))
     capture = None if config.enforce_eager else graph_capture(model.device)
     storage = KVStorage(
         shapes,
@@ -97,6 +114,7 @@ def build_loop(
         device=model.device,
         shared=shared_map(sources),
         scratch=capture is not None,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     pool = BlockPool(num_blocks, config.block_size)
     tiers = BlockTiers.from_config(config, fingerprint=fingerprint, shapes=shapes)
@@ -116,7 +134,7 @@ def build_loop(
         max_num_batched_tokens=packed_budget(traits, config),
         priority=config.scheduling_policy == "priority",
     )
-    kernel = resolve_backend(config.attention_backend, model.device, shapes[0].dtype)
+    kernel = pool_attention(config, model.device, shapes[0].dtype, storage.keys[0].dtype)
     graphs = None
     if capture is not None:
         pool_tokens = num_blocks * config.block_size

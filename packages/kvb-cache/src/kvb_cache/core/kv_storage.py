@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
+from kvb_cache.core import kv_dtype
 from kvb_cache.errors import ConfigError, KVBoostError, ModelLoadError, UnsupportedModelError
 from kvb_cache.kv_sharing import own_kv_layers
 
@@ -60,16 +61,21 @@ def probe_layer_shapes(model: PreTrainedModel) -> tuple[LayerShape, ...]:
     )
 
 
-def bytes_per_block(shapes: Sequence[LayerShape], block_size: int) -> int:
+def bytes_per_block(shapes: Sequence[LayerShape], block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Pool bytes of one block, every layer's keys and values, held in ``kv_cache_dtype``."""
     return sum(
-        s.kv_heads * block_size * (s.key_dim + s.value_dim) * torch.empty((), dtype=s.dtype).element_size()
+        s.kv_heads
+        * block_size
+        * (s.key_dim + s.value_dim)
+        * torch.empty((), dtype=kv_dtype.pool_dtype(kv_cache_dtype, s.dtype)).element_size()
         for s in shapes
     )
 
 
 class KVStorage:
     """Keys ``[kv_heads, num_blocks * block_size, key_dim]`` and values (same, ``value_dim``) per layer
-    (one block more with ``scratch``).
+    (one block more with ``scratch``), held in ``kv_cache_dtype`` (:mod:`kvb_cache.core.kv_dtype`; each
+    layer's :attr:`LayerShape.dtype` for ``"auto"``). :meth:`read` returns them in the layer's dtype.
 
     Slots are laid out head-major so that gathering a sequence's slots gives ``[kv_heads, seq, dim]``
     directly, the layout attention consumes.
@@ -84,8 +90,10 @@ class KVStorage:
         device: torch.device,
         shared: Mapping[int, int] | None = None,
         scratch: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.shapes = tuple(shapes)
+        self.kv_cache_dtype = kv_dtype.check_kv_cache_dtype(kv_cache_dtype)
         #: ``{layer: producer layer}`` for the model's layers that attend another layer's keys/values
         #: (:func:`kvb_cache.kv_sharing.shared_map`): they read its slots and write none.
         self.shared = dict(shared or {})
@@ -97,16 +105,21 @@ class KVStorage:
         slots = (num_blocks + scratch) * block_size
         try:
             self.keys = [
-                torch.zeros((s.kv_heads, slots, s.key_dim), dtype=s.dtype, device=device) for s in shapes
+                torch.zeros((s.kv_heads, slots, s.key_dim), dtype=self._dtype(s), device=device)
+                for s in shapes
             ]
             self.values = [
-                torch.zeros((s.kv_heads, slots, s.value_dim), dtype=s.dtype, device=device) for s in shapes
+                torch.zeros((s.kv_heads, slots, s.value_dim), dtype=self._dtype(s), device=device)
+                for s in shapes
             ]
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError subclasses RuntimeError
             raise ConfigError(
                 f"cannot allocate a KV pool of {num_blocks} blocks x {block_size} tokens on {device}: {exc}; "
                 "lower num_blocks / max_cache_bytes"
             ) from exc
+
+    def _dtype(self, shape: LayerShape) -> torch.dtype:
+        return kv_dtype.pool_dtype(self.kv_cache_dtype, shape.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -129,11 +142,16 @@ class KVStorage:
             values[:, d : d + count] = values[:, s : s + count]
 
     def read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(keys, values)`` ``[1, kv_heads, len(slots), dim]`` (copies)."""
-        return [(k[:, slots].unsqueeze(0), v[:, slots].unsqueeze(0)) for k, v in zip(self.keys, self.values)]
+        """Per layer ``(keys, values)`` ``[1, kv_heads, len(slots), dim]`` in the layer's dtype (copies)."""
+        slots = slots.to(self.keys[0].device)
+        return [
+            (kv_dtype.gather(k, slots, s.dtype).unsqueeze(0), kv_dtype.gather(v, slots, s.dtype).unsqueeze(0))
+            for k, v, s in zip(self.keys, self.values, self.shapes)
+        ]
 
     def write(self, slots: torch.Tensor, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write per-layer ``(keys, values)`` ``[1, kv_heads, len(slots), dim]`` into ``slots``."""
+        slots = slots.to(self.keys[0].device)
         for (k, v), keys, values in zip(layers, self.keys, self.values):
-            keys[:, slots] = k[0].to(keys.dtype)
-            values[:, slots] = v[0].to(values.dtype)
+            kv_dtype.put(keys, slots, k[0].to(keys.device))
+            kv_dtype.put(values, slots, v[0].to(values.device))

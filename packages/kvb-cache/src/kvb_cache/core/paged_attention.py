@@ -38,6 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvb_cache.core.attend import attend, causal_mask, group_queries, sink_column
 from kvb_cache.core.attention_routing import record_layer
+from kvb_cache.core.kv_dtype import gather, put
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.pool_kernel import KERNEL_MAX_HEAD_DIM, PoolKernel, block_table, pages
 
@@ -204,12 +205,11 @@ def paged_attention_forward(
     source = batch.storage.shared.get(layer, layer)
     keys, values = batch.storage.keys[source], batch.storage.values[source]
     if source == layer:
-        # NOTE: written before reading, so a request's own new tokens are part of the context it reads back.
-        # (No ``.to`` when the dtypes agree, the usual case: even a no-op is host work in every layer.)
-        keys.index_copy_(1, batch.slot_mapping, key[0] if key.dtype == keys.dtype else key[0].to(keys.dtype))
-        values.index_copy_(
-            1, batch.slot_mapping, value[0] if value.dtype == values.dtype else value[0].to(values.dtype)
-        )
+        # NOTE: written before reading, so a request's own new tokens are part of the context it reads back
+        # (in the pool's precision: a prefix read back later is exactly what its request attended).
+        # (No conversion when the dtypes agree, the usual case: even a no-op is host work in every layer.)
+        put(keys, batch.slot_mapping, key[0])
+        put(values, batch.slot_mapping, value[0])
     # else: a KV-shared layer (Gemma 3n / Gemma 4 E2B) is passed its producer's keys/values, which that
     # earlier layer of this forward already wrote into the slots read here.
     heads = query.shape[1]
@@ -338,8 +338,8 @@ def _prefill_rows(
     heads, kv_heads = query.shape[1], keys.shape[0]
     groups = heads // kv_heads
     q_len, ctx = seq.q_len, seq.slots.shape[0]
-    k = keys.index_select(1, seq.slots).unsqueeze(0)  # [1, KVH, ctx, D]
-    v = values.index_select(1, seq.slots).unsqueeze(0)
+    k = gather(keys, seq.slots, query.dtype).unsqueeze(0)  # [1, KVH, ctx, D]
+    v = gather(values, seq.slots, query.dtype).unsqueeze(0)
     if ctx == q_len and sliding_window is None and chunk is None and groups == 1:
         q = query[:, :, seq.start : seq.start + q_len]  # [1, H, q, D]: no mask at all
         sinks = None if s_aux is None else sink_column(s_aux, kv_heads, q_len)
@@ -395,8 +395,8 @@ def _decode_rows(
     heads, kv_heads = query.shape[1], keys.shape[0]
     q = query[0, :, group.rows_at(part)].transpose(0, 1).reshape(rows_n, kv_heads, heads // kv_heads, -1)
     flat = slots.reshape(-1)
-    k = keys.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [b, KVH, L, D]
-    v = values.index_select(1, flat).view(kv_heads, rows_n, width, -1).transpose(0, 1)
+    k = gather(keys, flat, query.dtype).view(kv_heads, rows_n, width, -1).transpose(0, 1)  # [b, KVH, L, D]
+    v = gather(values, flat, query.dtype).view(kv_heads, rows_n, width, -1).transpose(0, 1)
     key = (part.start, part.stop, sliding_window, chunk)
     mask = group.masks.get(key)
     if mask is None:  # the first layer of the step with this window builds it; the others reuse it
