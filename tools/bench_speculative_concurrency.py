@@ -1,12 +1,15 @@
-"""Benchmark: 8 concurrent greedy requests through the engine loop, with and without speculative decoding.
+"""Benchmark: concurrent greedy requests through the engine loop, with and without speculative decoding.
 
-Drives ``KVBoost.add_request`` / ``step`` as the server's worker does, in one process, round-robin over three
+Drives ``KVBoost.add_request`` / ``step`` as the server's worker does, in one process, round-robin over four
 modes per repeat:
 
 - ``plain``: no drafter (every request in the batched loop);
 - ``solo``: prompt lookup, every request speculating solo (the routing before 2026-11-25, forced here by
-  hiding the other requests from the admission check);
-- ``fixed``: prompt lookup with the engine's routing (only a request that arrives alone speculates).
+  hiding the other requests from the admission check and the batched step's drafter);
+- ``fixed``: prompt lookup routed as from 2026-11-25 to 2026-11-30 (only a request that arrives alone
+  speculates, solo; the others decode in the batch without drafts);
+- ``step``: prompt lookup verified inside the batched step (the engine's routing now: every greedy request
+  drafts, its drafts ride in the packed forward beside the others', verified by argmax).
 
 Two prompt sets: "repeat this pydoc topic" (prompt lookup drafts well) and chitchat_dataset conversations.
 Reports wall seconds and process CPU seconds per run (on a shared machine CPU time is the steadier clock),
@@ -33,7 +36,7 @@ from kvb_cache import SamplingParams
 from kvb_speculative import make_decoder
 from kvboost import KVBoost
 
-MODES = ("plain", "solo", "fixed")
+MODES = ("plain", "solo", "fixed", "step")
 TOPICS = ("while", "for", "if", "try", "with", "assert", "return", "pass")
 
 
@@ -42,6 +45,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=8, help="concurrent requests (at most 8)")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -74,6 +79,7 @@ def main() -> int:
 
     def run(prompts: list[list[int]], mode: str) -> tuple[float, float, list[list[int]]]:
         engine.drafter = None if mode == "plain" else decoder
+        engine.core.drafter = decoder if mode == "step" else None
         wall, cpu = time.perf_counter(), time.process_time()
         ids = [add(p, mode) for p in prompts]
         done: dict[str, list[int]] = {}
@@ -83,17 +89,18 @@ def main() -> int:
                     done[out.request_id] = out.result.output_ids
         return time.perf_counter() - wall, time.process_time() - cpu, [done[i] for i in ids]
 
+    sets = {name: prompts[: args.batch] for name, prompts in sets.items()}
     run(sets["chat"][:2], "plain")
     run(sets["chat"][:2], "solo")  # warm up
-    runs: dict[str, dict[str, list[tuple[float, float]]]] = {s: {m: [] for m in MODES} for s in sets}
+    runs: dict[str, dict[str, list[tuple[float, float]]]] = {s: {m: [] for m in args.modes} for s in sets}
     identical = True
     for r in range(args.repeats):
         for name, prompts in sets.items():
             outs = {}
-            for mode in MODES:
+            for mode in args.modes:
                 wall, cpu, outs[mode] = run(prompts, mode)
                 runs[name][mode].append((wall, cpu))
-            identical &= all(outs[m] == outs["plain"] for m in MODES)
+            identical &= all(outs[m] == outs[args.modes[0]] for m in args.modes)
             row = {m: f"{v[-1][0]:.2f}s wall {v[-1][1]:.2f}s cpu" for m, v in runs[name].items()}
             print(r, name, row, flush=True)
     summary = {
@@ -107,8 +114,21 @@ def main() -> int:
         for name, by_mode in runs.items()
     }
     print(
-        json.dumps({"threads": torch.get_num_threads(), "identical": identical, "medians": summary}, indent=1)
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "batch": args.batch,
+                "identical": identical,
+                "medians": summary,
+            },
+            indent=1,
+        )
     )
+    print(f"\n| prompts ({args.batch}) | " + " | ".join(f"{m} cpu / wall (s)" for m in args.modes) + " |")
+    print("|---|" + "---:|" * len(args.modes))
+    for name, by_mode in summary.items():
+        cells = " | ".join(f"{v['cpu_median_s']:.2f} / {v['wall_median_s']:.2f}" for v in by_mode.values())
+        print(f"| {name} | {cells} |")
     return 0 if identical else 1
 
 

@@ -103,9 +103,10 @@ def test_speculative_greedy_equals_plain_greedy(arch, tokenizer):
         assert out.output_ids == plain, type(drafter.drafter).__name__
         assert drafter.speculative_stats().drafted_tokens > 0
     stats = drafter.speculative_stats()
-    # The draft model's rejections were rolled back (past the window on Mistral and gpt-oss); Gemma's random
-    # draft happens to agree with its target on every token here.
-    assert stats.accepted_tokens < stats.drafted_tokens or arch.startswith("gemma"), stats
+    # The draft model's rejections were rolled back (past the window on Mistral and gpt-oss); Gemma's and
+    # GPT-2's random drafts happen to agree with their targets on every drafted token here (GPT-2's one
+    # rejection came from a last 1-token round, which the batched step's budget rule no longer drafts).
+    assert stats.accepted_tokens < stats.drafted_tokens or arch.startswith(("gemma", "gpt2")), stats
 
 
 @pytest.mark.parametrize(

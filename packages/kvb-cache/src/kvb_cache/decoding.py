@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -72,6 +72,40 @@ class SpeculativeDecoder(Protocol):
         it must never run the model on more than ``S + max_new_tokens`` positions (``kvb_speculative``
         shortens its drafts), since the engine admitted the request for that many only.
         """
+        ...
+
+
+@runtime_checkable
+class StepDraftSession(Protocol):
+    """One request's drafter state when it speculates inside the engine's batched step."""
+
+    def propose(self, history: torch.Tensor, max_tokens: int, processor: TokenProcessor) -> Any:
+        """Up to ``max_tokens`` tokens to follow ``history`` (``[S]`` int64, committed tokens only), as an
+        object whose ``tokens`` is a ``[k]`` int64 tensor (``k == 0``: nothing to propose)."""
+        ...
+
+    def rollback(self, num_accepted: int) -> None:
+        """Forget the proposals after the first ``num_accepted`` of the last :meth:`propose`."""
+        ...
+
+
+@runtime_checkable
+class StepDrafter(Protocol):
+    """A decoder whose drafts the engine verifies inside its batched step (vLLM v1's way): each greedy
+    request's last token and its drafts are one slice of the packed forward, verified by argmax."""
+
+    @property
+    def gamma(self) -> int:
+        """Most drafted tokens per request per step."""
+        ...
+
+    def draft_session(self, prompt_ids: torch.Tensor) -> StepDraftSession:
+        """A session for a request whose prompt is ``prompt_ids`` (``[S]`` int64)."""
+        ...
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count one verification of ``drafted`` tokens of which ``accepted`` were kept (0 drafted: a plain
+        decoding step)."""
         ...
 
 

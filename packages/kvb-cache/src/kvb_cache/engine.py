@@ -19,7 +19,7 @@ from kvb_cache.core.build import build_loop
 from kvb_cache.core.engine_core import EngineCore
 from kvb_cache.core.kv_storage import LayerShape
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.decoding import SpeculativeDecoder
+from kvb_cache.decoding import SpeculativeDecoder, StepDrafter
 from kvb_cache.detokenize import token_text as piece_text
 from kvb_cache.engine_args import EngineArgs, seed_torch
 from kvb_cache.errors import ConfigError, ContextLengthError
@@ -126,6 +126,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             plan_deferred=weak_method(self._queue_stitched),
             make_idle=weak_method(self._make_idle),
         )
+        if isinstance(drafter, StepDrafter):  # greedy requests speculate inside the batched step
+            self.core.drafter = drafter
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)

@@ -14,9 +14,12 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvb_cache import generation
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
+from kvb_cache.core.speculation import StepSpeculation, verifiable_by_argmax
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
@@ -28,7 +31,6 @@ from kvb_cache.serialized import serialized
 from kvb_cache.stitch_sources import stitch_sources
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kvb_cache.config import EngineConfig
@@ -117,6 +119,13 @@ class LoopAPI:
         # Constrained requests decode in the batched loop (its sampler holds the grammar masks): no
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
+        req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        in_step = speculative and bits is None and self.core.drafter is not None and verifiable_by_argmax(req)
+        if in_step:
+            # Greedy without processing: its drafts are verified by argmax inside the batched step, beside
+            # every other request (vLLM v1's way), however many run; the solo path is left to the rest.
+            speculative = False
+            req.spec = StepSpeculation.start(self.core.drafter, ids, params.max_new_tokens)
         if speculative and self.core.has_unfinished() and (params.greedy or params.seed is None):
             # NOTE: a speculative request runs solo (its own batch-1 forwards, beside the batched one), so
             # speculating beside other requests turns one batched forward into one per request: 8 concurrent
@@ -134,7 +143,6 @@ class LoopAPI:
             self._apply_kv_bits(prepared, bits)
             self.core.add_solo(rid, generation.run(self, prepared, params, t0))
             return rid
-        req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         req.priority = priority
         if constrained:
             req.grammar = self.grammars.state(params.response_format, self.tokenizer, self._logits_width)

@@ -72,6 +72,24 @@ class SpeculativeDecoder:
         self.verifier: Verifier = verifier or ExactVerifier()
         self._stats = StatsRecorder(self.config.gamma)
 
+    @property
+    def gamma(self) -> int:
+        """Most drafted tokens verified per target forward."""
+        return self.config.gamma
+
+    def draft_session(self, prompt_ids: torch.Tensor) -> DraftSession:
+        """A drafter session for one request (``prompt_ids`` ``[S]`` int64) whose drafts an engine verifies
+        in its own batched forward (``kvb_cache.decoding.StepDrafter``): greedy requests only, by argmax."""
+        return self.drafter.start(prompt_ids)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count a round verified outside :meth:`decode` (an engine's batched step); 0 drafted is a plain
+        decoding step."""
+        if drafted:
+            self._stats.record_round(drafted, accepted)
+        else:
+            self._stats.record_plain_step()
+
     def speculative_stats(self) -> SpeculativeStats:
         """Counters and timings since construction or the last :meth:`reset_stats`."""
         return self._stats.snapshot()

@@ -43,9 +43,11 @@ from kvb_cache.core.preparing import PrepareWork, Preparing
 from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
-from kvb_cache.core.scheduler import Scheduler
+from kvb_cache.core.scheduler import Scheduled, Scheduler
+from kvb_cache.core.speculation import accepted, propose
+from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError
 from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class EngineCore:
         self.plan_deferred = plan_deferred
         self.deferred = Deferred()
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
+        #: Verifies speculating requests' drafts inside the batched step (None: none speculates there).
+        self.drafter: StepDrafter | None = None
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
         #: Prompts to compute when no request is unfinished, and the one being computed.
@@ -230,6 +234,7 @@ class EngineCore:
         for req in self.preparing.advance():
             self.scheduler.add(req)
         self._schedule_idle()
+        drafting = [] if self.drafter is None else propose(self.drafter, self.scheduler.running)
         plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
         for admission in plan.admitted:
             req = admission.request
@@ -240,21 +245,38 @@ class EngineCore:
             seqs = [
                 SeqInput(
                     token_ids=s.request.tokens[
-                        s.request.num_computed : s.request.num_computed + s.num_tokens
-                    ],
+                        s.request.num_computed : s.request.num_computed + s.num_tokens - s.drafted
+                    ]
+                    + s.request.draft[: s.drafted],
                     start=s.request.num_computed,
                     slots=self.kv.slots(s.request, s.request.num_computed + s.num_tokens),
                     sample=s.samples,
+                    logits=1 + s.drafted,
                 )
                 for s in plan.scheduled
             ]
             logits = self.runner.forward(seqs)
-            sampling = [s.request for s in plan.scheduled if s.samples]
+            sampling: list[Request] = []
+            verifying: list[tuple[Scheduled, int]] = []  # speculating requests and their first logits row
+            rows: list[int] = []
+            row = 0
             for s in plan.scheduled:
-                s.request.num_computed += s.num_tokens
+                if s.drafted:
+                    verifying.append((s, row))
+                elif s.samples:
+                    sampling.append(s.request)
+                    rows.append(row)
+                row += (1 + s.drafted) if s.samples else 0
+            if verifying:
+                drafted_logits, logits = logits, logits[rows]
+            for s in plan.scheduled:
+                # A speculating request's drafts get their KV only once verified (_verify).
+                s.request.num_computed += s.num_tokens - s.drafted
                 self.kv.commit(s.request)
                 if s.request.internal:
                     self.idle_tokens += s.num_tokens
+            for s, first in verifying:
+                outputs.extend(self._verify(s.request, drafted_logits[first : first + 1 + s.drafted]))
             tokens = sample(logits, sampling)
             logprobs = self._logprobs(logits, sampling, tokens)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
@@ -264,16 +286,65 @@ class EngineCore:
                     output = self._emit(req, token, logits[row], logprobs.get(row))
                 except Exception as exc:  # ends this request only; the rest of the batch goes on
                     output = self._fail(req, exc)
+                if req.spec is not None and self.drafter is not None:
+                    self.drafter.record_round(0, 0)  # nothing drafted for it: a plain step
                 if output is None:
                     continue
                 if req.internal:
                     self._idle_output(output)
                 else:
                     outputs.append(output)
+        for req in drafting:
+            req.draft.clear()  # a draft is for one step (verified, or not scheduled)
         for request_id in list(self.solo):
             outputs.extend(self._advance_solo(request_id))
         self.steps += 1
         return outputs
+
+    def _verify(self, req: Request, logits: torch.Tensor) -> list[RequestOutput]:
+        """Verify ``req``'s drafts against ``logits`` ``[k + 1, V]`` (row ``j``: after its ``j``-th draft)
+        by argmax: accept drafts while each is the argmax before it, then commit the argmax after the last
+        accepted one (the correction, or a bonus token when all were accepted), each through the emitter in
+        turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept;
+        the rest of their slots are overwritten by later steps. One output carries every committed token."""
+        draft = req.draft[: logits.shape[0] - 1]
+        best, nan = torch.stack(
+            [torch.argmax(logits, dim=-1), torch.isnan(logits).any(dim=-1).long()]
+        ).tolist()
+        kept = accepted(draft, best, nan)
+        if self.drafter is not None:
+            self.drafter.record_round(len(draft), kept)
+        assert req.spec is not None
+        req.spec.session.rollback(kept)
+        if nan[kept]:  # argmax would read a NaN row's index as a token
+            return [self._fail(req, NonFiniteLogitsError())]
+        merged: list[RequestOutput] = []
+        for j, token in enumerate([*draft[:kept], best[kept]]):
+            if j:  # the previous token was an accepted draft: its KV (computed this step) is valid
+                req.num_computed += 1
+                self.kv.commit(req)
+            try:
+                output = self._emit(req, token, logits[j])
+            except Exception as exc:
+                merged.append(self._fail(req, exc))
+                break
+            if output is not None:
+                merged.append(output)
+            if req.status is RequestStatus.FINISHED:
+                break
+        if len(merged) <= 1:
+            return merged
+        last = merged[-1]
+        return [
+            RequestOutput(
+                request_id=req.request_id,
+                delta_text="".join(o.delta_text for o in merged),
+                token_ids=tuple(t for o in merged for t in o.token_ids),
+                logprobs=(),
+                result=last.result,
+                error=last.error,
+            )
+        ]
 
     def _logprobs(
         self, logits: torch.Tensor, requests: list[Request], tokens: list[int | Exception]

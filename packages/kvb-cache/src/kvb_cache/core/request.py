@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from kvb_cache.hashing import ChunkHash
 from kvb_cache.results import TokenLogprob
 from kvb_cache.sampling import RequestProcessor, SamplingParams
 from kvb_cache.structured.state import GrammarState
+
+if TYPE_CHECKING:
+    from kvb_cache.core.speculation import StepSpeculation
 
 
 class RequestStatus(enum.Enum):
@@ -89,6 +93,10 @@ class Request:
     #: Stitching: the prompt's complete chunks under a root, hashed once (``(root, pieces)``; see
     #: :func:`kvb_cache.stitch_sources.prompt_pieces`), since every later arrival reads them while pending.
     stitch_pieces: tuple | None = None
+    #: Speculating inside the batched step (:class:`~kvb_cache.decoding.StepDrafter`): this request's
+    #: drafter session (None: no speculation), and the tokens it drafted for the step being planned.
+    spec: StepSpeculation | None = None
+    draft: list[int] = field(default_factory=list)
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None

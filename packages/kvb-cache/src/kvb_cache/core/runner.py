@@ -24,12 +24,15 @@ class SeqInput:
         start: position of the first of them (tokens before it already have KV).
         slots: ``[start + q]`` pool slots of the request's whole context, new tokens included.
         sample: whether logits are wanted after the last of them.
+        logits: with ``sample``, how many of the last positions' logits are wanted (a speculating
+            request's last token and its drafts: one row per draft to verify, plus the next token's).
     """
 
     token_ids: Sequence[int]
     start: int
     slots: torch.Tensor
     sample: bool
+    logits: int = 1
 
 
 class ModelRunner:
@@ -55,7 +58,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
-        """``[R, V]`` logits for the sequences with ``sample`` set, in order."""
+        """``[R, V]`` logits for the sequences with ``sample`` set, in order (``logits`` rows each)."""
         graphs = self.graphs
         if graphs is not None and graphs.serves(
             [len(s.token_ids) for s in seqs], [s.start for s in seqs], [s.sample for s in seqs]
@@ -85,7 +88,7 @@ class ModelRunner:
                 prefills.append(self._prefill_seq(offset, q, seq.slots))
             offset += q
             if seq.sample:
-                keep.append(offset - 1)
+                keep.extend(range(offset - seq.logits, offset))
         decode = self._decode_group(decode_rows, decode_slots) if decode_rows else None
         batch = PagedBatch(
             storage=self.storage,

@@ -2,7 +2,8 @@
 
 Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most ``max_num_seqs`` requests:
 
-1. every running request that is decoding (one token each), oldest first, so streams never stall;
+1. every running request that is decoding (one token each, plus the tokens drafted for it when it speculates
+   and the budget and free blocks allow: drafts never preempt), oldest first, so streams never stall;
 2. waiting requests, longest cached prefix first among the oldest ``ADMIT_WINDOW`` (their prefill is mostly
    a cache hit, so they reach their first token soonest), except that the oldest waiting request goes first
    once ``MAX_BYPASS`` later requests were admitted ahead of it (so its wait is bounded under a stream of
@@ -48,15 +49,17 @@ MAX_BYPASS = 32
 
 @dataclass(frozen=True, slots=True)
 class Scheduled:
-    """``request`` feeds ``tokens[num_computed : num_computed + num_tokens]`` this step."""
+    """``request`` feeds ``tokens[num_computed : num_computed + num_tokens - drafted]`` this step, then the
+    first ``drafted`` tokens of its ``draft`` (speculative tokens the step verifies)."""
 
     request: Request
     num_tokens: int
+    drafted: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this slice reaches the end of the request's tokens (so a token is sampled after it)."""
-        return self.request.num_computed + self.num_tokens == len(self.request.tokens)
+        return self.request.num_computed + self.num_tokens - self.drafted == len(self.request.tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,10 +191,15 @@ class Scheduler:
         for req in decoding:
             if budget == 0:
                 break
-            if req.status is RequestStatus.RUNNING and grow(req, 1):
-                scheduled.append(Scheduled(req, 1))
+            # Drafted tokens ride along when the budget and free blocks allow; they never preempt anyone.
+            n = min(1 + len(req.draft), budget)
+            if n > 1 and not self.kv.allocate(req, n):
+                n = 1
+            del req.draft[n - 1 :]
+            if req.status is RequestStatus.RUNNING and grow(req, n):
+                scheduled.append(Scheduled(req, n, n - 1))
                 chosen.add(id(req))
-                budget -= 1
+                budget -= n
 
         budget = max(0, budget - reserved)
         if not preempted:

@@ -1,0 +1,90 @@
+"""Speculation inside the batched step (vLLM v1's way): each greedy request that speculates drafts tokens
+before the step is scheduled (:func:`propose`); the scheduler feeds its last token and the drafts as one slice
+of the packed forward (they never preempt anyone); the engine core then verifies them by argmax
+(:func:`accepted`) and commits the accepted drafts plus one token, each through the emitter.
+
+Only requests whose next token is the argmax of their raw logits speculate here
+(:func:`verifiable_by_argmax`): verifying a draft is then comparing it with one argmax, exact whatever the
+batch. Sampled requests, processed ones (penalties, bias, bans, ``min_tokens``), grammars and ``logprobs``
+keep the one-token step (or kvb-speculative's solo path when they arrive alone).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from kvb_cache.core.request import Request
+    from kvb_cache.decoding import StepDrafter, StepDraftSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepSpeculation:
+    """One request's drafter session and its committed tokens as the tensor the drafter reads: a buffer of
+    ``prompt + max_new_tokens`` ids filled as tokens are committed (a fresh ``torch.tensor`` of the whole
+    history for every request at every step cost O(context) host work each)."""
+
+    session: StepDraftSession
+    history: torch.Tensor  # [prompt_len + max_new_tokens] int64; the first ``filled`` are committed
+    filled: int = 0
+
+    @classmethod
+    def start(cls, drafter: StepDrafter, prompt: list[int], max_new_tokens: int) -> StepSpeculation:
+        ids = torch.tensor(prompt, dtype=torch.long)
+        history = torch.empty(len(prompt) + max_new_tokens, dtype=torch.long)
+        history[: len(prompt)] = ids
+        return cls(session=drafter.draft_session(ids), history=history, filled=len(prompt))
+
+    def committed(self, tokens: list[int]) -> torch.Tensor:
+        """``[len(tokens)]``: the committed tokens (a view of the buffer, brought up to date)."""
+        n = len(tokens)
+        if n > self.filled:
+            self.history[self.filled : n] = torch.tensor(tokens[self.filled : n], dtype=torch.long)
+            self.filled = n
+        return self.history[:n]
+
+
+def verifiable_by_argmax(req: Request) -> bool:
+    """Whether ``req``'s next token is the argmax of its raw logits whatever it generated before: greedy,
+    with no bias, ban, penalty, ``min_tokens`` hold or grammar."""
+    return req.processor.is_identity and not req.params.min_tokens and req.grammar is None
+
+
+def propose(drafter: StepDrafter, running: Iterable[Request]) -> list[Request]:
+    """Set ``draft`` on every running request that speculates and is decoding (at most ``gamma`` tokens, and
+    short of its ``max_new_tokens``: the request was admitted for that many positions only); returns those
+    that drafted any. A drafter's failure costs its request the drafts (it decodes on without), nothing else."""
+    drafting = []
+    for req in running:
+        spec = req.spec
+        if spec is None or req.remaining != 1:
+            continue
+        room = min(drafter.gamma, req.params.max_new_tokens - req.num_output - 1)
+        if room < 1:
+            continue
+        try:
+            draft = spec.session.propose(spec.committed(req.tokens), room, req.processor)
+            req.draft = [int(t) for t in draft.tokens[:room].tolist()]
+        except Exception as exc:
+            logger.warning("request %s: drafting failed (%r); decoding without drafts", req.request_id, exc)
+            req.spec, req.draft = None, []
+        if req.draft:
+            drafting.append(req)
+    return drafting
+
+
+def accepted(draft: list[int], best: list[int], nan: list[int]) -> int:
+    """How many leading drafts are kept: draft ``j`` is kept while it is the argmax ``best[j]`` of the row
+    before it (a row holding NaN keeps nothing after it)."""
+    n = 0
+    while n < len(draft) and not nan[n] and best[n] == draft[n]:
+        n += 1
+    return n
