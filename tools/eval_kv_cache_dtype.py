@@ -78,8 +78,10 @@ def chitchat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    # eos_token_id=None: the argmax path through an end-of-sequence too, as the engine's ignore_eos runs it
+    # (min_new_tokens would ban the token instead, and the two continuations part there).
     out = model.generate(
-        torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
+        torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     return out[0, len(ids) :].tolist()
 

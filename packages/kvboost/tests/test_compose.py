@@ -207,3 +207,82 @@ def test_draft_model_mode_without_a_draft_is_refused_before_the_target_loads(tar
         KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", draft_model=target)
     with pytest.raises(SpeculativeConfigError, match="'foo' is unknown"):
         KVBoost.from_pretrained(target, device="cpu", speculative="foo")
+
+
+def test_vllms_speculative_config_sets_the_speculative_options(target, other):
+    """vLLM's ``--speculative-config`` JSON (refused before): ngram is prompt lookup, num_speculative_tokens
+    gamma, prompt_lookup_max / _min the n-gram lengths, model a draft model."""
+    from kvboost.args import SpeculativeArgs
+
+    args = SpeculativeArgs(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 1}'
+    )
+    assert (args.speculative, args.gamma, args.prompt_lookup_max, args.prompt_lookup_min) == (
+        "prompt_lookup",
+        4,
+        5,
+        1,
+    )
+    draft = SpeculativeArgs(speculative_config={"model": str(other), "num_speculative_tokens": 3})
+    assert (draft.speculative, draft.draft_model, draft.gamma) == ("draft_model", str(other), 3)
+    assert SpeculativeArgs(speculative_config={"model": "[ngram]"}).speculative == "prompt_lookup"
+    engine = KVBoost.from_pretrained(
+        str(target),
+        device="cpu",
+        chunk_size=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    plain = KVBoost.from_pretrained(str(target), device="cpu", chunk_size=8)
+    want = plain.generate(PROMPT, max_new_tokens=16, ignore_eos=True).output_ids
+    assert engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True).output_ids == want
+    stats = engine.cache_stats()["speculative"]
+    assert stats["gamma"] == 3 and stats["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ({"method": "eagle", "model": "x"}, "method 'eagle' is not served here"),
+        (
+            {"method": "ngram", "disable_by_batch_size": 4},
+            r"keys \['disable_by_batch_size'\] are not supported",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": "5"}, "num_speculative_tokens must be an int >= 1"),
+    ],
+)
+def test_a_speculative_config_this_server_cannot_serve_is_refused_naming_why(config, match):
+    from kvb_speculative import SpeculativeConfigError
+    from kvboost.args import SpeculativeArgs
+
+    with pytest.raises(SpeculativeConfigError, match=match):
+        SpeculativeArgs(speculative_config=config)
+
+
+def test_speculative_config_and_its_own_flags_are_given_once(target):
+    from kvb_speculative import SpeculativeConfigError
+    from kvboost.args import SpeculativeArgs
+
+    with pytest.raises(
+        SpeculativeConfigError, match=r"sets \['gamma', 'speculative'\], which were also given"
+    ):
+        SpeculativeArgs(
+            speculative="prompt_lookup", gamma=3, speculative_config={"num_speculative_tokens": 4}
+        )
+    with pytest.raises(SpeculativeConfigError, match="apply to speculative='prompt_lookup' only"):
+        KVBoost.from_pretrained(str(target), device="cpu", draft_model=str(target), prompt_lookup_max=5)
+    with pytest.raises(SpeculativeConfigError, match="must be >= min_ngram"):
+        KVBoost.from_pretrained(str(target), device="cpu", speculative="prompt_lookup", prompt_lookup_min=4)
+
+
+def test_kvboost_serve_takes_vllms_speculative_config_flag():
+    from kvb_cache.options import from_namespace
+    from kvboost.args import SpeculativeArgs
+    from kvboost.cli import build_parser
+
+    argv = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    args = from_namespace(SpeculativeArgs, build_parser().parse_args(argv))
+    assert (args.speculative, args.gamma) == ("prompt_lookup", 4)

@@ -34,8 +34,8 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve that folder",
     "--lora-modules": "LoRA adapters are not served: merge one into the weights (peft's merge_and_unload) and "
     "serve that folder",
-    "--speculative-config": "speculative decoding is --speculative prompt_lookup|draft_model and "
-    "--draft-model (kvboost serve)",
+    "--speculative-config": "speculative decoding is part of the full stack: kvboost serve takes "
+    "--speculative-config (method ngram or draft_model) or --speculative prompt_lookup|draft_model",
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",
 }
 
@@ -140,8 +140,12 @@ class SatisfiedFlag(_VllmFlag):
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Declare every flag of :data:`REFUSED_VLLM_FLAGS` and :data:`SATISFIED_VLLM_FLAGS` on ``parser``
-    (hidden from ``--help``)."""
+    (hidden from ``--help``), except those ``parser`` already has (an engine composer's own option: the full
+    stack serves ``--speculative-config``)."""
+    have = parser._option_string_actions
     for flag in REFUSED_VLLM_FLAGS:
+        if flag in have:
+            continue
         dest = f"_refused_{flag.lstrip('-').replace('-', '_')}"
         parser.add_argument(flag, *VLLM_ALIASES.get(flag, ()), dest=dest, action=RefusedFlag)
     for flag in SATISFIED_VLLM_FLAGS:
@@ -156,6 +160,8 @@ FULL_STACK_FLAGS = (
     "--speculative",
     "--draft-model",
     "--gamma",
+    "--prompt-lookup-max",
+    "--prompt-lookup-min",
     "--awq-streaming",
     "--streaming-mode",
     "--residency-mode",

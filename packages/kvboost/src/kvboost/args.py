@@ -53,10 +53,112 @@ class SpeculativeArgs:
         parse=positive_int,
         help="most drafted tokens verified per target forward",
     )
+    prompt_lookup_max: int = option(
+        3,
+        group="speculative decoding",
+        parse=positive_int,
+        help="prompt_lookup: longest suffix n-gram looked up in the prompt and output (tried first)",
+    )
+    prompt_lookup_min: int = option(
+        2,
+        group="speculative decoding",
+        parse=positive_int,
+        help="prompt_lookup: shortest suffix n-gram looked up",
+    )
+    speculative_config: str | dict | None = option(
+        None,
+        group="speculative decoding",
+        metavar="JSON",
+        help="vLLM's --speculative-config, as JSON: method ngram (prompt_lookup) or draft_model, "
+        "num_speculative_tokens (gamma), prompt_lookup_max / prompt_lookup_min, model (the draft model), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'; instead of the flags above',
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            # Resolved into the fields above once (frozen): every reader sees the plain options.
+            for name, value in vllm_speculative_config(self.speculative_config, self).items():
+                object.__setattr__(self, name, value)
+            object.__setattr__(self, "speculative_config", None)
 
     @property
     def enabled(self) -> bool:
         return self.speculative is not None or self.draft_model is not None
+
+
+#: vLLM ``speculative_config`` methods served here, and the ``speculative`` mode each one is.
+VLLM_METHODS = {"ngram": "prompt_lookup", "draft_model": "draft_model"}
+#: vLLM ``speculative_config`` keys taken here, and the :class:`SpeculativeArgs` field each one sets.
+VLLM_KEYS = {
+    "method": "speculative",
+    "model": "draft_model",
+    "num_speculative_tokens": "gamma",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+}
+
+
+def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[str, object]:
+    """The :class:`SpeculativeArgs` fields a vLLM ``speculative_config`` (a JSON object, or its dict) sets.
+
+    Raises:
+        StreamingConfigError's sibling ``kvb_speculative.SpeculativeConfigError``: not a JSON object, an
+            unknown key or method (EAGLE, Medusa, MTP... need trained heads this server does not load), a
+            value of the wrong type, or a field also given by its own flag.
+    """
+    from kvb_speculative import SpeculativeConfigError
+
+    if isinstance(config, str):
+        import json
+
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"speculative_config is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise SpeculativeConfigError(
+            f'speculative_config must be a JSON object like {{"method": "ngram", '
+            f'"num_speculative_tokens": 5}}, got {config!r}'
+        )
+    unknown = sorted(set(config) - set(VLLM_KEYS))
+    if unknown:
+        raise SpeculativeConfigError(
+            f"speculative_config keys {unknown} are not supported here; use {sorted(VLLM_KEYS)}"
+        )
+    method = config.get("method")
+    if method is None:
+        method = "draft_model" if config.get("model") is not None else "ngram"
+    if config.get("model") == "[ngram]":  # vLLM's older spelling of the n-gram method
+        method, config = "ngram", {k: v for k, v in config.items() if k != "model"}
+    if method not in VLLM_METHODS:
+        raise SpeculativeConfigError(
+            f"speculative_config method {method!r} is not served here (it needs trained draft heads); use "
+            f"{' or '.join(VLLM_METHODS)} (kvb-speculative's prompt_lookup / draft_model)"
+        )
+    fields = {"speculative": VLLM_METHODS[method]}
+    for key, value in config.items():
+        if key == "method":
+            continue
+        if key == "model":
+            if not isinstance(value, str) or not value:
+                raise SpeculativeConfigError(
+                    f"speculative_config model must be a path or hub id, got {value!r}"
+                )
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpeculativeConfigError(f"speculative_config {key} must be an int >= 1, got {value!r}")
+        fields[VLLM_KEYS[key]] = value
+    defaults = SpeculativeArgs()
+    clashes = sorted(
+        name
+        for name in fields
+        if getattr(given, name) != getattr(defaults, name) and name != "speculative_config"
+    )
+    if clashes:
+        raise SpeculativeConfigError(
+            f"speculative_config sets {clashes}, which were also given on their own (--"
+            f"{clashes[0].replace('_', '-')}); give them once"
+        )
+    return fields
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

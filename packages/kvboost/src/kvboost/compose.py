@@ -82,6 +82,9 @@ class KVBoost(_Engine):
         speculative: str | None = None,
         draft_model: str | PreTrainedModel | None = None,
         gamma: int = 5,
+        prompt_lookup_max: int = 3,
+        prompt_lookup_min: int = 2,
+        speculative_config: str | dict | None = None,
         # kvboost.args.StreamingArgs
         awq_streaming: bool = False,
         streaming_mode: str = "full_stream",
@@ -130,9 +133,14 @@ class KVBoost(_Engine):
         if not speculative.enabled and speculative != SpeculativeArgs():
             from kvb_speculative import SpeculativeConfigError
 
+            given = ", ".join(
+                f"{f}={getattr(speculative, f)!r}"
+                for f in ("gamma", "prompt_lookup_max", "prompt_lookup_min")
+                if getattr(speculative, f) != getattr(SpeculativeArgs(), f)
+            )
             raise SpeculativeConfigError(
-                f"gamma={speculative.gamma} has no effect without speculative='prompt_lookup'/'draft_model' or "
-                "draft_model (--speculative / --draft-model); add one or drop gamma"
+                f"{given} has no effect without speculative='prompt_lookup'/'draft_model' or "
+                "draft_model (--speculative / --draft-model); add one or drop them"
             )
         if speculative.speculative == "draft_model" and speculative.draft_model is None:
             from kvb_speculative import SpeculativeConfigError
@@ -144,6 +152,7 @@ class KVBoost(_Engine):
             )
         if speculative.enabled:
             from kvb_speculative import DRAFTERS, SpeculativeConfig, SpeculativeConfigError
+            from kvb_speculative.prompt_lookup import PromptLookupConfig
 
             # These were said only after the target (and the draft) had loaded: minutes on a large model.
             if speculative.speculative is not None and speculative.speculative not in DRAFTERS:
@@ -151,6 +160,16 @@ class KVBoost(_Engine):
                     f"speculative={speculative.speculative!r} is unknown; use one of {sorted(DRAFTERS)}"
                 )
             SpeculativeConfig(gamma=speculative.gamma)  # gamma's range (1..64)
+            lookup = (speculative.prompt_lookup_max, speculative.prompt_lookup_min)
+            if speculative.speculative == "prompt_lookup" or (
+                speculative.speculative is None and speculative.draft_model is None
+            ):
+                PromptLookupConfig(max_ngram=lookup[0], min_ngram=lookup[1])  # min <= max
+            elif lookup != (SpeculativeArgs().prompt_lookup_max, SpeculativeArgs().prompt_lookup_min):
+                raise SpeculativeConfigError(
+                    "prompt_lookup_max / prompt_lookup_min (--prompt-lookup-max / --prompt-lookup-min) apply to "
+                    "speculative='prompt_lookup' only; drop them with a draft model"
+                )
             if speculative.speculative == "prompt_lookup" and speculative.draft_model is not None:
                 raise SpeculativeConfigError(
                     "speculative='prompt_lookup' uses no draft model; drop draft_model (--draft-model) or use "
@@ -305,6 +324,8 @@ def _drafter(engine: _Engine, args: SpeculativeArgs, attn_implementation: str | 
         speculative=args.speculative,  # type: ignore[arg-type]
         draft_model=draft_model,
         gamma=args.gamma,
+        max_ngram=args.prompt_lookup_max,
+        min_ngram=args.prompt_lookup_min,
         # NOTE: kvb_speculative compares tokenizers only given both; a loaded draft model comes without one, and
         # passing the target's alone was itself reported as a vocabulary mismatch.
         target_tokenizer=engine.tokenizer if draft_tokenizer is not None else None,
