@@ -213,3 +213,29 @@ def test_drafts_never_preempt_a_request(llama, tokenizer):
     done, _ = drain(engine)
     assert [done[i] for i in ids] == want
     assert engine.paged_stats().preemptions <= baseline
+
+
+def test_drafts_take_only_the_budget_left_once_every_request_has_its_token(llama, tokenizer):
+    """A step's token budget goes first to one token per decoding request, then to drafts (oldest first):
+    with drafts taken in order, the oldest requests' drafts used the budget up and the newest request got no
+    token at all, step after step."""
+    prompts = [tokenizer(words(2, seed))["input_ids"] for seed in range(4)]  # all four prefill in step 1
+    want = plain_outputs(llama, tokenizer, prompts, 12)
+    drafter = FakeDrafter({tuple(p): w for p, w in zip(prompts, want)}, "oracle", gamma=4)
+    engine = KVBoost(
+        llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_batched_tokens=8), drafter=drafter
+    )
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts]
+    produced = dict.fromkeys(ids, 0)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        running = [i for i in ids if i not in done and produced[i]]  # decoding at the start of this step
+        outputs = {o.request_id: o for o in engine.step()}
+        for rid in running:
+            assert rid in outputs and outputs[rid].token_ids, f"{rid} got no token this step"
+        for rid, out in outputs.items():
+            produced[rid] += len(out.token_ids)
+            if out.result is not None:
+                done[rid] = out.result.output_ids
+    assert [done[i] for i in ids] == want
+    assert any(d for d, _ in drafter.rounds)  # the budget left after the tokens still carried drafts

@@ -191,15 +191,11 @@ class Scheduler:
         for req in decoding:
             if budget == 0:
                 break
-            # Drafted tokens ride along when the budget and free blocks allow; they never preempt anyone.
-            n = min(1 + len(req.draft), budget)
-            if n > 1 and not self.kv.allocate(req, n):
-                n = 1
-            del req.draft[n - 1 :]
-            if req.status is RequestStatus.RUNNING and grow(req, n):
-                scheduled.append(Scheduled(req, n, n - 1))
+            if req.status is RequestStatus.RUNNING and grow(req, 1):
+                scheduled.append(Scheduled(req, 1))
                 chosen.add(id(req))
-                budget -= n
+                budget -= 1
+        budget = self._add_drafts(scheduled, budget)
 
         budget = max(0, budget - reserved)
         if not preempted:
@@ -215,6 +211,22 @@ class Scheduler:
                 chosen.add(id(req))
                 budget -= n
         return StepPlan(tuple(scheduled), tuple(admitted), tuple(preempted))
+
+    def _add_drafts(self, scheduled: list[Scheduled], budget: int) -> int:
+        """Extend the decoding slices in ``scheduled`` by their requests' drafts, oldest first, with the
+        budget and the free blocks left once every decoding request has its token: drafts never cost another
+        request its token or its blocks (nothing is preempted for them). Returns the budget left; a draft
+        that does not fit is cut (``Request.draft`` keeps what is fed)."""
+        for i, s in enumerate(scheduled):
+            req = s.request
+            extra = min(len(req.draft), budget)
+            if extra and not self.kv.allocate(req, 1 + extra):
+                extra = 0
+            del req.draft[extra:]
+            if extra:
+                scheduled[i] = Scheduled(req, 1 + extra, extra)
+                budget -= extra
+        return budget
 
     def _admit(
         self,
