@@ -2,14 +2,15 @@
 
 Each step feeds the model at most ``max_num_batched_tokens`` tokens from at most ``max_num_seqs`` requests:
 
-1. every running request that is decoding (one token each, plus the tokens drafted for it when it speculates
-   and the budget and free blocks allow: drafts never preempt), oldest first, so streams never stall;
+1. every running request that is decoding (one token each), oldest first, so streams never stall;
 2. waiting requests, longest cached prefix first among the oldest ``ADMIT_WINDOW`` (their prefill is mostly
    a cache hit, so they reach their first token soonest), except that the oldest waiting request goes first
    once ``MAX_BYPASS`` later requests were admitted ahead of it (so its wait is bounded under a stream of
    cache hits), admitted while the token budget, the sequence cap and the pool allow; a request
    carrying prepared KV (a stitched prompt) adopts it into private blocks instead of a prefix lookup;
-3. running requests still part-way through a long prompt, with what is left of the budget.
+3. running requests still part-way through a long prompt, with what is left of the budget;
+4. the tokens drafted for decoding requests that speculate (:mod:`kvb_cache.core.speculation`), oldest
+   first, with the budget and the free blocks still left: drafts never preempt nor delay anyone.
 
 Long prompts are prefilled in slices of at most the remaining budget (and the request's own
 ``prefill_chunk_size``), so a new arrival's first token never waits for another request's whole prompt.
@@ -195,7 +196,6 @@ class Scheduler:
                 scheduled.append(Scheduled(req, 1))
                 chosen.add(id(req))
                 budget -= 1
-        budget = self._add_drafts(scheduled, budget)
 
         budget = max(0, budget - reserved)
         if not preempted:
@@ -210,15 +210,19 @@ class Scheduler:
                 scheduled.append(Scheduled(req, n))
                 chosen.add(id(req))
                 budget -= n
+        self._add_drafts(scheduled, budget)
         return StepPlan(tuple(scheduled), tuple(admitted), tuple(preempted))
 
-    def _add_drafts(self, scheduled: list[Scheduled], budget: int) -> int:
+    def _add_drafts(self, scheduled: list[Scheduled], budget: int) -> None:
         """Extend the decoding slices in ``scheduled`` by their requests' drafts, oldest first, with the
-        budget and the free blocks left once every decoding request has its token: drafts never cost another
-        request its token or its blocks (nothing is preempted for them). Returns the budget left; a draft
-        that does not fit is cut (``Request.draft`` keeps what is fed)."""
+        budget and the free blocks left once the step is otherwise planned (every decoding request's token,
+        admissions, prefill slices): drafts never cost another request its token, its prefill or its blocks,
+        and nothing is preempted for them. A draft that does not fit is cut (``Request.draft`` keeps what is
+        fed)."""
         for i, s in enumerate(scheduled):
             req = s.request
+            if not req.draft:
+                continue
             extra = min(len(req.draft), budget)
             if extra and not self.kv.allocate(req, 1 + extra):
                 extra = 0
@@ -226,7 +230,6 @@ class Scheduler:
             if extra:
                 scheduled[i] = Scheduled(req, 1 + extra, extra)
                 budget -= extra
-        return budget
 
     def _admit(
         self,
