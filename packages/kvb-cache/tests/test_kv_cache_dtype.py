@@ -7,7 +7,7 @@ import torch
 from conftest import make_model, words
 from transformers import DynamicCache
 
-from kvb_cache import EngineConfig, KVBoost
+from kvb_cache import EngineConfig, KVBoost, SamplingParams
 from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_cache.core.kv_dtype import KV_CACHE_DTYPES, gather, pool_dtype, put
 from kvb_cache.errors import ConfigError
@@ -198,3 +198,55 @@ def test_stitched_reuse_works_on_a_narrow_pool(llama, tokenizer):
     cold = engine(llama, tokenizer, "bfloat16").next_token_logits(second)
     assert warm.cached_tokens > len(second) // 2 and warm.recomputed_tokens > 0
     assert compare_distributions(cold.logits[None], warm.logits[None]).mean_kl < 1e-4  # measured 5.6e-6
+
+
+class _SoloGreedy:
+    """A solo-path decoder (the kvb_cache.decoding.SpeculativeDecoder protocol) decoding greedily on its
+    private cache, in the model's dtype."""
+
+    def decode(self, model, cache, input_ids, next_logits, processor):
+        start = cache.get_seq_length()
+        logits = next_logits
+        while True:
+            token = int(torch.argmax(logits))
+            with torch.no_grad():
+                out = model(
+                    input_ids=torch.tensor([[token]]),
+                    position_ids=torch.tensor([[start]]),
+                    use_cache=True,
+                    **cache_kwargs(model, cache),
+                )
+            start += 1
+            logits = out.logits[0, -1]
+            yield token
+
+
+def test_a_solo_request_does_not_write_full_precision_kv_into_a_narrow_pool(llama, tokenizer):
+    """A speculative request that decodes solo (sampled, arriving alone) computes its prompt in a private
+    cache in the model's dtype; written back into an fp8 pool, a later prefix hit differed from the same
+    engine without reuse by 0.15. A narrow pool keeps only what the loop computed; an exact one still keeps
+    the solo request's KV."""
+    prompt = tokenizer(words(70, seed=3))["input_ids"]
+    follow = [*prompt, 7, 8, 9]
+    sampled = SamplingParams(max_new_tokens=2, temperature=0.8, ignore_eos=True)
+    for name in ("fp8", "auto"):
+        cold = engine(llama, tokenizer, name).next_token_logits(follow)
+        solo = KVBoost(
+            llama, tokenizer, config=EngineConfig(chunk_size=16, kv_cache_dtype=name), drafter=_SoloGreedy()
+        )
+        rid = solo.add_request(prompt, sampled)
+        assert rid in solo.core.solo
+        while solo.has_unfinished():
+            solo.step()
+        hit = solo.next_token_logits(follow)
+        torch.testing.assert_close(hit.logits, cold.logits, atol=1e-5, rtol=0)
+        assert (hit.cached_tokens >= 64) == (name == "auto")
+
+
+def test_a_same_size_pool_dtype_is_refused_and_aliases_share_a_fingerprint(llama, tokenizer):
+    half = make_model("llama").to(torch.float16)
+    with pytest.raises(ConfigError, match="no smaller"):
+        engine(half, tokenizer, "bfloat16")
+    assert engine(half, tokenizer, "float16").fingerprint == engine(half, tokenizer, "auto").fingerprint
+    assert engine(llama, tokenizer, "fp8").fingerprint == engine(llama, tokenizer, "fp8_e4m3").fingerprint
+    assert engine(llama, tokenizer, "fp8").fingerprint != engine(llama, tokenizer, "fp8_e5m2").fingerprint

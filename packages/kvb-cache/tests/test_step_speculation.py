@@ -239,3 +239,65 @@ def test_drafts_take_only_the_budget_left_once_every_request_has_its_token(llama
                 done[rid] = out.result.output_ids
     assert [done[i] for i in ids] == want
     assert any(d for d, _ in drafter.rounds)  # the budget left after the tokens still carried drafts
+
+
+def test_rejected_drafts_give_their_blocks_back(llama, tokenizer):
+    """Blocks taken for drafts that were rejected go back to the pool after the step: after every step each
+    request holds the blocks of its computed tokens only (they stayed with it, and a tight pool preempted
+    other requests for them). Tokens are plain greedy's."""
+    short = [tokenizer(words(6, s))["input_ids"] for s in range(2)]
+    prompts = [tokenizer(words(60, 9))["input_ids"], *short]
+    want = plain_outputs(llama, tokenizer, prompts, 20)
+    drafter = FakeDrafter({tuple(p): w for p, w in zip(prompts, want)}, "half", 8)
+    engine = KVBoost(
+        llama, tokenizer, config=EngineConfig(chunk_size=16, block_size=4, num_blocks=22), drafter=drafter
+    )
+    ids = [
+        engine.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True), prefill_chunk_size=4)
+        for p in prompts
+    ]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None:
+                done[out.request_id] = out.result.output_ids
+        for req in engine.core.scheduler.running:
+            assert len(req.blocks) == max(-(-req.num_computed // 4), req.registered), req.request_id
+    assert [done[i] for i in ids] == want
+    assert engine.paged_stats().blocks_used == 0
+    assert any(d > a for d, a in drafter.rounds)
+
+
+def test_stats_count_the_drafts_committed(llama, tokenizer):
+    """A stop part-way through accepted drafts: the round counts what was committed, not every draft."""
+    prompt = tokenizer(words(20, seed=6))["input_ids"]
+    want = plain_outputs(llama, tokenizer, [prompt], 12)[0]
+    drafter = FakeDrafter({tuple(prompt): want}, "oracle", gamma=8)
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
+    out = engine.generate(prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[want[4]])
+    committed = sum(a + 1 for d, a in drafter.rounds)  # each round (or plain step): accepted drafts + one
+    assert len(out.output_ids) == 5 and committed == len(out.output_ids)
+
+
+def test_a_drafter_attached_after_construction_speculates_in_the_step(llama, tokenizer):
+    """The kvboost meta-package sets ``engine.drafter`` once the engine is built: the step's drafter follows
+    (it stayed None, so composed engines never speculated beside other requests)."""
+    prompt = tokenizer(words(20, seed=6))["input_ids"]
+    want = plain_outputs(llama, tokenizer, [prompt], 10)[0]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    drafter = FakeDrafter({tuple(prompt): want}, "oracle")
+    engine.drafter = drafter
+    assert engine.core.drafter is drafter
+    assert engine.generate(prompt, max_new_tokens=10, ignore_eos=True).output_ids == want
+    assert any(d for d, _ in drafter.rounds)
+    engine.drafter = None
+    assert engine.core.drafter is None
+    with pytest.raises(TypeError, match="decode"):
+        engine.drafter = object()
+
+
+def test_step_limits_count_a_logits_row_per_draft(llama, tokenizer):
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=4))
+    assert engine.step_limits.sampled_rows == 4
+    engine.drafter = FakeDrafter({}, "oracle", gamma=4)
+    assert engine.step_limits.sampled_rows == 20

@@ -95,11 +95,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.traits = cap_context(inspect_model(model), self.config.max_model_len)
+        self._drafter: SpeculativeDecoder | None = None
         self.drafter = drafter
-        if drafter is not None and not isinstance(drafter, SpeculativeDecoder):
-            raise TypeError(
-                "drafter must have a decode(model, cache, input_ids, next_logits, processor) method"
-            )
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
         breaks = natural_break_ids(tokenizer) if self.config.boundary_window else frozenset()
         self.chunker = Chunker(self.config.chunk_size, self.config.boundary_window, breaks)
@@ -126,8 +123,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             plan_deferred=weak_method(self._queue_stitched),
             make_idle=weak_method(self._make_idle),
         )
-        if isinstance(drafter, StepDrafter):  # greedy requests speculate inside the batched step
-            self.core.drafter = drafter
+        self.drafter = drafter  # now that the core exists: it verifies drafts inside its step
         # Non-prefix reuse needs chunks indexed by content: with stitching on, finished requests also store
         # their chunks in a ChunkStore (its own max_cache_bytes budget) that the stitcher searches.
         self.store = store if store is not None else ChunkStore(self.config.max_cache_bytes)
@@ -159,6 +155,25 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         self._followed: set[RequestId] = set()
         self._unfollowed: list[RequestOutput] = []
         self._register_exit_flush()
+
+    @property
+    def drafter(self) -> SpeculativeDecoder | None:
+        """The speculative decoder (None: none). One that is also a :class:`~kvb_cache.decoding.StepDrafter`
+        (kvb-speculative's) has greedy requests' drafts verified inside the batched step; the others (and
+        sampled requests) decode solo when they arrive alone. Settable after construction (the kvboost
+        meta-package composes its drafter once the engine is built)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: SpeculativeDecoder | None) -> None:
+        if drafter is not None and not isinstance(drafter, SpeculativeDecoder):
+            raise TypeError(
+                "drafter must have a decode(model, cache, input_ids, next_logits, processor) method"
+            )
+        self._drafter = drafter
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.drafter = drafter if isinstance(drafter, StepDrafter) else None
 
     @classmethod
     def from_pretrained(
@@ -290,10 +305,14 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
     def step_limits(self) -> StepLimits:
         """What bounds the memory one engine step adds beside the pool (a memory planner's input:
         kvb-planner's ``PagedLoop`` takes its fields)."""
+        rows = self.config.max_num_seqs
+        if self.core.drafter is not None:  # a speculating request keeps a logits row per draft, and one more
+            rows = min(self.config.max_num_batched_tokens, rows * (1 + self.core.drafter.gamma))
         return step_limits(
             self.model,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            sampled_rows=rows,
             context=self.context_length or self.config.max_num_batched_tokens,
             logits_to_keep=self.traits.logits_to_keep,
             solo_paths=self.drafter is not None or self.stitcher.enabled,

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.config import EngineConfig
+from kvb_cache.core.kv_dtype import pool_dtype
 from kvb_cache.tiers.factory import codec_label
 
 #: Elements per reduction step of :func:`_device_checksums` (a few int64 temporaries of this size).
@@ -136,8 +137,10 @@ def model_fingerprint(model: PreTrainedModel, config: EngineConfig, *, codec: st
         "dtype": str(model.dtype),
         "codec": codec,
     }
-    if config.kv_cache_dtype != "auto":
-        # KV rounded to the pool's precision is not the model's: no record or prefix key in common. (Left out
-        # for "auto", so the records written before the option existed keep their keys.)
-        payload["kv_cache_dtype"] = config.kv_cache_dtype
+    pool = pool_dtype(config.kv_cache_dtype, model.dtype)
+    if pool != model.dtype:
+        # KV rounded to the pool's precision is not the model's: no record or prefix key in common. By the
+        # dtype itself ("fp8" and "fp8_e4m3" are one), and left out when the pool keeps the model's dtype, so
+        # the records written before the option existed keep their keys.
+        payload["kv_cache_dtype"] = str(pool)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -95,20 +95,12 @@ def run(
                     )[0]
             tokens = _close(tokens)
         stored = True
-        engine.store_sequence(
-            prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids),
-            cache,
-            root=prepared.root,
-        )
+        _store(engine, prepared, ids, out, cache)
     finally:
         _close(tokens)  # a drafter's generator releases what it holds before the cache is stored
         if not stored:
             # Cancelled (the consumer closed the stream) or failed: keep what is valid, never more.
-            engine.store_sequence(
-                prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids),
-                cache,
-                root=prepared.root,
-            )
+            _store(engine, prepared, ids, out, cache)
     result = GenerationResult(
         output_text=emitter.text,
         output_ids=out,
@@ -128,6 +120,18 @@ def run(
     engine.counters.record_chunks(prepared.chunks, partial_tokens=partial)
     engine.record_request(result)
     yield StreamEvent(delta_text="", result=result)
+
+
+def _store(engine: KVBoost, prepared: PreparedPrompt, ids: list[int], out: list[int], cache) -> None:
+    """Write the solo request's KV back to the pool, unless the pool holds a narrower dtype
+    (``kv_cache_dtype``): this KV was attended in the model's own precision, and a prefix hit on it would
+    not be what the same engine computes without reuse (every loop request attends its KV as the pool
+    holds it)."""
+    if engine.kv.storage.narrowed:
+        return
+    engine.store_sequence(
+        prepared.storable(ids + out[:-1] if engine.config.store_outputs else ids), cache, root=prepared.root
+    )
 
 
 def chunk_hits(prepared_spans, cached_tokens: int) -> tuple[ChunkHit, ...]:

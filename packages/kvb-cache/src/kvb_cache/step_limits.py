@@ -23,7 +23,8 @@ class StepLimits:
 
     Attributes:
         step_tokens: most tokens one step feeds the model (``max_num_batched_tokens``).
-        sampled_rows: most rows one step samples (``max_num_seqs``).
+        sampled_rows: most logits rows one step keeps and samples or verifies (``max_num_seqs``; with
+            speculation inside the step, ``1 + gamma`` per request, at most the step's tokens).
         logits_rows: rows of logits the forward materialises: None when it keeps only the sampled rows
             (``logits_to_keep``), else every step token.
         mask_elements: most elements of one prefill attention call's position mask.
@@ -71,11 +72,12 @@ def step_limits(
     logits_to_keep: bool,
     solo_paths: bool,
     score_slice_tokens: int = SLICE,
+    sampled_rows: int | None = None,
 ) -> StepLimits:
     """The step bounds of a loop over ``model`` whose requests reach at most ``context`` tokens."""
     return StepLimits(
         step_tokens=max_num_batched_tokens,
-        sampled_rows=max_num_seqs,
+        sampled_rows=max_num_seqs if sampled_rows is None else sampled_rows,
         logits_rows=None if logits_to_keep else max_num_batched_tokens,
         mask_elements=PREFILL_MASK_ELEMENTS,
         decode_gather_tokens=decode_gather_tokens(context, max_num_seqs),

@@ -44,7 +44,7 @@ from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
-from kvb_cache.core.speculation import accepted, propose
+from kvb_cache.core.speculation import accepted, merge_outputs, propose
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError
@@ -305,46 +305,38 @@ class EngineCore:
         """Verify ``req``'s drafts against ``logits`` ``[k + 1, V]`` (row ``j``: after its ``j``-th draft)
         by argmax: accept drafts while each is the argmax before it, then commit the argmax after the last
         accepted one (the correction, or a bonus token when all were accepted), each through the emitter in
-        turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept;
-        the rest of their slots are overwritten by later steps. One output carries every committed token."""
+        turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept; the
+        blocks taken only for rejected drafts go back to the pool. One output carries every committed token."""
         draft = req.draft[: logits.shape[0] - 1]
         best, nan = torch.stack(
             [torch.argmax(logits, dim=-1), torch.isnan(logits).any(dim=-1).long()]
         ).tolist()
         kept = accepted(draft, best, nan)
-        if self.drafter is not None:
-            self.drafter.record_round(len(draft), kept)
         assert req.spec is not None
         req.spec.session.rollback(kept)
+        outputs: list[RequestOutput] = []
+        committed = 0
         if nan[kept]:  # argmax would read a NaN row's index as a token
-            return [self._fail(req, NonFiniteLogitsError())]
-        merged: list[RequestOutput] = []
-        for j, token in enumerate([*draft[:kept], best[kept]]):
+            outputs.append(self._fail(req, NonFiniteLogitsError()))
+        for j, token in enumerate([] if nan[kept] else [*draft[:kept], best[kept]]):
             if j:  # the previous token was an accepted draft: its KV (computed this step) is valid
                 req.num_computed += 1
                 self.kv.commit(req)
             try:
                 output = self._emit(req, token, logits[j])
             except Exception as exc:
-                merged.append(self._fail(req, exc))
+                outputs.append(self._fail(req, exc))
                 break
+            committed += 1
             if output is not None:
-                merged.append(output)
+                outputs.append(output)
             if req.status is RequestStatus.FINISHED:
                 break
-        if len(merged) <= 1:
-            return merged
-        last = merged[-1]
-        return [
-            RequestOutput(
-                request_id=req.request_id,
-                delta_text="".join(o.delta_text for o in merged),
-                token_ids=tuple(t for o in merged for t in o.token_ids),
-                logprobs=(),
-                result=last.result,
-                error=last.error,
-            )
-        ]
+        if self.drafter is not None:  # what was committed: a stop part-way leaves later drafts uncounted
+            self.drafter.record_round(len(draft), max(0, min(kept, committed - 1)))
+        if req.status is not RequestStatus.FINISHED:
+            self.kv.trim(req)
+        return merge_outputs(outputs)
 
     def _logprobs(
         self, logits: torch.Tensor, requests: list[Request], tokens: list[int | Exception]

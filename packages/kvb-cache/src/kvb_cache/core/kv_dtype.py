@@ -47,6 +47,19 @@ def pool_dtype(name: str, compute: torch.dtype) -> torch.dtype:
     return _DTYPES.get(check_kv_cache_dtype(name), compute)
 
 
+def check_narrower(name: str, compute: torch.dtype) -> torch.dtype:
+    """The pool dtype of a layer computed in ``compute``; a :class:`ConfigError` when ``name`` asks for
+    another dtype of the same size (bfloat16 under a float16 model, or the reverse): no room is gained, and
+    the conversion loses precision or range (65504 rounds up to bfloat16's 65536, read back as inf)."""
+    pool = pool_dtype(name, compute)
+    if pool != compute and pool.itemsize >= compute.itemsize:
+        raise ConfigError(
+            f"kv_cache_dtype={name!r} holds a {compute} model's KV in {pool}, no smaller: nothing is gained and "
+            "range or precision is lost; use 'auto' (or fp8 to halve it)"
+        )
+    return pool
+
+
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 

@@ -266,6 +266,18 @@ class KVCacheManager:
                 self.tiers.write_behind(self._entry(block.id, parent, hashes[i], tokens, start=i * bs))
         req.registered = max(req.registered, len(hashes))
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past ``req``'s computed tokens (taken for drafts that were rejected): they
+        hold no committed token, so they were never registered; the next step takes a block again if its
+        token needs one."""
+        keep = max(-(-req.num_computed // self.block_size), req.registered)
+        if len(req.blocks) > keep:
+            extra, req.blocks = req.blocks[keep:], req.blocks[:keep]
+            self.pool.release(reversed(extra))
+            if req.slot_table is not None:  # its prefix stays valid: no rebuild of the whole table next step
+                ids, table = req.slot_table
+                req.slot_table = (ids[:keep], table[: keep * self.block_size])
+
     def free(self, req: Request) -> None:
         """Release ``req``'s blocks (full ones stay cached; the partial last block is indexed as a tail)."""
         if not req.blocks:

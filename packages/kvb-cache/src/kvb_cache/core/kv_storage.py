@@ -118,8 +118,13 @@ class KVStorage:
                 "lower num_blocks / max_cache_bytes"
             ) from exc
 
+    @property
+    def narrowed(self) -> bool:
+        """Whether some layer is held in another dtype than it is computed in (``kv_cache_dtype``)."""
+        return any(k.dtype != s.dtype for k, s in zip(self.keys, self.shapes))
+
     def _dtype(self, shape: LayerShape) -> torch.dtype:
-        return kv_dtype.pool_dtype(self.kv_cache_dtype, shape.dtype)
+        return kv_dtype.check_narrower(self.kv_cache_dtype, shape.dtype)
 
     @property
     def num_layers(self) -> int:

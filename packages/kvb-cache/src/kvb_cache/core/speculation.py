@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvb_cache.core.outputs import RequestOutput
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -88,3 +90,21 @@ def accepted(draft: list[int], best: list[int], nan: list[int]) -> int:
     while n < len(draft) and not nan[n] and best[n] == draft[n]:
         n += 1
     return n
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs of one request's tokens committed in one step, as one output (a caller reads one per
+    request per step: text and token ids concatenated, the last one's result or error)."""
+    if len(outputs) <= 1:
+        return outputs
+    last = outputs[-1]
+    return [
+        RequestOutput(
+            request_id=last.request_id,
+            delta_text="".join(o.delta_text for o in outputs),
+            token_ids=tuple(t for o in outputs for t in o.token_ids),
+            logprobs=(),
+            result=last.result,
+            error=last.error,
+        )
+    ]
