@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8, help="concurrent requests (at most 8)")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="sample (unseeded; outputs then differ by mode)"
+    )
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -73,7 +76,15 @@ def main() -> int:
         if mode == "solo":  # NOTE: the admission check sees no other request: every request speculates
             engine.core.has_unfinished = lambda: False
         try:
-            return engine.add_request(prompt, SamplingParams(max_new_tokens=args.new_tokens))
+            return engine.add_request(
+                prompt,
+                # Sampled runs generate every token (ignore_eos): their texts differ, their lengths must not.
+                SamplingParams(
+                    max_new_tokens=args.new_tokens,
+                    temperature=args.temperature,
+                    ignore_eos=bool(args.temperature),
+                ),
+            )
         finally:
             engine.core.__dict__.pop("has_unfinished", None)
 
@@ -100,7 +111,8 @@ def main() -> int:
             for mode in args.modes:
                 wall, cpu, outs[mode] = run(prompts, mode)
                 runs[name][mode].append((wall, cpu))
-            identical &= all(outs[m] == outs[args.modes[0]] for m in args.modes)
+            if not args.temperature:
+                identical &= all(outs[m] == outs[args.modes[0]] for m in args.modes)
             row = {m: f"{v[-1][0]:.2f}s wall {v[-1][1]:.2f}s cpu" for m, v in runs[name].items()}
             print(r, name, row, flush=True)
     summary = {

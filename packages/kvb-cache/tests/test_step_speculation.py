@@ -167,14 +167,15 @@ def test_streamed_text_is_the_plain_text(llama, tokenizer):
 @pytest.mark.parametrize(
     "params",
     [
-        {"temperature": 0.8},  # (a seeded one keeps the solo path: test_decoding.py)
         {"repetition_penalty": 1.3},
         {"logit_bias": {5: 2.0}},
         {"min_tokens": 3},
         {"logprobs": 2},
     ],
 )
-def test_requests_whose_argmax_is_not_the_raw_one_do_not_speculate_in_the_step(params, llama, tokenizer):
+def test_requests_whose_distribution_depends_on_their_history_do_not_speculate_in_the_step(
+    params, llama, tokenizer
+):
     prompt = tokenizer(words(20, seed=9))["input_ids"]
     drafter = FakeDrafter({}, "oracle")
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
@@ -301,3 +302,56 @@ def test_step_limits_count_a_logits_row_per_draft(llama, tokenizer):
     assert engine.step_limits.sampled_rows == 4
     engine.drafter = FakeDrafter({}, "oracle", gamma=4)
     assert engine.step_limits.sampled_rows == 20
+
+
+def test_speculative_sampling_commits_tokens_distributed_as_the_target():
+    """sampled_verdict: the first committed token (the draft when kept, else the residual draw) follows ``p``
+    exactly, whatever the draft; a rule that draws the correction from ``p`` itself (not the residual) is
+    visibly off with the same number of draws, so the check has the power to see it."""
+    from kvb_cache.core.speculation import sampled_verdict
+
+    torch.manual_seed(0)
+    p = torch.tensor([[0.05, 0.5, 0.2, 0.15, 0.1], [0.2] * 5])
+    n = 20_000
+    for draft in ([1], [4]):
+        right = torch.zeros(5)
+        wrong = torch.zeros(5)
+        for _ in range(n):
+            kept, draws = sampled_verdict(p, draft)
+            right[draft[0] if kept[0] else int(draws[0])] += 1
+            naive = int(torch.multinomial(p[0], 1))
+            wrong[draft[0] if kept[0] else naive] += 1
+        tv = 0.5 * (right / n - p[0]).abs().sum().item()
+        assert tv < 0.015, (draft, right / n)
+        if draft == [1]:
+            assert 0.5 * (wrong / n - p[0]).abs().sum().item() > 0.1
+
+
+@pytest.mark.parametrize("mode", ["oracle", "half"])
+def test_sampled_requests_speculate_in_the_step(mode, llama, tokenizer):
+    """Unseeded sampled requests (temperature, top-p) verify drafts in the step by speculative sampling; at a
+    temperature so low that sampling is the argmax, the tokens are plain greedy's."""
+    prompts = [tokenizer(words(n, seed))["input_ids"] for n, seed in ((30, 1), (12, 2), (45, 3))]
+    want = plain_outputs(llama, tokenizer, prompts, 14)
+    drafter = FakeDrafter({tuple(p): w for p, w in zip(prompts, want)}, mode)
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
+    cold = SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=1e-4, top_p=0.9)
+    ids = [engine.add_request(p, cold) for p in prompts]
+    assert not engine.core.solo and len(drafter.sessions) == 3
+    done, _ = drain(engine)
+    assert [done[i] for i in ids] == want
+    assert any(d for d, _ in drafter.rounds)
+    warm = SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=0.9, top_k=20)
+    ids = [engine.add_request(p, warm) for p in prompts]
+    done, _ = drain(engine)
+    assert all(len(done[i]) == 14 for i in ids)
+    assert engine.paged_stats().blocks_used == 0
+
+
+def test_a_seeded_sampled_request_keeps_the_solo_path(llama, tokenizer):
+    prompt = tokenizer(words(20, seed=9))["input_ids"]
+    drafter = FakeDrafter({}, "oracle")
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=0.8, seed=1))
+    assert rid in engine.core.solo and not drafter.sessions
+    engine.abort(rid)

@@ -19,7 +19,7 @@ import torch
 from kvb_cache import generation
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
-from kvb_cache.core.speculation import StepSpeculation, verifiable_by_argmax
+from kvb_cache.core.speculation import StepSpeculation, verifiable_in_step
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
@@ -120,7 +120,7 @@ class LoopAPI:
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
-        in_step = speculative and bits is None and self.core.drafter is not None and verifiable_by_argmax(req)
+        in_step = speculative and bits is None and self.core.drafter is not None and verifiable_in_step(req)
         if in_step:
             # Greedy without processing: its drafts are verified by argmax inside the batched step, beside
             # every other request (vLLM v1's way), however many run; the solo path is left to the rest.

@@ -336,6 +336,18 @@ class RequestProcessor:
         return self._generator
 
     @property
+    def history_free(self) -> bool:
+        """True when the processed distribution does not depend on the tokens generated so far (no
+        repetition / presence / frequency penalty, no banned words, no ``min_tokens`` hold): every drafted
+        position is processed alike (speculation inside the batched step)."""
+        return (
+            self._repetition is None
+            and not self._penalized
+            and self.bans is None
+            and self._min_tokens is None
+        )
+
+    @property
     def is_identity(self) -> bool:
         """True when processing cannot change the argmax (greedy without penalties): skip it."""
         return (

@@ -36,9 +36,9 @@ class SpeculativeArgs:
         choices=SPECULATIVE_MODES,
         help="prompt_lookup: n-gram drafts copied from the prompt (no extra model); draft_model: a small "
         "model with the target's vocabulary (--draft-model). Outputs stay exactly those of plain decoding. "
-        "Greedy requests (no penalties, bias, bans, min_tokens, grammar or logprobs) speculate inside the batched "
-        "step beside every other request; sampled ones speculate solo when they arrive alone. Unset: off unless "
-        "--draft-model is given",
+        "Greedy and unseeded sampled requests without penalties, banned words, min_tokens, grammar or logprobs "
+        "speculate inside the batched step beside every other request; the others speculate solo when they "
+        "arrive alone. Unset: off unless --draft-model is given",
     )
     draft_model: str | PreTrainedModel | None = option(
         None,

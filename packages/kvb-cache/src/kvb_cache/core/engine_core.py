@@ -42,9 +42,9 @@ from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.preparing import PrepareWork, Preparing
 from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
-from kvb_cache.core.sampler import sample
+from kvb_cache.core.sampler import process_logits, sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
-from kvb_cache.core.speculation import accepted, merge_outputs, propose
+from kvb_cache.core.speculation import accepted, merge_outputs, propose, sampled_verdict
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError
@@ -302,16 +302,24 @@ class EngineCore:
         return outputs
 
     def _verify(self, req: Request, logits: torch.Tensor) -> list[RequestOutput]:
-        """Verify ``req``'s drafts against ``logits`` ``[k + 1, V]`` (row ``j``: after its ``j``-th draft)
-        by argmax: accept drafts while each is the argmax before it, then commit the argmax after the last
-        accepted one (the correction, or a bonus token when all were accepted), each through the emitter in
+        """Verify ``req``'s drafts against ``logits`` ``[k + 1, V]`` (row ``j``: after its ``j``-th draft):
+        greedy by argmax (accept drafts while each is the argmax before it, then commit the argmax after the
+        last accepted one: the correction, or a bonus token when all were accepted), sampled by speculative
+        sampling (:func:`~kvb_cache.core.speculation.sampled_verdict`); each token goes through the emitter in
         turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept; the
         blocks taken only for rejected drafts go back to the pool. One output carries every committed token."""
         draft = req.draft[: logits.shape[0] - 1]
-        best, nan = torch.stack(
-            [torch.argmax(logits, dim=-1), torch.isnan(logits).any(dim=-1).long()]
-        ).tolist()
-        kept = accepted(draft, best, nan)
+        nan_rows = torch.isnan(logits).any(dim=-1).long()
+        if req.params.greedy:
+            best, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows]).tolist()
+            kept = accepted(draft, best, nan)
+        else:  # speculative sampling over the request's processed distribution (history-free)
+            probs = torch.softmax(process_logits(logits, [req] * logits.shape[0]), dim=-1)
+            keep, draws = sampled_verdict(probs, draft)
+            k = len(draft)
+            read = torch.cat([keep.long(), draws, nan_rows]).tolist()  # one host read
+            flags, best, nan = read[:k], read[k : 2 * k + 1], read[2 * k + 1 :]
+            kept = accepted(draft, [d if f else -1 for d, f in zip(draft, flags)], nan)
         assert req.spec is not None
         req.spec.session.rollback(kept)
         outputs: list[RequestOutput] = []

@@ -60,6 +60,24 @@ def verifiable_by_argmax(req: Request) -> bool:
     return req.processor.is_identity and not req.params.min_tokens and req.grammar is None
 
 
+def verifiable_in_step(req: Request) -> bool:
+    """Whether the batched step can verify ``req``'s drafts: greedy by argmax (:func:`verifiable_by_argmax`),
+    or sampled without a seed and with a processing that does not depend on its history (temperature,
+    top-k / top-p / min-p, ``logit_bias``; no penalty, banned words, ``min_tokens`` or grammar), by
+    rejection sampling (:func:`sampled_verdict`). A seeded request keeps the solo path: drafts cut by the
+    step's budget would change how many random numbers it draws, so its text would depend on the load."""
+    if verifiable_by_argmax(req):
+        return True
+    params = req.params
+    return (
+        not params.greedy
+        and params.seed is None
+        and req.grammar is None
+        and not params.min_tokens
+        and req.processor.history_free
+    )
+
+
 def propose(drafter: StepDrafter, running: Iterable[Request]) -> list[Request]:
     """Set ``draft`` on every running request that speculates and is decoding (at most ``gamma`` tokens, and
     short of its ``max_new_tokens``: the request was admitted for that many positions only); returns those
@@ -108,3 +126,24 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
             error=last.error,
         )
     ]
+
+
+def sampled_verdict(probs: torch.Tensor, draft: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of point-mass drafts (prompt lookup; a greedy draft model), all rows at once on
+    the device: ``probs`` ``[k + 1, V]`` is the processed distribution after each drafted position. Draft ``j``
+    is kept with probability ``p_j(d_j)`` (``min(1, p / q)`` with ``q`` a point mass); the token after the
+    last kept one is drawn from ``p_j`` without ``d_j``, renormalised (the residual ``max(p - q, 0)``), or
+    from ``p_k`` when every draft was kept. Each committed token then follows ``p`` exactly (Leviathan et
+    al. 2023; kvb-speculative's verifier, tested by chi-square there and in tests/test_step_speculation.py).
+
+    Returns ``[k]`` bool (kept, per draft) and ``[k + 1]`` int64: for ``j < k`` the residual draw at row ``j``,
+    for ``k`` the bonus draw. Random numbers come from torch's global generator (unseeded requests only)."""
+    k = len(draft)
+    ids = torch.tensor(draft, dtype=torch.long, device=probs.device)
+    rows = torch.arange(k, device=probs.device)
+    kept = torch.rand(k, device=probs.device) < probs[rows, ids]
+    residual = probs.clone()
+    residual[rows, ids] = 0.0
+    # Exponential race: argmax(p / Exp(1)) draws from p (unnormalised is fine), as torch.multinomial does.
+    race = torch.empty_like(residual).exponential_(1)
+    return kept, torch.argmax(residual / race, dim=-1)
