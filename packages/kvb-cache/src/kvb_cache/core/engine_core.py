@@ -42,9 +42,9 @@ from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.preparing import PrepareWork, Preparing
 from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
-from kvb_cache.core.sampler import process_logits, sample
+from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
-from kvb_cache.core.speculation import accepted, merge_outputs, propose, sampled_verdict
+from kvb_cache.core.speculation import merge_outputs, propose, verdict
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError
@@ -309,17 +309,7 @@ class EngineCore:
         turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept; the
         blocks taken only for rejected drafts go back to the pool. One output carries every committed token."""
         draft = req.draft[: logits.shape[0] - 1]
-        nan_rows = torch.isnan(logits).any(dim=-1).long()
-        if req.params.greedy:
-            best, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows]).tolist()
-            kept = accepted(draft, best, nan)
-        else:  # speculative sampling over the request's processed distribution (history-free)
-            probs = torch.softmax(process_logits(logits, [req] * logits.shape[0]), dim=-1)
-            keep, draws = sampled_verdict(probs, draft)
-            k = len(draft)
-            read = torch.cat([keep.long(), draws, nan_rows]).tolist()  # one host read
-            flags, best, nan = read[:k], read[k : 2 * k + 1], read[2 * k + 1 :]
-            kept = accepted(draft, [d if f else -1 for d, f in zip(draft, flags)], nan)
+        kept, best, nan = verdict(req, logits, draft)
         assert req.spec is not None
         req.spec.session.rollback(kept)
         outputs: list[RequestOutput] = []

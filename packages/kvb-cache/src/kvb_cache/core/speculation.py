@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvb_cache.core.outputs import RequestOutput
+from kvb_cache.core.sampler import process_logits
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -108,6 +109,23 @@ def accepted(draft: list[int], best: list[int], nan: list[int]) -> int:
     while n < len(draft) and not nan[n] and best[n] == draft[n]:
         n += 1
     return n
+
+
+def verdict(req: Request, logits: torch.Tensor, draft: list[int]) -> tuple[int, list[int], list[int]]:
+    """How many of ``draft`` are kept given ``logits`` ``[k + 1, V]`` (row ``j``: after draft ``j``), each
+    row's token to commit after the kept ones (its argmax, or for a sampled request its residual / bonus
+    draw) and which rows hold NaN; one host read. Greedy requests by argmax, sampled ones by speculative
+    sampling over their processed distribution (history-free: every row processed alike)."""
+    nan_rows = torch.isnan(logits).any(dim=-1).long()
+    if req.params.greedy:
+        best, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows]).tolist()
+        return accepted(draft, best, nan), best, nan
+    probs = torch.softmax(process_logits(logits, [req] * logits.shape[0]), dim=-1)
+    keep, draws = sampled_verdict(probs, draft)
+    k = len(draft)
+    read = torch.cat([keep.long(), draws, nan_rows]).tolist()
+    flags, best, nan = read[:k], read[k : 2 * k + 1], read[2 * k + 1 :]
+    return accepted(draft, [d if f else -1 for d, f in zip(draft, flags)], nan), best, nan
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
