@@ -147,6 +147,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             self.config.stitching,
             chunk_size=self.config.chunk_size,
             boundary_window=self.chunker.boundary_window,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
         self._ids = itertools.count()
         # Outputs of requests followed by library loops (stream/generate), until their loop reads them.

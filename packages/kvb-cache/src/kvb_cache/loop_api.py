@@ -126,6 +126,11 @@ class LoopAPI:
             # every other request (vLLM v1's way), however many run; the solo path is left to the rest.
             speculative = False
             req.spec = StepSpeculation.start(self.core.drafter, ids, params.max_new_tokens)
+        if speculative and self.kv.storage.narrowed:
+            # NOTE: the solo path decodes over its own cache in the model's dtype, the loop over pool-precision
+            # KV (kv_cache_dtype): a greedy request's tokens would depend on the drafter and on the load. With a
+            # narrowed pool only the requests verified inside the step speculate.
+            speculative = False
         if speculative and self.core.has_unfinished() and (params.greedy or params.seed is None):
             # NOTE: a speculative request runs solo (its own batch-1 forwards, beside the batched one), so
             # speculating beside other requests turns one batched forward into one per request: 8 concurrent

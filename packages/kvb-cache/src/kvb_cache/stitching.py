@@ -66,13 +66,14 @@ class Stitcher:
         *,
         chunk_size: int,
         boundary_window: int,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.store = store
         self.root = root
         self.config = config
         self.mover = KeyRepositioner.for_model(model, absolute_positions=traits.absolute_positions)
-        self.layout = RecomputeLayout.for_model(model, traits.sliding_window)
+        self.layout = RecomputeLayout.for_model(model, traits.sliding_window, kv_cache_dtype)
         self.lengths = sorted(
             range(chunk_size - boundary_window, chunk_size + boundary_window + 1), reverse=True
         )

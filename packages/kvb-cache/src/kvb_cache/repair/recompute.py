@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_kwargs
+from kvb_cache.core import kv_dtype
 from kvb_cache.core.paged_attention import NAME as PAGED_ATTENTION
 from kvb_cache.core.paged_attention import no_mask, row_call
 from kvb_cache.repair.rows import RowAttention
@@ -49,12 +50,21 @@ class RecomputeLayout:
     sliding_window: int | None = None
     #: True when full and sliding layers are mixed (Gemma 2/3): the model takes a mask per layer kind.
     hybrid: bool = False
+    #: The block pool's ``kv_cache_dtype``: fresh KV is rounded to it before it is attended, as the engine
+    #: loop writes a step's KV into the pool before attending (``"auto"``: kept as computed).
+    kv_cache_dtype: str = "auto"
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, sliding_window: int | None) -> RecomputeLayout:
+    def for_model(
+        cls, model: PreTrainedModel, sliding_window: int | None, kv_cache_dtype: str = "auto"
+    ) -> RecomputeLayout:
         config = model.config.get_text_config(decoder=True)
         kinds = set(getattr(config, "layer_types", None) or ())
-        return cls(sliding_window=sliding_window, hybrid=sliding_window is not None and len(kinds) > 1)
+        return cls(
+            sliding_window=sliding_window,
+            hybrid=sliding_window is not None and len(kinds) > 1,
+            kv_cache_dtype=kv_dtype.check_kv_cache_dtype(kv_cache_dtype),
+        )
 
 
 class _ScatterCache:
@@ -74,11 +84,13 @@ class _ScatterCache:
         *,
         last_layer: int | None,
         capture_layer: int | None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.layers_kv = layers
         self.index = index
         self.last_layer = last_layer
         self.capture_layer = capture_layer
+        self.kv_cache_dtype = kv_cache_dtype
         #: ``[Q]`` squared L2 distance between fresh and cached KV at ``capture_layer``, per recomputed token.
         self.deviation: torch.Tensor | None = None
 
@@ -87,6 +99,14 @@ class _ScatterCache:
         if self.last_layer is not None and layer_idx > self.last_layer:
             raise _StopForward
         keys, values = self.layers_kv[layer_idx]
+        if self.kv_cache_dtype != "auto":
+            # NOTE: in pool precision, as the loop attends a prompt it computes: positions before the first
+            # stitched piece are registered as exact prefix blocks, whose hits must equal the same engine
+            # without reuse (unrounded, fp8 hits were 0.13 off).
+            key_states, value_states = (
+                _rounded(key_states, self.kv_cache_dtype),
+                _rounded(value_states, self.kv_cache_dtype),
+            )
         if layer_idx == self.capture_layer:
             old_k, old_v = keys[:, :, self.index].float(), values[:, :, self.index].float()
             self.deviation = ((key_states.float() - old_k) ** 2).sum(dim=(0, 1, 3)) + (
@@ -98,6 +118,12 @@ class _ScatterCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers_kv[layer_idx][0].shape[2]
+
+
+def _rounded(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """``x`` as the pool holds it, read back in ``x``'s dtype."""
+    pool = kv_dtype.pool_dtype(kv_cache_dtype, x.dtype)
+    return x if pool == x.dtype else kv_dtype.encode(x, pool).to(x.dtype)
 
 
 def position_mask(
@@ -149,7 +175,13 @@ def recompute_tokens(
     device = layers[0][0].device
     positions = positions.to(device)
     tokens = torch.tensor([ids[p] for p in positions.tolist()], device=device).unsqueeze(0)
-    cache = _ScatterCache(layers, positions, last_layer=last_layer, capture_layer=capture_layer)
+    cache = _ScatterCache(
+        layers,
+        positions,
+        last_layer=last_layer,
+        capture_layer=capture_layer,
+        kv_cache_dtype=layout.kv_cache_dtype,
+    )
     if layout.sliding_window is None and model.config._attn_implementation == PAGED_ATTENTION:
         attention = row_call(RowAttention(positions))
         mask = no_mask(device)
