@@ -38,6 +38,8 @@ def test_default_engine_has_no_tiers_and_codec_in_fingerprint(llama, tokenizer, 
         ({"kv_cache_bits": 8.0, "tiers": "disk"}, "kv_cache_bits must be 16"),
         # 4-bit codes pack two per byte inside a group: an odd group failed or corrupted every write.
         ({"kv_cache_bits": 4, "kv_group_size": 5, "tiers": "disk"}, "must be even"),
+        # Reuse off stores nothing: the tier was accepted and never written (found by an audit).
+        ({"max_cache_bytes": 0, "tiers": "disk"}, "max_cache_bytes=0 turns reuse off"),
     ],
 )
 def test_engine_config_refuses_quantization_settings_that_cannot_work(options, match, tmp_path):

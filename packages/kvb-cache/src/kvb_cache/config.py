@@ -192,6 +192,12 @@ class EngineConfig:
                 "disk_cache_dir / --disk-cache-dir, remote_url / --remote-url), or drop it (a request's own "
                 "kv_cache_bits quantizes its live KV)"
             )
+        if self.max_cache_bytes == 0 and self.tiers is not None and self.tiers.enabled:
+            # Accepted before and silently wrote nothing: with reuse off nothing is stored, so no tier is read.
+            raise ConfigError(
+                "max_cache_bytes=0 turns reuse off, so a disk/Redis tier would never be written or read: raise "
+                "max_cache_bytes (--max-cache-bytes) or drop the tier (disk_cache_dir / remote_url)"
+            )
         if bits == 16 and group != DEFAULT_KV_GROUP_SIZE:
             raise ConfigError(
                 f"kv_group_size={group} has no effect with kv_cache_bits=16: add kv_cache_bits 8 or 4 "
