@@ -19,6 +19,20 @@ def test_parse_bytes() -> None:
         parse_bytes("lots")
 
 
+def test_the_model_may_be_positional_as_vllm_serve_takes_it(capsys) -> None:
+    """`vllm serve MODEL` is how a vLLM user starts a server; `kvboost-server MODEL` was "unrecognized
+    arguments". The same model twice is fine, two different ones are refused in one line."""
+    parser = build_parser()
+    assert parser.parse_args(["path/to/m", "--port", "9000"]).model == "path/to/m"
+    assert parser.parse_args(["--port", "9000", "path/to/m"]).model == "path/to/m"
+    assert parser.parse_args(["m", "--model", "m"]).model == "m"
+    for argv in (["a", "--model", "b"], ["--model", "b", "a"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+        assert exit_info.value.code == 2
+        assert "the model is given twice" in capsys.readouterr().err
+
+
 def test_safe_defaults_and_flags() -> None:
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1"

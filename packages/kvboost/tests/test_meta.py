@@ -29,6 +29,11 @@ def test_cli_help_lists_demo_and_its_flags():
         assert flag in out.stdout
 
 
+def test_serve_takes_the_model_as_vllm_serve_does():
+    pytest.importorskip("kvb_server")
+    assert build_parser().parse_args(["serve", "path/to/m", "--port", "9000"]).model == "path/to/m"
+
+
 def test_cli_prints_its_version():
     out = subprocess.run([sys.executable, "-m", "kvboost.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"kvboost {kvboost.__version__}"

@@ -43,6 +43,16 @@ DEFAULT_MODEL = "smollm2-135m"
 API_KEY_ENV = "KVBOOST_API_KEY"
 
 
+class _ModelFlag(argparse.Action):
+    """``--model`` and the positional ``MODEL``: both set ``model``; two different models are an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, "model_given", None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice ({given!r} and {values!r}): pass it once")
+        namespace.model, namespace.model_given = values, values
+
+
 def build_parser(
     composer: EngineComposer | None = None, *, prog: str = "kvboost-server"
 ) -> argparse.ArgumentParser:
@@ -66,8 +76,18 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
     model.add_argument(
         "--model",
         default=DEFAULT_MODEL,
+        action=_ModelFlag,
         help="local model folder, a hub id already in the local Hugging Face cache, or "
         "'smollm2-135m' for the embedded SmolLM2-135M-Instruct",
+    )
+    # `vllm serve MODEL` takes it as a positional argument: `kvboost serve MODEL` was "unrecognized arguments".
+    model.add_argument(
+        "model_tag",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        action=_ModelFlag,
+        metavar="MODEL",
+        help="the model as a positional argument, as `vllm serve MODEL` takes it (the same as --model)",
     )
     model.add_argument(
         "--served-model-name",
