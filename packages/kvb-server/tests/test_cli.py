@@ -277,6 +277,12 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
         (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
         (["--download", "x"], "--download-dir (a vLLM flag)"),  # an abbreviation names the full flag
+        (["-O3"], "there is no torch.compile"),  # vLLM's -O3 is -O 3, the short --compilation-config
+        (["--enable-sleep-mode"], "there is no sleep mode"),
+        (["--trust-request-chat-template"], "start the server with --chat-template"),
+        (["--kv-transfer-config", "{}"], "--remote-url (Redis)"),
+        (["--response-role", "bot"], "accepted: assistant"),
+        (["--load-format", "gguf"], "accepted: auto, safetensors"),
     ],
 )
 def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], message: str, capsys) -> None:
@@ -287,6 +293,24 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert "--swap-space" not in build_parser().format_help()  # hidden: they are not options
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--response-role", "assistant"],
+        ["--load-format", "safetensors"],
+        ["--tokenizer-mode", "auto"],
+        ["--chat-template-content-format", "auto"],
+        ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+        ["--max-seq-len-to-capture", "8192"],
+    ],
+)
+def test_vllm_flags_asking_for_what_the_server_does_are_accepted_with_a_warning(flags, caplog) -> None:
+    """Common in vLLM command lines; they were "unrecognized arguments", so the line had to be edited."""
+    with caplog.at_level(logging.WARNING, logger="kvb_server.vllm_flags"):
+        build_parser().parse_args(flags)
+    assert f"{flags[0]} (a vLLM flag) changes nothing here" in caplog.text
 
 
 @pytest.mark.parametrize("flags", [["--speculative", "prompt_lookup"], ["--gamma", "4"], ["--awq-streaming"]])

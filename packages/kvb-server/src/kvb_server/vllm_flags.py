@@ -37,6 +37,27 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding is part of the full stack: kvboost serve takes "
     "--speculative-config (method ngram or draft_model) or --speculative prompt_lookup|draft_model",
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",
+    "--trust-request-chat-template": "a request's chat_template is never rendered (it would run the client's "
+    "Jinja on this server): start the server with --chat-template",
+    "--enable-sleep-mode": "there is no sleep mode: the weights and the block pool stay loaded until the server "
+    "stops",
+    "--async-scheduling": "one engine thread schedules each step and then runs it (scheduling does not "
+    "overlap the forward)",
+    "--compilation-config": "there is no torch.compile: decode steps replay CUDA graphs (off with "
+    "--enforce-eager), everything else runs eagerly",
+    "--long-prefill-token-threshold": "prefills are sliced by --max-num-batched-tokens (a request's "
+    "prefill_chunk_size per step at most); long prefills have no separate limit",
+    "--max-num-partial-prefills": "prefills are sliced by --max-num-batched-tokens (a request's "
+    "prefill_chunk_size per step at most); long prefills have no separate limit",
+    "--max-long-partial-prefills": "prefills are sliced by --max-num-batched-tokens (a request's "
+    "prefill_chunk_size per step at most); long prefills have no separate limit",
+    "--kv-transfer-config": "there is no KV connector (LMCache, NIXL): servers share KV through "
+    "--remote-url (Redis) or a common --disk-cache-dir",
+    "--hf-overrides": "the model config is the checkpoint's: edit a copy of its config.json",
+    "--otlp-traces-endpoint": "there is no OpenTelemetry tracing: /metrics (Prometheus), /v1/stats and the "
+    "x-request-id header report requests",
+    "--return-tokens-as-token-ids": "logprobs carry each token's text and its UTF-8 bytes (`bytes`), which "
+    "identify a token that is not valid text alone",
 }
 
 #: flag -> (what this server already does that the flag asks for, the values that ask for it; None: any).
@@ -58,6 +79,22 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         None,
     ),
     "--guided-decoding-backend": ("structured outputs always use llguidance", None),
+    "--structured-outputs-config": ("structured outputs always use llguidance", None),
+    "--response-role": ("chat replies always have the role assistant", ("assistant",)),
+    "--load-format": (
+        "weights load through transformers' from_pretrained (safetensors when the folder has them)",
+        ("auto", "safetensors"),
+    ),
+    "--tokenizer-mode": ("the tokenizer is the model folder's, loaded by transformers", ("auto", "hf")),
+    "--chat-template-content-format": (
+        "a message's text parts are joined into one string before the chat template renders it",
+        ("auto", "string"),
+    ),
+    "--max-seq-len-to-capture": (
+        "decode steps replay CUDA graphs captured per batch size and context-width bucket, at any context "
+        "length (--enforce-eager turns them off)",
+        None,
+    ),
     "--disable-log-requests": (
         "prompts and sampling parameters are logged only with --enable-log-requests",
         None,
@@ -86,6 +123,7 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "--pipeline-parallel-size": ("-pp",),
     "--data-parallel-size": ("-dp",),
     "--quantization": ("-q",),
+    "--compilation-config": ("-O",),
 }
 
 
