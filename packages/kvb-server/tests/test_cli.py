@@ -26,11 +26,63 @@ def test_the_model_may_be_positional_as_vllm_serve_takes_it(capsys) -> None:
     assert parser.parse_args(["path/to/m", "--port", "9000"]).model == "path/to/m"
     assert parser.parse_args(["--port", "9000", "path/to/m"]).model == "path/to/m"
     assert parser.parse_args(["m", "--model", "m"]).model == "m"
+    # vLLM's boolean flags take no value: the model after one was taken as its value (default model served).
+    assert (
+        parser.parse_args(["--enable-prefix-caching", "path/to/m", "--trust-remote-code"]).model
+        == "path/to/m"
+    )
     for argv in (["a", "--model", "b"], ["--model", "b", "a"]):
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args(argv)
         assert exit_info.value.code == 2
         assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_a_config_file_gives_options_as_vllm_serve_reads_it(tmp_path) -> None:
+    """`vllm serve --config file.yaml`: keys are option names without dashes (either spelling), values go
+    through each flag's own parsing, and what is typed on the command line wins over the file."""
+    path = tmp_path / "server.yaml"
+    path.write_text(
+        "model: from/file\nport: 9001\nmax_num_seqs: 4\nserved-model-name: [a, b]\n"
+        "warm: [first text, second text]\noom-planning: false\nallowed-origins: ['http://x']\n"
+        "max-cache-bytes: 1GiB\nenable-prefix-caching: true\n"
+    )
+    args = build_parser().parse_args(["--config", str(path)])
+    assert (args.model, args.port, args.max_num_seqs, args.served_model_name) == (
+        "from/file",
+        9001,
+        4,
+        ["a", "b"],
+    )
+    assert args.warm == ["first text", "second text"] and args.oom_planning is False
+    assert args.allowed_origins == ("http://x",) and args.max_cache_bytes == 2**30
+    args = build_parser().parse_args(["typed/model", f"--config={path}", "--port", "9002"])
+    assert (args.model, args.port, args.max_num_seqs) == ("typed/model", 9002, 4)
+    assert build_parser().parse_args(["--config", str(path), "--model", "m"]).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nonsense-option: 1\n", "unknown option 'nonsense-option'"),
+        ("- port\n- 9000\n", "must be a mapping of option names to values"),
+        ("port: [1\n", "is not valid YAML"),
+        ("config: other.yaml\n", "cannot name another one"),
+        ("port: not-a-port\n", "--port"),
+        ("max-num-seqs:\n", "'max-num-seqs' has no value"),
+        ("swap-space: 4\n", "a preempted request is recomputed"),  # vLLM flags are refused as typed
+    ],
+)
+def test_a_bad_config_file_is_one_line_naming_the_option(tmp_path, capsys, text, message) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", str(tmp_path / "missing.yaml")])
+    assert "cannot be read" in capsys.readouterr().err
 
 
 def test_safe_defaults_and_flags() -> None:

@@ -34,6 +34,14 @@ def test_serve_takes_the_model_as_vllm_serve_does():
     assert build_parser().parse_args(["serve", "path/to/m", "--port", "9000"]).model == "path/to/m"
 
 
+def test_serve_reads_a_vllm_style_config_file(tmp_path):
+    pytest.importorskip("kvb_server")
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative-config: {method: ngram, num_speculative_tokens: 3}\nkv-cache-dtype: fp8\n")
+    args = build_parser().parse_args(["serve", "--config", str(path)])
+    assert args.kv_cache_dtype == "fp8" and '"num_speculative_tokens": 3' in args.speculative_config
+
+
 def test_cli_prints_its_version():
     out = subprocess.run([sys.executable, "-m", "kvboost.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"kvboost {kvboost.__version__}"

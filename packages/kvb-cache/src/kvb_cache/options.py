@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -230,6 +231,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # An action with ``expand_arguments(parser, args)`` rewrites the words first (kvb-server's ``--config
+        # FILE`` puts the file's options there); subcommand parsers go through here too.
+        words = list(sys.argv[1:] if args is None else args)
+        for action in self._actions:
+            expand = getattr(action, "expand_arguments", None)
+            if expand is not None:
+                words = expand(self, words)
+        return super().parse_known_args(words, namespace)
 
 
 def flag_hint(parser: argparse.ArgumentParser, message: str) -> str:

@@ -29,6 +29,7 @@ from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
+from kvb_server.config_file import add_config_arguments
 from kvb_server.flag_types import DeprecatedFlag, HelpFormatter, api_key, logprobs_cap, margin, port
 from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO
@@ -51,6 +52,13 @@ class _ModelFlag(argparse.Action):
         if given is not None and given != values:
             parser.error(f"the model is given twice ({given!r} and {values!r}): pass it once")
         namespace.model, namespace.model_given = values, values
+
+
+class _ConfigModel(argparse.Action):
+    """A ``--config`` file's ``model:``: sets the model; the command line's own model replaces it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.model = values
 
 
 def build_parser(
@@ -114,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         f"reasoning / reasoning_content fields, as vLLM's flag ({', '.join(sorted(PARSERS))}); unset: it "
         "stays in content",
     )
+    add_config_arguments(model, _ConfigModel)
     cache = p.add_argument_group("cache")
     cache.add_argument(
         "--warm",

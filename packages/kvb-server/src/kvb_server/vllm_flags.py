@@ -117,6 +117,21 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     ),
 }
 
+#: Flags vLLM declares as booleans (no value). Taking an optional value, ``--enable-prefix-caching MODEL``
+#: took the model as the flag's value and the server started on the default model.
+BOOLEAN_VLLM_FLAGS = frozenset(
+    {
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--enable-auto-tool-choice",
+        "--trust-remote-code",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--enable-prompt-tokens-details",
+        "--enable-request-id-headers",
+    }
+)
+
 #: vLLM's short spellings of the flags above.
 VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "--tensor-parallel-size": ("-tp",),
@@ -128,11 +143,13 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
 
 
 class _VllmFlag(argparse.Action):
-    """A hidden flag taking an optional value: both ``--seed 1`` and ``--enable-prefix-caching`` parse, so
-    the explanation, not argparse's "expected one argument", is what the user sees."""
+    """A hidden flag taking an optional value (``--swap-space 4`` and ``--swap-space`` both parse, so the
+    explanation, not argparse's "expected one argument", is what the user sees), or none when vLLM's flag
+    is a boolean (:data:`BOOLEAN_VLLM_FLAGS`)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        nargs = 0 if option_strings[0] in BOOLEAN_VLLM_FLAGS else "?"
+        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 class RefusedFlag(_VllmFlag):
