@@ -331,6 +331,7 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
         (["--download", "x"], "--download-dir (a vLLM flag)"),  # an abbreviation names the full flag
         (["-O3"], "there is no torch.compile"),  # vLLM's -O3 is -O 3, the short --compilation-config
         (["--enable-sleep-mode"], "there is no sleep mode"),
+        (["--calculate-kv-scales"], "fp8 KV uses a scale of 1.0"),
         (["--trust-request-chat-template"], "start the server with --chat-template"),
         (["--kv-transfer-config", "{}"], "--remote-url (Redis)"),
         (["--response-role", "bot"], "accepted: assistant"),

@@ -201,7 +201,7 @@ def test_draft_model_mode_without_a_draft_is_refused_before_the_target_loads(tar
     with pytest.raises(SpeculativeConfigError, match=r"needs draft_model \(--draft-model\)"):
         KVBoost.from_pretrained(target, device="cpu", speculative="draft_model")
     # Also said only after the target (and the draft) had loaded: gamma past 64, a draft with prompt_lookup.
-    with pytest.raises(SpeculativeConfigError, match=r"gamma=1000 must be an int in 1\.\.64"):
+    with pytest.raises(SpeculativeConfigError, match=r"gamma=1000 \(--gamma, .*\) must be in 1\.\.64"):
         KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", gamma=1000)
     with pytest.raises(SpeculativeConfigError, match="prompt_lookup' uses no draft model"):
         KVBoost.from_pretrained(target, device="cpu", speculative="prompt_lookup", draft_model=target)
@@ -248,7 +248,20 @@ def test_vllms_speculative_config_sets_the_speculative_options(target, other):
         ({"method": "eagle", "model": "x"}, "method 'eagle' is not served here"),
         (
             {"method": "ngram", "disable_by_batch_size": 4},
-            r"keys \['disable_by_batch_size'\] are not supported",
+            "key 'disable_by_batch_size' .* is refused: speculation inside the batched step is not turned off",
+        ),
+        ({"method": "ngram", "draft_tensor_parallel_size": 2}, r"one device \(accepted: 1\)"),
+        ({"method": "ngram", "foo": 1}, "'foo' .* not one of vLLM's keys served here"),
+        ({"method": "NGRAM"}, r"'NGRAM' is not served here \(unknown method\)"),
+        ({"method": "suffix"}, "suffix decoding"),
+        ({"method": "ngram", "model": "/x"}, "takes no model"),
+        (
+            {"num_speculative_tokens": 100},
+            r"num_speculative_tokens in --speculative-config\) must be in 1..64",
+        ),
+        (
+            {"prompt_lookup_min": 4, "prompt_lookup_max": 3},
+            "prompt_lookup_min=4 is above prompt_lookup_max=3",
         ),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
         ({"method": "ngram", "num_speculative_tokens": "5"}, "num_speculative_tokens must be an int >= 1"),
@@ -274,8 +287,31 @@ def test_speculative_config_and_its_own_flags_are_given_once(target):
         )
     with pytest.raises(SpeculativeConfigError, match="apply to speculative='prompt_lookup' only"):
         KVBoost.from_pretrained(str(target), device="cpu", draft_model=str(target), prompt_lookup_max=5)
-    with pytest.raises(SpeculativeConfigError, match="must be >= min_ngram"):
+    # Said in the names typed (kvb-speculative's own message named its max_ngram / min_ngram parameters).
+    with pytest.raises(SpeculativeConfigError, match="prompt_lookup_min=4 is above prompt_lookup_max=3"):
         KVBoost.from_pretrained(str(target), device="cpu", speculative="prompt_lookup", prompt_lookup_min=4)
+
+
+def test_speculative_config_follows_vllm_where_it_says_nothing_against():
+    """vLLM: one n-gram bound given, the other equals it; keys asking for what is done anyway are accepted;
+    kvb-speculative's own method name is taken."""
+    from kvboost.args import SpeculativeArgs
+
+    only_max = SpeculativeArgs(speculative_config={"method": "ngram", "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    only_min = SpeculativeArgs(speculative_config={"prompt_lookup_min": 4})
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (4, 4)
+    kept = SpeculativeArgs(prompt_lookup_min=1, speculative_config={"prompt_lookup_max": 4})
+    assert (kept.prompt_lookup_min, kept.prompt_lookup_max) == (1, 4)  # the flag given stays
+    satisfied = SpeculativeArgs(
+        speculative_config={
+            "method": "prompt_lookup",
+            "draft_tensor_parallel_size": 1,
+            "enforce_eager": True,
+            "acceptance_method": "rejection_sampler",
+        }
+    )
+    assert satisfied.speculative == "prompt_lookup" and satisfied.gamma == 5
 
 
 def test_kvboost_serve_takes_vllms_speculative_config_flag():

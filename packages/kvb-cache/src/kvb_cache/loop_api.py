@@ -122,8 +122,9 @@ class LoopAPI:
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
         in_step = speculative and bits is None and self.core.drafter is not None and verifiable_in_step(req)
         if in_step:
-            # Greedy without processing: its drafts are verified by argmax inside the batched step, beside
-            # every other request (vLLM v1's way), however many run; the solo path is left to the rest.
+            # Greedy without processing (verified by argmax) or unseeded and history-free sampled (speculative
+            # sampling): its drafts are verified inside the batched step beside every other request (vLLM
+            # v1's way), however many run; the solo path is left to the rest.
             speculative = False
             req.spec = StepSpeculation.start(self.core.drafter, ids, params.max_new_tokens)
         if speculative and self.kv.storage.narrowed:

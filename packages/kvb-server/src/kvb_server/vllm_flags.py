@@ -37,6 +37,8 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding is part of the full stack: kvboost serve takes "
     "--speculative-config (method ngram or draft_model) or --speculative prompt_lookup|draft_model",
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",
+    "--calculate-kv-scales": "fp8 KV uses a scale of 1.0 (no calibration), as vLLM does without this flag "
+    "(docs/kv_cache_dtype.md)",
     "--trust-request-chat-template": "a request's chat_template is never rendered (it would run the client's "
     "Jinja on this server): start the server with --chat-template",
     "--enable-sleep-mode": "there is no sleep mode: the weights and the block pool stay loaded until the server "

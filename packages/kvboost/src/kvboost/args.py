@@ -11,6 +11,7 @@ value ``kvb_attention`` to ``EngineArgs.attn_implementation`` (``--attn-implemen
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,8 +38,8 @@ class SpeculativeArgs:
         help="prompt_lookup: n-gram drafts copied from the prompt (no extra model); draft_model: a small "
         "model with the target's vocabulary (--draft-model). Outputs stay exactly those of plain decoding. "
         "Greedy and unseeded sampled requests without penalties, banned words, min_tokens, grammar or logprobs "
-        "speculate inside the batched step beside every other request; the others speculate solo when they "
-        "arrive alone. Unset: off unless --draft-model is given",
+        "speculate inside the batched step beside every other request; penalised ones speculate solo when they "
+        "arrive alone, seeded sampled ones solo under any load. Unset: off unless --draft-model is given",
     )
     draft_model: str | PreTrainedModel | None = option(
         None,
@@ -80,14 +81,55 @@ class SpeculativeArgs:
             for name, value in vllm_speculative_config(self.speculative_config, self).items():
                 object.__setattr__(self, name, value)
             object.__setattr__(self, "speculative_config", None)
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """The ranges kvb-speculative checks, said in the names the user typed (its own messages name its
+        parameters, ``gamma`` / ``max_ngram``, which neither the flags nor vLLM's JSON keys are)."""
+        from kvb_speculative import SpeculativeConfigError
+
+        gamma, low, high = self.gamma, self.prompt_lookup_min, self.prompt_lookup_max
+        if isinstance(gamma, int) and not isinstance(gamma, bool) and not 1 <= gamma <= 64:
+            raise SpeculativeConfigError(
+                f"gamma={gamma} (--gamma, or num_speculative_tokens in --speculative-config) must be in 1..64 "
+                "(typical: 3-10)"
+            )
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) and low > high:
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min={low} is above prompt_lookup_max={high} (--prompt-lookup-min / "
+                "--prompt-lookup-max, or the same keys in --speculative-config): the shortest n-gram looked "
+                "up cannot be longer than the longest"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.speculative is not None or self.draft_model is not None
 
 
-#: vLLM ``speculative_config`` methods served here, and the ``speculative`` mode each one is.
-VLLM_METHODS = {"ngram": "prompt_lookup", "draft_model": "draft_model"}
+#: vLLM ``speculative_config`` methods served here, and the ``speculative`` mode each one is (``prompt_lookup``,
+#: kvb-speculative's own name for ngram, taken too).
+VLLM_METHODS = {"ngram": "prompt_lookup", "draft_model": "draft_model", "prompt_lookup": "prompt_lookup"}
+#: vLLM's other methods, and why they are not served.
+_HEADS = "it needs trained draft heads or layers, which this server does not load"
+REFUSED_METHODS = {
+    **dict.fromkeys(
+        (
+            "eagle",
+            "eagle3",
+            "medusa",
+            "mlp_speculator",
+            "mtp",
+            "deepseek_mtp",
+            "ernie_mtp",
+            "qwen3_next_mtp",
+            "glm4_moe_mtp",
+            "longcat_flash_mtp",
+            "mimo_mtp",
+        ),
+        _HEADS,
+    ),
+    "suffix": "suffix decoding (Arctic Inference's) is not served; ngram drafts from the prompt and output too",
+}
 #: vLLM ``speculative_config`` keys taken here, and the :class:`SpeculativeArgs` field each one sets.
 VLLM_KEYS = {
     "method": "speculative",
@@ -95,6 +137,26 @@ VLLM_KEYS = {
     "num_speculative_tokens": "gamma",
     "prompt_lookup_max": "prompt_lookup_max",
     "prompt_lookup_min": "prompt_lookup_min",
+}
+
+
+#: vLLM ``speculative_config`` keys that ask for what is done here anyway, and the values that do.
+SATISFIED_KEYS: dict[str, tuple[object, ...]] = {
+    "draft_tensor_parallel_size": (1,),  # one device
+    "enforce_eager": (True, None),  # the draft model's forward is never captured
+    "disable_logprobs": (True, None),  # requests asking for logprobs never speculate
+    "acceptance_method": ("rejection_sampler", None),  # exact speculative sampling
+}
+#: vLLM ``speculative_config`` keys refused, with why.
+REFUSED_KEYS = {
+    "disable_by_batch_size": "speculation inside the batched step is not turned off by load: drafts are planned "
+    "after every request's token, so they take only room that would go unused (docs/speculative.md)",
+    "max_model_len": "the draft model's context is the target's",
+    "quantization": "the draft model is loaded as its checkpoint is",
+    "revision": "nothing is downloaded: model is a local folder or a hub id already in the local cache",
+    "code_revision": "a checkpoint's own code is never run",
+    "draft_tensor_parallel_size": "one engine runs on one device (accepted: 1)",
+    "acceptance_method": "drafts are verified by exact speculative sampling (accepted: rejection_sampler)",
 }
 
 
@@ -120,21 +182,34 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
             f'speculative_config must be a JSON object like {{"method": "ngram", '
             f'"num_speculative_tokens": 5}}, got {config!r}'
         )
-    unknown = sorted(set(config) - set(VLLM_KEYS))
-    if unknown:
-        raise SpeculativeConfigError(
-            f"speculative_config keys {unknown} are not supported here; use {sorted(VLLM_KEYS)}"
-        )
+    for key in sorted(set(config) - set(VLLM_KEYS)):
+        if key in SATISFIED_KEYS and config[key] in SATISFIED_KEYS[key]:
+            continue
+        why = REFUSED_KEYS.get(key, f"not one of vLLM's keys served here ({', '.join(sorted(VLLM_KEYS))})")
+        raise SpeculativeConfigError(f"speculative_config key {key!r} (= {config[key]!r}) is refused: {why}")
+    config = {k: v for k, v in config.items() if k in VLLM_KEYS}
     method = config.get("method")
     if method is None:
         method = "draft_model" if config.get("model") is not None else "ngram"
     if config.get("model") == "[ngram]":  # vLLM's older spelling of the n-gram method
         method, config = "ngram", {k: v for k, v in config.items() if k != "model"}
     if method not in VLLM_METHODS:
+        why = REFUSED_METHODS.get(method, "unknown method") if isinstance(method, str) else "not a string"
         raise SpeculativeConfigError(
-            f"speculative_config method {method!r} is not served here (it needs trained draft heads); use "
-            f"{' or '.join(VLLM_METHODS)} (kvb-speculative's prompt_lookup / draft_model)"
+            f"speculative_config method {method!r} is not served here ({why}); use ngram or draft_model"
         )
+    if VLLM_METHODS[method] == "prompt_lookup" and config.get("model") is not None:
+        raise SpeculativeConfigError(
+            f"speculative_config method {method!r} drafts from the prompt and takes no model; drop "
+            f"'model' ({config['model']!r}) or use method draft_model"
+        )
+    # vLLM: with one n-gram bound given, the other equals it ({"prompt_lookup_max": 4} looks up 4-grams only).
+    for one, other in (
+        ("prompt_lookup_max", "prompt_lookup_min"),
+        ("prompt_lookup_min", "prompt_lookup_max"),
+    ):
+        if one in config and other not in config and getattr(given, other) == _DEFAULTS[other]:
+            config = {**config, other: config[one]}
     fields = {"speculative": VLLM_METHODS[method]}
     for key, value in config.items():
         if key == "method":
@@ -147,11 +222,10 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpeculativeConfigError(f"speculative_config {key} must be an int >= 1, got {value!r}")
         fields[VLLM_KEYS[key]] = value
-    defaults = SpeculativeArgs()
+    # NOTE: "also given" means given with another value than the default: a flag set to its default cannot
+    # be told from one left out (the JSON's value is then taken).
     clashes = sorted(
-        name
-        for name in fields
-        if getattr(given, name) != getattr(defaults, name) and name != "speculative_config"
+        name for name in fields if getattr(given, name) != _DEFAULTS[name] and name != "speculative_config"
     )
     if clashes:
         raise SpeculativeConfigError(
@@ -159,6 +233,10 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
             f"{clashes[0].replace('_', '-')}); give them once"
         )
     return fields
+
+
+#: Each :class:`SpeculativeArgs` field's default.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeArgs)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,12 +1,13 @@
-"""Speculation inside the batched step (vLLM v1's way): each greedy request that speculates drafts tokens
-before the step is scheduled (:func:`propose`); the scheduler feeds its last token and the drafts as one slice
-of the packed forward (they never preempt anyone); the engine core then verifies them by argmax
-(:func:`accepted`) and commits the accepted drafts plus one token, each through the emitter.
+"""Speculation inside the batched step (vLLM v1's way): each request that speculates here drafts tokens before
+the step is scheduled (:func:`propose`); the scheduler feeds its last token and the drafts as one slice of the
+packed forward (they never preempt anyone); the engine core then verifies them (:func:`verdict`) and commits
+the accepted drafts plus one token, each through the emitter.
 
-Only requests whose next token is the argmax of their raw logits speculate here
-(:func:`verifiable_by_argmax`): verifying a draft is then comparing it with one argmax, exact whatever the
-batch. Sampled requests, processed ones (penalties, bias, bans, ``min_tokens``), grammars and ``logprobs``
-keep the one-token step (or kvb-speculative's solo path when they arrive alone).
+Two kinds of request speculate here (:func:`verifiable_in_step`): greedy ones whose next token is the argmax
+of their raw logits (:func:`verifiable_by_argmax`: a draft is kept while it equals one argmax, exact whatever
+the batch), and unseeded sampled ones whose processing does not depend on their history (temperature, top-k
+/ top-p / min-p, ``logit_bias``), verified by speculative sampling (:func:`sampled_verdict`). Penalised and
+seeded requests keep kvb-speculative's solo path; grammars and ``logprobs`` keep the one-token step.
 """
 
 from __future__ import annotations
