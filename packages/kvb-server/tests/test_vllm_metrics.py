@@ -415,3 +415,15 @@ def test_speculative_counters_under_vllms_names() -> None:
     with serve(create_app(FakeEngine(), ServerConfig(model_names=(MODEL,)))) as url:
         wait_until(lambda: not math.isnan(value(scrape(url), "vllm:kv_cache_usage_perc", model_name=MODEL)))
         assert not any(name.startswith("vllm:spec_decode") for name, _ in scrape(url))
+
+
+def test_cache_config_info_reports_the_pool_as_vllm_does(tiny_url: str, tiny_engine: KVBoost) -> None:
+    """vLLM's ``vllm:cache_config_info`` (value 1, settings as labels): dashboards read the KV dtype there."""
+    stats = tiny_engine.cache_stats()
+    labels = {
+        "block_size": str(stats["block_size"]),
+        "cache_dtype": stats["kv_cache_dtype"],
+        "num_gpu_blocks": str(stats["paged"]["blocks_total"]),
+        "enable_prefix_caching": "True",
+    }
+    assert value(scrape(tiny_url), "vllm:cache_config_info", **labels) == 1.0

@@ -147,6 +147,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         model_name=config.model_names[0],
         max_model_len=engine.context_length,
         speculative_stats=worker.speculative_stats,
+        cache_config=engine.cache_stats(),
     )
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()

@@ -19,7 +19,7 @@ time by :class:`~kvb_server.engine_loop_metrics.EngineLoopCollector`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -97,6 +97,7 @@ class ServerMetrics:
         model_name: str,
         max_model_len: int | None = None,
         speculative_stats: Callable[[], dict[str, Any] | None] | None = None,
+        cache_config: Mapping[str, Any] | None = None,
     ) -> None:
         # As vLLM does: no ``*_created`` series, which doubled the series count (one per counter and
         # histogram) and which vLLM's dashboards do not read. prometheus_client's switch is process-wide.
@@ -152,6 +153,15 @@ class ServerMetrics:
         self.registry.register(EngineLoopCollector(worker_stats, paged_stats, model_name=model_name))
         if speculative_stats is not None:
             self.registry.register(SpeculativeCollector(speculative_stats, model_name=model_name))
+        if cache_config is not None:
+            info = cache_config_labels(cache_config)
+            # vLLM's info gauge (value 1, the settings as labels): dashboards read the pool's dtype and size.
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(info),
+                registry=self.registry,
+            ).labels(**info).set(1)
 
     def observe_result(
         self, result: GenerationResult, *, queue_s: float, token_intervals: Sequence[float] | None = None
@@ -199,6 +209,19 @@ class ServerMetrics:
         ):
             if n > 0:
                 counter.inc(n)
+
+
+def cache_config_labels(cache_stats: Mapping[str, Any]) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels from an engine's ``cache_stats()``: vLLM's names for the settings
+    this engine has (block size, KV dtype, pool blocks, prefix caching), and ``engine``."""
+    paged = cache_stats.get("paged") or {}
+    labels = {
+        "block_size": cache_stats.get("block_size", paged.get("block_size")),
+        "cache_dtype": cache_stats.get("kv_cache_dtype"),
+        "num_gpu_blocks": paged.get("blocks_total"),
+        "enable_prefix_caching": None if "max_bytes" not in cache_stats else bool(cache_stats["max_bytes"]),
+    }
+    return {**{k: str(v) for k, v in labels.items() if v is not None}, "engine": "0"}
 
 
 class _VllmRequestMetrics:
