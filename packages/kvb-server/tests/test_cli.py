@@ -59,6 +59,33 @@ def test_a_config_file_gives_options_as_vllm_serve_reads_it(tmp_path) -> None:
     args = build_parser().parse_args(["typed/model", f"--config={path}", "--port", "9002"])
     assert (args.model, args.port, args.max_num_seqs) == ("typed/model", 9002, 4)
     assert build_parser().parse_args(["--config", str(path), "--model", "m"]).model == "m"
+    # An option typed replaces the file's, a list too (not merged after the file's first name).
+    args = build_parser().parse_args(["--config", str(path), "--served-model-name", "typed", "--warm", "w"])
+    assert args.served_model_name == ["typed"] and args.warm == ["w"]
+    # A list as the file's last option takes no typed word: the model typed after it stays the model.
+    last = tmp_path / "last.yaml"
+    last.write_text("port: 8031\nserved-model-name: [my-llama]\n")
+    for argv in (["/models/llama", "--config", str(last)], ["--config", str(last), "/models/llama"]):
+        args = build_parser().parse_args(argv)
+        assert (args.model, args.served_model_name) == ("/models/llama", ["my-llama"])
+    # vLLM's spellings: `key: false` is --no-key; a --no- key set to false is the positive flag.
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("no-oom-planning: false\nenforce-eager: false\n")
+    args = build_parser().parse_args(["m", "--config", str(flags)])
+    assert args.oom_planning is True and args.enforce_eager is False
+    # An unambiguous abbreviation is the flag, as argparse takes them.
+    assert build_parser().parse_args(["--conf", str(path)]).port == 9001
+
+
+def test_served_names_without_a_model_are_refused_as_vllm_refuses_them(capsys) -> None:
+    """In `--served-model-name x MODEL` the model is taken as a second name (the flag takes several), and the
+    server started on the embedded default model under the name typed for another."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--served-model-name", "x", "/models/Llama-3-8B"])
+    assert "name the model first" in capsys.readouterr().err
+    args = build_parser().parse_args(["/models/Llama-3-8B", "--served-model-name", "x"])
+    assert (args.model, args.served_model_name) == ("/models/Llama-3-8B", ["x"])
+    assert build_parser().parse_args(["--max_num_seqs", "4"]).max_num_seqs == 4  # vLLM's underscores
 
 
 @pytest.mark.parametrize(
@@ -71,6 +98,12 @@ def test_a_config_file_gives_options_as_vllm_serve_reads_it(tmp_path) -> None:
         ("port: not-a-port\n", "--port"),
         ("max-num-seqs:\n", "'max-num-seqs' has no value"),
         ("swap-space: 4\n", "a preempted request is recomputed"),  # vLLM flags are refused as typed
+        (
+            "enable-prefix-caching: false\n",
+            "--max-cache-bytes 0",
+        ),  # vLLM reads it as --no-enable-prefix-caching
+        ("enable-chunked-prefill: false\n", "is what this server always does"),
+        ("served-model-name: [a]\n", "name the model first"),
     ],
 )
 def test_a_bad_config_file_is_one_line_naming_the_option(tmp_path, capsys, text, message) -> None:
@@ -83,6 +116,9 @@ def test_a_bad_config_file_is_one_line_naming_the_option(tmp_path, capsys, text,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--config", str(tmp_path / "missing.yaml")])
     assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config="])
+    assert "--config needs a YAML file" in capsys.readouterr().err
 
 
 def test_safe_defaults_and_flags() -> None:
@@ -329,7 +365,10 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
         (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),
         (["--download", "x"], "--download-dir (a vLLM flag)"),  # an abbreviation names the full flag
-        (["-O3"], "there is no torch.compile"),  # vLLM's -O3 is -O 3, the short --compilation-config
+        (
+            ["-O3"],
+            "there is no torch.compile",
+        ),  # vLLM's -O3 is -O 3, the short --compilation-config (-O0: fine)
         (["--enable-sleep-mode"], "there is no sleep mode"),
         (["--calculate-kv-scales"], "fp8 KV uses a scale of 1.0"),
         (["--trust-request-chat-template"], "start the server with --chat-template"),
@@ -357,6 +396,8 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
         ["--chat-template-content-format", "auto"],
         ["--structured-outputs-config", '{"backend": "xgrammar"}'],
         ["--max-seq-len-to-capture", "8192"],
+        ["--compilation-config", "0"],
+        ["--cpu-offload-gb", "0.0"],
     ],
 )
 def test_vllm_flags_asking_for_what_the_server_does_are_accepted_with_a_warning(flags, caplog) -> None:
@@ -420,7 +461,7 @@ def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys
         (["--max-body-bytes", "0"], "(--max-body-bytes)"),
         (["--exit-flush-timeout", "-1"], "(--exit-flush-timeout)"),
         (["--warm", " "], "--warm needs a non-empty text"),
-        (["--served-model-name", ""], "model_names (--served-model-name) must all be non-empty strings"),
+        (["m", "--served-model-name", ""], "model_names (--served-model-name) must all be non-empty strings"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction in (0, 1]"),
         (["--gpu-memory-utilization", "0.9", "--num-blocks", "64"], "both size the KV pool"),
     ],

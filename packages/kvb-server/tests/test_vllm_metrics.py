@@ -427,3 +427,10 @@ def test_cache_config_info_reports_the_pool_as_vllm_does(tiny_url: str, tiny_eng
         "enable_prefix_caching": "True",
     }
     assert value(scrape(tiny_url), "vllm:cache_config_info", **labels) == 1.0
+
+
+def test_cache_config_info_says_prefix_caching_is_off_when_it_is() -> None:
+    """It read the pool's size, which is never 0: --max-cache-bytes 0 was reported as caching."""
+    from kvb_server.metrics import cache_config_labels
+
+    assert cache_config_labels({"prefix_caching": False, "paged": {}})["enable_prefix_caching"] == "False"

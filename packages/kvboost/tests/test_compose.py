@@ -253,6 +253,8 @@ def test_vllms_speculative_config_sets_the_speculative_options(target, other):
         ({"method": "ngram", "draft_tensor_parallel_size": 2}, r"one device \(accepted: 1\)"),
         ({"method": "ngram", "foo": 1}, "'foo' .* not one of vLLM's keys served here"),
         ({"method": "NGRAM"}, r"'NGRAM' is not served here \(unknown method\)"),
+        ({"method": ["ngram"]}, r"\(not a string\)"),  # was a TypeError traceback (unhashable list)
+        ({"method": "ngram", "enforce_eager": False}, r"runs eagerly \(accepted: true\)"),
         ({"method": "suffix"}, "suffix decoding"),
         ({"method": "ngram", "model": "/x"}, "takes no model"),
         (

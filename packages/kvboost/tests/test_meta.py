@@ -9,7 +9,7 @@ import pytest
 
 import kvb_cache
 import kvboost
-from kvboost.cli import build_parser
+from kvboost.cli import build_parser, main
 from kvboost.replay import SYSTEM_PROMPT, chat_turns, load_user_turns
 
 
@@ -32,6 +32,12 @@ def test_cli_help_lists_demo_and_its_flags():
 def test_serve_takes_the_model_as_vllm_serve_does():
     pytest.importorskip("kvb_server")
     assert build_parser().parse_args(["serve", "path/to/m", "--port", "9000"]).model == "path/to/m"
+
+
+def test_a_config_before_the_command_says_where_it_goes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "f.yaml", "serve"])
+    assert "put it after the command" in capsys.readouterr().err
 
 
 def test_serve_reads_a_vllm_style_config_file(tmp_path):

@@ -196,7 +196,8 @@ class EngineConfig:
             # Accepted before and silently wrote nothing: with reuse off nothing is stored, so no tier is read.
             raise ConfigError(
                 "max_cache_bytes=0 turns reuse off, so a disk/Redis tier would never be written or read: raise "
-                "max_cache_bytes (--max-cache-bytes) or drop the tier (disk_cache_dir / remote_url)"
+                "max_cache_bytes (--max-cache-bytes) or drop the tier (disk_cache_dir / remote_url, --disk-cache-dir / "
+                "--remote-url)"
             )
         if bits == 16 and group != DEFAULT_KV_GROUP_SIZE:
             raise ConfigError(

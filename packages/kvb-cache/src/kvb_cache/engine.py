@@ -376,6 +376,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             # What the loop attends with, resolved from ``attention_backend`` (``auto`` names neither).
             "attention_backend": "sdpa" if self.core.runner.kernel is None else "kvb_kernels",
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            # Whether blocks are kept for reuse (off with max_cache_bytes=0: the pool then serves requests only).
+            "prefix_caching": self.kv.caching,
             # None when every step runs eagerly (enforce_eager, or not on CUDA).
             "cuda_graphs": None if self.core.runner.graphs is None else self.core.runner.graphs.stats(),
             **self.counters.as_dict(),

@@ -233,14 +233,29 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        # An action with ``expand_arguments(parser, args)`` rewrites the words first (kvb-server's ``--config
-        # FILE`` puts the file's options there); subcommand parsers go through here too.
-        words = list(sys.argv[1:] if args is None else args)
+        # An action with ``expand_arguments(parser, args)`` rewrites the words first and one with
+        # ``finish_namespace(parser, namespace)`` completes the result (kvb-server's ``--config FILE``);
+        # subcommand parsers go through here too.
+        words = [self._dashed(w) for w in (sys.argv[1:] if args is None else args)]
         for action in self._actions:
             expand = getattr(action, "expand_arguments", None)
             if expand is not None:
                 words = expand(self, words)
-        return super().parse_known_args(words, namespace)
+        namespace, rest = super().parse_known_args(words, namespace)
+        for action in self._actions:
+            finish = getattr(action, "finish_namespace", None)
+            if finish is not None:
+                finish(self, namespace)
+        return namespace, rest
+
+    def _dashed(self, word: str) -> str:
+        """``--max_num_seqs`` as ``--max-num-seqs`` (vLLM takes both spellings) when only that one is an
+        option here."""
+        flag, eq, value = word.partition("=")
+        if not flag.startswith("--") or "_" not in flag or flag in self._option_string_actions:
+            return word
+        dashed = "--" + flag[2:].replace("_", "-")
+        return dashed + eq + value if dashed in self._option_string_actions else word
 
 
 def flag_hint(parser: argparse.ArgumentParser, message: str) -> str:

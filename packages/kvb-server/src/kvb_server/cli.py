@@ -54,13 +54,6 @@ class _ModelFlag(argparse.Action):
         namespace.model, namespace.model_given = values, values
 
 
-class _ConfigModel(argparse.Action):
-    """A ``--config`` file's ``model:``: sets the model; the command line's own model replaces it."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        namespace.model = values
-
-
 def build_parser(
     composer: EngineComposer | None = None, *, prog: str = "kvboost-server"
 ) -> argparse.ArgumentParser:
@@ -122,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         f"reasoning / reasoning_content fields, as vLLM's flag ({', '.join(sorted(PARSERS))}); unset: it "
         "stays in content",
     )
-    add_config_arguments(model, _ConfigModel)
+    add_config_arguments(model)
     cache = p.add_argument_group("cache")
     cache.add_argument(
         "--warm",

@@ -219,7 +219,7 @@ def cache_config_labels(cache_stats: Mapping[str, Any]) -> dict[str, str]:
         "block_size": cache_stats.get("block_size", paged.get("block_size")),
         "cache_dtype": cache_stats.get("kv_cache_dtype"),
         "num_gpu_blocks": paged.get("blocks_total"),
-        "enable_prefix_caching": None if "max_bytes" not in cache_stats else bool(cache_stats["max_bytes"]),
+        "enable_prefix_caching": cache_stats.get("prefix_caching"),
     }
     return {**{k: str(v) for k, v in labels.items() if v is not None}, "engine": "0"}
 

@@ -45,8 +45,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "stops",
     "--async-scheduling": "one engine thread schedules each step and then runs it (scheduling does not "
     "overlap the forward)",
-    "--compilation-config": "there is no torch.compile: decode steps replay CUDA graphs (off with "
-    "--enforce-eager), everything else runs eagerly",
     "--long-prefill-token-threshold": "prefills are sliced by --max-num-batched-tokens (a request's "
     "prefill_chunk_size per step at most); long prefills have no separate limit",
     "--max-num-partial-prefills": "prefills are sliced by --max-num-batched-tokens (a request's "
@@ -115,6 +113,17 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "--cpu-offload-gb": (
         "weights are not offloaded (AWQ checkpoints larger than the GPU stream from host memory with "
         "--awq-streaming under kvboost serve)",
+        ("0", "0.0"),
+    ),
+    # -O0 asks for no torch.compile, which is how the model runs here; -O3 and the like are refused.
+    "--compilation-config": (
+        "there is no torch.compile: decode steps replay CUDA graphs (off with --enforce-eager), everything "
+        "else runs eagerly",
+        ("0", '{"level": 0}', '{"level":0}', '{"mode": 0}', '{"mode":0}'),
+    ),
+    "--optimization-level": (
+        "there is no torch.compile: decode steps replay CUDA graphs (off with --enforce-eager), everything "
+        "else runs eagerly",
         ("0",),
     ),
 }

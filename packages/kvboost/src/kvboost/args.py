@@ -157,6 +157,8 @@ REFUSED_KEYS = {
     "code_revision": "a checkpoint's own code is never run",
     "draft_tensor_parallel_size": "one engine runs on one device (accepted: 1)",
     "acceptance_method": "drafts are verified by exact speculative sampling (accepted: rejection_sampler)",
+    "enforce_eager": "the draft model always runs eagerly (accepted: true)",
+    "disable_logprobs": "requests asking for logprobs never speculate, so drafts carry none (accepted: true)",
 }
 
 
@@ -193,7 +195,7 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
         method = "draft_model" if config.get("model") is not None else "ngram"
     if config.get("model") == "[ngram]":  # vLLM's older spelling of the n-gram method
         method, config = "ngram", {k: v for k, v in config.items() if k != "model"}
-    if method not in VLLM_METHODS:
+    if not isinstance(method, str) or method not in VLLM_METHODS:
         why = REFUSED_METHODS.get(method, "unknown method") if isinstance(method, str) else "not a string"
         raise SpeculativeConfigError(
             f"speculative_config method {method!r} is not served here ({why}); use ngram or draft_model"

@@ -62,7 +62,14 @@ def _server_missing(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    command = next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))
+    if any(w.split("=", 1)[0] == "--config" for w in words[:command]):
+        parser.error(
+            "--config is an option of kvboost serve: put it after the command (kvboost serve --config FILE)"
+        )
+    args = parser.parse_args(words)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
