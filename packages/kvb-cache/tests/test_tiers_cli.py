@@ -42,6 +42,30 @@ def test_status_reports_disk_entries_bytes_and_hit_rate(tmp_path, capsys):
     )
 
 
+def test_status_skips_a_record_evicted_while_it_lists_the_folder(tmp_path, monkeypatch, capsys):
+    """Another process sharing the folder may evict a record between the listing and its stat: status died
+    with FileNotFoundError (1 call in 6 with two servers under load)."""
+    from pathlib import Path
+
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in chain(2):
+        disk.put(e.key, record(e))
+    disk.close()
+    listed = Path.glob
+
+    def glob_then_evict(self, pattern):
+        found = list(listed(self, pattern))
+        if pattern.endswith(".kvb") and found:
+            found[0].unlink()  # evicted by another server right after the listing
+        return found
+
+    monkeypatch.setattr(Path, "glob", glob_then_evict)
+    args = parse(["cache", "status", "--disk-cache-dir", str(tmp_path), "--json"])
+    assert args.func(args) == 0
+    stats = json.loads(capsys.readouterr().out)["disk"]["namespaces"][FINGERPRINT[:32]]
+    assert stats["entries"] == 1 and stats["bytes"] == sum(p.stat().st_size for p in tmp_path.rglob("*.kvb"))
+
+
 def test_status_reports_redis_round_trip_and_shared_counters(redis_server):  # noqa: F811
     tier = RedisTier(redis_server.url, namespace=FINGERPRINT)
     entries = chain(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
         raise NotADirectoryError(f"--disk-cache-dir {str(directory)!r} is a file, not a disk cache folder")
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
-        files = list(folder.glob(f"*/*{SUFFIX}"))
+        sizes = _sizes(folder.glob(f"*/*{SUFFIX}"))
         try:
             counters = json.loads((folder / STATS_FILE).read_text())
         except (OSError, ValueError):
@@ -55,11 +56,21 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
         counts = {
             k: _count(counters, k) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
         }
-        stats = TierStats(
-            name=DiskTier.name, entries=len(files), bytes=sum(f.stat().st_size for f in files), **counts
-        )
+        stats = TierStats(name=DiskTier.name, entries=len(sizes), bytes=sum(sizes), **counts)
         out.append(NamespaceStatus(tier="disk", namespace=folder.name, stats=stats))
     return out
+
+
+def _sizes(paths: Iterable[Path]) -> list[int]:
+    """The sizes of the files among ``paths`` still there: a server sharing the folder may evict a record
+    between the listing and its ``stat`` (``kvboost cache status`` died with FileNotFoundError)."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:
+            continue
+    return sizes
 
 
 def redis_status(url: str) -> tuple[RedisReachability, list[NamespaceStatus]]:
