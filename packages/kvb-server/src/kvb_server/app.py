@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -73,6 +73,17 @@ KNOWN_ROUTES = GENERATION_ROUTES | {
     "/tokenize",
     "/detokenize",
 }
+
+
+def _cache_config(engine: ServingEngine) -> Mapping[str, Any] | None:
+    """The engine's cache settings for ``vllm:cache_config_info``; None (no such metric) when its stats
+    cannot be read: a failing stats source must not keep the server from starting (``/v1/stats`` reports
+    the error)."""
+    try:
+        return engine.cache_stats()
+    except Exception as exc:
+        logger.warning("vllm:cache_config_info left out: the engine's cache_stats() failed (%r)", exc)
+        return None
 
 
 class _RequestMetrics:
@@ -147,7 +158,7 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
         model_name=config.model_names[0],
         max_model_len=engine.context_length,
         speculative_stats=worker.speculative_stats,
-        cache_config=engine.cache_stats(),
+        cache_config=_cache_config(engine),
     )
     throughput = ThroughputMeter()
     gate = gate or AdmitAll()
