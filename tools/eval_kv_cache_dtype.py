@@ -15,6 +15,9 @@ decoding requests relative to ``auto`` (one torch thread, median of ``--repeats`
 
 Model: the embedded SmolLM2-135M-Instruct, fp32 on CPU (``--model`` / ``--dtype`` for another). Writes
 ``docs/kv_cache_dtype.json`` and prints a markdown table.
+
+``--reuse`` measures instead how far a prefix hit is from the same engine without reuse, per dtype
+(``docs/kv_cache_dtype_reuse.json``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,59 @@ def pool_logits(engine: KVBoost, ids: list[int], continuation: list[int]) -> tor
     )
 
 
+def reuse_row(model, tokenizer, dtype: str, ids: list[int], new_tokens: int) -> dict:
+    """A prefix hit against the same engine without reuse: the first 3/4 of ``ids`` warmed (computed in a
+    forward of its own length), then ``ids`` asked with that prefix cached, and on a fresh engine cold. Both
+    attend the pool's precision; they differ by the float noise of different forward shapes (~1e-6 in fp32),
+    which a narrow format turns into whole rounding steps wherever it straddles a rounding boundary."""
+
+    def fresh() -> KVBoost:
+        return KVBoost(
+            model, tokenizer, config=EngineConfig(kv_cache_dtype=dtype, max_cache_bytes=CACHE_BYTES)
+        )
+
+    prefix = ids[: 3 * len(ids) // 4]
+    warm, cold = fresh(), fresh()
+    warm.warm(prefix)
+    hit, miss = warm.next_token_logits(ids), cold.next_token_logits(ids)
+    warm_text, cold_text = fresh(), fresh()
+    warm_text.warm(prefix)
+    a = warm_text.generate(ids, max_new_tokens=new_tokens, ignore_eos=True).output_ids
+    b = cold_text.generate(ids, max_new_tokens=new_tokens, ignore_eos=True).output_ids
+    return {
+        "dtype": dtype,
+        "cached_tokens": hit.cached_tokens,
+        "max_abs_logit_diff": float((hit.logits - miss.logits).abs().max()),
+        "kl": compare_distributions(miss.logits[None], hit.logits[None]).mean_kl,
+        "argmax_equal": int(hit.logits.argmax()) == int(miss.logits.argmax()),
+        "greedy_identical": a == b,
+    }
+
+
+def reuse_report(model, tokenizer, prompts, dtypes, new_tokens: int, out: Path) -> None:
+    """``--reuse``: :func:`reuse_row` for every prompt and dtype; a table and ``out`` (JSON)."""
+    rows = []
+    for i, (source, ids) in enumerate(prompts):
+        for dtype in dtypes:
+            rows.append(
+                {"source": source, "prompt": i, **reuse_row(model, tokenizer, dtype, ids, new_tokens)}
+            )
+            print(rows[-1], flush=True)
+    print(
+        "\n| kv_cache_dtype | prompts | max abs logit difference (median / max) | mean KL | next token equal | greedy identical |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for dtype in dtypes:
+        mine = [r for r in rows if r["dtype"] == dtype]
+        diffs = [r["max_abs_logit_diff"] for r in mine]
+        print(
+            f"| {dtype} | {len(mine)} | {statistics.median(diffs):.2g} / {max(diffs):.2g} | "
+            f"{statistics.mean(r['kl'] for r in mine):.1e} | {sum(r['argmax_equal'] for r in mine)}/{len(mine)} | "
+            f"{sum(r['greedy_identical'] for r in mine)}/{len(mine)} |"
+        )
+    out.write_text(json.dumps({"new_tokens": new_tokens, "rows": rows}, indent=1))
+
+
 def decode_cpu_seconds(model, tokenizer, dtype: str, prompts: list[list[int]], new_tokens: int) -> float:
     """CPU time of ``prompts`` generated together (greedy), prefill included, on a fresh engine."""
     engine = KVBoost(model, tokenizer, config=EngineConfig(kv_cache_dtype=dtype, max_cache_bytes=CACHE_BYTES))
@@ -114,11 +170,22 @@ def main() -> None:
     parser.add_argument("--timing", action="store_true", help="also time a batch of 8 decoding requests")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=DOCS / "kv_cache_dtype.json")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="instead: a prefix hit against the same engine without reuse, per dtype "
+        "(writes docs/kv_cache_dtype_reuse.json)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, args.dtype)
     prompts = [("pydoc", p) for p in pydoc_prompts(tokenizer, args.pydoc, args.pydoc_tokens)]
     prompts += [("chitchat", p) for p in chitchat_prompts(tokenizer, args.chitchat)]
+    if args.reuse:
+        reuse_report(
+            model, tokenizer, prompts, args.only, args.new_tokens, DOCS / "kv_cache_dtype_reuse.json"
+        )
+        return
     shapes = probe_layer_shapes(model)
     rows: list[dict] = []
     for i, (source, ids) in enumerate(prompts):
