@@ -242,6 +242,28 @@ def test_drafts_take_only_the_budget_left_once_every_request_has_its_token(llama
     assert any(d for d, _ in drafter.rounds)  # the budget left after the tokens still carried drafts
 
 
+def test_a_draft_the_free_blocks_cannot_hold_is_cut_to_what_they_can(llama, tokenizer):
+    """A draft longer than the free blocks allow was dropped whole; it is cut to the free room instead. A
+    long request without drafts (its prompt unknown to the drafter) holds most of a small pool."""
+    long_prompt, short = tokenizer(words(40, 1))["input_ids"], tokenizer(words(6, 2))["input_ids"]
+    want = plain_outputs(llama, tokenizer, [short], 12)[0]
+    drafter = FakeDrafter({tuple(short): want}, "oracle", gamma=8)
+    engine = KVBoost(
+        llama, tokenizer, config=EngineConfig(chunk_size=16, block_size=4, num_blocks=14), drafter=drafter
+    )
+    engine.add_request(long_prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    rid = engine.add_request(short, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    pairs, done = [], {}
+    while engine.has_unfinished():
+        proposed, rounds = len(drafter.proposed), len(drafter.rounds)
+        done.update({o.request_id: o.result for o in engine.step() if o.result is not None})
+        fed = [d for d, _ in drafter.rounds[rounds:] if d]
+        if len(drafter.proposed) == proposed + 1 and fed:
+            pairs.append((drafter.proposed[-1], fed[0]))
+    assert done[rid].output_ids == want
+    assert any(0 < fed < proposed for proposed, fed in pairs), pairs  # cut, not dropped
+
+
 def test_rejected_drafts_give_their_blocks_back(llama, tokenizer):
     """Blocks taken for drafts that were rejected go back to the pool after the step: after every step each
     request holds the blocks of its computed tokens only (they stayed with it, and a tight pool preempted

@@ -240,6 +240,10 @@ class KVCacheManager:
             return False
         return True
 
+    def room(self, req: Request) -> int:
+        """How many more tokens ``req`` can grow by: its blocks' free slots and every free block's."""
+        return (len(req.blocks) + self.pool.num_free) * self.block_size - req.num_computed
+
     @property
     def capacity_tokens(self) -> int:
         """Tokens of KV the whole pool holds (``num_blocks * block_size``)."""

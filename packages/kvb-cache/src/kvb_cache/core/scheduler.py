@@ -223,7 +223,8 @@ class Scheduler:
             req = s.request
             if not req.draft:
                 continue
-            extra = min(len(req.draft), budget)
+            # Cut to the room the free blocks leave (its token's slot is already taken).
+            extra = max(0, min(len(req.draft), budget, self.kv.room(req) - 1))
             if extra and not self.kv.allocate(req, 1 + extra):
                 extra = 0
             del req.draft[extra:]
