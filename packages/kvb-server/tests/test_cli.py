@@ -375,6 +375,7 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
         (["--kv-transfer-config", "{}"], "--remote-url (Redis)"),
         (["--response-role", "bot"], "accepted: assistant"),
         (["--load-format", "gguf"], "accepted: auto, safetensors"),
+        (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "only backend"),
     ],
 )
 def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], message: str, capsys) -> None:

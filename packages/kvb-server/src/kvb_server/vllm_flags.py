@@ -60,6 +60,26 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "identify a token that is not valid text alone",
 }
 
+
+class _JsonWithKeys:
+    """The values that are a JSON object with no key beyond ``keys`` (``in`` and ``join`` as a tuple)."""
+
+    def __init__(self, *keys: str) -> None:
+        self.keys = frozenset(keys)
+
+    def __contains__(self, value: object) -> bool:
+        import json
+
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else None
+        except ValueError:
+            return False
+        return isinstance(parsed, dict) and set(parsed) <= self.keys
+
+    def __iter__(self):
+        yield f"a JSON object with only {', '.join(sorted(self.keys))}"
+
+
 #: flag -> (what this server already does that the flag asks for, the values that ask for it; None: any).
 #: Accepted with a warning saying so.
 SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
@@ -79,7 +99,8 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         None,
     ),
     "--guided-decoding-backend": ("structured outputs always use llguidance", None),
-    "--structured-outputs-config": ("structured outputs always use llguidance", None),
+    # Only the backend choice asks for nothing else: other keys (disable_any_whitespace ...) change outputs.
+    "--structured-outputs-config": ("structured outputs always use llguidance", _JsonWithKeys("backend")),
     "--response-role": ("chat replies always have the role assistant", ("assistant",)),
     "--load-format": (
         "weights load through transformers' from_pretrained (safetensors when the folder has them)",
