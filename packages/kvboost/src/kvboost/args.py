@@ -12,6 +12,7 @@ value ``kvb_attention`` to ``EngineArgs.attn_implementation`` (``--attn-implemen
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,26 +141,32 @@ VLLM_KEYS = {
 }
 
 
-#: vLLM ``speculative_config`` keys that ask for what is done here anyway, and the values that do.
-SATISFIED_KEYS: dict[str, tuple[object, ...]] = {
-    "draft_tensor_parallel_size": (1,),  # one device
-    "enforce_eager": (True, None),  # the draft model's forward is never captured
-    "disable_logprobs": (True, None),  # requests asking for logprobs never speculate
-    "acceptance_method": ("rejection_sampler", None),  # exact speculative sampling
+#: vLLM's other ``speculative_config`` keys: what is done here instead, and the values that ask for just that
+#: (accepted; any other value, or a key with none, is refused with the reason).
+OTHER_KEYS: dict[str, tuple[str, tuple[object, ...]]] = {
+    "draft_tensor_parallel_size": ("one engine runs on one device", (1,)),
+    "enforce_eager": ("the draft model always runs eagerly", (True, None)),
+    "disable_logprobs": ("requests asking for logprobs never speculate, so drafts carry none", (True, None)),
+    "acceptance_method": ("drafts are verified by exact speculative sampling", ("rejection_sampler", None)),
+    "disable_by_batch_size": (
+        "speculation inside the batched step is not turned off by load: drafts are planned after every "
+        "request's token, so they take only room that would go unused (docs/speculative.md)",
+        (),
+    ),
+    "max_model_len": ("the draft model's context is the target's", ()),
+    "quantization": ("the draft model is loaded as its checkpoint is", ()),
+    "revision": ("nothing is downloaded: model is a local folder or a hub id already in the local cache", ()),
+    "code_revision": ("a checkpoint's own code is never run", ()),
 }
-#: vLLM ``speculative_config`` keys refused, with why.
-REFUSED_KEYS = {
-    "disable_by_batch_size": "speculation inside the batched step is not turned off by load: drafts are planned "
-    "after every request's token, so they take only room that would go unused (docs/speculative.md)",
-    "max_model_len": "the draft model's context is the target's",
-    "quantization": "the draft model is loaded as its checkpoint is",
-    "revision": "nothing is downloaded: model is a local folder or a hub id already in the local cache",
-    "code_revision": "a checkpoint's own code is never run",
-    "draft_tensor_parallel_size": "one engine runs on one device (accepted: 1)",
-    "acceptance_method": "drafts are verified by exact speculative sampling (accepted: rejection_sampler)",
-    "enforce_eager": "the draft model always runs eagerly (accepted: true)",
-    "disable_logprobs": "requests asking for logprobs never speculate, so drafts carry none (accepted: true)",
-}
+
+
+def _refusal(key: str) -> str:
+    """Why ``key`` (with a value other than those accepted) is refused."""
+    if key not in OTHER_KEYS:
+        return f"not one of vLLM's keys served here ({', '.join(sorted(VLLM_KEYS))})"
+    why, accepted = OTHER_KEYS[key]
+    shown = [v if isinstance(v, str) else json.dumps(v) for v in accepted if v is not None]
+    return f"{why} (accepted: {', '.join(shown)})" if shown else why
 
 
 def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[str, object]:
@@ -173,8 +180,6 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
     from kvb_speculative import SpeculativeConfigError
 
     if isinstance(config, str):
-        import json
-
         try:
             config = json.loads(config)
         except json.JSONDecodeError as exc:
@@ -185,10 +190,11 @@ def vllm_speculative_config(config: str | dict, given: SpeculativeArgs) -> dict[
             f'"num_speculative_tokens": 5}}, got {config!r}'
         )
     for key in sorted(set(config) - set(VLLM_KEYS)):
-        if key in SATISFIED_KEYS and config[key] in SATISFIED_KEYS[key]:
+        if key in OTHER_KEYS and config[key] in OTHER_KEYS[key][1]:
             continue
-        why = REFUSED_KEYS.get(key, f"not one of vLLM's keys served here ({', '.join(sorted(VLLM_KEYS))})")
-        raise SpeculativeConfigError(f"speculative_config key {key!r} (= {config[key]!r}) is refused: {why}")
+        raise SpeculativeConfigError(
+            f"speculative_config key {key!r} (= {config[key]!r}) is refused: {_refusal(key)}"
+        )
     config = {k: v for k, v in config.items() if k in VLLM_KEYS}
     method = config.get("method")
     if method is None:

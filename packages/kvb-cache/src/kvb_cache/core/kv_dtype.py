@@ -74,6 +74,13 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def as_pool(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` as a pool held in ``kv_cache_dtype`` ``name`` holds it, read back in ``x``'s dtype (``x`` itself
+    when the pool keeps that dtype)."""
+    pool = pool_dtype(name, x.dtype)
+    return x if pool == x.dtype else encode(x, pool).to(x.dtype)
+
+
 def put(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Write ``x`` ``[kv_heads, n, dim]`` into ``pool`` ``[kv_heads, slots, dim]`` at ``slots`` ``[n]``."""
     if x.dtype == pool.dtype:

@@ -99,14 +99,11 @@ class _ScatterCache:
         if self.last_layer is not None and layer_idx > self.last_layer:
             raise _StopForward
         keys, values = self.layers_kv[layer_idx]
-        if self.kv_cache_dtype != "auto":
-            # NOTE: in pool precision, as the loop attends a prompt it computes: positions before the first
-            # stitched piece are registered as exact prefix blocks, whose hits must equal the same engine
-            # without reuse (unrounded, fp8 hits were 0.13 off).
-            key_states, value_states = (
-                _rounded(key_states, self.kv_cache_dtype),
-                _rounded(value_states, self.kv_cache_dtype),
-            )
+        # NOTE: in pool precision, as the loop attends a prompt it computes: positions before the first
+        # stitched piece are registered as exact prefix blocks, whose hits must equal the same engine without
+        # reuse (unrounded, fp8 hits were 0.13 off).
+        key_states = kv_dtype.as_pool(key_states, self.kv_cache_dtype)
+        value_states = kv_dtype.as_pool(value_states, self.kv_cache_dtype)
         if layer_idx == self.capture_layer:
             old_k, old_v = keys[:, :, self.index].float(), values[:, :, self.index].float()
             self.deviation = ((key_states.float() - old_k) ** 2).sum(dim=(0, 1, 3)) + (
@@ -118,12 +115,6 @@ class _ScatterCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers_kv[layer_idx][0].shape[2]
-
-
-def _rounded(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    """``x`` as the pool holds it, read back in ``x``'s dtype."""
-    pool = kv_dtype.pool_dtype(kv_cache_dtype, x.dtype)
-    return x if pool == x.dtype else kv_dtype.encode(x, pool).to(x.dtype)
 
 
 def position_mask(
