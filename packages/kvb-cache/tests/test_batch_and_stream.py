@@ -69,6 +69,19 @@ def test_batch_refused_midway_queues_nothing(llama, tokenizer):
     assert not engine.has_unfinished() and engine.take_unfollowed_outputs() == []
 
 
+def test_a_batch_error_names_the_prompt_it_is_about(llama, tokenizer):
+    # The message said what was wrong, not with which of the prompts.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=8))
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[2\]: .*top_p") as err:
+        engine.generate_batch(["w1", "w2", "w3"], sampling=[{}, {}, {"top_p": 7.0}], max_new_tokens=2)
+    assert err.value.param == "top_p"  # the type and attributes are kept
+    with pytest.raises(ContextLengthError, match=r"^prompts\[1\]: prompt"):
+        engine.generate_batch(["w1 w2", words(200)], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[1\]: .*stop_token_ids"):
+        engine.generate_batch(["w1 w2", "w3"], sampling=[{}, {"stop_token_ids": [10**6]}], max_new_tokens=4)
+    assert not engine.has_unfinished()
+
+
 def test_context_length_is_capped_by_the_pool(llama, tokenizer):
     # The server reports context_length as max_model_len and sizes default max_tokens by it: a pool smaller
     # than the model's window must be that limit, for every path (prompt scoring too).

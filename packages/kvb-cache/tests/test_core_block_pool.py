@@ -28,6 +28,18 @@ def test_take_share_release_and_lru_eviction_order():
     assert pool.evictions == 1
 
 
+def test_a_released_uncached_block_is_taken_before_any_cached_one_is_evicted():
+    # At the tail, a request's uncached blocks let cached blocks freed before them reach the head: a prompt
+    # repeated in a loop evicted a cached document one block per repeat while free blocks were to spare.
+    pool = BlockPool(4, 2)
+    a, b, c = pool.take(3)
+    pool.register_full(a, parent=ROOT, block_hash=h("A"), token_ids=(1, 2))
+    pool.release([a])  # a cached document block
+    pool.release([b, c])  # a finished request's blocks that hold nothing cached
+    assert [blk.id for blk in pool.take(3)] == [c.id, b.id, 3]
+    assert pool.lookup(h("A")) is a and pool.evictions == 0
+
+
 def test_shared_block_leaves_free_queue_and_is_not_evicted():
     pool = BlockPool(2, 2)
     (a,) = pool.take(1)

@@ -734,3 +734,18 @@ def test_a_prefill_mask_is_built_once_per_step(tokenizer, monkeypatch):
     built.clear()
     engine.generate(shared + " " + words(12, seed=5), max_new_tokens=1, ignore_eos=True)
     assert len(built) > len(set(built))  # rebuilt in every layer
+
+
+def test_a_prompt_repeated_in_a_loop_keeps_one_tail_and_evicts_no_cached_document(llama, tokenizer):
+    # Each repeat indexed one more copy of the same partial last block, and its fresh blocks evicted the
+    # cached document's blocks one per repeat although most of the pool was free.
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, num_blocks=48))
+    document = [5 + i % 250 for i in range(20 * 16)]
+    engine.generate(document, max_new_tokens=2)
+    short = list(range(200, 210))
+    for _ in range(40):
+        engine.generate(short, max_new_tokens=4)
+    pool = engine.kv.pool
+    tails = [b for b in pool.blocks if b.hash is None and b.token_ids[:1] == (short[0],)]  # the short one's
+    assert len(tails) == 1 and pool.evictions == 0
+    assert engine.generate(document, max_new_tokens=2).cached_tokens == len(document) - 1

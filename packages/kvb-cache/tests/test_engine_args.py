@@ -11,6 +11,7 @@ from kvb_cache import ConfigError, EngineArgs, EngineConfig, KVBoost, StitchConf
 from kvb_cache.options import (
     add_option_arguments,
     as_keywords,
+    block_count,
     from_namespace,
     option,
     option_fields,
@@ -105,6 +106,18 @@ def test_tiers_and_stitching_contradiction():
         EngineArgs(recompute_strategy="none", stitching=StitchConfig()).engine_config()
     with pytest.raises(ConfigError, match="chunk_size"):
         EngineArgs(chunk_size=0).engine_config()
+
+
+def test_the_num_blocks_flag_states_the_configs_own_bound():
+    # The flag said ">= 1" for 0, then the config refused 1 with ">= 2".
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    for value in ("0", "1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--num-blocks", value])
+    assert parser.parse_args(["--num-blocks", "2"]).num_blocks == 2
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 2"):
+        block_count("1")
 
 
 def test_remote_ttl_reaches_the_redis_tier_from_the_flag():

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -79,6 +80,30 @@ def test_del_frees_an_engine_without_the_cyclic_collector(llama, tokenizer, stit
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kv_cache_bits", [16, 8])  # the block tiers' writer; the TieredStore's as well
+def test_an_engine_dropped_without_close_leaves_no_writer_thread(llama, tokenizer, tmp_path, kv_cache_bits):
+    # Each dropped engine left its kvb-tier-writer thread blocked on an empty queue for the life of the
+    # process (30 engines in a notebook loop: 30 threads), its tiers never closed.
+    before = set(threading.enumerate())
+    for i in range(3):
+        eng = engine(
+            llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / str(i)), kv_cache_bits=kv_cache_bits
+        )
+        run(eng)
+        del eng
+        gc.collect()
+    left = [t for t in threading.enumerate() if t not in before]
+    for thread in left:
+        thread.join(10)
+    assert [t.name for t in left if t.is_alive()] == []
+    # What they had queued was written before they ended: a new engine on the same folder hits it.
+    again = engine(
+        llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "2"), kv_cache_bits=kv_cache_bits
+    )
+    assert run(again).cached_tokens == 64
+    again.close()
 
 
 def test_engines_without_tiers_register_no_exit_hook(llama, tokenizer):

@@ -116,9 +116,15 @@ def test_leftover_temp_files_are_removed_on_start(tmp_path):
     # Another process sharing the folder is writing this one right now: it must survive a new tier's scan.
     in_flight = disk._path(entry.key).with_name("y.kvb.789.1011.tmp")
     in_flight.write_bytes(b"being written")
+    # A counters file and a write probe left by a process killed while writing them, or by a full disk.
+    leftovers = [disk.directory / "stats.json.12345.tmp", disk.directory / ".probe.12345.678.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"{")
+        os.utime(path, (old, old))
     DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20).stats()
     assert not stale.exists()
     assert in_flight.exists()
+    assert [p.exists() for p in leftovers] == [False, False]
 
 
 def test_tiered_store_writes_behind_and_promotes_a_chain_after_restart(tmp_path):
@@ -372,6 +378,45 @@ def test_a_disk_full_before_the_budget_evicts_the_oldest_records_to_store(tmp_pa
     assert stats.evictions == 2 and stats.errors == 1 and stats.entries == 2
     assert tier.get(entries[0].key) is None and tier.get(entries[3].key) is not None
     assert tier.put(chain(1, tag=9)[0].key, b"x" * 10)  # not paused
+
+
+def test_a_disk_full_before_the_budget_is_said_once(tmp_path, monkeypatch, caplog):
+    # The oldest records quietly made room: only an errors counter grew, with no log line.
+    import errno
+    from pathlib import Path
+
+    entries = chain(6)
+    tier = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in entries[:2]:
+        assert tier.put(e.key, record(e))
+    real = Path.write_bytes
+    calls = {"n": 0}
+
+    def full_every_other(self, data):  # each store fails once, then its retry goes through
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_every_other)
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.disk"):
+        for e in entries[2:]:
+            tier.put(e.key, record(e))
+    said = [r.getMessage() for r in caplog.records if "file system is full" in r.getMessage()]
+    assert len(said) == 1 and "below disk_cache_bytes" in said[0]
+
+
+def test_touch_makes_records_recent_in_the_order_given(tmp_path):
+    entries = chain(4)
+    size = len(record(entries[0]))
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=3 * size)
+    for i, e in enumerate(entries[:3]):
+        disk.put(e.key, record(e))
+        os.utime(disk._path(e.key), (1000 + i, 1000 + i))
+    disk.touch([entries[1].key, entries[0].key, chain(1, tag=5)[0].key])  # an unknown key is skipped
+    disk.put(entries[3].key, record(entries[3]))
+    assert [disk.contains(e.key) for e in entries] == [True, True, False, True]
+    assert os.stat(disk._path(entries[0].key)).st_mtime > 1002  # the mtime carries it to the next process
 
 
 def test_clear_drops_records_another_process_wrote_after_the_scan(tmp_path):

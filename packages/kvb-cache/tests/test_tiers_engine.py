@@ -331,3 +331,31 @@ def test_engines_chunking_differently_share_the_block_records(llama, tokenizer, 
     got = reader.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
     assert got.cached_tokens == 64 and got.output_ids == expected.output_ids
     reader.close()
+
+
+def test_a_prefix_hit_in_ram_keeps_its_disk_records_from_being_evicted_first(
+    llama, tokenizer, tmp_path, monkeypatch
+):
+    # A shared system prompt is written to disk once and hit in RAM from then on; RAM hits never reached
+    # the tier, so its records kept their first write's age and were evicted first, and every record after
+    # them in a chain became unreachable: a new process asking for the system prompt and the newest
+    # question reused nothing although the question's blocks were all on disk.
+    from kvb_cache.core import block_tiers
+
+    monkeypatch.setattr(block_tiers, "TOUCH_INTERVAL_S", 0.0)  # every hit bumps (the test runs in a second)
+    system = list(range(5, 53))  # 3 full blocks
+    prompts = [system + list(range(60 + 40 * i, 100 + 40 * i)) for i in range(6)]  # + 2 full blocks each
+    probe = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "probe"))
+    probe.generate(prompts[0], max_new_tokens=1)
+    probe.flush()
+    (disk,) = probe.tiers.stats()
+    record_bytes = disk.bytes // disk.entries
+    probe.close()
+    tiers = TierConfig(disk_cache_dir=tmp_path / "disk", disk_cache_bytes=8 * record_bytes)
+    first = engine(llama, tokenizer, tiers=tiers)
+    for prompt in prompts:
+        first.generate(prompt, max_new_tokens=1)
+    first.close()
+    assert first.tiers.stats()[0].evictions > 0
+    fresh = engine(llama, tokenizer, tiers=tiers)
+    assert fresh.generate(prompts[-1], max_new_tokens=1).cached_tokens == 80  # before: 0

@@ -40,6 +40,17 @@ def test_rollback_keeps_the_accepted_prefix_and_resyncs(target, other_model, pro
     assert session.cache.get_seq_length() == history.shape[0] + 2
 
 
+def test_a_proposal_never_verified_can_be_made_again_from_the_same_history(target, other_model, prompt):
+    # An engine step that failed (or was interrupted) after drafting and before verifying proposes again
+    # from the same committed history: the session asserted "the committed history never shrinks" and the
+    # request decoded without drafts from then on.
+    session = DraftModelDrafter(target, other_model).start(prompt[0])
+    first = session.propose(prompt[0], 4, greedy())
+    again = session.propose(prompt[0], 4, greedy())
+    assert again.tokens.tolist() == first.tokens.tolist()
+    assert session.cache.get_seq_length() == prompt.shape[1] + 3
+
+
 def test_full_acceptance_keeps_every_computed_position(target, other_model, prompt):
     session = DraftModelDrafter(target, other_model).start(prompt[0])
     session.propose(prompt[0], 3, greedy())

@@ -15,6 +15,7 @@ from kvb_cache.errors import (
     ModelLoadError,
     NonFiniteLogitsError,
     PromptTypeError,
+    RequestInterruptedError,
     UnsupportedModelError,
 )
 from kvb_cache.loops import RequestStream
@@ -43,6 +44,7 @@ __all__ = [
     "PromptTypeError",
     "RecomputeStrategy",
     "RequestId",
+    "RequestInterruptedError",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

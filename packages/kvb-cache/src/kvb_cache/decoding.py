@@ -81,7 +81,10 @@ class StepDraftSession(Protocol):
 
     def propose(self, history: torch.Tensor, max_tokens: int, processor: TokenProcessor) -> Any:
         """Up to ``max_tokens`` tokens to follow ``history`` (``[S]`` int64, committed tokens only), as an
-        object whose ``tokens`` is a ``[k]`` int64 tensor (``k == 0``: nothing to propose)."""
+        object whose ``tokens`` is a ``[k]`` int64 tensor (``k == 0``: nothing to propose).
+
+        ``history`` extends the previous call's, or equals it when that proposal was never verified (the
+        step failed or was interrupted before its verification; no :meth:`rollback` came for it)."""
         ...
 
     def rollback(self, num_accepted: int) -> None:

@@ -22,7 +22,7 @@ from kvb_cache.core.kv_dtype import KV_CACHE_DTYPES
 from kvb_cache.core.pool_kernel import ATTENTION_BACKENDS
 from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
-from kvb_cache.options import model_len, option, parse_bytes, positive_int
+from kvb_cache.options import block_count, model_len, option, parse_bytes, positive_int
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
 from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, TierConfig
 
@@ -178,7 +178,7 @@ class EngineArgs:
     num_blocks: int | None = option(
         None,
         group="cache",
-        parse=positive_int,
+        parse=block_count,
         help="KV blocks in the paged pool; unset: as many as --max-cache-bytes holds",
     )
     gpu_memory_utilization: float | None = option(

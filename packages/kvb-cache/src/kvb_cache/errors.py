@@ -6,6 +6,9 @@ catch them; each message says what to change.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class KVBoostError(Exception):
     """Base class of every error raised by KVBoost."""
@@ -70,3 +73,28 @@ class NonFiniteLogitsError(KVBoostError, ArithmeticError):
             or "the model's logits for this request hold NaN (a numerical overflow, usually of float16 "
             "activations); load the model in bfloat16 or float32"
         )
+
+
+class RequestInterruptedError(KVBoostError, RuntimeError):
+    """A request that ran on kvb-speculative's solo path was cut short by an exception raised inside the
+    engine's step on its behalf (a ``KeyboardInterrupt``, or a signal handler's exception, while another
+    caller's call was stepping the engine): its generator cannot resume, so it ends with this error."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or "the request was cut short by an exception raised while the engine stepped it (a "
+            "KeyboardInterrupt or a signal handler's exception in another call); send it again"
+        )
+
+
+@contextlib.contextmanager
+def naming_item(index: int, name: str = "prompts") -> Iterator[None]:
+    """Prefix the message of a :class:`KVBoostError` raised inside with ``name[index]: ``, so an error about
+    one item of a batch says which (its type and attributes are kept)."""
+    try:
+        yield
+    except KVBoostError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{name}[{index}]: {exc.args[0]}", *exc.args[1:])
+        raise

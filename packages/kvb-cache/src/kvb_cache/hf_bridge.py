@@ -23,6 +23,7 @@ from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.pool_io import dense_cache, probe_request
+from kvb_cache.serialized import serialized
 
 if TYPE_CHECKING:
     from kvb_cache.core.kv_manager import KVCacheManager
@@ -98,6 +99,7 @@ class HFCacheBridge:
             self, ids: Sequence[int], cache: Cache, *, root: ChunkHash | None = None
         ) -> WritebackResult: ...
 
+    @serialized
     def lookup_cache(
         self,
         token_ids: TokenIds,
@@ -157,6 +159,7 @@ class HFCacheBridge:
             cache_argument=cache_argument(self.model) or "past_key_values",
         )
 
+    @serialized
     def store_cache(self, token_ids: TokenIds, cache: Cache, *, cache_salt: str | None = None) -> int:
         """Store the KV ``cache`` holds for ``token_ids`` in the engine's block pool.
 

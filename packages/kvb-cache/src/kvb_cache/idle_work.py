@@ -50,6 +50,7 @@ class IdleWork:
             steps += 1
         return steps
 
+    @serialized
     def clear_idle_work(self) -> None:
         """Forget the queued idle prompts (and take out the one part-way); the cache keeps what they stored."""
         self.core.clear_idle()

@@ -6,25 +6,27 @@ loses whatever is still queued. Each engine with tiers therefore registers an ``
 it with a bound (``TierConfig.exit_flush_timeout_s``): a normal exit keeps every record written before
 the deadline; ``kill -9`` (or a crash of the interpreter) keeps only the records already written behind.
 The hook holds its engine weakly, so it never keeps an engine alive; an engine collected before exit
-unregisters it (its queued writes still drain on the daemon thread, without anyone waiting for them).
+unregisters it (its queued writes still drain on the daemon thread, without anyone waiting for them, and
+the thread then ends and closes the tiers).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.errors import CacheBusyError, InvalidRequestError
 from kvb_cache.serialized import serialized
 from kvb_cache.tiers import TieredStore
 
 if TYPE_CHECKING:
     from kvb_cache.config import EngineConfig
-    from kvb_cache.core.block_tiers import BlockTiers
     from kvb_cache.core.engine_core import EngineCore
     from kvb_cache.core.kv_manager import KVCacheManager
     from kvb_cache.store import ChunkStore
@@ -53,6 +55,13 @@ def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def retire_all(parts: list[BlockTiers | TieredStore]) -> None:
+    """Let each part's writer thread end after what is queued, then close its tiers (never blocks: the
+    garbage collector runs it when the engine is collected)."""
+    for part in parts:
+        part.retire()
+
+
 class ExitFlush:
     """The ``atexit`` hook of one engine: closes it (bounded) if it is still alive at exit."""
 
@@ -74,6 +83,7 @@ class EngineLifecycle:
     kv: KVCacheManager
     tiers: BlockTiers | None
     store: ChunkStore | TieredStore
+    _engine_lock: threading.RLock
     _closed: bool = False
     _exit_hook: ExitFlush | None = None
 
@@ -87,6 +97,11 @@ class EngineLifecycle:
         atexit.register(hook)
         # Do not accumulate dead hooks when engines come and go in one process (tests, notebooks).
         weakref.finalize(self, atexit.unregister, hook).atexit = False
+        # An engine dropped without close(): its writer threads end once their queues are drained, and
+        # then close their tiers (a disk tier's budget, a Redis connection pool). Without this, each
+        # dropped engine left a thread blocked on its empty queue for the life of the process.
+        parts = [p for p in (self.tiers, self.store) if isinstance(p, (BlockTiers, TieredStore))]
+        weakref.finalize(self, retire_all, parts).atexit = False
 
     def flush(self, *, timeout_s: float | None = None) -> bool:
         """Wait until queued tier writes reached disk/Redis; False when ``timeout_s`` passed first."""
@@ -101,15 +116,19 @@ class EngineLifecycle:
         """Drain queued tier writes (at most ``timeout_s``; None: until done) and close the tiers.
 
         Idempotent. The engine keeps serving afterwards from RAM alone: nothing is read from or written to
-        the closed tiers. Returns False when writes were still queued at the deadline (lost at exit).
+        the closed tiers. Returns False when writes were still queued at the deadline (lost at exit); True
+        when the queue was drained, which is not "all stored": what a tier refused or skipped while paused is
+        in its ``errors`` / ``dropped`` counters.
         """
-        if self._closed:
-            return True
-        self._closed = True
-        if self._exit_hook is not None:
-            atexit.unregister(self._exit_hook)
-            self._exit_hook = None
-        self.kv.tiers = None
+        # The switch under the engine's lock (a step of another thread reads kv.tiers); the drain outside it.
+        with self._engine_lock:
+            if self._closed:
+                return True
+            self._closed = True
+            if self._exit_hook is not None:
+                atexit.unregister(self._exit_hook)
+                self._exit_hook = None
+            self.kv.tiers = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def left() -> float | None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import InvalidRequestError, naming_item
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
@@ -131,11 +131,17 @@ class EngineLoops:
                     return box.popleft()
                 if not self.has_unfinished():
                     raise RuntimeError(f"request {rid} ended without a final output")
-                for out in self.step():
-                    if out.request_id in self._followed:
-                        self._mailbox.setdefault(out.request_id, deque()).append(out)
-                    else:
-                        self._unfollowed.append(out)
+                outs = deque(self.step())
+                try:
+                    while outs:
+                        out = outs[0]
+                        if out.request_id in self._followed:
+                            self._mailbox.setdefault(out.request_id, deque()).append(out)
+                        else:
+                            self._unfollowed.append(out)
+                        outs.popleft()
+                finally:  # an interrupt while filing: the rest reach their loops with the next step
+                    self.core.carry(outs)
 
     def generate(
         self,
@@ -249,24 +255,27 @@ class EngineLoops:
             )
         rows = [{**common, **(sampling[i] if sampling else {})} for i in range(len(prompts))]
         priorities = [row.pop("priority", 0) for row in rows]
-        params = [self._sampling_params(row) for row in rows]
-        for prompt, p in zip(prompts, params):
-            self._check_context(len(self._tokenize(prompt)), p.max_new_tokens)
+        params = []
+        for i, (prompt, row) in enumerate(zip(prompts, rows)):
+            with naming_item(i):
+                params.append(self._sampling_params(row))
+                self._check_context(len(self._tokenize(prompt)), params[-1].max_new_tokens)
         self._salted_root(cache_salt)  # validated before any prompt is queued
         ids: list[RequestId] = []
         with self._engine_lock:
             try:
-                for prompt, p, priority in zip(prompts, params, priorities):
-                    ids.append(
-                        self.add_request(
-                            prompt,
-                            p,
-                            prefill_chunk_size=prefill_chunk_size,
-                            kv_cache_bits=kv_cache_bits,
-                            cache_salt=cache_salt,
-                            priority=priority,
+                for i, (prompt, p, priority) in enumerate(zip(prompts, params, priorities)):
+                    with naming_item(i):
+                        ids.append(
+                            self.add_request(
+                                prompt,
+                                p,
+                                prefill_chunk_size=prefill_chunk_size,
+                                kv_cache_bits=kv_cache_bits,
+                                cache_salt=cache_salt,
+                                priority=priority,
+                            )
                         )
-                    )
             except BaseException:
                 # add_request has checks of its own (the pool's size, stop_token_ids against the
                 # vocabulary): when a later prompt fails them, the ones already queued would be left running

@@ -321,3 +321,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value
+
+
+def block_count(text: str) -> int:
+    """An integer >= 2 (``num_blocks``: the config's own lower bound, said by the flag too)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 2")
+    return value

@@ -19,6 +19,7 @@ from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.live_quant import is_live_quantized, quantize_live
 from kvb_cache.pool_io import dense_cache, probe_request
 from kvb_cache.prepared import PreparedPrompt
+from kvb_cache.serialized import serialized
 from kvb_cache.writeback import WritebackResult, write_back, write_back_approximate
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class CacheTransfers:
         if bits is not None:
             prepared.cache = quantize_live(prepared.cache, num_layers=self.traits.kv_layers, bits=bits)
 
+    @serialized
     def store_sequence(
         self, ids: Sequence[int], cache: Cache, *, root: ChunkHash | None = None
     ) -> WritebackResult:

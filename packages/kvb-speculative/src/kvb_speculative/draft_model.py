@@ -101,6 +101,11 @@ class DraftModelSession:
             (none once ``history`` outgrows it) where the draft model's context ends, since a proposal's
             KV sits one position past the token before it.
         """
+        if history.shape[0] == self._cached and self._cached:
+            # The last proposal was never verified (the engine's step failed, or was interrupted, before
+            # its verification) and nothing was committed since: the cache holds KV up to the last token,
+            # whose logits are gone, so that token is fed again.
+            self._cached -= 1
         assert history.shape[0] > self._cached, "the committed history never shrinks"
         if self._draft_rows is not None and not self._stopped:
             self._stopped = bool((history[self._cached :] >= self._draft_rows).any())

@@ -58,7 +58,8 @@ class DraftSession(Protocol):
 
         Args:
             history: ``[S]`` int64 committed token ids (prompt + output so far). It only ever grows by
-                tokens the target committed: rejected proposals never appear in it.
+                tokens the target committed: rejected proposals never appear in it. It may equal the
+                previous call's when that proposal was never verified (an engine step that failed first).
             max_tokens: upper bound on the number of proposed tokens (>= 1).
             processor: the request's sampling rule; a model drafter samples (or argmaxes) through it.
         """

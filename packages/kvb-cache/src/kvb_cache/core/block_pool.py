@@ -157,14 +157,20 @@ class BlockPool:
     def release(self, blocks: Iterable[Block]) -> None:
         """Drop one owner from each block, in the given order; unowned blocks join the free queue's tail.
 
-        Callers pass a request's blocks last-first so that chains are evicted tail first.
+        Callers pass a request's blocks last-first so that chains are evicted tail first. A block that holds
+        no cached prefix goes to the head instead: it is taken before any cached one is evicted (at the tail,
+        a request's uncached blocks let the cached ones that were freed before them reach the head, and a
+        prompt repeated in a loop evicted a cached document one block per repeat with free blocks to spare).
         """
         for block in blocks:
             assert block.ref_count > 0, f"block {block.id} released more often than taken"
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.id] = None
-                self._cached_free += block.indexed
+                if block.indexed:
+                    self._cached_free += 1
+                else:
+                    self._free.move_to_end(block.id, last=False)
 
     # ---------------------------------------------------------------------------------------- indexing
     def register_full(

@@ -10,6 +10,8 @@ A record failing validation is dropped from its tier, counted and treated as a m
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvb_cache.config import EngineConfig
@@ -18,10 +20,15 @@ from kvb_cache.hashing import ChunkHash
 from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
-from kvb_cache.tiers.tiered import LowerTier, drop_unread, gather_records
+from kvb_cache.tiers.tiered import LowerTier, close_tiers, drop_unread, gather_records
 from kvb_cache.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
+
+#: A key hit again within this many seconds is not bumped again (one bump per block per interval).
+TOUCH_INTERVAL_S = 1.0
+#: Keys whose last bump is remembered (the oldest are forgotten; a forgotten key is bumped again).
+_TOUCHED_KEYS = 65536
 
 
 class BlockTiers:
@@ -47,6 +54,7 @@ class BlockTiers:
         self.shapes = tuple(shapes) if shapes is not None else None
         self.block_size = block_size
         self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
+        self._touched: OrderedDict[ChunkHash, float] = OrderedDict()  # key -> when it was last bumped
 
     @classmethod
     def from_config(
@@ -99,6 +107,28 @@ class BlockTiers:
             for lower in tiers:
                 lower.tier.count("dropped")
 
+    def touch(self, keys: Sequence[ChunkHash]) -> None:
+        """Queue a recency bump of ``keys`` (a prefix's blocks, in chain order, just hit in RAM) in every
+        tier, each key at most once per :data:`TOUCH_INTERVAL_S`. Without it a RAM hit never reached the
+        tiers, so the most reused prefix (a shared system prompt) kept its first write's age and was the
+        first record evicted, and every record after it in a chain became unreachable (a lookup stops at
+        the first missing block). The bump goes from the chain's end to its start, so a chain's first block
+        is its most recent and eviction takes chains from their ends (as vLLM's free queue does)."""
+        if not self.lower or not keys:
+            return
+        now = time.monotonic()
+        recent = self._touched
+        due = [k for k in reversed(keys) if now - recent.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S]
+        if not due:
+            return
+        for key in due:
+            recent[key] = now
+            recent.move_to_end(key)
+        while len(recent) > _TOUCHED_KEYS:
+            recent.popitem(last=False)
+        lower = self.lower
+        self.writer.submit(lambda: [tier.tier.touch(due) for tier in lower])
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued writes reached their tiers; False when ``timeout_s`` passed first."""
         return self.writer.flush(timeout_s)
@@ -114,9 +144,14 @@ class BlockTiers:
 
         Returns False when writes were still queued at the deadline (they may be lost at exit)."""
         drained = self.writer.close(timeout_s)
-        for lower in self.lower:
-            lower.tier.close()
+        close_tiers(self.lower)
         return drained
+
+    def retire(self) -> None:
+        """The owner was dropped without :meth:`close`: the writer thread ends once its queue is drained
+        and then closes the tiers (never blocks)."""
+        lower = list(self.lower)
+        self.writer.retire(lambda: close_tiers(lower))
 
     def stats(self) -> list[TierStats]:
         return [lower.tier.stats() for lower in self.lower]

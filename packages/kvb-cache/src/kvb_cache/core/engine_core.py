@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -47,7 +47,7 @@ from kvb_cache.core.scheduler import Scheduled, Scheduler
 from kvb_cache.core.speculation import merge_outputs, propose, verdict
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
-from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError
+from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, RequestInterruptedError
 from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,9 @@ class EngineCore:
         # Aborts asked for while a step runs, applied when it ends (see abort()).
         self._stepping = False
         self._abort_after_step: dict[RequestId, None] = {}
+        #: Outputs a step produced before an exception escaped it part-way: the next step returns them first
+        #: (dropped, a stream missed a token, or a finished request's result never arrived).
+        self._carried: list[RequestOutput] = []
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -147,7 +150,8 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         """Whether a caller's request is unfinished (the idle prompt being computed is not one)."""
         return (
-            bool(self.solo)
+            (bool(self._carried) and not self._stepping)  # a step returns them
+            or bool(self.solo)
             or bool(self.preparing)
             or bool(self.deferred)
             or len(self.scheduler.waiting) + len(self.scheduler.running) > (self._idle is not None)
@@ -171,6 +175,7 @@ class EngineCore:
                 return False
             self._abort_after_step[request_id] = None
             return True
+        self._carried = [o for o in self._carried if o.request_id != request_id]
         if self.preparing.abort(request_id) or self.deferred.abort(request_id):
             return True
         events = self.solo.pop(request_id, None)
@@ -212,22 +217,38 @@ class EngineCore:
             self._idle = None
             self.idle_done += 1
 
+    def carry(self, outputs: Iterable[RequestOutput]) -> None:
+        """Outputs a caller took from :meth:`step` but could not deliver (interrupted part-way): the next
+        step returns them first."""
+        self._carried[:0] = outputs
+
     def step(self) -> list[RequestOutput]:
         """One scheduling decision, one forward, one token for each request whose slice ended; returns the
-        outputs of the callers' requests (none for a request aborted during the step)."""
+        outputs of the callers' requests (none for a request aborted during the step).
+
+        An exception that escapes part-way (``KeyboardInterrupt``; a per-request failure ends that request
+        only and is its output) leaves the engine consistent: the outputs already produced come with the next
+        step, and requests left between their forward and their token are recomputed (``Scheduler.recover``).
+        """
         self._stepping = True
+        # The step appends to the carried list itself: until it is handed over below, an exception anywhere
+        # (the forward, an emission, this method's own bookkeeping) leaves what was produced for the next step.
         try:
-            outputs = self._step()
+            self._step(self._carried)
+        except BaseException:
+            self.scheduler.recover()
+            raise
         finally:
             self._stepping = False
             aborted, self._abort_after_step = self._abort_after_step, {}
             for request_id in aborted:
-                self.abort(request_id)
-        return [o for o in outputs if o.request_id not in aborted] if aborted else outputs
+                self.abort(request_id)  # also drops its carried outputs
+        outputs, self._carried = self._carried, []
+        return outputs
 
     @torch.inference_mode()
-    def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def _step(self, outputs: list[RequestOutput]) -> None:
+        """The step itself; appends its outputs to ``outputs`` as they are produced (kept if it raises)."""
         if self.deferred and self.plan_deferred is not None:
             for req in self.deferred.release(self._prompt_pending):
                 self.plan_deferred(req)
@@ -276,7 +297,7 @@ class EngineCore:
                 if s.request.internal:
                     self.idle_tokens += s.num_tokens
             for s, first in verifying:
-                outputs.extend(self._verify(s.request, drafted_logits[first : first + 1 + s.drafted]))
+                self._verify(s.request, drafted_logits[first : first + 1 + s.drafted], outputs)
             tokens = sample(logits, sampling)
             logprobs = self._logprobs(logits, sampling, tokens)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
@@ -299,42 +320,44 @@ class EngineCore:
         for request_id in list(self.solo):
             outputs.extend(self._advance_solo(request_id))
         self.steps += 1
-        return outputs
 
-    def _verify(self, req: Request, logits: torch.Tensor) -> list[RequestOutput]:
+    def _verify(self, req: Request, logits: torch.Tensor, into: list[RequestOutput]) -> None:
         """Verify ``req``'s drafts against ``logits`` ``[k + 1, V]`` (row ``j``: after its ``j``-th draft):
         greedy by argmax (accept drafts while each is the argmax before it, then commit the argmax after the
         last accepted one: the correction, or a bonus token when all were accepted), sampled by speculative
         sampling (:func:`~kvb_cache.core.speculation.sampled_verdict`); each token goes through the emitter in
         turn (a stop may end the request part-way). The accepted drafts' KV, computed this step, is kept; the
-        blocks taken only for rejected drafts go back to the pool. One output carries every committed token."""
+        blocks taken only for rejected drafts go back to the pool. One output, appended to ``into`` (also when an
+        exception escapes part-way), carries every committed token."""
         draft = req.draft[: logits.shape[0] - 1]
         kept, best, nan = verdict(req, logits, draft)
         assert req.spec is not None
         req.spec.session.rollback(kept)
         outputs: list[RequestOutput] = []
         committed = 0
-        if nan[kept]:  # argmax would read a NaN row's index as a token
-            outputs.append(self._fail(req, NonFiniteLogitsError()))
-        for j, token in enumerate([] if nan[kept] else [*draft[:kept], best[kept]]):
-            if j:  # the previous token was an accepted draft: its KV (computed this step) is valid
-                req.num_computed += 1
-                self.kv.commit(req)
-            try:
-                output = self._emit(req, token, logits[j])
-            except Exception as exc:
-                outputs.append(self._fail(req, exc))
-                break
-            committed += 1
-            if output is not None:
-                outputs.append(output)
-            if req.status is RequestStatus.FINISHED:
-                break
+        try:
+            if nan[kept]:  # argmax would read a NaN row's index as a token
+                outputs.append(self._fail(req, NonFiniteLogitsError()))
+            for j, token in enumerate([] if nan[kept] else [*draft[:kept], best[kept]]):
+                if j:  # the previous token was an accepted draft: its KV (computed this step) is valid
+                    req.num_computed += 1
+                    self.kv.commit(req)
+                try:
+                    output = self._emit(req, token, logits[j])
+                except Exception as exc:
+                    outputs.append(self._fail(req, exc))
+                    break
+                committed += 1
+                if output is not None:
+                    outputs.append(output)
+                if req.status is RequestStatus.FINISHED:
+                    break
+        finally:  # what was emitted reaches its stream even when an exception escapes part-way
+            into.extend(merge_outputs(outputs))
         if self.drafter is not None:  # what was committed: a stop part-way leaves later drafts uncounted
             self.drafter.record_round(len(draft), max(0, min(kept, committed - 1)))
         if req.status is not RequestStatus.FINISHED:
             self.kv.trim(req)
-        return merge_outputs(outputs)
 
     def _logprobs(
         self, logits: torch.Tensor, requests: list[Request], tokens: list[int | Exception]
@@ -417,9 +440,9 @@ class EngineCore:
         events = self.solo[request_id]
         try:
             event = next(events)
-        except StopIteration:
+        except StopIteration:  # ended without its result: an exception stopped the generator part-way
             del self.solo[request_id]
-            return []
+            return [RequestOutput(request_id=request_id, delta_text="", error=RequestInterruptedError())]
         except Exception as exc:  # a solo request's failure ends it alone
             del self.solo[request_id]
             logger.error("solo request %s failed: %r", request_id, exc, exc_info=exc)

@@ -135,6 +135,8 @@ class KVCacheManager:
             self.pool.share(block)
             req.blocks.append(block)
         full = len(req.blocks)
+        if self.tiers is not None and full:
+            self.tiers.touch(hashes[:full])  # RAM hits keep their tier records recent (queued, rate-limited)
         promoted = self._promote(req, hashes[full:]) if self.tiers is not None and full < len(hashes) else 0
         req.registered = len(req.blocks)
         covered = len(req.blocks) * bs
@@ -298,9 +300,11 @@ class KVCacheManager:
             block = req.blocks[last]
             if block.ref_count == 1 and not block.indexed:
                 parent = req.block_hashes[last - 1] if last else self.root_of(req)
-                self.pool.register_partial(
-                    block, parent=parent, token_ids=tuple(req.tokens[last * bs : limit])
-                )
+                tokens = tuple(req.tokens[last * bs : limit])
+                # A block after the same parent already holding these tokens (the same prompt asked again)
+                # serves them: one more copy would only push other cached prefixes out of the pool.
+                if self.pool.longest_child(parent, tokens)[1] < len(tokens):
+                    self.pool.register_partial(block, parent=parent, token_ids=tokens)
         self.pool.release(reversed(req.blocks))
         req.blocks = []
         req.registered = 0

@@ -357,5 +357,24 @@ class Scheduler:
         self._requeue(req)
         self.preemptions += 1
 
+    def recover(self) -> int:
+        """After an exception escaped a step part-way (a ``KeyboardInterrupt``, a signal handler's exception
+        while the step ran): every running request whose last token's KV was computed but whose next token
+        was never emitted (``remaining == 0``: no step would schedule it again, and its stream would wait
+        forever) goes back to waiting, as a preempted request does, to be recomputed exactly; its full
+        blocks stay cached. Drafts of the failed step are dropped. Returns how many went back."""
+        stuck = 0
+        for req in list(self.running):
+            req.draft.clear()
+            if req.remaining <= 0:
+                self.running.remove(req)
+                self.kv.free(req)
+                req.exact_until = None  # a stitched request resumes by exact recomputation (as _preempt)
+                req.copied = ()
+                req.status = RequestStatus.WAITING
+                self._requeue(req)
+                stuck += 1
+        return stuck
+
     def find(self, request_id: RequestId) -> Request | None:
         return self._by_id.get(request_id)

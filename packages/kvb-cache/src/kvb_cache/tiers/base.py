@@ -126,5 +126,9 @@ class RecordTier(ABC):
         sends it there)."""
         self.counters.add(field, n)
 
+    def touch(self, keys: Sequence[ChunkHash]) -> None:  # noqa: B027 - optional hook
+        """Mark ``keys``' records as just used (their blocks were hit in RAM, which never reads this tier),
+        the last one most recently; records this tier does not hold are skipped. Never raises."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections or persist counters."""

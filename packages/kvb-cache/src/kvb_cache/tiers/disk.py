@@ -11,6 +11,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvb_cache.hashing import ChunkHash
@@ -75,6 +76,7 @@ class DiskTier(RecordTier):
         self._base: dict[str, int] = {}
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
+        self._full_logged = False  # the file system filled below the budget (said once)
         self._probe()
 
     # ------------------------------------------------------------------ RecordTier
@@ -115,6 +117,17 @@ class DiskTier(RecordTier):
             os.utime(path)
         self.counters.add("hits")
         return data
+
+    def touch(self, keys: Sequence[ChunkHash]) -> None:
+        index = self._loaded()
+        for key in keys:
+            name = key.hex()
+            with self._lock:
+                if name not in index:
+                    continue
+                index.move_to_end(name)
+            with contextlib.suppress(OSError):  # mtimes carry the order to the next process
+                os.utime(self._path(key))
 
     def _read(self, path: Path) -> bytes:
         """The bytes of the record file at ``path``; :class:`_NotARecord` for anything this tier cannot have
@@ -165,6 +178,15 @@ class DiskTier(RecordTier):
             if retry and exc.errno in _NO_SPACE and self._make_room(_ROOM_RECORDS * len(record)):
                 # The disk filled up before the tier reached its budget (other files share it): the
                 # oldest records make way, as the budget would have had them do; the cache froze before.
+                if not self._full_logged:  # once per process: it repeats with every write from now on
+                    self._full_logged = True
+                    logger.warning(
+                        "disk tier at %s: the file system is full at %d bytes of records, below "
+                        "disk_cache_bytes (%d); the oldest records make room for new ones from now on",
+                        self.directory,
+                        self._bytes,
+                        self.max_bytes,
+                    )
                 return self._put(key, record, retry=False)
             if exc.errno in _FULL_ERRNOS:
                 # NOTE: one warning per pause, not one per block: a full disk would otherwise log every
@@ -284,7 +306,10 @@ class DiskTier(RecordTier):
         found = []
         if self.directory.exists():
             now = time.time()
-            for tmp in self.directory.glob(f"*/*{SUFFIX}.*.tmp"):
+            # Records' temp files, and the counters' and the write probe's (a process killed while
+            # writing them, or a full disk, left them behind).
+            stale = (f"*/*{SUFFIX}.*.tmp", f"{STATS_FILE}.*.tmp", ".probe.*.tmp")
+            for tmp in (found for pattern in stale for found in self.directory.glob(pattern)):
                 # A writer died between write and rename. Only stale ones: in a folder shared by several
                 # processes a fresh temp file is another process's write in flight (it renames it next).
                 with contextlib.suppress(FileNotFoundError):
@@ -359,3 +384,5 @@ class DiskTier(RecordTier):
             os.replace(tmp, self.directory / STATS_FILE)
         except OSError as exc:
             logger.debug("could not persist disk tier counters: %s", exc)
+            with contextlib.suppress(OSError):  # a full disk left it half-written
+                tmp.unlink(missing_ok=True)

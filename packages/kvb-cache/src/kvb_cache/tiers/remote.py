@@ -173,6 +173,15 @@ class RedisTier(RecordTier):
         self.counters.add("stores")
         return True
 
+    def touch(self, keys: Sequence[ChunkHash]) -> None:
+        """TOUCH: under an LRU ``maxmemory-policy`` the records of blocks served from RAM stay recent."""
+        if not keys or self._is_down():
+            return
+        try:
+            self._client.touch(*[self._name(k) for k in keys])
+        except self._errors as exc:
+            self._failed("TOUCH", exc)
+
     def contains(self, key: ChunkHash) -> bool:
         if self._is_down():
             return False

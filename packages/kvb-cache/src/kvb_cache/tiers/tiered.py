@@ -73,6 +73,12 @@ def drop_unread(
         writer.submit(lambda tier=tier, key=key: tier.delete(key))
 
 
+def close_tiers(lower: Sequence[LowerTier]) -> None:
+    """Close each lower tier (its files' budget, its Redis connections)."""
+    for tier in lower:
+        tier.tier.close()
+
+
 class TieredStore:
     """The engine's chunk store with lower tiers under the RAM :class:`ChunkStore`.
 
@@ -233,9 +239,14 @@ class TieredStore:
         """Drain the write-behind queue (bounded by ``timeout_s``), then close the tiers; False when writes
         were still queued at the deadline."""
         drained = self.writer.close(timeout_s)
-        for lower in self.lower:
-            lower.tier.close()
+        close_tiers(self.lower)
         return drained
+
+    def retire(self) -> None:
+        """The owner was dropped without :meth:`close`: the writer thread ends once its queue is drained
+        and then closes the tiers (never blocks)."""
+        lower = list(self.lower)
+        self.writer.retire(lambda: close_tiers(lower))
 
     # ----------------------------------------------------------------- internals
     def _load(self, key: ChunkHash, level: int, record: bytes) -> ChunkEntry | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -30,6 +31,10 @@ class BackgroundWriter:
         self._start_lock = threading.Lock()
         self.dropped = 0
         self.failed = 0
+        self._closed = False
+        #: Set by :meth:`retire`: the thread ends once the queue is empty, after running this job.
+        self._final: Job | None = None
+        self._retiring = False
 
     @property
     def pending(self) -> int:
@@ -70,6 +75,7 @@ class BackgroundWriter:
         Returns False when ``timeout_s`` passed first: the daemon thread is left to finish (or to die with
         the interpreter).
         """
+        self._closed = True
         thread = self._thread
         if thread is None:
             return True
@@ -84,6 +90,18 @@ class BackgroundWriter:
         self._thread = None
         return True
 
+    def retire(self, final: Job | None = None) -> None:
+        """Let the thread end once every queued job has run, then run ``final`` on it; never blocks (the
+        owner is being garbage-collected). Nothing happens after :meth:`close` (the owner closed what it had).
+        """
+        if self._closed or self._retiring:
+            return
+        self._final, self._retiring = final, True
+        self._ensure_started()  # final() may do I/O (Redis): on the thread, never in the collector
+        # A full queue takes no marker: the loop checks _retiring after each job and ends once it is empty.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+
     def _ensure_started(self) -> None:
         with self._start_lock:
             if self._thread is None:
@@ -95,10 +113,17 @@ class BackgroundWriter:
             job = self._queue.get()
             try:
                 if job is None:
-                    return
+                    break
                 job()
             except Exception:  # a failed background store must never kill the writer
                 self.failed += 1
                 logger.exception("background tier write failed")
             finally:
                 self._queue.task_done()
+            if self._retiring and self._queue.empty():
+                break
+        if self._retiring and self._final is not None:
+            try:
+                self._final()
+            except Exception:
+                logger.exception("closing the tiers of a collected engine failed")
