@@ -163,9 +163,10 @@ def test_kv_sources_follow_transformers_producers():
     )
     sources = kv_sources(config, 10)
     assert sources == (0, 1, 2, 3, 4, 5, 5, 5, 5, 4)
-    stored = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "store"}
-    assert set(sources[6:]) == stored
     assert kv_sources(gemma4_config(), 6) == tuple(range(6))
+    modes = getattr(config, "kv_sharing_modes", None)  # transformers' own marking, newer than 5.17
+    if modes is not None:
+        assert set(sources[6:]) == {i for i, mode in enumerate(modes) if mode == "store"}
 
 
 def test_a_shared_layer_passed_other_keys_than_its_producers_is_declined():
@@ -252,6 +253,8 @@ def test_cohere2_nope_layers_keep_their_keys_when_moved():
 def test_beam_nope_full_attention_layers_are_served_exactly(tokenizer):
     """Beam's full-attention layers have no RoPE parameters (``rope_parameters["full_attention"] = None``):
     building the engine raised a bare AttributeError while reading them."""
+    if not hasattr(T, "BeamConfig"):
+        pytest.skip("this transformers has no Beam (5.17 and older)")
     config = beam_config()
     _assert_served_exactly(_build(config), tokenizer, solo=12, batched=10)
 

@@ -16,7 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, PromptTypeError
 from kvb_cache.cache_kwarg import cache_kwargs
-from kvb_cache.hf_bridge import PrefixCache
+from kvb_cache.hf_bridge import PrefixCache, assisted_decoding_resumes_exactly
 from kvb_cache.tiers import TierConfig
 
 PROMPT = list(range(5, 75))  # 70 tokens: 4 full blocks of 16 and a 6-token tail
@@ -229,6 +229,13 @@ def assisted_on_hit(model, hit, **kwargs):
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
+needs_exact_assisted_decoding = pytest.mark.skipif(
+    not assisted_decoding_resumes_exactly(),
+    reason="transformers 5.17's assisted decoding from any prefilled cache differs (fixed in 5.18)",
+)
+
+
+@needs_exact_assisted_decoding
 @pytest.mark.parametrize("extra", [0, 11], ids=["full-hit", "partial-hit"])
 def test_assisted_generation_matches_no_cache(warm, llama, extra):
     ids = PROMPT + list(range(200, 200 + extra))
@@ -240,6 +247,17 @@ def test_assisted_generation_matches_no_cache(warm, llama, extra):
     assert plain == hf_generate(llama, ids, max_new_tokens=16)[0, len(ids) :].tolist()  # greedy-exact
 
 
+def test_the_assisted_form_warns_on_a_transformers_whose_assisted_loop_is_wrong_there(warm, monkeypatch):
+    hit = warm.lookup_cache(PROMPT)
+    monkeypatch.setattr(T, "__version__", "5.17.0")
+    with pytest.warns(UserWarning, match="fixed in 5.18"):
+        hit.generate_inputs(suffix_only=True)
+    hit.generate_inputs()  # the plain form continues exactly on 5.17 too: no warning (filterwarnings=error)
+    monkeypatch.setattr(T, "__version__", "5.18.0")
+    hit.generate_inputs(suffix_only=True)
+
+
+@needs_exact_assisted_decoding
 @pytest.mark.parametrize("extra", [0, 11], ids=["full-hit", "partial-hit"])
 def test_prompt_lookup_decoding_matches_no_cache(warm, llama, extra):
     ids = PROMPT + list(range(200, 200 + extra))

@@ -86,3 +86,15 @@ def test_untuned_handle_holds_one_tile(monkeypatch, decode):
     assert len(tuned("dense", decode, False, True).configs) > 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert len(tuned("paged", decode, True, True).configs) == 1
+
+
+def test_importing_the_triton_kernels_without_triton_names_the_extra(monkeypatch):
+    # Without the extra a direct import said only "No module named 'triton'".
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    for name in [m for m in sys.modules if m == "kvb_kernels.triton" or m.startswith("kvb_kernels.triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r'pip install "kvb-kernels\[triton\]"'):
+        importlib.import_module("kvb_kernels.triton")

@@ -267,7 +267,11 @@ def test_a_config_naming_no_attention_is_planned_as_its_class_would_run():
         intermediate_size=128, vocab_size=256, head_dim=16,
     )  # fmt: skip
     assert getattr(gemma2, "_attn_implementation", None) is None
-    assert ModelShape.from_config(gemma2).attn_implementation == "eager"
+    planned = ModelShape.from_config(gemma2).attn_implementation
+    # What transformers builds from the same config (eager from 5.18 on; 5.17's Gemma 2 class took SDPA).
+    from transformers import Gemma2ForCausalLM
+
+    assert planned == Gemma2ForCausalLM(gemma2).config._attn_implementation
     assert ModelShape.from_config(LlamaConfig()).attn_implementation == "sdpa"
     unknown = SimpleNamespace(
         hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8, vocab_size=10

@@ -455,10 +455,9 @@ def test_a_model_that_does_not_load_is_one_line_and_status_2(monkeypatch, capsys
         (["--chunk-size", "0"], "argument --chunk-size: '0' is not an integer >= 1"),
         (["--boundary-window", "99"], "boundary_window must be an int in [0, chunk_size // 2]"),
         # Refused by the options class under its field name: the flag is named too.
-        (
-            ["--num-blocks", "1"],
-            "num_blocks must be an int >= 2 or None (derived from max_cache_bytes), got 1 (--num-blocks)",
-        ),
+        (["--boundary-window", "99"], "got 99 (--boundary-window)"),
+        # The flag states the options class's own bound (it said ">= 1" for 0, then the class refused 1).
+        (["--num-blocks", "1"], "argument --num-blocks: '1' is not an integer >= 2"),
         (["--max-body-bytes", "0"], "(--max-body-bytes)"),
         (["--exit-flush-timeout", "-1"], "(--exit-flush-timeout)"),
         (["--warm", " "], "--warm needs a non-empty text"),

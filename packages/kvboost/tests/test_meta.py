@@ -34,6 +34,16 @@ def test_serve_takes_the_model_as_vllm_serve_does():
     assert build_parser().parse_args(["serve", "path/to/m", "--port", "9000"]).model == "path/to/m"
 
 
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
+    # Without kvb-server, `kvboost serve` ended in a 10-line traceback (every other mistake: one line, exit 2).
+    monkeypatch.setitem(sys.modules, "kvb_server", None)
+    monkeypatch.setitem(sys.modules, "kvb_server.cli", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve"])
+    assert exit_info.value.code == 2
+    assert 'pip install "kvboost[server]"' in capsys.readouterr().err
+
+
 def test_a_config_before_the_command_says_where_it_goes(capsys):
     with pytest.raises(SystemExit):
         main(["--config", "f.yaml", "serve"])

@@ -12,11 +12,13 @@ Only exact KV crosses this boundary: stitched (non-prefix) reuse stays inside th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import transformers
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvb_cache.cache_kwarg import cache_argument
@@ -75,12 +77,25 @@ class PrefixCache:
             ``input_ids`` ``[1, n]``, ``attention_mask`` ``[1, S]`` (ones) and the cache (under
             :attr:`cache_argument`).
         """
+        if suffix_only and not assisted_decoding_resumes_exactly():
+            warnings.warn(
+                f"transformers {transformers.__version__}'s assisted decoding (assistant_model=, "
+                "prompt_lookup_num_tokens=) from a prefilled cache gives other tokens than without one (a "
+                "transformers bug fixed in 5.18): upgrade transformers, or generate without the cache",
+                stacklevel=2,
+            )
         ids = self.remaining_ids if suffix_only else list(self.token_ids)
         return {
             "input_ids": torch.tensor([ids], dtype=torch.long, device=self.device),
             "attention_mask": torch.ones((1, len(self.token_ids)), dtype=torch.long, device=self.device),
             self.cache_argument: self.cache,
         }
+
+
+def assisted_decoding_resumes_exactly() -> bool:
+    """Whether this transformers' assisted decoding continues a prefilled cache exactly (5.18 and later)."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 18)
 
 
 class HFCacheBridge:

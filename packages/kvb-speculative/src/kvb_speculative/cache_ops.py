@@ -6,7 +6,8 @@ import functools
 import inspect
 
 import torch
-from transformers import Cache, PreTrainedModel
+import transformers
+from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvb_speculative.errors import CacheRollbackError
 
@@ -50,6 +51,24 @@ def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
 def cache_device(model: PreTrainedModel) -> torch.device:
     """Where ``model`` takes its inputs (its input embeddings' device; cheaper than ``model.device``)."""
     return model.get_input_embeddings().weight.device
+
+
+def _masks_cover_recorded_past() -> bool:
+    # transformers 5.17 sizes a sliding-window layer's attention mask to the window, so a layer recording
+    # its past (make_croppable) hands attention more keys than the mask has columns at the first rollback
+    # past the window ("size of tensor a (9) must match ... b (8)"); 5.18 sizes it to what the layer holds.
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 18)
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache for ``model`` that speculative decoding can crop (with :func:`make_croppable` after
+    the prefill): the model's own layer types (sliding-window layers bounded by their window). On
+    transformers 5.17 and older, whose masks do not cover a sliding layer's recorded past, a cache of full
+    layers instead: exact too, but it keeps every position (memory not bounded by the window)."""
+    if _masks_cover_recorded_past():
+        return DynamicCache(config=model.config)
+    return DynamicCache()
 
 
 def make_croppable(cache: Cache) -> None:

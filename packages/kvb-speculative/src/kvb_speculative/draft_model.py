@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_speculative.cache_ops import extend, make_croppable, rollback
+from kvb_speculative.cache_ops import extend, make_croppable, new_cache, rollback
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.protocols import Draft, TokenProcessor
 from kvb_speculative.sampling import sample_token
@@ -82,7 +82,7 @@ class DraftModelSession:
         #: the target stops proposing past it: learned absolute positions (GPT-2) raised IndexError there,
         #: and RoPE models past their trained length propose little worth verifying.
         self._context_length = context_length
-        self.cache = DynamicCache(config=draft_model.config)
+        self.cache = new_cache(draft_model)
         # Committed tokens whose KV ``cache`` holds: always a prefix of the history passed to propose().
         self._cached = 0
         self._history_length = 0

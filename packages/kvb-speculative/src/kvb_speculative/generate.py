@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvb_speculative.cache_ops import cache_kwargs
+from kvb_speculative.cache_ops import cache_kwargs, new_cache
 from kvb_speculative.decoder import SpeculativeConfig, SpeculativeDecoder
 from kvb_speculative.errors import SpeculativeConfigError
 from kvb_speculative.processing import LogitsTokenProcessor, SamplingParams
@@ -50,7 +50,7 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[DynamicCac
     Returns:
         The cache (``S`` positions) and the ``[V]`` float32 logits at position ``S - 1``.
     """
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     ids = input_ids.to(model.device)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))

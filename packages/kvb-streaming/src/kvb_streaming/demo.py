@@ -75,7 +75,6 @@ class DemoReport:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvb_streaming.demo",
         description="Generate with an AWQ int4 model whose layers stream from host RAM; print timings.",
     )
     parser.add_argument("--model", required=True, help="local AWQ GEMM checkpoint folder")

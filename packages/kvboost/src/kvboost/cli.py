@@ -57,7 +57,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 def _server_missing(args: argparse.Namespace) -> int:
     raise ImportError(
-        'kvboost serve needs kvb-server (from the source tree: pip install "./packages/kvboost[server]")'
+        'kvboost serve needs kvb-server: install the server extra (pip install "kvboost[server]"; from the '
+        'source tree pip install "./packages/kvboost[server]")'
     )
 
 
@@ -74,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     # Every subcommand sets ``func``; those that report a status return an exit code, the demo returns None.
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ImportError as exc:  # an optional part not installed: one line naming the extra, not a traceback
+        if not str(exc).startswith(("No module named", "cannot import name")):
+            parser.error(str(exc))
+        raise
 
 
 if __name__ == "__main__":

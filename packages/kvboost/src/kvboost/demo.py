@@ -23,9 +23,11 @@ def no_cache_ttft_ms(engine: KVBoost, messages: list[dict[str, str]]) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
+    conversations = load_user_turns(
+        args.conversations
+    )  # first: a missing dataset fails before the model loads
     print(f"Loading {args.model} ...", flush=True)
     engine = KVBoost.from_pretrained(args.model, chunk_size=args.chunk_size, device=args.device)
-    conversations = load_user_turns(args.conversations)
     # One untimed forward first: the process's first forward (allocator, kernel selection, page faults) was
     # charged to the first row's no-cache baseline, which then showed 8.7x at 0% reuse.
     no_cache_ttft_ms(engine, [{"role": "user", "content": "warm-up"}])

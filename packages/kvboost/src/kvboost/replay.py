@@ -26,7 +26,7 @@ def load_user_turns(max_conversations: int, *, min_turns: int = 3) -> list[list[
         data_file = resources.files("chitchat_dataset").joinpath("dataset.json")
     except ModuleNotFoundError as exc:
         raise ImportError(
-            "The conversation replay needs chitchat-dataset: pip install chitchat-dataset"
+            'The conversation replay needs chitchat-dataset: pip install "kvboost[demo]" (or chitchat-dataset)'
         ) from exc
     with data_file.open() as f:
         data = json.load(f)
