@@ -120,6 +120,21 @@ def test_the_num_blocks_flag_states_the_configs_own_bound():
         block_count("1")
 
 
+def test_remote_timeout_reaches_the_redis_tier_from_the_flag():
+    # The 2 s bound of every Redis call was a TierConfig field only: a server on a slow link could not
+    # give multi-megabyte records more time.
+    parser = argparse.ArgumentParser()
+    add_option_arguments(parser, EngineArgs)
+    ns = parser.parse_args(["--remote-url", "redis://127.0.0.1:6379/0", "--remote-timeout", "7.5"])
+    tiers = from_namespace(EngineArgs, ns).tier_config()
+    assert tiers is not None and tiers.remote_timeout_s == 7.5
+    assert EngineArgs(remote_url="redis://h:1/0").tier_config().remote_timeout_s == 2.0
+    with pytest.raises(ConfigError, match="remote_timeout_s bounds the Redis tier"):
+        EngineArgs(remote_timeout_s=5.0).tier_config()
+    with pytest.raises(ConfigError, match="remote_timeout_s"):
+        EngineArgs(remote_url="redis://h:1/0", remote_timeout_s=0.0).tier_config()
+
+
 def test_remote_ttl_reaches_the_redis_tier_from_the_flag():
     """docs/tiers.md advises a TTL with volatile-lru; it could be set through TierConfig only (no flag, no
     from_pretrained keyword)."""

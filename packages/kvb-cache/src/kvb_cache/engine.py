@@ -45,7 +45,7 @@ from kvb_cache.stitch_config import StitchConfig
 from kvb_cache.stitching import Stitcher
 from kvb_cache.store import ChunkStore
 from kvb_cache.structured.backend import GrammarCache
-from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, TieredStore
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, DEFAULT_REMOTE_TIMEOUT_S, TieredStore
 from kvb_cache.transfers import CacheTransfers
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         remote_url: str | None = None,
         remote_codec: str | None = None,
         remote_ttl_s: int | None = None,
+        remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,
@@ -243,6 +244,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
                 (``pip install "kvb-cache[redis]"``); None: no remote tier.
             remote_codec: ``"absmax8"`` to send Redis records through the int8 wire codec (lossy).
             remote_ttl_s: expire Redis records after this many seconds (None: no TTL).
+            remote_timeout_s: connect/read timeout of every Redis call (a miss past it).
             stitching: reuse chunks cached after a *different* history too (approximate; see
                 :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
             recompute_strategy: shorthand for ``stitching=StitchConfig(recompute_strategy=...)``:

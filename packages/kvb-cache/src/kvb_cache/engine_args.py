@@ -24,7 +24,7 @@ from kvb_cache.errors import ConfigError
 from kvb_cache.gpu_budget import check_utilization
 from kvb_cache.options import block_count, model_len, option, parse_bytes, positive_int
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig
-from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, TierConfig
+from kvb_cache.tiers.config import DEFAULT_DISK_CACHE_BYTES, DEFAULT_REMOTE_TIMEOUT_S, TierConfig
 
 if TYPE_CHECKING:
     import torch
@@ -227,6 +227,14 @@ class EngineArgs:
         help="expire Redis records after this many seconds; with Redis' maxmemory-policy volatile-lru only "
         "records are evicted, never the shared counters hash (only with --remote-url); unset: no TTL",
     )
+    remote_timeout_s: float = option(
+        DEFAULT_REMOTE_TIMEOUT_S,
+        group="cache",
+        flag="--remote-timeout",
+        metavar="SECONDS",
+        help="connect/read timeout of every Redis call; past it the call is a miss and the tier pauses (a "
+        "big model's records are megabytes: give a slow link room for the transfer; only with --remote-url)",
+    )
     exit_flush_timeout_s: float = option(
         10.0,
         group="cache",
@@ -345,12 +353,18 @@ class EngineArgs:
                 "disk_cache_bytes sizes the disk tier, and there is none: add disk_cache_dir (--disk-cache-dir) "
                 "or drop disk_cache_bytes"
             )
+        if self.remote_url is None and self.remote_timeout_s != DEFAULT_REMOTE_TIMEOUT_S:
+            raise ConfigError(
+                "remote_timeout_s bounds the Redis tier's calls, and there is none: add remote_url "
+                "(--remote-url) or drop remote_timeout_s"
+            )
         tiers = TierConfig(
             disk_cache_dir=self.disk_cache_dir,
             disk_cache_bytes=self.disk_cache_bytes,
             remote_url=self.remote_url,
             remote_codec=self.remote_codec,
             remote_ttl_s=self.remote_ttl_s,
+            remote_timeout_s=self.remote_timeout_s,
             exit_flush_timeout_s=self.exit_flush_timeout_s,
         )
         return tiers if tiers.enabled else None

@@ -30,7 +30,7 @@ from kvb_cache.engine_args import EngineArgs
 from kvb_cache.errors import ConfigError, ModelLoadError
 from kvb_cache.loading import check_local_model, load_model_and_tokenizer
 from kvb_cache.options import pick_keywords
-from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES
+from kvb_cache.tiers import DEFAULT_DISK_CACHE_BYTES, DEFAULT_REMOTE_TIMEOUT_S
 from kvb_streaming import StreamingConfig
 from kvboost.args import KVB_ATTENTION, SpeculativeArgs, StreamingArgs
 
@@ -66,6 +66,7 @@ class KVBoost(_Engine):
         remote_url: str | None = None,
         remote_codec: str | None = None,
         remote_ttl_s: int | None = None,
+        remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         stitching: StitchConfig | None = None,
         recompute_strategy: str | None = None,
         collect_copies: int | None = None,

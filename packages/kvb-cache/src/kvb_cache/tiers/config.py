@@ -13,6 +13,10 @@ GiB = 1 << 30
 DEFAULT_DISK_CACHE_BYTES = 16 * GiB
 
 
+#: Connect/read timeout of every Redis call (seconds), unless TierConfig / --remote-timeout says otherwise.
+DEFAULT_REMOTE_TIMEOUT_S = 2.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierConfig:
     """Lower cache tiers (both optional; RAM is always first).
@@ -41,7 +45,7 @@ class TierConfig:
     remote_url: str | None = None
     remote_codec: str | None = None
     remote_ttl_s: int | None = None
-    remote_timeout_s: float = 2.0
+    remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
     max_pending_writes: int = 256
     exit_flush_timeout_s: float = 10.0
 
