@@ -312,23 +312,21 @@ def model_len(text: str) -> int | None:
     return int(value)
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (block and scheduling sizes)."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (block and scheduling sizes)."""
+    return _int_at_least(text, 1)
 
 
 def block_count(text: str) -> int:
     """An integer >= 2 (``num_blocks``: the config's own lower bound, said by the flag too)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 2")
-    return value
+    return _int_at_least(text, 2)
