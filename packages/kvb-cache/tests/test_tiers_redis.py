@@ -221,6 +221,20 @@ def test_redis_down_degrades_to_misses_with_a_counter_then_recovers(redis_server
     assert tier.put(entries[0].key, b"y") and tier.get(entries[0].key) == b"y"
 
 
+def test_counts_a_failed_store_carried_reach_the_shared_counters_with_the_next_one(redis_server):
+    # The pending hit/miss counts were taken out before the pipeline ran and lost when it failed, so the
+    # shared counters (`kvboost cache status`) undercounted after every outage.
+    tier = RedisTier(redis_server.url, namespace=FINGERPRINT, timeout_s=0.5, retry_after_s=0.2)
+    tier.count("hits", 3)
+    redis_server.stop()
+    assert not tier.put(chain(1)[0].key, b"x")
+    redis_server.start()
+    time.sleep(0.3)  # past retry_after_s
+    assert tier.put(chain(1)[0].key, b"x")
+    shared = redis.Redis.from_url(redis_server.url).hgetall(tier.prefix + "__stats__")
+    assert int(shared[b"hits"]) == 3
+
+
 def test_corrupted_record_in_redis_is_dropped_and_counted(redis_server):
     entries = chain(2)
     store = tiered(redis_server.url)

@@ -158,6 +158,9 @@ class RedisTier(RecordTier):
             # each HINCRBY fail, which failed every store and took the tier down as if Redis were.
             replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
+            with self._lock:  # nothing reached Redis: the counts go with the next store that does
+                for field, n in deltas.items():
+                    self._unsent[field] += n
             self._failed("SET", exc)
             return False
         if isinstance(replies[0], self._refusals):
