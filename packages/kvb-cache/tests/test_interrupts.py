@@ -184,3 +184,49 @@ def test_the_hf_bridge_waits_for_the_engine_lock(llama, tokenizer):
     holder.join(10)
     assert done.wait(10)
     caller.join(10)
+
+
+@pytest.mark.parametrize("where", ["detokenizing its token", "freeing it after its last token"])
+def test_a_request_whose_token_was_part_way_through_emission_ends_with_a_typed_error(
+    llama, tokenizer, monkeypatch, where
+):
+    # Appended but not detokenized, the stream went on without that word; finished but not freed, a later
+    # step decoded past max_new_tokens (9 tokens of 8). Neither stream can go on whole: it ends, saying so.
+    engine = _engine(llama, tokenizer)
+    stream = engine.stream(PROMPT_A, max_new_tokens=8, ignore_eos=True)
+    next(stream)
+    victim = engine.core.scheduler.find(RequestId(stream.request_id))
+    original = EngineCore._emit
+    armed = {"on": True}
+
+    def interrupt(*args, **kwargs):
+        armed["on"] = False
+        raise KeyboardInterrupt("Ctrl-C inside an emission")
+
+    def emit(self, req, token, logits, logprob=None):
+        last = len(req.tokens) - req.prompt_len == 7
+        if armed["on"] and req is victim and (where.startswith("detok") or last):
+            if where.startswith("detok"):
+                emitter_class = type(req.emitter)
+                push = emitter_class.push
+
+                def push_once(*args, **kwargs):  # the victim's push raises; every later one is the real one
+                    monkeypatch.setattr(emitter_class, "push", push)
+                    interrupt()
+
+                monkeypatch.setattr(emitter_class, "push", push_once)
+            else:
+                monkeypatch.setattr(self, "before_free", interrupt)
+        return original(self, req, token, logits, logprob)
+
+    monkeypatch.setattr(EngineCore, "_emit", emit)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPT_B, max_new_tokens=12, ignore_eos=True)
+    monkeypatch.undo()
+    with pytest.raises(RequestInterruptedError):
+        for _ in stream:
+            pass
+    assert len(victim.tokens) - victim.prompt_len <= 8
+    assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0
+    want = _engine(llama, tokenizer).generate(PROMPT_B, max_new_tokens=12, ignore_eos=True).output_ids
+    assert engine.generate(PROMPT_B, max_new_tokens=12, ignore_eos=True).output_ids == want

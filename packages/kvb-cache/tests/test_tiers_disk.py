@@ -641,3 +641,28 @@ def test_a_tier_implementing_only_the_abstract_methods_is_counted_against():
     store.flush()
     assert tier.stats().dropped >= 1
     store.close()
+
+
+def test_recency_touches_never_take_the_slots_record_writes_need(tmp_path):
+    # Touches shared the bounded write-behind queue: behind a slow tier they filled it, record writes were
+    # dropped sooner, and a dropped touch still counted as done for its keys.
+    import threading
+
+    from kvb_cache.core.block_tiers import BlockTiers
+
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    tiers = BlockTiers(
+        [LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))],
+        BackgroundWriter(4),
+    )
+    release = threading.Event()
+    tiers.writer.submit(lambda: release.wait(10))  # the tier is slow: the writer is busy
+    tiers.writer.submit(lambda: None)
+    keys = [e.key for e in chain(3)]
+    tiers.touch(keys)  # half the queue is taken: a hint yields to writes
+    assert tiers.writer.pending <= 2 and not tiers._touched
+    release.set()
+    tiers.writer.flush(10)
+    tiers.touch(keys)
+    tiers.writer.flush(10)
+    assert list(tiers._touched) == list(reversed(keys))

@@ -76,9 +76,10 @@ class NonFiniteLogitsError(KVBoostError, ArithmeticError):
 
 
 class RequestInterruptedError(KVBoostError, RuntimeError):
-    """A request that ran on kvb-speculative's solo path was cut short by an exception raised inside the
-    engine's step on its behalf (a ``KeyboardInterrupt``, or a signal handler's exception, while another
-    caller's call was stepping the engine): its generator cannot resume, so it ends with this error."""
+    """A request was cut short by an exception that escaped the engine's step while it was being served (a
+    ``KeyboardInterrupt``, or a signal handler's exception, during another caller's call): its token was
+    part-way through being emitted, or it ran on kvb-speculative's solo path, whose generator cannot resume.
+    Its stream cannot go on whole, so it ends with this error; send it again."""
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(

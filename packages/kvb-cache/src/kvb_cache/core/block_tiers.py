@@ -114,20 +114,19 @@ class BlockTiers:
         first record evicted, and every record after it in a chain became unreachable (a lookup stops at
         the first missing block). The bump goes from the chain's end to its start, so a chain's first block
         is its most recent and eviction takes chains from their ends (as vLLM's free queue does)."""
-        if not self.lower or not keys:
-            return
+        if not self.lower or not keys or self.writer.pending * 2 >= self.writer.capacity:
+            return  # a hint: never take the queue slots that record writes need (they would be dropped)
         now = time.monotonic()
         recent = self._touched
         due = [k for k in reversed(keys) if now - recent.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S]
-        if not due:
+        lower = self.lower
+        if not due or not self.writer.submit(lambda: [tier.tier.touch(due) for tier in lower]):
             return
         for key in due:
             recent[key] = now
             recent.move_to_end(key)
         while len(recent) > _TOUCHED_KEYS:
             recent.popitem(last=False)
-        lower = self.lower
-        self.writer.submit(lambda: [tier.tier.touch(due) for tier in lower])
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued writes reached their tiers; False when ``timeout_s`` passed first."""

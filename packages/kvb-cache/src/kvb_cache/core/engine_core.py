@@ -106,6 +106,8 @@ class EngineCore:
         #: Outputs a step produced before an exception escaped it part-way: the next step returns them first
         #: (dropped, a stream missed a token, or a finished request's result never arrived).
         self._carried: list[RequestOutput] = []
+        #: Requests whose token was being emitted when an exception escaped the step (see _end_torn).
+        self._torn: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -236,6 +238,7 @@ class EngineCore:
         try:
             self._step(self._carried)
         except BaseException:
+            self._end_torn()
             self.scheduler.recover()
             raise
         finally:
@@ -245,6 +248,17 @@ class EngineCore:
                 self.abort(request_id)  # also drops its carried outputs
         outputs, self._carried = self._carried, []
         return outputs
+
+    def _end_torn(self) -> None:
+        """End the requests whose token was part-way through :meth:`_emit` when an exception escaped the
+        step: appended but maybe not detokenized, or finished but not freed (a later step would have
+        decoded past ``max_new_tokens``), so their stream cannot go on whole. They end with
+        :class:`RequestInterruptedError` (the next step delivers it) instead of a torn text."""
+        torn, self._torn = self._torn, []
+        for req in torn:
+            output = self._fail(req, RequestInterruptedError())
+            if not req.internal:
+                self._carried.append(output)
 
     @torch.inference_mode()
     def _step(self, outputs: list[RequestOutput]) -> None:
@@ -392,32 +406,42 @@ class EngineCore:
         if req.capture_logits:
             req.last_logits = logits
         req.tokens.append(token)
-        produced = len(req.tokens) - req.prompt_len
-        if produced == 1:
-            req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
-            if self.after_prefill is not None:
-                self.after_prefill(req)
-        delta = req.emitter.push(token, produced)
-        if req.grammar is not None and req.grammar.finished and not req.emitter.finish:
-            delta += req.emitter.end("stop")  # the response_format is complete
-        result = None
-        if req.emitter.finish:
-            if self.before_free is not None:
-                self.before_free(req)
-            self.scheduler.remove(req)
-            result = self.build_result(req)
-        elif not delta and params.logprobs is None:
-            return None
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if params.logprobs is not None:
-            covered = req.emitter.covered()
-            logprobs = tuple(req.logprobs[req.logprobs_sent : covered])
-            req.logprobs_sent = max(req.logprobs_sent, covered)
-        token_ids = tuple(req.tokens[req.prompt_len + req.streamed :])
-        req.streamed += len(token_ids)
-        return RequestOutput(
-            request_id=req.request_id, delta_text=delta, token_ids=token_ids, logprobs=logprobs, result=result
-        )
+        try:
+            produced = len(req.tokens) - req.prompt_len
+            if produced == 1:
+                req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
+                if self.after_prefill is not None:
+                    self.after_prefill(req)
+            delta = req.emitter.push(token, produced)
+            if req.grammar is not None and req.grammar.finished and not req.emitter.finish:
+                delta += req.emitter.end("stop")  # the response_format is complete
+            result = None
+            if req.emitter.finish:
+                if self.before_free is not None:
+                    self.before_free(req)
+                self.scheduler.remove(req)
+                result = self.build_result(req)
+            elif not delta and params.logprobs is None:
+                return None
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if params.logprobs is not None:
+                covered = req.emitter.covered()
+                logprobs = tuple(req.logprobs[req.logprobs_sent : covered])
+                req.logprobs_sent = max(req.logprobs_sent, covered)
+            token_ids = tuple(req.tokens[req.prompt_len + req.streamed :])
+            req.streamed += len(token_ids)
+            return RequestOutput(
+                request_id=req.request_id,
+                delta_text=delta,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                result=result,
+            )
+        except Exception:
+            raise  # the request's own failure: the caller ends it (_fail)
+        except BaseException:
+            self._torn.append(req)  # cut part-way by an interrupt: step() ends it
+            raise
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """End ``req`` because its token could not be chosen or emitted: its blocks are freed, nothing of it

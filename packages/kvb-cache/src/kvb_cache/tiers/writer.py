@@ -40,6 +40,11 @@ class BackgroundWriter:
     def pending(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def capacity(self) -> int:
+        """Most jobs queued at once (``max_pending``)."""
+        return self._queue.maxsize
+
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False (and counted) when the queue is full."""
         self._ensure_started()
