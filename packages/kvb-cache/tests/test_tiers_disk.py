@@ -655,12 +655,14 @@ def test_recency_touches_never_take_the_slots_record_writes_need(tmp_path):
         [LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))],
         BackgroundWriter(4),
     )
-    release = threading.Event()
-    tiers.writer.submit(lambda: release.wait(10))  # the tier is slow: the writer is busy
+    started, release = threading.Event(), threading.Event()
+    tiers.writer.submit(lambda: (started.set(), release.wait(10)))  # the tier is slow: the writer is busy
+    assert started.wait(10)
+    tiers.writer.submit(lambda: None)
     tiers.writer.submit(lambda: None)
     keys = [e.key for e in chain(3)]
     tiers.touch(keys)  # half the queue is taken: a hint yields to writes
-    assert tiers.writer.pending <= 2 and not tiers._touched
+    assert tiers.writer.pending == 2 and not tiers._touched
     release.set()
     tiers.writer.flush(10)
     tiers.touch(keys)
