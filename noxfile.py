@@ -130,15 +130,23 @@ def _install_dists(
     session: nox.Session, target: str, extras: list[str], wheels: dict[str, str], extra_reqs: list[str]
 ) -> None:
     """Install ``target``'s wheel (with ``extras``) and its sibling wheels by path, plus ``extra_reqs``."""
-    suffix = f"[{','.join(extras)}]" if extras else ""
     siblings = [path for name, path in wheels.items() if name != target]
-    session.install("-c", CONSTRAINTS, f"{wheels[target]}{suffix}", *siblings, *extra_reqs)
+    session.install("-c", CONSTRAINTS, _with_extras(wheels[target], extras), *siblings, *extra_reqs)
+
+
+def _kvboost_tool(pkg_dir: Path) -> dict:
+    """A distribution's ``[tool.kvboost]`` table (``test-extras``, ``test-env``)."""
+    return _pyproject(pkg_dir).get("tool", {}).get("kvboost", {})
+
+
+def _with_extras(wheel: str, extras: list[str]) -> str:
+    return f"{wheel}[{','.join(extras)}]" if extras else wheel
 
 
 def _make_package_session(name: str, pkg_dir: Path):
     def package_tests(session: nox.Session) -> None:
         packages = _packages()
-        tool = _pyproject(pkg_dir).get("tool", {}).get("kvboost", {})
+        tool = _kvboost_tool(pkg_dir)
         _install_torch(session)
         wheels = _build_wheels(session, _sibling_closure(name, packages), packages)
         test_deps = nox.project.dependency_groups(_pyproject(pkg_dir), "test")
@@ -174,11 +182,10 @@ def oldest_transformers(session: nox.Session) -> None:
     test_deps: list[str] = []
     for name in _TRANSFORMERS_BOUND:
         test_deps += nox.project.dependency_groups(_pyproject(packages[name]), "test")
-    extras = {
-        name: _pyproject(packages[name]).get("tool", {}).get("kvboost", {}).get("test-extras", [])
-        for name in wheels
-    }
-    dists = [path + (f"[{','.join(extras[name])}]" if extras[name] else "") for name, path in wheels.items()]
+    dists = [
+        _with_extras(path, _kvboost_tool(packages[name]).get("test-extras", []))
+        for name, path in wheels.items()
+    ]
     session.install("-c", CONSTRAINTS, *dists, *test_deps)
     session.install("-c", CONSTRAINTS, OLDEST_TRANSFORMERS)
     session.chdir(session.create_tmp())

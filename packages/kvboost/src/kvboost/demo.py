@@ -23,9 +23,8 @@ def no_cache_ttft_ms(engine: KVBoost, messages: list[dict[str, str]]) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    conversations = load_user_turns(
-        args.conversations
-    )  # first: a missing dataset fails before the model loads
+    # First: a missing dataset fails before the model loads.
+    conversations = load_user_turns(args.conversations)
     print(f"Loading {args.model} ...", flush=True)
     engine = KVBoost.from_pretrained(args.model, chunk_size=args.chunk_size, device=args.device)
     # One untimed forward first: the process's first forward (allocator, kernel selection, page faults) was

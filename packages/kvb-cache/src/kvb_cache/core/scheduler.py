@@ -347,15 +347,20 @@ class Scheduler:
         return None if req.rank > victim.rank else victim
 
     def _preempt(self, req: Request) -> None:
+        self._send_back(req)
+        req.preemptions += 1
+        self.preemptions += 1
+
+    def _send_back(self, req: Request) -> None:
+        """Running ``req`` waits again, to be recomputed exactly: its blocks are released (full ones stay
+        cached, so its resumption is mostly a prefix hit)."""
         self.running.remove(req)
         self.kv.free(req)
         # NOTE: a stitched request resumes by recomputing everything after its exact prefix, exactly.
         req.exact_until = None
         req.copied = ()
         req.status = RequestStatus.WAITING
-        req.preemptions += 1
         self._requeue(req)
-        self.preemptions += 1
 
     def recover(self) -> int:
         """After an exception escaped a step part-way (a ``KeyboardInterrupt``, a signal handler's exception
@@ -367,12 +372,7 @@ class Scheduler:
         for req in list(self.running):
             req.draft.clear()
             if req.remaining <= 0:
-                self.running.remove(req)
-                self.kv.free(req)
-                req.exact_until = None  # a stitched request resumes by exact recomputation (as _preempt)
-                req.copied = ()
-                req.status = RequestStatus.WAITING
-                self._requeue(req)
+                self._send_back(req)  # as a preemption, not counted as one
                 stuck += 1
         return stuck
 

@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.tiers.base import Counters, RecordTier, TierStats
+from kvb_cache.tiers.config import DEFAULT_REMOTE_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class RedisTier(RecordTier):
         *,
         namespace: str,
         ttl_s: int | None = None,
-        timeout_s: float = 2.0,
+        timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         retry_after_s: float = 2.0,
     ) -> None:
         if ttl_s is not None and ttl_s < 1:
