@@ -15,12 +15,11 @@ SmolLM2-135M-Instruct fp32, CPU, one torch thread; medians over ``--repeats`` ru
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
-import time
 
 import torch
 from eval_fidelity import CACHE_BYTES, WARMUP_QUESTIONS, prompt, pydoc_groups, qa_item, test_prompt
+from stall_probe import gaps_around_arrival
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvb_cache import EngineConfig, KVBoost, SamplingParams, StitchConfig
@@ -47,32 +46,13 @@ def run_once(model, tokenizer, mode: str, budget: int, group) -> dict[str, float
     for i, question in enumerate(WARMUP_QUESTIONS):
         warm_order = list(range(len(docs))) if i == 0 else list(reversed(range(len(docs))))
         engine.next_token_logits(tokenizer(prompt(docs, warm_order, question))["input_ids"])
-    chat = engine.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
-    running = engine.add_request(chat, SamplingParams(max_new_tokens=200, ignore_eos=True))
-    stamps: list[float] = []
-    arrival_id, arrived_at, ttft = None, 0.0, None
-    while True:
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.request_id == running:
-                stamps.append(now)
-            elif out.request_id == arrival_id and ttft is None:
-                ttft = now - arrived_at
-        if len(stamps) == 8 and arrival_id is None:
-            arrived_at = time.perf_counter()
-            arrival_id = engine.add_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
-            stamps.append(time.perf_counter())  # add_request's own time counts against the running request
-        if ttft is not None:
-            break
-    engine.abort(running)
-    # stamps[7]: the 8th token; stamps[8]: add_request returned (its own time is a gap for the running one).
-    after = [b - a for a, b in itertools.pairwise(stamps[7:])]
-    before = [b - a for a, b in itertools.pairwise(stamps[:8])]
+    gaps = gaps_around_arrival(
+        engine, lambda: engine.add_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    )
     return {
-        "max_gap": max(after),
-        "median_gap_before": statistics.median(before),
-        "ttft": ttft,
+        "max_gap": gaps["max_gap"],
+        "median_gap_before": gaps["median_gap_before"],
+        "ttft": gaps["ttft"],
         "prompt_tokens": len(ids),
     }
 

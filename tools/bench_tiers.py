@@ -44,7 +44,8 @@ from kvb_cache.tiers.text import benchmark_token_ids
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def start_redis() -> tuple[subprocess.Popen | None, str | None]:
+def start_redis(*extra: str) -> tuple[subprocess.Popen | None, str | None]:
+    """A redis-server on a free loopback port (``extra``: more of its options); (None, None) without one."""
     binary = shutil.which("redis-server")
     if binary is None:
         print("redis-server not found: skipping the Redis tier")
@@ -53,7 +54,7 @@ def start_redis() -> tuple[subprocess.Popen | None, str | None]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

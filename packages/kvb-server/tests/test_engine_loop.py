@@ -370,6 +370,8 @@ def test_stats_and_metrics_show_the_engine_loop() -> None:
             "preemptions": 0,
             "steps": 6,
             "max_num_seqs": 1,
+            "tier_loads": 0,
+            "loading": 0,
             "hit_rate": 0.5,
             "kv_cache_usage": 0.0,
         }

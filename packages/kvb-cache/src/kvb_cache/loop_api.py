@@ -241,6 +241,8 @@ class LoopAPI:
             preemptions=sched.preemptions,
             steps=self.core.steps,
             max_num_seqs=sched.max_num_seqs,
+            tier_loads=sched.tier_loads,
+            loading=len(sched.loading()),
         )
 
     def _prompt_computed(self, req: Request) -> None:

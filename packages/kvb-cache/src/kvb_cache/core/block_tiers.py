@@ -13,6 +13,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvb_cache.config import EngineConfig
 from kvb_cache.core.kv_storage import LayerShape
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 TOUCH_INTERVAL_S = 1.0
 #: Keys whose last bump is remembered (the oldest are forgotten; a forgotten key is bumped again).
 _TOUCHED_KEYS = 65536
+#: Threads that run the engine loop's tier lookups (:meth:`BlockTiers.fetch_async`): a lookup stalled on
+#: one request's records (a Redis timeout) does not hold up the next request's disk probe.
+LOAD_THREADS = 4
 
 
 class BlockTiers:
@@ -55,6 +59,7 @@ class BlockTiers:
         self.block_size = block_size
         self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
         self._touched: OrderedDict[ChunkHash, float] = OrderedDict()  # key -> when it was last bumped
+        self._loader: ThreadPoolExecutor | None = None  # made on the first fetch_async
 
     @classmethod
     def from_config(
@@ -100,6 +105,32 @@ class BlockTiers:
             run.append(kv)
         return run
 
+    def fetch_async(self, keys: Sequence[ChunkHash]) -> Future[list[LayerKV]]:
+        """:meth:`fetch` on a loader thread: the engine loop keeps stepping its running requests while a
+        waiting request's records are read (and decoded), as vLLM's asynchronous KV-connector loads do.
+
+        Before, the lookup ran inside the step, so every open stream paused for it: a stalled Redis held
+        all of them for up to the remote timeout (2 s), and even a healthy round trip of a long prefix was
+        paid by every running request. A lookup that fails answers an empty run (recomputed)."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvb-tier-load")
+        return self._loader.submit(self._fetch_or_nothing, tuple(keys))
+
+    def _fetch_or_nothing(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
+        try:
+            return self.fetch(keys)
+        except Exception as exc:  # a tier's own failures are counted inside it; anything else: recompute
+            kind = ("lookup", type(exc).__name__)
+            if kind not in self._warned:
+                self._warned.add(kind)
+                logger.warning("a tier lookup failed (%s: %s); its blocks are recomputed", kind[1], exc)
+            return []
+
+    def _stop_loads(self) -> None:
+        """Stop the loader threads (lookups not started are cancelled; one in flight ends on its own)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+
     def write_behind(self, entry: ChunkEntry) -> None:
         """Queue ``entry`` for every tier; a full queue drops it (counted)."""
         tiers = self.lower
@@ -142,6 +173,7 @@ class BlockTiers:
         """Drain the write-behind queue (bounded by ``timeout_s``), then close the tiers.
 
         Returns False when writes were still queued at the deadline (they may be lost at exit)."""
+        self._stop_loads()
         drained = self.writer.close(timeout_s)
         close_tiers(self.lower)
         return drained
@@ -149,6 +181,7 @@ class BlockTiers:
     def retire(self) -> None:
         """The owner was dropped without :meth:`close`: the writer thread ends once its queue is drained
         and then closes the tiers (never blocks)."""
+        self._stop_loads()
         lower = list(self.lower)
         self.writer.retire(lambda: close_tiers(lower))
 

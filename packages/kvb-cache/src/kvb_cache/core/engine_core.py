@@ -45,6 +45,7 @@ from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
 from kvb_cache.core.speculation import merge_outputs, propose, verdict
+from kvb_cache.core.tier_loads import IDLE_WAIT_S, wait_first
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, RequestInterruptedError
@@ -276,6 +277,9 @@ class EngineCore:
             req.cached_tokens = admission.hit.tokens
             req.partial_tokens = admission.hit.partial
             req.exact_blocks = admission.hit.full_blocks
+        if not plan.scheduled and not self.solo and not self.preparing:
+            # Nothing to run but tier lookups in flight: wait for one (not a busy loop of empty steps).
+            wait_first(self.scheduler.loading(), IDLE_WAIT_S)
         if plan.scheduled:
             seqs = [
                 SeqInput(

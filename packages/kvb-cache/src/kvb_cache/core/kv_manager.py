@@ -10,7 +10,7 @@ block). Below the pool, :class:`~kvb_cache.core.block_tiers.BlockTiers` serves m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.core.kv_storage import KVStorage
 from kvb_cache.core.request import PreparedKV, Request
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash
-from kvb_cache.store import ChunkEntry
+from kvb_cache.store import ChunkEntry, LayerKV
 
 
 class PrefixHit(NamedTuple):
@@ -83,6 +83,15 @@ class KVCacheManager:
             n += 1
         return n * self.block_size
 
+    def tier_keys(self, req: Request, max_tokens: int) -> list[ChunkHash]:
+        """Prefix hashes of ``req``'s full blocks within ``req.tokens[:max_tokens]`` past the run the pool
+        holds now: what a lower tier could still serve (none without tiers)."""
+        if self.tiers is None or not self.caching:
+            return []
+        hashes = self.hashes(req, max_tokens)
+        held = self.cached_prefix_len(req, max_tokens) // self.block_size
+        return hashes[held:]
+
     # ------------------------------------------------------------------------------------ admission
     def blocks_to_admit(self, req: Request, *, max_tokens: int, upto: int | None = None, cap: int = 0) -> int:
         """Free-queue blocks that admitting ``req`` would take, computed without side effects (at least that
@@ -115,11 +124,20 @@ class KVCacheManager:
         end = upto if upto is not None else min(len(req.tokens), covered + partial + cap)
         return reused + max(-(-end // bs) - hits, 0)
 
-    def admit(self, req: Request, *, max_tokens: int, count: bool = True) -> PrefixHit:
+    def admit(
+        self,
+        req: Request,
+        *,
+        max_tokens: int,
+        count: bool = True,
+        loaded: Mapping[ChunkHash, LayerKV] | None = None,
+    ) -> PrefixHit:
         """Map the longest cached prefix of ``req.tokens[:max_tokens]`` onto ``req.blocks``.
 
         ``req`` must hold no blocks. Sets ``req.num_computed`` to the reused token count. ``count``: add
         to the prefix-cache query/hit counters (False for the engine's own lookups and stores).
+        ``loaded``: lower-tier KV already read for this request (:mod:`kvb_cache.core.tier_loads`); past the
+        pool's run, only those blocks are promoted (no tier is read here). None reads the tiers now.
         """
         assert not req.blocks and req.num_computed == 0
         bs = self.block_size
@@ -137,7 +155,9 @@ class KVCacheManager:
         full = len(req.blocks)
         if self.tiers is not None and full:
             self.tiers.touch(hashes[:full])  # RAM hits keep their tier records recent (queued, rate-limited)
-        promoted = self._promote(req, hashes[full:]) if self.tiers is not None and full < len(hashes) else 0
+        promoted = (
+            self._promote(req, hashes[full:], loaded) if self.tiers is not None and full < len(hashes) else 0
+        )
         req.registered = len(req.blocks)
         covered = len(req.blocks) * bs
         partial = self._tail_match(req, covered, max_tokens)
@@ -152,7 +172,9 @@ class KVCacheManager:
         self.queries += queried
         self.hits += hit
 
-    def adopt(self, req: Request, prepared: PreparedKV) -> PrefixHit | None:
+    def adopt(
+        self, req: Request, prepared: PreparedKV, *, loaded: Mapping[ChunkHash, LayerKV] | None = None
+    ) -> PrefixHit | None:
         """Give ``req`` the KV of its first ``prepared.length`` tokens: the exact prefix the pool holds is
         mapped as usual (shared blocks), the rest is written into fresh private blocks. None (nothing held)
         when the pool is short.
@@ -161,7 +183,7 @@ class KVCacheManager:
         (approximate) KV never becomes reachable by a prefix hash.
         """
         limit = prepared.length if req.exact_until is None else min(req.exact_until, prepared.length)
-        hit = self.admit(req, max_tokens=limit, count=False)
+        hit = self.admit(req, max_tokens=limit, count=False, loaded=loaded)
         start = req.num_computed
         if not self.allocate(req, prepared.length - start):
             self.free(req)
@@ -186,9 +208,19 @@ class KVCacheManager:
         limit = req.num_computed if self.store_outputs else min(req.num_computed, req.prompt_len)
         return limit if req.exact_until is None else min(limit, req.exact_until)
 
-    def _promote(self, req: Request, hashes: Sequence[ChunkHash]) -> int:
+    def _promote(
+        self, req: Request, hashes: Sequence[ChunkHash], loaded: Mapping[ChunkHash, LayerKV] | None
+    ) -> int:
         assert self.tiers is not None
-        run = self.tiers.fetch(hashes)
+        if loaded is None:
+            run = self.tiers.fetch(hashes)
+        else:
+            run = []
+            for h in hashes:
+                kv = loaded.get(h)
+                if kv is None:
+                    break
+                run.append(kv)
         promoted = 0
         for h, kv in zip(hashes, run):
             try:

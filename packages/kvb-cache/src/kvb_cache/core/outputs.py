@@ -48,6 +48,8 @@ class PagedStats:
         preemptions: requests sent back to waiting because the pool ran out of blocks.
         steps: engine steps run.
         max_num_seqs: most requests running at once (0: not known).
+        tier_loads: disk/Redis lookups started for waiting requests, off the loop thread.
+        loading: waiting requests whose tier lookup is still in flight (skipped until it answers).
     """
 
     block_size: int
@@ -62,6 +64,8 @@ class PagedStats:
     preemptions: int
     steps: int
     max_num_seqs: int = 0
+    tier_loads: int = 0
+    loading: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -20,6 +20,7 @@ from kvb_cache.structured.state import GrammarState
 
 if TYPE_CHECKING:
     from kvb_cache.core.speculation import StepSpeculation
+    from kvb_cache.core.tier_loads import TierLoad
 
 
 class RequestStatus(enum.Enum):
@@ -110,6 +111,9 @@ class Request:
     grammar: GrammarState | None = None
     #: KV to adopt at admission instead of a prefix lookup (stitched prompts); dropped once written.
     prepared_kv: PreparedKV | None = None
+    #: The disk/Redis lookup of this waiting request's prefix past the pool's blocks, read off the loop
+    #: thread (:mod:`kvb_cache.core.tier_loads`); dropped once admitted.
+    tier_load: TierLoad | None = None
     #: Only ``tokens[:exact_until]`` hold exact KV (a stitched request): later blocks are never registered
     #: under a prefix hash. None: all of them are exact.
     exact_until: int | None = None

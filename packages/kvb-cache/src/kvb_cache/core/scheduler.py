@@ -28,6 +28,10 @@ largest ``(priority, arrival)``, which may be the request that needs the blocks 
 
 A request's first admission is stamped (``Request.scheduled_at``, the end of its WAITING phase in the
 vLLM metrics); a preempted request readmitted later keeps that first time, as vLLM v1 does.
+
+With disk/Redis tiers, a waiting request whose prefix runs past the pool's blocks has those records read on
+a loader thread (:mod:`kvb_cache.core.tier_loads`) and is skipped until they are in memory, as vLLM v1
+skips requests waiting for remote KV: a slow tier holds up that request only, never the step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from kvb_cache.core.kv_manager import KVCacheManager, PrefixHit
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
+from kvb_cache.core.tier_loads import LOAD_GRACE_S, TierLoad, wait_all
 
 #: Waiting requests (oldest first) among which each step admits the longest cached prefixes first.
 ADMIT_WINDOW = 256
@@ -99,6 +104,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        #: Tier lookups started for waiting requests (:meth:`_start_loads`).
+        self.tier_loads = 0
         # Waiting and running requests by id: add_request checks every new id against them (a scan of both
         # queues, linear in a queue of thousands).
         self._by_id: dict[RequestId, Request] = {}
@@ -143,6 +150,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        if req.tier_load is not None:
+            req.tier_load.future.cancel()  # not started yet: never read; in flight: its result is dropped
+            req.tier_load = None
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         if self._by_id.get(req.request_id) is req:
@@ -256,21 +266,28 @@ class Scheduler:
         if head.bypassed >= MAX_BYPASS:
             order.remove(head)
             order.insert(0, head)
+        loading = self._start_loads(order) if self.kv.tiers is not None else set()
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if id(req) in loading:
+                continue  # its tier records are still being read (or wait their turn): the others go first
             # A failed attempt is retried next step: only the lookup that admits counts as a query.
             counted = self.kv.queries, self.kv.hits
             if self._short_of_blocks(req, budget):
                 break  # nothing fits now; retry next step (running requests free blocks)
+            # With tiers, only what a lookup already read is promoted: the step never waits on a tier.
+            loaded = (
+                None if self.kv.tiers is None else {} if req.tier_load is None else req.tier_load.records()
+            )
             if req.prepared_kv is not None:
-                adopted = self.kv.adopt(req, req.prepared_kv)
+                adopted = self.kv.adopt(req, req.prepared_kv, loaded=loaded)
                 if adopted is None:
                     self.kv.queries, self.kv.hits = counted
                     break  # the pool is short; retry next step
                 hit = adopted
             else:
-                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1, count=req.counted)
+                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1, count=req.counted, loaded=loaded)
             n = self._slice(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
@@ -278,6 +295,7 @@ class Scheduler:
                 break
             if req is not head:
                 head.bypassed += 1
+            req.tier_load = None  # promoted into the pool (its blocks stay cached if it is taken back)
             self.waiting.remove(req)
             if req.prepared_kv is None:  # an adopted (stitched) admission is not taken back: its KV is spent
                 delta = (self.kv.queries - counted[0], self.kv.hits - counted[1])
@@ -291,6 +309,51 @@ class Scheduler:
             scheduled.append(Scheduled(req, n))
             chosen.add(id(req))
             budget -= n
+
+    def _start_loads(self, order: list[Request]) -> set[int]:
+        """Start the tier lookups of the requests in ``order`` whose prefix runs past the pool's blocks, wait
+        :data:`LOAD_GRACE_S` for them, and return the ids of the requests that must wait: a lookup still in
+        flight, or one not started (admitted without it, a request would recompute blocks a tier holds).
+
+        Loads are bounded as admissions are: at most ``max_num_seqs`` requests loading or loaded, and at
+        most half the pool's blocks of records held for them (:meth:`TierLoad.blocks`); one load always may
+        run, so a prompt longer than that still gets its records.
+        """
+        assert self.kv.tiers is not None
+        active = [r.tier_load for r in self.waiting if r.tier_load is not None]
+        count, blocks = len(active), sum(load.blocks for load in active)
+        max_blocks = self.kv.pool.num_blocks // 2
+        started: list[TierLoad] = []
+        blocked: set[int] = set()
+        for req in order:
+            if req.tier_load is not None:
+                continue
+            keys = self.kv.tier_keys(req, self._lookup_limit(req))
+            if not keys:
+                continue
+            if count and (count >= self.max_num_seqs or blocks + len(keys) > max_blocks):
+                blocked.add(id(req))
+                continue
+            req.tier_load = TierLoad(tuple(keys), self.kv.tiers.fetch_async(keys))
+            started.append(req.tier_load)
+            count, blocks = count + 1, blocks + len(keys)
+            self.tier_loads += 1
+        wait_all(started, LOAD_GRACE_S)
+        blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
+        return blocked
+
+    def loading(self) -> list[TierLoad]:
+        """The tier lookups still in flight for waiting requests."""
+        return [r.tier_load for r in self.waiting if r.tier_load is not None and not r.tier_load.done]
+
+    @staticmethod
+    def _lookup_limit(req: Request) -> int:
+        """The prompt tokens whose cached KV admitting ``req`` may reuse (the exact part of a stitched one)."""
+        if req.prepared_kv is None:
+            return len(req.tokens) - 1
+        if req.exact_until is None:
+            return req.prepared_kv.length
+        return min(req.exact_until, req.prepared_kv.length)
 
     def _take_back(
         self, entry: _Admitted, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]
@@ -314,12 +377,9 @@ class Scheduler:
         """Whether the pool surely lacks the blocks admitting ``req`` this step would take (checked before
         any lookup changes the pool: see :meth:`KVCacheManager.blocks_to_admit`)."""
         if req.prepared_kv is not None:
-            limit = (
-                req.prepared_kv.length
-                if req.exact_until is None
-                else min(req.exact_until, req.prepared_kv.length)
+            need = self.kv.blocks_to_admit(
+                req, max_tokens=self._lookup_limit(req), upto=req.prepared_kv.length
             )
-            need = self.kv.blocks_to_admit(req, max_tokens=limit, upto=req.prepared_kv.length)
         else:
             cap = min(budget, req.prefill_chunk_size) if req.prefill_chunk_size else budget
             need = self.kv.blocks_to_admit(req, max_tokens=len(req.tokens) - 1, cap=cap)

@@ -1,0 +1,69 @@
+"""Waiting requests' disk/Redis lookups, run off the engine loop (vLLM v1's asynchronous KV loads).
+
+A waiting request whose prefix runs past what the pool holds may find the rest in a lower tier. Reading
+those records (a Redis round trip, a file per block, their decoding) used to happen inside the step that
+admitted it, so every running stream paused for it: up to the remote timeout when Redis stalled. Now the
+scheduler starts the lookup (:meth:`~kvb_cache.core.block_tiers.BlockTiers.fetch_async`) when the request
+comes up for admission, leaves the request waiting while it runs (other requests are admitted and step
+meanwhile), and admits it once the records are in memory; the blocks are then written into the pool on
+the loop thread as before (:meth:`~kvb_cache.core.kv_manager.KVCacheManager.admit` with ``loaded``).
+
+A lookup that answers within :data:`LOAD_GRACE_S` (a local disk, a healthy Redis) is admitted in the same
+step, so an idle engine adds no step of latency; a slower one costs the running requests nothing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+from kvb_cache.hashing import ChunkHash
+from kvb_cache.store import LayerKV
+
+#: How long a step waits for the lookups it started before admitting without them (seconds): a local disk
+#: answers well within it, so the request is admitted in the step that started its lookup.
+LOAD_GRACE_S = 0.005
+#: How long a step with nothing to run waits for a lookup in flight before it returns (seconds): the
+#: caller's loop steps again at once, so this only keeps an engine waiting on Redis from spinning.
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """One waiting request's lookup: ``keys`` (prefix hashes past the pool's run when it started, in chain
+    order) and the future of the leading run of their KV that some tier held."""
+
+    keys: tuple[ChunkHash, ...]
+    future: Future[list[LayerKV]]
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of KV this load holds in host memory until its request is admitted: the records found
+        once done, every key asked for while in flight (the scheduler's bound on loads)."""
+        if not self.future.done():
+            return len(self.keys)
+        if self.future.cancelled() or self.future.exception() is not None:
+            return 0
+        return len(self.future.result())
+
+    def records(self) -> dict[ChunkHash, LayerKV]:
+        """The loaded KV by key (empty when the lookup failed or was cancelled: the blocks are recomputed)."""
+        if self.future.cancelled() or self.future.exception() is not None:
+            return {}
+        return dict(zip(self.keys, self.future.result()))
+
+
+def wait_first(loads: list[TierLoad], timeout_s: float) -> None:
+    """Block until one of ``loads`` is done or ``timeout_s`` passed."""
+    if loads:
+        wait([load.future for load in loads], timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+
+def wait_all(loads: list[TierLoad], timeout_s: float) -> None:
+    """Block until every one of ``loads`` is done or ``timeout_s`` passed."""
+    if loads:
+        wait([load.future for load in loads], timeout=timeout_s)

@@ -1,0 +1,179 @@
+"""Disk/Redis lookups of waiting requests run off the engine loop: a slow tier never stalls the streams."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from kvb_cache import EngineConfig, KVBoost, SamplingParams
+from kvb_cache.core import scheduler as scheduler_module
+from kvb_cache.hashing import prefix_hash
+from kvb_cache.tiers import TierConfig
+
+STORED = list(range(3, 73))  # 70 tokens: four full blocks of 16 go to the disk
+OTHER = list(range(100, 140))
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def engine(model, tok, directory) -> KVBoost:
+    return KVBoost(model, tok, config=EngineConfig(chunk_size=16, tiers=TierConfig(disk_cache_dir=directory)))
+
+
+def _stored_on_disk(model, tok, directory) -> list[int]:
+    """Compute ``STORED`` in a first engine (its blocks written to ``directory``); its greedy tokens."""
+    first = engine(model, tok, directory)
+    out = first.generate(STORED, max_new_tokens=6, ignore_eos=True).output_ids
+    first.close()
+    return out
+
+
+class GatedTier:
+    """Wraps a tier's ``get_many``: a lookup holding ``key`` blocks until the gate opens (a stalled Redis)."""
+
+    def __init__(self, tier, key) -> None:
+        self.tier, self.key = tier, key
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.inner = tier.get_many
+        tier.get_many = self
+
+    def __call__(self, keys):
+        if self.key in keys:
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.inner(keys)
+
+
+def _run(eng: KVBoost, outputs: dict[str, list[int]], steps: int) -> None:
+    for _ in range(steps):
+        for out in eng.step():
+            assert out.error is None, out.error
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+
+
+def test_a_stalled_tier_lookup_holds_up_only_its_own_request(llama, tokenizer, tmp_path):
+    reference = _stored_on_disk(llama, tokenizer, tmp_path)
+    alone = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16)).generate(
+        OTHER, max_new_tokens=12, ignore_eos=True
+    )
+    eng = engine(llama, tokenizer, tmp_path)
+    outputs: dict[str, list[int]] = {}
+    running = eng.add_request(OTHER, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    _run(eng, outputs, 2)  # prefilled, decoding
+    gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, STORED[:16]))
+    waiting = eng.add_request(STORED, GREEDY)
+    before = len(outputs[running])
+    _run(eng, outputs, 5)
+    # Before, the lookup ran inside the step: these five steps were one step blocked on the tier.
+    assert gated.entered.is_set()
+    assert len(outputs[running]) == before + 5
+    assert waiting not in outputs
+    assert eng.paged_stats().loading == 1
+    gated.gate.set()
+    while eng.has_unfinished():
+        _run(eng, outputs, 1)
+    assert outputs[running] == alone.output_ids
+    assert outputs[waiting] == reference
+    stats = eng.paged_stats()
+    assert stats.loading == 0 and stats.tier_loads >= 1
+    assert stats.prefix_cache_hits >= 64  # the four disk blocks were promoted, not recomputed
+
+
+def test_aborting_a_request_whose_lookup_is_in_flight_leaves_nothing_behind(llama, tokenizer, tmp_path):
+    _stored_on_disk(llama, tokenizer, tmp_path)
+    eng = engine(llama, tokenizer, tmp_path)
+    gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, STORED[:16]))
+    waiting = eng.add_request(STORED, GREEDY)
+    outputs: dict[str, list[int]] = {}
+    _run(eng, outputs, 2)
+    assert gated.entered.is_set() and eng.paged_stats().loading == 1
+    assert eng.abort(waiting)
+    gated.gate.set()
+    assert not eng.has_unfinished()
+    _run(eng, outputs, 2)
+    stats = eng.paged_stats()
+    assert waiting not in outputs
+    assert stats.loading == 0 and stats.waiting == 0 and stats.blocks_used == 0
+    # The engine still serves, and the disk blocks are still there to promote.
+    again = eng.generate(STORED, max_new_tokens=2, ignore_eos=True)
+    assert again.cached_tokens == 64
+
+
+def test_a_lookup_that_answers_at_once_is_admitted_in_the_same_step(llama, tokenizer, tmp_path, monkeypatch):
+    """An idle engine adds no step of latency: the step waits for the lookups it started (a grace made long
+    here, so that a loaded machine cannot make the test flaky) and admits the request with its blocks."""
+    monkeypatch.setattr(scheduler_module, "LOAD_GRACE_S", 30.0)
+    _stored_on_disk(llama, tokenizer, tmp_path)
+    eng = engine(llama, tokenizer, tmp_path)
+    rid = eng.add_request(STORED, GREEDY)
+    first = eng.step()
+    assert [o.request_id for o in first] == [rid] and len(first[0].token_ids) == 1
+    assert eng.paged_stats().prefix_cache_hits == 64
+
+
+def test_a_lookup_that_fails_recomputes_the_prompt(llama, tokenizer, tmp_path, caplog):
+    reference = _stored_on_disk(llama, tokenizer, tmp_path)
+    eng = engine(llama, tokenizer, tmp_path)
+
+    def broken(keys):
+        raise OSError("the tier went away")
+
+    eng.tiers.lower[0].tier.get_many = broken
+    with caplog.at_level(logging.WARNING, logger="kvb_cache.core.block_tiers"):
+        a = eng.generate(STORED, max_new_tokens=6, ignore_eos=True)
+        eng.clear_cache()
+        b = eng.generate(STORED, max_new_tokens=6, ignore_eos=True)
+    assert a.output_ids == reference and b.output_ids == reference
+    assert a.cached_tokens == 0 and b.cached_tokens == 0
+    assert sum("tier lookup failed" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+def _first_token_steps(eng: KVBoost, prompts: list[list[int]]) -> tuple[list[int], list]:
+    """Run ``prompts`` through the step loop together: the step of each one's first token, its results."""
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in prompts]
+    first: dict[str, int] = {}
+    results = {}
+    step = 0
+    while eng.has_unfinished():
+        step += 1
+        for out in eng.step():
+            assert out.error is None
+            first.setdefault(out.request_id, step)
+            if out.result is not None:
+                results[out.request_id] = out.result
+    return [first[i] for i in ids], [results[i] for i in ids]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_seqs": 4}, {"num_blocks": 20}],
+    ids=["default", "max-num-seqs", "small-pool"],
+)
+def test_a_burst_of_disk_hits_is_admitted_as_fast_as_ram_hits(
+    llama, tokenizer, tmp_path, monkeypatch, options
+):
+    """Ten waiting requests that all hit the disk: each is admitted with its blocks and answers as computed,
+    in the same steps as when RAM holds the blocks (the lookups run ahead of admission, bounded by
+    ``max_num_seqs`` and half the pool, never one request at a time); with a 20-block pool, which cannot
+    hold the ten prompts' blocks, only the answers and the hits are compared."""
+    monkeypatch.setattr(scheduler_module, "LOAD_GRACE_S", 30.0)
+    prompts = [list(range(s, s + 50)) for s in range(3, 73, 7)]
+
+    def make(tiers: bool) -> KVBoost:
+        extra = {"tiers": TierConfig(disk_cache_dir=tmp_path)} if tiers else {}
+        return KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, **extra, **options))
+
+    first = make(tiers=True)
+    reference = [r.output_ids for r in first.generate_batch(prompts, max_new_tokens=4, ignore_eos=True)]
+    first.close()
+    steps, results = _first_token_steps(make(tiers=True), prompts)
+    assert [r.output_ids for r in results] == reference
+    assert all(r.cached_tokens == 48 for r in results)
+    if "num_blocks" not in options:
+        ram = make(tiers=False)
+        ram.generate_batch(prompts, max_new_tokens=1)  # the same blocks, held in RAM
+        ram_steps, ram_results = _first_token_steps(ram, prompts)
+        assert all(r.cached_tokens >= 48 for r in ram_results)  # RAM also matches the partial tail
+        assert steps == ram_steps
