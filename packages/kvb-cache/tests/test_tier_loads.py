@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 
 import pytest
 
 from kvb_cache import EngineConfig, KVBoost, SamplingParams
 from kvb_cache.core import scheduler as scheduler_module
+from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.hashing import prefix_hash
 from kvb_cache.tiers import TierConfig
 
@@ -130,6 +132,12 @@ def test_a_lookup_that_fails_recomputes_the_prompt(llama, tokenizer, tmp_path, c
     assert sum("tier lookup failed" in r.getMessage() for r in caplog.records) == 1  # said once
 
 
+def _inline_fetch(self: BlockTiers, keys) -> Future:
+    future: Future = Future()
+    future.set_result(self.fetch(keys))
+    return future
+
+
 def _first_token_steps(eng: KVBoost, prompts: list[list[int]]) -> tuple[list[int], list]:
     """Run ``prompts`` through the step loop together: the step of each one's first token, its results."""
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in prompts]
@@ -158,7 +166,9 @@ def test_a_burst_of_disk_hits_is_admitted_as_fast_as_ram_hits(
     in the same steps as when RAM holds the blocks (the lookups run ahead of admission, bounded by
     ``max_num_seqs`` and half the pool, never one request at a time); with a 20-block pool, which cannot
     hold the ten prompts' blocks, only the answers and the hits are compared."""
-    monkeypatch.setattr(scheduler_module, "LOAD_GRACE_S", 30.0)
+    # The lookups answer at once (run inline): what is compared is how many the bounds let run ahead, not
+    # how fast a loader thread is scheduled on a loaded machine.
+    monkeypatch.setattr(BlockTiers, "fetch_async", _inline_fetch)
     prompts = [list(range(s, s + 50)) for s in range(3, 73, 7)]
 
     def make(tiers: bool) -> KVBoost:
@@ -177,3 +187,27 @@ def test_a_burst_of_disk_hits_is_admitted_as_fast_as_ram_hits(
         ram_steps, ram_results = _first_token_steps(ram, prompts)
         assert all(r.cached_tokens >= 48 for r in ram_results)  # RAM also matches the partial tail
         assert steps == ram_steps
+
+
+def test_a_queued_request_loads_its_records_while_the_batch_is_full(llama, tokenizer, tmp_path):
+    """With every place taken (``max_num_seqs``), the next waiting request's records are read meanwhile, so it
+    is admitted with them in the step a place frees up (before, its lookup started only then)."""
+    reference = _stored_on_disk(llama, tokenizer, tmp_path)
+    eng = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, max_num_seqs=1, tiers=TierConfig(disk_cache_dir=tmp_path)),
+    )
+    gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, STORED[:16]))
+    outputs: dict[str, list[int]] = {}
+    running = eng.add_request(OTHER, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    _run(eng, outputs, 1)
+    waiting = eng.add_request(STORED, GREEDY)
+    _run(eng, outputs, 1)
+    assert gated.entered.wait(10), "the lookup did not start while the batch was full"
+    assert eng.paged_stats().loading == 1
+    gated.gate.set()
+    while eng.has_unfinished():
+        _run(eng, outputs, 1)
+    assert len(outputs[running]) == 6 and outputs[waiting] == reference
+    assert eng.paged_stats().prefix_cache_hits >= 64

@@ -251,7 +251,11 @@ class Scheduler:
         fresh: list[_Admitted],
     ) -> None:
         if not self.waiting or budget == 0 or len(self.running) >= self.max_num_seqs:
-            return  # nothing can be admitted: skip ordering the queue (a lookup per block per request)
+            # Nothing can be admitted: skip ordering the queue (a lookup per block per request), but let the
+            # next requests' tier records load meanwhile, so they are in memory when a place frees up.
+            if self.waiting and self.kv.tiers is not None:
+                self._start_loads(list(itertools.islice(self.waiting, self.max_num_seqs)), grace_s=0.0)
+            return
         # Longest cached prefix first; arrival order among equals (sorted() is stable). Among the oldest
         # ADMIT_WINDOW only: the key is a pool lookup per cached block, and ordering a queue of thousands
         # (generate_batch queues every prompt at once) cost more than the step it scheduled.
@@ -310,9 +314,9 @@ class Scheduler:
             chosen.add(id(req))
             budget -= n
 
-    def _start_loads(self, order: list[Request]) -> set[int]:
+    def _start_loads(self, order: list[Request], *, grace_s: float | None = None) -> set[int]:
         """Start the tier lookups of the requests in ``order`` whose prefix runs past the pool's blocks, wait
-        :data:`LOAD_GRACE_S` for them, and return the ids of the requests that must wait: a lookup still in
+        ``grace_s`` (default :data:`LOAD_GRACE_S`) for them, and return the ids of the requests that must wait: a lookup still in
         flight, or one not started (admitted without it, a request would recompute blocks a tier holds).
 
         Loads are bounded as admissions are: at most ``max_num_seqs`` requests loading or loaded, and at
@@ -338,7 +342,7 @@ class Scheduler:
             started.append(req.tier_load)
             count, blocks = count + 1, blocks + len(keys)
             self.tier_loads += 1
-        wait_all(started, LOAD_GRACE_S)
+        wait_all(started, LOAD_GRACE_S if grace_s is None else grace_s)
         blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
         return blocked
 
