@@ -211,3 +211,99 @@ def test_a_queued_request_loads_its_records_while_the_batch_is_full(llama, token
         _run(eng, outputs, 1)
     assert len(outputs[running]) == 6 and outputs[waiting] == reference
     assert eng.paged_stats().prefix_cache_hits >= 64
+
+
+def test_a_stitched_prompt_is_planned_once_its_prefix_records_are_read(
+    llama, tokenizer, tmp_path, monkeypatch
+):
+    """Planning a stitched prompt reads its exact prefix: where that continues on the disk, the records are
+    read off the loop and the request is held meanwhile (the running stream keeps going); once read, it is
+    planned and served exactly as when the prefix was read inline."""
+    from conftest import words
+
+    from kvb_cache import StitchConfig
+
+    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
+    system = tokenizer(words(20, seed=9))["input_ids"]
+    other = tokenizer(words(20, seed=10))["input_ids"]
+    question = tokenizer(words(6, seed=7))["input_ids"]
+    on_disk = system + docs[0] + docs[1] + docs[2] + question  # its blocks go to the disk
+    seen = other + docs[2] + docs[0] + docs[1] + question  # the documents, in this engine's stitching store
+    asked = system + docs[0] + docs[2] + docs[1] + tokenizer(words(6, seed=8))["input_ids"]
+
+    def make(directory) -> KVBoost:
+        tiers = TierConfig(disk_cache_dir=directory)
+        return KVBoost(
+            llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig(), tiers=tiers)
+        )
+
+    def serve(eng: KVBoost, gate: bool) -> tuple[list[int], object, int]:
+        eng.generate(seen, max_new_tokens=1)
+        gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, asked[:16])) if gate else None
+        outputs: dict[str, list[int]] = {}
+        running = eng.add_request(OTHER, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        _run(eng, outputs, 2)
+        rid = eng.add_request(asked, GREEDY)
+        held_steps = 0
+        if gated is not None:
+            assert gated.entered.wait(10)
+            assert rid in eng.core.deferred  # held while its prefix is read
+            _run(eng, outputs, 3)
+            held_steps = len(outputs[running])
+            gated.gate.set()
+        result = None
+        while eng.has_unfinished():
+            for out in eng.step():
+                assert out.error is None
+                outputs.setdefault(out.request_id, []).extend(out.token_ids)
+                if out.request_id == rid and out.result is not None:
+                    result = out.result
+        return outputs[rid], result, held_steps
+
+    for directory in (tmp_path / "a", tmp_path / "b"):
+        first = make(directory)
+        first.generate(on_disk, max_new_tokens=1)
+        first.close()
+    monkeypatch.setattr(BlockTiers, "fetch_async", _inline_fetch)
+    inline_ids, inline, _ = serve(make(tmp_path / "a"), gate=False)  # the prefix read inline (as before)
+    monkeypatch.undo()
+    ids, result, held_steps = serve(make(tmp_path / "b"), gate=True)
+    assert held_steps == 2 + 3  # the running stream's tokens: it stepped on while the prefix was read
+    assert result.cached_tokens == inline.cached_tokens and result.cached_tokens >= 48
+    assert [c.kind for c in result.chunks] == [c.kind for c in inline.chunks]
+    assert any(c.kind == "stitched" for c in result.chunks)
+    assert ids == inline_ids
+
+
+def test_a_prefix_evicted_between_lookup_and_admission_is_read_again(llama, tokenizer, tmp_path):
+    """The pool's run of a waiting request's prefix shrank after its lookup began (a larger request evicted
+    it): the records read no longer join that run, so the request gets a fresh lookup before admission
+    instead of recomputing blocks the disk holds (found by an audit: 0 of 64 tokens reused)."""
+    reference = _stored_on_disk(llama, tokenizer, tmp_path)
+    big = [(7 * i) % 280 + 10 for i in range(170)]  # 11 blocks of the 12-block pool
+    eng = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(
+            chunk_size=16,
+            num_blocks=12,
+            max_num_seqs=2,
+            max_num_batched_tokens=170,
+            scheduling_policy="priority",
+            tiers=TierConfig(disk_cache_dir=tmp_path),
+        ),
+    )
+    eng.generate(STORED[:33], max_new_tokens=1)  # STORED's first two blocks now cached in RAM
+    eng.add_request(big, SamplingParams(max_new_tokens=8, ignore_eos=True), priority=0)
+    rid = eng.add_request(STORED, GREEDY, priority=1)  # its lookup starts after those two blocks
+    outputs: dict[str, list[int]] = {}
+    result = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error is None
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.request_id == rid and out.result is not None:
+                result = out.result
+    assert outputs[rid] == reference
+    assert result.cached_tokens == 64
+    assert eng.paged_stats().tier_loads >= 2  # read again once its RAM prefix was gone

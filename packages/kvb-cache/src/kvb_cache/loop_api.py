@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvb_cache import generation
+from kvb_cache.core import tier_loads
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
 from kvb_cache.core.speculation import StepSpeculation, verifiable_in_step
+from kvb_cache.core.tier_loads import TierLoad, wait_all
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
@@ -176,7 +178,19 @@ class LoopAPI:
 
     def _queue_stitched(self, req: Request) -> None:
         """Plan ``req``'s stitch and queue it: its repair runs in slices, a bounded amount per step (at most
-        one slice here), so other requests keep decoding while it prepares (core/preparing.py)."""
+        one slice here), so other requests keep decoding while it prepares (core/preparing.py).
+
+        Planning reads the prompt's exact prefix; where it continues in a disk/Redis tier, those records are
+        read on a loader thread first and the request is held (``core.defer``) until they are in memory, so a
+        slow tier never pauses the running requests (:mod:`kvb_cache.core.tier_loads`)."""
+        if self.kv.tiers is not None and req.tier_load is None:
+            keys = self.kv.tier_keys(req, req.prompt_len - 1)
+            if keys:
+                req.tier_load = TierLoad.start(self.kv.tiers, keys)
+                wait_all([req.tier_load], tier_loads.LOAD_GRACE_S)
+                if not req.tier_load.done:
+                    self.core.defer(req, (), req.tier_load)  # planned by a later step, once read
+                    return
         job = self._plan_stitch(req)
         if job is None:
             self.core.add(req)

@@ -9,7 +9,7 @@ also keep finished requests' chunks in a content-indexed ``ChunkStore``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from transformers import Cache, DynamicCache
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvb_cache.model_traits import ModelTraits
     from kvb_cache.stitch_job import StitchJob
     from kvb_cache.stitching import Stitcher
-    from kvb_cache.store import ChunkStore
+    from kvb_cache.store import ChunkStore, LayerKV
 
 
 class CacheTransfers:
@@ -125,13 +125,20 @@ class CacheTransfers:
         )
 
     def _prepare(
-        self, ids: list[int], *, max_reuse: int, stitch: bool = False, root: ChunkHash | None = None
+        self,
+        ids: list[int],
+        *,
+        max_reuse: int,
+        stitch: bool = False,
+        root: ChunkHash | None = None,
+        loaded: Mapping[ChunkHash, LayerKV] | None = None,
     ) -> PreparedPrompt:
         """The cached prefix of ``ids`` as a private ``DynamicCache`` (solo requests); ``stitch`` also reuses
-        non-prefix chunks (when ``config.stitching`` is set). ``root``: the request's salted chain root."""
+        non-prefix chunks (when ``config.stitching`` is set). ``root``: the request's salted chain root.
+        ``loaded``: tier records already read for this prompt (none is read here); None reads the tiers."""
         spans = tuple(self.chunker.split(ids))
         probe = probe_request(ids, root=root)
-        hit = self.kv.admit(probe, max_tokens=max_reuse, count=False)
+        hit = self.kv.admit(probe, max_tokens=max_reuse, count=False, loaded=loaded)
         try:
             kv = self.kv.storage.read(self.kv.slots(probe, hit.tokens)) if hit.tokens else None
         finally:
@@ -153,7 +160,11 @@ class CacheTransfers:
         """The stitch of loop request ``req``'s prompt, planned (exact prefix read, pieces found and
         re-positioned) with its repair still to run; None when no piece hits (a plain request)."""
         ids = req.tokens[: req.prompt_len]
-        prepared = self._prepare(ids, max_reuse=len(ids) - 1, root=req.root)
+        loaded = None
+        if self.kv.tiers is not None:  # what a load read, else nothing: planning never waits on a tier
+            loaded = {} if req.tier_load is None else req.tier_load.records(self.kv.tiers.generation)
+            req.tier_load = None
+        prepared = self._prepare(ids, max_reuse=len(ids) - 1, root=req.root, loaded=loaded)
         return self.stitcher.plan(prepared, max_reuse=len(ids) - 1)
 
     def _apply_kv_bits(self, prepared: PreparedPrompt, bits: int | None) -> None:

@@ -60,6 +60,9 @@ class BlockTiers:
         self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
         self._touched: OrderedDict[ChunkHash, float] = OrderedDict()  # key -> when it was last bumped
         self._loader: ThreadPoolExecutor | None = None  # made on the first fetch_async
+        #: Bumped when the tiers are cleared or closed: a lookup begun before (on a loader thread, it may end
+        #: after) neither writes what it read into the faster tiers nor has its records promoted.
+        self.generation = 0
 
     @classmethod
     def from_config(
@@ -82,8 +85,10 @@ class BlockTiers:
             block_size=config.block_size,
         )
 
-    def fetch(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
+    def fetch(self, keys: Sequence[ChunkHash], *, generation: int | None = None) -> list[LayerKV]:
         """Dense KV of the longest leading run of ``keys`` that some tier holds (valid records only).
+
+        ``generation``: the :attr:`generation` the lookup began in (None: the current one).
 
         The first key is looked up alone first: a prompt the tiers never saw (most new prompts) costs one
         probe per tier, not one per block (a 250-block prompt made 250 failed opens on the disk tier, 11x
@@ -97,7 +102,7 @@ class BlockTiers:
         run: list[LayerKV] = []
         for i, key in enumerate(keys):
             hit = found.get(key)
-            kv = self._load(key, *hit) if hit is not None else None
+            kv = self._load(key, *hit, generation=generation) if hit is not None else None
             if kv is None:
                 if hit is not None:  # invalid: the rest of the chain is recomputed and stored afresh
                     drop_unread(found, keys[i + 1 :], self.lower, self.writer)
@@ -111,14 +116,15 @@ class BlockTiers:
 
         Before, the lookup ran inside the step, so every open stream paused for it: a stalled Redis held
         all of them for up to the remote timeout (2 s), and even a healthy round trip of a long prefix was
-        paid by every running request. A lookup that fails answers an empty run (recomputed)."""
+        paid by every running request. A lookup that fails answers an empty run (recomputed). Its result
+        belongs to the current :attr:`generation` (compare before using it)."""
         if self._loader is None:
             self._loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvb-tier-load")
-        return self._loader.submit(self._fetch_or_nothing, tuple(keys))
+        return self._loader.submit(self._fetch_or_nothing, tuple(keys), self.generation)
 
-    def _fetch_or_nothing(self, keys: Sequence[ChunkHash]) -> list[LayerKV]:
+    def _fetch_or_nothing(self, keys: Sequence[ChunkHash], generation: int) -> list[LayerKV]:
         try:
-            return self.fetch(keys)
+            return self.fetch(keys, generation=generation)
         except Exception as exc:  # a tier's own failures are counted inside it; anything else: recompute
             kind = ("lookup", type(exc).__name__)
             if kind not in self._warned:
@@ -127,7 +133,9 @@ class BlockTiers:
             return []
 
     def _stop_loads(self) -> None:
-        """Stop the loader threads (lookups not started are cancelled; one in flight ends on its own)."""
+        """Stop the loader threads (lookups not started are cancelled; one in flight ends on its own, and
+        being of an older :attr:`generation`, writes nothing)."""
+        self.generation += 1
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
 
@@ -165,7 +173,10 @@ class BlockTiers:
 
     def clear(self) -> int:
         """Drop every record of this engine's namespace (its model fingerprint) from every tier, after the
-        queued writes landed; returns how many records were dropped."""
+        queued writes landed; returns how many records were dropped. Lookups in flight are of an older
+        :attr:`generation` from now on: what they read (records of the old weights, after a weight change)
+        is neither written back nor promoted."""
+        self.generation += 1
         self.flush()
         return sum(lower.tier.clear() or 0 for lower in self.lower)
 
@@ -188,7 +199,9 @@ class BlockTiers:
     def stats(self) -> list[TierStats]:
         return [lower.tier.stats() for lower in self.lower]
 
-    def _load(self, key: ChunkHash, level: int, record: bytes) -> LayerKV | None:
+    def _load(
+        self, key: ChunkHash, level: int, record: bytes, *, generation: int | None = None
+    ) -> LayerKV | None:
         """The dense KV of a valid record for ``key``; None (dropped, counted ``corrupt``) otherwise."""
         lower = self.lower[level]
         try:
@@ -204,7 +217,8 @@ class BlockTiers:
         if level:
             # A slower tier had it: fill the faster ones in the background.
             faster = self.lower[:level]
-            self.writer.submit(lambda: self._store(entry, faster))
+            born = self.generation if generation is None else generation
+            self.writer.submit(lambda: self.generation == born and self._store(entry, faster))
         return kv
 
     def _dense(self, entry: ChunkEntry) -> LayerKV:

@@ -4,6 +4,9 @@ A request whose prompt repeats documents that an earlier, still-prefilling reque
 nothing to stitch if planned at once (chunks enter the stitching store once a prompt is computed) and would
 prefill those documents a second time beside it. Held here, it is planned once every request it waits for
 has computed its prompt (or finished, or was aborted), and then stitches their chunks.
+
+A stitched prompt whose exact prefix continues in a disk/Redis tier is also held here while those records
+are read off the loop thread (``load``, :mod:`kvb_cache.core.tier_loads`): planning reads that prefix.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
+from kvb_cache.core.tier_loads import TierLoad
 
 
 @dataclass(slots=True)
@@ -21,6 +25,8 @@ class _Held:
     sources: tuple[Request, ...]
     #: How many leading ``sources`` are known to be done (they never pend again).
     done: int = 0
+    #: Tier records being read for the request's planning (None: none); it is held until they are read.
+    load: TierLoad | None = None
 
 
 class Deferred:
@@ -43,11 +49,16 @@ class Deferred:
     def requests(self) -> Iterable[Request]:
         return (held.req for held in self._held.values())
 
-    def add(self, req: Request, sources: tuple[Request, ...]) -> None:
-        self._held[req.request_id] = _Held(req, sources)
+    def add(self, req: Request, sources: tuple[Request, ...], load: TierLoad | None = None) -> None:
+        self._held[req.request_id] = _Held(req, sources, load=load)
+
+    def loading(self) -> list[TierLoad]:
+        """The tier lookups still in flight for held requests."""
+        return [h.load for h in self._held.values() if h.load is not None and not h.load.done]
 
     def release(self, pending: Callable[[Request], bool]) -> list[Request]:
-        """The held requests none of whose sources is ``pending`` any more, oldest first (removed here).
+        """The held requests none of whose sources is ``pending`` any more and whose tier load (if any) is
+        done, oldest first (removed here).
 
         A source that stopped pending never pends again (its prompt is computed or it ended), so each held
         request keeps a cursor past its done sources: a step costs O(held), not O(held x sources).
@@ -56,7 +67,7 @@ class Deferred:
         for held in self._held.values():
             while held.done < len(held.sources) and not pending(held.sources[held.done]):
                 held.done += 1
-            if held.done == len(held.sources):
+            if held.done == len(held.sources) and (held.load is None or held.load.done):
                 ready.append(held.req)
         for req in ready:
             del self._held[req.request_id]
@@ -66,5 +77,8 @@ class Deferred:
         entry = self._held.pop(request_id, None)
         if entry is None:
             return False
+        if entry.load is not None:
+            entry.load.future.cancel()  # not started: never read; in flight: its result is dropped
+            entry.req.tier_load = None
         entry.req.status = RequestStatus.FINISHED
         return True

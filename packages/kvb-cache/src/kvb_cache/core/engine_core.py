@@ -45,7 +45,7 @@ from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
 from kvb_cache.core.speculation import merge_outputs, propose, verdict
-from kvb_cache.core.tier_loads import IDLE_WAIT_S, wait_first
+from kvb_cache.core.tier_loads import IDLE_WAIT_S, TierLoad, wait_first
 from kvb_cache.decoding import StepDrafter
 from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, RequestInterruptedError
@@ -118,10 +118,11 @@ class EngineCore:
         if self.preparing.add(req, work):
             self.scheduler.add(req)
 
-    def defer(self, req: Request, sources: tuple[Request, ...]) -> None:
-        """Hold ``req`` until the requests ``sources`` have computed their prompts (or ended); then
-        ``plan_deferred`` plans and queues it (a stitched prompt that reuses their documents)."""
-        self.deferred.add(req, sources)
+    def defer(self, req: Request, sources: tuple[Request, ...], load: TierLoad | None = None) -> None:
+        """Hold ``req`` until the requests ``sources`` have computed their prompts (or ended) and ``load``
+        (its prefix's tier records) is read; then ``plan_deferred`` plans and queues it (a stitched prompt
+        that reuses their documents)."""
+        self.deferred.add(req, sources, load)
 
     def pending_prompts(self) -> list[Request]:
         """Loop requests whose prompts are not computed yet (no token sampled), oldest first."""
@@ -279,7 +280,7 @@ class EngineCore:
             req.exact_blocks = admission.hit.full_blocks
         if not plan.scheduled and not self.solo and not self.preparing:
             # Nothing to run but tier lookups in flight: wait for one (not a busy loop of empty steps).
-            wait_first(self.scheduler.loading(), IDLE_WAIT_S)
+            wait_first([*self.scheduler.loading(), *self.deferred.loading()], IDLE_WAIT_S)
         if plan.scheduled:
             seqs = [
                 SeqInput(

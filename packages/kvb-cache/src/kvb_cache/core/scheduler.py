@@ -276,14 +276,16 @@ class Scheduler:
                 break
             if id(req) in loading:
                 continue  # its tier records are still being read (or wait their turn): the others go first
+            if self.kv.tiers is not None and self._reload(req):
+                continue  # its pool prefix shrank since its lookup (evicted): read again, the others go first
             # A failed attempt is retried next step: only the lookup that admits counts as a query.
             counted = self.kv.queries, self.kv.hits
             if self._short_of_blocks(req, budget):
                 break  # nothing fits now; retry next step (running requests free blocks)
             # With tiers, only what a lookup already read is promoted: the step never waits on a tier.
-            loaded = (
-                None if self.kv.tiers is None else {} if req.tier_load is None else req.tier_load.records()
-            )
+            loaded = None
+            if self.kv.tiers is not None:
+                loaded = {} if req.tier_load is None else req.tier_load.records(self.kv.tiers.generation)
             if req.prepared_kv is not None:
                 adopted = self.kv.adopt(req, req.prepared_kv, loaded=loaded)
                 if adopted is None:
@@ -338,13 +340,29 @@ class Scheduler:
             if count and (count >= self.max_num_seqs or blocks + len(keys) > max_blocks):
                 blocked.add(id(req))
                 continue
-            req.tier_load = TierLoad(tuple(keys), self.kv.tiers.fetch_async(keys))
+            req.tier_load = TierLoad.start(self.kv.tiers, keys)
             started.append(req.tier_load)
             count, blocks = count + 1, blocks + len(keys)
             self.tier_loads += 1
         wait_all(started, LOAD_GRACE_S if grace_s is None else grace_s)
         blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
         return blocked
+
+    def _reload(self, req: Request) -> bool:
+        """Whether ``req`` must wait for a fresh tier lookup: the pool's run of its prefix now ends before the
+        blocks its lookup read (evicted since it began: even this step, by an earlier admission), or it has
+        none and now needs one. Its records could not attach there, so admitted now it would recompute what
+        a tier holds; the new lookup is started here. Rare: pool pressure between lookup and admission."""
+        assert self.kv.tiers is not None
+        keys = self.kv.tier_keys(req, self._lookup_limit(req))
+        load = req.tier_load
+        if not keys or (load is not None and keys[0] in load.keys):
+            return False
+        if load is not None:
+            load.future.cancel()
+        req.tier_load = TierLoad.start(self.kv.tiers, keys)
+        self.tier_loads += 1
+        return True
 
     def loading(self) -> list[TierLoad]:
         """The tier lookups still in flight for waiting requests."""

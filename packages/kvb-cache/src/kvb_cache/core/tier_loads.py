@@ -8,33 +8,47 @@ comes up for admission, leaves the request waiting while it runs (other requests
 meanwhile), and admits it once the records are in memory; the blocks are then written into the pool on
 the loop thread as before (:meth:`~kvb_cache.core.kv_manager.KVCacheManager.admit` with ``loaded``).
 
-A lookup that answers within :data:`LOAD_GRACE_S` (a local disk, a healthy Redis) is admitted in the same
+A request whose prefix the pool no longer holds as far as when its lookup began (evicted meanwhile) gets a
+fresh lookup before it is admitted, rather than recomputing blocks a tier holds. A lookup that answers within :data:`LOAD_GRACE_S` (a local disk, a healthy Redis) is admitted in the same
 step, so an idle engine adds no step of latency; a slower one costs the running requests nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.store import LayerKV
+
+if TYPE_CHECKING:
+    from kvb_cache.core.block_tiers import BlockTiers
 
 #: How long a step waits for the lookups it started before admitting without them (seconds): a local disk
 #: answers well within it, so the request is admitted in the step that started its lookup.
 LOAD_GRACE_S = 0.005
 #: How long a step with nothing to run waits for a lookup in flight before it returns (seconds): the
-#: caller's loop steps again at once, so this only keeps an engine waiting on Redis from spinning.
-IDLE_WAIT_S = 0.05
+#: caller's loop steps again at once, so this only keeps an engine waiting on Redis from spinning. Short,
+#: because the step holds the engine's lock: at 50 ms, other threads' add_request/abort waited up to ~90 ms.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass(slots=True)
 class TierLoad:
     """One waiting request's lookup: ``keys`` (prefix hashes past the pool's run when it started, in chain
-    order) and the future of the leading run of their KV that some tier held."""
+    order), the future of the leading run of their KV that some tier held, and the tiers' ``generation``
+    it began in (a clear or close since makes it stale)."""
 
     keys: tuple[ChunkHash, ...]
     future: Future[list[LayerKV]]
+    generation: int
+
+    @classmethod
+    def start(cls, tiers: BlockTiers, keys: Sequence[ChunkHash]) -> TierLoad:
+        """Begin reading ``keys`` on ``tiers``' loader threads."""
+        return cls(tuple(keys), tiers.fetch_async(keys), tiers.generation)
 
     @property
     def done(self) -> bool:
@@ -50,9 +64,10 @@ class TierLoad:
             return 0
         return len(self.future.result())
 
-    def records(self) -> dict[ChunkHash, LayerKV]:
-        """The loaded KV by key (empty when the lookup failed or was cancelled: the blocks are recomputed)."""
-        if self.future.cancelled() or self.future.exception() is not None:
+    def records(self, generation: int) -> dict[ChunkHash, LayerKV]:
+        """The loaded KV by key; empty (the blocks are recomputed) when the lookup failed or was cancelled,
+        or the tiers' current ``generation`` is another (cleared since: the records may be of old weights)."""
+        if generation != self.generation or self.future.cancelled() or self.future.exception() is not None:
             return {}
         return dict(zip(self.keys, self.future.result()))
 

@@ -46,7 +46,12 @@ class BackgroundWriter:
         return self._queue.maxsize
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; False (and counted) when the queue is full."""
+        """Queue ``job``; False (and counted) when the queue is full, or when the writer was closed or
+        retired: a job submitted then (a lookup that ended after its engine's ``close()``) started a new
+        thread, which wrote into the closed tiers and then waited forever on its queue."""
+        if self._closed or self._retiring:
+            self.dropped += 1
+            return False
         self._ensure_started()
         try:
             self._queue.put_nowait(job)
