@@ -385,6 +385,8 @@ def test_stats_and_metrics_show_the_engine_loop() -> None:
         assert metric(text, "kvboost:prefix_cache_queries_total") == 8
         assert metric(text, "kvboost:prefix_cache_hits_total") == 4
         assert metric(text, "kvboost:num_preemptions_total") == 0
+        assert metric(text, "kvboost:num_requests_loading") == 0
+        assert metric(text, "kvboost:tier_loads_total") == 0
         assert metric(text, 'kvboost_kv_blocks{state="cached"}') == 4
         assert metric(text, 'kvboost_kv_blocks{state="free"}') == 252
         assert metric(text, 'kvboost_kv_blocks{state="used"}') == 0

@@ -11,6 +11,7 @@ import pytest
 from conftest import build_tiny_engine, serve
 from fakes import FakeEngine
 from test_app_errors import assert_openai_error, wait_until
+from test_app_ops import metric
 
 from kvb_cache.tiers import TierConfig
 from kvb_server import ServerConfig, create_app
@@ -146,6 +147,11 @@ def test_reset_and_shutdown_flush_on_the_real_engine(tmp_path) -> None:
     second = build_tiny_engine(tiers=TierConfig(disk_cache_dir=tmp_path))
     with serve(create_app(second, config)) as url:
         assert cached_tokens(url) > 0  # from the disk records the first server flushed
+        # ... read off the engine loop (docs/tiers.md), and counted where operators look
+        assert httpx.get(url + "/v1/stats").json()["paged"]["tier_loads"] >= 1
+        text = httpx.get(url + "/metrics").text
+        assert metric(text, "kvboost:tier_loads_total") >= 1
+        assert metric(text, "kvboost:num_requests_loading") == 0
 
 
 def _completion_text(response: httpx.Response) -> str:

@@ -160,6 +160,16 @@ class EngineLoopCollector(Collector):
             "Requests sent back to waiting because the pool ran out of blocks",
             None if paged is None else paged.preemptions,
         )
+        yield gauge(
+            "kvboost:num_requests_loading",
+            "Waiting requests whose cached prefix is being read from the disk/Redis tiers",
+            None if paged is None else paged.loading,
+        )
+        yield counter(
+            "kvboost:tier_loads",
+            "Disk/Redis lookups started for waiting requests (off the engine loop)",
+            None if paged is None else paged.tier_loads,
+        )
         blocks = GaugeMetricFamily(
             "kvboost_kv_blocks",
             "KV blocks by state: used (running requests), cached (reusable, evictable), free",
