@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
 
 from kvb_cache import EngineConfig, KVBoost, SamplingParams
-from kvb_cache.core import scheduler as scheduler_module
+from kvb_cache.core import tier_loads
 from kvb_cache.core.block_tiers import BlockTiers
 from kvb_cache.hashing import prefix_hash
 from kvb_cache.tiers import TierConfig
@@ -48,6 +49,15 @@ class GatedTier:
         return self.inner(keys)
 
 
+def _until_token(eng: KVBoost, outputs: dict[str, list[int]], rid: str) -> None:
+    """Step until ``rid`` has a token (its own lookup, a probe, may take more than a step on a busy machine)."""
+    for _ in range(1000):
+        if outputs.get(rid):
+            return
+        _run(eng, outputs, 1)
+    raise AssertionError(f"{rid} got no token")
+
+
 def _run(eng: KVBoost, outputs: dict[str, list[int]], steps: int) -> None:
     for _ in range(steps):
         for out in eng.step():
@@ -63,7 +73,7 @@ def test_a_stalled_tier_lookup_holds_up_only_its_own_request(llama, tokenizer, t
     eng = engine(llama, tokenizer, tmp_path)
     outputs: dict[str, list[int]] = {}
     running = eng.add_request(OTHER, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    _run(eng, outputs, 2)  # prefilled, decoding
+    _until_token(eng, outputs, running)  # prefilled, decoding
     gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, STORED[:16]))
     waiting = eng.add_request(STORED, GREEDY)
     before = len(outputs[running])
@@ -90,7 +100,7 @@ def test_aborting_a_request_whose_lookup_is_in_flight_leaves_nothing_behind(llam
     waiting = eng.add_request(STORED, GREEDY)
     outputs: dict[str, list[int]] = {}
     _run(eng, outputs, 2)
-    assert gated.entered.is_set() and eng.paged_stats().loading == 1
+    assert gated.entered.wait(10) and eng.paged_stats().loading == 1
     assert eng.abort(waiting)
     gated.gate.set()
     assert not eng.has_unfinished()
@@ -106,7 +116,7 @@ def test_aborting_a_request_whose_lookup_is_in_flight_leaves_nothing_behind(llam
 def test_a_lookup_that_answers_at_once_is_admitted_in_the_same_step(llama, tokenizer, tmp_path, monkeypatch):
     """An idle engine adds no step of latency: the step waits for the lookups it started (a grace made long
     here, so that a loaded machine cannot make the test flaky) and admits the request with its blocks."""
-    monkeypatch.setattr(scheduler_module, "LOAD_GRACE_S", 30.0)
+    monkeypatch.setattr(tier_loads, "LOAD_GRACE_S", 30.0)
     _stored_on_disk(llama, tokenizer, tmp_path)
     eng = engine(llama, tokenizer, tmp_path)
     rid = eng.add_request(STORED, GREEDY)
@@ -201,7 +211,7 @@ def test_a_queued_request_loads_its_records_while_the_batch_is_full(llama, token
     gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, STORED[:16]))
     outputs: dict[str, list[int]] = {}
     running = eng.add_request(OTHER, SamplingParams(max_new_tokens=6, ignore_eos=True))
-    _run(eng, outputs, 1)
+    _until_token(eng, outputs, running)
     waiting = eng.add_request(STORED, GREEDY)
     _run(eng, outputs, 1)
     assert gated.entered.wait(10), "the lookup did not start while the batch was full"
@@ -242,14 +252,15 @@ def test_a_stitched_prompt_is_planned_once_its_prefix_records_are_read(
         gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, asked[:16])) if gate else None
         outputs: dict[str, list[int]] = {}
         running = eng.add_request(OTHER, SamplingParams(max_new_tokens=12, ignore_eos=True))
-        _run(eng, outputs, 2)
+        _until_token(eng, outputs, running)
         rid = eng.add_request(asked, GREEDY)
         held_steps = 0
         if gated is not None:
             assert gated.entered.wait(10)
             assert rid in eng.core.deferred  # held while its prefix is read
+            before = len(outputs.get(running, []))
             _run(eng, outputs, 3)
-            held_steps = len(outputs[running])
+            held_steps = len(outputs[running]) - before
             gated.gate.set()
         result = None
         while eng.has_unfinished():
@@ -268,7 +279,7 @@ def test_a_stitched_prompt_is_planned_once_its_prefix_records_are_read(
     inline_ids, inline, _ = serve(make(tmp_path / "a"), gate=False)  # the prefix read inline (as before)
     monkeypatch.undo()
     ids, result, held_steps = serve(make(tmp_path / "b"), gate=True)
-    assert held_steps == 2 + 3  # the running stream's tokens: it stepped on while the prefix was read
+    assert held_steps == 3  # the running stream's tokens: it stepped on while the prefix was read
     assert result.cached_tokens == inline.cached_tokens and result.cached_tokens >= 48
     assert [c.kind for c in result.chunks] == [c.kind for c in inline.chunks]
     assert any(c.kind == "stitched" for c in result.chunks)
@@ -307,3 +318,118 @@ def test_a_prefix_evicted_between_lookup_and_admission_is_read_again(llama, toke
     assert outputs[rid] == reference
     assert result.cached_tokens == 64
     assert eng.paged_stats().tier_loads >= 2  # read again once its RAM prefix was gone
+
+
+def test_a_large_request_is_not_starved_by_a_stream_of_small_lookups(llama, tokenizer, tmp_path):
+    """The half-the-pool bound refused a 7-block request's lookup while later 1-block arrivals, one per step,
+    kept taking it; it was bypassed 247 times (past MAX_BYPASS) and ran only once they stopped (a review's
+    repro). The oldest request needing a lookup now always gets it."""
+    large = list(range(3, 3 + 7 * 16 + 1))  # 7 full blocks: more than half of a 12-block pool
+    small = [[10 + i // 20, 100 + i % 20, *range(200, 215)] for i in range(90)]  # one block each
+    first = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, num_blocks=40, tiers=TierConfig(disk_cache_dir=tmp_path)),
+    )
+    first.generate_batch([large, *small], max_new_tokens=1)
+    first.close()
+    eng = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, num_blocks=12, tiers=TierConfig(disk_cache_dir=tmp_path)),
+    )
+    tier = eng.tiers.lower[0].tier
+    inner = tier.get_many
+
+    def remote(keys):  # a remote tier's round trip: lookups stay in flight across steps
+        time.sleep(0.02)
+        return inner(keys)
+
+    tier.get_many = remote
+    rid, first_token = None, None
+    for step in range(1, 121):
+        if step <= len(small):
+            eng.add_request(small[step - 1], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        if step == 3:
+            rid = eng.add_request(large, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        if any(out.request_id == rid for out in eng.step()):
+            first_token = step
+            break
+    assert first_token is not None and first_token < len(small)  # before the arrivals stopped
+
+
+def test_a_stitched_prompts_lookup_is_counted_and_an_interrupt_while_planning_loses_nothing(
+    llama, tokenizer, tmp_path
+):
+    """Stitched prompts held for their prefix's records count in ``tier_loads`` / ``loading`` (they were in
+    neither); and a ``KeyboardInterrupt`` while a step plans the released ones puts the others back (before,
+    ``Deferred.release`` had removed them all: in no queue, their streams never ended)."""
+    from conftest import words
+
+    from kvb_cache import StitchConfig
+
+    def make() -> KVBoost:
+        tiers = TierConfig(disk_cache_dir=tmp_path)
+        return KVBoost(
+            llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig(), tiers=tiers)
+        )
+
+    prompts = [tokenizer(words(40, seed=100 + i))["input_ids"] for i in range(3)]
+    first = make()
+    reference = [r.output_ids for r in first.generate_batch(prompts, max_new_tokens=2, ignore_eos=True)]
+    first.close()
+    eng = make()
+    tier = eng.tiers.lower[0].tier
+    gate, inner = threading.Event(), tier.get_many
+    tier.get_many = lambda keys: (gate.wait(30), inner(keys))[1]
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True)) for p in prompts]
+    assert all(rid in eng.core.deferred for rid in ids)
+    stats = eng.paged_stats()
+    assert stats.tier_loads == 3 and stats.loading == 3
+    gate.set()
+    while eng.paged_stats().loading:
+        time.sleep(0.01)
+    plan, calls = eng._plan_stitch, []
+
+    def interrupted(req):
+        calls.append(req.request_id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return plan(req)
+
+    eng._plan_stitch = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    eng._plan_stitch = plan
+    assert all(eng.core.knows(rid) for rid in ids) and eng.has_unfinished()
+    results = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error is None
+            if out.result is not None:
+                results[out.request_id] = out.result.output_ids
+    assert [results[rid] for rid in ids] == reference
+
+
+def test_a_stitched_prompt_whose_planning_fails_ends_with_that_error(llama, tokenizer, tmp_path):
+    """A deferred request whose planning raises ends with the error as its output; the others go on."""
+    from conftest import rag_prompts
+
+    from kvb_cache import StitchConfig
+
+    eng = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig()))
+    first, second = rag_prompts(tokenizer)
+    a = eng.add_request(first, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    b = eng.add_request(second, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert b in eng.core.deferred  # held until the first prompt's documents are computed
+
+    def broken(req):
+        raise RuntimeError("planning failed")
+
+    eng._plan_stitch = broken
+    outputs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert outputs[a].error is None and isinstance(outputs[b].error, RuntimeError)

@@ -668,3 +668,37 @@ def test_recency_touches_never_take_the_slots_record_writes_need(tmp_path):
     tiers.touch(keys)
     tiers.writer.flush(10)
     assert list(tiers._touched) == list(reversed(keys))
+
+
+def test_a_submit_racing_close_starts_no_thread_after_it():
+    """A loader thread's submit that passed the closed check just before ``close()`` started a new writer
+    thread after close() returned: it ran the job on the closed tier and then waited forever (a review's
+    repro). The check and the start now happen under the lock close() takes."""
+    import threading
+
+    from kvb_cache.tiers.writer import BackgroundWriter
+
+    writer = BackgroundWriter(4, name="kvb-test-race-writer")
+    entered, go = threading.Event(), threading.Event()
+    start = writer._start_locked
+
+    def paused_start():
+        if threading.current_thread().name == "submitter":
+            entered.set()
+            go.wait(10)
+        start()
+
+    writer._start_locked = paused_start
+    submitter = threading.Thread(target=writer.submit, args=(lambda: None,), name="submitter")
+    submitter.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=writer.close)
+    closer.start()
+    closer.join(0.2)  # close() waits for the submit in progress (it holds the lock)
+    go.set()
+    submitter.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert writer.submit(lambda: None) is False  # closed: refused
+    time.sleep(0.1)
+    assert [t for t in threading.enumerate() if t.name == "kvb-test-race-writer"] == []

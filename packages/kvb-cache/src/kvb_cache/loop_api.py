@@ -21,7 +21,7 @@ from kvb_cache.core import tier_loads
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
 from kvb_cache.core.speculation import StepSpeculation, verifiable_in_step
-from kvb_cache.core.tier_loads import TierLoad, wait_all
+from kvb_cache.core.tier_loads import wait_all
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
@@ -186,8 +186,8 @@ class LoopAPI:
         if self.kv.tiers is not None and req.tier_load is None:
             keys = self.kv.tier_keys(req, req.prompt_len - 1)
             if keys:
-                req.tier_load = TierLoad.start(self.kv.tiers, keys)
-                wait_all([req.tier_load], tier_loads.LOAD_GRACE_S)
+                load = self.core.scheduler.start_load(req, keys)
+                wait_all([load], tier_loads.LOAD_GRACE_S)
                 if not req.tier_load.done:
                     self.core.defer(req, (), req.tier_load)  # planned by a later step, once read
                     return
@@ -256,7 +256,7 @@ class LoopAPI:
             steps=self.core.steps,
             max_num_seqs=sched.max_num_seqs,
             tier_loads=sched.tier_loads,
-            loading=len(sched.loading()),
+            loading=len(sched.loading()) + len(self.core.deferred.loading()),
         )
 
     def _prompt_computed(self, req: Request) -> None:

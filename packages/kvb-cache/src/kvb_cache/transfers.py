@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from transformers import Cache, DynamicCache
 
 from kvb_cache import generation
+from kvb_cache.core.tier_loads import loaded_records
 from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.live_quant import is_live_quantized, quantize_live
 from kvb_cache.pool_io import dense_cache, probe_request
@@ -160,10 +161,8 @@ class CacheTransfers:
         """The stitch of loop request ``req``'s prompt, planned (exact prefix read, pieces found and
         re-positioned) with its repair still to run; None when no piece hits (a plain request)."""
         ids = req.tokens[: req.prompt_len]
-        loaded = None
-        if self.kv.tiers is not None:  # what a load read, else nothing: planning never waits on a tier
-            loaded = {} if req.tier_load is None else req.tier_load.records(self.kv.tiers.generation)
-            req.tier_load = None
+        # What its lookup read, else nothing: planning never waits on a tier (KVBoost._queue_stitched).
+        loaded, req.tier_load = loaded_records(self.kv.tiers, req.tier_load), None
         prepared = self._prepare(ids, max_reuse=len(ids) - 1, root=req.root, loaded=loaded)
         return self.stitcher.plan(prepared, max_reuse=len(ids) - 1)
 

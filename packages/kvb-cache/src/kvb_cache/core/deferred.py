@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
-from kvb_cache.core.tier_loads import TierLoad
+from kvb_cache.core.tier_loads import TierLoad, drop_load, in_flight
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ class Deferred:
 
     def loading(self) -> list[TierLoad]:
         """The tier lookups still in flight for held requests."""
-        return [h.load for h in self._held.values() if h.load is not None and not h.load.done]
+        return in_flight(h.load for h in self._held.values())
 
     def release(self, pending: Callable[[Request], bool]) -> list[Request]:
         """The held requests none of whose sources is ``pending`` any more and whose tier load (if any) is
@@ -77,8 +77,6 @@ class Deferred:
         entry = self._held.pop(request_id, None)
         if entry is None:
             return False
-        if entry.load is not None:
-            entry.load.future.cancel()  # not started: never read; in flight: its result is dropped
-            entry.req.tier_load = None
+        drop_load(entry.req)
         entry.req.status = RequestStatus.FINISHED
         return True

@@ -262,12 +262,29 @@ class EngineCore:
             if not req.internal:
                 self._carried.append(output)
 
+    def _plan_released(self, ready: list[Request], outputs: list[RequestOutput]) -> None:
+        """Plan the deferred requests ``ready`` (taken out of the held set). One whose planning fails ends
+        with that error as its output; an interrupt (``KeyboardInterrupt``) puts the ones not yet queued
+        back, to be planned by the next step (before, they were in no queue: their streams never ended)."""
+        assert self.plan_deferred is not None
+        for i, req in enumerate(ready):
+            try:
+                self.plan_deferred(req)
+            except Exception as exc:
+                if self.knows(req.request_id):
+                    self.abort(req.request_id)
+                outputs.append(self._fail_unqueued(req, exc))
+            except BaseException:
+                for rest in ready[i:]:
+                    if not self.knows(rest.request_id):
+                        self.deferred.add(rest, (), rest.tier_load)
+                raise
+
     @torch.inference_mode()
     def _step(self, outputs: list[RequestOutput]) -> None:
         """The step itself; appends its outputs to ``outputs`` as they are produced (kept if it raises)."""
         if self.deferred and self.plan_deferred is not None:
-            for req in self.deferred.release(self._prompt_pending):
-                self.plan_deferred(req)
+            self._plan_released(self.deferred.release(self._prompt_pending), outputs)
         for req in self.preparing.advance():
             self.scheduler.add(req)
         self._schedule_idle()
@@ -463,6 +480,13 @@ class EngineCore:
             self.scheduler.remove(req)
         if req.internal:
             self._idle = None  # an idle prompt is not retried; its committed blocks stay cached
+        return RequestOutput(request_id=req.request_id, delta_text="", error=error)
+
+    @staticmethod
+    def _fail_unqueued(req: Request, error: Exception) -> RequestOutput:
+        """End ``req``, which no queue holds (its planning failed), with ``error`` as its last output."""
+        logger.error("request %s failed while it was planned: %r", req.request_id, error, exc_info=error)
+        req.status = RequestStatus.FINISHED
         return RequestOutput(request_id=req.request_id, delta_text="", error=error)
 
     def _advance_solo(self, request_id: RequestId) -> list[RequestOutput]:

@@ -182,8 +182,8 @@ class KVCacheManager:
         ``req.exact_until`` bounds what :meth:`commit` and :meth:`free` may ever register, so the adopted
         (approximate) KV never becomes reachable by a prefix hash.
         """
-        limit = prepared.length if req.exact_until is None else min(req.exact_until, prepared.length)
-        hit = self.admit(req, max_tokens=limit, count=False, loaded=loaded)
+        assert req.prepared_kv is prepared
+        hit = self.admit(req, max_tokens=req.adoptable_prefix, count=False, loaded=loaded)
         start = req.num_computed
         if not self.allocate(req, prepared.length - start):
             self.free(req)

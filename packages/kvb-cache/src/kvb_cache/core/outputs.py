@@ -48,8 +48,9 @@ class PagedStats:
         preemptions: requests sent back to waiting because the pool ran out of blocks.
         steps: engine steps run.
         max_num_seqs: most requests running at once (0: not known).
-        tier_loads: disk/Redis lookups started for waiting requests, off the loop thread.
-        loading: waiting requests whose tier lookup is still in flight (skipped until it answers).
+        tier_loads: disk/Redis lookups started for waiting requests and stitched prompts about to be planned,
+            off the loop thread.
+        loading: those requests whose lookup is still in flight (skipped or held until it answers).
     """
 
     block_size: int

@@ -134,6 +134,14 @@ class Request:
     warm: bool = False
 
     @property
+    def adoptable_prefix(self) -> int:
+        """Tokens of ``prepared_kv`` that may come from cached blocks: its exact part (0 without one)."""
+        if self.prepared_kv is None:
+            return 0
+        length = self.prepared_kv.length
+        return length if self.exact_until is None else min(self.exact_until, length)
+
+    @property
     def counted(self) -> bool:
         """Whether the request and prefix-cache counters see this request."""
         return not (self.internal or self.warm)

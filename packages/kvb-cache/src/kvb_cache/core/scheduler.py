@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvb_cache.core import tier_loads
 from kvb_cache.core.kv_manager import KVCacheManager, PrefixHit
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
-from kvb_cache.core.tier_loads import LOAD_GRACE_S, TierLoad, wait_all
+from kvb_cache.core.tier_loads import TierLoad, drop_load, in_flight, loaded_records, wait_all
+from kvb_cache.hashing import ChunkHash
 
 #: Waiting requests (oldest first) among which each step admits the longest cached prefixes first.
 ADMIT_WINDOW = 256
@@ -150,9 +153,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        if req.tier_load is not None:
-            req.tier_load.future.cancel()  # not started yet: never read; in flight: its result is dropped
-            req.tier_load = None
+        drop_load(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         if self._by_id.get(req.request_id) is req:
@@ -283,9 +284,7 @@ class Scheduler:
             if self._short_of_blocks(req, budget):
                 break  # nothing fits now; retry next step (running requests free blocks)
             # With tiers, only what a lookup already read is promoted: the step never waits on a tier.
-            loaded = None
-            if self.kv.tiers is not None:
-                loaded = {} if req.tier_load is None else req.tier_load.records(self.kv.tiers.generation)
+            loaded = loaded_records(self.kv.tiers, req.tier_load)
             if req.prepared_kv is not None:
                 adopted = self.kv.adopt(req, req.prepared_kv, loaded=loaded)
                 if adopted is None:
@@ -318,35 +317,54 @@ class Scheduler:
 
     def _start_loads(self, order: list[Request], *, grace_s: float | None = None) -> set[int]:
         """Start the tier lookups of the requests in ``order`` whose prefix runs past the pool's blocks, wait
-        ``grace_s`` (default :data:`LOAD_GRACE_S`) for them, and return the ids of the requests that must wait: a lookup still in
-        flight, or one not started (admitted without it, a request would recompute blocks a tier holds).
+        ``grace_s`` (default :data:`~kvb_cache.core.tier_loads.LOAD_GRACE_S`) for them, and return the ids
+        of the requests that must wait: a lookup still in flight, or one not started (admitted without it,
+        a request would recompute blocks a tier holds).
 
-        Loads are bounded as admissions are: at most ``max_num_seqs`` requests loading or loaded, and at
-        most half the pool's blocks of records held for them (:meth:`TierLoad.blocks`); one load always may
-        run, so a prompt longer than that still gets its records.
+        Bounded as admission is: at most ``max_num_seqs`` lookups in flight, and records for at most half
+        the pool's blocks held for waiting requests (:attr:`TierLoad.blocks`). The oldest waiting request
+        that needs a lookup always gets it (before, a large request refused by the bound waited while
+        smaller later arrivals kept taking it: bypassed 247 times in a review's repro).
         """
         assert self.kv.tiers is not None
-        active = [r.tier_load for r in self.waiting if r.tier_load is not None]
-        count, blocks = len(active), sum(load.blocks for load in active)
+        held = [r.tier_load for r in self.waiting if r.tier_load is not None]
+        running, blocks = len(in_flight(held)), sum(load.blocks for load in held)
         max_blocks = self.kv.pool.num_blocks // 2
         started: list[TierLoad] = []
         blocked: set[int] = set()
+        oldest: Request | bool | None = False  # found when first needed (a scan of the waiting window)
         for req in order:
             if req.tier_load is not None:
                 continue
             keys = self.kv.tier_keys(req, self._lookup_limit(req))
             if not keys:
                 continue
-            if count and (count >= self.max_num_seqs or blocks + len(keys) > max_blocks):
-                blocked.add(id(req))
-                continue
-            req.tier_load = TierLoad.start(self.kv.tiers, keys)
-            started.append(req.tier_load)
-            count, blocks = count + 1, blocks + len(keys)
-            self.tier_loads += 1
-        wait_all(started, LOAD_GRACE_S if grace_s is None else grace_s)
+            if running >= self.max_num_seqs or blocks + len(keys) > max_blocks:
+                if oldest is False:
+                    oldest = self._oldest_needing_load()
+                if req is not oldest:
+                    blocked.add(id(req))
+                    continue
+            started.append(self.start_load(req, keys))
+            running, blocks = running + 1, blocks + len(keys)
+        wait_all(started, tier_loads.LOAD_GRACE_S if grace_s is None else grace_s)
         blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
         return blocked
+
+    def _oldest_needing_load(self) -> Request | None:
+        """The first waiting request (in queue order) with no lookup whose prefix runs past the pool."""
+        for req in itertools.islice(self.waiting, ADMIT_WINDOW):
+            if req.tier_load is None and self.kv.tier_keys(req, self._lookup_limit(req)):
+                return req
+        return None
+
+    def start_load(self, req: Request, keys: Sequence[ChunkHash]) -> TierLoad:
+        """Begin reading ``keys`` for ``req`` (counted in ``tier_loads``): a waiting request's, or a stitched
+        prompt's before it is planned (``KVBoost._queue_stitched``)."""
+        assert self.kv.tiers is not None
+        req.tier_load = TierLoad.start(self.kv.tiers, keys)
+        self.tier_loads += 1
+        return req.tier_load
 
     def _reload(self, req: Request) -> bool:
         """Whether ``req`` must wait for a fresh tier lookup: the pool's run of its prefix now ends before the
@@ -358,24 +376,18 @@ class Scheduler:
         load = req.tier_load
         if not keys or (load is not None and keys[0] in load.keys):
             return False
-        if load is not None:
-            load.future.cancel()
-        req.tier_load = TierLoad.start(self.kv.tiers, keys)
-        self.tier_loads += 1
+        drop_load(req)
+        self.start_load(req, keys)
         return True
 
     def loading(self) -> list[TierLoad]:
         """The tier lookups still in flight for waiting requests."""
-        return [r.tier_load for r in self.waiting if r.tier_load is not None and not r.tier_load.done]
+        return in_flight(r.tier_load for r in self.waiting)
 
     @staticmethod
     def _lookup_limit(req: Request) -> int:
         """The prompt tokens whose cached KV admitting ``req`` may reuse (the exact part of a stitched one)."""
-        if req.prepared_kv is None:
-            return len(req.tokens) - 1
-        if req.exact_until is None:
-            return req.prepared_kv.length
-        return min(req.exact_until, req.prepared_kv.length)
+        return len(req.tokens) - 1 if req.prepared_kv is None else req.adoptable_prefix
 
     def _take_back(
         self, entry: _Admitted, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]

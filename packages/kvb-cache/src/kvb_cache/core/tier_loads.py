@@ -8,14 +8,16 @@ comes up for admission, leaves the request waiting while it runs (other requests
 meanwhile), and admits it once the records are in memory; the blocks are then written into the pool on
 the loop thread as before (:meth:`~kvb_cache.core.kv_manager.KVCacheManager.admit` with ``loaded``).
 
-A request whose prefix the pool no longer holds as far as when its lookup began (evicted meanwhile) gets a
-fresh lookup before it is admitted, rather than recomputing blocks a tier holds. A lookup that answers within :data:`LOAD_GRACE_S` (a local disk, a healthy Redis) is admitted in the same
-step, so an idle engine adds no step of latency; a slower one costs the running requests nothing.
+A request whose prefix the pool no longer holds as far as when its lookup began (evicted meanwhile) gets
+a fresh lookup before it is admitted, rather than recomputing blocks a tier holds. A step that starts
+lookups waits for them up to :data:`LOAD_GRACE_S`: one that answers within it (a local disk, a healthy
+Redis) is admitted in that step, so an idle engine adds no step of latency; a slower one costs the
+running requests that wait, not the whole lookup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +27,7 @@ from kvb_cache.store import LayerKV
 
 if TYPE_CHECKING:
     from kvb_cache.core.block_tiers import BlockTiers
+    from kvb_cache.core.request import Request
 
 #: How long a step waits for the lookups it started before admitting without them (seconds): a local disk
 #: answers well within it, so the request is admitted in the step that started its lookup.
@@ -82,3 +85,25 @@ def wait_all(loads: list[TierLoad], timeout_s: float) -> None:
     """Block until every one of ``loads`` is done or ``timeout_s`` passed."""
     if loads:
         wait([load.future for load in loads], timeout=timeout_s)
+
+
+def in_flight(loads: Iterable[TierLoad | None]) -> list[TierLoad]:
+    """The lookups among ``loads`` still running."""
+    return [load for load in loads if load is not None and not load.done]
+
+
+def drop_load(req: Request) -> None:
+    """Forget ``req``'s lookup: one not started is cancelled (never read), one in flight has its result
+    dropped when it ends."""
+    if req.tier_load is not None:
+        req.tier_load.future.cancel()
+        req.tier_load = None
+
+
+def loaded_records(tiers: BlockTiers | None, load: TierLoad | None) -> dict[ChunkHash, LayerKV] | None:
+    """What admitting or planning a request whose lookup is ``load`` may promote from ``tiers``: None
+    without tiers (nothing to promote), else the records ``load`` read (none without a lookup: the loop
+    thread never reads a tier itself)."""
+    if tiers is None:
+        return None
+    return {} if load is None else load.records(tiers.generation)

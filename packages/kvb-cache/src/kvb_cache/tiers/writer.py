@@ -49,15 +49,18 @@ class BackgroundWriter:
         """Queue ``job``; False (and counted) when the queue is full, or when the writer was closed or
         retired: a job submitted then (a lookup that ended after its engine's ``close()``) started a new
         thread, which wrote into the closed tiers and then waited forever on its queue."""
-        if self._closed or self._retiring:
-            self.dropped += 1
-            return False
-        self._ensure_started()
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.dropped += 1
-            return False
+        # Checked and started under the lock close() and retire() take: checked outside it, a submit from a
+        # loader thread racing close() started a writer after close() returned (a review's repro).
+        with self._start_lock:
+            if self._closed or self._retiring:
+                self.dropped += 1
+                return False
+            self._start_locked()
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                self.dropped += 1
+                return False
         return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -85,8 +88,9 @@ class BackgroundWriter:
         Returns False when ``timeout_s`` passed first: the daemon thread is left to finish (or to die with
         the interpreter).
         """
-        self._closed = True
-        thread = self._thread
+        with self._start_lock:
+            self._closed = True
+            thread = self._thread
         if thread is None:
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -104,19 +108,20 @@ class BackgroundWriter:
         """Let the thread end once every queued job has run, then run ``final`` on it; never blocks (the
         owner is being garbage-collected). Nothing happens after :meth:`close` (the owner closed what it had).
         """
-        if self._closed or self._retiring:
-            return
-        self._final, self._retiring = final, True
-        self._ensure_started()  # final() may do I/O (Redis): on the thread, never in the collector
+        with self._start_lock:
+            if self._closed or self._retiring:
+                return
+            self._final, self._retiring = final, True
+            self._start_locked()  # final() may do I/O (Redis): on the thread, never in the collector
         # A full queue takes no marker: the loop checks _retiring after each job and ends once it is empty.
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
 
-    def _ensure_started(self) -> None:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+    def _start_locked(self) -> None:
+        """Start the thread if it is not running (the caller holds ``_start_lock``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
 
     def _loop(self) -> None:
         while True:
