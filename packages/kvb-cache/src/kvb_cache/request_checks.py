@@ -53,7 +53,10 @@ def _token_ids(prompt: object) -> list[int]:
             )
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
-        raise PromptTypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        raise PromptTypeError(
+            "prompt must be a str or token ids (a list, or a 1-D / [1, S] tensor or array), "
+            f"got {type(prompt).__name__}"
+        )
     ids: list[int] = []
     for i, t in enumerate(prompt):
         # NOTE: numpy / 0-d tensor ints are ints too (operator.index); bools and floats are not token ids.

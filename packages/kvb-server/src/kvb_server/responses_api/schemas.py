@@ -335,7 +335,7 @@ class ResponsesRequest(BaseModel):
         },
     )
 
-    model: str
+    model: str = Field(default=None, description="a served model; left out: the first one")  # type: ignore[assignment]
     input: Annotated[list[InputItem], Field(min_length=1)] | str
     instructions: str | None = None
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None

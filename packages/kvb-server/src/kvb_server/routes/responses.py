@@ -180,6 +180,8 @@ def responses_router(
     async def create_response(request: Request, caller: Caller = authenticated) -> Response:
         """OpenAI's Responses API over the chat machinery (``stream: true`` for its Server-Sent Events)."""
         req = await parse_request(request, ResponsesRequest, config)
+        if req.model is None:  # left out: the first served model, as on the chat route (echoed by name)
+            req = req.model_copy(update={"model": config.model_names[0]})
         try:
             t, items = translate(req, caller)
             plan = await off_loop(
