@@ -433,3 +433,64 @@ def test_a_stitched_prompt_whose_planning_fails_ends_with_that_error(llama, toke
             if out.finished:
                 outputs[out.request_id] = out
     assert outputs[a].error is None and isinstance(outputs[b].error, RuntimeError)
+
+
+def test_lookups_stay_within_their_bounds_while_a_tier_stalls(llama, tokenizer, tmp_path):
+    """Forty waiting requests, every lookup stalled: at most ``max_num_seqs`` requests hold a lookup, with
+    records for at most half the pool (a review found the oldest-first exemption granted again every step:
+    40 lookups in flight and 120 blocks held), and all are served with their blocks once the tier answers."""
+    prompts = [[5 + i, *range(10, 10 + 3 * 16)] for i in range(40)]  # own chains, 3 full blocks each
+    first = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=16, num_blocks=400, tiers=TierConfig(disk_cache_dir=tmp_path)),
+    )
+    first.generate_batch(prompts, max_new_tokens=1)
+    first.close()
+    eng = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(
+            chunk_size=16, num_blocks=16, max_num_seqs=2, tiers=TierConfig(disk_cache_dir=tmp_path)
+        ),
+    )
+    tier = eng.tiers.lower[0].tier
+    gate, inner = threading.Event(), tier.get_many
+    tier.get_many = lambda keys: (gate.wait(30), inner(keys))[1]
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=1, ignore_eos=True)) for p in prompts]
+    sched = eng.core.scheduler
+    for _ in range(20):
+        eng.step()
+        held = [r.tier_load for r in sched.waiting if r.tier_load is not None]
+        assert len(held) <= 2 and sum(load.blocks for load in held) <= 16 // 2
+    gate.set()
+    results = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error is None
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert all(results[i].cached_tokens == 48 for i in ids)
+
+
+def test_a_deferred_prompt_failing_after_it_was_queued_ends_with_its_error(llama, tokenizer):
+    """Planning queued the request, then raised: it is taken out of its queue and ends with the error (the
+    abort used before waited for the step's end and then dropped the error output with the request's)."""
+    from conftest import rag_prompts
+
+    from kvb_cache import StitchConfig
+
+    eng = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, stitching=StitchConfig()))
+    first, second = rag_prompts(tokenizer)
+    real = eng.core.plan_deferred
+
+    def queue_then_fail(req):
+        real(req)
+        raise RuntimeError("failed after queueing")
+
+    eng.core.plan_deferred = queue_then_fail
+    with pytest.raises(
+        RuntimeError, match="failed after queueing"
+    ):  # generate_batch raises a request's error
+        eng.generate_batch([first, second], max_new_tokens=2, ignore_eos=True)
+    assert not eng.has_unfinished() and eng.paged_stats().blocks_used == 0

@@ -702,3 +702,47 @@ def test_a_submit_racing_close_starts_no_thread_after_it():
     assert writer.submit(lambda: None) is False  # closed: refused
     time.sleep(0.1)
     assert [t for t in threading.enumerate() if t.name == "kvb-test-race-writer"] == []
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["room", "full-queue"])
+def test_a_writer_retired_by_the_collector_inside_a_submit_does_not_deadlock(full):
+    """``retire`` runs from a garbage-collector finalizer, which may fire inside this thread's own
+    ``submit`` (an allocation there: the thread object, a ``queue.Full``). Taking the submit's lock there
+    deadlocked the thread (a review's repro; a loader thread promoting a record while its engine was
+    cyclic garbage). The collection is placed inside the submit to make it deterministic."""
+    import gc
+    import threading
+    import weakref
+
+    from kvb_cache.tiers.writer import BackgroundWriter
+
+    writer = BackgroundWriter(1, name="kvb-test-gc-writer")
+    gate = threading.Event()
+    writer.submit(lambda: gate.wait(10))  # the thread is busy with a job
+    time.sleep(0.1)
+    if full:
+        writer.submit(lambda: None)
+
+    class Owner:  # stands in for an engine in a reference cycle whose finalizer retires its writer
+        pass
+
+    gc.disable()
+    try:
+        owner = Owner()
+        owner.me = owner
+        weakref.finalize(owner, writer.retire, lambda: None).atexit = False
+        del owner
+        put = writer._queue.put_nowait
+
+        def collecting_put(item):
+            gc.collect()
+            return put(item)
+
+        writer._queue.put_nowait = collecting_put
+        submitter = threading.Thread(target=writer.submit, args=(lambda: None,), daemon=True)
+        submitter.start()
+        submitter.join(5)
+        assert not submitter.is_alive(), "submit deadlocked on the retire the collector ran inside it"
+    finally:
+        gc.enable()
+        gate.set()

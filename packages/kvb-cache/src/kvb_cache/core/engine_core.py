@@ -271,9 +271,10 @@ class EngineCore:
             try:
                 self.plan_deferred(req)
             except Exception as exc:
-                if self.knows(req.request_id):
-                    self.abort(req.request_id)
-                outputs.append(self._fail_unqueued(req, exc))
+                self._unqueue(
+                    req
+                )  # queued before it failed: out again (abort() would wait for the step's end
+                outputs.append(self._fail_unqueued(req, exc))  # and then drop this output with the request's)
             except BaseException:
                 for rest in ready[i:]:
                     if not self.knows(rest.request_id):
@@ -481,6 +482,12 @@ class EngineCore:
         if req.internal:
             self._idle = None  # an idle prompt is not retried; its committed blocks stay cached
         return RequestOutput(request_id=req.request_id, delta_text="", error=error)
+
+    def _unqueue(self, req: Request) -> None:
+        """Take ``req`` out of whichever queue holds it (none: nothing to do), its blocks released."""
+        rid = req.request_id
+        if not (self.preparing.abort(rid) or self.deferred.abort(rid)) and self.scheduler.find(rid) is req:
+            self.scheduler.remove(req)
 
     @staticmethod
     def _fail_unqueued(req: Request, error: Exception) -> RequestOutput:

@@ -321,41 +321,45 @@ class Scheduler:
         of the requests that must wait: a lookup still in flight, or one not started (admitted without it,
         a request would recompute blocks a tier holds).
 
-        Bounded as admission is: at most ``max_num_seqs`` lookups in flight, and records for at most half
-        the pool's blocks held for waiting requests (:attr:`TierLoad.blocks`). The oldest waiting request
-        that needs a lookup always gets it (before, a large request refused by the bound waited while
-        smaller later arrivals kept taking it: bypassed 247 times in a review's repro).
+        Bounded as admission is: at most ``max_num_seqs`` waiting requests with a lookup (in flight, or read
+        and not admitted yet), holding records for at most half the pool's blocks (:attr:`TierLoad.blocks`).
+        The oldest waiting request that needs a lookup goes first, and while it does not fit, no other
+        lookup starts (before, a large request refused by the bound waited while later small ones kept
+        taking it: bypassed 247 times in a review's repro); when nothing else is held it starts anyway, so a
+        prompt longer than the bound still gets its records.
         """
         assert self.kv.tiers is not None
         held = [r.tier_load for r in self.waiting if r.tier_load is not None]
-        running, blocks = len(in_flight(held)), sum(load.blocks for load in held)
+        count, blocks = len(held), sum(load.blocks for load in held)
         max_blocks = self.kv.pool.num_blocks // 2
+        wanted = [
+            (r, k)
+            for r in order
+            if r.tier_load is None and (k := self.kv.tier_keys(r, self._lookup_limit(r)))
+        ]
         started: list[TierLoad] = []
         blocked: set[int] = set()
-        oldest: Request | bool | None = False  # found when first needed (a scan of the waiting window)
-        for req in order:
-            if req.tier_load is not None:
-                continue
-            keys = self.kv.tier_keys(req, self._lookup_limit(req))
-            if not keys:
-                continue
-            if running >= self.max_num_seqs or blocks + len(keys) > max_blocks:
-                if oldest is False:
-                    oldest = self._oldest_needing_load()
-                if req is not oldest:
-                    blocked.add(id(req))
-                    continue
-            started.append(self.start_load(req, keys))
-            running, blocks = running + 1, blocks + len(keys)
+        if wanted:
+            oldest = self._oldest_needing_load()
+            if oldest is not None:
+                wanted = [oldest, *(w for w in wanted if w[0] is not oldest[0])]
+            for i, (req, keys) in enumerate(wanted):
+                fits = count < self.max_num_seqs and blocks + len(keys) <= max_blocks
+                if not fits and not (i == 0 and not count):
+                    blocked.update(id(r) for r, _ in wanted[i:])  # in line behind the first that does not fit
+                    break
+                started.append(self.start_load(req, keys))
+                count, blocks = count + 1, blocks + len(keys)
         wait_all(started, tier_loads.LOAD_GRACE_S if grace_s is None else grace_s)
         blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
         return blocked
 
-    def _oldest_needing_load(self) -> Request | None:
-        """The first waiting request (in queue order) with no lookup whose prefix runs past the pool."""
+    def _oldest_needing_load(self) -> tuple[Request, list[ChunkHash]] | None:
+        """The first waiting request (in queue order) with no lookup whose prefix runs past the pool, and the
+        keys it needs read."""
         for req in itertools.islice(self.waiting, ADMIT_WINDOW):
-            if req.tier_load is None and self.kv.tier_keys(req, self._lookup_limit(req)):
-                return req
+            if req.tier_load is None and (keys := self.kv.tier_keys(req, self._lookup_limit(req))):
+                return req, keys
         return None
 
     def start_load(self, req: Request, keys: Sequence[ChunkHash]) -> TierLoad:

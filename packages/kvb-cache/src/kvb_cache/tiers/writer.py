@@ -49,18 +49,19 @@ class BackgroundWriter:
         """Queue ``job``; False (and counted) when the queue is full, or when the writer was closed or
         retired: a job submitted then (a lookup that ended after its engine's ``close()``) started a new
         thread, which wrote into the closed tiers and then waited forever on its queue."""
-        # Checked and started under the lock close() and retire() take: checked outside it, a submit from a
-        # loader thread racing close() started a writer after close() returned (a review's repro).
+        # Checked and started under the lock close() takes: checked outside it, a submit from a loader thread
+        # racing close() started a writer after close() returned (a review's repro). The put is outside it:
+        # a job queued behind close()'s stop marker is simply never run.
         with self._start_lock:
             if self._closed or self._retiring:
                 self.dropped += 1
                 return False
             self._start_locked()
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                self.dropped += 1
-                return False
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.dropped += 1
+            return False
         return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -108,11 +109,19 @@ class BackgroundWriter:
         """Let the thread end once every queued job has run, then run ``final`` on it; never blocks (the
         owner is being garbage-collected). Nothing happens after :meth:`close` (the owner closed what it had).
         """
-        with self._start_lock:
+        # NOTE: runs from a garbage-collector finalizer, which may fire inside this very thread's submit()
+        # while it holds the lock: never block on it (that deadlocked the thread). Not taken, its holder is a
+        # submit() that starts the thread (the marker below ends it) or close(), which closes the tiers.
+        locked = self._start_lock.acquire(blocking=False)
+        try:
             if self._closed or self._retiring:
                 return
             self._final, self._retiring = final, True
-            self._start_locked()  # final() may do I/O (Redis): on the thread, never in the collector
+            if locked:
+                self._start_locked()  # final() may do I/O (Redis): on the thread, never in the collector
+        finally:
+            if locked:
+                self._start_lock.release()
         # A full queue takes no marker: the loop checks _retiring after each job and ends once it is empty.
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
