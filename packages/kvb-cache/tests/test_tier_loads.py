@@ -494,3 +494,64 @@ def test_a_deferred_prompt_failing_after_it_was_queued_ends_with_its_error(llama
     ):  # generate_batch raises a request's error
         eng.generate_batch([first, second], max_new_tokens=2, ignore_eos=True)
     assert not eng.has_unfinished() and eng.paged_stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("on_disk", [True, False], ids=["hit", "miss"])
+def test_priority_order_holds_with_a_tier(llama, tokenizer, tmp_path, monkeypatch, on_disk):
+    """Under ``scheduling_policy="priority"`` a lower-ranked request whose records were read first took the
+    only lookup place and was admitted ahead of a higher-ranked arrival (an audit; with any tier, since every
+    new request needs a lookup, hit or miss). The lower-ranked lookups now yield; lookups run inline here
+    (the order is the scheduler's, not the loader threads')."""
+    monkeypatch.setattr(BlockTiers, "fetch_async", _inline_fetch)
+    high_prompt = STORED if on_disk else list(range(230, 280))
+    _stored_on_disk(llama, tokenizer, tmp_path)
+
+    def first_tokens(tiers: bool) -> list[str]:
+        extra = {"tiers": TierConfig(disk_cache_dir=tmp_path)} if tiers else {}
+        eng = KVBoost(
+            llama,
+            tokenizer,
+            config=EngineConfig(chunk_size=16, max_num_seqs=1, scheduling_policy="priority", **extra),
+        )
+        outputs: dict[str, list[int]] = {}
+        running = eng.add_request(list(range(200, 220)), SamplingParams(max_new_tokens=10, ignore_eos=True))
+        _until_token(eng, outputs, running)
+        eng.add_request(
+            OTHER, SamplingParams(max_new_tokens=3, ignore_eos=True), request_id="LOW", priority=5
+        )
+        _run(eng, outputs, 1)
+        eng.add_request(high_prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), request_id="HIGH")
+        order = []
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.request_id in ("LOW", "HIGH") and out.request_id not in order:
+                    order.append(out.request_id)
+        return order
+
+    assert first_tokens(tiers=False) == ["HIGH", "LOW"]
+    assert first_tokens(tiers=True) == ["HIGH", "LOW"]
+
+
+def test_loading_counts_the_callers_requests_only(llama, tokenizer, tmp_path):
+    """The engine's own idle prompt waiting on a lookup is not a caller's request: ``loading`` (like
+    ``waiting``) leaves it out (an audit: ``loading 1`` with nothing unfinished)."""
+    from conftest import rag_prompts
+
+    from kvb_cache import StitchConfig
+
+    first, second = rag_prompts(tokenizer)
+    config = EngineConfig(chunk_size=16, stitching=StitchConfig(), tiers=TierConfig(disk_cache_dir=tmp_path))
+    eng = KVBoost(llama, tokenizer, config=config)
+    eng.generate(first, max_new_tokens=1)
+    eng.generate(second, max_new_tokens=1)  # stitched: queued for idle time
+    assert eng.core.has_idle_work()
+    tier = eng.tiers.lower[0].tier
+    gate, inner = threading.Event(), tier.get_many
+    tier.get_many = lambda keys: (gate.wait(30), inner(keys))[1]
+    try:
+        for _ in range(3):
+            eng.step()  # the idle prompt comes up and waits on its lookup
+        stats = eng.paged_stats()
+        assert not eng.has_unfinished() and stats.waiting == 0 and stats.loading == 0
+    finally:
+        gate.set()

@@ -21,7 +21,7 @@ from kvb_cache.core import tier_loads
 from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
 from kvb_cache.core.speculation import StepSpeculation, verifiable_in_step
-from kvb_cache.core.tier_loads import wait_all
+from kvb_cache.core.tier_loads import in_flight, wait_all
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
@@ -256,7 +256,9 @@ class LoopAPI:
             steps=self.core.steps,
             max_num_seqs=sched.max_num_seqs,
             tier_loads=sched.tier_loads,
-            loading=len(sched.loading()) + len(self.core.deferred.loading()),
+            # The callers' requests only, as ``waiting`` (the idle prompt being computed is the engine's own).
+            loading=len(in_flight(r.tier_load for r in sched.waiting if not r.internal))
+            + len(self.core.deferred.loading()),
         )
 
     def _prompt_computed(self, req: Request) -> None:

@@ -343,6 +343,8 @@ class Scheduler:
             oldest = self._oldest_needing_load()
             if oldest is not None:
                 wanted = [oldest, *(w for w in wanted if w[0] is not oldest[0])]
+                if self.priority and (count >= self.max_num_seqs or blocks + len(oldest[1]) > max_blocks):
+                    count, blocks = self._yield_loads(oldest[0])
             for i, (req, keys) in enumerate(wanted):
                 fits = count < self.max_num_seqs and blocks + len(keys) <= max_blocks
                 if not fits and not (i == 0 and not count):
@@ -354,9 +356,20 @@ class Scheduler:
         blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
         return blocked
 
+    def _yield_loads(self, first: Request) -> tuple[int, int]:
+        """Under the priority policy, drop the lookups held by requests ranked below ``first`` (the best-ranked
+        request that needs one and does not fit the bound), so it is read and admitted first: records a
+        lower-ranked request had read let it in ahead of a higher-ranked arrival (an audit: with
+        ``max_num_seqs=1``, LOW then HIGH; read again later). Returns the held count and blocks left."""
+        for req in self.waiting:
+            if req.tier_load is not None and req.rank > first.rank:
+                drop_load(req)
+        held = [r.tier_load for r in self.waiting if r.tier_load is not None]
+        return len(held), sum(load.blocks for load in held)
+
     def _oldest_needing_load(self) -> tuple[Request, list[ChunkHash]] | None:
-        """The first waiting request (in queue order) with no lookup whose prefix runs past the pool, and the
-        keys it needs read."""
+        """The first waiting request (in queue order: arrival, or rank under the priority policy) with no
+        lookup whose prefix runs past the pool, and the keys it needs read."""
         for req in itertools.islice(self.waiting, ADMIT_WINDOW):
             if req.tier_load is None and (keys := self.kv.tier_keys(req, self._lookup_limit(req))):
                 return req, keys
