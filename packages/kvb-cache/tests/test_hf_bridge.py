@@ -41,6 +41,15 @@ def hf_generate(model, ids, cache=None, **kwargs):
         return model.generate(x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache), **kwargs)
 
 
+def assert_logits_match(cached, plain) -> None:
+    """``generate``'s per-step logits with the handed-over cache vs without: the first step (the prefix's KV)
+    within 1e-5 (fp32); later steps within 5e-5, since each decode step adds its own summation-order noise
+    to both runs (measured up to 1.6e-5 by the 12th step: Gemma 4 with shared KV layers, transformers 5.17,
+    an AVX-512 CPU; 8e-6 on 5.24). The greedy tokens are compared exactly by the callers."""
+    assert torch.allclose(cached.logits[0], plain.logits[0], atol=1e-5)
+    assert all(torch.allclose(a, b, atol=5e-5) for a, b in zip(cached.logits[1:], plain.logits[1:]))
+
+
 class Collect(BaseStreamer):
     """A streamer recording every token it is handed (the prompt first, then each new token)."""
 
@@ -181,7 +190,7 @@ def test_first_token_logits_equal_no_cache(warm, llama):
     )
     plain = hf_generate(llama, PROMPT, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(cached.sequences, plain.sequences)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cached.logits, plain.logits))
+    assert_logits_match(cached, plain)
 
 
 def test_generate_with_own_logits_processors_matches_no_cache(warm, llama):
@@ -301,7 +310,7 @@ def test_other_architectures_match_no_cache(arch, tokenizer):
     cached = hf_generate(model, PROMPT, hit.cache, output_logits=True, return_dict_in_generate=True)
     plain = hf_generate(model, PROMPT, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(cached.sequences, plain.sequences)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cached.logits, plain.logits))
+    assert_logits_match(cached, plain)
     stored = engine(model, tokenizer)
     assert stored.store_cache(PROMPT[:40], prefilled(model, PROMPT[:40])) == 40
     got = stored.next_token_logits(PROMPT)
