@@ -186,7 +186,7 @@ class LoopAPI:
         if self.kv.tiers is not None and req.tier_load is None:
             keys = self.kv.tier_keys(req, req.prompt_len - 1)
             if keys:
-                load = self.core.scheduler.start_load(req, keys)
+                load = self.core.scheduler.loads.start_load(req, keys)
                 wait_all([load], tier_loads.LOAD_GRACE_S)
                 if not req.tier_load.done:
                     self.core.defer(req, (), req.tier_load)  # planned by a later step, once read
@@ -255,7 +255,7 @@ class LoopAPI:
             preemptions=sched.preemptions,
             steps=self.core.steps,
             max_num_seqs=sched.max_num_seqs,
-            tier_loads=sched.tier_loads,
+            tier_loads=sched.loads.started,
             # The callers' requests only, as ``waiting`` (the idle prompt being computed is the engine's own).
             loading=len(in_flight(r.tier_load for r in sched.waiting if not r.internal))
             + len(self.core.deferred.loading()),

@@ -134,6 +134,12 @@ class Request:
     warm: bool = False
 
     @property
+    def lookup_limit(self) -> int:
+        """Prompt tokens whose cached KV admitting this request may reuse: all but the last (whose logits
+        must be computed), or the exact part of a stitched one's ``prepared_kv``."""
+        return len(self.tokens) - 1 if self.prepared_kv is None else self.adoptable_prefix
+
+    @property
     def adoptable_prefix(self) -> int:
         """Tokens of ``prepared_kv`` that may come from cached blocks: its exact part (0 without one)."""
         if self.prepared_kv is None:

@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvb_cache.core import tier_loads
 from kvb_cache.core.kv_manager import KVCacheManager, PrefixHit
 from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request, RequestStatus
-from kvb_cache.core.tier_loads import TierLoad, drop_load, in_flight, loaded_records, wait_all
-from kvb_cache.hashing import ChunkHash
+from kvb_cache.core.tier_admission import TierAdmission
+from kvb_cache.core.tier_loads import TierLoad, drop_load, loaded_records
 
 #: Waiting requests (oldest first) among which each step admits the longest cached prefixes first.
 ADMIT_WINDOW = 256
@@ -96,6 +94,9 @@ class StepPlan:
 
 
 class Scheduler:
+    #: Waiting requests considered for admission each step (:data:`ADMIT_WINDOW`).
+    admit_window = ADMIT_WINDOW
+
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, priority: bool = False
     ) -> None:
@@ -107,8 +108,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
-        #: Tier lookups started for waiting requests (:meth:`_start_loads`).
-        self.tier_loads = 0
+        #: Which waiting requests' tier lookups run (disk/Redis records read off the loop thread).
+        self.loads = TierAdmission(self)
         # Waiting and running requests by id: add_request checks every new id against them (a scan of both
         # queues, linear in a queue of thousands).
         self._by_id: dict[RequestId, Request] = {}
@@ -255,7 +256,7 @@ class Scheduler:
             # Nothing can be admitted: skip ordering the queue (a lookup per block per request), but let the
             # next requests' tier records load meanwhile, so they are in memory when a place frees up.
             if self.waiting and self.kv.tiers is not None:
-                self._start_loads(list(itertools.islice(self.waiting, self.max_num_seqs)), grace_s=0.0)
+                self.loads.start_loads(list(itertools.islice(self.waiting, self.max_num_seqs)), grace_s=0.0)
             return
         # Longest cached prefix first; arrival order among equals (sorted() is stable). Among the oldest
         # ADMIT_WINDOW only: the key is a pool lookup per cached block, and ordering a queue of thousands
@@ -271,13 +272,13 @@ class Scheduler:
         if head.bypassed >= MAX_BYPASS:
             order.remove(head)
             order.insert(0, head)
-        loading = self._start_loads(order) if self.kv.tiers is not None else set()
+        loading = self.loads.start_loads(order) if self.kv.tiers is not None else set()
         for req in order:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if id(req) in loading:
                 continue  # its tier records are still being read (or wait their turn): the others go first
-            if self.kv.tiers is not None and self._reload(req):
+            if self.kv.tiers is not None and self.loads.reload(req):
                 continue  # its pool prefix shrank since its lookup (evicted): read again, the others go first
             # A failed attempt is retried next step: only the lookup that admits counts as a query.
             counted = self.kv.queries, self.kv.hits
@@ -315,96 +316,9 @@ class Scheduler:
             chosen.add(id(req))
             budget -= n
 
-    def _start_loads(self, order: list[Request], *, grace_s: float | None = None) -> set[int]:
-        """Start the tier lookups of the requests in ``order`` whose prefix runs past the pool's blocks, wait
-        ``grace_s`` (default :data:`~kvb_cache.core.tier_loads.LOAD_GRACE_S`) for them, and return the ids
-        of the requests that must wait: a lookup still in flight, or one not started (admitted without it,
-        a request would recompute blocks a tier holds).
-
-        Bounded as admission is: at most ``max_num_seqs`` waiting requests with a lookup (in flight, or read
-        and not admitted yet), holding records for at most half the pool's blocks (:attr:`TierLoad.blocks`).
-        The oldest waiting request that needs a lookup goes first, and while it does not fit, no other
-        lookup starts (before, a large request refused by the bound waited while later small ones kept
-        taking it: bypassed 247 times in a review's repro); when nothing else is held it starts anyway, so a
-        prompt longer than the bound still gets its records.
-        """
-        assert self.kv.tiers is not None
-        held = [r.tier_load for r in self.waiting if r.tier_load is not None]
-        count, blocks = len(held), sum(load.blocks for load in held)
-        max_blocks = self.kv.pool.num_blocks // 2
-        wanted = [
-            (r, k)
-            for r in order
-            if r.tier_load is None and (k := self.kv.tier_keys(r, self._lookup_limit(r)))
-        ]
-        started: list[TierLoad] = []
-        blocked: set[int] = set()
-        if wanted:
-            oldest = self._oldest_needing_load()
-            if oldest is not None:
-                wanted = [oldest, *(w for w in wanted if w[0] is not oldest[0])]
-                if self.priority and (count >= self.max_num_seqs or blocks + len(oldest[1]) > max_blocks):
-                    count, blocks = self._yield_loads(oldest[0])
-            for i, (req, keys) in enumerate(wanted):
-                fits = count < self.max_num_seqs and blocks + len(keys) <= max_blocks
-                if not fits and not (i == 0 and not count):
-                    blocked.update(id(r) for r, _ in wanted[i:])  # in line behind the first that does not fit
-                    break
-                started.append(self.start_load(req, keys))
-                count, blocks = count + 1, blocks + len(keys)
-        wait_all(started, tier_loads.LOAD_GRACE_S if grace_s is None else grace_s)
-        blocked.update(id(r) for r in order if r.tier_load is not None and not r.tier_load.done)
-        return blocked
-
-    def _yield_loads(self, first: Request) -> tuple[int, int]:
-        """Under the priority policy, drop the lookups held by requests ranked below ``first`` (the best-ranked
-        request that needs one and does not fit the bound), so it is read and admitted first: records a
-        lower-ranked request had read let it in ahead of a higher-ranked arrival (an audit: with
-        ``max_num_seqs=1``, LOW then HIGH; read again later). Returns the held count and blocks left."""
-        for req in self.waiting:
-            if req.tier_load is not None and req.rank > first.rank:
-                drop_load(req)
-        held = [r.tier_load for r in self.waiting if r.tier_load is not None]
-        return len(held), sum(load.blocks for load in held)
-
-    def _oldest_needing_load(self) -> tuple[Request, list[ChunkHash]] | None:
-        """The first waiting request (in queue order: arrival, or rank under the priority policy) with no
-        lookup whose prefix runs past the pool, and the keys it needs read."""
-        for req in itertools.islice(self.waiting, ADMIT_WINDOW):
-            if req.tier_load is None and (keys := self.kv.tier_keys(req, self._lookup_limit(req))):
-                return req, keys
-        return None
-
-    def start_load(self, req: Request, keys: Sequence[ChunkHash]) -> TierLoad:
-        """Begin reading ``keys`` for ``req`` (counted in ``tier_loads``): a waiting request's, or a stitched
-        prompt's before it is planned (``KVBoost._queue_stitched``)."""
-        assert self.kv.tiers is not None
-        req.tier_load = TierLoad.start(self.kv.tiers, keys)
-        self.tier_loads += 1
-        return req.tier_load
-
-    def _reload(self, req: Request) -> bool:
-        """Whether ``req`` must wait for a fresh tier lookup: the pool's run of its prefix now ends before the
-        blocks its lookup read (evicted since it began: even this step, by an earlier admission), or it has
-        none and now needs one. Its records could not attach there, so admitted now it would recompute what
-        a tier holds; the new lookup is started here. Rare: pool pressure between lookup and admission."""
-        assert self.kv.tiers is not None
-        keys = self.kv.tier_keys(req, self._lookup_limit(req))
-        load = req.tier_load
-        if not keys or (load is not None and keys[0] in load.keys):
-            return False
-        drop_load(req)
-        self.start_load(req, keys)
-        return True
-
     def loading(self) -> list[TierLoad]:
         """The tier lookups still in flight for waiting requests."""
-        return in_flight(r.tier_load for r in self.waiting)
-
-    @staticmethod
-    def _lookup_limit(req: Request) -> int:
-        """The prompt tokens whose cached KV admitting ``req`` may reuse (the exact part of a stitched one)."""
-        return len(req.tokens) - 1 if req.prepared_kv is None else req.adoptable_prefix
+        return self.loads.loading()
 
     def _take_back(
         self, entry: _Admitted, scheduled: list[Scheduled], admitted: list[Admission], chosen: set[int]
@@ -428,9 +342,7 @@ class Scheduler:
         """Whether the pool surely lacks the blocks admitting ``req`` this step would take (checked before
         any lookup changes the pool: see :meth:`KVCacheManager.blocks_to_admit`)."""
         if req.prepared_kv is not None:
-            need = self.kv.blocks_to_admit(
-                req, max_tokens=self._lookup_limit(req), upto=req.prepared_kv.length
-            )
+            need = self.kv.blocks_to_admit(req, max_tokens=req.lookup_limit, upto=req.prepared_kv.length)
         else:
             cap = min(budget, req.prefill_chunk_size) if req.prefill_chunk_size else budget
             need = self.kv.blocks_to_admit(req, max_tokens=len(req.tokens) - 1, cap=cap)
