@@ -58,6 +58,18 @@ def _until_token(eng: KVBoost, outputs: dict[str, list[int]], rid: str) -> None:
     raise AssertionError(f"{rid} got no token")
 
 
+def _drain(eng: KVBoost, outputs: dict[str, list[int]]) -> dict[str, object]:
+    """Step until nothing is unfinished, collecting tokens into ``outputs``; the results by request id."""
+    results = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error is None
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.result is not None:
+                results[out.request_id] = out.result
+    return results
+
+
 def _run(eng: KVBoost, outputs: dict[str, list[int]], steps: int) -> None:
     for _ in range(steps):
         for out in eng.step():
@@ -262,13 +274,7 @@ def test_a_stitched_prompt_is_planned_once_its_prefix_records_are_read(
             _run(eng, outputs, 3)
             held_steps = len(outputs[running]) - before
             gated.gate.set()
-        result = None
-        while eng.has_unfinished():
-            for out in eng.step():
-                assert out.error is None
-                outputs.setdefault(out.request_id, []).extend(out.token_ids)
-                if out.request_id == rid and out.result is not None:
-                    result = out.result
+        result = _drain(eng, outputs)[rid]
         return outputs[rid], result, held_steps
 
     for directory in (tmp_path / "a", tmp_path / "b"):
@@ -308,13 +314,7 @@ def test_a_prefix_evicted_between_lookup_and_admission_is_read_again(llama, toke
     eng.add_request(big, SamplingParams(max_new_tokens=8, ignore_eos=True), priority=0)
     rid = eng.add_request(STORED, GREEDY, priority=1)  # its lookup starts after those two blocks
     outputs: dict[str, list[int]] = {}
-    result = None
-    while eng.has_unfinished():
-        for out in eng.step():
-            assert out.error is None
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-            if out.request_id == rid and out.result is not None:
-                result = out.result
+    result = _drain(eng, outputs)[rid]
     assert outputs[rid] == reference
     assert result.cached_tokens == 64
     assert eng.paged_stats().tier_loads >= 2  # read again once its RAM prefix was gone
