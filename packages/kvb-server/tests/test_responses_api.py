@@ -488,3 +488,30 @@ def test_model_may_be_left_out_as_on_the_other_routes(url: str) -> None:
     resp = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 4})
     assert resp.status_code == 200, resp.text
     assert resp.json()["model"] == MODEL
+
+
+def test_follow_up_without_model_keeps_the_previous_responses_name() -> None:
+    """Two served names (aliases): a follow-up that leaves ``model`` out continues under the name its
+    previous response was served by, not the first served name; a fresh request still gets the first."""
+    fake = StoppingFake()
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL, "alias"), max_tokens=20))) as url:
+        first = httpx.post(
+            f"{url}/v1/responses", json={"model": "alias", "input": "hi", "max_output_tokens": 4}
+        )
+        assert first.status_code == 200, first.text
+        follow = {"input": "and?", "previous_response_id": first.json()["id"], "max_output_tokens": 4}
+        resp = httpx.post(f"{url}/v1/responses", json=follow)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "alias"
+        fresh = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 4})
+        assert fresh.json()["model"] == MODEL
+
+
+def test_input_tokens_model_is_checked_as_on_the_other_routes(url: str) -> None:
+    """An explicit ``"model": null`` is a 400 naming ``model`` (as chat, completions and POST /v1/responses
+    answer it) and an unknown name a 404; left out, the first served model counts."""
+    count = f"{url}/v1/responses/input_tokens"
+    resp = httpx.post(count, json={"model": None, "input": "hi"})
+    assert (resp.status_code, resp.json()["error"]["param"]) == (400, "model")
+    assert httpx.post(count, json={"model": "nope", "input": "hi"}).status_code == 404
+    assert httpx.post(count, json={"input": "hi"}).status_code == 200

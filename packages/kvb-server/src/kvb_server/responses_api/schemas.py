@@ -412,7 +412,7 @@ class InputTokensRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str | None = None
+    model: str = Field(default=None, description="a served model; left out: the first one")  # type: ignore[assignment]
     input: Annotated[list[InputItem], Field(min_length=1)] | str | None = None
     instructions: str | None = None
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None

@@ -99,6 +99,17 @@ def responses_router(
     store = store if store is not None else ResponseStore()
     authenticated = Depends(keys)
 
+    def default_model(req: ResponsesRequest, caller: Caller) -> str:
+        """The model a request that leaves ``model`` out is served by (and echoes): a follow-up's, its
+        previous response's served name; otherwise the first served model, as on the chat route."""
+        previous = (
+            store.get(caller.key_salt, req.previous_response_id)
+            if req.previous_response_id is not None
+            else None
+        )
+        name = previous.response.get("model") if previous is not None else None
+        return name if name in config.model_names else config.model_names[0]
+
     def translate(req: ResponsesRequest, caller: Caller) -> tuple[ChatTranslation, tuple[Item, ...]]:
         """The chat request serving ``req``, and the input items its stored response keeps (the
         inherited ones, then its own, references resolved)."""
@@ -180,8 +191,8 @@ def responses_router(
     async def create_response(request: Request, caller: Caller = authenticated) -> Response:
         """OpenAI's Responses API over the chat machinery (``stream: true`` for its Server-Sent Events)."""
         req = await parse_request(request, ResponsesRequest, config)
-        if req.model is None:  # left out: the first served model, as on the chat route (echoed by name)
-            req = req.model_copy(update={"model": config.model_names[0]})
+        if req.model is None:
+            req = req.model_copy(update={"model": default_model(req, caller)})
         try:
             t, items = translate(req, caller)
             plan = await off_loop(
