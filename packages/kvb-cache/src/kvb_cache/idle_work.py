@@ -56,13 +56,13 @@ class IdleWork:
         self.core.clear_idle()
 
     def idle_stats(self) -> dict[str, Any]:
-        core = self.core
+        idle = self.core.idle
         return {
-            "queued": len(core.idle),
-            "computed_prompts": core.idle_done,
-            "computed_tokens": core.idle_tokens,
-            "yields": core.idle_yields,
-            "dropped": core.idle.dropped,
+            "queued": len(idle.queue),
+            "computed_prompts": idle.done,
+            "computed_tokens": idle.tokens,
+            "yields": idle.yields,
+            "dropped": idle.queue.dropped,
         }
 
     def _queue_idle(self, req: Request) -> None:
@@ -70,7 +70,7 @@ class IdleWork:
         its prompt is computed: an aborted request queues nothing)."""
         # NOTE: an engine that caches nothing (max_cache_bytes=0) would compute the prompt for nothing.
         if req.idle_refine and self.kv.caching and self.kv.can_fit(req.prompt_len + 1):
-            self.core.idle.add(req.tokens[: req.prompt_len], req.root)
+            self.core.idle.queue.add(req.tokens[: req.prompt_len], req.root)
 
     def _make_idle(self, key: IdleKey) -> Request:
         """The internal loop request computing idle prompt ``key``: its prompt, one greedy token (the prompt's

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from kvb_cache.core.deferred import Deferred
-from kvb_cache.core.idle import IdleKey, IdleQueue
+from kvb_cache.core.idle import IdleKey, IdleSlot
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.core.preparing import PrepareWork, Preparing
@@ -94,13 +94,7 @@ class EngineCore:
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
         self.steps = 0
         #: Prompts to compute when no request is unfinished, and the one being computed.
-        self.idle = IdleQueue()
-        self.make_idle = make_idle
-        self._idle: tuple[Request, IdleKey] | None = None
-        #: Idle prompts computed to the end, taken out part-way, and the tokens computed for them.
-        self.idle_done = 0
-        self.idle_yields = 0
-        self.idle_tokens = 0
+        self.idle = IdleSlot(make_idle)
         # Aborts asked for while a step runs, applied when it ends (see abort()).
         self._stepping = False
         self._abort_after_step: dict[RequestId, None] = {}
@@ -158,12 +152,16 @@ class EngineCore:
             or bool(self.solo)
             or bool(self.preparing)
             or bool(self.deferred)
-            or len(self.scheduler.waiting) + len(self.scheduler.running) > (self._idle is not None)
+            or len(self.scheduler.waiting) + len(self.scheduler.running) > (self.idle.current is not None)
         )
 
     def has_idle_work(self) -> bool:
         """Whether a step with no request unfinished would compute an idle prompt."""
-        return self.make_idle is not None and (self._idle is not None or bool(self.idle))
+        return self.idle.has_work()
+
+    def clear_idle(self) -> None:
+        """Forget the idle work (a cache reset): the prompt part-way is taken out, the queue emptied."""
+        self.idle.clear(self.scheduler)
 
     def abort(self, request_id: RequestId) -> bool:
         """End an unfinished request now (its blocks go back to the pool); False if none has this id.
@@ -193,33 +191,6 @@ class EngineCore:
             return False
         self.scheduler.remove(req)
         return True
-
-    def clear_idle(self) -> None:
-        """Forget the idle work (a cache reset): the prompt part-way is taken out, the queue emptied."""
-        if self._idle is not None:
-            self.scheduler.remove(self._idle[0])
-            self._idle = None
-        self.idle.clear()
-
-    def _schedule_idle(self) -> None:
-        """Take the idle prompt out when a caller's request is unfinished, else start the next one."""
-        if self._idle is not None:
-            if self.has_unfinished():
-                req, key = self._idle
-                self.scheduler.remove(req)  # its committed full blocks stay cached: resuming hits them
-                self.idle.push_front(key)
-                self._idle = None
-                self.idle_yields += 1
-        elif self.idle and self.make_idle is not None and not self.has_unfinished():
-            key = self.idle.pop()
-            req = self.make_idle(key)
-            self._idle = (req, key)
-            self.scheduler.add(req)
-
-    def _idle_output(self, output: RequestOutput) -> None:
-        if output.result is not None and self._idle is not None:
-            self._idle = None
-            self.idle_done += 1
 
     def carry(self, outputs: Iterable[RequestOutput]) -> None:
         """Outputs a caller took from :meth:`step` but could not deliver (interrupted part-way): the next
@@ -288,7 +259,7 @@ class EngineCore:
             self._plan_released(self.deferred.release(self._prompt_pending), outputs)
         for req in self.preparing.advance():
             self.scheduler.add(req)
-        self._schedule_idle()
+        self.idle.schedule(self.scheduler, busy=self.has_unfinished())
         drafting = [] if self.drafter is None else propose(self.drafter, self.scheduler.running)
         plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
         for admission in plan.admitted:
@@ -332,7 +303,7 @@ class EngineCore:
                 s.request.num_computed += s.num_tokens - s.drafted
                 self.kv.commit(s.request)
                 if s.request.internal:
-                    self.idle_tokens += s.num_tokens
+                    self.idle.tokens += s.num_tokens
             for s, first in verifying:
                 self._verify(s.request, drafted_logits[first : first + 1 + s.drafted], outputs)
             tokens = sample(logits, sampling)
@@ -349,7 +320,7 @@ class EngineCore:
                 if output is None:
                     continue
                 if req.internal:
-                    self._idle_output(output)
+                    self.idle.finished(output)
                 else:
                     outputs.append(output)
         for req in drafting:
@@ -480,7 +451,7 @@ class EngineCore:
         if req.status is not RequestStatus.FINISHED:  # _emit may have finished it before failing
             self.scheduler.remove(req)
         if req.internal:
-            self._idle = None  # an idle prompt is not retried; its committed blocks stay cached
+            self.idle.failed()
         return RequestOutput(request_id=req.request_id, delta_text="", error=error)
 
     def _unqueue(self, req: Request) -> None:
