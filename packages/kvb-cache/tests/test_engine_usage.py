@@ -2,7 +2,8 @@
 web frameworks: every result equals the same call made alone; before the engine lock, four threads'
 ``generate`` calls interleaved their steps on one scheduler: outputs that matched no prompt, an
 ``AssertionError`` from the block manager, ``IndexError``), and what is refused clearly (a model moved to
-another dtype or device after the engine was built, a ``torch.compile`` wrapper)."""
+another dtype or device after the engine was built, its attention switched away from the pool or the model
+put in training mode, a ``torch.compile`` wrapper)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,40 @@ def test_a_compiled_model_is_refused_naming_the_fix(llama, tokenizer):
         UnsupportedModelError, match=r"passed compiled \(torch.compile\(model\)\); pass the model"
     ):
         KVBoost(torch.compile(llama), tokenizer)
+
+
+def test_attention_switched_or_training_mode_after_build_is_refused(tokenizer):
+    """``model.set_attn_implementation("eager")`` after the engine was built sent its forwards past the pool:
+    logits off by ~5, and blocks registered with KV never written, which a later prompt hit after switching
+    back (audit). ``model.train()`` (a fine-tuning loop) ran dropout in every forward and cached that KV.
+    Both are refused before anything runs; switched back, the engine is exact again."""
+    import pytest
+    import torch
+    from conftest import make_model
+
+    from kvb_cache import ConfigError
+
+    model = make_model("gpt2")  # dropout 0.1 in its config: train mode changes every forward
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    ids = tokenizer(words(40, seed=4))["input_ids"]
+    engine.generate(ids, max_new_tokens=2)
+    paged = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    for call in (
+        lambda: engine.generate(ids + [7], max_new_tokens=2),
+        lambda: engine.next_token_logits(ids),
+        lambda: engine.lookup_cache(ids),
+    ):
+        with pytest.raises(ConfigError, match=r"set_attn_implementation\('kvb_paged'\)"):
+            call()
+    model.set_attn_implementation(paged)
+    model.train()
+    with pytest.raises(ConfigError, match=r"training mode .* model\.eval\(\)"):
+        engine.generate(ids + [8], max_new_tokens=2)
+    model.eval()
+    assert not engine.has_unfinished()
+    warm = engine.next_token_logits(ids + [9])
+    assert warm.cached_tokens > 0
+    with torch.no_grad():
+        cold = model(torch.tensor([ids + [9]])).logits[0, -1]
+    torch.testing.assert_close(warm.logits, cold, atol=1e-5, rtol=1e-5)

@@ -106,6 +106,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         self._token_text: dict[int, str] = {}
         # The paged pool is the RAM cache (cached chunks are cached blocks); disk/Redis tiers sit under it.
         parts = build_loop(model, self.traits, self.config, root=self.root, fingerprint=self.fingerprint)
+        self._built_attention = getattr(model.config, "_attn_implementation", None)  # kvb_paged, checked too
         self.kv, self.tiers = parts.kv, parts.tiers
         _warn_if_the_pool_caps_the_context(
             self.kv.capacity_tokens, self.traits.context_length, caching=self.config.max_cache_bytes > 0

@@ -64,6 +64,7 @@ class LoopAPI:
     tokenizer: PreTrainedTokenizerBase
     model: PreTrainedModel
     _built_for: tuple[torch.dtype, torch.device]  # the model's dtype and device when the pool was built
+    _built_attention: str | None  # the model's attention implementation once the engine routed it (kvb_paged)
     _ids: itertools.count[int]
 
     @serialized
@@ -209,14 +210,34 @@ class LoopAPI:
             )
 
     def _check_model_unmoved(self) -> None:
-        """The model still has the dtype and device the pool was built for: ``model.to(torch.bfloat16)``
-        after the engine was built failed in the next forward with a bare SDPA error (query bf16, key fp32
-        from the pool)."""
+        """The model is still as the engine was built for it, checked before anything runs on it:
+
+        - the same dtype and device (``model.to(torch.bfloat16)`` failed in the next forward with a bare SDPA
+          error: query bf16, key fp32 from the pool);
+        - attention still routed through the pool (``model.set_attn_implementation("eager")``, e.g. for
+          ``output_attentions``, sent the engine's forwards past the pool: wrong logits, and blocks
+          registered with KV never written, which later prompts then hit);
+        - in eval mode (``model.train()`` in a fine-tuning loop: dropout in every forward, and that noisy KV
+          cached for later requests).
+        """
         now = (self.model.dtype, self.model.device)
         if now != self._built_for:
             raise ConfigError(
                 f"the model was moved to {now[0]} on {now[1]} after this engine was built for {self._built_for[0]}"
                 f" on {self._built_for[1]}: build a new KVBoost for it (the cached KV is of the old dtype/device)"
+            )
+        attention = getattr(self.model.config, "_attn_implementation", None)
+        if attention != self._built_attention:
+            raise ConfigError(
+                f"the model's attention implementation was set to {attention!r} after this engine routed it "
+                f"through {self._built_attention!r}: call model.set_attn_implementation({self._built_attention!r}) "
+                "before using the engine again (the model's own forwards keep the implementation it had before "
+                "the engine was built)"
+            )
+        if self.model.training:
+            raise ConfigError(
+                "the model is in training mode (model.train(): dropout in every forward, and that KV would be "
+                "cached): call model.eval() before using the engine, and reset_cache() if its weights changed"
             )
 
     @serialized
