@@ -110,7 +110,7 @@ def test_attention_switched_or_training_mode_after_build_is_refused(tokenizer):
     paged = model.config._attn_implementation
     model.set_attn_implementation("eager")
     for call in (
-        lambda: engine.generate(ids + [7], max_new_tokens=2),
+        lambda: engine.generate([*ids, 7], max_new_tokens=2),
         lambda: engine.next_token_logits(ids),
         lambda: engine.lookup_cache(ids),
     ):
@@ -119,11 +119,11 @@ def test_attention_switched_or_training_mode_after_build_is_refused(tokenizer):
     model.set_attn_implementation(paged)
     model.train()
     with pytest.raises(ConfigError, match=r"training mode .* model\.eval\(\)"):
-        engine.generate(ids + [8], max_new_tokens=2)
+        engine.generate([*ids, 8], max_new_tokens=2)
     model.eval()
     assert not engine.has_unfinished()
-    warm = engine.next_token_logits(ids + [9])
+    warm = engine.next_token_logits([*ids, 9])
     assert warm.cached_tokens > 0
     with torch.no_grad():
-        cold = model(torch.tensor([ids + [9]])).logits[0, -1]
+        cold = model(torch.tensor([[*ids, 9]])).logits[0, -1]
     torch.testing.assert_close(warm.logits, cold, atol=1e-5, rtol=1e-5)
