@@ -54,6 +54,39 @@ def test_token_id_tensors_and_numpy_ints_are_prompts_like_lookup_cache_takes(eng
         engine.generate(torch.cat([as_tensor, as_tensor]))
 
 
+def test_rows_of_a_padded_batch_are_refused_naming_the_fix(engine, tokenizer):
+    """A row of ``tokenizer(texts, padding=True, return_tensors="pt")`` fed its pad tokens as text (the answer
+    changed, no error; ``model.generate`` masks them): refused, left or right padded, tensor or array. Plain
+    lists of ids stay raw ids (the server's token-id prompts), and a tokenizer whose pad token is its EOS
+    token is not second-guessed."""
+    texts = [words(12, seed=1), words(4, seed=2)]
+    for side, match in (("left", "starts with 8 padding"), ("right", "ends with 8 padding")):
+        tokenizer.padding_side = side
+        try:
+            batch = tokenizer(texts, padding=True, return_tensors="pt")
+            numpy_batch = tokenizer(texts, padding=True, return_tensors="np")
+        finally:
+            tokenizer.padding_side = "right"
+        for prompt in (batch["input_ids"][1:2], batch["input_ids"][1], numpy_batch["input_ids"][1]):
+            with pytest.raises(PromptTypeError, match=match + r".*attention_mask\.bool\(\)"):
+                engine.generate(prompt, max_new_tokens=2)
+        with pytest.raises(PromptTypeError, match="padding"):
+            engine.generate_batch(list(batch["input_ids"]), max_new_tokens=2)
+        row = batch["input_ids"][1][batch["attention_mask"][1].bool()]
+        assert (
+            engine.generate(row, max_new_tokens=4).output_ids
+            == engine.generate(texts[1], max_new_tokens=4).output_ids
+        )
+        assert engine.generate(batch["input_ids"][1].tolist(), max_new_tokens=2).prompt_tokens == 12
+    eos_padded = torch.tensor([tokenizer.eos_token_id, *tokenizer(texts[1])["input_ids"]])
+    pad = tokenizer.pad_token
+    tokenizer.pad_token = tokenizer.eos_token
+    try:
+        assert engine.generate(eos_padded, max_new_tokens=2).prompt_tokens == 5
+    finally:
+        tokenizer.pad_token = pad
+
+
 def test_out_of_vocabulary_token_ids(engine):
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         engine.generate([1, 2, 10_000])

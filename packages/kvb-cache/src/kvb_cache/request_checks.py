@@ -34,9 +34,32 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
         vocab = model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
+        if hasattr(prompt, "ndim"):  # a tensor or array: what tokenizer(..., padding=True) returns
+            _refuse_padding(tokenizer, ids)
     if not ids:
         raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
     return ids
+
+
+def _refuse_padding(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> None:
+    """Refuse a tensor prompt that starts or ends with the tokenizer's padding token: a row of a padded batch
+    (``tokenizer(texts, padding=True, return_tensors="pt")``). ``model.generate`` masks such tokens (its rule:
+    the pad id is in the input and is not an end-of-sequence id); fed as content, they changed the answer with
+    no error. Not refused when the pad id is also the BOS or an EOS id (then it may be content)."""
+    pad = tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    if pad is None or pad == tokenizer.bos_token_id or pad in (eos if isinstance(eos, list) else [eos]):
+        return
+    lead = next((i for i, t in enumerate(ids) if t != pad), len(ids))
+    trail = next((i for i, t in enumerate(reversed(ids)) if t != pad), len(ids))
+    if lead or trail:
+        where = f"starts with {lead}" if lead else f"ends with {trail}"
+        raise PromptTypeError(
+            f"the token-id prompt {where} padding token(s) (pad_token_id {pad}), which would be read as "
+            "text: pass each sequence unpadded (tokenizer(text) per prompt, or "
+            "input_ids[attention_mask.bool()] for a row of a padded batch)",
+            param="prompt",
+        )
 
 
 def _token_ids(prompt: object) -> list[int]:
