@@ -322,3 +322,57 @@ def test_a_stream_collected_during_a_step_is_aborted_after_it(llama, tokenizer, 
     assert not engine.has_unfinished() and engine.core.scheduler.find(dropped_id) is None
     assert engine.take_unfollowed_outputs() == []  # nothing emitted for it after its abort
     assert engine.paged_stats().blocks_used == 0
+
+
+def test_sampling_params_built_directly_name_foreign_options_too(llama, tokenizer):
+    """``SamplingParams(do_sample=True)`` (add_request's path) raised the dataclass's bare TypeError with no
+    hint, and transformers' usual names (generation_config, num_beams, ...) got the generic message; the
+    canonical ``engine.generate(**tokenizer(text, return_tensors="pt"))`` ended in Python's own TypeError."""
+    from kvb_cache import SamplingParams, UnknownOptionError
+
+    with pytest.raises(UnknownOptionError, match="do_sample: sampling is on when temperature > 0") as err:
+        SamplingParams(do_sample=True, temperature=0.7)
+    assert isinstance(err.value, TypeError) and isinstance(err.value, InvalidRequestError)
+    assert err.value.param == "do_sample"
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    for name, value, said in (
+        ("num_beams", 2, "beam search is not supported"),
+        ("generation_config", object(), "pass its fields as options"),
+        ("output_scores", True, "logprobs=k"),
+        ("no_repeat_ngram_size", 2, "repetition_penalty"),
+    ):
+        with pytest.raises(UnknownOptionError, match=said):
+            engine.generate("w1 w2", max_new_tokens=2, **{name: value})
+    with pytest.raises(TypeError):  # no prompt given: Python's own error (the signature's)
+        engine.generate(**tokenizer("w1 w2", return_tensors="pt"), max_new_tokens=2)
+    with pytest.raises(UnknownOptionError, match="first argument"):
+        engine.generate("w1", input_ids=[1], max_new_tokens=2)
+    assert not engine.has_unfinished()
+
+
+def test_numpy_scalars_are_sampling_numbers(llama, tokenizer):
+    """numpy scalars (np.float32 temperatures, np.int64 lengths and seeds) were refused ("must be a finite
+    number", "must be an int") while the prompt took numpy ints; they now equal the Python numbers."""
+    np = pytest.importorskip("numpy")
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    plain = engine.generate(
+        "w1 w2 w3",
+        max_new_tokens=4,
+        temperature=0.75,
+        top_p=0.5,
+        seed=7,
+        stop_token_ids=[5],
+        logit_bias={3: 2.0},
+    )
+    numpy = engine.generate(
+        "w1 w2 w3",
+        max_new_tokens=np.int64(4),
+        temperature=np.float32(0.75),
+        top_p=np.float64(0.5),
+        seed=np.int32(7),
+        stop_token_ids=[np.int64(5)],
+        logit_bias={np.int64(3): np.float32(2.0)},
+    )
+    assert numpy.output_ids == plain.output_ids
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        engine.generate("w1", max_new_tokens=2, temperature=np.float32("nan"))

@@ -110,6 +110,10 @@ def test_lookup_accepts_tensors_and_counts_prefix_cache_queries(warm):
     assert warm.lookup_cache(torch.tensor(PROMPT)).cached_tokens == len(PROMPT) - 1
     after = warm.paged_stats()
     assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * (len(PROMPT) - 1)
+    # numpy arrays and numpy ints, as generate takes them (they were refused here: "must hold ints only").
+    np = pytest.importorskip("numpy")
+    assert warm.lookup_cache(np.array(PROMPT)).cached_tokens == len(PROMPT) - 1
+    assert warm.lookup_cache([np.int64(t) for t in PROMPT]).cached_tokens == len(PROMPT) - 1
     assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * (len(PROMPT) - 1)
 
 
@@ -344,8 +348,11 @@ def test_sliding_window_layers_and_full_layers_round_trip(arch, tokenizer):
 def test_bad_token_ids_raise_typed_errors(warm):
     with pytest.raises(PromptTypeError, match="tokenize text"):
         warm.lookup_cache("w1 w2")
-    with pytest.raises(PromptTypeError, match="one sequence at a time"):
+    with pytest.raises(PromptTypeError, match=r"token_ids must be 1-D or \[1, S\]") as err:
         warm.lookup_cache(torch.tensor([PROMPT, PROMPT]))
+    assert err.value.param == "token_ids"
+    with pytest.raises(PromptTypeError, match=r"token_ids\[0\] is float"):
+        warm.lookup_cache(torch.tensor(PROMPT, dtype=torch.float32))
     with pytest.raises(InvalidRequestError, match="empty"):
         warm.lookup_cache([])
     with pytest.raises(InvalidRequestError, match=r"\[0, 300\)"):

@@ -16,6 +16,7 @@ from kvb_cache.errors import (
     NonFiniteLogitsError,
     PromptTypeError,
     RequestInterruptedError,
+    UnknownOptionError,
     UnsupportedModelError,
 )
 from kvb_cache.loops import RequestStream
@@ -54,6 +55,7 @@ __all__ = [
     "TierConfig",
     "TokenLogprob",
     "TokenProcessor",
+    "UnknownOptionError",
     "UnsupportedModelError",
     "WarmResult",
     "__version__",

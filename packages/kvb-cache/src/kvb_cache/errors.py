@@ -23,6 +23,11 @@ class InvalidRequestError(KVBoostError, ValueError):
         self.param = param
 
 
+class UnknownOptionError(InvalidRequestError, TypeError):
+    """An option name the API does not have (a ``TypeError`` too, as Python's own unexpected-keyword error);
+    the message names the equivalent of a transformers / vLLM / OpenAI spelling where there is one."""
+
+
 class PromptTypeError(KVBoostError, TypeError):
     """The prompt is not a string (or a list of token ids)."""
 

@@ -25,6 +25,7 @@ from kvb_cache.cache_kwarg import cache_argument
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 from kvb_cache.kv_sharing import own_kv_layers
 from kvb_cache.pool_io import dense_cache, probe_request
+from kvb_cache.request_checks import token_id_list
 from kvb_cache.serialized import serialized
 
 if TYPE_CHECKING:
@@ -212,27 +213,16 @@ class HFCacheBridge:
 
     # ----------------------------------------------------------------------------------- internals
     def _bridge_ids(self, token_ids: object) -> list[int]:
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.dim() == 2 and token_ids.shape[0] == 1:
-                token_ids = token_ids[0]
-            if token_ids.dim() != 1 or token_ids.is_floating_point():
-                raise PromptTypeError(
-                    f"token_ids must be a 1-D or [1, S] integer tensor, got {token_ids.dtype} "
-                    f"{tuple(token_ids.shape)}; pass one sequence at a time",
-                    param="token_ids",
-                )
-            token_ids = token_ids.tolist()
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        if isinstance(token_ids, (str, bytes)):
             raise PromptTypeError(
                 f"token_ids must be a list of token ids, got {type(token_ids).__name__}; "
                 "tokenize text with engine.tokenizer first",
                 param="token_ids",
             )
-        ids = list(token_ids)
+        # A list or tuple (numpy ints too), or a 1-D / [1, S] integer tensor or array, as generate takes.
+        ids = token_id_list(token_ids, param="token_ids")
         if not ids:
             raise InvalidRequestError("token_ids is empty; pass at least one token", param="token_ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise PromptTypeError("token_ids must hold ints only", param="token_ids")
         vocab = self.model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="token_ids")

@@ -30,7 +30,7 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
                 param="prompt",
             )
     else:
-        ids = _token_ids(prompt)
+        ids = token_id_list(prompt)
         vocab = model.get_input_embeddings().num_embeddings
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
@@ -62,23 +62,26 @@ def _refuse_padding(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> None:
         )
 
 
-def _token_ids(prompt: object) -> list[int]:
-    """``prompt`` as a list of Python ints, or a :class:`PromptTypeError` naming what is wrong."""
+def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
+    """``prompt`` (a list or tuple of ints, numpy ints included, or a 1-D / ``[1, S]`` integer tensor or
+    array) as a list of Python ints, or a :class:`PromptTypeError` naming ``param`` and what is wrong."""
     if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):  # a torch tensor or a numpy array
         shape = tuple(prompt.shape)
         if len(shape) == 2 and shape[0] == 1:
             prompt = prompt[0]
         elif len(shape) != 1:
             raise PromptTypeError(
-                f"a token-id {type(prompt).__name__} prompt must be 1-D or [1, S], got shape {shape}; "
+                f"a token-id {type(prompt).__name__} {param} must be 1-D or [1, S], got shape {shape}; "
                 "pass one sequence per request (generate_batch takes a list of them)",
-                param="prompt",
+                param=param,
             )
         prompt = prompt.tolist()
+    text = "a str or " if param == "prompt" else ""
     if not isinstance(prompt, (list, tuple)):
         raise PromptTypeError(
-            "prompt must be a str or token ids (a list, or a 1-D / [1, S] tensor or array), "
-            f"got {type(prompt).__name__}"
+            f"{param} must be {text}token ids (a list, or a 1-D / [1, S] tensor or array), "
+            f"got {type(prompt).__name__}",
+            param=param,
         )
     ids: list[int] = []
     for i, t in enumerate(prompt):
@@ -89,8 +92,8 @@ def _token_ids(prompt: object) -> list[int]:
             ids.append(operator.index(t))
         except TypeError:
             raise PromptTypeError(
-                f"prompt must be a str or a list of int token ids; prompt[{i}] is {type(t).__name__} {t!r}",
-                param="prompt",
+                f"{param} must be {text}a list of int token ids; {param}[{i}] is {type(t).__name__} {t!r}",
+                param=param,
             ) from None
     return ids
 

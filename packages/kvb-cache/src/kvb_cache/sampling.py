@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -18,7 +22,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError
+from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError, UnknownOptionError
 from kvb_cache.structured.spec import ResponseFormat
 from kvb_cache.token_bans import TokenBans, check_allowed, check_choosable, check_sequences
 
@@ -82,6 +86,8 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
+
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}, got {getattr(self, param)!r}", param=param)
 
@@ -181,16 +187,7 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}",
                 param="stop_token_ids",
             )
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            # NOTE: the dataclass's own TypeError ("unexpected keyword argument") names neither the valid options
-            # nor the equivalent of a transformers / vLLM / OpenAI name (generate_batch passes dicts through).
-            hints = [f"{name}: {FOREIGN_OPTIONS[name]}" for name in unknown if name in FOREIGN_OPTIONS]
-            hint = f" ({'; '.join(hints)})" if hints else ""
-            valid = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise InvalidRequestError(
-                f"unknown sampling option(s) {', '.join(unknown)}{hint}; valid: {valid}", param=unknown[0]
-            )
+        _refuse_unknown(fields)
         return cls(stop=stops, stop_token_ids=tuple(stop_token_ids or ()), **fields)
 
     @property
@@ -199,6 +196,75 @@ class SamplingParams:
         # 1.4e-83 crashed multinomial); the distribution is one-hot long before that, so it *is* greedy.
         return self.temperature < GREEDY_TEMPERATURE
 
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_INT_FIELDS = ("max_new_tokens", "top_k", "min_tokens", "seed", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _plain_numbers(params: SamplingParams) -> None:
+    """NumPy (and other non-bool ``numbers``) scalars as Python ints and floats: what numpy / torch code hands
+    around (``np.float32(0.7)`` was refused as "must be a finite number" while the prompt took numpy ints).
+    Anything else is left for the checks to refuse."""
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            object.__setattr__(params, name, operator.index(value))
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            object.__setattr__(params, name, float(value))
+    if isinstance(params.stop_token_ids, (list, tuple)):
+        object.__setattr__(
+            params,
+            "stop_token_ids",
+            tuple(
+                operator.index(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                for t in params.stop_token_ids
+            ),
+        )
+
+
+def _refuse_unknown(fields: Iterable[str]) -> None:
+    """Refuse option names :class:`SamplingParams` does not have, naming the equivalent of a transformers /
+    vLLM / OpenAI name. (The dataclass's own ``TypeError``, "unexpected keyword argument", named neither the
+    valid options nor the equivalent.)"""
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        hints = [f"{name}: {FOREIGN_OPTIONS[name]}" for name in unknown if name in FOREIGN_OPTIONS]
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise UnknownOptionError(
+            f"unknown sampling option(s) {', '.join(unknown)}{hint}; valid: "
+            f"{', '.join(f.name for f in dataclasses.fields(SamplingParams))}",
+            param=unknown[0],
+        )
+
+
+def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
+    """``SamplingParams(**options)`` refuses unknown names as :meth:`SamplingParams.build` does."""
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, **fields: Any) -> None:
+        _refuse_unknown(fields)
+        init(self, *args, **fields)
+
+    return __init__
+
+
+SamplingParams.__init__ = _checked_init(SamplingParams.__init__)  # type: ignore[method-assign]
+
+_HF_BATCH_CALL = (
+    "pass the prompt itself (a string or token ids) as the first argument: engine.generate(**tokenizer(...)) "
+    "sends input_ids / attention_mask"
+)
+_HF_OUTPUTS = "the result carries output_ids and, with logprobs=k, each token's logprob and k alternatives"
 
 #: What a transformers ``generate`` / vLLM ``SamplingParams`` / OpenAI name is here: unknown options are
 #: refused (never silently ignored), with this said.
@@ -221,6 +287,18 @@ FOREIGN_OPTIONS = {
     "logits_processor": "custom logits processors are not supported: use logit_bias or response_format",
     "stopping_criteria": "custom stopping criteria are not supported: use stop / stop_token_ids",
     "generator": "use seed (an int) for a reproducible sample",
+    "input_ids": _HF_BATCH_CALL,
+    "attention_mask": "pass each prompt unpadded (ids[attention_mask.bool()] for a row of a padded batch)",
+    "generation_config": "pass its fields as options (max_new_tokens, temperature, top_p, top_k, ...)",
+    "pad_token_id": "not needed: prompts are not padded",
+    "num_beams": "beam search is not supported (greedy, temperature=0, or sampling)",
+    "no_repeat_ngram_size": "not supported: use repetition_penalty, presence_penalty or frequency_penalty",
+    "typical_p": "not supported: use top_p, top_k or min_p",
+    "output_scores": _HF_OUTPUTS,
+    "output_logits": _HF_OUTPUTS + " (engine.next_token_logits(prompt) gives raw logits)",
+    "return_dict_in_generate": _HF_OUTPUTS,
+    "use_cache": "the engine always uses its KV cache",
+    "past_key_values": "the engine finds cached KV itself (engine.lookup_cache(ids) hands it to model.generate)",
 }
 
 
@@ -238,6 +316,10 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
         # another id.
         if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
+        elif isinstance(token, numbers.Integral) and not isinstance(token, bool):
+            token = operator.index(token)  # a numpy int
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            value = float(value)  # a numpy float
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"

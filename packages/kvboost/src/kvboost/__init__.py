@@ -27,6 +27,7 @@ from kvb_cache import (
     StreamEvent,
     TierConfig,
     TokenLogprob,
+    UnknownOptionError,
     UnsupportedModelError,
     WarmResult,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "StreamingArgs",
     "TierConfig",
     "TokenLogprob",
+    "UnknownOptionError",
     "UnsupportedModelError",
     "WarmResult",
     "__version__",
