@@ -13,6 +13,7 @@ slices instead of waiting for the whole prompt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -26,6 +27,21 @@ from kvb_server.token_bytes import TextOffsets
 if TYPE_CHECKING:
     from kvb_server.engine import ServingEngine
     from kvb_server.worker import EngineWorker
+
+
+def as_token_ids(entry: TokenLogprob) -> TokenLogprob:
+    """``entry`` with every token named ``"token_id:<id>"`` instead of its text (vLLM's
+    ``return_tokens_as_token_ids``): ids a client can use as they are, where texts can be ambiguous (two
+    tokens, or a lone byte token's U+FFFD)."""
+    return dataclasses.replace(
+        entry,
+        token=token_id_label(entry.token_id),
+        top=tuple((token_id, token_id_label(token_id), lp) for token_id, _, lp in entry.top),
+    )
+
+
+def token_id_label(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def completion_top(entry: TokenLogprob) -> dict[str, float]:
@@ -61,20 +77,23 @@ class Echo:
     #: prompt was encoded with: ``text`` is the prompt as sent) takes no room in it.
     special_ids: frozenset[int] = frozenset()
 
-    def logprob_arrays(self, offsets: TextOffsets) -> dict[str, list[Any]]:
+    def logprob_arrays(self, offsets: TextOffsets, *, tokens_as_ids: bool = False) -> dict[str, list[Any]]:
         """OpenAI's completions-style arrays for the prompt tokens, their text offsets read from ``offsets``
-        (which then stands where the generated tokens' offsets continue)."""
+        (which then stands where the generated tokens' offsets continue); ``tokens_as_ids``: tokens named
+        ``"token_id:<id>"`` (the offsets still count their text)."""
         assert self.logprobs is not None
+        first = token_id_label(self.first_token_id) if tokens_as_ids else self.first_token
         arrays: dict[str, list[Any]] = {
-            "tokens": [self.first_token],
+            "tokens": [first],
             "token_logprobs": [None],
             "top_logprobs": [None],
             "text_offset": [self._advance(offsets, self.first_token_id, self.first_token)],
         }
         for e in self.logprobs:
-            arrays["tokens"].append(e.token)
+            shown = as_token_ids(e) if tokens_as_ids else e
+            arrays["tokens"].append(shown.token)
             arrays["token_logprobs"].append(e.logprob)
-            arrays["top_logprobs"].append(completion_top(e))
+            arrays["top_logprobs"].append(completion_top(shown))
             arrays["text_offset"].append(self._advance(offsets, e.token_id, e.token))
         return arrays
 

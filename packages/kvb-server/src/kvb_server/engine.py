@@ -166,10 +166,11 @@ class ServingEngine(Protocol):
         ...
 
 
-def encode_text(engine: ServingEngine, text: str) -> list[int]:
-    """Token ids of a completion prompt, as ``KVBoost.generate(text)`` tokenizes it (special tokens added).
+def encode_text(engine: ServingEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a completion prompt, as ``KVBoost.generate(text)`` tokenizes it (special tokens added;
+    vLLM's ``add_special_tokens: false`` leaves them out).
 
     The server tokenizes before queueing (for the admission gate and usage) and hands the engine ids, so
     both must agree; this mirrors ``KVBoost._tokenize``.
     """
-    return list(engine.tokenizer(text, add_special_tokens=True)["input_ids"])
+    return list(engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -61,6 +61,7 @@ class GenerationPlan:
             holds the largest); empty: ``sampling``'s for every prompt.
         prompt_logprobs: vLLM's ``prompt_logprobs``: alternatives per prompt position (the prompt is scored,
             its own tokens' logprobs and ranks reported); None: not asked.
+        tokens_as_ids: vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``"token_id:<id>"``.
     """
 
     endpoint: Endpoint
@@ -71,6 +72,7 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     chat_logprobs: bool
+    tokens_as_ids: bool = False
     cache_salt: str | None = None
     tools: ToolPlan | None = None
     echo: tuple[str, ...] | None = None
@@ -133,6 +135,12 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
             raise UnsupportedFeatureError(f"{name} is not supported by this server; remove it.", param=name)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameterError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if req.add_special_tokens:
+        raise UnsupportedFeatureError(
+            "add_special_tokens: true is not supported on chat: the chat template places the model's special "
+            "tokens (send the rendered text to /v1/completions to add them yourself).",
+            param="add_special_tokens",
+        )
 
 
 #: ``prompt_logprobs: -1`` (every token) on a server without a ``--max-logprobs`` cap: the scorer clamps it to
@@ -197,10 +205,11 @@ def completion_plan(
     _reject_completion(req)
     check_logprobs(req.logprobs, config, param="logprobs")
     raw = req.prompt
+    special = req.add_special_tokens
     if isinstance(raw, str):
-        prompts = (encode_text(engine, raw),)
+        prompts = (encode_text(engine, raw, add_special_tokens=special),)
     elif raw and all(isinstance(p, str) for p in raw):
-        prompts = tuple(encode_text(engine, p) for p in raw)  # type: ignore[arg-type]
+        prompts = tuple(encode_text(engine, p, add_special_tokens=special) for p in raw)  # type: ignore[arg-type]
     elif raw and all(isinstance(p, int) for p in raw):
         prompts = (list(raw),)  # type: ignore[arg-type]
     else:
@@ -246,6 +255,7 @@ def completion_plan(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),
         chat_logprobs=False,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
         cache_salt=cache_salt,
         echo=echo,
         generate=generate,
@@ -291,6 +301,7 @@ def chat_plan(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),
         chat_logprobs=True,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
         cache_salt=cache_salt,
         tools=tools if tools is not None and tools.parses_calls else None,
         service_tier="default" if req.service_tier is not None else None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvb_cache.results import GenerationResult, TokenLogprob
-from kvb_server.echo import Echo, completion_top
+from kvb_server.echo import Echo, as_token_ids, completion_top
 from kvb_server.reasoning import FIELDS as REASONING_FIELDS
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.reasoning import split as split_reasoning
@@ -53,16 +53,18 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
 
 
 def _completion_logprobs(
-    entries: Sequence[TokenLogprob], offsets: TextOffsets, echo: Echo | None = None
+    entries: Sequence[TokenLogprob], offsets: TextOffsets, echo: Echo | None = None, *, tokens_as_ids: bool
 ) -> dict[str, Any]:
-    """Completions-style arrays; with ``echo`` the prompt's tokens come first (and ``offsets`` run on)."""
+    """Completions-style arrays; with ``echo`` the prompt's tokens come first (and ``offsets`` run on);
+    ``tokens_as_ids``: tokens named ``"token_id:<id>"`` (``text_offset`` still counts their text)."""
     arrays: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     if echo is not None:
-        arrays = echo.logprob_arrays(offsets)
+        arrays = echo.logprob_arrays(offsets, tokens_as_ids=tokens_as_ids)
     for e in entries:
-        arrays["tokens"].append(e.token)
+        shown = as_token_ids(e) if tokens_as_ids else e
+        arrays["tokens"].append(shown.token)
         arrays["token_logprobs"].append(e.logprob)
-        arrays["top_logprobs"].append(completion_top(e))
+        arrays["top_logprobs"].append(completion_top(shown))
         arrays["text_offset"].append(offsets.advance(e.token_id, e.token))
     return arrays
 
@@ -94,11 +96,14 @@ def _logprobs(
     if plan.sampling.logprobs is None or entries is None:
         return None
     if plan.chat_logprobs:
+        if plan.tokens_as_ids:  # vLLM's: the label's own bytes
+            return _chat_logprobs([as_token_ids(e) for e in entries], utf8)
         return _chat_logprobs(entries, token_bytes)
     return _completion_logprobs(
         entries,
         offsets if offsets is not None else TextOffsets(token_bytes),
         echo if echo is not None and echo.logprobs is not None else None,
+        tokens_as_ids=plan.tokens_as_ids,
     )
 
 

@@ -32,6 +32,8 @@ VLLM_EXTRAS: dict[str, str] = {
     "request_id": "the server assigns response ids",
     "guided_decoding_backend": "the server picks the grammar library",
     "guided_whitespace_pattern": "the server picks the grammar library",
+    "echo": "echo is a /v1/completions option (chat: continue_final_message continues the last message)",
+    "best_of": "best_of is a /v1/completions option; sample several choices with 'n'",
 }
 
 

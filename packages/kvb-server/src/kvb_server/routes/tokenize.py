@@ -136,9 +136,7 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
                     f"{name} is not supported by this engine.", param=name
                 ) from None
             raise
-    if req.add_special_tokens:
-        return _call(lambda: encode_text(engine, req.prompt))
-    return _call(lambda: list(engine.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]))
+    return _call(lambda: encode_text(engine, req.prompt, add_special_tokens=req.add_special_tokens))
 
 
 def _vocab_size(engine: ServingEngine) -> int | None:

@@ -102,6 +102,9 @@ class SamplingFields(BaseModel):
     #: vLLM's: each prompt token's logprob, its rank and this many most likely alternatives (the first token:
     #: null); -1: every token (within --max-logprobs); not with stream (vLLM's rule). kvb_server.request_plan.
     prompt_logprobs: Annotated[int, Field(ge=-1), WHOLE] | None = None
+    #: vLLM's: each logprobs entry names its token as ``"token_id:<id>"`` instead of its text (a client that
+    #: needs the exact ids, such as an RL trainer; its ``bytes`` are that label's).
+    return_tokens_as_token_ids: bool | None = None
     #: vLLM's: words never generated (each as it starts the text and after a space; kvb_cache.token_bans).
     bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     #: OpenAI's ``logit_bias``: token id (as a string) -> bias in [-100, 100], added to that token's logit.
@@ -123,6 +126,9 @@ class CompletionRequest(SamplingFields):
     )
     #: 0 only with ``echo``: the prompt scored, nothing generated (lm-eval's loglikelihood requests).
     max_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
+    #: vLLM's: a text prompt is encoded with the tokenizer's special tokens (its BOS), as the engine does;
+    #: false encodes the text alone (a prompt that already holds them, e.g. a rendered chat template).
+    add_special_tokens: bool = True
     #: At most the server's ``--max-logprobs`` (20 by default, as vLLM; OpenAI takes 5): kvb_server.request_plan.
     logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
     #: Repeat the prompt before each choice's text; with ``logprobs`` the prompt tokens are scored too
@@ -197,6 +203,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    #: vLLM's (default false): the chat template places the model's special tokens; true (a BOS added on
+    #: top of the template's) is refused by name.
+    add_special_tokens: Annotated[
+        bool | None, only({"anyOf": [{"const": False}, NULL]}, "add_special_tokens=true on chat")
+    ] = None
     #: vLLM's: False leaves the thinking ``--reasoning-parser`` splits out of the reply (``reasoning``) out of
     #: the response; ``content`` is the answer either way.
     include_reasoning: bool = True
