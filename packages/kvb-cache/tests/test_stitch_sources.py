@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from kvb_cache.chunking import Chunker
-from kvb_cache.core.deferred import Deferred
+from kvb_cache.core.deferred import Deferred, PlanRoom
 from kvb_cache.hashing import content_hash, prefix_hash, root_hash
 from kvb_cache.lookup import common_prefix_len
 from kvb_cache.stitch_sources import stitch_sources
@@ -101,14 +101,37 @@ def test_sources_match_the_definition_on_random_rag_prompts():
     assert named > checked // 4  # the comparison covered prompts that do wait
 
 
+def room() -> PlanRoom:
+    return PlanRoom(tokens=10**9, count=10**9, planned=0)
+
+
 def test_held_request_is_released_once_every_source_is_done():
     a, b = SimpleNamespace(done=False), SimpleNamespace(done=False)
-    held = SimpleNamespace(request_id="h", status=None)
+    held = SimpleNamespace(request_id="h", status=None, prompt_len=8)
     deferred = Deferred()
     deferred.add(held, (a, b))
     pending = lambda s: not s.done  # noqa: E731
-    assert deferred.release(pending) == [] and "h" in deferred
+    assert deferred.release(pending, room()) == [] and "h" in deferred
     a.done = True
-    assert deferred.release(pending) == []
+    assert deferred.release(pending, room()) == []
     b.done = True
-    assert deferred.release(pending) == [held] and "h" not in deferred
+    assert deferred.release(pending, room()) == [held] and "h" not in deferred
+
+
+def test_release_plans_what_fits_oldest_first_and_passes_none_over():
+    """Held requests ready to be planned are released while the room lasts; the first that does not fit
+    stops the release (a smaller one behind it waits too), and the first of all always fits."""
+    big, small, later = (
+        SimpleNamespace(request_id=n, status=None, prompt_len=p) for n, p in (("b", 90), ("s", 5), ("l", 5))
+    )
+    deferred = Deferred()
+    for req in (big, small, later):
+        deferred.hold_for_room(req)
+    assert deferred.awaiting_room == 3
+    never = lambda s: False  # noqa: E731
+    assert deferred.release(never, PlanRoom(tokens=50, count=4, planned=1)) == []
+    assert deferred.awaiting_room == 3  # the big one does not fit: the small ones wait behind it
+    assert deferred.release(never, PlanRoom(tokens=50, count=4, planned=0)) == [big]  # nothing planned: in
+    assert deferred.release(never, PlanRoom(tokens=50, count=1, planned=1)) == [small]  # one more prompt
+    assert deferred.awaiting_room == 1 and "l" in deferred
+    assert deferred.release(never, room()) == [later] and deferred.awaiting_room == 0

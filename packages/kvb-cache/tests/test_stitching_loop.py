@@ -413,3 +413,39 @@ def test_a_held_prompt_waits_on_its_source_request_not_on_its_id(llama, tokenize
             break
         finished += [o.request_id for o in engine.step() if o.finished]
     assert not engine.has_unfinished() and sorted(finished) == ["a", "b"]
+
+
+def test_a_burst_of_stitched_prompts_is_planned_a_bounded_number_at_a_time(llama, tokenizer):
+    """Planning assembles a prompt's whole KV beside the pool until it is admitted. A burst was planned as it
+    arrived (60 prompts of 1,600 tokens held 1.5 GB on a small model); now at most ``max_num_seqs`` prompts
+    (and half the pool's tokens) are planned and not admitted at once, the rest held and planned oldest
+    first, each still stitched, and an abort of a held one leaves nothing behind."""
+    docs = [words(40, seed=300 + i) for i in range(3)]
+    engine = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(chunk_size=CHUNK, max_num_seqs=2, stitching=StitchConfig(idle_copies=1)),
+    )
+    engine.generate(" ".join(docs), max_new_tokens=1)
+    # Each prompt: its own 16-token opening (one chunk), then the documents as they were computed.
+    prompts = [words(16, seed=400 + i) + " " + " ".join(docs) for i in range(8)]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True)) for p in prompts]
+    assert engine.core.deferred.awaiting_room == 6
+    engine.abort(ids[5])
+    planned_order, results = [], {}
+    while engine.has_unfinished():
+        core = engine.core
+        planned = [
+            *core.preparing.requests(),
+            *(r for r in core.scheduler.waiting if r.prepared_kv is not None),
+        ]
+        assert len(planned) <= 2
+        planned_order += [r.request_id for r in planned if r.request_id not in planned_order]
+        for out in engine.step():
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert sorted(results) == sorted(i for i in ids if i != ids[5])
+    assert [i for i in planned_order if i in ids] == [i for i in ids if i != ids[5] and i in planned_order]
+    for rid in results:
+        assert any(c.kind == HitKind.STITCHED for c in results[rid].chunks), rid
+    assert engine.paged_stats().blocks_used == 0 and not engine.core.deferred

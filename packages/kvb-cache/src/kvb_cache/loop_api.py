@@ -166,6 +166,8 @@ class LoopAPI:
         )
         if sources:
             self.core.defer(req, sources)
+        elif self.core.deferred.awaiting_room or not self.core.plan_room().take(req):
+            self.core.deferred.hold_for_room(req)  # planned by a step once room frees (core/deferred.py)
         else:
             self._queue_stitched(req)
         return rid

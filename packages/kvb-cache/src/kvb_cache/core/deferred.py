@@ -7,6 +7,12 @@ has computed its prompt (or finished, or was aborted), and then stitches their c
 
 A stitched prompt whose exact prefix continues in a disk/Redis tier is also held here while those records
 are read off the loop thread (``load``, :mod:`kvb_cache.core.tier_loads`): planning reads that prefix.
+
+Planning assembles a prompt's whole KV outside the pool (the exact prefix and the re-positioned pieces, on
+the model's device) until its repair is done and it is admitted, so how many prompts are planned at once is
+bounded (:class:`PlanRoom`): a prompt beyond the bound is held here too, and released oldest first as room
+frees. Before, a burst of stitched prompts was planned as it arrived: 60 prompts of 1,600 tokens on a small
+model held 1.5 GB (25 MB each) beside the pool, a server's queue of 256 on a 7B model tens of GB, on the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +35,27 @@ class _Held:
     load: TierLoad | None = None
 
 
+@dataclass(slots=True)
+class PlanRoom:
+    """How many more stitched prompts may be planned now: prompts planned and not admitted yet (preparing, or
+    waiting with their prepared KV) hold at most ``tokens`` more prompt tokens and ``count`` more prompts. The
+    first is always let in (a prompt longer than the bound is still served, alone)."""
+
+    tokens: int
+    count: int
+    #: Prompts planned and not admitted yet.
+    planned: int
+
+    def take(self, req: Request) -> bool:
+        """Whether ``req`` may be planned now; if so its room is taken."""
+        if self.planned and (req.prompt_len > self.tokens or self.count <= 0):
+            return False
+        self.tokens -= req.prompt_len
+        self.count -= 1
+        self.planned += 1
+        return True
+
+
 class Deferred:
     """The held requests, oldest first, each with the requests whose prompts it waits for.
 
@@ -39,6 +66,9 @@ class Deferred:
 
     def __init__(self) -> None:
         self._held: dict[RequestId, _Held] = {}
+        #: Held requests ready but for room (:class:`PlanRoom`), as of the last release and the adds since:
+        #: while any is, a new stitched prompt is held behind them (planned in arrival order, none starved).
+        self.awaiting_room = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -56,18 +86,28 @@ class Deferred:
         """The tier lookups still in flight for held requests."""
         return in_flight(h.load for h in self._held.values())
 
-    def release(self, pending: Callable[[Request], bool]) -> list[Request]:
+    def hold_for_room(self, req: Request) -> None:
+        """Hold ``req``, ready to be planned, until :meth:`release` finds room for it."""
+        self.add(req, ())
+        self.awaiting_room += 1
+
+    def release(self, pending: Callable[[Request], bool], room: PlanRoom) -> list[Request]:
         """The held requests none of whose sources is ``pending`` any more and whose tier load (if any) is
-        done, oldest first (removed here).
+        done, oldest first, as many as ``room`` lets be planned (removed here); the first ready one that does
+        not fit stops the release (none is passed over).
 
         A source that stopped pending never pends again (its prompt is computed or it ended), so each held
         request keeps a cursor past its done sources: a step costs O(held), not O(held x sources).
         """
         ready = []
+        self.awaiting_room = 0
         for held in self._held.values():
             while held.done < len(held.sources) and not pending(held.sources[held.done]):
                 held.done += 1
             if held.done == len(held.sources) and (held.load is None or held.load.done):
+                if self.awaiting_room or not room.take(held.req):
+                    self.awaiting_room += 1
+                    continue
                 ready.append(held.req)
         for req in ready:
             del self._held[req.request_id]

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from kvb_cache.core.deferred import Deferred
+from kvb_cache.core.deferred import Deferred, PlanRoom
 from kvb_cache.core.idle import IdleKey, IdleSlot
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
@@ -117,6 +117,21 @@ class EngineCore:
         (its prefix's tier records) is read; then ``plan_deferred`` plans and queues it (a stitched prompt
         that reuses their documents)."""
         self.deferred.add(req, sources, load)
+
+    def plan_room(self) -> PlanRoom:
+        """Room to plan stitched prompts now: those planned and not admitted (preparing, or waiting with their
+        prepared KV) hold at most half the pool's tokens and ``max_num_seqs`` prompts, the bounds tier lookups
+        have (:mod:`kvb_cache.core.deferred`)."""
+        planned = [
+            *self.preparing.requests(),
+            *(r for r in self.scheduler.waiting if r.prepared_kv is not None),
+        ]
+        pool = self.kv.pool
+        return PlanRoom(
+            tokens=pool.num_blocks * pool.block_size // 2 - sum(r.prompt_len for r in planned),
+            count=self.scheduler.max_num_seqs - len(planned),
+            planned=len(planned),
+        )
 
     def pending_prompts(self) -> list[Request]:
         """Loop requests whose prompts are not computed yet (no token sampled), oldest first."""
@@ -256,7 +271,7 @@ class EngineCore:
     def _step(self, outputs: list[RequestOutput]) -> None:
         """The step itself; appends its outputs to ``outputs`` as they are produced (kept if it raises)."""
         if self.deferred and self.plan_deferred is not None:
-            self._plan_released(self.deferred.release(self._prompt_pending), outputs)
+            self._plan_released(self.deferred.release(self._prompt_pending, self.plan_room()), outputs)
         for req in self.preparing.advance():
             self.scheduler.add(req)
         self.idle.schedule(self.scheduler, busy=self.has_unfinished())
