@@ -310,3 +310,29 @@ def dense_prefix(model, ids: list[int]):
     with torch.no_grad():
         model(torch.tensor([ids]), use_cache=True, **cache_kwargs(model, cache))
     return cache
+
+
+def test_solo_requests_run_at_most_max_num_seqs_at_once(llama, tokenizer):
+    """Live-quantized (and solo speculative) requests each hold their own cache and run their own forwards:
+    a burst of them all ran at once, one forward each per step. Now at most ``max_num_seqs`` run, the rest
+    start oldest first as one ends; each equals its run alone, and a waiting one aborts cleanly."""
+    from kvb_cache import SamplingParams
+
+    prompts = [tokenizer(words(20, seed=500 + i))["input_ids"] for i in range(5)]
+    alone = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    want = [alone.generate(p, max_new_tokens=4, ignore_eos=True, kv_cache_bits=8).output_ids for p in prompts]
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=2))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    ids = [engine.add_request(p, params, kv_cache_bits=8) for p in prompts]
+    assert len(engine.core.solo) == 2 and list(engine.core.solo_waiting) == ids[2:]
+    assert engine.abort(ids[3]) and not engine.core.knows(ids[3])
+    got, started = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None
+            if out.result is not None:
+                got[out.request_id] = out.result.output_ids
+        assert len(engine.core.solo) <= 2
+        started += [r for r in engine.core.solo if r not in started]
+    assert started == [i for i in ids if i != ids[3]]
+    assert got == {rid: want[i] for i, rid in enumerate(ids) if i != 3}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,7 @@ from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
-from kvb_cache.results import GenerationResult
+from kvb_cache.results import GenerationResult, StreamEvent
 from kvb_cache.sampling import SamplingParams, check_token_ids
 from kvb_cache.serialized import serialized
 from kvb_cache.stitch_sources import stitch_sources
@@ -143,14 +144,18 @@ class LoopAPI:
             # same either way. A seeded sampled request keeps its path so its sample does not depend on load.
             speculative = False
         if speculative or bits is not None:
-            prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
-            # Its prefix lookup is a prefix-cache query like any admission's (the counters skipped solo
-            # requests); stitched tokens are not prefix hits (they count in the stitching counters).
-            exact = prepared.cached_tokens if prepared.exact_until is None else prepared.exact_until
-            self.kv.count_lookup(len(ids) - 1, exact)
-            prepared.prefill_chunk_size = prefill_chunk_size
-            self._apply_kv_bits(prepared, bits)
-            self.core.add_solo(rid, generation.run(self, prepared, params, t0))
+
+            def start() -> Iterator[StreamEvent]:
+                prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
+                # Its prefix lookup is a prefix-cache query like any admission's (the counters skipped solo
+                # requests); stitched tokens are not prefix hits (they count in the stitching counters).
+                exact = prepared.cached_tokens if prepared.exact_until is None else prepared.exact_until
+                self.kv.count_lookup(len(ids) - 1, exact)
+                prepared.prefill_chunk_size = prefill_chunk_size
+                self._apply_kv_bits(prepared, bits)
+                return generation.run(self, prepared, params, t0)
+
+            self.core.add_solo(rid, start)
             return rid
         req.priority = priority
         if constrained:

@@ -54,6 +54,8 @@ from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 logger = logging.getLogger(__name__)
 
 ResultHook = Callable[[Request], GenerationResult]
+#: Prepares a solo request and gives its events (run when it may start).
+SoloStart = Callable[[], Iterator[StreamEvent]]
 #: Called with a finished request while it still holds its blocks.
 FinishHook = Callable[[Request], None]
 #: Builds the internal loop request that computes an idle prompt.
@@ -89,6 +91,10 @@ class EngineCore:
         self.plan_deferred = plan_deferred
         self.deferred = Deferred()
         self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
+        #: Solo requests waiting for a place among the ``max_num_seqs`` that run at once, oldest first: each
+        #: holds its own cache and runs its own forwards, so before this bound a burst of them (seeded sampled
+        #: requests beside a drafter, live-quantized ones) all ran at once, every step one forward each.
+        self.solo_waiting: dict[RequestId, SoloStart] = {}
         #: Verifies speculating requests' drafts inside the batched step (None: none speculates there).
         self.drafter: StepDrafter | None = None
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
@@ -148,13 +154,31 @@ class EngineCore:
         ended (finished or aborted: ``FINISHED``) nor past its first token."""
         return source.status is not RequestStatus.FINISHED and not source.num_output
 
-    def add_solo(self, request_id: RequestId, events: Iterator[StreamEvent]) -> None:
-        self.solo[request_id] = events
+    def add_solo(self, request_id: RequestId, start: SoloStart) -> None:
+        """Run a solo request: ``start()`` prepares it (its cached prefix copied into its own cache) and gives
+        its events. Started now while fewer than ``max_num_seqs`` solo requests run and none waits (its
+        errors raise here), else by a later step as one ends (its errors are then its output)."""
+        if len(self.solo) < self.scheduler.max_num_seqs and not self.solo_waiting:
+            self.solo[request_id] = start()
+        else:
+            self.solo_waiting[request_id] = start
+
+    def _start_solos(self, outputs: list[RequestOutput]) -> None:
+        """Start waiting solo requests, oldest first, while fewer than ``max_num_seqs`` run."""
+        while self.solo_waiting and len(self.solo) < self.scheduler.max_num_seqs:
+            request_id = next(iter(self.solo_waiting))
+            start = self.solo_waiting.pop(request_id)
+            try:
+                self.solo[request_id] = start()
+            except Exception as exc:
+                logger.error("solo request %s failed to start: %r", request_id, exc, exc_info=exc)
+                outputs.append(RequestOutput(request_id=request_id, delta_text="", error=exc))
 
     def knows(self, request_id: RequestId) -> bool:
         """Whether ``request_id`` is in use by an unfinished request."""
         return (
             request_id in self.solo
+            or request_id in self.solo_waiting
             or request_id in self.preparing
             or request_id in self.deferred
             or self.scheduler.find(request_id) is not None
@@ -165,6 +189,7 @@ class EngineCore:
         return (
             (bool(self._carried) and not self._stepping)  # a step returns them
             or bool(self.solo)
+            or bool(self.solo_waiting)
             or bool(self.preparing)
             or bool(self.deferred)
             or len(self.scheduler.waiting) + len(self.scheduler.running) > (self.idle.current is not None)
@@ -195,6 +220,8 @@ class EngineCore:
         self._carried = [o for o in self._carried if o.request_id != request_id]
         if self.preparing.abort(request_id) or self.deferred.abort(request_id):
             return True
+        if self.solo_waiting.pop(request_id, None) is not None:
+            return True  # not started: nothing was prepared
         events = self.solo.pop(request_id, None)
         if events is not None:
             close = getattr(events, "close", None)
@@ -340,6 +367,7 @@ class EngineCore:
                     outputs.append(output)
         for req in drafting:
             req.draft.clear()  # a draft is for one step (verified, or not scheduled)
+        self._start_solos(outputs)
         for request_id in list(self.solo):
             outputs.extend(self._advance_solo(request_id))
         self.steps += 1
