@@ -78,6 +78,15 @@ def test_rows_of_a_padded_batch_are_refused_naming_the_fix(engine, tokenizer):
             == engine.generate(texts[1], max_new_tokens=4).output_ids
         )
         assert engine.generate(batch["input_ids"][1].tolist(), max_new_tokens=2).prompt_tokens == 12
+    # A pad token the generation config names as an end-of-sequence id (Qwen2.5's <|endoftext|>) may be
+    # content: transformers' generate does not mask it either.
+    ends_in_pad = torch.tensor([*tokenizer(texts[1])["input_ids"], tokenizer.pad_token_id])
+    config_eos = engine.model.generation_config.eos_token_id
+    engine.model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    try:
+        assert engine.generate(ends_in_pad, max_new_tokens=2).prompt_tokens == 5
+    finally:
+        engine.model.generation_config.eos_token_id = config_eos
     eos_padded = torch.tensor([tokenizer.eos_token_id, *tokenizer(texts[1])["input_ids"]])
     pad = tokenizer.pad_token
     tokenizer.pad_token = tokenizer.eos_token

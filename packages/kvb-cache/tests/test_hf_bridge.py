@@ -114,6 +114,7 @@ def test_lookup_accepts_tensors_and_counts_prefix_cache_queries(warm):
     np = pytest.importorskip("numpy")
     assert warm.lookup_cache(np.array(PROMPT)).cached_tokens == len(PROMPT) - 1
     assert warm.lookup_cache([np.int64(t) for t in PROMPT]).cached_tokens == len(PROMPT) - 1
+    assert warm.lookup_cache(range(len(PROMPT))).cached_tokens >= 0  # any sequence of ints, as before
     assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * (len(PROMPT) - 1)
 
 

@@ -325,6 +325,8 @@ def test_solo_requests_run_at_most_max_num_seqs_at_once(llama, tokenizer):
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     ids = [engine.add_request(p, params, kv_cache_bits=8) for p in prompts]
     assert len(engine.core.solo) == 2 and list(engine.core.solo_waiting) == ids[2:]
+    stats = engine.paged_stats()  # the waiting ones are waiting requests (a server's queue bound reads it)
+    assert (stats.running, stats.waiting) == (2, 3)
     assert engine.abort(ids[3]) and not engine.core.knows(ids[3])
     got, started = {}, []
     while engine.has_unfinished():
@@ -336,3 +338,37 @@ def test_solo_requests_run_at_most_max_num_seqs_at_once(llama, tokenizer):
         started += [r for r in engine.core.solo if r not in started]
     assert started == [i for i in ids if i != ids[3]]
     assert got == {rid: want[i] for i, rid in enumerate(ids) if i != 3}
+
+
+def test_an_interrupt_while_a_waiting_solo_request_starts_keeps_it(llama, tokenizer, monkeypatch):
+    """A KeyboardInterrupt while a step started a waiting solo request (preparing its cache) lost it: no
+    output, no error, its stream never ended. It waits again, first, and the next step starts it."""
+    from kvb_cache import SamplingParams
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=1))
+    prompts = [tokenizer(words(12, seed=600 + i))["input_ids"] for i in range(2)]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first, second = (engine.add_request(p, params, kv_cache_bits=8) for p in prompts)
+    prepare = engine._prepare
+    calls = {"n": 0}
+
+    def interrupted_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_prepare", interrupted_once)
+    results, interrupted = {}, 0
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            assert engine.core.knows(second) and list(engine.core.solo_waiting) == [second]
+            continue
+        for out in outputs:
+            assert out.error is None
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert interrupted == 1 and sorted(results) == sorted([first, second])

@@ -431,7 +431,10 @@ def test_a_burst_of_stitched_prompts_is_planned_a_bounded_number_at_a_time(llama
     prompts = [words(16, seed=400 + i) + " " + " ".join(docs) for i in range(8)]
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True)) for p in prompts]
     assert engine.core.deferred.awaiting_room == 6
+    stats = engine.paged_stats()  # held for room: waiting requests (a server's queue bound reads it)
+    assert stats.running <= 2 and stats.waiting == 6 + sum(1 for _ in engine.core.scheduler.waiting)
     engine.abort(ids[5])
+    assert engine.core.deferred.awaiting_room == 5
     planned_order, results = [], {}
     while engine.has_unfinished():
         core = engine.core
@@ -449,3 +452,30 @@ def test_a_burst_of_stitched_prompts_is_planned_a_bounded_number_at_a_time(llama
     for rid in results:
         assert any(c.kind == HitKind.STITCHED for c in results[rid].chunks), rid
     assert engine.paged_stats().blocks_used == 0 and not engine.core.deferred
+
+
+def test_held_stitched_prompts_are_planned_by_priority_under_the_priority_policy(llama, tokenizer):
+    """Prompts held for planning room were planned in arrival order, so an urgent one added behind a burst
+    finished last (a review); under ``scheduling_policy="priority"`` they are planned in (priority, arrival)
+    order."""
+    docs = [words(40, seed=300 + i) for i in range(3)]
+    engine = KVBoost(
+        llama,
+        tokenizer,
+        config=EngineConfig(
+            chunk_size=CHUNK,
+            max_num_seqs=1,
+            scheduling_policy="priority",
+            stitching=StitchConfig(idle_copies=1),
+        ),
+    )
+    engine.generate(" ".join(docs), max_new_tokens=1)
+    prompts = [words(16, seed=700 + i) + " " + " ".join(docs) for i in range(5)]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts[:4]]
+    urgent = engine.add_request(prompts[4], params, priority=-10)
+    assert urgent in engine.core.deferred
+    done = []
+    while engine.has_unfinished():
+        done += [o.request_id for o in engine.step() if o.result is not None]
+    assert done.index(urgent) <= 1 and sorted(done) == sorted([*ids, urgent])

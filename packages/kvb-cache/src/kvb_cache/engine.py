@@ -418,7 +418,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         return None if salt is None else salted_root(self.root, salt)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize_prompt(self.tokenizer, self.model, prompt)
+        return tokenize_prompt(self.tokenizer, self.model, prompt, eos_ids=self.eos_token_ids)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         check_context(

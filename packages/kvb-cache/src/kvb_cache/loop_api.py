@@ -277,7 +277,7 @@ class LoopAPI:
             blocks_cached=pool.num_cached,
             blocks_free=pool.num_free - pool.num_cached,
             running=self.core.running,
-            waiting=sum(not r.internal for r in sched.waiting),
+            waiting=self.core.waiting,
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,
             preemptions=sched.preemptions,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -10,7 +11,13 @@ from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptType
 from kvb_cache.prepared import Prompt
 
 
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, prompt: Prompt) -> list[int]:
+def tokenize_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    prompt: Prompt,
+    *,
+    eos_ids: Collection[int] = (),
+) -> list[int]:
     """Token ids of ``prompt`` (a string, or ids checked against the model's vocabulary).
 
     Ids may be a list or tuple of ints, or a 1-D / ``[1, S]`` integer tensor or array (what
@@ -35,20 +42,27 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, 
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
         if hasattr(prompt, "ndim"):  # a tensor or array: what tokenizer(..., padding=True) returns
-            _refuse_padding(tokenizer, ids)
+            _refuse_padding(tokenizer, ids, eos_ids)
     if not ids:
         raise InvalidRequestError("prompt tokenized to nothing; pass some text", param="prompt")
     return ids
 
 
-def _refuse_padding(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> None:
+def _refuse_padding(tokenizer: PreTrainedTokenizerBase, ids: list[int], eos_ids: Collection[int]) -> None:
     """Refuse a tensor prompt that starts or ends with the tokenizer's padding token: a row of a padded batch
     (``tokenizer(texts, padding=True, return_tensors="pt")``). ``model.generate`` masks such tokens (its rule:
     the pad id is in the input and is not an end-of-sequence id); fed as content, they changed the answer with
-    no error. Not refused when the pad id is also the BOS or an EOS id (then it may be content)."""
+    no error. Not refused when the pad id is also the BOS or an end-of-sequence id, the tokenizer's or one of
+    ``eos_ids`` (the engine's: the generation config's too, as Qwen2.5's ``<|endoftext|>``): then it may be
+    content."""
     pad = tokenizer.pad_token_id
     eos = tokenizer.eos_token_id
-    if pad is None or pad == tokenizer.bos_token_id or pad in (eos if isinstance(eos, list) else [eos]):
+    if (
+        pad is None
+        or pad == tokenizer.bos_token_id
+        or pad in (eos if isinstance(eos, list) else [eos])
+        or pad in eos_ids
+    ):
         return
     lead = next((i for i, t in enumerate(ids) if t != pad), len(ids))
     trail = next((i for i, t in enumerate(reversed(ids)) if t != pad), len(ids))
@@ -77,7 +91,7 @@ def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
             )
         prompt = prompt.tolist()
     text = "a str or " if param == "prompt" else ""
-    if not isinstance(prompt, (list, tuple)):
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
         raise PromptTypeError(
             f"{param} must be {text}token ids (a list, or a 1-D / [1, S] tensor or array), "
             f"got {type(prompt).__name__}",

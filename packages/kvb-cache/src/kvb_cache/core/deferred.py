@@ -33,6 +33,8 @@ class _Held:
     done: int = 0
     #: Tier records being read for the request's planning (None: none); it is held until they are read.
     load: TierLoad | None = None
+    #: Ready to be planned but for room (:class:`PlanRoom`): a waiting request, not a running one.
+    for_room: bool = False
 
 
 @dataclass(slots=True)
@@ -66,8 +68,8 @@ class Deferred:
 
     def __init__(self) -> None:
         self._held: dict[RequestId, _Held] = {}
-        #: Held requests ready but for room (:class:`PlanRoom`), as of the last release and the adds since:
-        #: while any is, a new stitched prompt is held behind them (planned in arrival order, none starved).
+        #: Held requests ready but for room (:class:`PlanRoom`): while any is, a new stitched prompt is held
+        #: with them (planned in queue order, none starved). They are waiting requests, not running ones.
         self.awaiting_room = 0
 
     def __len__(self) -> int:
@@ -88,35 +90,53 @@ class Deferred:
 
     def hold_for_room(self, req: Request) -> None:
         """Hold ``req``, ready to be planned, until :meth:`release` finds room for it."""
-        self.add(req, ())
+        self._held[req.request_id] = _Held(req, (), for_room=True)
         self.awaiting_room += 1
 
-    def release(self, pending: Callable[[Request], bool], room: PlanRoom) -> list[Request]:
+    def release(
+        self, pending: Callable[[Request], bool], room: PlanRoom, *, by_rank: bool = False
+    ) -> list[Request]:
         """The held requests none of whose sources is ``pending`` any more and whose tier load (if any) is
-        done, oldest first, as many as ``room`` lets be planned (removed here); the first ready one that does
-        not fit stops the release (none is passed over).
+        done, as many as ``room`` lets be planned (removed here): oldest first, or with ``by_rank`` (the
+        priority policy) in ``(priority, arrival)`` order; the first ready one that does not fit stops the
+        release (none is passed over).
 
         A source that stopped pending never pends again (its prompt is computed or it ended), so each held
         request keeps a cursor past its done sources: a step costs O(held), not O(held x sources).
         """
-        ready = []
-        self.awaiting_room = 0
+        candidates = []
         for held in self._held.values():
             while held.done < len(held.sources) and not pending(held.sources[held.done]):
                 held.done += 1
             if held.done == len(held.sources) and (held.load is None or held.load.done):
-                if self.awaiting_room or not room.take(held.req):
-                    self.awaiting_room += 1
-                    continue
-                ready.append(held.req)
-        for req in ready:
-            del self._held[req.request_id]
+                candidates.append(held)
+        if by_rank:
+            candidates.sort(key=lambda held: held.req.rank)
+        ready = []
+        for i, held in enumerate(candidates):
+            if not room.take(held.req):
+                for rest in candidates[i:]:
+                    self._mark_for_room(rest)
+                break
+            ready.append(held.req)
+            self._forget(held)
         return ready
 
+    def _mark_for_room(self, held: _Held) -> None:
+        if not held.for_room:
+            held.for_room = True
+            self.awaiting_room += 1
+
+    def _forget(self, held: _Held) -> None:
+        del self._held[held.req.request_id]
+        if held.for_room:
+            self.awaiting_room -= 1
+
     def abort(self, request_id: RequestId) -> bool:
-        entry = self._held.pop(request_id, None)
+        entry = self._held.get(request_id)
         if entry is None:
             return False
+        self._forget(entry)
         drop_load(entry.req)
         entry.req.status = RequestStatus.FINISHED
         return True

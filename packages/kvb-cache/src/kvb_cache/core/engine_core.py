@@ -173,6 +173,9 @@ class EngineCore:
             except Exception as exc:
                 logger.error("solo request %s failed to start: %r", request_id, exc, exc_info=exc)
                 outputs.append(RequestOutput(request_id=request_id, delta_text="", error=exc))
+            except BaseException:  # an interrupt: it waits again, first, for the next step to start it
+                self.solo_waiting = {request_id: start, **self.solo_waiting}
+                raise
 
     def knows(self, request_id: RequestId) -> bool:
         """Whether ``request_id`` is in use by an unfinished request."""
@@ -298,7 +301,10 @@ class EngineCore:
     def _step(self, outputs: list[RequestOutput]) -> None:
         """The step itself; appends its outputs to ``outputs`` as they are produced (kept if it raises)."""
         if self.deferred and self.plan_deferred is not None:
-            self._plan_released(self.deferred.release(self._prompt_pending, self.plan_room()), outputs)
+            released = self.deferred.release(
+                self._prompt_pending, self.plan_room(), by_rank=self.scheduler.priority
+            )
+            self._plan_released(released, outputs)
         for req in self.preparing.advance():
             self.scheduler.add(req)
         self.idle.schedule(self.scheduler, busy=self.has_unfinished())
@@ -536,4 +542,12 @@ class EngineCore:
     @property
     def running(self) -> int:
         running = sum(not r.internal for r in self.scheduler.running)
-        return running + len(self.solo) + len(self.preparing) + len(self.deferred)
+        held = len(self.deferred) - self.deferred.awaiting_room  # held for room: waiting, not running
+        return running + len(self.solo) + len(self.preparing) + held
+
+    @property
+    def waiting(self) -> int:
+        """The callers' requests not running yet: queued for admission, stitched prompts held for planning
+        room, solo requests waiting for a place."""
+        queued = sum(not r.internal for r in self.scheduler.waiting)
+        return queued + self.deferred.awaiting_room + len(self.solo_waiting)

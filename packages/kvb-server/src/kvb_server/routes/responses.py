@@ -99,13 +99,11 @@ def responses_router(
     store = store if store is not None else ResponseStore()
     authenticated = Depends(keys)
 
-    def default_model(req: ResponsesRequest, caller: Caller) -> str:
+    def default_model(previous_response_id: str | None, caller: Caller) -> str:
         """The model a request that leaves ``model`` out is served by (and echoes): a follow-up's, its
         previous response's served name; otherwise the first served model, as on the chat route."""
         previous = (
-            store.get(caller.key_salt, req.previous_response_id)
-            if req.previous_response_id is not None
-            else None
+            store.get(caller.key_salt, previous_response_id) if previous_response_id is not None else None
         )
         name = previous.response.get("model") if previous is not None else None
         return name if name in config.model_names else config.model_names[0]
@@ -192,7 +190,7 @@ def responses_router(
         """OpenAI's Responses API over the chat machinery (``stream: true`` for its Server-Sent Events)."""
         req = await parse_request(request, ResponsesRequest, config)
         if req.model is None:
-            req = req.model_copy(update={"model": default_model(req, caller)})
+            req = req.model_copy(update={"model": default_model(req.previous_response_id, caller)})
         try:
             t, items = translate(req, caller)
             plan = await off_loop(
@@ -239,7 +237,7 @@ def responses_router(
                 param="truncation",
             )
         try:
-            t, _ = translate(body.as_request(config.model_names[0]), caller)
+            t, _ = translate(body.as_request(default_model(body.previous_response_id, caller)), caller)
             tokens = await off_loop(request, chat_prompt_tokens, t.request, engine, config)
         except ServerError as exc:
             raise responses_error(exc) from None
