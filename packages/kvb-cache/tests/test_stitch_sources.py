@@ -135,3 +135,14 @@ def test_release_plans_what_fits_oldest_first_and_passes_none_over():
     assert deferred.release(never, PlanRoom(tokens=50, count=1, planned=1)) == [small]  # one more prompt
     assert deferred.awaiting_room == 1 and "l" in deferred
     assert deferred.release(never, room()) == [later] and deferred.awaiting_room == 0
+
+
+def test_a_held_request_whose_prefix_was_read_holds_its_room_already():
+    """A stitched prompt held while its prefix's tier records are read is counted as planned (its records are
+    in memory): once read it is released whatever the room, or it waited for room it held itself (a
+    deadlock, found writing the burst test)."""
+    loaded = SimpleNamespace(request_id="r", status=None, prompt_len=8, tier_load=None)
+    deferred = Deferred()
+    deferred.add(loaded, (), SimpleNamespace(done=True))
+    assert deferred.release(lambda s: False, PlanRoom(tokens=0, count=0, planned=2)) == [loaded]
+    assert deferred.awaiting_room == 0

@@ -555,3 +555,46 @@ def test_loading_counts_the_callers_requests_only(llama, tokenizer, tmp_path):
         assert not eng.has_unfinished() and stats.waiting == 0 and stats.loading == 0
     finally:
         gate.set()
+
+
+def test_a_burst_of_stitched_prompts_reads_a_bounded_number_of_prefixes_at_once(llama, tokenizer, tmp_path):
+    """Each stitched prompt whose prefix continues on the disk started its lookup when added: a burst read
+    (and held in memory) every prefix at once. Lookups are now part of the planning bound: at most
+    ``max_num_seqs`` prompts planned or reading; the rest are held, and every one is served in the end."""
+    from conftest import words
+
+    from kvb_cache import StitchConfig
+
+    docs = [tokenizer(words(40, seed=s))["input_ids"] for s in (1, 2, 3)]
+    system = tokenizer(words(32, seed=9))["input_ids"]
+
+    def make() -> KVBoost:
+        tiers = TierConfig(disk_cache_dir=tmp_path)
+        return KVBoost(
+            llama,
+            tokenizer,
+            config=EngineConfig(
+                chunk_size=16, max_num_seqs=2, stitching=StitchConfig(idle_copies=1), tiers=tiers
+            ),
+        )
+
+    first = make()
+    first.generate(system + docs[0] + docs[1] + docs[2], max_new_tokens=1)
+    first.close()
+    eng = make()
+    eng.generate(tokenizer(words(16, seed=10))["input_ids"] + docs[2] + docs[0] + docs[1], max_new_tokens=1)
+    gated = GatedTier(eng.tiers.lower[0].tier, prefix_hash(eng.root, system[:16]))
+    asked = [
+        system + docs[0] + docs[2] + docs[1] + tokenizer(words(4, seed=20 + i))["input_ids"] for i in range(6)
+    ]
+    started = eng.paged_stats().tier_loads
+    ids = [eng.add_request(p, GREEDY) for p in asked]
+    assert gated.entered.wait(10)
+    assert eng.paged_stats().tier_loads - started <= 2
+    assert eng.core.deferred.awaiting_room >= 4 and eng.paged_stats().waiting >= 4
+    gated.gate.set()
+    results = _drain(eng, {})
+    assert sorted(results) == sorted(ids)
+    assert all(any(c.kind == "stitched" for c in results[i].chunks) for i in ids)
+    assert eng.paged_stats().blocks_used == 0
+    eng.close()

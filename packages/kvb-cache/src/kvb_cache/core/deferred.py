@@ -84,6 +84,10 @@ class Deferred:
     def add(self, req: Request, sources: tuple[Request, ...], load: TierLoad | None = None) -> None:
         self._held[req.request_id] = _Held(req, sources, load=load)
 
+    def with_loads(self) -> list[Request]:
+        """The held requests whose tier lookup has started (their prefix's records read or being read)."""
+        return [h.req for h in self._held.values() if h.load is not None]
+
     def loading(self) -> list[TierLoad]:
         """The tier lookups still in flight for held requests."""
         return in_flight(h.load for h in self._held.values())
@@ -113,11 +117,13 @@ class Deferred:
         if by_rank:
             candidates.sort(key=lambda held: held.req.rank)
         ready = []
-        for i, held in enumerate(candidates):
-            if not room.take(held.req):
-                for rest in candidates[i:]:
-                    self._mark_for_room(rest)
-                break
+        blocked = False
+        for held in candidates:
+            # One whose prefix was read already holds its room (counted in PlanRoom.planned while it read).
+            if held.load is None and (blocked or not room.take(held.req)):
+                blocked = True  # none planned past the first that does not fit
+                self._mark_for_room(held)
+                continue
             ready.append(held.req)
             self._forget(held)
         return ready

@@ -126,11 +126,13 @@ class EngineCore:
 
     def plan_room(self) -> PlanRoom:
         """Room to plan stitched prompts now: those planned and not admitted (preparing, or waiting with their
-        prepared KV) hold at most half the pool's tokens and ``max_num_seqs`` prompts, the bounds tier lookups
+        prepared KV) or held while their prefix's tier records are read (about to be planned, the records in
+        memory) hold at most half the pool's tokens and ``max_num_seqs`` prompts, the bounds tier lookups
         have (:mod:`kvb_cache.core.deferred`)."""
         planned = [
             *self.preparing.requests(),
             *(r for r in self.scheduler.waiting if r.prepared_kv is not None),
+            *self.deferred.with_loads(),
         ]
         pool = self.kv.pool
         return PlanRoom(
