@@ -150,7 +150,7 @@ class LoopAPI:
                 # Its prefix lookup is a prefix-cache query like any admission's (the counters skipped solo
                 # requests); stitched tokens are not prefix hits (they count in the stitching counters).
                 exact = prepared.cached_tokens if prepared.exact_until is None else prepared.exact_until
-                self.kv.count_lookup(len(ids) - 1, exact)
+                self.kv.count_lookup(len(ids), exact)
                 prepared.prefill_chunk_size = prefill_chunk_size
                 self._apply_kv_bits(prepared, bits)
                 return generation.run(self, prepared, params, t0)

@@ -130,19 +130,21 @@ class KVCacheManager:
         *,
         max_tokens: int,
         count: bool = True,
+        queried: int | None = None,
         loaded: Mapping[ChunkHash, LayerKV] | None = None,
     ) -> PrefixHit:
         """Map the longest cached prefix of ``req.tokens[:max_tokens]`` onto ``req.blocks``.
 
         ``req`` must hold no blocks. Sets ``req.num_computed`` to the reused token count. ``count``: add
-        to the prefix-cache query/hit counters (False for the engine's own lookups and stores).
+        to the prefix-cache query/hit counters (False for the engine's own lookups and stores), ``queried``
+        tokens as queried (default ``max_tokens``; an admission counts its whole prompt, as vLLM does).
         ``loaded``: lower-tier KV already read for this request (:mod:`kvb_cache.core.tier_loads`); past the
         pool's run, only those blocks are promoted (no tier is read here). None reads the tiers now.
         """
         assert not req.blocks and req.num_computed == 0
         bs = self.block_size
         if count:
-            self.queries += max_tokens
+            self.queries += max_tokens if queried is None else queried
         if not self.caching:
             return PrefixHit(tokens=0, full_blocks=0, partial=0, promoted=0)
         hashes = self.hashes(req, max_tokens)
@@ -191,7 +193,7 @@ class KVCacheManager:
         # The whole prompt was looked up, as for any admission (and a solo request): counting only the exact
         # prefix as queried made the stitched server's vLLM-style hit rate ~5x too high (41% for 8.4%).
         # Once, when it is admitted (a retry after a short pool is not a second lookup).
-        self.count_lookup(len(req.tokens) - 1, hit.tokens)
+        self.count_lookup(len(req.tokens), hit.tokens)
         slots = self.slots(req, prepared.length)[start:]
         self.storage.write(
             slots,

@@ -293,7 +293,15 @@ class Scheduler:
                     break  # the pool is short; retry next step
                 hit = adopted
             else:
-                hit = self.kv.admit(req, max_tokens=len(req.tokens) - 1, count=req.counted, loaded=loaded)
+                # Queried: every token, as vLLM counts (its hits stop one short, as ours: the last token is
+                # always computed); counting one fewer put a fully cached prompt's hit rate at 100%.
+                hit = self.kv.admit(
+                    req,
+                    max_tokens=len(req.tokens) - 1,
+                    count=req.counted,
+                    queried=len(req.tokens),
+                    loaded=loaded,
+                )
             n = self._slice(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # nothing fits now; retry next step (running requests free blocks)
