@@ -14,6 +14,7 @@ from test_app_errors import wait_until
 
 from kvb_cache import KVBoost
 from kvb_cache.results import GenerationResult
+from kvb_cache.sampling import SamplingParams
 from kvb_server import ServerConfig, create_app
 from kvb_server.metrics import ServerMetrics
 from kvb_server.worker_stats import WorkerStats
@@ -434,3 +435,46 @@ def test_cache_config_info_says_prefix_caching_is_off_when_it_is() -> None:
     from kvb_server.metrics import cache_config_labels
 
     assert cache_config_labels({"prefix_caching": False, "paged": {}})["enable_prefix_caching"] == "False"
+
+
+def test_an_abandoned_warm_is_no_aborted_request() -> None:
+    """A /v1/warm that timed out (or whose client left) moved vllm:request_success_total{finished_reason=
+    "abort"} although no request stood behind it (metrics audit); /v1/stats still counts it, as a warm."""
+
+    class SlowWarm(FakeEngine):
+        def add_warm_request(self, prompt, *, cache_salt=None, prefill_chunk_size=None):
+            # A warm the fake computes over 100 steps (5 s): it cannot finish within its 0.3 s timeout.
+            return self.add_request(prompt, SamplingParams(max_new_tokens=100), cache_salt=cache_salt)
+
+    fake = SlowWarm(token_delay_s=0.05)
+    with serve(create_app(fake, ServerConfig(model_names=(MODEL,), request_timeout_s=0.3))) as url:
+        m = {"model_name": MODEL}
+        assert httpx.post(url + "/v1/warm", json={"text": "warm " * 20}, timeout=30).status_code == 504
+        stats = lambda: httpx.get(url + "/v1/stats").json()["queue"]  # noqa: E731
+        wait_until(lambda: stats()["aborted"] == 1)
+        assert stats()["warm_aborted"] == 1
+        assert value(scrape(url), "vllm:request_success_total", **m, finished_reason="abort") == 0
+
+
+def test_a_choice_whose_grammar_failed_is_no_success() -> None:
+    """The client gets an error for it (400, or an error event in a stream): it was counted as a "stop"
+    success as well (metrics audit). Its tokens still count: the work was done."""
+    stats = WorkerStats(
+        waiting=0, running=0, in_flight=0, max_queue_size=1, steps=0, step_errors=0, largest_step=0,
+        added=0, finished=0, aborted=0, rejected=0, calls=0, busy_s=0.0,
+    )  # fmt: skip
+    metrics = ServerMetrics(lambda: stats, lambda: None, model_name=MODEL)
+    for grammar_error in (None, "too wide"):
+        result = GenerationResult(
+            output_text='{"a": ', output_ids=[1, 2, 3], prompt_tokens=4, cached_tokens=0, ttft_ms=1.0,
+            total_ms=3.0, finish_reason="stop", grammar_error=grammar_error,
+        )  # fmt: skip
+        metrics.observe_result(result, queue_s=0.0)
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    m = {"model_name": MODEL}
+    assert value(samples, "vllm:request_success_total", **m, finished_reason="stop") == 1
+    assert value(samples, "vllm:generation_tokens_total", **m) == 6

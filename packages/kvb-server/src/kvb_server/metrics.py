@@ -106,7 +106,7 @@ class ServerMetrics:
         self._worker_stats = worker_stats
         self._aborted_seen = (0, 0)
         self._vllm = _VllmRequestMetrics(
-            self.registry, model_name, lambda: worker_stats().aborted, max_model_len=max_model_len
+            self.registry, model_name, lambda: _aborted_requests(worker_stats()), max_model_len=max_model_len
         )
         self.requests = Counter(
             "kvboost_requests",
@@ -304,7 +304,10 @@ class _VllmRequestMetrics:
     ) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(result.completion_tokens)
-        self.success.count(result.finish_reason)
+        if getattr(result, "grammar_error", None) is None:
+            # A choice whose grammar failed is answered with an error (400, or an error event), not as a
+            # success: its tokens count (the work was done), its finish does not (it was counted "stop").
+            self.success.count(result.finish_reason)
         self.ttft.observe(queue_s + result.ttft_ms / 1e3)
         self.e2e.observe(queue_s + result.total_ms / 1e3)
         self.request_prompt_tokens.observe(result.prompt_tokens)
@@ -331,6 +334,12 @@ class _VllmRequestMetrics:
             for interval in token_intervals:
                 histogram.observe(interval)
 
+
+
+def _aborted_requests(stats: WorkerStats) -> int:
+    """Requests aborted in the engine, as vLLM's ``abort`` series counts them: a ``/v1/warm`` text is cache
+    management, not a request (an abandoned warm moved the abort-rate panel with no request behind it)."""
+    return stats.aborted - stats.warm_aborted
 
 class _FinishedRequests(Collector):
     """``vllm:request_success_total{finished_reason}``: choices that finished (``stop`` / ``length``, counted

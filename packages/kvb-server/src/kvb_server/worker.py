@@ -203,6 +203,7 @@ class EngineWorker:
             idle_s=round(self._idle.seconds, 6),
             aborted_prompt_tokens=self._in_flight.aborted_prompt_tokens,
             aborted_generation_tokens=self._in_flight.aborted_generation_tokens,
+            warm_aborted=self._in_flight.warm_aborted,
         )
 
     def paged_stats(self) -> PagedStats | None:
