@@ -616,10 +616,11 @@ def test_two_requests_that_fit_the_pool_one_at_a_time_both_finish(llama, tokeniz
     assert [outputs[i] for i in ids] == expected
     stats = engine.paged_stats()
     assert stats.blocks_used == 0
-    # Taken-back admissions are neither preemptions nor prefix-cache queries: each admission that stands
-    # queries its tokens but the last (55 a prompt; a readmission after a preemption 55 to 57).
-    queries, preemptions = stats.prefix_cache_queries, stats.preemptions
-    assert 110 + 55 * preemptions <= queries <= 110 + 57 * preemptions
+    # Taken-back admissions are neither preemptions nor prefix-cache queries, and a readmission after a
+    # preemption is not counted again (vLLM keeps those apart, out of prefix_cache_queries/hits): each
+    # prompt's every token is queried once.
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert stats.prefix_cache_hits <= stats.prefix_cache_queries
 
 
 def test_a_warm_request_is_sliced_beside_running_requests_and_can_be_aborted(llama, tokenizer):

@@ -146,3 +146,15 @@ def test_a_held_request_whose_prefix_was_read_holds_its_room_already():
     deferred.add(loaded, (), SimpleNamespace(done=True))
     assert deferred.release(lambda s: False, PlanRoom(tokens=0, count=0, planned=2)) == [loaded]
     assert deferred.awaiting_room == 0
+
+
+def test_requests_put_back_after_an_interrupt_keep_their_place():
+    """Released prompts an interrupt kept from being planned went to the back of the held ones, without their
+    place in the room queue (a review); put back, they are first again and wait for room."""
+    old, new = (SimpleNamespace(request_id=n, status=None, prompt_len=4, tier_load=None) for n in ("o", "n"))
+    deferred = Deferred()
+    deferred.hold_for_room(new)
+    deferred.put_back([old])
+    assert deferred.awaiting_room == 2
+    assert deferred.release(lambda s: False, PlanRoom(tokens=10, count=1, planned=1)) == [old]
+    assert deferred.awaiting_room == 1 and "n" in deferred

@@ -479,3 +479,22 @@ def test_held_stitched_prompts_are_planned_by_priority_under_the_priority_policy
     while engine.has_unfinished():
         done += [o.request_id for o in engine.step() if o.result is not None]
     assert done.index(urgent) <= 1 and sorted(done) == sorted([*ids, urgent])
+
+
+def test_a_solo_stitched_prompt_counts_only_what_the_pool_served_as_hits(llama, tokenizer):
+    """A stitched prompt on the solo path (``kv_cache_bits``) counted its ``exact_until`` as prefix-cache
+    hits, which also covers a computed gap before its first stitched piece: 16 hits for a never-cached
+    opening (a review). It counts what the batched path counts: the exact and partial chunks."""
+    docs = [words(40, seed=300 + i) for i in range(3)]
+    engine = KVBoost(
+        llama, tokenizer, config=EngineConfig(chunk_size=CHUNK, stitching=StitchConfig(idle_copies=1))
+    )
+    engine.generate(" ".join(docs), max_new_tokens=1)
+    prompt = words(16, seed=900) + " " + " ".join(reversed(docs))
+    before = engine.paged_stats()
+    result = engine.generate(prompt, max_new_tokens=2, ignore_eos=True, kv_cache_bits=8)
+    after = engine.paged_stats()
+    assert any(c.kind is HitKind.STITCHED for c in result.chunks)
+    served = sum(c.cached_tokens for c in result.chunks if c.kind in (HitKind.EXACT, HitKind.PARTIAL))
+    assert after.prefix_cache_hits - before.prefix_cache_hits == served
+    assert after.prefix_cache_queries - before.prefix_cache_queries == result.prompt_tokens

@@ -28,7 +28,7 @@ from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
-from kvb_cache.results import GenerationResult, StreamEvent
+from kvb_cache.results import GenerationResult, HitKind, StreamEvent
 from kvb_cache.sampling import SamplingParams, check_token_ids
 from kvb_cache.serialized import serialized
 from kvb_cache.stitch_sources import stitch_sources
@@ -149,7 +149,15 @@ class LoopAPI:
                 prepared = self._prepare(ids, max_reuse=len(ids) - 1, stitch=True, root=root)
                 # Its prefix lookup is a prefix-cache query like any admission's (the counters skipped solo
                 # requests); stitched tokens are not prefix hits (they count in the stitching counters).
-                exact = prepared.cached_tokens if prepared.exact_until is None else prepared.exact_until
+                # A stitched prompt's hits are what the pool served (its exact and partial chunks), not its
+                # exact_until, which also covers a computed gap before the first stitched piece.
+                exact = (
+                    prepared.cached_tokens
+                    if prepared.exact_until is None
+                    else sum(
+                        c.cached_tokens for c in prepared.chunks if c.kind in (HitKind.EXACT, HitKind.PARTIAL)
+                    )
+                )
                 self.kv.count_lookup(len(ids), exact)
                 prepared.prefill_chunk_size = prefill_chunk_size
                 self._apply_kv_bits(prepared, bits)

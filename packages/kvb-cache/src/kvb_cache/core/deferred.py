@@ -92,6 +92,13 @@ class Deferred:
         """The tier lookups still in flight for held requests."""
         return in_flight(h.load for h in self._held.values())
 
+    def put_back(self, reqs: list[Request]) -> None:
+        """Hold ``reqs`` again, first, in their order: released by a step that an interrupt cut before it
+        planned them. One without a tier load waits for room again (it was released for room it took)."""
+        back = {r.request_id: _Held(r, (), load=r.tier_load, for_room=r.tier_load is None) for r in reqs}
+        self.awaiting_room += sum(held.for_room for held in back.values())
+        self._held = {**back, **self._held}
+
     def hold_for_room(self, req: Request) -> None:
         """Hold ``req``, ready to be planned, until :meth:`release` finds room for it."""
         self._held[req.request_id] = _Held(req, (), for_room=True)

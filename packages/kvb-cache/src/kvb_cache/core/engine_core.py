@@ -294,9 +294,8 @@ class EngineCore:
                 )  # queued before it failed: out again (abort() would wait for the step's end
                 outputs.append(self._fail_unqueued(req, exc))  # and then drop this output with the request's)
             except BaseException:
-                for rest in ready[i:]:
-                    if not self.knows(rest.request_id):
-                        self.deferred.add(rest, (), rest.tier_load)
+                # First again, in their order (appended, they lost their place behind newer held prompts).
+                self.deferred.put_back([r for r in ready[i:] if not self.knows(r.request_id)])
                 raise
 
     @torch.inference_mode()

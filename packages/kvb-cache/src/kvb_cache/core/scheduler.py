@@ -298,7 +298,9 @@ class Scheduler:
                 hit = self.kv.admit(
                     req,
                     max_tokens=len(req.tokens) - 1,
-                    count=req.counted,
+                    # A re-admission after a preemption is not counted again: vLLM keeps those in separate
+                    # preempted_* stats, out of its prefix_cache_queries/hits (22% read for 0% served).
+                    count=req.counted and not req.preemptions,
                     queried=len(req.tokens),
                     loaded=loaded,
                 )
