@@ -335,11 +335,11 @@ class _VllmRequestMetrics:
                 histogram.observe(interval)
 
 
-
 def _aborted_requests(stats: WorkerStats) -> int:
     """Requests aborted in the engine, as vLLM's ``abort`` series counts them: a ``/v1/warm`` text is cache
     management, not a request (an abandoned warm moved the abort-rate panel with no request behind it)."""
     return stats.aborted - stats.warm_aborted
+
 
 class _FinishedRequests(Collector):
     """``vllm:request_success_total{finished_reason}``: choices that finished (``stop`` / ``length``, counted
