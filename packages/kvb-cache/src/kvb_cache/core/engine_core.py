@@ -44,6 +44,7 @@ from kvb_cache.core.request import Request, RequestStatus
 from kvb_cache.core.runner import ModelRunner, SeqInput
 from kvb_cache.core.sampler import sample
 from kvb_cache.core.scheduler import Scheduled, Scheduler
+from kvb_cache.core.solo import SoloRequests, SoloStart
 from kvb_cache.core.speculation import merge_outputs, propose, verdict
 from kvb_cache.core.tier_loads import IDLE_WAIT_S, TierLoad, wait_first
 from kvb_cache.decoding import StepDrafter
@@ -54,8 +55,6 @@ from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
 logger = logging.getLogger(__name__)
 
 ResultHook = Callable[[Request], GenerationResult]
-#: Prepares a solo request and gives its events (run when it may start).
-SoloStart = Callable[[], Iterator[StreamEvent]]
 #: Called with a finished request while it still holds its blocks.
 FinishHook = Callable[[Request], None]
 #: Builds the internal loop request that computes an idle prompt.
@@ -90,11 +89,8 @@ class EngineCore:
         #: Plans and queues a deferred request once its sources' prompts are computed (see :meth:`defer`).
         self.plan_deferred = plan_deferred
         self.deferred = Deferred()
-        self.solo: dict[RequestId, Iterator[StreamEvent]] = {}
-        #: Solo requests waiting for a place among the ``max_num_seqs`` that run at once, oldest first: each
-        #: holds its own cache and runs its own forwards, so before this bound a burst of them (seeded sampled
-        #: requests beside a drafter, live-quantized ones) all ran at once, every step one forward each.
-        self.solo_waiting: dict[RequestId, SoloStart] = {}
+        #: Requests that run over a private cache, at most ``max_num_seqs`` at once (:mod:`kvb_cache.core.solo`).
+        self.solos = SoloRequests(scheduler.max_num_seqs)
         #: Verifies speculating requests' drafts inside the batched step (None: none speculates there).
         self.drafter: StepDrafter | None = None
         self.preparing = Preparing(scheduler.max_num_batched_tokens)
@@ -157,33 +153,23 @@ class EngineCore:
         return source.status is not RequestStatus.FINISHED and not source.num_output
 
     def add_solo(self, request_id: RequestId, start: SoloStart) -> None:
-        """Run a solo request: ``start()`` prepares it (its cached prefix copied into its own cache) and gives
-        its events. Started now while fewer than ``max_num_seqs`` solo requests run and none waits (its
-        errors raise here), else by a later step as one ends (its errors are then its output)."""
-        if len(self.solo) < self.scheduler.max_num_seqs and not self.solo_waiting:
-            self.solo[request_id] = start()
-        else:
-            self.solo_waiting[request_id] = start
+        """Run a solo request (:meth:`SoloRequests.add`)."""
+        self.solos.add(request_id, start)
 
-    def _start_solos(self, outputs: list[RequestOutput]) -> None:
-        """Start waiting solo requests, oldest first, while fewer than ``max_num_seqs`` run."""
-        while self.solo_waiting and len(self.solo) < self.scheduler.max_num_seqs:
-            request_id = next(iter(self.solo_waiting))
-            start = self.solo_waiting.pop(request_id)
-            try:
-                self.solo[request_id] = start()
-            except Exception as exc:
-                logger.error("solo request %s failed to start: %r", request_id, exc, exc_info=exc)
-                outputs.append(RequestOutput(request_id=request_id, delta_text="", error=exc))
-            except BaseException:  # an interrupt: it waits again, first, for the next step to start it
-                self.solo_waiting = {request_id: start, **self.solo_waiting}
-                raise
+    @property
+    def solo(self) -> dict[RequestId, Iterator[StreamEvent]]:
+        """The running solo requests' events, by id."""
+        return self.solos.running
+
+    @property
+    def solo_waiting(self) -> dict[RequestId, SoloStart]:
+        """The solo requests waiting for a place, by id, oldest first."""
+        return self.solos.waiting
 
     def knows(self, request_id: RequestId) -> bool:
         """Whether ``request_id`` is in use by an unfinished request."""
         return (
-            request_id in self.solo
-            or request_id in self.solo_waiting
+            request_id in self.solos
             or request_id in self.preparing
             or request_id in self.deferred
             or self.scheduler.find(request_id) is not None
@@ -193,8 +179,7 @@ class EngineCore:
         """Whether a caller's request is unfinished (the idle prompt being computed is not one)."""
         return (
             (bool(self._carried) and not self._stepping)  # a step returns them
-            or bool(self.solo)
-            or bool(self.solo_waiting)
+            or bool(self.solos)
             or bool(self.preparing)
             or bool(self.deferred)
             or len(self.scheduler.waiting) + len(self.scheduler.running) > (self.idle.current is not None)
@@ -225,13 +210,7 @@ class EngineCore:
         self._carried = [o for o in self._carried if o.request_id != request_id]
         if self.preparing.abort(request_id) or self.deferred.abort(request_id):
             return True
-        if self.solo_waiting.pop(request_id, None) is not None:
-            return True  # not started: nothing was prepared
-        events = self.solo.pop(request_id, None)
-        if events is not None:
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()  # the solo generator stores what is valid and frees its cache
+        if self.solos.abort(request_id):
             return True
         req = self.scheduler.find(request_id)
         if req is None or req.internal:
@@ -374,9 +353,8 @@ class EngineCore:
                     outputs.append(output)
         for req in drafting:
             req.draft.clear()  # a draft is for one step (verified, or not scheduled)
-        self._start_solos(outputs)
-        for request_id in list(self.solo):
-            outputs.extend(self._advance_solo(request_id))
+        self.solos.start_waiting(outputs)
+        self.solos.advance(outputs)
         self.steps += 1
 
     def _verify(self, req: Request, logits: torch.Tensor, into: list[RequestOutput]) -> None:
@@ -516,29 +494,6 @@ class EngineCore:
         logger.error("request %s failed while it was planned: %r", req.request_id, error, exc_info=error)
         req.status = RequestStatus.FINISHED
         return RequestOutput(request_id=req.request_id, delta_text="", error=error)
-
-    def _advance_solo(self, request_id: RequestId) -> list[RequestOutput]:
-        events = self.solo[request_id]
-        try:
-            event = next(events)
-        except StopIteration:  # ended without its result: an exception stopped the generator part-way
-            del self.solo[request_id]
-            return [RequestOutput(request_id=request_id, delta_text="", error=RequestInterruptedError())]
-        except Exception as exc:  # a solo request's failure ends it alone
-            del self.solo[request_id]
-            logger.error("solo request %s failed: %r", request_id, exc, exc_info=exc)
-            return [RequestOutput(request_id=request_id, delta_text="", error=exc)]
-        if event.result is not None:
-            del self.solo[request_id]
-        return [
-            RequestOutput(
-                request_id=request_id,
-                delta_text=event.delta_text,
-                token_ids=event.token_ids,
-                logprobs=event.logprobs,
-                result=event.result,
-            )
-        ]
 
     @property
     def running(self) -> int:
