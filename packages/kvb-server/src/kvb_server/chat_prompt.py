@@ -28,13 +28,30 @@ def chat_messages(
     return template_messages(req.messages, syntax, tools)
 
 
-def _marker_token(engine: ServingEngine, syntax: ToolSyntax) -> int | None:
-    """The id of the syntax's marker when the tokenizer has it as one (special) token."""
-    if not syntax.marker:
-        return None
+def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:
+    """The ``tags`` (stripped; empty ones skipped) that the tokenizer holds as one added token -> its id.
+
+    Added tokens only: llguidance reads those as special tokens, which the grammar must name by id
+    (:mod:`kvb_server.tool_calls.grammar`); a tag that is an ordinary vocabulary entry matches as text."""
     tokenizer = engine.tokenizer
-    token = tokenizer.convert_tokens_to_ids(syntax.marker)
-    return None if token is None or token == getattr(tokenizer, "unk_token_id", None) else int(token)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if not added:  # no added tokens (or not a Hugging Face tokenizer): every tag is text
+        return {}
+    out = {}
+    for tag in (t.strip() for t in tags):
+        token = tokenizer.convert_tokens_to_ids(tag) if tag else None
+        if isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None) and token in added:
+            out[tag] = token
+    return out
+
+
+def _grammar_tags(
+    engine: ServingEngine, syntax: ToolSyntax | None, thinking: ReasoningPlan | None
+) -> dict[str, int]:
+    texts = [syntax.marker, syntax.call_open, syntax.call_close] if syntax is not None else []
+    if thinking is not None:
+        texts += [thinking.syntax.start, thinking.syntax.end]
+    return tag_tokens(engine, *texts)
 
 
 def check_tool_schemas(tools: ToolPlan | None) -> None:
@@ -61,7 +78,10 @@ def reply_format(
     if tools is None or tools.mode == "none":
         if thinking is not None and fmt is not None and fmt.kind == "json_schema":
             thought_then_json = ResponseFormat(
-                kind="grammar", source=json_after_thinking(fmt.source, thinking)
+                kind="grammar",
+                source=json_after_thinking(
+                    fmt.source, thinking, tag_tokens=_grammar_tags(engine, None, thinking)
+                ),
             )
             constraints.check(thought_then_json, "response_format")
             return thought_then_json
@@ -75,7 +95,10 @@ def reply_format(
                 param="response_format",
             )
     grammar = tool_grammar(
-        tools, marker_token=_marker_token(engine, syntax), text_schema=text_schema, thinking=thinking
+        tools,
+        tag_tokens=_grammar_tags(engine, syntax, thinking),
+        text_schema=text_schema,
+        thinking=thinking,
     )
     tool_format = ResponseFormat(kind="grammar", source=grammar)
     constraints.check(tool_format, "tools")

@@ -5,12 +5,19 @@ Calls: ``marker? [ call (sep call){0,max-1} ]`` where each call is the syntax's 
 ``%json`` embeds a JSON schema in the grammar). ``auto`` adds an alternative: plain text that does not start
 like a call (``&`` / ``~`` are llguidance's regex intersection and negation), or, with a JSON
 ``response_format``, that schema.
+
+A tag that the tokenizer holds as one added token (Qwen's ``<tool_call>``, a reasoning model's
+``</think>``, Mistral's ``[TOOL_CALLS]``) is written by its id (``<[id]>``): llguidance reads every added
+token as a special token, whose text a string literal or regex never matches, so a literal tag would leave
+the model to spell it byte by byte, which it was never trained to do (and llguidance's mask, which allowed
+the token, disagreed with its parser, which refused it).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from kvb_cache.structured.backend import llguidance_schema
@@ -79,49 +86,84 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
     return {"x-guidance": _JSON_OPTIONS, **schema}
 
 
-def _marker(plan: ToolPlan, marker_token: int | None) -> str:
-    if not plan.syntax.marker:
-        return ""
-    # A special token is written by id (``<[id]>``): its text is not something a regex lexeme can produce.
-    return f"<[{marker_token}]> " if marker_token is not None else f"{_literal(plan.syntax.marker)} "
+def _piece(text: str, tags: Mapping[str, int]) -> str:
+    """``text`` as grammar items: a literal, or, where its stripped text is a tag held as one token (``tags``:
+    tag text -> id), that token by id between literals of the whitespace around it."""
+    tag = text.strip()
+    if tag not in tags:
+        return _literal(text)
+    head, tail = text[: text.index(tag)], text[text.index(tag) + len(tag) :]
+    return " ".join(
+        [*([_literal(head)] if head else []), f"<[{tags[tag]}]>", *([_literal(tail)] if tail else [])]
+    )
 
 
-def _thinking(thinking: ReasoningPlan) -> str:
-    """One lexeme for a reasoning model's thinking block and the blank space after it: everything up to the
-    first end tag (a lexeme so that the lexer, which is greedy, ends it at that tag, not past it)."""
-    start, end = (re.escape(t).replace("/", "\\/") for t in (thinking.syntax.start, thinking.syntax.end))
-    opening = "" if thinking.opened else start
-    return f"THINK: /{opening}(?s:.*){end}\\s*/ & ~/{opening}(?s:.*){end}(?s:.*){end}(?s:.*)/"
+def _marker(plan: ToolPlan, tags: Mapping[str, int]) -> str:
+    return f"{_piece(plan.syntax.marker, tags)} " if plan.syntax.marker else ""
 
 
-def json_after_thinking(schema_source: str, thinking: ReasoningPlan) -> str:
+def _regex(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
+
+
+def _thinking(thinking: ReasoningPlan, tags: Mapping[str, int]) -> tuple[str, str]:
+    """The thinking block's grammar item and its rules (each line ending with a newline).
+
+    Tags that are text: one lexeme for the block and the blank space after it, everything up to the first
+    end tag (a lexeme so that the lexer, which is greedy, ends it at that tag, not past it). An end tag held
+    as one token: a rule, the text before it (which cannot hold that token, nor the tag spelled out) then
+    the token and the blank space after it."""
+    start, end = thinking.syntax.start, thinking.syntax.end
+    # The blank after the block: a few ASCII whitespace characters (Qwen3 and R1 write "\n\n"), bounded
+    # because a small model offered unbounded space loops on it (a random one on Unicode spaces) until
+    # max_tokens, as it does in JSON (``_JSON_OPTIONS``).
+    space = "[ \\t\\r\\n]{0,8}"
+    if end not in tags:
+        opening = "" if thinking.opened or start in tags else _regex(start)
+        lexeme = f"THINK: /{opening}(?s:.*){_regex(end)}{space}/ & ~/{opening}(?s:.*){_regex(end)}(?s:.*){_regex(end)}(?s:.*)/\n"
+        if thinking.opened or start not in tags:
+            return "THINK", lexeme
+        return "think", f"think: {_piece(start, tags)} THINK\n{lexeme}"
+    opening = "" if thinking.opened else f"{_piece(start, tags)} "
+    return "think", (
+        f"think: {opening}THINK_TEXT {_piece(end, tags)} THINK_SPACE\n"
+        f"THINK_TEXT: /(?s:.*)/ & ~/(?s:.*){_regex(end)}(?s:.*)/\n"
+        f"THINK_SPACE: /{space}/\n"
+    )
+
+
+def json_after_thinking(
+    schema_source: str, thinking: ReasoningPlan, *, tag_tokens: Mapping[str, int] | None = None
+) -> str:
     """The grammar of a JSON reply (a ``json_schema`` response format's ``schema_source``) that a reasoning
     model may think before (must, when the prompt opened the block): as vLLM starts the structured-output
-    grammar once the thinking ends."""
+    grammar once the thinking ends. ``tag_tokens``: the tags held as one token (tag text -> id)."""
     schema = {"x-guidance": _JSON_OPTIONS, **llguidance_schema(json.loads(schema_source))}
-    return _grammar(f"%json {json.dumps(schema)}", "", thinking)
+    return _grammar(f"%json {json.dumps(schema)}", "", thinking, tag_tokens or {})
 
 
-def _grammar(start: str, rules: str, thinking: ReasoningPlan | None) -> str:
+def _grammar(start: str, rules: str, thinking: ReasoningPlan | None, tags: Mapping[str, int]) -> str:
     """A Lark grammar whose reply is ``start`` (a rule body; ``rules``: the rules it uses, each line ending
     with a newline), after a thinking block when ``thinking`` is given (required when the prompt opened it)."""
     if thinking is None:
         return f"start: {start}\n{rules}"
-    think = "THINK" if thinking.opened else "THINK?"
-    return f"start: {think} reply\nreply: {start}\n{rules}{_thinking(thinking)}\n"
+    name, think_rules = _thinking(thinking, tags)
+    optional = "" if thinking.opened else "?"
+    return f"start: {name}{optional} reply\nreply: {start}\n{rules}{think_rules}"
 
 
 def tool_grammar(
     plan: ToolPlan,
     *,
-    marker_token: int | None = None,
+    tag_tokens: Mapping[str, int] | None = None,
     text_schema: dict[str, Any] | None = None,
     thinking: ReasoningPlan | None = None,
 ) -> str:
     """The grammar of ``plan``'s reply (``plan.mode`` is ``"calls"`` or ``"auto"``).
 
     Args:
-        marker_token: the id of the syntax's marker when it is one special token.
+        tag_tokens: the syntax's and the thinking block's tags that the tokenizer holds as one added token
+            (tag text -> id; :func:`kvb_server.chat_prompt.tag_tokens`), written by id.
         text_schema: in ``auto``, the JSON schema a text reply must match (``response_format``).
         thinking: a reasoning model's thinking block may come first (``--reasoning-parser``); it must when
             the prompt opened it.
@@ -129,28 +171,33 @@ def tool_grammar(
     # A text reply must not open a thinking block either: text may follow anything, so a block read as
     # text would let an unchecked call follow it.
     opens = (thinking.syntax.start,) if thinking is not None and not thinking.opened else ()
-    start, rules = _tool_rules(plan, marker_token=marker_token, text_schema=text_schema, not_first=opens)
-    return _grammar(start, rules, thinking)
+    tags = tag_tokens or {}
+    start, rules = _tool_rules(plan, tags=tags, text_schema=text_schema, not_first=opens)
+    return _grammar(start, rules, thinking, tags)
 
 
 def _tool_rules(
     plan: ToolPlan,
     *,
-    marker_token: int | None = None,
+    tags: Mapping[str, int],
     text_schema: dict[str, Any] | None = None,
     not_first: tuple[str, ...] = (),
 ) -> tuple[str, str]:
     """The reply's start rule body and the rules it uses (``not_first``: more openings a text reply must
     not begin with)."""
     syntax = plan.syntax
-    call = f"{_literal(syntax.call_open)} obj {_literal(syntax.call_close)}" if syntax.call_open else "obj"
+    call = (
+        f"{_piece(syntax.call_open, tags)} obj {_piece(syntax.call_close, tags)}"
+        if syntax.call_open
+        else "obj"
+    )
     sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
     more = f"({sep}call){{0,{plan.max_calls - 1}}}" if plan.max_calls > 1 else ""
     body = f"call {more}".strip()
     if syntax.bracket:
         body = f'"[" {body} "]"'
     lines = [
-        f"calls: {_marker(plan, marker_token)}{body}",
+        f"calls: {_marker(plan, tags)}{body}",
         f"call: {call}",
         f"obj: %json {json.dumps(call_schema(plan))}",
     ]
@@ -161,7 +208,7 @@ def _tool_rules(
             f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **llguidance_schema(text_schema)})}"
         )
         return "text | calls", "\n".join([*lines, text_rule]) + "\n"
-    starts = "|".join(re.escape(t).replace("/", "\\/") for t in (*syntax.triggers, *not_first))
+    starts = "|".join(_regex(t) for t in (*syntax.triggers, *not_first))
     # Any text (the empty reply included) that does not begin like a call.
     text_rule = f"TEXT: /(?s:.*)/ & ~/\\s*({starts})(?s:.*)/"
     return "TEXT | calls", "\n".join([*lines, text_rule]) + "\n"
