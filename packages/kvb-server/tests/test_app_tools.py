@@ -140,21 +140,22 @@ def test_a_named_tool_choice_finishes_stop_streamed_or_not(client: openai.OpenAI
     assert (finish, names) == ("stop", ["set_alarm"])
 
 
-def test_a_stream_cut_before_its_call_sends_the_text_the_non_streamed_reply_returns(
-    client: openai.OpenAI,
-) -> None:
-    """max_tokens ends the reply inside ``<tool_call>``: the non-streamed reply is that text, finish
-    ``length``; the stream held it back waiting for a call and must still send it before finishing."""
+def test_a_forced_call_cut_before_its_name_is_the_call_streamed_or_not(client: openai.OpenAI) -> None:
+    """max_tokens ends a required call inside ``<tool_call>``: with one callable tool the reply is that call
+    with no arguments yet, finish ``length``, streamed and not (it was the call syntax as ``content``)."""
     kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="required", temperature=0)
     whole = client.chat.completions.create(**kwargs, max_tokens=2).choices[0]
-    assert whole.finish_reason == "length" and whole.message.content and not whole.message.tool_calls
-    content, finish = "", None
+    assert whole.finish_reason == "length" and whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", "")
+    ]
+    content, finish, calls = "", None, []
     for chunk in client.chat.completions.create(**kwargs, max_tokens=2, stream=True):
         choice = chunk.choices[0]
-        assert not choice.delta.tool_calls
+        calls += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or ()]
         content += choice.delta.content or ""
         finish = choice.finish_reason or finish
-    assert (content, finish) == (whole.message.content, "length")
+    assert (content, finish, calls) == ("", "length", [("get_weather", "")])
 
 
 def test_response_format_json_schema_is_schema_valid(client: openai.OpenAI) -> None:

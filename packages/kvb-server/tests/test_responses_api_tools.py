@@ -122,6 +122,28 @@ def test_a_named_tool_choice_completes_with_its_call(client: openai.OpenAI) -> N
     assert [(i.type, i.name) for i in events[-1].response.output] == [("function_call", "get_weather")]
 
 
+def test_a_forced_call_cut_before_its_name_is_an_incomplete_function_call(client: openai.OpenAI) -> None:
+    """max_output_tokens ends a required call inside ``<tool_call>``: the response's output was a message
+    whose text was the call syntax (an audit with openai-node, 2026-11-30); it is the one callable tool's
+    call, incomplete, streamed and not."""
+    kw = {
+        "model": MODEL,
+        "input": "weather?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kw, max_output_tokens=3)
+    assert whole.status == "incomplete" and whole.output_text == ""
+    assert [(i.type, i.name, i.arguments, i.status) for i in whole.output] == [
+        ("function_call", "get_weather", "", "incomplete")
+    ]
+    events = list(client.responses.create(**kw, max_output_tokens=3, stream=True))
+    assert "response.output_text.delta" not in [e.type for e in events]
+    final = events[-1].response
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", "get_weather", "")]
+
+
 def test_allowed_tools_restricts_the_calls_and_is_echoed(client: openai.OpenAI) -> None:
     """``allowed_tools`` (pydantic-ai's OpenAIResponsesModel restricts a run with it): it was refused by
     type; the calls are of the allowed function only, and the response repeats the choice."""

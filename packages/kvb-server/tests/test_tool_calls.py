@@ -195,14 +195,49 @@ def test_auto_stream_holds_a_possible_call_start_then_sends_text() -> None:
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_stream_cut_before_a_call_name_ends_with_the_text_the_non_streamed_reply_returns(choice: str) -> None:
-    """max_tokens cut the reply inside ``<tool_call>``: the non-streamed message is that text with finish
-    ``length``, so the stream must send it as content before its finish chunk, not drop it."""
+    """A stop string (or, under "auto", max_tokens) cut the reply inside ``<tool_call>``: the non-streamed
+    message is that text, so the stream must send it as content before its finish chunk, not drop it."""
     plan = tool_plan([WEATHER], choice, None, hermes(native=False))
     for cut in ("<tool_call>", "<tool_call>\n{", '<tool_call>\n{"name":"get_wea'):
-        stream = ToolCallStream(plan)
-        deltas = stream.deltas(cut[:4], final=False) + stream.deltas(cut[4:], final=True)
-        assert deltas == [{"role": "assistant", "content": cut}], cut
-        assert split_reply(cut, plan.syntax, truncated=True).content == cut
+        for truncated in (False, True) if choice == "auto" else (False,):
+            stream = ToolCallStream(plan)
+            deltas = stream.deltas(cut[:4], final=False) + stream.deltas(
+                cut[4:], final=True, truncated=truncated
+            )
+            assert deltas == [{"role": "assistant", "content": cut}], cut
+            assert split_reply(cut, plan.syntax, truncated=truncated).content == cut
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "cut", "name"),
+    [
+        ([WEATHER], "required", "<tool_", "get_weather"),  # one callable tool: the call is known
+        ([WEATHER], "required", "<tool_call>\n{", "get_weather"),
+        ([WEATHER, TIME], "required", '<tool_call>\n{"name":"get_', None),  # either tool: no call yet
+        ([WEATHER, TIME], "required", '<tool_call>\n{"name":"get_t', "get_time"),  # only one name fits
+        ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, "<tool_call>", "get_time"),
+        ([WEATHER], "required", "   ", None),  # nothing written
+    ],
+)
+def test_a_forced_call_cut_before_its_name_is_that_call_or_nothing(tools, choice, cut: str, name) -> None:
+    """tool_choice forced calls and max_tokens ended the reply before the call's name was whole: the call
+    syntax came back as ``content`` (an audit with openai-node and the AI SDK, 2026-11-30: agents showed
+    ``<tool_call>\n{"name`` as the answer; the AI SDK raised ToolChoiceViolation). It is the one call the
+    callable tools' names leave possible, with no arguments yet, else no content and no call; streamed
+    the same."""
+    plan = tool_plan(tools, choice, None, hermes(native=False))
+    message, finish = assistant_message(plan, cut, "length")
+    assert finish == "length" and message["content"] is None
+    assert [c["function"] for c in message.get("tool_calls", [])] == (
+        [{"name": name, "arguments": ""}] if name else []
+    )
+    stream = ToolCallStream(plan)
+    deltas = stream.deltas(cut[:3], final=False) + stream.deltas(cut[3:], final=True, truncated=True)
+    assert all(not d.get("content") for d in deltas)
+    streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert streamed == ([{"name": name, "arguments": ""}] if name else [])
+    # A stop string cut it instead (not max_tokens): the text, as before.
+    assert assistant_message(plan, cut, "stop")[0]["content"] == cut
 
 
 def test_stream_cut_inside_a_calls_arguments_keeps_the_partial_call() -> None:

@@ -129,8 +129,11 @@ def assistant_message(
         tools.syntax,
         truncated=finish_reason == "length",
         forced=tools.mode == "calls",
+        names=tuple(tool.name for tool in tools.callable),
     )
     if not reply.calls:
+        if reply.content is None:  # a forced call cut before its tool was known: no text, no call
+            message["content"] = None
         return message, finish_reason
     message["content"] = None
     message["tool_calls"] = [

@@ -172,7 +172,10 @@ class OpenStream:
                         logprobs = None  # sent with the reasoning piece
                 if tool_streams is not None:
                     deltas = tool_streams[i].deltas(
-                        text, final=event.result is not None, force=bool(logprobs)
+                        text,
+                        final=event.result is not None,
+                        force=bool(logprobs),
+                        truncated=event.result is not None and event.result.finish_reason == "length",
                     )
                     for k, delta in enumerate(deltas):
                         yield chunk(

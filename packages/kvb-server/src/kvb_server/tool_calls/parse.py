@@ -134,8 +134,27 @@ class ToolCallText:
     calls: tuple[PartialCall, ...]
 
 
+_NAME_SO_FAR = re.compile(r'"name"\s*:\s*"([^"\\]*)$')
+
+
+def cut_before_name(text: str, names: tuple[str, ...]) -> PartialCall | None:
+    """The call a forced reply (``tool_choice`` required or named) was writing when ``max_tokens`` cut it
+    before its name was complete (inside ``<tool_call>``, say, or ``{"name": "get_wea``): the one callable
+    tool (``names``) whose name starts with what the reply wrote of it, with no arguments yet; None when
+    more than one could still follow (the grammar admits only those names)."""
+    written = _NAME_SO_FAR.search(text)
+    prefix = written.group(1) if written else ""
+    matching = [name for name in names if name.startswith(prefix)]
+    return PartialCall(matching[0], "", False) if len(matching) == 1 else None
+
+
 def split_reply(
-    text: str, syntax: ToolSyntax, *, truncated: bool = False, forced: bool = False
+    text: str,
+    syntax: ToolSyntax,
+    *,
+    truncated: bool = False,
+    forced: bool = False,
+    names: tuple[str, ...] = (),
 ) -> ToolCallText:
     """Read a finished reply: all complete calls whose arguments are valid JSON, else it is plain text.
 
@@ -144,13 +163,22 @@ def split_reply(
     request's ``tool_choice`` required calls (``"required"``, a named function), so the reply can only be
     calls, and the cut call is kept with the arguments written so far (possibly incomplete JSON), as the
     stream already sent them and OpenAI returns it; read as text, the call syntax itself reached clients
-    (agents took the markup for the final answer).
+    (agents took the markup for the final answer). A forced reply cut before its first call's name was
+    complete is that call when the callable tools' ``names`` leave one possible (:func:`cut_before_name`),
+    else no content and no call: never the call syntax as text.
     """
     stripped = text.strip()
     starts_like_call = any(stripped.startswith(t) for t in syntax.triggers)
-    if not starts_like_call:
+    if truncated and forced and not stripped:  # cut before the call began (a reasoning model's thinking)
+        return ToolCallText(None, ())
+    if not starts_like_call and not (truncated and forced):
         return ToolCallText(text, ())
     calls, state = scan_calls(text, syntax)
+    if truncated and forced and not calls and state == "partial":
+        # Under a forced choice the grammar admits only calls, so any text is the start of one (a tag cut
+        # in the middle, "<tool_", does not even start like a call yet).
+        call = cut_before_name(text, names)
+        return ToolCallText(None, (call,) if call else ())
     if truncated and state == "partial":
         calls = calls if forced else [c for c in calls if c.complete]
     elif state != "done":

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvb_server.tool_calls.ids import new_call_id
-from kvb_server.tool_calls.parse import scan_calls
+from kvb_server.tool_calls.parse import PartialCall, cut_before_name, scan_calls
 from kvb_server.tool_calls.spec import ToolPlan
 
 
@@ -28,6 +28,8 @@ class ToolCallStream:
         #: Per streamed call: its id and how much of its arguments were sent.
         self._sent: list[tuple[str, int]] = []
         self._opened = False
+        self._forced = plan.mode == "calls"
+        self._names = tuple(tool.name for tool in plan.callable)
 
     def _decide(self) -> None:
         head = self._text.lstrip()
@@ -50,16 +52,18 @@ class ToolCallStream:
             return self._calls()
         return []
 
-    def deltas(self, text: str, *, final: bool, force: bool = False) -> list[dict[str, Any]]:
+    def deltas(
+        self, text: str, *, final: bool, force: bool = False, truncated: bool = False
+    ) -> list[dict[str, Any]]:
         """The chat deltas to send for ``text`` (and, when ``final``, what was held back), the first one of
         the reply carrying ``role`` as OpenAI's does (with ``content: null`` when it opens a call).
 
         ``force``: send at least one (possibly empty) delta, e.g. to carry logprobs; a final call always
-        sends at least the opening one.
+        sends at least the opening one. ``truncated``: the reply ended at ``max_tokens``.
         """
         out = self.push(text) if text else []
         if final:
-            out += self.finish()
+            out += self.finish(truncated=truncated)
         if not out and (force or (final and not self._opened)):
             out = [{}]
         if out and not self._opened:
@@ -72,11 +76,13 @@ class ToolCallStream:
             )
         return out
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, *, truncated: bool = False) -> list[dict[str, Any]]:
         """Deltas still held back when the reply ends: an undecided start is text after all, and so is a
-        reply that never got as far as a call's name (``max_tokens`` or a stop string cut it inside
-        ``<tool_call>``, say), since the non-streamed reply returns that text as ``content`` and a stream
-        must end with everything its non-streamed twin returns."""
+        reply that never got as far as a call's name (a stop string cut it inside ``<tool_call>``, say),
+        since the non-streamed reply returns that text as ``content`` and a stream must end with everything
+        its non-streamed twin returns. Under a forced ``tool_choice`` a reply ``max_tokens`` cut there is
+        the call the callable tools' names leave possible, or nothing (as the non-streamed reply:
+        :func:`kvb_server.tool_calls.parse.split_reply`), never the call syntax as text."""
         if self._kind is None:
             self._kind = "content"
         if self._kind == "calls":
@@ -84,6 +90,9 @@ class ToolCallStream:
             if deltas or self._sent:
                 # Call deltas were sent: they cannot be taken back, so a call cut short stays a partial call.
                 return deltas
+            if truncated and self._forced:
+                call = cut_before_name(self._text, self._names) if self._text.strip() else None
+                return self._call_deltas([call] if call else [])
             self._kind = "content"
         return self._content()
 
@@ -94,6 +103,9 @@ class ToolCallStream:
 
     def _calls(self) -> list[dict[str, Any]]:
         calls, _ = scan_calls(self._text, self._syntax)
+        return self._call_deltas(calls)
+
+    def _call_deltas(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
         for index, call in enumerate(calls):
             if index == len(self._sent):
