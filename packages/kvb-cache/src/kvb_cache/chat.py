@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvb_cache.chat_content import content_format, fit_content, template_source
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 
 #: ``apply_chat_template`` arguments that are not template variables: passing them through
@@ -98,6 +99,8 @@ def render_chat(
             "continue_final_message continues the last message, so add_generation_prompt must be false",
             param="continue_final_message",
         )
+    # Each content in the shape the template reads (a string, or a list of text parts): chat_content.py.
+    messages = fit_content(messages, content_format(template_source(tokenizer)))
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -109,9 +112,13 @@ def render_chat(
         )
     except Exception as exc:
         # A template's own raise_exception() ("roles must alternate"; jinja2's TemplateError, matched by
-        # module so that jinja2 stays transformers' optional import), or a final message that cannot be
-        # continued (ValueError): the request's fault, not the server's.
-        if not isinstance(exc, ValueError) and not type(exc).__module__.startswith("jinja2"):
+        # module so that jinja2 stays transformers' optional import), a final message that cannot be
+        # continued (ValueError), or the template's code failing on a message's shape (a TypeError such as
+        # "can only concatenate str (not "dict") to str", an AttributeError, a missing key): the request's
+        # fault, not the server's, and untyped it named neither the argument nor the fix.
+        if not isinstance(exc, (ValueError, TypeError, AttributeError, LookupError)) and not type(
+            exc
+        ).__module__.startswith("jinja2"):
             raise
         raise InvalidRequestError(
             f"the chat template refused these messages: {exc}", param="messages"

@@ -9,6 +9,8 @@ from typing import Any
 
 import jinja2
 
+from kvb_cache.chat import render_chat as render_template
+from kvb_cache.chat_content import template_source
 from kvb_cache.errors import InvalidRequestError
 from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
@@ -21,11 +23,35 @@ from kvb_server.tool_calls.grammar import json_after_thinking
 
 
 def chat_messages(
-    req: ChatCompletionRequest, syntax: ToolSyntax, tools: ToolPlan | None = None
+    req: ChatCompletionRequest, syntax: ToolSyntax, tools: ToolPlan | None = None, *, system_role: bool = True
 ) -> list[dict[str, Any]]:
     """Messages as the tokenizer's chat template expects them (tool calls and results included; see
-    :func:`kvb_server.tool_calls.template_messages`)."""
-    return template_messages(req.messages, syntax, tools)
+    :func:`kvb_server.tool_calls.template_messages`; ``system_role``: :func:`accepts_system`)."""
+    return template_messages(req.messages, syntax, tools, system_role=system_role)
+
+
+#: Chat template source -> whether it renders a system message (probed once per template).
+_SYSTEM_ROLE: dict[str, bool] = {}
+_PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def accepts_system(engine: ServingEngine) -> bool:
+    """Whether the model's chat template renders a system message before a user one (Gemma's and Mistral
+    v0.1's refuse with ``raise_exception``). Probed once per template; a tokenizer without a template, or
+    a probe that fails for another reason, counts as accepting (the request's own rendering says why)."""
+    tokenizer = engine.tokenizer
+    source = template_source(tokenizer)
+    if not source or not hasattr(tokenizer, "apply_chat_template"):
+        return True
+    if source not in _SYSTEM_ROLE:
+        try:
+            render_template(tokenizer, _PROBE)
+            _SYSTEM_ROLE[source] = True
+        except InvalidRequestError:  # the template refused the system message
+            _SYSTEM_ROLE[source] = False
+        except Exception:  # anything else is not this probe's question
+            _SYSTEM_ROLE[source] = True
+    return _SYSTEM_ROLE[source]
 
 
 def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:

@@ -14,7 +14,13 @@ from typing import Literal
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
-from kvb_server.chat_prompt import chat_messages, check_tool_schemas, render_chat, reply_format
+from kvb_server.chat_prompt import (
+    accepts_system,
+    chat_messages,
+    check_tool_schemas,
+    render_chat,
+    reply_format,
+)
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
@@ -366,7 +372,8 @@ def _chat_prompt(
     syntax = detect(engine.tokenizer)
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)
-    return syntax, tools, render_chat(engine, chat_messages(req, syntax, tools), tools, req)
+    messages = chat_messages(req, syntax, tools, system_role=accepts_system(engine))
+    return syntax, tools, render_chat(engine, messages, tools, req)
 
 
 def chat_prompt_tokens(req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig) -> list[int]:

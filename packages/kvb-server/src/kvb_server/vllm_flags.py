@@ -108,8 +108,9 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     ),
     "--tokenizer-mode": ("the tokenizer is the model folder's, loaded by transformers", ("auto", "hf")),
     "--chat-template-content-format": (
-        "a message's text parts are joined into one string before the chat template renders it",
-        ("auto", "string"),
+        "a message's content reaches the chat template as one string or as a list of text parts, whichever "
+        "the template reads (detected from its source, as vLLM's auto)",
+        ("auto",),
     ),
     "--max-seq-len-to-capture": (
         "decode steps replay CUDA graphs captured per batch size and context-width bucket, at any context "

@@ -107,9 +107,13 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None, *, system_role: bool = True
+) -> list[dict[str, Any]]:
     """``messages`` (the request's :class:`~kvb_server.schemas.generation_requests.ChatMessage` list) for
-    the chat template."""
+    the chat template. ``system_role``: the template renders a system message; when it does not (Gemma's,
+    Mistral v0.1's raise), the tools' prompt of a template without tools goes before the first user
+    message's text instead of into a system message of its own."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for templates that print it
     pending_results: list[str] = []
@@ -201,7 +205,14 @@ def template_messages(messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | 
                 "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt,
             }
         else:
-            out.insert(0, {"role": "system", "content": prompt})
+            first_user = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+            if system_role or first_user is None:
+                out.insert(0, {"role": "system", "content": prompt})
+            else:
+                # The request sent no system message; a template that refuses one ("System role not
+                # supported") refused the request for a message the server added.
+                said = out[first_user]["content"]
+                out[first_user] = {**out[first_user], "content": f"{prompt}\n\n{said}" if said else prompt}
     return out
 
 

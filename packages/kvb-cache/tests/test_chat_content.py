@@ -1,0 +1,108 @@
+"""Message content in the shape the chat template reads (kvb_cache.chat_content): a string, or text parts.
+
+Found by an audit with other families' templates (2026-11-30): a template that loops over content as parts
+(SmolVLM / Idefics3 style) rendered a prompt without the user's text when handed a string (a 200 with a
+wrong answer), one that indexes the parts refused a correct request, and a string template handed parts
+raised an untyped TypeError from inside jinja.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import words
+
+from kvb_cache import InvalidRequestError, KVBoost
+from kvb_cache.chat_content import content_format, fit_content
+
+STRING = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+LOOP = (  # Idefics3 / SmolVLM style: only parts
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %} {{ line['text'] }}{% endif %}"
+    "{% endfor %} <eos> {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+INDEXED = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content[0]['text'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+BOTH = (  # Qwen2-VL / Llama 3.2 Vision style: a string or parts
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %} {{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c.type == 'text' %} {{ c.text }}{% endif %}{% endfor %}"
+    "{% endif %} <eos> {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+#: A string template that concatenates (Mistral v0.1 style): parts there were a TypeError from jinja.
+CONCAT = (
+    "{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [(STRING, "string"), (CONCAT, "string"), (LOOP, "openai"), (INDEXED, "openai"), (BOTH, "openai")],
+)
+def test_the_format_is_read_from_the_template(template: str, fmt: str) -> None:
+    assert content_format(template) == fmt
+
+
+def test_an_unparsable_template_is_left_alone() -> None:
+    assert content_format("{% for x in %}") == "string"
+
+
+def test_fit_content_converts_only_what_the_template_cannot_read() -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    ]
+    assert fit_content(messages, "openai") == [
+        {"role": "user", "content": [{"type": "text", "text": "a"}]},
+        {"role": "assistant", "content": [], "tool_calls": [{"id": "1"}]},
+        messages[2],
+        messages[3],
+    ]
+    assert fit_content(messages, "string") == [
+        messages[0],
+        messages[1],
+        {"role": "user", "content": "b\nc"},
+        messages[3],
+    ]
+    assert messages[0]["content"] == "a"  # the caller's messages are not changed
+
+
+@pytest.fixture()
+def engine_with(llama, tokenizer):
+    def build(template: str) -> KVBoost:
+        own = copy.deepcopy(tokenizer)
+        own.chat_template = template
+        return KVBoost(llama, own)
+
+    return build
+
+
+@pytest.mark.parametrize("template", [LOOP, INDEXED, BOTH])
+def test_a_parts_template_gets_the_users_text_as_a_string_or_as_parts(engine_with, template: str) -> None:
+    engine = engine_with(template)
+    text = words(5, seed=3)
+    as_string = engine.chat_prompt([{"role": "user", "content": text}])
+    as_parts = engine.chat_prompt([{"role": "user", "content": [{"type": "text", "text": text}]}])
+    assert as_string == as_parts
+    rendered = engine.tokenizer.decode(as_string)
+    assert text in rendered  # the LOOP template printed nothing of a string content before
+
+
+@pytest.mark.parametrize("template", [STRING, CONCAT])
+def test_a_string_template_gets_text_parts_joined(engine_with, template: str) -> None:
+    engine = engine_with(template)
+    joined = engine.chat_prompt([{"role": "user", "content": "one\ntwo"}])
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    assert engine.chat_prompt([{"role": "user", "content": parts}]) == joined
+
+
+def test_a_content_the_template_cannot_render_is_a_typed_error(engine_with) -> None:
+    engine = engine_with(CONCAT)
+    with pytest.raises(InvalidRequestError, match="chat template") as err:
+        engine.chat_prompt([{"role": "user", "content": {"text": "a dict"}}])
+    assert err.value.param == "messages"
