@@ -300,6 +300,42 @@ def test_an_openai_route_not_served_says_so_by_name(url: str) -> None:
     assert post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+def test_sdk_routes_under_served_prefixes_say_why_they_are_not_served(url: str) -> None:
+    """openai-node's ``chat.completions.list/retrieve``, ``responses.cancel/compact`` and ``models.delete``
+    got a bare "Method Not Allowed" or "Unknown route" (an audit with JavaScript clients, 2026-11-30)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.list()
+    assert info.value.status_code == 405 and "stored chat completions are not kept" in str(info.value)
+    with pytest.raises(openai.NotFoundError, match="stored chat completions are not kept"):
+        client.chat.completions.retrieve("chatcmpl-x")
+    with pytest.raises(openai.NotFoundError, match="only background responses can be cancelled"):
+        client.responses.cancel("resp_x")
+    err = assert_openai_error(post(url, "/v1/responses/compact", {"model": MODEL, "input": "hi"}), 405)
+    assert "compaction is not served" in err["message"]
+    err = assert_openai_error(httpx.delete(url + "/v1/models/x"), 405)
+    assert "cannot be deleted" in err["message"]
+    # Another method on a served route is still a plain 405.
+    assert "Method Not Allowed" in assert_openai_error(httpx.get(url + "/v1/completions"), 405)["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ],
+)
+def test_a_missing_name_is_a_missing_required_parameter(url: str, extra: dict, param: str) -> None:
+    """OpenAI's wording; the message read "Invalid value ...: None" (Python's word for missing)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), 400)
+    assert err["message"] == f"Missing required parameter: '{param}'." and err["param"] == param
+
+
 def test_model_left_out_is_the_first_served_one(url: str) -> None:
     """vLLM serves a body without ``model`` with its (first) model; OpenAI's SDK always sends one."""
     chat = post(

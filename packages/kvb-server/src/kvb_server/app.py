@@ -54,7 +54,7 @@ from kvb_server.service import GenerationService
 from kvb_server.stats import ThroughputMeter
 from kvb_server.tenancy import ApiKeys
 from kvb_server.unread_body import CloseOnUnreadBody
-from kvb_server.unserved_routes import not_found_message
+from kvb_server.unserved_routes import method_not_allowed_message, not_found_message
 from kvb_server.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
@@ -260,6 +260,8 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
             # scope["path"] is the path as the client sent it (--root-path included once; request.url
             # put the root path in front of it a second time).
             body["error"]["message"] = not_found_message(request.method, request.scope["path"])
+        elif exc.status_code == 405:  # e.g. GET /v1/chat/completions: OpenAI's stored completions list
+            body["error"]["message"] = method_not_allowed_message(request.method, request.scope["path"])
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)

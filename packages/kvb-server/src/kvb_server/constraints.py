@@ -81,6 +81,10 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
         if not isinstance(inner, dict):
             raise _bad(f"Missing required parameter: '{param}.json_schema'.", f"{param}.json_schema")
         name = inner.get("name")
+        if name is None:  # OpenAI's wording (the message said "None", Python's word for missing)
+            raise _bad(
+                f"Missing required parameter: '{param}.json_schema.name'.", f"{param}.json_schema.name"
+            )
         if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
             raise _bad(
                 f"Invalid value for '{param}.json_schema.name': {name!r}; 1-64 letters, digits, '_' or '-'.",

@@ -9,6 +9,8 @@ message built here names what the route is and what this server serves instead, 
 
 from __future__ import annotations
 
+import re
+
 # (route prefix, what it serves): OpenAI's API reference, then vLLM's pooling routes.
 UNSERVED_ROUTES: tuple[tuple[str, str], ...] = (
     ("/v1/embeddings", "embeddings"),
@@ -32,6 +34,29 @@ UNSERVED_ROUTES: tuple[tuple[str, str], ...] = (
 
 SERVED = "/v1/completions, /v1/chat/completions and /v1/responses"
 
+#: Routes under a served prefix that are not served (the SDKs expose them: openai-node's
+#: ``chat.completions.list/retrieve``, ``responses.cancel/compact``, ``models.delete``): (methods, path
+#: pattern after the /v1 mount, why). Their generic answer was "Unknown route" or a bare 405.
+UNSERVED_METHODS: tuple[tuple[frozenset[str], re.Pattern[str], str], ...] = (
+    (
+        frozenset({"GET", "POST", "DELETE"}),
+        re.compile(r"/chat/completions(/[^/]+(/messages)?)?"),
+        "stored chat completions are not kept (OpenAI's store): a chat completion is returned once, by "
+        "POST /v1/chat/completions",
+    ),
+    (
+        frozenset({"POST"}),
+        re.compile(r"/responses/[^/]+/cancel"),
+        "only background responses can be cancelled, and this server runs none (background is refused)",
+    ),
+    (
+        frozenset({"POST"}),
+        re.compile(r"/responses/compact"),
+        "response compaction is not served; send the conversation, or previous_response_id",
+    ),
+    (frozenset({"DELETE"}), re.compile(r"/models/.+"), "the served models cannot be deleted"),
+)
+
 
 def _matches(path: str, prefix: str) -> bool:
     """Whether ``path`` is ``prefix`` or below it, also behind a ``--root-path`` mount prefix."""
@@ -39,8 +64,23 @@ def _matches(path: str, prefix: str) -> bool:
     return path.endswith(prefix) or f"{prefix}/" in f"{path}/"
 
 
+def _unserved_method(method: str, path: str) -> str | None:
+    for methods, pattern, why in UNSERVED_METHODS:
+        if method in methods and re.search(f"/v1{pattern.pattern}/?$", path):
+            return f"{method} {path} is not served: {why}."
+    return None
+
+
+def method_not_allowed_message(method: str, path: str) -> str:
+    """The 405 message for ``method path`` (a served path, another method)."""
+    return _unserved_method(method, path) or f"Method Not Allowed: {method} {path}."
+
+
 def not_found_message(method: str, path: str) -> str:
     """The 404 message for ``method path``: what the route is when it is one we know we do not serve."""
+    known = _unserved_method(method, path)
+    if known is not None:
+        return known
     for prefix, what in UNSERVED_ROUTES:
         if _matches(path, prefix):
             return (

@@ -97,6 +97,8 @@ def parse_tools(raw: list[Any] | None) -> tuple[Tool, ...]:
                 f"Unrecognized field in '{where}.function': {sorted(unknown)[0]}.", f"{where}.function"
             )
         name = function.get("name")
+        if name is None:
+            raise _bad(f"Missing required parameter: '{where}.function.name'.", f"{where}.function.name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(
                 f"Invalid value for '{where}.function.name': {name!r}; a function name is 1-64 letters, digits, "
