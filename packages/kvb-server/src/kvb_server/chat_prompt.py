@@ -74,10 +74,26 @@ def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:
 def _grammar_tags(
     engine: ServingEngine, syntax: ToolSyntax | None, thinking: ReasoningPlan | None
 ) -> dict[str, int]:
-    texts = [syntax.marker, syntax.call_open, syntax.call_close] if syntax is not None else []
+    texts = [syntax.marker, syntax.optional_marker, syntax.call_open, syntax.call_close] if syntax else []
     if thinking is not None:
         texts += [thinking.syntax.start, thinking.syntax.end]
     return tag_tokens(engine, *texts)
+
+
+def keeps_special_tags(engine: ServingEngine, tools: ToolPlan | None, thinking: ReasoningPlan | None) -> bool:
+    """Whether the reply must be decoded with special tokens kept: some tag the calls or the thinking are
+    read by is a *special* token, which ``skip_special_tokens`` drops from the text before the parser could
+    see it (Hermes-2-Pro / Hermes-3 tokenizers mark ``<tool_call>`` special; a forced call came back as
+    its bare JSON in ``content``). vLLM's tool parsers turn ``skip_special_tokens`` off the same way."""
+    syntax = tools.syntax if tools is not None and tools.parses_calls else None
+    if syntax is None and thinking is None:
+        return False
+    added = getattr(engine.tokenizer, "added_tokens_decoder", None) or {}
+    tags = _grammar_tags(engine, syntax, thinking)
+    if syntax is not None:  # the parser reads the calls with or without a marker
+        for marker in (syntax.marker, syntax.optional_marker):
+            tags.pop(marker.strip(), None)
+    return any(getattr(added.get(token), "special", False) for token in tags.values())
 
 
 def check_tool_schemas(tools: ToolPlan | None) -> None:

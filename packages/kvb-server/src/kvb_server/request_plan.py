@@ -18,6 +18,7 @@ from kvb_server.chat_prompt import (
     accepts_system,
     chat_messages,
     check_tool_schemas,
+    keeps_special_tags,
     render_chat,
     reply_format,
 )
@@ -271,6 +272,12 @@ def completion_plan(
     )
 
 
+def _keep_tags(sampling: SamplingParams, keep: bool) -> SamplingParams:
+    """``sampling`` decoding special tokens into the text when the reply's tags are special tokens
+    (:func:`kvb_server.chat_prompt.keeps_special_tags`)."""
+    return dataclasses.replace(sampling, skip_special_tokens=False) if keep else sampling
+
+
 def chat_plan(
     req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
 ) -> GenerationPlan:
@@ -302,7 +309,10 @@ def chat_plan(
         model=model,
         prompts=prompts,
         n=n,
-        sampling=sampling_params(req, max_new, logprobs, fmt, config.sampling_defaults, engine.tokenizer),
+        sampling=_keep_tags(
+            sampling_params(req, max_new, logprobs, fmt, config.sampling_defaults, engine.tokenizer),
+            keeps_special_tags(engine, tools, thinking),
+        ),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=continuous_usage(req),

@@ -99,7 +99,13 @@ def _piece(text: str, tags: Mapping[str, int]) -> str:
 
 
 def _marker(plan: ToolPlan, tags: Mapping[str, int]) -> str:
-    return f"{_piece(plan.syntax.marker, tags)} " if plan.syntax.marker else ""
+    """The marker before the calls (and an optional space after it: Mistral v0.3's template writes
+    ``[TOOL_CALLS] [``, Nemo's ``[TOOL_CALLS][``); an optional marker only when it is one token (its text
+    spelled out is nothing a model writes)."""
+    syntax = plan.syntax
+    optional = syntax.optional_marker.strip()
+    head = f"{_piece(optional, tags)}? " if optional in tags else ""
+    return head + (f'{_piece(syntax.marker, tags)} " "? ' if syntax.marker else "")
 
 
 def _regex(text: str) -> str:

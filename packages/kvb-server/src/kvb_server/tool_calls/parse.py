@@ -78,6 +78,12 @@ def scan_calls(text: str, syntax: ToolSyntax) -> tuple[list[PartialCall], ScanSt
     """
     calls: list[PartialCall] = []
     i = _skip(text, 0)
+    optional = syntax.optional_marker
+    if optional:
+        if text.startswith(optional, i):
+            i = _skip(text, i + len(optional))
+        elif text[i:] and optional.startswith(text[i:]):
+            return calls, "partial"
     if syntax.marker:
         if text.startswith(syntax.marker, i):
             i += len(syntax.marker)

@@ -12,7 +12,9 @@ A message the server cannot render is a 400 whose ``param`` is the full path of 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from typing import Any
 
 from kvb_server.errors import InvalidParameterError
@@ -107,6 +109,18 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
+_SHORT_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def template_id(call_id: str, syntax: ToolSyntax) -> str:
+    """A tool-call id as the template takes it: Mistral's templates refuse anything but 9 alphanumerics,
+    so another backend's id (OpenAI's ``call_<24>``, a conversation begun elsewhere) becomes 9 hex digits of
+    its hash: the same for the call and its result, and a different one for each id."""
+    if not syntax.short_ids or _SHORT_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
 def template_messages(
     messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None, *, system_role: bool = True
 ) -> list[dict[str, Any]]:
@@ -153,7 +167,7 @@ def template_messages(
                     f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id"
                 )
             if syntax.native:
-                message = {"role": "tool", "content": content, "tool_call_id": call_id}
+                message = {"role": "tool", "content": content, "tool_call_id": template_id(call_id, syntax)}
                 if call_id in names:
                     message["name"] = names[call_id]
                 out.append(message)
@@ -172,7 +186,7 @@ def template_messages(
                         **_reasoning(msg, where),
                         "tool_calls": [
                             {
-                                "id": c["id"],
+                                "id": template_id(c["id"], syntax),
                                 "type": "function",
                                 "function": {"name": c["name"], "arguments": c["arguments"]},
                             }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvb_server.tool_calls.ids import new_call_id
-from kvb_server.tool_calls.parse import PartialCall, cut_before_name, scan_calls
+from kvb_server.tool_calls.parse import PartialCall, scan_calls, split_reply
 from kvb_server.tool_calls.spec import ToolPlan
 
 
@@ -91,8 +91,10 @@ class ToolCallStream:
                 # Call deltas were sent: they cannot be taken back, so a call cut short stays a partial call.
                 return deltas
             if truncated and self._forced:
-                call = cut_before_name(self._text, self._names) if self._text.strip() else None
-                return self._call_deltas([call] if call else [])
+                # The non-streamed reading of the same text, so that the two always agree.
+                reply = split_reply(self._text, self._syntax, truncated=True, forced=True, names=self._names)
+                if reply.content is None:
+                    return self._call_deltas(list(reply.calls))
             self._kind = "content"
         return self._content()
 

@@ -34,6 +34,9 @@ class ToolSyntax:
         args_key: the key holding the arguments (``"arguments"``, Llama's ``"parameters"``).
         max_calls: most calls in one reply (the template's limit; parallel calls are capped by the server).
         short_ids: tool-call ids are 9 alphanumerics (Mistral's templates refuse anything else).
+        optional_marker: a special token the model may write before its calls (Llama 3.1-3.3 open a JSON
+            call with ``<|python_tag|>`` as often as not); admitted by the grammar when the tokenizer holds
+            it as one token, skipped by the parser.
     """
 
     name: SyntaxName
@@ -46,15 +49,17 @@ class ToolSyntax:
     args_key: str = "arguments"
     max_calls: int | None = None
     short_ids: bool = False
+    optional_marker: str = ""
 
     @property
     def triggers(self) -> tuple[str, ...]:
         """Text a reply starts with when it is calls, as decoded (special tokens may be dropped)."""
+        optional = (self.optional_marker,) if self.optional_marker else ()
         if self.call_open:
-            return (self.call_open.strip(),)
+            return (*optional, self.call_open.strip())
         if self.bracket:
-            return ((self.marker,) if self.marker else ()) + ("[",)
-        return ((self.marker,) if self.marker else ()) + ("{",)
+            return optional + ((self.marker,) if self.marker else ()) + ("[",)
+        return optional + ((self.marker,) if self.marker else ()) + ("{",)
 
 
 def hermes(*, native: bool) -> ToolSyntax:
@@ -71,7 +76,9 @@ def hermes(*, native: bool) -> ToolSyntax:
     )
 
 
-LLAMA3_JSON = ToolSyntax(name="llama3_json", native=True, args_key="parameters", max_calls=1)
+LLAMA3_JSON = ToolSyntax(
+    name="llama3_json", native=True, args_key="parameters", max_calls=1, optional_marker="<|python_tag|>"
+)
 MISTRAL = ToolSyntax(
     name="mistral", native=True, marker="[TOOL_CALLS]", bracket=True, separator=", ", short_ids=True
 )
