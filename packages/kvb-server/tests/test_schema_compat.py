@@ -31,6 +31,12 @@ ZOD_CUID = {
 }
 
 
+#: ``z.iso.duration()`` / ``z.hostname()``: formats llguidance knows, beside a look-ahead pattern it cannot
+#: compile (the patterns here are shortened; zod's have the same look-ahead).
+ZOD_DURATION = {"type": "string", "format": "duration", "pattern": r"^P(?!$)(\d+Y)?(\d+M)?(\d+D)?$"}
+ZOD_HOSTNAME = {"type": "string", "format": "hostname", "pattern": r"^(?=.{1,253}\.?$)[a-zA-Z0-9.-]+$"}
+
+
 def _json_schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
@@ -39,6 +45,16 @@ def _json_schema(schema: dict) -> dict:
 def test_zod_spellings_compile(schema: dict) -> None:
     """Both were a 400 ("Unimplemented keys: ["propertyNames"]", "Unknown format: cuid")."""
     assert constraints.response_format(_json_schema(schema)) is not None
+
+
+@pytest.mark.parametrize("schema", [ZOD_DURATION, ZOD_HOSTNAME], ids=["duration", "hostname"])
+def test_a_known_format_with_a_look_around_pattern_is_enforced_by_its_format(schema: dict) -> None:
+    """Both were a 400 ("regex parse error", an audit with the AI SDK's zod, 2026-11-30)."""
+    assert llguidance_compatible(schema) == {"type": "string", "format": schema["format"]}
+    assert constraints.response_format(_json_schema(schema)) is not None
+    # A look-around pattern with no format llguidance knows is still refused (z.emoji()).
+    with pytest.raises(InvalidParameterError, match="regex"):
+        constraints.response_format(_json_schema({"type": "string", "pattern": "^(?=a)a+$"}))
 
 
 def test_only_the_always_true_spellings_are_rewritten() -> None:

@@ -15,6 +15,10 @@ zod 4's ``z.toJSONSchema`` (what openai-node's ``zodResponseFormat`` / ``zodFunc
   ``format`` an annotation unless a validator knows it, so the unknown ``format`` is dropped and the
   ``pattern`` enforced. An unknown ``format`` with no ``pattern`` is left for llguidance to refuse: nothing
   would enforce it.
+- string formats llguidance *does* know, written with a ``pattern`` that uses look-around, which its
+  regex engine refuses (``z.iso.duration()``, ``z.hostname()``: "regex parse error"): the ``format`` states
+  the same constraint (zod derives the pattern from it), so the ``pattern`` is dropped and the ``format``
+  enforced, as OpenAI's structured outputs enforce ``duration`` and ``hostname``.
 
 Applied where every JSON schema is compiled (:func:`kvb_cache.structured.backend.llguidance_schema`), so
 ``response_format``, vLLM's ``guided_json``, the Responses API's ``text.format`` and a server's tool
@@ -24,12 +28,16 @@ Applied where every JSON schema is compiled (:func:`kvb_cache.structured.backend
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 #: The ``format`` values llguidance 1.x enforces (others are "Unknown format" errors).
 LLGUIDANCE_FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
+
+#: Look-ahead / look-behind, which llguidance's regex engine (Rust's ``regex``) does not implement.
+_LOOK_AROUND = re.compile(r"\(\?<?[=!]")
 
 #: ``propertyNames`` values every JSON object satisfies (its keys are strings), once annotations are removed.
 _ALWAYS_TRUE_PROPERTY_NAMES: tuple[Any, ...] = (True, {}, {"type": "string"})
@@ -84,8 +92,11 @@ def llguidance_compatible(schema: Any) -> Any:
     if "propertyNames" in out and _always_true(out["propertyNames"]):
         del out["propertyNames"]
     fmt = out.get("format")
-    if isinstance(fmt, str) and fmt not in LLGUIDANCE_FORMATS and isinstance(out.get("pattern"), str):
+    pattern = out.get("pattern")
+    if isinstance(fmt, str) and fmt not in LLGUIDANCE_FORMATS and isinstance(pattern, str):
         del out["format"]
+    elif fmt in LLGUIDANCE_FORMATS and isinstance(pattern, str) and _LOOK_AROUND.search(pattern):
+        del out["pattern"]
     return out
 
 
