@@ -74,7 +74,18 @@ def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:
 def _grammar_tags(
     engine: ServingEngine, syntax: ToolSyntax | None, thinking: ReasoningPlan | None
 ) -> dict[str, int]:
-    texts = [syntax.marker, syntax.optional_marker, syntax.call_open, syntax.call_close] if syntax else []
+    texts = (
+        [
+            syntax.marker,
+            syntax.optional_marker,
+            syntax.call_open,
+            syntax.call_close,
+            syntax.args_tag,
+            syntax.call_id_tag,
+        ]
+        if syntax
+        else []
+    )
     if thinking is not None:
         texts += [thinking.syntax.start, thinking.syntax.end]
     return tag_tokens(engine, *texts)

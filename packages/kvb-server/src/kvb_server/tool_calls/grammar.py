@@ -192,21 +192,10 @@ def _tool_rules(
     """The reply's start rule body and the rules it uses (``not_first``: more openings a text reply must
     not begin with)."""
     syntax = plan.syntax
-    call = (
-        f"{_piece(syntax.call_open, tags)} obj {_piece(syntax.call_close, tags)}"
-        if syntax.call_open
-        else "obj"
-    )
-    sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
-    more = f"({sep}call){{0,{plan.max_calls - 1}}}" if plan.max_calls > 1 else ""
-    body = f"call {more}".strip()
-    if syntax.bracket:
-        body = f'"[" {body} "]"'
-    lines = [
-        f"calls: {_marker(plan, tags)}{body}",
-        f"call: {call}",
-        f"obj: %json {json.dumps(call_schema(plan))}",
-    ]
+    if syntax.args_tag:
+        lines = _tagged_call_rules(plan, tags)
+    else:
+        lines = _object_call_rules(plan, tags)
     if plan.mode == "calls":
         return "calls", "\n".join(lines) + "\n"
     if text_schema is not None:
@@ -218,3 +207,43 @@ def _tool_rules(
     # Any text (the empty reply included) that does not begin like a call.
     text_rule = f"TEXT: /(?s:.*)/ & ~/\\s*({starts})(?s:.*)/"
     return "TEXT | calls", "\n".join([*lines, text_rule]) + "\n"
+
+
+def _tagged_call_rules(plan: ToolPlan, tags: Mapping[str, int]) -> list[str]:
+    """``calls`` for a syntax whose name is outside the JSON (``mistral_v11``): per call the marker, one
+    callable tool's name, an optional call id, the arguments tag, then that tool's arguments."""
+    syntax = plan.syntax
+    call_id = ""
+    if syntax.call_id_tag.strip() in tags:  # a model that writes ids writes the tag as its one token
+        call_id = f"({_piece(syntax.call_id_tag, tags)} /[A-Za-z0-9]{{9}}/)? "
+    args = _piece(syntax.args_tag, tags)
+    lines = [
+        f"calls: call{{1,{plan.max_calls}}}",
+        f"call: {_piece(syntax.marker, tags)} ("
+        + " | ".join(f"{_literal(tool.name)} {call_id}{args} args{i}" for i, tool in enumerate(plan.callable))
+        + ")",
+    ]
+    for i, tool in enumerate(plan.callable):
+        schema = {"x-guidance": _JSON_OPTIONS, **llguidance_schema(tool.parameters)}
+        lines.append(f"args{i}: %json {json.dumps(schema)}")
+    return lines
+
+
+def _object_call_rules(plan: ToolPlan, tags: Mapping[str, int]) -> list[str]:
+    """``calls`` for a syntax whose calls are ``{"name": ..., "<args_key>": {...}}`` objects."""
+    syntax = plan.syntax
+    call = (
+        f"{_piece(syntax.call_open, tags)} obj {_piece(syntax.call_close, tags)}"
+        if syntax.call_open
+        else "obj"
+    )
+    sep = f"{_literal(syntax.separator)} " if syntax.separator else ""
+    more = f"({sep}call){{0,{plan.max_calls - 1}}}" if plan.max_calls > 1 else ""
+    body = f"call {more}".strip()
+    if syntax.bracket:
+        body = f'"[" {body} "]"'
+    return [
+        f"calls: {_marker(plan, tags)}{body}",
+        f"call: {call}",
+        f"obj: %json {json.dumps(call_schema(plan))}",
+    ]

@@ -68,6 +68,53 @@ def _expect(text: str, i: int, token: str) -> tuple[int, ScanState | None]:
     return i, "partial" if token.startswith(rest) and i + len(rest) == len(text) else "bad"
 
 
+#: A tool name as OpenAI allows it (``mistral_v11`` writes it bare, before ``[ARGS]``).
+_NAME = re.compile(r"[A-Za-z0-9_.-]*")
+
+
+def _without_tag_start(text: str, tags: tuple[str, ...]) -> str:
+    """``text`` without its end when that end is the beginning of one of ``tags`` (``"get_weather[AR"``)."""
+    for cut in range(len(text)):
+        rest = text[cut:]
+        if any(tag and tag.startswith(rest) for tag in tags):
+            return text[:cut]
+    return text
+
+
+def _scan_tagged(text: str, syntax: ToolSyntax) -> tuple[list[PartialCall], ScanState]:
+    """:func:`scan_calls` for ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` calls (``mistral_v11``)."""
+    calls: list[PartialCall] = []
+    i = _skip(text, 0)
+    while True:
+        if calls:
+            i = _skip(text, i)
+            if i == len(text):
+                return calls, "done"
+        i, state = _expect(text, i, syntax.marker)
+        if state:
+            return calls, state
+        end = text.find(syntax.args_tag, i)
+        head = text[i:] if end < 0 else text[i:end]
+        if end < 0:  # the text may end inside a tag: what could still become one is not the name
+            head = _without_tag_start(head, (syntax.args_tag, syntax.call_id_tag))
+        name = head.split(syntax.call_id_tag)[0] if syntax.call_id_tag else head
+        if not _NAME.fullmatch(name) or (end >= 0 and not name):
+            return calls, "bad"
+        if end < 0:  # the name (or its id) so far, or the arguments tag cut in the middle
+            return calls, "partial"
+        start = _skip(text, end + len(syntax.args_tag))
+        if start == len(text):
+            calls.append(PartialCall(name, "", False))
+            return calls, "partial"
+        if text[start] != "{":
+            return calls, "bad"
+        stop = _json_end(text, start)
+        calls.append(PartialCall(name, text[start:] if stop is None else text[start:stop], stop is not None))
+        if stop is None:
+            return calls, "partial"
+        i = stop
+
+
 def scan_calls(text: str, syntax: ToolSyntax) -> tuple[list[PartialCall], ScanState]:
     """The calls in ``text`` so far.
 
@@ -76,6 +123,8 @@ def scan_calls(text: str, syntax: ToolSyntax) -> tuple[list[PartialCall], ScanSt
         when it ends inside one (the last call may be in ``calls`` with ``complete=False``, or not yet have
         a whole name), ``"bad"`` when it departs from the syntax (``calls`` are those before).
     """
+    if syntax.args_tag:
+        return _scan_tagged(text, syntax)
     calls: list[PartialCall] = []
     i = _skip(text, 0)
     optional = syntax.optional_marker
@@ -143,13 +192,19 @@ class ToolCallText:
 _NAME_SO_FAR = re.compile(r'"name"\s*:\s*"([^"\\]*)$')
 
 
-def cut_before_name(text: str, names: tuple[str, ...]) -> PartialCall | None:
+def cut_before_name(
+    text: str, names: tuple[str, ...], syntax: ToolSyntax | None = None
+) -> PartialCall | None:
     """The call a forced reply (``tool_choice`` required or named) was writing when ``max_tokens`` cut it
     before its name was complete (inside ``<tool_call>``, say, or ``{"name": "get_wea``): the one callable
     tool (``names``) whose name starts with what the reply wrote of it, with no arguments yet; None when
     more than one could still follow (the grammar admits only those names)."""
-    written = _NAME_SO_FAR.search(text)
-    prefix = written.group(1) if written else ""
+    if syntax is not None and syntax.args_tag:  # the bare name after the marker (mistral_v11)
+        after = text.rpartition(syntax.marker)[2] if syntax.marker in text else ""
+        prefix = after.split(syntax.call_id_tag)[0] if syntax.call_id_tag else after
+    else:
+        written = _NAME_SO_FAR.search(text)
+        prefix = written.group(1) if written else ""
     matching = [name for name in names if name.startswith(prefix)]
     return PartialCall(matching[0], "", False) if len(matching) == 1 else None
 
@@ -183,7 +238,7 @@ def split_reply(
     if truncated and forced and not calls and state == "partial":
         # Under a forced choice the grammar admits only calls, so any text is the start of one (a tag cut
         # in the middle, "<tool_", does not even start like a call yet).
-        call = cut_before_name(text, names)
+        call = cut_before_name(text, names, syntax)
         return ToolCallText(None, (call,) if call else ())
     if truncated and state == "partial":
         calls = calls if forced else [c for c in calls if c.complete]

@@ -10,6 +10,9 @@ Three syntaxes cover the templates we know (detected from the template text, see
   templates allow one call per turn, so ``parallel_tool_calls`` cannot add more.
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (``[TOOL_CALLS]`` is a special token,
   dropped from the decoded text, so parsing accepts the array with or without it).
+- ``mistral_v11``: ``[TOOL_CALLS]get_weather[ARGS]{...}`` per call (Mistral Small 3.1 and later, Magistral,
+  Devstral: tokenizers v11+, whose templates write ``[ARGS]``), optionally ``[CALL_ID]<9 characters>``
+  before ``[ARGS]``; the name is outside the JSON, which holds the arguments alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SyntaxName = Literal["hermes", "llama3_json", "mistral"]
+SyntaxName = Literal["hermes", "llama3_json", "mistral", "mistral_v11"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +37,10 @@ class ToolSyntax:
         args_key: the key holding the arguments (``"arguments"``, Llama's ``"parameters"``).
         max_calls: most calls in one reply (the template's limit; parallel calls are capped by the server).
         short_ids: tool-call ids are 9 alphanumerics (Mistral's templates refuse anything else).
+        args_tag: each call is ``marker``, the tool's name, this tag, then the arguments' JSON object (no
+            ``{"name": ...}`` object; ``mistral_v11``).
+        call_id_tag: a tag the model may write between the name and ``args_tag``, followed by a 9-character
+            call id (``[CALL_ID]``).
         optional_marker: a special token the model may write before its calls (Llama 3.1-3.3 open a JSON
             call with ``<|python_tag|>`` as often as not); admitted by the grammar when the tokenizer holds
             it as one token, skipped by the parser.
@@ -49,12 +56,16 @@ class ToolSyntax:
     args_key: str = "arguments"
     max_calls: int | None = None
     short_ids: bool = False
+    args_tag: str = ""
+    call_id_tag: str = ""
     optional_marker: str = ""
 
     @property
     def triggers(self) -> tuple[str, ...]:
         """Text a reply starts with when it is calls, as decoded (special tokens may be dropped)."""
         optional = (self.optional_marker,) if self.optional_marker else ()
+        if self.args_tag:
+            return (self.marker,)
         if self.call_open:
             return (*optional, self.call_open.strip())
         if self.bracket:
@@ -82,6 +93,14 @@ LLAMA3_JSON = ToolSyntax(
 MISTRAL = ToolSyntax(
     name="mistral", native=True, marker="[TOOL_CALLS]", bracket=True, separator=", ", short_ids=True
 )
+MISTRAL_V11 = ToolSyntax(
+    name="mistral_v11",
+    native=True,
+    marker="[TOOL_CALLS]",
+    args_tag="[ARGS]",
+    call_id_tag="[CALL_ID]",
+    short_ids=True,
+)
 
 
 def template_text(tokenizer: Any) -> str:
@@ -107,7 +126,7 @@ def detect(tokenizer: Any) -> ToolSyntax:
     if "<tool_call>" in text:
         return hermes(native=True)
     if "[TOOL_CALLS]" in text:
-        return MISTRAL
+        return MISTRAL_V11 if "[ARGS]" in text else MISTRAL
     if "<|python_tag|>" in text or ('"parameters"' in text and "ipython" in text):
         return LLAMA3_JSON
     return hermes(native=False)
