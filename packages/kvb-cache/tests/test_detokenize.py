@@ -14,7 +14,7 @@ from kvb_cache.detokenize import IncrementalDetokenizer, token_text
 from kvb_cache.emitter import Emitter
 from kvb_cache.sampling import SamplingParams
 
-PIECES = ["▁hello", "▁world", "▁x", "x", "▁", "h", "e", "l", "o", "w", "r", "d"]
+PIECES = ["▁hello", "▁world", "▁x", "x", "▁", "h", "e", "l", "o", "w", "r", "d", "▁▁", "▁▁▁▁"]
 
 
 def sentencepiece_tokenizer() -> T.PreTrainedTokenizerFast:
@@ -77,6 +77,46 @@ def test_logprob_tokens_keep_the_space_and_spell_the_reply(sp_engine):
     assert token_text(tok, tok.convert_tokens_to_ids("<0xE6>")) == "\ufffd"  # part of a character
     assert token_text(tok, tok.convert_tokens_to_ids("x")) == "x"
     assert token_text(tok, 2) == "</s>"
+
+
+def test_a_run_of_space_marks_reads_as_that_many_spaces(sp_engine):
+    """``▁▁`` / ``▁▁▁▁`` (indentation in code, in Llama 2 / Mistral vocabularies) decode alone with a space
+    fewer (the Strip decoder): their logprob tokens read one space each, so the tokens no longer spelt the
+    reply and completions' text offsets drifted (an audit, 2026-11-30)."""
+    tok = sp_engine.tokenizer
+    two, four = tok.convert_tokens_to_ids("▁▁"), tok.convert_tokens_to_ids("▁▁▁▁")
+    assert (token_text(tok, two), token_text(tok, four)) == ("  ", "    ")
+    result = sp_engine.generate("hello", logit_bias={two: 100}, max_new_tokens=2, ignore_eos=True, logprobs=0)
+    assert result.output_text == "    " and [lp.token for lp in result.logprobs] == ["  ", "  "]
+    metaspace = sentencepiece_tokenizer()
+    metaspace.backend_tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    assert token_text(metaspace, four) == "    " and token_text(metaspace, two) == "  "
+
+
+def byte_level_tokenizer() -> T.PreTrainedTokenizerFast:
+    """Byte-level BPE whose one token holds "о" and the first byte of the next Cyrillic letter (SmolLM2
+    has such tokens: it decodes alone to "о\ufffd")."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(["<eos>", *sorted(alphabet), "Ð¾", "Ð¾Ð"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ð", "¾"), ("Ð¾", "Ð")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return T.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+def test_a_stop_string_in_text_held_back_until_end_of_sequence_ends_the_text():
+    """A token ending inside a character is held back with the whole characters before it; end of
+    sequence then flushed it without looking for stop strings, so the stop string stayed in the text with
+    no stop reason (max_new_tokens, at the same point, found it)."""
+    tok = byte_level_tokenizer()
+    held, eos = tok.convert_tokens_to_ids("Ð¾Ð"), tok.eos_token_id
+    assert tok.decode([held]) == "о\ufffd"
+    for stop_ids in ((), (eos,)):
+        emitter = Emitter.build(tok, frozenset({eos}), SamplingParams(stop=["о"], max_new_tokens=8), [])
+        emitter.stop_ids = frozenset(stop_ids)
+        deltas = [emitter.push(held, 1), emitter.push(eos, 2)]
+        assert (emitter.text, emitter.stop_reason, emitter.finish) == ("", "о", "stop")
+        assert "".join(deltas) == ""
 
 
 def test_a_word_level_reply_reads_as_it_follows_the_prompt(tokenizer):

@@ -84,9 +84,14 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     fallback = BYTE_PIECE.fullmatch(piece)
     if fallback is not None and int(fallback.group(1), 16) < 0x80:
         return chr(int(fallback.group(1), 16))
-    # Only where the decoder turns the mark into a space (it is gone from the text) and dropped this one.
-    if piece.startswith(_METASPACE) and _METASPACE not in text and not text.startswith(" "):
-        return " " + text
+    # Only where the decoder turns the marks into spaces (they are gone from the text) and stripped some:
+    # a run of them (``▁▁``, ``▁▁▁▁``: indentation in code) decodes alone with one space fewer (Llama 2's
+    # Strip) or as one space (a Metaspace decoder), though it reads as that many spaces mid-text.
+    if piece.startswith(_METASPACE) and _METASPACE not in text:
+        marks = len(piece) - len(piece.lstrip(_METASPACE))
+        spaces = len(text) - len(text.lstrip(" "))
+        if spaces < marks:
+            return " " * (marks - spaces) + text
     return text
 
 

@@ -81,9 +81,15 @@ class Emitter:
         """Account for one generated token; return the text now safe to stream."""
         self.starts.append(len(self.text))
         if token in self.stop_ids or token in self.eos:
+            before = len(self.text)
             if self.include_stop:
                 self.text += self.detok.push(token)
             self.text += self.detok.flush()
+            # The flushed text was held back (a token ending inside a character can hold whole characters
+            # too): a stop string in it ends the text there, as when max_new_tokens ends it.
+            match = self.stops.find(self.text, before) if produced > self.min_new else None
+            if match is not None:
+                return self._stopped(match)
             if token in self.stop_ids:
                 self.stop_reason = token
             return self._finish("stop", len(self.text))
