@@ -46,6 +46,19 @@ def test_the_format_is_read_from_the_template(template: str, fmt: str) -> None:
     assert content_format(template) == fmt
 
 
+def test_templates_with_loop_controls_or_generation_blocks_are_read() -> None:
+    """Hub templates use {% break %} and {% generation %}, which apply_chat_template's environment takes
+    and a plain jinja2 one refuses (a review: such a parts template was read as "string")."""
+    with_break = LOOP.replace(
+        "{% endif %}{% endfor %}", "{% endif %}{% if loop.index > 9 %}{% break %}{% endif %}{% endfor %}", 1
+    )
+    with_generation = LOOP.replace(
+        "<|{{ message['role'] }}|>", "{% generation %}<|{{ message['role'] }}|>{% endgeneration %}"
+    )
+    assert with_break != LOOP and with_generation != LOOP
+    assert content_format(with_break) == "openai" and content_format(with_generation) == "openai"
+
+
 def test_an_unparsable_template_is_left_alone() -> None:
     assert content_format("{% for x in %}") == "string"
 

@@ -113,6 +113,14 @@ def test_tagged_calls_are_read_whole_and_in_pieces() -> None:
         "[TOOL_CALLS]get_t", MISTRAL_V11, truncated=True, forced=True, names=("get_weather", "get_time")
     )
     assert cut.content is None and [c.name for c in cut.calls] == ["get_time"]
+    names = ("get", "get_time")  # a whole name that prefixes another: the tag after it settles it
+    for text, name in (
+        ("[TOOL_CALLS]get", None),
+        ("[TOOL_CALLS]get[AR", "get"),
+        ("[TOOL_CALLS]get[CALL_ID]a1", "get"),
+    ):
+        cut = split_reply(text, MISTRAL_V11, truncated=True, forced=True, names=names)
+        assert [c.name for c in cut.calls] == ([name] if name else []), text
 
 
 @pytest.fixture(scope="module")

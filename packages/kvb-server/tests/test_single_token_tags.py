@@ -142,3 +142,26 @@ def test_json_after_thinking_ends_the_block_with_its_token(client) -> None:
     choice = resp.choices[0]
     assert choice.finish_reason == "stop", choice  # before: thinking until max_tokens, content None
     assert json.loads(choice.message.content)["a"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_call_in_text_tags_after_a_token_closed_block_and_blank_lines(opened: bool) -> None:
+    """``</think>`` one token, ``<tool_call>`` text (an R1 distill on a Llama vocabulary): in auto no call
+    could follow ``</think>\\n\\n``, which reasoning models always write (a review, 2026-11-30: the lexer
+    gave the blank to the text reply, which then refused the call)."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tagged = (tokenizer, llguidance.hf.from_tokenizer(tokenizer))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")}
+    plan = ReasoningPlan(PARSERS["qwen3"], opened)
+    opening = "" if opened else "<think>"
+    for mode in ("auto", "required"):
+        grammar = tool_grammar(
+            tool_plan([WEATHER], mode, None, hermes(native=True)), tag_tokens=ids, thinking=plan
+        )
+        for blank in ("", "\n", "\n\n", " " * 8):
+            assert accepts(tagged, grammar, f"{opening}hm</think>{blank}{CALL}"), (mode, blank)
+            assert accepts(tagged, grammar, f"{opening}hm</think>{blank}Sunny.") == (mode == "auto")
+        assert not accepts(tagged, grammar, f"{opening}hm</think>{' ' * 9}{CALL}")
+        if mode == "auto" and not opened:  # no thinking at all: any text, a leading blank included
+            assert accepts(tagged, grammar, " Sunny.") and accepts(tagged, grammar, CALL)

@@ -217,6 +217,9 @@ def test_stream_cut_before_a_call_name_ends_with_the_text_the_non_streamed_reply
         ([WEATHER, TIME], "required", '<tool_call>\n{"name":"get_t', "get_time"),  # only one name fits
         ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, "<tool_call>", "get_time"),
         ([WEATHER], "required", "   ", None),  # nothing written
+        # The name whole, its arguments not begun: that tool (it was dropped with two tools, a review).
+        ([WEATHER, TIME], "required", '<tool_call>\n{"name":"get_weather"', "get_weather"),
+        ([WEATHER, TIME], "required", '<tool_call>\n{"name":"get_time","', "get_time"),
     ],
 )
 def test_a_forced_call_cut_before_its_name_is_that_call_or_nothing(tools, choice, cut: str, name) -> None:

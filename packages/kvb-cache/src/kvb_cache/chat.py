@@ -100,7 +100,7 @@ def render_chat(
             param="continue_final_message",
         )
     # Each content in the shape the template reads (a string, or a list of text parts): chat_content.py.
-    messages = fit_content(messages, content_format(template_source(tokenizer)))
+    messages = fit_content(messages, content_format(template_source(tokenizer, tools=bool(tools))))
     try:
         ids = tokenizer.apply_chat_template(
             messages,

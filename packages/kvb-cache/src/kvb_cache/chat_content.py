@@ -35,13 +35,16 @@ def content_format(template: str) -> ContentFormat:
     takes an item of it by position (``message['content'][0]['text']``), else ``"string"``; a template
     jinja cannot parse is left to fail as it will (``"string"``)."""
     try:
-        import jinja2
         import jinja2.nodes as jinja_nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:  # transformers renders templates with jinja2; without it nothing renders anyway
         return "string"
     try:
-        tree = jinja2.Environment().parse(template)
-    except jinja2.TemplateError:
+        # NOTE: parsed in the environment apply_chat_template renders in (transformers' private compile
+        # function, cached there): a plain jinja2 Environment refuses {% break %} and {% generation %},
+        # which Hub templates use, and such a template read as "string" lost the user's text again.
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # a template that does not compile fails as it will when rendered
         return "string"
     for loop in tree.find_all(jinja_nodes.For):
         if _is_content(loop.iter, jinja_nodes):
@@ -56,11 +59,13 @@ def content_format(template: str) -> ContentFormat:
     return "string"
 
 
-def template_source(tokenizer: Any) -> str:
-    """The tokenizer's chat template source (all named templates, when it has several)."""
+def template_source(tokenizer: Any, *, tools: bool = False) -> str:
+    """The chat template source ``apply_chat_template`` renders with: of named templates, ``tool_use``
+    when ``tools`` are given and it has one, else ``default``; "" when there is none."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, Mapping):
-        return "\n".join(str(t) for t in template.values())
+        name = "tool_use" if tools and "tool_use" in template else "default"
+        template = template.get(name)
     return template if isinstance(template, str) else ""
 
 

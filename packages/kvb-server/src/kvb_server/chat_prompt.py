@@ -32,7 +32,7 @@ def chat_messages(
 
 #: Chat template source -> whether it renders a system message (probed once per template).
 _SYSTEM_ROLE: dict[str, bool] = {}
-_PROBE = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+_USER = {"role": "user", "content": "b"}
 
 
 def accepts_system(engine: ServingEngine) -> bool:
@@ -44,14 +44,23 @@ def accepts_system(engine: ServingEngine) -> bool:
     if not source or not hasattr(tokenizer, "apply_chat_template"):
         return True
     if source not in _SYSTEM_ROLE:
-        try:
-            render_template(tokenizer, _PROBE)
-            _SYSTEM_ROLE[source] = True
-        except InvalidRequestError:  # the template refused the system message
-            _SYSTEM_ROLE[source] = False
-        except Exception:  # anything else is not this probe's question
-            _SYSTEM_ROLE[source] = True
+        # Refuses: renders a user message alone, not after a system one (a template that fails on both,
+        # needing a chat_template_kwargs variable say, is not answering this question).
+        _SYSTEM_ROLE[source] = not (
+            _renders(tokenizer, [_USER]) and not _renders(tokenizer, [_SYSTEM, _USER])
+        )
     return _SYSTEM_ROLE[source]
+
+
+_SYSTEM = {"role": "system", "content": "a"}
+
+
+def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
+    try:
+        render_template(tokenizer, messages)
+    except Exception:  # whatever the template raised: it did not render these
+        return False
+    return True
 
 
 def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:

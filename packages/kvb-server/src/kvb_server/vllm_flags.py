@@ -110,7 +110,7 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "--chat-template-content-format": (
         "a message's content reaches the chat template as one string or as a list of text parts, whichever "
         "the template reads (detected from its source, as vLLM's auto)",
-        ("auto",),
+        ("auto", "string"),
     ),
     "--max-seq-len-to-capture": (
         "decode steps replay CUDA graphs captured per batch size and context-width bucket, at any context "

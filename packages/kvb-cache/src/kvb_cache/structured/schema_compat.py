@@ -15,10 +15,12 @@ zod 4's ``z.toJSONSchema`` (what openai-node's ``zodResponseFormat`` / ``zodFunc
   ``format`` an annotation unless a validator knows it, so the unknown ``format`` is dropped and the
   ``pattern`` enforced. An unknown ``format`` with no ``pattern`` is left for llguidance to refuse: nothing
   would enforce it.
-- string formats llguidance *does* know, written with a ``pattern`` that uses look-around, which its
-  regex engine refuses (``z.iso.duration()``, ``z.hostname()``: "regex parse error"): the ``format`` states
-  the same constraint (zod derives the pattern from it), so the ``pattern`` is dropped and the ``format``
-  enforced, as OpenAI's structured outputs enforce ``duration`` and ``hostname``.
+- ``duration`` and ``hostname``, which llguidance enforces, written with the look-ahead ``pattern`` zod
+  derives from them (``z.iso.duration()``, ``z.hostname()``; its look-aheads only say "not empty" and "at
+  most 253 characters"), which llguidance's regex engine refuses ("regex parse error"): the ``pattern`` is
+  dropped and the ``format`` enforced, as OpenAI's structured outputs enforce them. Only these two
+  formats: beside any other, a look-around ``pattern`` may say more than the format (an email not at one
+  domain), so it stays a 400 rather than go unenforced.
 
 Applied where every JSON schema is compiled (:func:`kvb_cache.structured.backend.llguidance_schema`), so
 ``response_format``, vLLM's ``guided_json``, the Responses API's ``text.format`` and a server's tool
@@ -36,8 +38,11 @@ LLGUIDANCE_FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
 
-#: Look-ahead / look-behind, which llguidance's regex engine (Rust's ``regex``) does not implement.
-_LOOK_AROUND = re.compile(r"\(\?<?[=!]")
+#: Look-ahead / look-behind (an unescaped ``(?=``, ``(?!``, ``(?<=``, ``(?<!``), which llguidance's regex
+#: engine (Rust's ``regex``) does not implement.
+_LOOK_AROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
+#: Formats whose zod pattern uses look-ahead to say what the format already says.
+_LOOK_AHEAD_FORMATS = frozenset({"duration", "hostname"})
 
 #: ``propertyNames`` values every JSON object satisfies (its keys are strings), once annotations are removed.
 _ALWAYS_TRUE_PROPERTY_NAMES: tuple[Any, ...] = (True, {}, {"type": "string"})
@@ -95,7 +100,12 @@ def llguidance_compatible(schema: Any) -> Any:
     pattern = out.get("pattern")
     if isinstance(fmt, str) and fmt not in LLGUIDANCE_FORMATS and isinstance(pattern, str):
         del out["format"]
-    elif fmt in LLGUIDANCE_FORMATS and isinstance(pattern, str) and _LOOK_AROUND.search(pattern):
+    elif (
+        isinstance(fmt, str)
+        and fmt in _LOOK_AHEAD_FORMATS
+        and isinstance(pattern, str)
+        and _LOOK_AROUND.search(pattern)
+    ):
         del out["pattern"]
     return out
 

@@ -148,12 +148,20 @@ def json_after_thinking(
     return _grammar(f"%json {json.dumps(schema)}", "", thinking, tag_tokens or {})
 
 
-def _grammar(start: str, rules: str, thinking: ReasoningPlan | None, tags: Mapping[str, int]) -> str:
+def _grammar(
+    start: str, rules: str, thinking: ReasoningPlan | None, tags: Mapping[str, int], after: str | None = None
+) -> str:
     """A Lark grammar whose reply is ``start`` (a rule body; ``rules``: the rules it uses, each line ending
-    with a newline), after a thinking block when ``thinking`` is given (required when the prompt opened it)."""
+    with a newline), after a thinking block when ``thinking`` is given (required when the prompt opened it);
+    ``after``: the reply's body after a thinking block, when it differs."""
     if thinking is None:
         return f"start: {start}\n{rules}"
     name, think_rules = _thinking(thinking, tags)
+    if after is not None:
+        direct = "" if thinking.opened else " | reply"
+        return (
+            f"start: {name} reply_after{direct}\nreply: {start}\nreply_after: {after}\n{rules}{think_rules}"
+        )
     optional = "" if thinking.opened else "?"
     return f"start: {name}{optional} reply\nreply: {start}\n{rules}{think_rules}"
 
@@ -179,7 +187,15 @@ def tool_grammar(
     opens = (thinking.syntax.start,) if thinking is not None and not thinking.opened else ()
     tags = tag_tokens or {}
     start, rules = _tool_rules(plan, tags=tags, text_schema=text_schema, not_first=opens)
-    return _grammar(start, rules, thinking, tags)
+    after = None
+    if thinking is not None and thinking.syntax.end.strip() in tags and "TEXT" in start.split(" | "):
+        # After a block closed by its token, its blank (THINK_SPACE) and a text reply both begin with a
+        # blank, and the greedy lexer gave "\n\n" to TEXT, which then refused the call after it: no call
+        # could follow "</think>\n\n" in auto (a review). There a text reply begins with anything else.
+        starts = "|".join(_regex(t) for t in (*plan.syntax.triggers, *opens))
+        rules += f"TEXT_AFTER: /([^ \\t\\r\\n](?s:.*))?/ & ~/\\s*({starts})(?s:.*)/\n"
+        after = start.replace("TEXT", "TEXT_AFTER")
+    return _grammar(start, rules, thinking, tags, after)
 
 
 def _tool_rules(

@@ -189,22 +189,29 @@ class ToolCallText:
     calls: tuple[PartialCall, ...]
 
 
-_NAME_SO_FAR = re.compile(r'"name"\s*:\s*"([^"\\]*)$')
+#: A call's name as far as it was written (``closed``: its closing quote too, so it is the whole name).
+_NAME_SO_FAR = re.compile(r'"name"\s*:\s*"(?P<name>[^"\\]*)(?P<closed>")?')
 
 
 def cut_before_name(
     text: str, names: tuple[str, ...], syntax: ToolSyntax | None = None
 ) -> PartialCall | None:
     """The call a forced reply (``tool_choice`` required or named) was writing when ``max_tokens`` cut it
-    before its name was complete (inside ``<tool_call>``, say, or ``{"name": "get_wea``): the one callable
-    tool (``names``) whose name starts with what the reply wrote of it, with no arguments yet; None when
-    more than one could still follow (the grammar admits only those names)."""
+    before its arguments began (inside ``<tool_call>``, say, ``{"name": "get_wea`` or ``{"name": "get",``):
+    the one callable tool (``names``) the reply's name so far allows (a whole name: that tool; part of one:
+    the tools whose names start with it), with no arguments yet; None when more than one could still
+    follow (the grammar admits only those names)."""
     if syntax is not None and syntax.args_tag:  # the bare name after the marker (mistral_v11)
         after = text.rpartition(syntax.marker)[2] if syntax.marker in text else ""
-        prefix = after.split(syntax.call_id_tag)[0] if syntax.call_id_tag else after
+        head = _without_tag_start(after, (syntax.args_tag, syntax.call_id_tag))
+        prefix = head.split(syntax.call_id_tag)[0] if syntax.call_id_tag else head
+        if head != after or (syntax.call_id_tag and syntax.call_id_tag in head):  # a tag followed the name
+            return PartialCall(prefix, "", False) if prefix in names else None
     else:
         written = _NAME_SO_FAR.search(text)
-        prefix = written.group(1) if written else ""
+        prefix = written.group("name") if written else ""
+        if written and written.group("closed"):  # the name is whole ({"name":"get",): only that tool
+            return PartialCall(prefix, "", False) if prefix in names else None
     matching = [name for name in names if name.startswith(prefix)]
     return PartialCall(matching[0], "", False) if len(matching) == 1 else None
 
