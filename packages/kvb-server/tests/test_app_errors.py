@@ -312,7 +312,7 @@ def test_sdk_routes_under_served_prefixes_say_why_they_are_not_served(url: str) 
     with pytest.raises(openai.NotFoundError, match="only background responses can be cancelled"):
         client.responses.cancel("resp_x")
     err = assert_openai_error(post(url, "/v1/responses/compact", {"model": MODEL, "input": "hi"}), 405)
-    assert "compaction is not served" in err["message"]
+    assert "does not compact responses" in err["message"]
     err = assert_openai_error(httpx.delete(url + "/v1/models/x"), 405)
     assert "cannot be deleted" in err["message"]
     # Another method on a served route is still a plain 405.

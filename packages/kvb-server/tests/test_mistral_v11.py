@@ -21,7 +21,7 @@ from test_tool_calls import accepts
 from test_tool_templates import WEATHER
 
 from kvb_server import ServerConfig, create_app
-from kvb_server.chat_prompt import tag_tokens
+from kvb_server.tag_tokens import tag_tokens
 from kvb_server.tool_calls import ToolCallStream, detect, scan_calls, split_reply, tool_grammar
 from kvb_server.tool_calls.spec import tool_plan
 from kvb_server.tool_calls.syntax import MISTRAL_V11

@@ -159,8 +159,8 @@ def test_special_think_tags_split_the_reasoning(special_hermes) -> None:
 def test_plain_requests_keep_skipping_special_tokens() -> None:
     """Only a reply read by special tags decodes them: a tokenizer whose tags are plain text (SmolLM2's)
     keeps the default."""
-    from kvb_server.chat_prompt import keeps_special_tags
     from kvb_server.reasoning import PARSERS, ReasoningPlan
+    from kvb_server.tag_tokens import keeps_special_tags
 
     plain = build_tiny_engine()
     plan = tool_plan([WEATHER], "required", None, hermes(native=True))

@@ -22,8 +22,8 @@ from test_tool_calls import accepts
 from test_tool_templates import HERMES_TEMPLATE, WEATHER
 
 from kvb_server import ServerConfig, create_app
-from kvb_server.chat_prompt import tag_tokens
 from kvb_server.reasoning import PARSERS, ReasoningPlan
+from kvb_server.tag_tokens import tag_tokens
 from kvb_server.tool_calls import tool_grammar
 from kvb_server.tool_calls.grammar import json_after_thinking
 from kvb_server.tool_calls.spec import tool_plan

@@ -18,6 +18,7 @@ from kvb_server.engine import ServingEngine
 from kvb_server.errors import InvalidParameterError
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.schemas.generation_requests import ChatCompletionRequest
+from kvb_server.tag_tokens import grammar_tags
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, template_messages, tool_grammar
 from kvb_server.tool_calls.grammar import json_after_thinking
 
@@ -63,59 +64,6 @@ def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
     return True
 
 
-def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:
-    """The ``tags`` (stripped; empty ones skipped) that the tokenizer holds as one added token -> its id.
-
-    Added tokens only: llguidance reads those as special tokens, which the grammar must name by id
-    (:mod:`kvb_server.tool_calls.grammar`); a tag that is an ordinary vocabulary entry matches as text."""
-    tokenizer = engine.tokenizer
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    if not added:  # no added tokens (or not a Hugging Face tokenizer): every tag is text
-        return {}
-    out = {}
-    for tag in (t.strip() for t in tags):
-        token = tokenizer.convert_tokens_to_ids(tag) if tag else None
-        if isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None) and token in added:
-            out[tag] = token
-    return out
-
-
-def _grammar_tags(
-    engine: ServingEngine, syntax: ToolSyntax | None, thinking: ReasoningPlan | None
-) -> dict[str, int]:
-    texts = (
-        [
-            syntax.marker,
-            syntax.optional_marker,
-            syntax.call_open,
-            syntax.call_close,
-            syntax.args_tag,
-            syntax.call_id_tag,
-        ]
-        if syntax
-        else []
-    )
-    if thinking is not None:
-        texts += [thinking.syntax.start, thinking.syntax.end]
-    return tag_tokens(engine, *texts)
-
-
-def keeps_special_tags(engine: ServingEngine, tools: ToolPlan | None, thinking: ReasoningPlan | None) -> bool:
-    """Whether the reply must be decoded with special tokens kept: some tag the calls or the thinking are
-    read by is a *special* token, which ``skip_special_tokens`` drops from the text before the parser could
-    see it (Hermes-2-Pro / Hermes-3 tokenizers mark ``<tool_call>`` special; a forced call came back as
-    its bare JSON in ``content``). vLLM's tool parsers turn ``skip_special_tokens`` off the same way."""
-    syntax = tools.syntax if tools is not None and tools.parses_calls else None
-    if syntax is None and thinking is None:
-        return False
-    added = getattr(engine.tokenizer, "added_tokens_decoder", None) or {}
-    tags = _grammar_tags(engine, syntax, thinking)
-    if syntax is not None:  # the parser reads the calls with or without a marker
-        for marker in (syntax.marker, syntax.optional_marker):
-            tags.pop(marker.strip(), None)
-    return any(getattr(added.get(token), "special", False) for token in tags.values())
-
-
 def check_tool_schemas(tools: ToolPlan | None) -> None:
     """Each tool's ``parameters`` must be a schema the grammar library handles: a 400 naming the tool.
 
@@ -142,7 +90,7 @@ def reply_format(
             thought_then_json = ResponseFormat(
                 kind="grammar",
                 source=json_after_thinking(
-                    fmt.source, thinking, tag_tokens=_grammar_tags(engine, None, thinking)
+                    fmt.source, thinking, tag_tokens=grammar_tags(engine, None, thinking)
                 ),
             )
             constraints.check(thought_then_json, "response_format")
@@ -158,7 +106,7 @@ def reply_format(
             )
     grammar = tool_grammar(
         tools,
-        tag_tokens=_grammar_tags(engine, syntax, thinking),
+        tag_tokens=grammar_tags(engine, syntax, thinking),
         text_schema=text_schema,
         thinking=thinking,
     )

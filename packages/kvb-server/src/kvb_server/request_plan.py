@@ -18,7 +18,6 @@ from kvb_server.chat_prompt import (
     accepts_system,
     chat_messages,
     check_tool_schemas,
-    keeps_special_tags,
     render_chat,
     reply_format,
 )
@@ -35,6 +34,7 @@ from kvb_server.sampling_params import (
     sampling_params,
 )
 from kvb_server.schemas.generation_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvb_server.tag_tokens import keeps_special_tags
 from kvb_server.tenancy import request_salt
 from kvb_server.tool_calls import ToolPlan, ToolSyntax, detect, tool_plan
 
@@ -274,7 +274,7 @@ def completion_plan(
 
 def _keep_tags(sampling: SamplingParams, keep: bool) -> SamplingParams:
     """``sampling`` decoding special tokens into the text when the reply's tags are special tokens
-    (:func:`kvb_server.chat_prompt.keeps_special_tags`)."""
+    (:func:`kvb_server.tag_tokens.keeps_special_tags`)."""
     return dataclasses.replace(sampling, skip_special_tokens=False) if keep else sampling
 
 

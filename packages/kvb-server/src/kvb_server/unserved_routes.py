@@ -52,7 +52,7 @@ UNSERVED_METHODS: tuple[tuple[frozenset[str], re.Pattern[str], str], ...] = (
     (
         frozenset({"POST"}),
         re.compile(r"/responses/compact"),
-        "response compaction is not served; send the conversation, or previous_response_id",
+        "this server does not compact responses; send the conversation, or previous_response_id",
     ),
     (frozenset({"DELETE"}), re.compile(r"/models/.+"), "the served models cannot be deleted"),
 )

@@ -119,7 +119,7 @@ def _thinking(thinking: ReasoningPlan, tags: Mapping[str, int]) -> tuple[str, st
     end tag (a lexeme so that the lexer, which is greedy, ends it at that tag, not past it). An end tag held
     as one token: a rule, the text before it (which cannot hold that token, nor the tag spelled out) then
     the token and the blank space after it."""
-    start, end = thinking.syntax.start, thinking.syntax.end
+    start, end = thinking.syntax.start.strip(), thinking.syntax.end.strip()
     # The blank after the block: a few ASCII whitespace characters (Qwen3 and R1 write "\n\n"), bounded
     # because a small model offered unbounded space loops on it (a random one on Unicode spaces) until
     # max_tokens, as it does in JSON (``_JSON_OPTIONS``).
@@ -177,7 +177,7 @@ def tool_grammar(
 
     Args:
         tag_tokens: the syntax's and the thinking block's tags that the tokenizer holds as one added token
-            (tag text -> id; :func:`kvb_server.chat_prompt.tag_tokens`), written by id.
+            (tag text -> id; :func:`kvb_server.tag_tokens.tag_tokens`), written by id.
         text_schema: in ``auto``, the JSON schema a text reply must match (``response_format``).
         thinking: a reasoning model's thinking block may come first (``--reasoning-parser``); it must when
             the prompt opened it.
