@@ -349,6 +349,27 @@ def test_speculative_sampling_commits_tokens_distributed_as_the_target():
             assert 0.5 * (wrong / n - p[0]).abs().sum().item() > 0.1
 
 
+def test_a_draft_models_distribution_is_used_in_the_verdict():
+    """Drafts a draft model *sampled* from ``q`` are kept with ``min(1, p / q)`` and corrected from the
+    residual ``max(p - q, 0)``: the committed token still follows ``p``, and a draft model equal to the
+    target has every draft kept (read as point masses, kept with ``p(d)`` only: an audit, 2026-11-30)."""
+    from kvb_cache.core.speculation import sampled_verdict
+
+    torch.manual_seed(0)
+    p = torch.tensor([[0.05, 0.5, 0.2, 0.15, 0.1], [0.2] * 5])
+    q = torch.tensor([[0.3, 0.1, 0.3, 0.2, 0.1]])
+    n, counts, kept_n = 20_000, torch.zeros(5), 0
+    for _ in range(n):
+        d = int(torch.multinomial(q[0], 1))
+        kept, draws = sampled_verdict(p, [d], q)
+        kept_n += int(kept[0])
+        counts[d if kept[0] else int(draws[0])] += 1
+    assert 0.5 * (counts / n - p[0]).abs().sum().item() < 0.015, counts / n
+    assert abs(kept_n / n - torch.minimum(p[0], q[0]).sum().item()) < 0.015  # 0.55; point masses: 0.24
+    for d in range(5):  # q == p: every draft kept
+        assert bool(sampled_verdict(p, [d], p[:1].clone())[0][0])
+
+
 @pytest.mark.parametrize("mode", ["oracle", "half"])
 def test_sampled_requests_speculate_in_the_step(mode, llama, tokenizer):
     """Unseeded sampled requests (temperature, top-p) verify drafts in the step by speculative sampling; at a

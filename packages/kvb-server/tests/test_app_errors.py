@@ -195,6 +195,30 @@ def test_a_budget_within_the_window_is_clamped_to_the_server_cap(url: str, fake:
             },
             "response_format.json_schema.schema",
         ),
+        (  # a $ref chain past the grammar library's stack: it crashed the server (an audit, 2026-11-30)
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "$defs": {
+                                **{
+                                    f"d{i}": {
+                                        "type": "object",
+                                        "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+                                    }
+                                    for i in range(1000)
+                                },
+                                "d1000": {"type": "integer"},
+                            },
+                            "$ref": "#/$defs/d0",
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"service_tier": "turbo"}, "service_tier"),
         ({"verbosity": "loud"}, "verbosity"),
         ({"prompt_cache_key": 3}, "prompt_cache_key"),

@@ -361,6 +361,8 @@ def test_bad_server_flag_values_are_usage_errors(flags: list[str], message: str,
     ("flags", "message"),
     [
         (["--swap-space", "4"], "a preempted request is recomputed"),
+        (["--num-speculative-tokens", "3"], "older speculative flags"),  # was "the model is given twice"
+        (["--speculative-model", "[ngram]"], "takes --speculative-config"),
         (["--no-enable-prefix-caching"], "--max-cache-bytes 0"),
         (["--revision", "main"], "nothing is downloaded"),
         (["--tensor-parallel-size", "2"], "one server per GPU"),

@@ -131,3 +131,17 @@ def test_speculative_decoding_keeps_vllm_token_bans(tokenizer, bans):
     else:
         assert {192, 8}.isdisjoint(expected)
         assert all(expected[i : i + 2] != [83, 162] for i in range(len(expected) - 1))
+
+
+def test_a_target_drafting_for_itself_has_its_sampled_drafts_kept(tokenizer):
+    """Unseeded sampled requests verify in the batched step; their drafts were read as point masses though
+    the draft model sampled them, so a perfect draft had 1-23% of them kept (an audit, 2026-11-30). With the
+    draft's distribution, ``min(1, p / q)`` keeps about all of them."""
+    target = tiny("llama", 0)
+    drafter = make_decoder(target, draft_model=target)
+    engine = KVBoost(target, tokenizer, config=EngineConfig(chunk_size=16), drafter=drafter)
+    torch.manual_seed(0)
+    outs = engine.generate_batch([PROMPT] * 4, temperature=1.0, max_new_tokens=NEW, ignore_eos=True)
+    assert all(len(o.output_ids) == NEW for o in outs) and not engine.core.solo
+    stats = drafter.speculative_stats()
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens / stats.drafted_tokens > 0.9, stats

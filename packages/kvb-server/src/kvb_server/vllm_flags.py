@@ -36,6 +36,19 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "serve that folder",
     "--speculative-config": "speculative decoding is part of the full stack: kvboost serve takes "
     "--speculative-config (method ngram or draft_model) or --speculative prompt_lookup|draft_model",
+    # vLLM's spellings from before --speculative-config (older recipes): argparse read "3" of
+    # "--num-speculative-tokens 3" as a second model ("the model is given twice").
+    **dict.fromkeys(
+        (
+            "--num-speculative-tokens",
+            "--speculative-model",
+            "--ngram-prompt-lookup-max",
+            "--ngram-prompt-lookup-min",
+        ),
+        "vLLM's older speculative flags: kvboost serve takes --speculative-config, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"model": "<draft folder>", "num_speculative_tokens": 3}\'',
+    ),
     "--limit-mm-per-prompt": "text only: image and audio parts are refused",
     "--calculate-kv-scales": "fp8 KV uses a scale of 1.0 (no calibration), as vLLM does without this flag "
     "(docs/kv_cache_dtype.md)",

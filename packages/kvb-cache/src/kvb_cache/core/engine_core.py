@@ -353,6 +353,7 @@ class EngineCore:
                     outputs.append(output)
         for req in drafting:
             req.draft.clear()  # a draft is for one step (verified, or not scheduled)
+            req.draft_probs = None
         self.solos.start_waiting(outputs)
         self.solos.advance(outputs)
         self.steps += 1

@@ -98,6 +98,9 @@ class Request:
     #: drafter session (None: no speculation), and the tokens it drafted for the step being planned.
     spec: StepSpeculation | None = None
     draft: list[int] = field(default_factory=list)
+    #: ``[len(draft), V]``: the distributions a draft *model* sampled ``draft`` from (a sampled request);
+    #: None: point-mass drafts (prompt lookup, a greedy request).
+    draft_probs: object = None
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None

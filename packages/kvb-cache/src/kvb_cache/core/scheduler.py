@@ -404,6 +404,7 @@ class Scheduler:
         stuck = 0
         for req in list(self.running):
             req.draft.clear()
+            req.draft_probs = None
             if req.remaining <= 0:
                 self._send_back(req)  # as a preemption, not counted as one
                 stuck += 1

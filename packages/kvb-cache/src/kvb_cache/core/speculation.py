@@ -95,9 +95,11 @@ def propose(drafter: StepDrafter, running: Iterable[Request]) -> list[Request]:
         try:
             draft = spec.session.propose(spec.committed(req.tokens), room, req.processor)
             req.draft = [int(t) for t in draft.tokens[:room].tolist()]
+            probs = getattr(draft, "probs", None)
+            req.draft_probs = probs[: len(req.draft)] if probs is not None and not req.params.greedy else None
         except Exception as exc:
             logger.warning("request %s: drafting failed (%r); decoding without drafts", req.request_id, exc)
-            req.spec, req.draft = None, []
+            req.spec, req.draft, req.draft_probs = None, [], None
         if req.draft:
             drafting.append(req)
     return drafting
@@ -122,7 +124,9 @@ def verdict(req: Request, logits: torch.Tensor, draft: list[int]) -> tuple[int, 
         best, nan = torch.stack([torch.argmax(logits, dim=-1), nan_rows]).tolist()
         return accepted(draft, best, nan), best, nan
     probs = torch.softmax(process_logits(logits, [req] * logits.shape[0]), dim=-1)
-    keep, draws = sampled_verdict(probs, draft)
+    q = req.draft_probs
+    fits = isinstance(q, torch.Tensor) and q.shape[0] >= len(draft) and q.shape[-1] == probs.shape[-1]
+    keep, draws = sampled_verdict(probs, draft, q[: len(draft)].to(probs) if fits else None)
     k = len(draft)
     read = torch.cat([keep.long(), draws, nan_rows]).tolist()
     flags, best, nan = read[:k], read[k : 2 * k + 1], read[2 * k + 1 :]
@@ -147,22 +151,36 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     ]
 
 
-def sampled_verdict(probs: torch.Tensor, draft: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of point-mass drafts (prompt lookup; a greedy draft model), all rows at once on
-    the device: ``probs`` ``[k + 1, V]`` is the processed distribution after each drafted position. Draft ``j``
-    is kept with probability ``p_j(d_j)`` (``min(1, p / q)`` with ``q`` a point mass); the token after the
-    last kept one is drawn from ``p_j`` without ``d_j``, renormalised (the residual ``max(p - q, 0)``), or
-    from ``p_k`` when every draft was kept. Each committed token then follows ``p`` exactly (Leviathan et
-    al. 2023; kvb-speculative's verifier, tested by chi-square there and in tests/test_step_speculation.py).
+def sampled_verdict(
+    probs: torch.Tensor, draft: list[int], q: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling, all rows at once on the device: ``probs`` ``[k + 1, V]`` is the processed
+    distribution after each drafted position, ``q`` ``[k, V]`` the distributions a draft model sampled the
+    drafts from (None: point masses, as prompt lookup's). Draft ``j`` is kept with probability
+    ``min(1, p_j(d_j) / q_j(d_j))``; the token after the last kept one is drawn from the residual
+    ``max(p_j - q_j, 0)``, renormalised (``p_j`` without ``d_j`` for a point mass), or from ``p_k`` when every
+    draft was kept. Each committed token then follows ``p`` exactly (Leviathan et al. 2023; kvb-speculative's
+    verifier, tested by chi-square there and in tests/test_step_speculation.py). With a draft model's
+    ``q``, a draft model close to the target has its drafts kept (read as point masses, which they are not,
+    a perfect draft model's sampled drafts were kept with probability ``p(d)`` only: 1-23% on a tiny model,
+    an audit, 2026-11-30).
 
     Returns ``[k]`` bool (kept, per draft) and ``[k + 1]`` int64: for ``j < k`` the residual draw at row ``j``,
     for ``k`` the bonus draw. Random numbers come from torch's global generator (unseeded requests only)."""
     k = len(draft)
     ids = torch.tensor(draft, dtype=torch.long, device=probs.device)
     rows = torch.arange(k, device=probs.device)
-    kept = torch.rand(k, device=probs.device) < probs[rows, ids]
     residual = probs.clone()
-    residual[rows, ids] = 0.0
+    if q is None:
+        kept = torch.rand(k, device=probs.device) < probs[rows, ids]
+        residual[rows, ids] = 0.0
+    else:
+        ratio = probs[rows, ids] / q[rows, ids].clamp_min(torch.finfo(probs.dtype).tiny)
+        kept = torch.rand(k, device=probs.device) < ratio
+        residual[:k] = (probs[:k] - q).clamp_min(0.0)
+        # p == q up to rounding leaves no residual mass; rejection then had probability ~0, so p is exact.
+        empty = residual.sum(dim=-1) <= 0
+        residual[empty] = probs[empty]
     # Exponential race: argmax(p / Exp(1)) draws from p (unnormalised is fine), as torch.multinomial does.
     race = torch.empty_like(residual).exponential_(1)
     return kept, torch.argmax(residual / race, dim=-1)

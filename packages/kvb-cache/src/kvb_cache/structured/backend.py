@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
 from kvb_cache.errors import InvalidRequestError, KVBoostError
+from kvb_cache.structured.nesting import MAX_GRAMMAR_NESTING, grammar_nesting, schema_nesting
 from kvb_cache.structured.schema_compat import (
     DATA_KEYWORDS,
     SCHEMA_LISTS,
@@ -232,15 +234,39 @@ def grammar_of(fmt: ResponseFormat) -> Any:
     llguidance = import_llguidance()
     matcher_cls = llguidance.LLMatcher
     try:
-        if fmt.kind == "json_schema":
-            return matcher_cls.grammar_from_json_schema(
-                llguidance_schema(json.loads(fmt.source)), defaults=JSON_OPTIONS
-            )
-        if fmt.kind == "regex":
-            return matcher_cls.grammar_from_regex(fmt.source)
-        return llguidance.grammar_from("grammar", fmt.source)
+        schema = json.loads(fmt.source) if fmt.kind == "json_schema" else None
     except ValueError as e:
         raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
+    _check_nesting(fmt, schema)
+    try:
+        if fmt.kind == "json_schema":
+            return matcher_cls.grammar_from_json_schema(llguidance_schema(schema), defaults=JSON_OPTIONS)
+        if fmt.kind == "regex":
+            return matcher_cls.grammar_from_regex(fmt.source)
+        # llguidance reads a grammar as Lark only when a line starts with "start:", so a Lark grammar whose
+        # start rule is "?start:" / "!start:" was converted as GBNF and refused with a GBNF parse error.
+        kind = "lark" if "::=" not in fmt.source and _LARK_START.search(fmt.source) else "grammar"
+        return llguidance.grammar_from(kind, fmt.source)
+    except ValueError as e:
+        raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
+
+
+#: A Lark start rule, whatever its modifier (``start:``, ``?start:``, ``!start:``).
+_LARK_START = re.compile(r"^\s*[?!]?start\s*:", re.MULTILINE)
+
+
+def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
+    """Refuse a schema or grammar nested deeper than llguidance's native stack takes (:mod:`.nesting`)."""
+    if fmt.kind == "regex":
+        return  # the regex parser bounds its own nesting (an error, not a crash)
+    depth = schema_nesting(schema) if fmt.kind == "json_schema" else grammar_nesting(fmt.source)
+    if depth > MAX_GRAMMAR_NESTING:
+        what = "subschemas (counting $ref targets)" if fmt.kind == "json_schema" else "rule references"
+        raise InvalidRequestError(
+            f"response_format {fmt.kind} nests {what} more than {MAX_GRAMMAR_NESTING} deep; flatten it "
+            "(the grammar library compiles nesting recursively and would run out of stack)",
+            param="response_format",
+        )
 
 
 def check_grammar(fmt: ResponseFormat) -> None:
