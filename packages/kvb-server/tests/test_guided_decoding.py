@@ -100,6 +100,11 @@ def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
     text = _chat(client, guided_grammar=grammar)
     assert text == "ok" or (text.startswith("fail ") and text[5:].isdigit() and len(text) <= 7), text
     assert _chat(client, structured_outputs={"json_object": True}).startswith("{")
+    # vLLM's options that change nothing here (compact JSON, no fallback backend): a 400 before.
+    options = {"disable_any_whitespace": False, "disable_fallback": True}
+    assert _chat(client, structured_outputs={"json": SCHEMA, **options}) == _chat(
+        client, structured_outputs={"json": SCHEMA}
+    )
 
 
 @pytest.mark.parametrize(
@@ -114,6 +119,11 @@ def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
         ({"guided_grammar": "start: @@@"}, "guided_grammar"),
         ({"structured_outputs": {"choise": ["a"]}}, "structured_outputs.choise"),
         ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),
+        (
+            {"structured_outputs": {"regex": "a+", "disable_fallback": "yes"}},
+            "structured_outputs.disable_fallback",
+        ),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ],
 )
 def test_bad_guided_requests_are_400s_naming_the_field(url: str, extra: dict, param: str) -> None:

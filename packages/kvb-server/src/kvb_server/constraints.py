@@ -119,6 +119,12 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
     return fmt
 
 
+#: vLLM's ``structured_outputs`` options that change nothing here, either way: JSON is always written
+#: without optional whitespace (``disable_any_whitespace: false`` only allows it, so compact JSON is one of
+#: the outputs it allows) and there is no fallback backend (``disable_fallback``). Refused, they failed
+#: requests that vLLM clients send with their defaults.
+_NO_OP_STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace", "disable_fallback"})
+
 #: vLLM's guided-decoding fields, and the ``structured_outputs`` keys that mean the same.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _STRUCTURED_KEYS = {
@@ -172,6 +178,12 @@ def requested_format(req: Any) -> tuple[dict[str, Any] | None, ResponseFormat | 
                 given.append((_STRUCTURED_KEYS[key], f"structured_outputs.{key}", value))
             elif key == "json_object" and value is True:
                 given.append(("json_object", "structured_outputs.json_object", value))
+            elif key in _NO_OP_STRUCTURED_OPTIONS:
+                if not isinstance(value, bool):
+                    raise _bad(
+                        f"Invalid type for 'structured_outputs.{key}': expected a boolean.",
+                        f"structured_outputs.{key}",
+                    )
             elif key not in ("json_object", *_STRUCTURED_KEYS) and value is not None:
                 raise _bad(f"Unrecognized field in 'structured_outputs': {key}.", f"structured_outputs.{key}")
     if req.response_format is not None and req.response_format.get("type") != "text":
