@@ -145,6 +145,14 @@ def test_a_grammar_that_fails_while_decoding_is_a_400_not_a_stop(client: openai.
             model=MODEL, prompt="go", max_tokens=8, temperature=0, extra_body={"response_format": TOO_WIDE}
         )
     assert info.value.param == "response_format" and "could not be followed" in info.value.message
+    # A regex no text matches: said so (llguidance's "NoExtensionBias" alone told a client nothing).
+    with pytest.raises(openai.BadRequestError, match="admits no output"):
+        client.completions.create(
+            model=MODEL,
+            prompt="go",
+            max_tokens=4,
+            extra_body={"response_format": {"type": "regex", "pattern": "[^\\s\\S]"}},
+        )
 
 
 def test_a_grammar_that_fails_while_decoding_ends_its_stream_with_the_error(url: str) -> None:

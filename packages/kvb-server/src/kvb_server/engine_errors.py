@@ -49,6 +49,12 @@ def grammar_failure(result: GenerationResult, *, tools: bool) -> InvalidParamete
     if error is None:
         return None
     param = "tools" if tools else "response_format"
+    if "NoExtensionBias" in str(error):  # llguidance's word for "no token can continue": nothing matches
+        return InvalidParameterError(
+            f"The {param} grammar admits no output: no text matches it (an empty regex class, a schema whose "
+            f"$ref loops back to itself with nothing in between, ...) ({error}).",
+            param=param,
+        )
     return InvalidParameterError(
         f"The {param} grammar could not be followed while decoding ({error}); the output would not match "
         "it. Use a simpler schema, regex or grammar (fewer alternatives, smaller repetition counts).",
