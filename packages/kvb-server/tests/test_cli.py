@@ -121,6 +121,28 @@ def test_a_bad_config_file_is_one_line_naming_the_option(tmp_path, capsys, text,
     assert "--config needs a YAML file" in capsys.readouterr().err
 
 
+def test_a_switch_left_off_in_a_config_file_is_its_default(tmp_path) -> None:
+    """vLLM YAML files spell out ``enable-log-requests: false``: it was refused, saying the server "always
+    does" what it does not (an audit of the options, 2026-11-30)."""
+    path = tmp_path / "server.yaml"
+    path.write_text(
+        "enable-log-requests: false\nauto-truncate: false\ndisable-log-stats: false\n"
+        "trust-remote-code: false\nenable-sleep-mode: false\n"
+    )
+    args = build_parser().parse_args(["--config", str(path)])
+    defaults = build_parser().parse_args([])
+    assert (args.enable_log_requests, args.auto_truncate) == (
+        defaults.enable_log_requests,
+        defaults.auto_truncate,
+    )
+    path.write_text("enable-log-requests: true\n")
+    assert build_parser().parse_args(["--config", str(path)]).enable_log_requests is True
+    # An option's Python name where its flag is shorter (from_pretrained's remote_ttl_s is --remote-ttl).
+    path.write_text("remote_ttl_s: 5\nexit-flush-timeout-s: 3\n")
+    args = build_parser().parse_args(["--config", str(path)])
+    assert (args.remote_ttl_s, args.exit_flush_timeout_s) == (5, 3)
+
+
 def test_safe_defaults_and_flags() -> None:
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1"

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvb_server.vllm_flags import RefusedFlag, SatisfiedFlag
+
 FLAG = "--config"
 
 
@@ -130,6 +132,12 @@ def file_options(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         flag = f"--{name}"
         action = parser._option_string_actions.get(flag)
         if action is None:
+            # The Python name of an option whose flag is shorter (remote_ttl_s: --remote-ttl), as
+            # from_pretrained takes it: the file takes either.
+            dest = name.replace("-", "_")
+            action = next((a for a in parser._actions if a.dest == dest and a.option_strings), None)
+            flag = next((o for o in action.option_strings if o.startswith("--")), flag) if action else flag
+        if action is None:
             parser.error(
                 f"{where}: unknown option '{key}' (the names are those of --help, without the dashes)"
             )
@@ -152,6 +160,8 @@ def _words(
     if value is None:
         parser.error(f"{where}: '{key}' has no value")
     if isinstance(value, bool):
+        if value is False and isinstance(action, RefusedFlag) and flag.startswith("--enable-"):
+            return []  # `enable-lora: false`: not asking for the feature this server does not have
         if isinstance(action, argparse.BooleanOptionalAction):
             # ``no-oom-planning: false`` is --oom-planning: the key may be either spelling.
             on = value != flag.startswith("--no-")
@@ -163,7 +173,15 @@ def _words(
             opposite = f"--no-{flag[2:]}"
             if opposite in parser._option_string_actions:  # vLLM: `key: false` is --no-key
                 return [opposite]
-            parser.error(f"{where}: '{key}: false' cannot be served: {flag} is what this server always does")
+            if isinstance(action, SatisfiedFlag) and flag.startswith("--enable-"):
+                # vLLM's --enable-prefix-caching: false asks to turn off what this server always does.
+                parser.error(
+                    f"{where}: '{key}: false' cannot be served: {flag} is what this server always does"
+                )
+            # A switch left off (vLLM YAML files spell out `enable-log-requests: false`,
+            # `disable-log-stats: false`): its default, nothing to pass. Refused with "what this server always
+            # does" before, which was not true of them.
+            return []
         return [f"{flag}={_scalar(value)}"]
     if isinstance(value, (list, tuple)):
         items = [_scalar(v) for v in value]
