@@ -82,3 +82,34 @@ def test_a_lark_grammar_whose_start_rule_has_a_modifier_is_read_as_lark() -> Non
     """llguidance took "?start:" for GBNF ("Failed to convert the grammar from GBNF to Lark")."""
     check_grammar(ResponseFormat(kind="grammar", source='?start: "a" b\nb: "c"'))
     check_grammar(ResponseFormat(kind="grammar", source='root ::= "a" b\nb ::= "c"'))  # GBNF still GBNF
+
+
+def test_chains_the_measure_does_not_follow_compile_on_the_large_stack() -> None:
+    """``$anchor`` references are not followed by the measure (nesting 3 here): a 2,000-link chain
+    segfaulted the process (a review, 2026-11-30); compiled on big_stack.py's thread it compiles. Run in a
+    child process, so that a crash fails this test instead of ending the run."""
+    code = (
+        "import json\n"
+        "from kvb_cache.structured import ResponseFormat, check_grammar\n"
+        "defs = {f'd{i}': {'$anchor': f'a{i}', 'type': 'object', 'properties': {'a': {'$ref': f'#a{i + 1}'}}}"
+        " for i in range(2000)}\n"
+        "defs['d2000'] = {'$anchor': 'a2000', 'type': 'integer'}\n"
+        "check_grammar(ResponseFormat(kind='json_schema', source=json.dumps({'$defs': defs, '$ref': '#a0'})))\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-500:])
+
+
+def test_blank_lines_do_not_make_the_measure_quadratic() -> None:
+    """``^\\s*`` over MULTILINE searched on from every line start through a run of blank lines: 40 KB of
+    newlines took 30 s (a review). A hang guard (the limit is hours away from what linear takes), not a
+    timing: run in a child process with a timeout."""
+    code = (
+        "from kvb_cache.structured.nesting import grammar_nesting\n"
+        "from kvb_cache.structured.backend import _LARK_START\n"
+        "src = '\\n' * 400_000 + 'start: \"a\"'\n"
+        "print(grammar_nesting(src), bool(_LARK_START.search(src)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["1", "True"], done.stderr[-500:]

@@ -179,7 +179,7 @@ def requested_format(req: Any) -> tuple[dict[str, Any] | None, ResponseFormat | 
             elif key == "json_object" and value is True:
                 given.append(("json_object", "structured_outputs.json_object", value))
             elif key in _NO_OP_STRUCTURED_OPTIONS:
-                if not isinstance(value, bool):
+                if value is not None and not isinstance(value, bool):
                     raise _bad(
                         f"Invalid type for 'structured_outputs.{key}': expected a boolean.",
                         f"structured_outputs.{key}",

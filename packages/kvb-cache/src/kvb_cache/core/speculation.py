@@ -126,6 +126,9 @@ def verdict(req: Request, logits: torch.Tensor, draft: list[int]) -> tuple[int, 
     probs = torch.softmax(process_logits(logits, [req] * logits.shape[0]), dim=-1)
     q = req.draft_probs
     fits = isinstance(q, torch.Tensor) and q.shape[0] >= len(draft) and q.shape[-1] == probs.shape[-1]
+    # A draft whose logits overflowed (+inf in fp16) has NaN rows in q, whose verdict would commit token 0:
+    # its drafts are verified as point masses then (exact for any draft token).
+    fits = fits and bool(torch.isfinite(q[: len(draft)]).all())
     keep, draws = sampled_verdict(probs, draft, q[: len(draft)].to(probs) if fits else None)
     k = len(draft)
     read = torch.cat([keep.long(), draws, nan_rows]).tolist()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
 from kvb_cache.errors import InvalidRequestError, KVBoostError
+from kvb_cache.structured.big_stack import on_big_stack
 from kvb_cache.structured.nesting import MAX_GRAMMAR_NESTING, grammar_nesting, schema_nesting
 from kvb_cache.structured.schema_compat import (
     DATA_KEYWORDS,
@@ -213,9 +214,9 @@ class GrammarCache:
 
     @staticmethod
     def _compile(fmt: ResponseFormat, tok: _Tokenizer) -> Any:
-        grammar = grammar_of(fmt)
         matcher_cls = import_llguidance().LLMatcher
-        matcher = matcher_cls(tok.ll, grammar, log_level=0)
+        # Compiled on a large stack (big_stack.py): a deeply nested grammar overflowed a request thread's.
+        matcher = on_big_stack(lambda: matcher_cls(tok.ll, grammar_of(fmt), log_level=0))
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()
             raise InvalidRequestError(
@@ -252,7 +253,7 @@ def grammar_of(fmt: ResponseFormat) -> Any:
 
 
 #: A Lark start rule, whatever its modifier (``start:``, ``?start:``, ``!start:``).
-_LARK_START = re.compile(r"^\s*[?!]?start\s*:", re.MULTILINE)
+_LARK_START = re.compile(r"^[ \t]*[?!]?start[ \t]*:", re.MULTILINE)  # [ \t], not \s: linear on blank lines
 
 
 def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
@@ -277,7 +278,8 @@ def check_grammar(fmt: ResponseFormat) -> None:
         InvalidRequestError: ``param="response_format"``, llguidance's message (first lines).
         StructuredOutputsUnavailable: llguidance is not installed.
     """
-    error = import_llguidance().LLMatcher.validate_grammar(grammar_of(fmt))
+    validate = import_llguidance().LLMatcher.validate_grammar
+    error = on_big_stack(lambda: validate(grammar_of(fmt)))  # a large stack: big_stack.py
     if error:
         lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
         raise InvalidRequestError(

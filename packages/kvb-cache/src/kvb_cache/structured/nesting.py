@@ -99,7 +99,9 @@ def schema_nesting(schema: Any) -> int:
 
 
 #: A rule's definition: Lark's ``name:`` (``?name:``, ``!name:``, ``name.2:``) or GBNF's ``name ::=``.
-_DEFINITION = re.compile(r"^\s*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?\s*(?:::=|:)", re.MULTILINE)
+#: ``[ \t]`` at the line's start, not ``\s``: ``\s`` spans newlines, and a search from every line start over
+#: a run of blank lines was quadratic (40 KB of newlines took 30 s).
+_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)", re.MULTILINE)
 #: What names no rule in a body: string literals, regular expressions, character classes.
 _NOT_NAMES = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|/(?:[^/\\\n]|\\.)+/|\[(?:[^\]\\]|\\.)*\]')
 _NAME = re.compile(r"[A-Za-z_][\w-]*")

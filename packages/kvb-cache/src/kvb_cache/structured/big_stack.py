@@ -1,0 +1,50 @@
+"""llguidance's grammar compilation, run on threads with a large stack.
+
+llguidance compiles a grammar recursively in native code, on the calling thread's stack. A request thread's
+stack is 8 MiB at most (a worker thread's may be less), and a schema or grammar nested a few thousand
+levels deep overflowed it: a segfault that took the whole server down with one request (an audit,
+2026-11-30). :mod:`.nesting` refuses the usual ways of nesting that deep by name, but a measure cannot
+follow every spelling (``$anchor`` and ``$id`` references, a schema embedded in a Lark grammar), so the
+compilation itself also runs here, where the stack is :data:`STACK_BYTES` (reserved address space,
+touched only as deep as a compilation goes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+#: The compiling threads' stack: room for tens of thousands of nested levels (~4 KiB each measured).
+STACK_BYTES = 256 << 20
+#: Compilations run at once (more queue): two, so one slow grammar does not hold every other request.
+WORKERS = 2
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            # threading.stack_size applies to threads started while it is set, and ThreadPoolExecutor
+            # starts its threads on submit: both are started here, each held at a barrier until the other
+            # exists (one task alone would be served by the first thread and leave the second unstarted).
+            previous = threading.stack_size(STACK_BYTES)
+            try:
+                pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvb-grammar")
+                barrier = threading.Barrier(WORKERS)
+                for started in [pool.submit(barrier.wait) for _ in range(WORKERS)]:
+                    started.result()
+            finally:
+                threading.stack_size(previous)
+            _pool = pool
+    return _pool
+
+
+def on_big_stack(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """``fn(*args, **kwargs)`` on a compiling thread; its result, or its exception re-raised here."""
+    return _executor().submit(fn, *args, **kwargs).result()
