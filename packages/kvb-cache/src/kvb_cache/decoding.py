@@ -81,7 +81,11 @@ class StepDraftSession(Protocol):
 
     def propose(self, history: torch.Tensor, max_tokens: int, processor: TokenProcessor) -> Any:
         """Up to ``max_tokens`` tokens to follow ``history`` (``[S]`` int64, committed tokens only), as an
-        object whose ``tokens`` is a ``[k]`` int64 tensor (``k == 0``: nothing to propose).
+        object whose ``tokens`` is a ``[k]`` int64 tensor (``k == 0``: nothing to propose) and whose
+        ``probs``, when not None, is ``[k, V]``: the distributions the tokens were *sampled* from, under
+        ``processor`` (a sampled request's drafts are then verified by ``min(1, p / q)``; exactness rests on
+        these being the very distributions drawn from). None: the tokens are point masses (prompt lookup,
+        argmax drafts), verified by ``p`` alone.
 
         ``history`` extends the previous call's, or equals it when that proposal was never verified (the
         step failed or was interrupted before its verification; no :meth:`rollback` came for it)."""
@@ -94,8 +98,9 @@ class StepDraftSession(Protocol):
 
 @runtime_checkable
 class StepDrafter(Protocol):
-    """A decoder whose drafts the engine verifies inside its batched step (vLLM v1's way): each greedy
-    request's last token and its drafts are one slice of the packed forward, verified by argmax."""
+    """A decoder whose drafts the engine verifies inside its batched step (vLLM v1's way): each request's
+    last token and its drafts are one slice of the packed forward, verified by argmax (greedy requests) or
+    by speculative sampling (unseeded sampled ones whose processing does not depend on their history)."""
 
     @property
     def gamma(self) -> int:

@@ -8,19 +8,34 @@ text before the parser could see it.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any
 
 from kvb_server.engine import ServingEngine
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.tool_calls import ToolPlan, ToolSyntax
 
+#: Per tokenizer (weakly: a dropped engine's tokenizer is freed), per tag set: what :func:`_added` found.
+_FOUND: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], dict[str, tuple[int, bool]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
-@functools.lru_cache(maxsize=64)
+
 def _added(tokenizer: Any, tags: tuple[str, ...]) -> dict[str, tuple[int, bool]]:
     """``tags`` that ``tokenizer`` holds as one added token -> (its id, whether it is special). Cached per
     tokenizer and tag set: a fast tokenizer rebuilds ``added_tokens_decoder`` (every added token) on each
-    read, and this is asked for every chat request."""
+    read, and this is asked for every chat request. (Tokens added to the tokenizer after its first request
+    are not seen: an engine's tokenizer does not change while it serves.)"""
+    try:
+        cached = _FOUND.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: not cached
+        cached = {}
+    if tags not in cached:
+        cached[tags] = _lookup(tokenizer, tags)
+    return cached[tags]
+
+
+def _lookup(tokenizer: Any, tags: tuple[str, ...]) -> dict[str, tuple[int, bool]]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     if not added:  # no added tokens (or not a Hugging Face tokenizer): every tag is text
         return {}

@@ -79,7 +79,8 @@ class SpeculativeDecoder:
 
     def draft_session(self, prompt_ids: torch.Tensor) -> DraftSession:
         """A drafter session for one request (``prompt_ids`` ``[S]`` int64) whose drafts an engine verifies
-        in its own batched forward (``kvb_cache.decoding.StepDrafter``): greedy requests only, by argmax."""
+        in its own batched forward (``kvb_cache.decoding.StepDrafter``): greedy requests by argmax, unseeded
+        sampled ones by speculative sampling with the draft model's distributions (``Draft.probs``)."""
         return self.drafter.start(prompt_ids)
 
     def record_round(self, drafted: int, accepted: int) -> None:

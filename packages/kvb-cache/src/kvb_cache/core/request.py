@@ -100,7 +100,7 @@ class Request:
     draft: list[int] = field(default_factory=list)
     #: ``[len(draft), V]``: the distributions a draft *model* sampled ``draft`` from (a sampled request);
     #: None: point-mass drafts (prompt lookup, a greedy request).
-    draft_probs: object = None
+    draft_probs: torch.Tensor | None = None
     #: Keep the raw logits of each sampled token in ``last_logits`` (``next_token_logits``).
     capture_logits: bool = False
     last_logits: object = None

@@ -244,16 +244,28 @@ def grammar_of(fmt: ResponseFormat) -> Any:
             return matcher_cls.grammar_from_json_schema(llguidance_schema(schema), defaults=JSON_OPTIONS)
         if fmt.kind == "regex":
             return matcher_cls.grammar_from_regex(fmt.source)
-        # llguidance reads a grammar as Lark only when a line starts with "start:", so a Lark grammar whose
-        # start rule is "?start:" / "!start:" was converted as GBNF and refused with a GBNF parse error.
-        kind = "lark" if "::=" not in fmt.source and _LARK_START.search(fmt.source) else "grammar"
-        return llguidance.grammar_from(kind, fmt.source)
+        # Lark or GBNF, told apart here, not by llguidance's "grammar" kind: it reads a grammar as Lark only
+        # when a line starts with "start:" (so "?start:" / "!start:" Lark was converted as GBNF and refused,
+        # and GBNF's "start ::=" was taken for Lark), with a regex quadratic on blank lines.
+        if _LARK_START.search(fmt.source):
+            return matcher_cls.grammar_from_lark(fmt.source)
+        try:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+        except ImportError:  # a llguidance without its converter module: its own detection, as before
+            return llguidance.grammar_from("grammar", fmt.source)
+        try:
+            lark = gbnf_to_lark(fmt.source)
+        except Exception as e:  # the converter's own parse errors, whatever their type
+            raise ValueError(f"not a valid Lark or GBNF grammar: {e}") from None
+        return matcher_cls.grammar_from_lark(lark)
     except ValueError as e:
         raise InvalidRequestError(f"response_format is invalid: {e}", param="response_format") from None
 
 
 #: A Lark start rule, whatever its modifier (``start:``, ``?start:``, ``!start:``).
-_LARK_START = re.compile(r"^[ \t]*[?!]?start[ \t]*:", re.MULTILINE)  # [ \t], not \s: linear on blank lines
+#: A Lark grammar: a start rule, whatever its modifier (``start:``, ``?start:``, ``!start:``; not GBNF's
+#: ``start ::=``), or llguidance's ``%llguidance`` header. ``[ \t]``, not ``\s``: linear on blank lines.
+_LARK_START = re.compile(r"^[ \t]*(?:%llguidance\b|[?!]?start[ \t]*:(?!:=))", re.MULTILINE)
 
 
 def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
