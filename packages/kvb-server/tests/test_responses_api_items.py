@@ -127,10 +127,24 @@ def test_item_reference_errors(client: openai.OpenAI, fake: StoppingFake) -> Non
             input=[{"type": "item_reference", "id": first.output[0].id}, {"role": "user", "content": "b"}],
         )
     assert err.value.body["param"] == "input[0].id" and "Duplicate item" in err.value.body["message"]
+    # The same item sent whole (an SDK model_dump of the last output), or one id twice in a request: read
+    # twice, and stored it made input_items' "after" cursor return the same page forever (an audit).
+    copied = first.output[0].model_dump(exclude_none=True)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(
+            model=MODEL, previous_response_id=first.id, input=[copied, {"role": "user", "content": "b"}]
+        )
+    assert err.value.body["param"] == "input[0].id" and "Duplicate item" in err.value.body["message"]
+    twice = {"type": "message", "id": "msg_dup", "role": "user", "content": "c"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input=[twice, twice])
+    assert err.value.body["param"] == "input[1].id" and "an earlier input item" in err.value.body["message"]
     # Items are forgotten with the last stored response that holds them.
     client.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": first.output[0].id}])
+    # Sent whole without previous_response_id (the stateless style), the copy is the conversation's once.
+    assert client.responses.create(model=MODEL, input=[copied, {"role": "user", "content": "b"}]).output
 
 
 def test_item_references_are_scoped_by_api_key(fake: StoppingFake) -> None:

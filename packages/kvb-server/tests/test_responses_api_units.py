@@ -266,6 +266,27 @@ def test_error_payload_ends_the_stream_with_error_then_failed() -> None:
     assert events[-2]["message"] == "boom" and events[-2]["param"] == "max_output_tokens"
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}
+    # The message being streamed is closed (incomplete) before the failure, and the failed response holds
+    # it: it was left open and the output empty (an audit, 2026-11-30).
+    types = [e["type"] for e in events]
+    assert types[-5:-2] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert [(i["type"], i["status"]) for i in events[-1]["response"]["output"]] == [("message", "incomplete")]
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "ab"
+
+
+def test_a_failed_responses_error_code_is_one_the_sdk_types_allow() -> None:
+    """The chat error's own code (``timeout``) failed the SDK's ``ResponseError`` validation."""
+    from openai.types.responses import ResponseFailedEvent
+
+    error = {"error": {"message": "took too long", "type": "timeout_error", "param": None, "code": "timeout"}}
+    events, _ = run([chunk({"content": "ab"}), error])
+    assert events[-2]["code"] == "timeout"  # the error event keeps it
+    assert events[-1]["response"]["error"]["code"] == "server_error"
+    ResponseFailedEvent.model_validate(events[-1])  # raises on a code outside OpenAI's list
 
 
 def stored(i: int, text: str = "x") -> dict[str, Any]:

@@ -239,12 +239,31 @@ class StreamTranslator:
     def _fail(self, error: dict[str, Any]) -> list[Event]:
         self.failed = True
         code = error.get("code") or error.get("type") or "server_error"
+        # The item being streamed is closed, incomplete, before the failure (it was left open, and the
+        # failed response's output left out what its deltas had sent: an audit, 2026-11-30).
+        self._finish_reason = "length"
+        closing = self._close()
         response = self._envelope.object(
-            "failed", self.output, usage=self._usage, error={"code": code, "message": error.get("message")}
+            "failed",
+            self.output,
+            usage=self._usage,
+            error={"code": _response_code(error), "message": error.get("message")},
         )
         return [
+            *closing,
             self._event(
                 "error", code=code, message=error.get("message"), param=responses_param(error.get("param"))
             ),
             self._event("response.failed", response=response),
         ]
+
+
+def _response_code(error: dict[str, Any]) -> str:
+    """A failed response's ``error.code``, one of the codes OpenAI's ``ResponseError`` allows (the SDK
+    validates it): the chat error's own code (``timeout``) stays in the ``error`` event and the message."""
+    kind = f"{error.get('code') or ''} {error.get('type') or ''}"
+    if "rate_limit" in kind or "overloaded" in kind:
+        return "rate_limit_exceeded"
+    if "invalid_request" in kind or "context_length" in kind:
+        return "invalid_prompt"
+    return "server_error"

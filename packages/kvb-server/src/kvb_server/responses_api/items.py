@@ -106,17 +106,25 @@ def resolve_references(
     parsed: list[Any] = []
     items: list[Item] = []
     for i, entry in enumerate(req.input):
+        # Any item with its id, sent whole or by reference, once: an inline copy of an item the continued
+        # conversation holds, or one id twice in the request, was read twice by the model and, stored,
+        # made input_items' "after" cursor return the same page forever (an audit, 2026-11-30).
+        given = getattr(entry, "id", None)
+        if isinstance(given, str) and given in held:
+            where = "it is already part of the conversation previous_response_id continues"
+            if given in {getattr(e, "id", None) for e in req.input[:i]}:
+                where = "an earlier input item has it"
+            raise InvalidParameterError(
+                f"Duplicate item found with id '{given}': {where}; leave this one out.",
+                param=f"input[{i}].id",
+            )
+        if isinstance(given, str):
+            held.add(given)
         if not isinstance(entry, ItemReference):
             parsed.append(entry)
             if not _unsupported(entry):  # the others are refused by the conversion, naming input[i].type
                 items.append(as_item(entry))
             continue
-        if entry.id in held:
-            raise InvalidParameterError(
-                f"Duplicate item found with id '{entry.id}': it is already part of the conversation "
-                "previous_response_id continues; leave the reference out.",
-                param=f"input[{i}].id",
-            )
         stored = find(entry.id)
         if stored is None:
             raise InvalidParameterError(
