@@ -453,8 +453,9 @@ def _warn_if_the_pool_caps_the_context(pool_tokens: int, model_tokens: int | Non
             else "raise num_blocks (--num-blocks; max_cache_bytes=0 keeps reuse off)"
         )
         logger.warning(
-            "the KV block pool holds %d tokens, less than the model's context (%d): requests are limited to "
-            "%d prompt + generated tokens; %s to serve the full context",
+            "the KV block pool holds %d tokens, less than the context a request may take (%d: max_model_len, "
+            "else the model's): requests are limited to %d prompt + generated tokens; %s to serve the full "
+            "context (vLLM refuses to start here; the pool is the budget you gave)",
             pool_tokens,
             model_tokens,
             pool_tokens,
