@@ -11,6 +11,7 @@ touched only as deep as a compilation goes).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,27 +25,38 @@ WORKERS = 2
 T = TypeVar("T")
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_unavailable = False  # the large stacks could not be had: compile on the caller's thread, as before
+
+logger = logging.getLogger(__name__)
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
+def _executor() -> ThreadPoolExecutor | None:
+    global _pool, _unavailable
     with _lock:
-        if _pool is None:
+        if _pool is None and not _unavailable:
             # threading.stack_size applies to threads started while it is set, and ThreadPoolExecutor
             # starts its threads on submit: both are started here, each held at a barrier until the other
             # exists (one task alone would be served by the first thread and leave the second unstarted).
             previous = threading.stack_size(STACK_BYTES)
+            pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvb-grammar")
             try:
-                pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvb-grammar")
-                barrier = threading.Barrier(WORKERS)
+                barrier = threading.Barrier(WORKERS, timeout=30)
                 for started in [pool.submit(barrier.wait) for _ in range(WORKERS)]:
                     started.result()
+                _pool = pool
+            except (RuntimeError, MemoryError, threading.BrokenBarrierError) as exc:
+                # An address-space limit (ulimit -v) can refuse such stacks: nothing is gained by failing.
+                logger.warning("grammar compilation stays on the request's thread (no large stack: %s)", exc)
+                _unavailable = True
+                pool.shutdown(wait=False)
             finally:
                 threading.stack_size(previous)
-            _pool = pool
     return _pool
 
 
 def on_big_stack(fn: Callable[..., T], *args: object, **kwargs: object) -> T:
     """``fn(*args, **kwargs)`` on a compiling thread; its result, or its exception re-raised here."""
-    return _executor().submit(fn, *args, **kwargs).result()
+    pool = _executor()
+    if pool is None:
+        return fn(*args, **kwargs)
+    return pool.submit(fn, *args, **kwargs).result()
