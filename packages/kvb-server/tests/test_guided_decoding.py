@@ -145,6 +145,16 @@ def test_a_grammar_that_fails_while_decoding_is_a_400_not_a_stop(client: openai.
             model=MODEL, prompt="go", max_tokens=8, temperature=0, extra_body={"response_format": TOO_WIDE}
         )
     assert info.value.param == "response_format" and "could not be followed" in info.value.message
+    # Sent as vLLM's field, the 400 names that field (it named response_format, which was never sent).
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL,
+            prompt="go",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"guided_grammar": TOO_WIDE["grammar"]},
+        )
+    assert info.value.param == "guided_grammar" and "guided_grammar grammar could not" in info.value.message
     # A regex no text matches: said so (llguidance's "NoExtensionBias" alone told a client nothing).
     with pytest.raises(openai.BadRequestError, match="admits no output"):
         client.completions.create(

@@ -206,6 +206,23 @@ def requested_format(req: Any) -> tuple[dict[str, Any] | None, ResponseFormat | 
     return raw, fmt
 
 
+def constraint_field(req: Any) -> str:
+    """The request field the output constraint came in (``guided_regex``, ``structured_outputs.choice``,
+    ``response_format``): what a 400 found while decoding names (:func:`requested_format` has refused
+    requests giving several)."""
+    response = getattr(req, "response_format", None)
+    if isinstance(response, dict) and response.get("type") != "text":
+        return "response_format"
+    for field in GUIDED_FIELDS:
+        if getattr(req, field, None) is not None:
+            return field
+    structured = getattr(req, "structured_outputs", None)
+    for key, value in structured.items() if isinstance(structured, dict) else ():
+        if (key in _STRUCTURED_KEYS and value is not None) or (key == "json_object" and value is True):
+            return f"structured_outputs.{key}"
+    return "response_format"
+
+
 @functools.lru_cache(maxsize=1024)
 def _grammar_error(fmt: ResponseFormat) -> str | None:
     """llguidance's verdict on ``fmt`` (None: valid), remembered: an agent loop sends the same tools and

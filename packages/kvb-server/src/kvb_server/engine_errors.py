@@ -37,7 +37,9 @@ def engine_error(exc: BaseException) -> ServerError:
     return EngineError(f"The engine failed while serving this request: {type(exc).__name__}: {exc}")
 
 
-def grammar_failure(result: GenerationResult, *, tools: bool) -> InvalidParameterError | None:
+def grammar_failure(
+    result: GenerationResult, *, tools: bool, field: str = "response_format"
+) -> InvalidParameterError | None:
     """The 400 of a choice whose grammar (``response_format``, or the tool-call grammar when ``tools``)
     failed while decoding, or None.
 
@@ -48,7 +50,7 @@ def grammar_failure(result: GenerationResult, *, tools: bool) -> InvalidParamete
     error = getattr(result, "grammar_error", None)  # engines that never fail a grammar may lack the field
     if error is None:
         return None
-    param = "tools" if tools else "response_format"
+    param = "tools" if tools else field  # the field the constraint came in (guided_regex, ...)
     if "NoExtensionBias" in str(error):  # llguidance's word for "no token can continue": nothing matches
         return InvalidParameterError(
             f"The {param} grammar admits no output: no text matches it (an empty regex class, a schema whose "

@@ -69,6 +69,8 @@ class GenerationPlan:
         prompt_logprobs: vLLM's ``prompt_logprobs``: alternatives per prompt position (the prompt is scored,
             its own tokens' logprobs and ranks reported); None: not asked.
         tokens_as_ids: vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``"token_id:<id>"``.
+        format_field: the request field the output constraint came in (``guided_regex``,
+            ``structured_outputs.choice``, ``response_format``), which a grammar failure while decoding names.
     """
 
     endpoint: Endpoint
@@ -80,6 +82,7 @@ class GenerationPlan:
     include_usage: bool
     chat_logprobs: bool
     tokens_as_ids: bool = False
+    format_field: str = "response_format"
     cache_salt: str | None = None
     tools: ToolPlan | None = None
     echo: tuple[str, ...] | None = None
@@ -269,6 +272,7 @@ def completion_plan(
         budgets=max_new,
         priority=check_priority(req.priority, engine),
         prompt_logprobs=check_prompt_logprobs(req, config),
+        format_field=constraints.constraint_field(req),
     )
 
 
@@ -325,6 +329,7 @@ def chat_plan(
         budgets=max_new,
         priority=check_priority(req.priority, engine),
         prompt_logprobs=check_prompt_logprobs(req, config),
+        format_field=constraints.constraint_field(req),
     )
 
 

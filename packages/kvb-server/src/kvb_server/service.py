@@ -320,7 +320,9 @@ class GenerationService:
                 assert update.result is not None
                 results[update.choice] = update.result
                 self.record(update, update.result)
-                failure = grammar_failure(update.result, tools=plan.tools is not None)
+                failure = grammar_failure(
+                    update.result, tools=plan.tools is not None, field=plan.format_field
+                )
                 if failure is not None:
                     raise failure
         finally:

@@ -201,7 +201,9 @@ class OpenStream:
                 if event.result is not None:
                     results[i] = event.result
                     self._service.record(update, event.result, intervals[i])
-                    failure = grammar_failure(event.result, tools=plan.tools is not None)
+                    failure = grammar_failure(
+                        event.result, tools=plan.tools is not None, field=plan.format_field
+                    )
                     if failure is not None:
                         # Its text is out already: the error replaces the finish chunk (no "stop" for an
                         # output that does not match), as any error after the first chunk ends a stream.
