@@ -104,6 +104,8 @@ def test_served_names_without_a_model_are_refused_as_vllm_refuses_them(capsys) -
         ),  # vLLM reads it as --no-enable-prefix-caching
         ("enable-chunked-prefill: false\n", "is what this server always does"),
         ("served-model-name: [a]\n", "name the model first"),
+        ("help: true\n", "unknown option 'help'"),  # it printed the help and exited 0
+        ("version: true\n", "unknown option 'version'"),
     ],
 )
 def test_a_bad_config_file_is_one_line_naming_the_option(tmp_path, capsys, text, message) -> None:

@@ -58,7 +58,7 @@ class EngineConfig:
             seam-repaired; :class:`kvb_cache.StitchConfig`). None: exact prefix reuse only.
         kv_cache_bits: precision of the records in the disk/Redis tiers: 16 keeps KV as computed (exact
             reuse); 8 or 4 store it KIVI-quantized (per-block records 0.63x / 0.38x the bytes of fp16 KV at
-            group 32, header included; approximate reuse, measured in docs/tiers.md). The RAM block pool always holds KV as computed
+            group 32, header included; approximate reuse, measured in docs/tiers.md). The RAM block pool holds KV in ``kv_cache_dtype``
             (its blocks are shared by running requests); a request's own ``kv_cache_bits`` quantizes its
             live KV instead.
         kv_group_size: quantization group of ``kv_cache_bits`` 8/4 (tokens per key group, channels per value

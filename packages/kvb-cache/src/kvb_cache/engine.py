@@ -237,7 +237,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             seed: seed torch's global generators once the model is loaded (vLLM's ``seed``): sampling
                 without a request seed draws from them. None: not seeded.
             kv_cache_bits: 16 stores KV as computed (exact); 8 or 4 store disk/Redis records KIVI-quantized
-                (the RAM block pool holds KV as computed).
+                (the RAM block pool holds KV in ``kv_cache_dtype``).
             kv_group_size: quantization group for ``kv_cache_bits`` 8/4.
             disk_cache_dir: folder of a disk tier under RAM (survives restarts); None: no disk tier.
             disk_cache_bytes: byte budget of the disk tier.

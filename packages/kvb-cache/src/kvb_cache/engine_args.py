@@ -148,7 +148,7 @@ class EngineArgs:
         parse=parse_bytes,
         cli_default="2GiB",
         help="byte budget of the in-memory KV cache; also sizes the paged block pool (running requests' KV "
-        "and reusable prefixes) when --num-blocks is not given (0 disables reuse)",
+        "and reusable prefixes) when --num-blocks is not given, at most 16384 blocks (0 disables reuse)",
     )
     kv_cache_bits: int = option(
         16,

@@ -124,6 +124,8 @@ def file_options(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         name = key.lstrip("-").replace("_", "-")
         if name == "config":
             parser.error(f"{where}: a config file cannot name another one ('{key}')")
+        if name in ("help", "version"):  # they print and exit: a file of options should serve
+            parser.error(f"{where}: unknown option '{key}' (--{name} is for the command line)")
         if name == "model":
             if not isinstance(value, str) or not value:
                 parser.error(f"{where}: 'model' must be a model folder or name, got {value!r}")
