@@ -37,7 +37,12 @@ def _executor() -> ThreadPoolExecutor | None:
             # threading.stack_size applies to threads started while it is set, and ThreadPoolExecutor
             # starts its threads on submit: both are started here, each held at a barrier until the other
             # exists (one task alone would be served by the first thread and leave the second unstarted).
-            previous = threading.stack_size(STACK_BYTES)
+            try:
+                previous = threading.stack_size(STACK_BYTES)
+            except (ValueError, RuntimeError) as exc:  # a platform that does not size thread stacks
+                logger.warning("grammar compilation stays on the request's thread (no large stack: %s)", exc)
+                _unavailable = True
+                return None
             pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvb-grammar")
             try:
                 barrier = threading.Barrier(WORKERS, timeout=30)
