@@ -16,9 +16,9 @@ import llguidance
 import llguidance.hf
 import openai
 import pytest
-from conftest import build_tiny_engine, build_tokenizer, serve
+from conftest import build_tiny_engine, serve
 from test_tool_calls import accepts
-from test_tool_templates import WEATHER
+from test_tool_templates import WEATHER, tokenizer_with
 
 from kvb_server import ServerConfig, create_app
 from kvb_server.tag_tokens import tag_tokens
@@ -53,10 +53,7 @@ CALL = '[TOOL_CALLS]get_weather[ARGS]{"unit":"celsius","days":2}'
 
 
 def v11_tokenizer():
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(CONTROL)})
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
+    return tokenizer_with(TEMPLATE, *CONTROL)  # control tokens held as special, as Mistral's are
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import llguidance
 import llguidance.hf
 import openai
 import pytest
-from conftest import build_tiny_engine, build_tokenizer, serve
+from conftest import build_tiny_engine, serve
 from test_single_token_tags import THINKING_TEMPLATE
 from test_tool_calls import accepts
-from test_tool_templates import HERMES_TEMPLATE, WEATHER
+from test_tool_templates import HERMES_TEMPLATE, WEATHER, tokenizer_with
 
 from kvb_server import ServerConfig, create_app
 from kvb_server.tool_calls import ToolCallStream, split_reply, tool_grammar
@@ -34,17 +34,9 @@ LLAMA_CALL = '{"name":"get_weather","parameters":{"unit":"celsius","days":2}}'
 MISTRAL_CALL = '[{"name":"get_weather","arguments":{"unit":"celsius","days":2}}]'
 
 
-def special_tokenizer(*tokens: str, template: str | None = None):
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    if template is not None:
-        tokenizer.chat_template = template
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def marked():
-    tokenizer = special_tokenizer("<|python_tag|>", "[TOOL_CALLS]")
+    tokenizer = tokenizer_with(None, "<|python_tag|>", "[TOOL_CALLS]")
     return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
 
 
@@ -101,7 +93,7 @@ def test_a_forced_reply_cut_inside_text_reads_the_same_streamed_and_not() -> Non
 @pytest.fixture(scope="module")
 def special_hermes() -> Iterator[tuple[openai.OpenAI, dict[str, int]]]:
     tags = ("<tool_call>", "</tool_call>", "<think>", "</think>")
-    tokenizer = special_tokenizer(*tags, template=THINKING_TEMPLATE)
+    tokenizer = tokenizer_with(THINKING_TEMPLATE, *tags)
     engine = build_tiny_engine(context=2048, tokenizer=tokenizer)
     config = ServerConfig(model_names=("tiny-llama",), max_tokens=96, reasoning_parser="qwen3")
     with serve(create_app(engine, config)) as url:
@@ -165,10 +157,8 @@ def test_plain_requests_keep_skipping_special_tokens() -> None:
     plain = build_tiny_engine()
     plan = tool_plan([WEATHER], "required", None, hermes(native=True))
     assert not keeps_special_tags(plain, plan, ReasoningPlan(PARSERS["qwen3"], False))
-    special = build_tiny_engine(
-        tokenizer=special_tokenizer("<tool_call>", "</tool_call>", template=HERMES_TEMPLATE)
-    )
+    special = build_tiny_engine(tokenizer=tokenizer_with(HERMES_TEMPLATE, "<tool_call>", "</tool_call>"))
     assert keeps_special_tags(special, plan, None)
     assert not keeps_special_tags(special, None, None)
-    marker_only = build_tiny_engine(tokenizer=special_tokenizer("[TOOL_CALLS]"))
+    marker_only = build_tiny_engine(tokenizer=tokenizer_with(None, "[TOOL_CALLS]"))
     assert not keeps_special_tags(marker_only, tool_plan([WEATHER], "required", None, MISTRAL), None)
