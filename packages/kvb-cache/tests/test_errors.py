@@ -470,3 +470,23 @@ def test_max_model_len_above_the_models_context_is_refused(llama, tokenizer):
     with pytest.raises(ConfigError, match=r"max_model_len=1024 exceeds the model's context of 512"):
         KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=1024))
     assert KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=512)).context_length == 512
+
+
+def test_max_model_len_above_the_declared_context_is_refused_before_the_weights_load(
+    llama, tokenizer, tmp_path, monkeypatch
+):
+    """from_pretrained reads config.json first: a 70B checkpoint took minutes to load before the engine
+    refused the option."""
+    import transformers
+
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read before max_model_len was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ConfigError, match=r"max_model_len=1024 exceeds the model's context of 512"):
+        KVBoost.from_pretrained(str(tmp_path), max_model_len=1024)
+    monkeypatch.undo()
+    assert KVBoost.from_pretrained(str(tmp_path), max_model_len=512).context_length == 512

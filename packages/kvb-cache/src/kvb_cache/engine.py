@@ -278,6 +278,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             dtype=args.dtype,
             attn_implementation=args.attn_implementation,
             tokenizer=args.tokenizer,
+            max_model_len=args.max_model_len,
         )
         seed_torch(args.seed)
         config = apply_utilization(loaded.model, config, args.gpu_memory_utilization)

@@ -8,10 +8,17 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from kvb_cache.embedded import embedded_model_folder, is_embedded_name, resolve_model_path
 from kvb_cache.errors import ConfigError, ModelLoadError
+from kvb_cache.model_traits import declared_context
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +137,18 @@ def load_model_and_tokenizer(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
     tokenizer: str | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (``tokenizer``'s, when given: a folder or a cached hub id); the
     embedded model's short names are accepted.
 
+    Args:
+        max_model_len: the context the caller will ask for; above the one ``config.json`` declares it is
+            refused before the weights are read (:func:`check_declared_context`).
+
     Raises:
         ModelLoadError: either cannot be loaded, or the tokenizer has ids the model has no embedding for.
+        ConfigError: ``max_model_len`` exceeds the context the model's config declares.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ModelLoadError(f"model must be a non-empty path or name, got {name_or_path!r}")
@@ -155,6 +168,8 @@ def load_model_and_tokenizer(
             "vocab files); save the model's tokenizer into it (tokenizer.save_pretrained(folder)) or pass "
             "tokenizer (--tokenizer)"
         )
+    if max_model_len is not None:
+        check_declared_context(path, max_model_len)
     try:
         # local_files_only: a hub id is read from the local Hugging Face cache, as documented; without it a
         # name missing there was fetched from the hub, or, offline, retried for ~45 s before failing.
@@ -228,6 +243,27 @@ def load_model_and_tokenizer(
     check_vocabulary(model, loaded_tokenizer, tokenizer)
     model.to(torch_device)
     return LoadedModel(model=model.eval(), tokenizer=loaded_tokenizer, name=name_or_path)
+
+
+def check_declared_context(path: str, max_model_len: int) -> None:
+    """Refuse ``max_model_len`` above the context ``path``'s ``config.json`` declares, before any weight is
+    read (a 70B checkpoint took minutes to load before the engine said so). The engine's own check after the
+    load still applies (a LongRoPE switch or a position limit can lower the context further); a config that
+    cannot be read here is left to the load, which reports it.
+
+    Raises:
+        ConfigError: ``max_model_len`` exceeds the declared context.
+    """
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception:  # whatever it is, the model load right after reports it in its own words
+        return
+    limit = declared_context(config)
+    if limit is not None and max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens: lower it or "
+            "leave it unset"
+        )
 
 
 def _damaged_weights(name: str, path: str, exc: Exception) -> str:

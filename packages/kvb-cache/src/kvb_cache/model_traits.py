@@ -146,9 +146,7 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
         raise UnsupportedModelError(f"cannot tell how many decoder layers {name} has")
-    context = next(
-        (getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None
-    )
+    context = declared_context(config)
     sliding = (
         getattr(config, "sliding_window", None)
         if "sliding_attention" in layer_types or not layer_types
@@ -193,6 +191,17 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
         absolute_positions=absolute,
         sliding_window=sliding if isinstance(sliding, int) else None,
         logits_to_keep="logits_to_keep" in params,
+    )
+
+
+def declared_context(config: object) -> int | None:
+    """The context a model's config declares (``max_position_embeddings`` or its older names), of its text
+    decoder for a multimodal config; None when it declares none."""
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        config = get_text_config(decoder=True)
+    return next(
+        (getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None
     )
 
 
