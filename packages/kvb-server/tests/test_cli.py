@@ -133,12 +133,12 @@ def test_a_switch_left_off_in_a_config_file_is_its_default(tmp_path) -> None:
     )
     args = build_parser().parse_args(["--config", str(path)])
     defaults = build_parser().parse_args([])
-    assert (args.enable_log_requests, args.auto_truncate) == (
-        defaults.enable_log_requests,
+    assert (args.log_requests, args.auto_truncate) == (
+        defaults.log_requests,
         defaults.auto_truncate,
     )
     path.write_text("enable-log-requests: true\n")
-    assert build_parser().parse_args(["--config", str(path)]).enable_log_requests is True
+    assert build_parser().parse_args(["--config", str(path)]).log_requests is True
     # An option's Python name where its flag is shorter (from_pretrained's remote_ttl_s is --remote-ttl).
     path.write_text("remote_ttl_s: 5\nexit-flush-timeout-s: 3\n")
     args = build_parser().parse_args(["--config", str(path)])

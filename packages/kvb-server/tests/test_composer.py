@@ -13,10 +13,45 @@ from fakes import FakeEngine
 
 import kvb_cache
 from kvb_cache import EngineArgs
-from kvb_cache.options import as_keywords, from_namespace, option, parser_mismatches
+from kvb_cache.options import as_keywords, from_namespace, option, option_fields, parser_mismatches
 from kvb_server import ServerConfig, create_app
 from kvb_server.cli import build_parser, build_server
 from kvb_server.composer import ENTRY_POINT_GROUP, EngineComposer, find_composer
+from kvb_server.config import server_config
+
+
+def test_every_server_option_is_a_flag_with_its_default() -> None:
+    """ServerConfig's scalar options are declared once (their fields): the flags, defaults and dests follow."""
+    parser = build_parser()
+    assert parser_mismatches(parser, [ServerConfig]) == []
+    assert {f.name for f, _ in option_fields(ServerConfig)} >= {
+        "max_queue_size",
+        "request_timeout_s",
+        "max_tokens",
+        "max_logprobs",
+        "max_body_bytes",
+        "max_json_depth",
+        "shutdown_timeout_s",
+        "log_requests",
+        "max_log_len",
+    }
+    config = server_config(parser.parse_args([]))
+    for f, spec in option_fields(ServerConfig):
+        assert spec.cli and getattr(config, f.name) == f.default, f.name
+    args = parser.parse_args(
+        [
+            "--request-timeout",
+            "7",
+            "--shutdown-timeout",
+            "3",
+            "--max-body-bytes",
+            "1KiB",
+            "--enable-log-requests",
+        ]
+    )
+    config = server_config(args)
+    assert (config.request_timeout_s, config.shutdown_timeout_s, config.max_body_bytes) == (7.0, 3.0, 1024)
+    assert config.log_requests is True
 
 
 def test_every_engine_arg_is_a_flag_with_its_default() -> None:

@@ -241,6 +241,28 @@ def test_readme_options_table_is_generated_from_the_classes():
     assert replace_options_table(text, options_markdown()) == text, "stale: run python tools/options_table.py"
 
 
+def test_server_options_table_is_generated_from_server_config():
+    from pathlib import Path
+
+    from kvboost.args import (
+        SERVER_TABLE_END,
+        SERVER_TABLE_START,
+        replace_options_table,
+        server_options_markdown,
+    )
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "server.md"
+    if not doc.exists():
+        pytest.skip("docs/server.md is not above this package (tests run outside the repository)")
+    text = doc.read_text(encoding="utf-8")
+    assert SERVER_TABLE_START in text
+    assert "`--request-timeout`" in server_options_markdown()
+    markers = (SERVER_TABLE_START, SERVER_TABLE_END)
+    assert replace_options_table(text, server_options_markdown(), markers) == text, (
+        "stale: run python tools/options_table.py"
+    )
+
+
 def test_the_servers_metrics_carry_the_drafters_counters(target):
     """``kvboost serve --speculative``: /metrics has vLLM's spec-decode counters, equal to the drafter's
     own statistics (they were only in /v1/stats)."""

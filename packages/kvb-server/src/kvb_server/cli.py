@@ -27,10 +27,10 @@ from kvb_cache.options import (
 )
 from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
-from kvb_server.config import ServerConfig, add_server_arguments, positive_seconds, server_config
+from kvb_server.config import ServerConfig, add_server_arguments, server_config
 from kvb_server.config import parse_bytes as parse_bytes  # re-exported: older code imports it from here
 from kvb_server.config_file import add_config_arguments
-from kvb_server.flag_types import DeprecatedFlag, HelpFormatter, api_key, logprobs_cap, margin, port
+from kvb_server.flag_types import DeprecatedFlag, HelpFormatter, api_key, margin, port
 from kvb_server.gate import RequestGate
 from kvb_server.generation_config import AUTO
 from kvb_server.generation_config import resolve as resolve_generation_config
@@ -179,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
     add_http_arguments(http)
-    add_server_arguments(p)
+    groups["http"] = http
+    add_server_arguments(p, groups)
     add_vllm_flags(p)
     sched.add_argument(
         "--backend",
@@ -204,34 +205,6 @@ def add_arguments(p: argparse.ArgumentParser, composer: EngineComposer | None = 
         action=DeprecatedFlag,
         metavar="MS",
         help="deprecated and ignored: there is no batching window, requests join the next step",
-    )
-    sched.add_argument(
-        "--max-queue-size",
-        type=positive_int,
-        default=256,
-        help="requests not running yet (queued or waiting inside the engine) before new ones get "
-        "HTTP 503; running requests do not count",
-    )
-    sched.add_argument(
-        "--request-timeout",
-        type=positive_seconds,
-        default=600.0,
-        metavar="SECONDS",
-        help="a request not finished this long after arrival gets HTTP 504 and is stopped",
-    )
-    sched.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=1024,
-        help="server-side cap on generated tokens per choice (larger requests are clamped)",
-    )
-    sched.add_argument(
-        "--max-logprobs",
-        type=logprobs_cap,
-        default=20,
-        metavar="N",
-        help="most alternatives a request may ask for per token (completions' logprobs, chat's "
-        "top_logprobs; more is HTTP 400), as vLLM's; -1: the whole vocabulary",
     )
     sched.add_argument(
         "--generation-config",
@@ -459,6 +432,6 @@ def serve(
         # Without it uvicorn waits for every request in flight: a client that stops reading held the
         # process open indefinitely (6 long streams kept a SIGINT'd server up 84 s). Left running then,
         # they are cancelled, which aborts them in the engine.
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout_s,
         **http,
     )

@@ -1,4 +1,5 @@
-"""Server settings: what the CLI flags become, validated once (the HTTP-layer flags are declared here too)."""
+"""Server settings: what the CLI flags become, validated once. The scalar ones are declared once, as fields
+made with :func:`kvb_cache.options.option`; their flags, help and defaults follow from the fields."""
 
 from __future__ import annotations
 
@@ -7,13 +8,39 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvb_cache.options import parse_bytes, positive_int
+from kvb_cache.options import add_option_arguments, option, option_fields, parse_bytes, positive_int
 from kvb_server.chat_template import load_chat_template
+from kvb_server.flag_types import logprobs_cap
 from kvb_server.generation_config import NO_DEFAULTS, VLLM, Override, SamplingDefaults, parse_override
 from kvb_server.generation_config import check_flag as check_generation_config
 from kvb_server.http_options import CorsPolicy, cors_policy
 from kvb_server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_JSON_DEPTH_LIMIT
 from kvb_server.reasoning import parser_syntax
+
+
+# -- value types of ServerConfig's command-line flags ------------------------------------------------
+# Their types refuse what ServerConfig would refuse: checked there only, a bad value failed after the model
+# had loaded, with a ValueError traceback instead of a usage error.
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, > 0 (``--request-timeout``, ``--shutdown-timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0, e.g. 30")
+    return value
+
+
+def json_depth_flag(text: str) -> int:
+    """``--max-json-depth``: 1..MAX_JSON_DEPTH_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_JSON_DEPTH_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a nesting depth in 1..{MAX_JSON_DEPTH_LIMIT}")
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,16 +112,56 @@ class ServerConfig:
     """
 
     model_names: tuple[str, ...]
-    max_queue_size: int = 256
-    request_timeout_s: float = 600.0
-    max_tokens: int = 1024
+    max_queue_size: int = option(
+        256,
+        group="scheduling",
+        parse=positive_int,
+        help="requests not running yet (queued or waiting inside the engine) before new ones get "
+        "HTTP 503; running requests do not count",
+    )
+    request_timeout_s: float = option(
+        600.0,
+        group="scheduling",
+        flag="--request-timeout",
+        parse=positive_seconds,
+        metavar="SECONDS",
+        help="a request not finished this long after arrival gets HTTP 504 and is stopped",
+    )
+    max_tokens: int = option(
+        1024,
+        group="scheduling",
+        parse=positive_int,
+        help="server-side cap on generated tokens per choice (larger requests are clamped)",
+    )
     default_completion_max_tokens: int = 16
     api_key: str | None = None
     tenant_keys: tuple[TenantKey, ...] = ()
     max_n: int = 16
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    shutdown_timeout_s: float = 30.0
+    max_body_bytes: int = option(
+        DEFAULT_MAX_BODY_BYTES,
+        group="input limits",
+        parse=parse_bytes,
+        cli_default="4MiB",
+        help="larger request bodies get HTTP 413 (checked while the body streams in, chunked or not), "
+        "e.g. 4MiB",
+    )
+    max_json_depth: int = option(
+        DEFAULT_MAX_JSON_DEPTH,
+        group="input limits",
+        parse=json_depth_flag,
+        help=f"JSON bodies nesting arrays/objects deeper get HTTP 400, checked before parsing (at most "
+        f"{MAX_JSON_DEPTH_LIMIT})",
+    )
+    shutdown_timeout_s: float = option(
+        30.0,
+        group="http",
+        flag="--shutdown-timeout",
+        parse=positive_seconds,
+        metavar="SECONDS",
+        help="on shutdown, how long the requests in flight may take to finish (then they are cancelled), "
+        "then how long the engine may take to finish its step and flush queued disk/Redis writes "
+        "(engine.close())",
+    )
     close_engine: bool = True
     generation_config: str = VLLM
     override_generation_config: Override = field(default_factory=dict)
@@ -102,9 +169,28 @@ class ServerConfig:
     chat_template: str | None = None
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     fastapi_docs: bool = True
-    max_logprobs: int = 20
-    log_requests: bool = False
-    max_log_len: int | None = None
+    max_logprobs: int = option(
+        20,
+        group="scheduling",
+        parse=logprobs_cap,
+        metavar="N",
+        help="most alternatives a request may ask for per token (completions' logprobs, chat's "
+        "top_logprobs; more is HTTP 400), as vLLM's; -1: the whole vocabulary",
+    )
+    log_requests: bool = option(
+        False,
+        group="request logging",
+        flag="--enable-log-requests",
+        help="log each generation request's prompt, prompt token ids and sampling parameters at INFO "
+        "(logger kvb_server.requests; vLLM's flag): prompts are users' data, so off by default",
+    )
+    max_log_len: int | None = option(
+        None,
+        group="request logging",
+        parse=positive_int,
+        metavar="N",
+        help="with --enable-log-requests, show at most N prompt characters and N token ids; unset: all",
+    )
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
@@ -169,48 +255,13 @@ class ServerConfig:
         return self.api_key is not None or bool(self.tenant_keys)
 
 
-# -- command-line flags of the fields above ------------------------------------------------------------
-# Their types refuse what ServerConfig would refuse: checked there only, a bad value failed after the model
-# had loaded, with a ValueError traceback instead of a usage error.
-def positive_seconds(text: str) -> float:
-    """A duration in seconds, > 0 (``--request-timeout``, ``--shutdown-timeout``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0, e.g. 30")
-    return value
-
-
-def json_depth_flag(text: str) -> int:
-    """``--max-json-depth``: 1..MAX_JSON_DEPTH_LIMIT."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_JSON_DEPTH_LIMIT:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a nesting depth in 1..{MAX_JSON_DEPTH_LIMIT}")
-    return value
-
-
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The input-limit, tenant-key and shutdown flags (``--api-key`` itself stays with the http flags)."""
-    limits = parser.add_argument_group("input limits")
-    limits.add_argument(
-        "--max-body-bytes",
-        type=parse_bytes,
-        default="4MiB",
-        help="larger request bodies get HTTP 413 (checked while the body streams in, chunked or not), "
-        "e.g. 4MiB",
-    )
-    limits.add_argument(
-        "--max-json-depth",
-        type=json_depth_flag,
-        default=DEFAULT_MAX_JSON_DEPTH,
-        help=f"JSON bodies nesting arrays/objects deeper get HTTP 400, checked before parsing (at most "
-        f"{MAX_JSON_DEPTH_LIMIT})",
-    )
+def add_server_arguments(
+    parser: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup] | None = None
+) -> None:
+    """ServerConfig's declared options (queue, timeouts, caps, input limits, request logging, shutdown:
+    :func:`kvb_cache.options.add_option_arguments`, into ``groups`` by title) and the tenant-key flags,
+    which two flags build together (``--api-key`` itself stays with the http flags)."""
+    add_option_arguments(parser, ServerConfig, groups)
     tenants = parser.add_argument_group(
         "tenants",
         "Each tenant key gets its own prefix-cache namespace (salt): tenants never hit, or time, each "
@@ -230,29 +281,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help='a JSON object {"KEY": "SALT", ...} of tenant keys, as --api-key-salt',
-    )
-    logs = parser.add_argument_group("request logging")
-    logs.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="log each generation request's prompt, prompt token ids and sampling parameters at INFO "
-        "(logger kvb_server.requests; vLLM's flag): prompts are users' data, so off by default",
-    )
-    logs.add_argument(
-        "--max-log-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="with --enable-log-requests, show at most N prompt characters and N token ids; unset: all",
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=positive_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="on shutdown, how long the requests in flight may take to finish (then they are cancelled), "
-        "then how long the engine may take to finish its step and flush queued disk/Redis writes "
-        "(engine.close())",
     )
 
 
@@ -298,23 +326,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     template = None if args.chat_template is None else load_chat_template(args.chat_template)
     return ServerConfig(
         model_names=tuple(dict.fromkeys([*args.served_model_name, args.model])),
-        max_queue_size=args.max_queue_size,
-        request_timeout_s=args.request_timeout,
-        max_tokens=args.max_tokens,
         api_key=args.api_key or None,
         tenant_keys=tenant_keys(args),
-        max_body_bytes=args.max_body_bytes,
-        max_json_depth=args.max_json_depth,
-        shutdown_timeout_s=args.shutdown_timeout,
         generation_config=args.generation_config,
         override_generation_config=override,
         chat_template=template,
         cors=cors_policy(args),
         fastapi_docs=not args.disable_fastapi_docs,
-        max_logprobs=args.max_logprobs,
-        log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
         reasoning_parser=args.reasoning_parser,
+        **{f.name: getattr(args, f.name) for f, spec in option_fields(ServerConfig) if spec.cli},
     )
 
 

@@ -322,8 +322,13 @@ class StreamingArgs:
 PART_ARGS: tuple[type, ...] = (SpeculativeArgs, StreamingArgs)
 
 
-# -- the README's options table ---------------------------------------------------------------------------
+# -- the generated options tables ---------------------------------------------------------------------------
 TABLE_START, TABLE_END = "<!-- options-table:start -->", "<!-- options-table:end -->"
+#: The server's own options (``kvb_server.ServerConfig``'s declared fields), in docs/server.md.
+SERVER_TABLE_START, SERVER_TABLE_END = (
+    "<!-- server-options-table:start -->",
+    "<!-- server-options-table:end -->",
+)
 
 
 def options_markdown() -> str:
@@ -334,9 +339,19 @@ def options_markdown() -> str:
     return options_table([EngineArgs, *PART_ARGS])
 
 
-def replace_options_table(text: str, table: str) -> str:
-    """``text`` with ``table`` between the options-table markers (unchanged when they are missing)."""
-    start, end = text.find(TABLE_START), text.find(TABLE_END)
+def server_options_markdown() -> str:
+    """The HTTP layer's declared options (``kvb_server.ServerConfig``: queue, caps, limits, logging) as a
+    Markdown table; its "keyword" column is the ``ServerConfig`` field."""
+    from kvb_cache.options import options_table
+    from kvb_server.config import ServerConfig
+
+    return options_table([ServerConfig])
+
+
+def replace_options_table(text: str, table: str, markers: tuple[str, str] = (TABLE_START, TABLE_END)) -> str:
+    """``text`` with ``table`` between ``markers`` (unchanged when they are missing)."""
+    begin, finish = markers
+    start, end = text.find(begin), text.find(finish)
     if start < 0 or end < start:
         return text
-    return text[: start + len(TABLE_START)] + "\n" + table + "\n" + text[end:]
+    return text[: start + len(begin)] + "\n" + table + "\n" + text[end:]
