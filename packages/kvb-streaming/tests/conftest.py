@@ -32,6 +32,24 @@ def tiny_llama_config(**overrides: object) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
+def tiny_mixtral_config(**overrides: object):
+    """A tiny Mixtral (transformers 5 keeps its experts as fused 3-D parameters)."""
+    from transformers import MixtralConfig
+
+    values: dict[str, object] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    values.update(overrides)
+    return MixtralConfig(**values)
+
+
 @pytest.fixture(scope="session")
 def make_tiny_config() -> Callable[..., LlamaConfig]:
     """Factory of tiny Llama configs with optional overrides."""

@@ -131,22 +131,13 @@ def test_streaming_is_disabled_on_cpu_unless_simulated(
 def test_fused_moe_experts_are_loaded_resident_and_said_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from conftest import tiny_mixtral_config
+    from transformers import MixtralForCausalLM
 
     from kvb_streaming.packer import save_awq_checkpoint
 
     torch.manual_seed(0)
-    config = MixtralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    save_awq_checkpoint(MixtralForCausalLM(config).eval(), tmp_path, group_size=32)
+    save_awq_checkpoint(MixtralForCausalLM(tiny_mixtral_config()).eval(), tmp_path, group_size=32)
     with caplog.at_level(logging.WARNING, logger="kvb_streaming.builder"):
         model = StreamingCausalLM.from_pretrained(tmp_path, device="cpu")
     # transformers 5 keeps the experts as fused parameters: no nn.Linear to quantize or stream.
@@ -154,6 +145,48 @@ def test_fused_moe_experts_are_loaded_resident_and_said_so(
         "fused weight tensors" in r.getMessage() and "experts" in r.getMessage() for r in caplog.records
     )
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_persistent_buffers_are_read_from_the_checkpoint(tmp_path: Path) -> None:
+    """A DeepSeek-V3-style router's ``e_score_correction_bias`` (GLM4-MoE) is a persistent buffer: the skeleton
+    built under ``init_empty_weights`` held its init value (zeros) and routed tokens to other experts than the
+    checkpoint's model, silently (an audit, 2026-11-30; Gemma 4's ``layer_scalar`` the same)."""
+    import transformers
+
+    from kvb_streaming.packer import save_awq_checkpoint
+
+    config_class = getattr(transformers, "Glm4MoeConfig", None)
+    if config_class is None:
+        pytest.skip("this transformers has no GLM4-MoE")
+    torch.manual_seed(0)
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    fp = transformers.AutoModelForCausalLM.from_config(config).eval()
+    biases = {n: b for n, b in fp.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert biases, "the model has no router bias buffer: the test no longer tests anything"
+    with torch.no_grad():
+        for b in biases.values():
+            b.copy_(torch.linspace(-2, 2, b.numel()))
+    save_awq_checkpoint(fp, tmp_path, group_size=32)
+    for mode in ("full_resident", "full_stream"):
+        model = load(tmp_path, residency_mode=mode)
+        loaded = dict(model.named_buffers())
+        for name, value in biases.items():
+            assert torch.allclose(loaded[name].float(), value.float(), atol=1e-3), (mode, name)
 
 
 def test_too_many_kept_layers_fail_on_cpu_too(awq_llama_dir: Path) -> None:

@@ -24,6 +24,7 @@ def test_checkpoint_layout(awq_llama_dir: Path, tiny_llama: torch.nn.Module) -> 
         "group_size": GROUP_SIZE,
         "version": "gemm",
         "zero_point": True,
+        "modules_to_not_convert": None,
     }
     loader = AWQLoader(awq_llama_dir)
     assert "model.layers.0.mlp.up_proj.weight" not in loader

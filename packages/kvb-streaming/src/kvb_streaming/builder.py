@@ -204,14 +204,43 @@ def _quantized_linears(layer: nn.Module, prefix: str, loader: AWQLoader) -> dict
         if isinstance(module, nn.Linear) and loader.is_quantized(f"{prefix}.{name}")
     }
     if not found:
-        raise AWQFormatError(f"decoder layer {prefix} has no AWQ-quantized linear in {loader.path}")
+        raise AWQFormatError(
+            f"decoder layer {prefix} has no AWQ-quantized linear in {loader.path}{_naming_hint(prefix, loader)}"
+        )
     return found
+
+
+def _naming_hint(prefix: str, loader: AWQLoader) -> str:
+    """Why a decoder layer found no quantized linear, when the checkpoint holds some under other names: a
+    transformers-4 export (``language_model.model.layers.0``), whose names transformers 5 renames when it
+    loads; the streaming loader reads names as they are."""
+    quantized = sorted(name.removesuffix(".qweight") for name in loader.index if name.endswith(".qweight"))
+    if not quantized:
+        return " (it holds no .qweight tensor at all)"
+    layer = prefix.rsplit(".", 1)[-1]
+    like = next((n for n in quantized if f".{layer}." in n), quantized[0])
+    return (
+        f"; its quantized linears are named like {like!r}, not under {prefix!r}: the checkpoint uses other "
+        "tensor names than the installed transformers builds for this config (an export from an older "
+        "transformers?), and kvb_streaming reads names as they are (no renaming)"
+    )
 
 
 def _load_plain_tensors(
     model: PreTrainedModel, loader: AWQLoader, *, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """Fills every still-meta parameter/buffer (embeddings, norms, biases, LM head) from the checkpoint."""
+    """Fills every still-meta parameter/buffer (embeddings, norms, biases, LM head) from the checkpoint, and
+    every persistent buffer the checkpoint holds.
+
+    ``init_empty_weights`` leaves buffers real (the rotary tables must be computed, they are in no
+    checkpoint), so a *persistent* buffer (in ``state_dict``: Gemma 4's ``layer_scalar``, a DeepSeek-V3-style
+    router's ``e_score_correction_bias``) held its init value and the model ran silently wrong (an audit,
+    2026-11-30: Gemma 4's logits off by 3.8x their spread). Such a buffer keeps its own dtype (transformers
+    keeps router biases in fp32)."""
+    persistent = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if not buffer.is_meta and name in persistent and name in loader:
+            set_module_tensor_to_device(model, name, device, value=loader.read(name), dtype=buffer.dtype)
     missing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not tensor.is_meta:
@@ -228,7 +257,32 @@ def _load_plain_tensors(
         model.tie_weights()
         missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
-        raise AWQFormatError(f"the checkpoint at {loader.path} lacks tensors the model needs: {missing[:5]}")
+        raise AWQFormatError(
+            f"the checkpoint at {loader.path} lacks tensors the model needs: {missing[:5]}"
+            + _missing_hint(missing, loader)
+        )
+
+
+def _missing_hint(missing: list[str], loader: AWQLoader) -> str:
+    """What the checkpoint holds instead of ``missing``, where that says why (a quantized LM head, experts
+    quantized one by one)."""
+    for name in missing:
+        module = name.removesuffix(".weight")
+        if f"{module}.qweight" in loader:
+            return (
+                f": {module} is int4 in the checkpoint, and only the decoder layers' linears may be (export it "
+                "with the LM head and embeddings in fp16)"
+            )
+    if any(".experts." in name for name in missing) and any(
+        ".experts.0." in name or "block_sparse_moe" in name for name in loader.index
+    ):
+        return (
+            ": the checkpoint stores each MoE expert's linears on their own (AutoAWQ's layout, from "
+            "transformers 4), while transformers 5 fuses a layer's experts into 3-D parameters, which stay fp16; "
+            "per-expert int4 experts are not supported (kvb_streaming.packer.save_awq_checkpoint writes the fused "
+            "layout)"
+        )
+    return ""
 
 
 def _warn_unquantized_weights(model: nn.Module, layer_prefixes: list[str], dtype: torch.dtype) -> None:

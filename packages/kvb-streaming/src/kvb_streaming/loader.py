@@ -40,6 +40,12 @@ class AWQQuantConfig:
         if method != "awq":
             raise AWQFormatError(f"quant_method is {method!r}; this loader reads AWQ checkpoints only")
         version = str(raw.get("version", "gemm")).lower()
+        if version == "exllama":
+            # AutoAWQ's exllama is a kernel chosen at load time over GEMM-packed tensors, not a layout.
+            raise AWQFormatError(
+                "AWQ version 'exllama' names a load-time kernel, not a tensor layout: if the tensors were saved "
+                "as GEMM (qweight [in, out / 8]), set quantization_config.version to 'gemm'"
+            )
         if version != "gemm":
             raise AWQFormatError(
                 f"AWQ version {version!r} is not supported; re-export the model as AWQ 'gemm'"
@@ -49,6 +55,34 @@ class AWQQuantConfig:
         if "group_size" not in raw:
             raise AWQFormatError("quantization_config has no group_size; the AWQ export must record it")
         return cls(group_size=_as_int(raw, "group_size"), bits=_as_int(raw, "bits", 4))
+
+
+def _quantization_config(raw_config: Mapping[str, object], folder: Path) -> Mapping[str, object]:
+    """``config.json``'s ``quantization_config``, or, for older AutoAWQ exports that kept it apart, the
+    ``quant_config.json`` beside it (``w_bit``, ``q_group_size``, ``zero_point``, ``version``) in the same
+    terms."""
+    if "quantization_config" in raw_config:
+        return raw_config["quantization_config"]  # type: ignore[return-value]
+    legacy = folder / "quant_config.json"
+    if legacy.is_file():
+        try:
+            old = json.loads(legacy.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise AWQFormatError(f"{legacy} is not valid JSON ({exc})") from exc
+        if not isinstance(old, dict):
+            raise AWQFormatError(f"{legacy} must hold a JSON object")
+        converted = {
+            "quant_method": old.get("quant_method", "awq"),
+            "bits": old.get("w_bit", old.get("bits", 4)),
+            "group_size": old.get("q_group_size", old.get("group_size")),
+            "zero_point": old.get("zero_point", True),
+            "version": old.get("version", "gemm"),
+        }
+        return {key: value for key, value in converted.items() if value is not None}
+    raise AWQFormatError(
+        f"{folder / 'config.json'} has no quantization_config (nor is there an AutoAWQ quant_config.json "
+        "beside it); quantize the model first (kvb_streaming.packer.save_awq_checkpoint)"
+    )
 
 
 def _as_int(raw: Mapping[str, object], key: str, default: int | None = None) -> int:
@@ -95,12 +129,9 @@ class AWQLoader:
             raise AWQFormatError(
                 f"{config_file} is not valid JSON ({exc}); re-download or re-save it"
             ) from exc
-        if not isinstance(raw_config, dict) or "quantization_config" not in raw_config:
-            raise AWQFormatError(
-                f"{config_file} has no quantization_config; quantize the model first "
-                "(kvb_streaming.packer.save_awq_checkpoint)"
-            )
-        self.quant = AWQQuantConfig.from_dict(raw_config["quantization_config"])
+        if not isinstance(raw_config, dict):
+            raise AWQFormatError(f"{config_file} must hold a JSON object")
+        self.quant = AWQQuantConfig.from_dict(_quantization_config(raw_config, self.path))
         self.index: dict[str, TensorInfo] = index_folder(self.path)
         self.allocator = HostAllocator(pin=pin_memory)
 

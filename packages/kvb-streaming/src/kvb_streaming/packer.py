@@ -7,6 +7,7 @@ format, but without its activation-aware scale search, so quality is that of pla
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvb_streaming.awq_format import check_shapes, quantize
+from kvb_streaming.errors import AWQFormatError
 from kvb_streaming.residency import decoder_layers
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -62,7 +66,7 @@ class _ShardWriter:
         (self._folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def _write_config(config: PretrainedConfig, folder: Path, group_size: int) -> None:
+def _write_config(config: PretrainedConfig, folder: Path, group_size: int, kept: list[str]) -> None:
     raw = config.to_dict()
     raw["quantization_config"] = {
         "quant_method": "awq",
@@ -70,6 +74,8 @@ def _write_config(config: PretrainedConfig, folder: Path, group_size: int) -> No
         "group_size": group_size,
         "version": "gemm",
         "zero_point": True,
+        # AutoAWQ's field: linears left in fp16 (the loader reads them as plain resident linears).
+        "modules_to_not_convert": kept or None,
     }
     raw["torch_dtype"] = "float16"
     (folder / "config.json").write_text(json.dumps(raw, indent=1, default=str))
@@ -81,7 +87,9 @@ def save_awq_checkpoint(
     """Quantizes every ``nn.Linear`` of the decoder layers to AWQ GEMM int4 and saves the checkpoint.
 
     Other tensors (embeddings, norms, biases, LM head) are saved in fp16. A tied LM head is not saved, as
-    Hugging Face does.
+    Hugging Face does. A decoder linear whose outputs do not fill whole int32 words (not a multiple of 8:
+    Qwen2-MoE's one-output ``shared_expert_gate``) stays fp16 too, listed in ``modules_to_not_convert`` as
+    AutoAWQ lists the modules it leaves out.
 
     Args:
         model: a Hugging Face causal LM (Llama-family layout: ``model.get_decoder().layers``).
@@ -94,9 +102,17 @@ def save_awq_checkpoint(
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    quantized = _decoder_linears(model)
-    for linear in quantized.values():
-        check_shapes(linear.in_features, linear.out_features, group_size)
+    linears = _decoder_linears(model)
+    # Refused before: "out_features=1 must be a multiple of 8", naming no module, for a gate AutoAWQ keeps fp16.
+    kept = sorted(name for name, linear in linears.items() if linear.out_features % 8)
+    quantized = {name: linear for name, linear in linears.items() if name not in kept}
+    if kept:
+        logger.info("kept in fp16 (outputs not a multiple of 8, no int32 AWQ word): %s", ", ".join(kept))
+    for name, linear in quantized.items():
+        try:
+            check_shapes(linear.in_features, linear.out_features, group_size)
+        except AWQFormatError as exc:
+            raise AWQFormatError(f"{name}: {exc}") from None
     writer = _ShardWriter(out, max_shard_bytes)
     for name, tensor in model.state_dict().items():
         module_name, _, leaf = name.rpartition(".")
@@ -107,7 +123,7 @@ def save_awq_checkpoint(
         elif not (_is_tied(model, name)):
             writer.add(name, tensor.to(torch.float16) if tensor.is_floating_point() else tensor)
     writer.close()
-    _write_config(model.config, out, group_size)
+    _write_config(model.config, out, group_size, kept)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         # Extra EOS ids and sampling defaults, as save_pretrained keeps them. NOTE: written as is: save_pretrained
         # refuses configs transformers only warns about when loading (temperature without do_sample), and the
@@ -147,7 +163,9 @@ def save_random_awq_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
-    quantized = _decoder_linears(skeleton)
+    linears = _decoder_linears(skeleton)
+    kept = sorted(name for name, linear in linears.items() if linear.out_features % 8)
+    quantized = {name: linear for name, linear in linears.items() if name not in kept}
     generator = torch.Generator(device=device).manual_seed(seed)
     writer = _ShardWriter(out, max_shard_bytes)
     for name, tensor in _skeleton_tensors(skeleton):
@@ -167,7 +185,7 @@ def save_random_awq_checkpoint(
             )
             writer.add(name, value)
     writer.close()
-    _write_config(config, out, group_size)
+    _write_config(config, out, group_size, kept)
     return out
 
 
