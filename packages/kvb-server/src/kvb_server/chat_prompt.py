@@ -34,6 +34,7 @@ def chat_messages(
 #: Chat template source -> whether it renders a system message (probed once per template).
 _SYSTEM_ROLE: dict[str, bool] = {}
 _USER = {"role": "user", "content": "b"}
+_SYSTEM = {"role": "system", "content": "a"}
 
 
 def accepts_system(engine: ServingEngine) -> bool:
@@ -51,9 +52,6 @@ def accepts_system(engine: ServingEngine) -> bool:
             _renders(tokenizer, [_USER]) and not _renders(tokenizer, [_SYSTEM, _USER])
         )
     return _SYSTEM_ROLE[source]
-
-
-_SYSTEM = {"role": "system", "content": "a"}
 
 
 def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
