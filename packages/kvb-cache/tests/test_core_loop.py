@@ -379,6 +379,31 @@ def test_solo_requests_count_in_the_lookup_counters_as_batched_ones_do(llama, to
     assert after["partial_tokens"] - before["partial_tokens"] == partial
 
 
+def test_no_more_requests_run_than_a_step_can_decode(llama, tokenizer, caplog):
+    """max_num_batched_tokens below max_num_seqs: every running request must get its token each step.
+    Before, 8 were admitted with a budget of 4 and the last ones held their blocks, decoding nothing, until
+    the first finished."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvb_cache.core.build"):
+        engine = KVBoost(
+            llama, tokenizer, config=EngineConfig(chunk_size=16, max_num_seqs=8, max_num_batched_tokens=4)
+        )
+    assert "at most 4 requests run at once" in caplog.text
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for s in range(8):
+        engine.add_request(words(3, seed=s), params)
+    before: dict[int, int] = {}  # id(request) -> output tokens before the step, for those already decoding
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.core.scheduler.running
+        assert len(running) <= 4
+        for req in running:
+            if id(req) in before:
+                assert req.num_output == before[id(req)] + 1  # a decoding request got its token
+        before = {id(r): r.num_output for r in running if r.num_output > 0}
+
+
 def test_queued_ms_is_arrival_to_first_scheduling(llama, tokenizer):
     """vLLM's WAITING phase: a request the batch cannot admit yet waits in the engine's queue, and that wait
     is its ``queued_ms`` (part of its TTFT), not prefill. With two sequences per step, the third request

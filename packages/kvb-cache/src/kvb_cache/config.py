@@ -72,7 +72,8 @@ class EngineConfig:
         block_size: tokens per KV block of the paged pool (the unit of prefix sharing between requests).
         num_blocks: blocks in the pool; None derives it from ``max_cache_bytes`` (the pool *is* the RAM
             cache: running requests' KV and cached prefixes share it).
-        max_num_seqs: most requests decoded together in one step.
+        max_num_seqs: most requests decoded together in one step (lowered to ``max_num_batched_tokens``
+            when above it, with a warning: each running request decodes one token a step).
         max_num_batched_tokens: most tokens (prefill + decode) one step feeds the model; long prompts are
             prefilled in slices of at most this size, interleaved with the running requests' decode.
         prefill_chunk_size: default per-request prefill slice (a request's own value overrides it); None:

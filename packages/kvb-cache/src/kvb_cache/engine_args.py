@@ -276,7 +276,11 @@ class EngineArgs:
     )
     # -- scheduling ----------------------------------------------------------------------------------------
     max_num_seqs: int = option(
-        32, group="scheduling", parse=positive_int, help="most requests decoded together in one engine step"
+        32,
+        group="scheduling",
+        parse=positive_int,
+        help="most requests decoded together in one engine step (at most max_num_batched_tokens: each "
+        "decodes a token per step)",
     )
     max_num_batched_tokens: int = option(
         1024,

@@ -59,6 +59,23 @@ def packed_budget(traits: ModelTraits, config: EngineConfig) -> int:
     return config.max_num_batched_tokens
 
 
+def running_seats(max_num_seqs: int, budget: int) -> int:
+    """Most requests running at once: ``max_num_seqs``, but no more than a step's token budget, since every
+    running request decodes one token a step. vLLM refuses ``max_num_batched_tokens < max_num_seqs``; here
+    the seats are lowered (with a warning): admitted beyond the budget, the last requests held KV blocks and
+    got no token until the first ones finished."""
+    if max_num_seqs <= budget:
+        return max_num_seqs
+    logger.warning(
+        "max_num_seqs=%d is above the %d tokens a step may feed (max_num_batched_tokens): at most %d requests "
+        "run at once",
+        max_num_seqs,
+        budget,
+        budget,
+    )
+    return budget
+
+
 def graph_capture(device: torch.device) -> Capture | None:
     """How decode steps are captured on ``device``: CUDA graphs on CUDA, none elsewhere (no eager-mode
     overhead to save on a CPU, where the ops themselves dominate)."""
@@ -128,10 +145,11 @@ def build_loop(
         store_outputs=config.store_outputs,
         store_partial_tail=config.store_partial_tail,
     )
+    budget = packed_budget(traits, config)
     scheduler = Scheduler(
         kv,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=packed_budget(traits, config),
+        max_num_seqs=running_seats(config.max_num_seqs, budget),
+        max_num_batched_tokens=budget,
         priority=config.scheduling_policy == "priority",
     )
     kernel = pool_attention(config, model.device, shapes[0].dtype, storage.keys[0].dtype)
