@@ -1,13 +1,14 @@
 """Choose the next token of every sampling row at once, each row with its own parameters.
 
-The processing order and semantics are transformers' logits processors, applied per row with per-row
+The processing semantics are transformers' logits processors, applied per row with per-row
 values (transformers' warpers take one value for the whole batch, which is why they are not used here;
 ``tests/test_core_loop.py`` checks every row against them): OpenAI ``logit_bias``, vLLM's
 ``allowed_token_ids`` and ``bad_words`` (:mod:`kvb_cache.token_bans`), the grammar mask of
 rows with a ``response_format`` (disallowed tokens ``-inf``, before any filter so top-k/top-p choose among
 allowed tokens), end-of-sequence banned while a row has fewer than its ``min_tokens`` (transformers'
 ``MinNewTokensLengthLogitsProcessor``), repetition penalty (over prompt and output), OpenAI presence/frequency penalties (over the
-output), temperature, top-k, top-p, min-p. Greedy rows take the argmax; sampled rows draw from the softmax with the
+output), temperature, then min-p before top-k and top-p (vLLM's order; transformers applies min-p last,
+which keeps tokens vLLM drops). Greedy rows take the argmax; sampled rows draw from the softmax with the
 request's own seeded generator, so a row's token does not depend on which other rows share the step.
 Constrained rows then advance their matcher with the chosen token.
 """
