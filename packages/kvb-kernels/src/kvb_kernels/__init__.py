@@ -1,11 +1,13 @@
 """kvb-kernels: FA2-style Triton attention for Hugging Face transformers.
 
 ``attn_implementation="kvb_attention"`` after :func:`register_kvb_attention` (or :func:`install_flash_attention`
-on a loaded model); direct entry points for dense, block-table (paged) and int8 KIVI K/V.
+on a loaded model); direct entry points for dense, block-table (paged) and int8 KIVI K/V; and
+:func:`awq_gemm`, an int4 GEMM over AutoAWQ GEMM tensors.
 """
 
 from kvb_kernels._version import __version__
 from kvb_kernels.attention import flash_attention
+from kvb_kernels.awq import awq_gemm
 from kvb_kernels.errors import (
     DeviceError,
     DTypeError,
@@ -37,6 +39,7 @@ __all__ = [
     "PagedKV",
     "ShapeError",
     "__version__",
+    "awq_gemm",
     "flash_attention",
     "flash_attention_available",
     "get_flash_attn_tier",

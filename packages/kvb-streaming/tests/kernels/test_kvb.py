@@ -47,9 +47,22 @@ def test_calls_the_packages_awq_gemm_with_the_awq_tensors(monkeypatch: pytest.Mo
 
 
 def test_module_without_the_function_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kvb-kernels installed without awq_gemm: the message told users to install kvb-kernels, which they had."""
+    """A kvb-kernels older than awq_gemm: the message told users to install kvb-kernels, which they had; it
+    says to upgrade instead."""
     monkeypatch.setitem(sys.modules, "kvb_kernels", types.SimpleNamespace())
     reason = kvb.SPEC.unavailable_reason(context(), [LinearShape(64, 64)])
     assert reason is not None and "does not provide awq_gemm" in reason and "pip install" not in reason
+    assert "upgrade" in reason
     with pytest.raises(KernelUnavailableError, match="does not provide awq_gemm"):
         kvb.KvbKernelsKernel(context())
+
+
+def test_kvb_kernels_without_triton_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvb-kernels installed without its Triton extra: awq_gemm exists but raises on its first call, so the
+    backend must report itself unavailable ("auto" then picks another) instead of failing mid-forward."""
+    monkeypatch.setitem(sys.modules, "kvb_kernels", types.SimpleNamespace(awq_gemm=lambda *args: None))
+    monkeypatch.setattr(kvb, "triton_installed", lambda: False)
+    reason = kvb.SPEC.unavailable_reason(context(), [LinearShape(64, 64)])
+    assert reason is not None and "kvb-kernels[triton]" in reason
+    monkeypatch.setattr(kvb, "triton_installed", lambda: True)
+    assert kvb.SPEC.unavailable_reason(context(), [LinearShape(64, 64)]) is None

@@ -15,7 +15,7 @@ CPU = KernelContext(
 
 def test_auto_prefers_in_registry_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "kvb_kernels", None)
-    assert [spec.name for spec in KERNELS] == ["kvb_kernels", "int4pack", "torch"]
+    assert [spec.name for spec in KERNELS] == ["int4pack", "kvb_kernels", "torch"]
     expected = "int4pack" if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else "torch"
     assert resolve_kernel("auto", CPU, [LinearShape(64, 128)]).name == expected
     # A shape tinygemm cannot take falls through to the portable kernel.

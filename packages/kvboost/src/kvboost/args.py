@@ -287,7 +287,8 @@ class StreamingArgs:
         group="AWQ layer streaming",
         choices=QUANT_KERNELS,
         help="int4 GEMM: torch (dequantize + matmul, everywhere), int4pack (torch's tinygemm), kvb_kernels "
-        "(Triton, from kvb-kernels) or auto (the fastest available)",
+        "(Triton, from kvb-kernels; not yet measured on a GPU) or auto (int4pack where it runs, else kvb_kernels, "
+        "else torch)",
     )
     streaming_simulate_on_host: bool = option(
         False,

@@ -8,6 +8,7 @@ by the consumer, and satisfied structurally.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -59,8 +60,17 @@ def missing_reason() -> str:
         importlib.import_module(MODULE)
     except ImportError:
         return f"{MODULE} is not installed; {INSTALL_HINT}"
-    # NOTE: installing the extra cannot help here: the installed kvb-kernels has no int4 GEMM (yet).
-    return f"the installed {MODULE} does not provide {FUNCTION} (no int4 GEMM in this release of kvb-kernels)"
+    # NOTE: installing the extra cannot help here: kvb-kernels is installed, but a release older than its int4
+    # GEMM; only an upgrade does.
+    return (
+        f"the installed {MODULE} does not provide {FUNCTION} (an older kvb-kernels without awq_gemm; upgrade "
+        "kvb-kernels)"
+    )
+
+
+def triton_installed() -> bool:
+    """Whether ``triton`` can be imported: kvb-kernels installs without it, and its ``awq_gemm`` then raises."""
+    return importlib.util.find_spec("triton") is not None
 
 
 class KvbKernelsKernel:
@@ -97,6 +107,9 @@ def _unavailable_reason(context: KernelContext, shapes: Sequence[LinearShape]) -
         return "the Triton kernel runs on CUDA only"
     if context.dtype not in (torch.float16, torch.bfloat16):
         return f"the Triton kernel takes fp16/bf16 activations, not {context.dtype}"
+    if not triton_installed():
+        # NOTE: awq_gemm exists but would raise KernelUnavailableError on its first call; "auto" must skip it.
+        return f"{MODULE} is installed without Triton; pip install 'kvb-kernels[triton]'"
     return None
 
 
