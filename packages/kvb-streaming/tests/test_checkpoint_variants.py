@@ -157,3 +157,29 @@ def test_per_expert_int4_experts_are_named(tmp_path: Path) -> None:
     rewrite(tmp_path, tensors)
     with pytest.raises(AWQFormatError, match="stores each MoE expert's linears on their own"):
         load(tmp_path)
+
+
+def test_a_layer_kept_in_fp16_loads_resident(awq_llama_dir: Path, tiny_llama, tmp_path: Path) -> None:
+    """``modules_to_not_convert`` naming a whole decoder layer (its linears plain fp16 weights): it was refused
+    as "has no AWQ-quantized linear". Layer 0 then holds the fp model's own weights, the rest int4."""
+    folder = copy_of(awq_llama_dir, tmp_path / "layer0")
+    tensors = {k: v for k, v in tensors_of(folder).items() if not k.startswith("model.layers.0.")}
+    for name, value in tiny_llama.state_dict().items():
+        if name.startswith("model.layers.0."):
+            tensors[name] = value.to(torch.float16)
+    rewrite(folder, tensors)
+    raw = json.loads((folder / "config.json").read_text())
+    edit_config(
+        folder,
+        quantization_config={**raw["quantization_config"], "modules_to_not_convert": ["model.layers.0"]},
+    )
+    resident, streamed = load(folder), load(folder, "full_stream")
+    assert torch.equal(logits(resident), logits(streamed))
+    weight = resident.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(
+        weight, tiny_llama.model.layers[0].self_attn.q_proj.weight.to(torch.float16).to(weight.dtype)
+    )
+    # Every layer plain is no AWQ checkpoint at all.
+    rewrite(folder, {k: v.to(torch.float16) for k, v in tiny_llama.state_dict().items()})
+    with pytest.raises(AWQFormatError, match=r"no decoder layer .* holds an AWQ-quantized linear"):
+        load(folder)

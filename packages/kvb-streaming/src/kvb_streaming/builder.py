@@ -88,6 +88,8 @@ def build_model(
     layer_prefixes = _module_names(model, layers)
 
     linears = [_quantized_linears(layer, prefix, loader) for layer, prefix in zip(layers, layer_prefixes)]
+    if not any(linears):
+        raise AWQFormatError(f"no decoder layer of {loader.path} holds an AWQ-quantized linear")
     shapes = {LinearShape(m.in_features, m.out_features) for per_layer in linears for m in per_layer.values()}
     context = KernelContext(
         device=kernel_device or device,
@@ -204,6 +206,12 @@ def _quantized_linears(layer: nn.Module, prefix: str, loader: AWQLoader) -> dict
         if isinstance(module, nn.Linear) and loader.is_quantized(f"{prefix}.{name}")
     }
     if not found:
+        plain = [name for name, module in layer.named_modules() if isinstance(module, nn.Linear)]
+        if plain and all(f"{prefix}.{name}.weight" in loader for name in plain):
+            # A layer the export kept in fp16 (AutoAWQ's modules_to_not_convert naming a whole layer): every
+            # linear is a plain weight, loaded resident as the norms are; nothing of it streams.
+            logger.info("decoder layer %s is not quantized in the checkpoint: kept resident in fp", prefix)
+            return {}
         raise AWQFormatError(
             f"decoder layer {prefix} has no AWQ-quantized linear in {loader.path}{_naming_hint(prefix, loader)}"
         )
