@@ -79,6 +79,17 @@ def test_kv_bytes_take_the_caches_own_element_size(tiny_shape):
             dataclasses.replace(tiny_shape, kv_dtype_bytes=bad)
 
 
+def test_gpt2_style_configs_give_their_mlp_width():
+    """GPT-2 names its MLP width n_inner (None: 4 x hidden): the planner refused it ("no integer
+    'intermediate_size'"), so a server on GPT-2 started with planning off."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256)
+    assert ModelShape.from_config(config).intermediate_size == 256
+    config.n_inner = 96
+    assert ModelShape.from_config(config).intermediate_size == 96
+
+
 def test_rejects_non_decoder_configs_and_bad_values():
     with pytest.raises(PlannerConfigError, match="intermediate_size"):
         ModelShape.from_config(

@@ -82,6 +82,12 @@ def _layer_mlp_widths(text: Any, layers: int) -> list[int]:
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     ):
         return list(value)
+    if value is None and hasattr(text, "n_inner"):
+        # GPT-2 / GPT-J / CodeGen name it n_inner (None: 4 x hidden); GPT-2 is served (absolute positions:
+        # exact prefix reuse), and its gate refused to plan it. Their MLP is not gated (two matrices, not
+        # three): planned as gated, its activations are over-counted by a third, on the safe side.
+        width = _optional_size(text, "n_inner")
+        return [width if width is not None else 4 * _require(text, "hidden_size")] * layers
     return [_require(text, "intermediate_size")] * layers
 
 
