@@ -376,3 +376,16 @@ def test_numpy_scalars_are_sampling_numbers(llama, tokenizer):
     assert numpy.output_ids == plain.output_ids
     with pytest.raises(InvalidRequestError, match="temperature"):
         engine.generate("w1", max_new_tokens=2, temperature=np.float32("nan"))
+
+
+def test_generate_called_as_transformers_model_generate_names_the_fix(llama, tokenizer):
+    """``engine.generate(**tokenizer(text, return_tensors="pt"))``, transformers' habit, was Python's
+    "missing 1 required positional argument: 'prompt'"."""
+    engine = KVBoost(llama, tokenizer)
+    inputs = tokenizer("hello there", return_tensors="pt")
+    with pytest.raises(PromptTypeError, match=r"inputs\['input_ids'\]\[0\]\.tolist\(\)"):
+        engine.generate(**inputs, max_new_tokens=2)
+    with pytest.raises(PromptTypeError, match="generate needs a prompt"):
+        engine.generate(max_new_tokens=2)
+    ids = inputs["input_ids"][0].tolist()
+    assert engine.generate(ids, max_new_tokens=2).output_ids

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.errors import InvalidRequestError, naming_item
+from kvb_cache.errors import InvalidRequestError, PromptTypeError, naming_item
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
@@ -145,7 +145,7 @@ class EngineLoops:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | None = None,
         *,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -186,6 +186,8 @@ class EngineLoops:
         ``stop_token_ids`` end generation like end-of-sequence; ``include_stop_str_in_output`` keeps the stop
         string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
         """
+        if prompt is None:
+            raise _missing_prompt(unknown)
         params = self._sampling_params(
             dict(
                 max_new_tokens=max_new_tokens,
@@ -422,3 +424,15 @@ class RequestStream(Iterator[StreamEvent]):
 
     def __del__(self) -> None:
         self.close()
+
+
+def _missing_prompt(keywords: dict[str, Any]) -> PromptTypeError:
+    """``generate`` called without a prompt: most often ``generate(**tokenizer(text, return_tensors="pt"))``,
+    as transformers' ``model.generate`` takes it (Python's own TypeError named the argument, not the fix)."""
+    if "input_ids" in keywords:
+        return PromptTypeError(
+            "KVBoost.generate takes the prompt as its first argument (text, or one sequence of token ids), not "
+            "input_ids= / attention_mask=: generate(inputs['input_ids'][0].tolist(), ...), or the text itself; "
+            "several prompts go to generate_batch"
+        )
+    return PromptTypeError("generate needs a prompt: generate('text', max_new_tokens=...) or token ids")
