@@ -162,6 +162,24 @@ def test_sampling_is_the_engines_and_each_choice_gets_its_own_seed() -> None:
     assert choice_params(completion(prompt="a").sampling, 2).seed is None
 
 
+def test_every_choice_of_a_seeded_request_keeps_a_seed() -> None:
+    """seed=-2, n=3: choice 1's seed -1 was read as "no seed" and that choice changed on every call (an
+    audit, 2026-11-30); the top of the 64-bit range overflowed into a seed torch refuses."""
+    import dataclasses
+
+    import torch
+
+    def draws(seed: int) -> list[float]:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.rand(3, generator=generator).tolist()
+
+    negative = completion(prompt="a", temperature=0.7, seed=-2).sampling
+    assert [choice_params(negative, i).seed for i in range(3)] == [-2, 2**64 - 1, 0]
+    assert draws(choice_params(negative, 1).seed) == draws(-1)  # the stream seed -1 names, as vLLM's child
+    top = dataclasses.replace(negative, seed=2**64 - 1)  # the engine's top seed (the API stops at 2**63)
+    assert choice_params(top, 1).seed == 0
+
+
 def test_temperatures_near_zero_sample_greedily() -> None:
     """logits / 1e-83 overflow to inf: such a request must not reach the sampler (it failed the step)."""
     assert completion(prompt="hi", temperature=1.4e-83).sampling.temperature == 0.0

@@ -166,10 +166,15 @@ def continuous_usage(req: SamplingFields) -> bool:
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sampling of choice ``index`` of an ``n > 1`` request: each choice gets its own seed (``seed + index``)."""
+    """Sampling of choice ``index`` of an ``n > 1`` request: each choice gets its own seed (``seed + index``,
+    as vLLM's child requests).
+
+    Taken modulo 2**64, the range torch's generator reads (a negative seed draws as ``seed + 2**64``): ``seed=-2``
+    gave choice 1 the seed -1, which ``SamplingParams`` reads as "no seed", so that one choice changed on every
+    call; and ``2**64 - 1`` gave choice 1 a seed torch refuses."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def choice_count(req: SamplingFields, config: ServerConfig) -> int:
