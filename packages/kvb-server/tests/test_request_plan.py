@@ -277,6 +277,18 @@ def test_vllm_extras_this_server_does_not_take_are_400s_naming_the_fix(name: str
     assert VLLM_EXTRAS[name] in str(info.value)
 
 
+def test_spaces_between_special_tokens_takes_its_default_only() -> None:
+    """vLLM's default (true), sent by clients that spell out every field, was a 400 like false."""
+    messages = [{"role": "user", "content": "a"}]
+    assert (
+        chat(messages=messages, spaces_between_special_tokens=True).sampling
+        == chat(messages=messages).sampling
+    )
+    with pytest.raises(InvalidParameterError, match="spaces_between_special_tokens false") as info:
+        completion(prompt="a", spaces_between_special_tokens=False)
+    assert info.value.param == "spaces_between_special_tokens"
+
+
 def test_vllm_extras_are_not_request_fields() -> None:
     """A hint for a field the server takes would never be shown: the table names only fields one of the
     routes refuses (``echo`` and ``best_of`` are completions' and refused on chat, naming completions)."""

@@ -108,6 +108,12 @@ def sampling_params(
     (``response_format`` or a tool-call grammar). ``max_new_tokens``: each prompt's budget; the params
     hold the largest (:meth:`GenerationPlan.prompt_sampling` gives each prompt its own). ``tokenizer`` encodes vLLM's ``bad_words`` (required when
     the request has them)."""
+    if req.spaces_between_special_tokens is False:
+        raise InvalidParameterError(
+            "spaces_between_special_tokens false is not supported: special tokens are decoded by the "
+            "tokenizer's own rule.",
+            param="spaces_between_special_tokens",
+        )
     temperature = _or(req.temperature, defaults.temperature, 1.0)  # OpenAI's default, not the engine's 0
     if temperature < GREEDY_TEMPERATURE:
         # The engine already decodes these greedily; reporting them as 0 keeps the request's settings honest.

@@ -24,7 +24,6 @@ _TEMPLATE = (
 #: vLLM's request extras this server does not take, with what to do instead: an unknown field stays a 400
 #: (never silently ignored), and for these the message names the fix.
 VLLM_EXTRAS: dict[str, str] = {
-    "spaces_between_special_tokens": "special tokens are decoded by the tokenizer's own rule",
     "chat_template": _TEMPLATE,
     "documents": _TEMPLATE,
     "use_beam_search": "beam search is not supported; sample several choices with 'n'",

@@ -85,6 +85,12 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     #: False: special tokens' text stays in the output (default true: left out).
     skip_special_tokens: bool | None = None
+    #: vLLM's decoding switch; only its default (true) is taken: special tokens are decoded by the
+    #: tokenizer's own rule (false is a 400 naming it; clients that send every field with its default sent
+    #: true and got the 400 too).
+    spaces_between_special_tokens: Annotated[
+        bool | None, only({"enum": [True, None]}, "spaces_between_special_tokens false")
+    ] = None
     # vLLM's guided decoding (another way to ask for what response_format asks; at most one of them):
     # a JSON schema (object or JSON text), a regex, one of several strings, a Lark/GBNF grammar; or
     # structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (vLLM >= 0.10).
