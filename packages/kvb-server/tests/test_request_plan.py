@@ -289,6 +289,21 @@ def test_spaces_between_special_tokens_takes_its_default_only() -> None:
     assert info.value.param == "spaces_between_special_tokens"
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}],
+    ids=["17 keys", "65-character key", "513-character value"],
+)
+def test_chat_metadata_has_openais_limits(metadata) -> None:
+    """OpenAI refuses more than 16 pairs, keys over 64 characters and values over 512 (the Responses API
+    here did already; chat took anything)."""
+    messages = [{"role": "user", "content": "a"}]
+    chat(messages=messages, metadata={"k" * 64: "v" * 512})
+    with pytest.raises(InvalidParameterError) as info:
+        chat(messages=messages, metadata=metadata)
+    assert str(info.value.param).startswith("metadata")
+
+
 def test_vllm_extras_are_not_request_fields() -> None:
     """A hint for a field the server takes would never be shown: the table names only fields one of the
     routes refuses (``echo`` and ``best_of`` are completions' and refused on chat, naming completions)."""

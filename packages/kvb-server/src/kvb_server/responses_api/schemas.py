@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from kvb_server.schemas.fields import (
     CacheSalt,
     MaxTokens,
+    Metadata,
     PromptCacheRetention,
     SafetyIdentifier,
     Seed,
@@ -34,8 +35,6 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 _LOOSE = ConfigDict(strict=True, extra="allow")
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-MetadataKey = Annotated[str, Field(max_length=64)]
-MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def _whole_number(value: Any) -> Any:
@@ -350,7 +349,7 @@ class ResponsesRequest(BaseModel):
     top_p: TopP | None = None
     max_output_tokens: MaxTokens | None = None
     max_tool_calls: MaxToolCalls | None = None
-    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: SafetyIdentifier | None = None
     prompt_cache_key: str | None = None

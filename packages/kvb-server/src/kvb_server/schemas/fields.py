@@ -65,3 +65,9 @@ def only(accepted: dict[str, Any], what: str) -> WithJsonSchema:
 
 
 NULL: dict[str, Any] = {"type": "null"}
+
+
+#: OpenAI's request ``metadata``: at most 16 pairs, keys up to 64 characters, values up to 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]

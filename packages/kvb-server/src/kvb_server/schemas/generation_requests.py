@@ -21,6 +21,7 @@ from kvb_server.schemas.fields import (
     CacheSalt,
     Int,
     MaxTokens,
+    Metadata,
     NonEmpty,
     Penalty,
     PromptCacheRetention,
@@ -195,7 +196,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     #: At most the server's ``--max-logprobs`` (20 by default): kvb_server.request_plan.
     top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     #: Function tools (``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``),
     #: checked by kvb_server.tool_calls.
