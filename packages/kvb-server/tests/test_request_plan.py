@@ -304,6 +304,16 @@ def test_chat_metadata_has_openais_limits(metadata) -> None:
     assert str(info.value.param).startswith("metadata")
 
 
+def test_a_refused_value_is_shown_cut_short() -> None:
+    """A 70-item stop list was repeated whole in the 400's message."""
+    messages = [{"role": "user", "content": "a"}]
+    with pytest.raises(InvalidParameterError, match="at most 64 items") as info:
+        chat(messages=messages, stop=[f"stop-{i}" for i in range(70)])
+    assert len(str(info.value)) < 400 and "characters)" in str(info.value)
+    with pytest.raises(InvalidParameterError, match=r"\(got 1\)"):
+        chat(messages=messages, stop=["a", 1])
+
+
 def test_vllm_extras_are_not_request_fields() -> None:
     """A hint for a field the server takes would never be shown: the table names only fields one of the
     routes refuses (``echo`` and ``best_of`` are completions' and refused on chat, naming completions)."""

@@ -208,5 +208,15 @@ def invalid_parameter(exc: ValidationError, model: type[BaseModel] | None = None
     elif first.get("type") == "missing":
         message = f"Missing required parameter: '{where}'."
     else:
-        message = f"Invalid value for '{where}': {first.get('msg')} (got {first.get('input')!r})."
+        message = f"Invalid value for '{where}': {first.get('msg')} (got {_shown(first.get('input'))})."
     return InvalidParameterError(message, param=param)
+
+
+#: Most characters of a refused value an error message repeats (a 70-item stop list, a 4 MiB string were
+#: echoed whole).
+SHOWN_CHARS = 200
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
