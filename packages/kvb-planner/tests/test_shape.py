@@ -63,22 +63,6 @@ def test_kv_bytes_per_token_is_gqa_aware(tiny_shape):
     )  # K+V, 2 layers, 2 KV heads (not 4), d=16, fp32
 
 
-def test_kv_bytes_take_the_caches_own_element_size(tiny_shape):
-    """An fp8 pool under an fp32 model holds 1 byte per element: KV bytes a quarter, activations unchanged."""
-    import dataclasses
-
-    from kvb_planner.kv_layout import kv_cache_bytes
-
-    narrow = dataclasses.replace(tiny_shape, kv_dtype_bytes=1)
-    assert narrow.kv_bytes_per_token * 4 == tiny_shape.kv_bytes_per_token
-    assert kv_cache_bytes(narrow, tokens=100, batch_size=2, kv_bits=16) * 4 == kv_cache_bytes(
-        tiny_shape, tokens=100, batch_size=2, kv_bits=16
-    )
-    for bad in (3, True, 2.0):
-        with pytest.raises(PlannerConfigError, match="kv_dtype_bytes"):
-            dataclasses.replace(tiny_shape, kv_dtype_bytes=bad)
-
-
 def test_gpt2_style_configs_give_their_mlp_width():
     """GPT-2 names its MLP width n_inner (None: 4 x hidden): the planner refused it ("no integer
     'intermediate_size'"), so a server on GPT-2 started with planning off."""

@@ -33,16 +33,22 @@ def test_the_gate_takes_the_engines_step_limits() -> None:
     assert loop_for_engine(object()) is None  # an engine without a pool: planned per request as before
 
 
-def test_the_gate_charges_kv_at_the_pools_element_size() -> None:
-    """kv_cache_dtype narrows the pool (fp8 under this fp32 model: a quarter of the bytes); the gate charged
-    the model's element size, 4x the KV the pool holds (an audit, 2026-11-30)."""
-    plain = PlannerGate.for_engine(build_tiny_engine()).shape
-    narrow = PlannerGate.for_engine(build_tiny_engine(kv_cache_dtype="fp8")).shape
-    half = PlannerGate.for_engine(build_tiny_engine(kv_cache_dtype="float16")).shape
-    assert plain.kv_dtype_bytes is None and plain.dtype_bytes == 4
-    assert (narrow.kv_dtype_bytes, half.kv_dtype_bytes) == (1, 2)
-    assert narrow.kv_bytes_per_token * 4 == half.kv_bytes_per_token * 2 == plain.kv_bytes_per_token
-    assert narrow.dtype_bytes == 4  # activations stay fp32
+def test_a_narrow_pool_does_not_shrink_what_a_private_cache_is_charged() -> None:
+    """kv_cache_dtype narrows the pool only: a request with a cache of its own (quantized KV, a stitched or
+    speculative solo request, prompt scoring) holds it in the model's dtype. Charging it at the pool's
+    element size (tried 2026-11-30, reverted after review) admitted requests a quarter of their KV."""
+    request = PlanRequest(prompt_tokens=400, max_new_tokens=100)
+    estimates = {
+        dtype: [
+            estimate_memory(request, LadderStep(prefill_chunk_size=None, kv_bits=bits), shape).kv_bytes
+            for bits in (16, 8)
+        ]
+        for dtype, shape in (
+            (dtype, PlannerGate.for_engine(build_tiny_engine(kv_cache_dtype=dtype)).shape)
+            for dtype in ("auto", "fp8")
+        )
+    }
+    assert estimates["fp8"] == estimates["auto"] and min(estimates["auto"]) > 0
 
 
 def test_a_request_the_pool_holds_runs_where_a_solo_plan_refuses_it() -> None:

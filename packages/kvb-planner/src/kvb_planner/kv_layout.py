@@ -50,8 +50,7 @@ def kv_cache_bytes(
     """Bytes of K and V for ``tokens`` positions of ``batch_size`` sequences in every layer holding KV
     (``shape.layer_channels``; the formulas below are for ``Hkv * d`` channels of K and of V per layer).
 
-    Unquantized: ``2 * L * B * Hkv * d * T * kv_element_bytes`` (GQA shrinks it by ``Hq / Hkv``; the pool's
-    own element size, ``ModelShape.kv_dtype_bytes``, when it differs from the model's).
+    Unquantized: ``2 * L * B * Hkv * d * T * dtype_bytes`` (GQA shrinks it by ``Hq / Hkv``).
     Quantized, with ``R = min(residual_tokens, T)`` and ``Q = T - R`` quantized tokens, per layer and
     sequence: ``ceil(2 * Q * Hkv * d * bits / 8)`` packed bytes + key scales ``ceil(Q / G) * Hkv * d * 2 *
     dtype_bytes`` + value scales ``Q * ceil(Hkv * d / G) * 2 * dtype_bytes`` + ``2 * R * Hkv * d *
@@ -61,7 +60,7 @@ def kv_cache_bytes(
     check_int("batch_size", batch_size, minimum=1)
     if kv_bits not in SUPPORTED_KV_BITS:
         raise PlannerConfigError(f"kv_bits must be one of {SUPPORTED_KV_BITS} (got {kv_bits})")
-    elem = shape.kv_element_bytes  # an fp8 pool (kv_cache_dtype) holds 1 byte per element under a bf16 model
+    elem = shape.dtype_bytes
     residual = min(layout.residual_tokens, tokens)
     quantized = tokens - residual
     group = layout.group_size

@@ -171,8 +171,6 @@ class ModelShape:
             (kvb-streaming's ``"torch"`` int4 kernel: its ``StreamingRuntime.transient_bytes``, at most
             ``dequant_chunk_bytes``). 0 for weights used as stored. Charged once per estimate, during
             whichever phase peaks.
-        kv_dtype_bytes: Bytes per cached key/value element when the cache holds another dtype than the model
-            computes in (an fp8 pool under a bf16 model: 1); None: ``dtype_bytes``.
     """
 
     num_layers: int
@@ -188,7 +186,6 @@ class ModelShape:
     context_length: int | None = None
     kv_layer_channels: tuple[tuple[int, int], ...] | None = None
     weight_transient_bytes: int = 0
-    kv_dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         # Every size is checked to be an int first: a float (num_layers=1.5) was accepted and gave fractional
@@ -207,14 +204,6 @@ class ModelShape:
             )
         if self.dtype_bytes not in (1, 2, 4, 8):
             raise PlannerConfigError(f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes})")
-        if self.kv_dtype_bytes is not None and (
-            isinstance(self.kv_dtype_bytes, bool)
-            or not isinstance(self.kv_dtype_bytes, int)
-            or self.kv_dtype_bytes not in (1, 2, 4, 8)
-        ):
-            raise PlannerConfigError(
-                f"kv_dtype_bytes must be 1, 2, 4, 8 or None (dtype_bytes), got {self.kv_dtype_bytes!r}"
-            )
         for name in ("weight_bytes", "weight_transient_bytes"):
             if getattr(self, name) < 0:
                 raise PlannerConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
@@ -249,15 +238,10 @@ class ModelShape:
         return ((width, width),) * self.num_layers
 
     @property
-    def kv_element_bytes(self) -> int:
-        """Bytes per cached key/value element: ``kv_dtype_bytes``, else ``dtype_bytes``."""
-        return self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
-
-    @property
     def kv_bytes_per_token(self) -> int:
-        """Unquantized K+V bytes for one token across all layers: ``2 * L * Hkv * d * kv_element_bytes`` when
+        """Unquantized K+V bytes for one token across all layers: ``2 * L * Hkv * d * dtype_bytes`` when
         every layer is alike, else the sum of ``kv_layer_channels``."""
-        return sum(k + v for k, v in self.layer_channels) * self.kv_element_bytes
+        return sum(k + v for k, v in self.layer_channels) * self.dtype_bytes
 
     @classmethod
     def from_config(

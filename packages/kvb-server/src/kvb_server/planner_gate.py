@@ -89,8 +89,7 @@ def shape_for_engine(shape: Any, engine: Any) -> Any:
 
     - KV per token: what the pool keeps per layer holding keys/values of its own (``kv_layer_shapes``:
       ``kv_heads x key_dim`` and ``kv_heads x value_dim`` channels; Gemma 4's global layers are wider, Gemma
-      3n's shared layers hold none), in the pool's element size (``kv_cache_dtype``), and the attention
-      phase sized by the widest head.
+      3n's shared layers hold none), and the attention phase sized by the widest head.
     - Attention: the engine loop's paged attention (``kvb_paged``) runs SDPA over the gathered context with a
       mask built per block of query rows, so it is planned as ``sdpa``. The planner charges an implementation
       it does not know as eager (score matrices materialised): a 4000-token SmolLM2 prefill was predicted
@@ -112,25 +111,7 @@ def shape_for_engine(shape: Any, engine: Any) -> Any:
         return shape
     channels = tuple((s.kv_heads * s.key_dim, s.kv_heads * s.value_dim) for s in layers)
     widest = max(max(s.key_dim, s.value_dim) for s in layers)
-    return replace(
-        shape,
-        kv_layer_channels=channels,
-        head_dim=max(shape.head_dim, widest),
-        kv_dtype_bytes=_pool_element_bytes(engine, layers[0].dtype),
-    )
-
-
-def _pool_element_bytes(engine: Any, compute: Any) -> int | None:
-    """Bytes per element of the engine's KV pool when ``kv_cache_dtype`` narrows it (fp8 under a bf16 model:
-    1), else None (the model's own dtype). Without it an fp8 pool was charged at the model's element size:
-    4x the KV it holds under an fp32 model (an audit, 2026-11-30)."""
-    name = getattr(getattr(engine, "config", None), "kv_cache_dtype", None)
-    if not isinstance(name, str) or name == "auto":
-        return None
-    from kvb_cache.core.kv_dtype import pool_dtype
-
-    pool = pool_dtype(name, compute)
-    return None if pool == compute else pool.itemsize
+    return replace(shape, kv_layer_channels=channels, head_dim=max(shape.head_dim, widest))
 
 
 def _weight_transient_bytes(model: Any) -> int:
