@@ -183,3 +183,22 @@ def test_a_layer_kept_in_fp16_loads_resident(awq_llama_dir: Path, tiny_llama, tm
     rewrite(folder, {k: v.to(torch.float16) for k, v in tiny_llama.state_dict().items()})
     with pytest.raises(AWQFormatError, match=r"no decoder layer .* holds an AWQ-quantized linear"):
         load(folder)
+
+
+def test_each_checkpoint_tensor_is_read_once(awq_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass that reads persistent buffers also met the resident int4 payloads (buffers under the
+    checkpoint's names) and read every one a second time (a review, 2026-11-30)."""
+    from collections import Counter
+
+    from kvb_streaming.loader import AWQLoader
+
+    reads: Counter[str] = Counter()
+    original = AWQLoader.read
+
+    def counted(self, name: str) -> torch.Tensor:
+        reads[name] += 1
+        return original(self, name)
+
+    monkeypatch.setattr(AWQLoader, "read", counted)
+    load(awq_llama_dir)
+    assert reads and max(reads.values()) == 1, [n for n, c in reads.items() if c > 1][:3]

@@ -246,9 +246,25 @@ def _load_plain_tensors(
     2026-11-30: Gemma 4's logits off by 3.8x their spread). Such a buffer keeps its own dtype (transformers
     keeps router biases in fp32)."""
     persistent = set(model.state_dict())
+    # The int4 payloads are StreamingQLinear buffers under the checkpoint's own names, already bound (read
+    # once, converted by the kernel): not read again here.
+    payloads = {
+        f"{module_name}.{buffer_name}"
+        for module_name, module in model.named_modules()
+        if isinstance(module, StreamingQLinear)
+        for buffer_name, _ in module.named_buffers(recurse=False)
+    }
     for name, buffer in model.named_buffers():
-        if not buffer.is_meta and name in persistent and name in loader:
-            set_module_tensor_to_device(model, name, device, value=loader.read(name), dtype=buffer.dtype)
+        if buffer.is_meta or name in payloads or name not in persistent or name not in loader:
+            continue
+        value = loader.read(name)
+        if value.shape != buffer.shape:
+            raise AWQFormatError(
+                f"{name}: the checkpoint holds {tuple(value.shape)}, the model built from config.json "
+                f"{tuple(buffer.shape)}; does config.json belong to these weights ({loader.path})?"
+            )
+        with torch.no_grad():
+            buffer.copy_(value)  # in place: its dtype kept, and a buffer two modules share stays shared
     missing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not tensor.is_meta:
