@@ -385,7 +385,7 @@ def test_generate_called_as_transformers_model_generate_names_the_fix(llama, tok
     inputs = tokenizer("hello there", return_tensors="pt")
     with pytest.raises(PromptTypeError, match=r"inputs\['input_ids'\]\[0\]\.tolist\(\)"):
         engine.generate(**inputs, max_new_tokens=2)
-    with pytest.raises(PromptTypeError, match="generate needs a prompt"):
+    with pytest.raises(PromptTypeError, match="prompt must be"):
         engine.generate(max_new_tokens=2)
     ids = inputs["input_ids"][0].tolist()
     assert engine.generate(ids, max_new_tokens=2).output_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,8 @@ from kvb_cache.stitch_config import StitchConfig
 
 if TYPE_CHECKING:
     from kvb_cache.tiers.config import TierConfig
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 #: Default byte budget of the in-memory chunk store.
@@ -127,6 +130,18 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            # Every running request decodes a token per step: admitted beyond the budget, the last ones held
+            # KV blocks and got no token until the first finished. vLLM refuses the combination; lowered
+            # here, once, so the scheduler, CUDA-graph capture and memory profiling all read the same number.
+            logger.warning(
+                "max_num_seqs=%d is above max_num_batched_tokens=%d, the tokens a step may feed: at most %d "
+                "requests run at once",
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                self.max_num_batched_tokens,
+            )
+            object.__setattr__(self, "max_num_seqs", self.max_num_batched_tokens)
         if self.prefill_chunk_size is not None and (
             isinstance(self.prefill_chunk_size, bool)
             or not isinstance(self.prefill_chunk_size, int)

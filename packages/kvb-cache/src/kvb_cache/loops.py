@@ -186,8 +186,8 @@ class EngineLoops:
         ``stop_token_ids`` end generation like end-of-sequence; ``include_stop_str_in_output`` keeps the stop
         string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
         """
-        if prompt is None:
-            raise _missing_prompt(unknown)
+        if prompt is None and "input_ids" in unknown:
+            raise _input_ids_given()
         params = self._sampling_params(
             dict(
                 max_new_tokens=max_new_tokens,
@@ -426,13 +426,11 @@ class RequestStream(Iterator[StreamEvent]):
         self.close()
 
 
-def _missing_prompt(keywords: dict[str, Any]) -> PromptTypeError:
-    """``generate`` called without a prompt: most often ``generate(**tokenizer(text, return_tensors="pt"))``,
-    as transformers' ``model.generate`` takes it (Python's own TypeError named the argument, not the fix)."""
-    if "input_ids" in keywords:
-        return PromptTypeError(
-            "KVBoost.generate takes the prompt as its first argument (text, or one sequence of token ids), not "
-            "input_ids= / attention_mask=: generate(inputs['input_ids'][0].tolist(), ...), or the text itself; "
-            "several prompts go to generate_batch"
-        )
-    return PromptTypeError("generate needs a prompt: generate('text', max_new_tokens=...) or token ids")
+def _input_ids_given() -> PromptTypeError:
+    """``generate(**tokenizer(text, return_tensors="pt"))``, as transformers' ``model.generate`` takes it
+    (Python's own TypeError named the missing argument, not the fix)."""
+    return PromptTypeError(
+        "KVBoost.generate takes the prompt as its first argument (text, or one sequence of token ids), not "
+        "input_ids= / attention_mask=: generate(inputs['input_ids'][0].tolist(), ...), or the text itself; "
+        "several prompts go to generate_batch"
+    )

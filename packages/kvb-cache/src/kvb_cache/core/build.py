@@ -60,20 +60,10 @@ def packed_budget(traits: ModelTraits, config: EngineConfig) -> int:
 
 
 def running_seats(max_num_seqs: int, budget: int) -> int:
-    """Most requests running at once: ``max_num_seqs``, but no more than a step's token budget, since every
-    running request decodes one token a step. vLLM refuses ``max_num_batched_tokens < max_num_seqs``; here
-    the seats are lowered (with a warning): admitted beyond the budget, the last requests held KV blocks and
-    got no token until the first ones finished."""
-    if max_num_seqs <= budget:
-        return max_num_seqs
-    logger.warning(
-        "max_num_seqs=%d is above the %d tokens a step may feed (max_num_batched_tokens): at most %d requests "
-        "run at once",
-        max_num_seqs,
-        budget,
-        budget,
-    )
-    return budget
+    """Most requests running at once: ``max_num_seqs`` (which :class:`EngineConfig` already holds to
+    ``max_num_batched_tokens``), and no more than ``budget`` when a model's position limit lowered the step
+    below that (every running request decodes one token a step)."""
+    return min(max_num_seqs, budget)
 
 
 def graph_capture(device: torch.device) -> Capture | None:
