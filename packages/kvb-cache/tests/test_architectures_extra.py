@@ -231,6 +231,28 @@ def test_longrope_is_served_exactly_up_to_its_switch_and_refused_past_it(tokeniz
         engine.generate(words(100, seed=2), max_new_tokens=4)
 
 
+def test_yarn_extends_the_context_by_its_factor_and_stays_exact(tokenizer):
+    """Qwen2.5 / Qwen3 model cards add a YaRN block (factor 4 over 32768 positions) for long prompts; vLLM
+    serves original x factor. Capped at max_position_embeddings, a prompt past it was refused. YaRN's rotation
+    does not depend on the request's length, so a prefix cached by a short request is reused exactly by a
+    long one past the declared window."""
+    config = T.Qwen2Config(
+        **{**_SMALL, "max_position_embeddings": 64},
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    model = _build(config)
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16, block_size=8))
+    assert engine.context_length == 256
+    ids = tokenizer(words(120, seed=2))["input_ids"]
+    assert len(ids) > 64
+    engine.warm(ids[:40])
+    result = engine.next_token_logits(ids)
+    assert result.cached_tokens >= 32
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(result.logits, reference, atol=2e-5, rtol=0)
+
+
 def test_cohere2_nope_layers_keep_their_keys_when_moved():
     """Cohere 2's full-attention layers skip RoPE (its config does not say so; its modeling code does): the
     mover used to rotate their keys anyway (off by ~5 at the moved position)."""

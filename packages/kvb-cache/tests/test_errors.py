@@ -467,7 +467,9 @@ def test_max_model_len_must_be_a_length(value):
 
 def test_max_model_len_above_the_models_context_is_refused(llama, tokenizer):
     """Positions past the model's window were never trained; vLLM refuses that too."""
-    with pytest.raises(ConfigError, match=r"max_model_len=1024 exceeds the model's context of 512"):
+    with pytest.raises(
+        ConfigError, match=r"max_model_len=1024 \(--max-model-len\) exceeds the model's context of 512"
+    ):
         KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=1024))
     assert KVBoost(llama, tokenizer, config=EngineConfig(max_model_len=512)).context_length == 512
 
@@ -486,7 +488,9 @@ def test_max_model_len_above_the_declared_context_is_refused_before_the_weights_
         raise AssertionError("the weights were read before max_model_len was checked")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
-    with pytest.raises(ConfigError, match=r"max_model_len=1024 exceeds the model's context of 512"):
+    with pytest.raises(
+        ConfigError, match=r"max_model_len=1024 \(--max-model-len\) exceeds the model's context of 512"
+    ):
         KVBoost.from_pretrained(str(tmp_path), max_model_len=1024)
     monkeypatch.undo()
     assert KVBoost.from_pretrained(str(tmp_path), max_model_len=512).context_length == 512

@@ -18,7 +18,7 @@ from transformers import (
 
 from kvb_cache.embedded import embedded_model_folder, is_embedded_name, resolve_model_path
 from kvb_cache.errors import ConfigError, ModelLoadError
-from kvb_cache.model_traits import declared_context
+from kvb_cache.model_traits import context_exceeded, declared_context
 
 logger = logging.getLogger(__name__)
 
@@ -260,10 +260,7 @@ def check_declared_context(path: str, max_model_len: int) -> None:
         return
     limit = declared_context(config)
     if limit is not None and max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens: lower it or "
-            "leave it unset"
-        )
+        raise context_exceeded(max_model_len, limit)
 
 
 def _damaged_weights(name: str, path: str, exc: Exception) -> str:

@@ -68,17 +68,23 @@ def cap_context(traits: ModelTraits, max_model_len: int | None) -> ModelTraits:
         return traits
     limit = traits.context_length
     if limit is not None and max_model_len > limit:
-        why = f" ({traits.context_reason})" if traits.context_reason else ""
-        raise ConfigError(
-            f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens{why}: lower it "
-            "or leave it unset"
-        )
+        raise context_exceeded(max_model_len, limit, traits.context_reason)
     if limit == max_model_len:
         return traits
     reason = f"max_model_len={max_model_len} (--max-model-len) limits it"
     if limit is not None:
         reason += f"; the model's context is {limit} tokens"
     return replace(traits, context_length=max_model_len, context_reason=reason)
+
+
+def context_exceeded(max_model_len: int, limit: int, reason: str | None = None) -> ConfigError:
+    """The error of a ``max_model_len`` above the context the engine serves for a model (``reason``: why
+    that is below the model's own window)."""
+    why = f" ({reason})" if reason else ""
+    return ConfigError(
+        f"max_model_len={max_model_len} (--max-model-len) exceeds the model's context of {limit} tokens{why}: "
+        "lower it or leave it unset"
+    )
 
 
 def inspect_model(model: PreTrainedModel) -> ModelTraits:
@@ -196,13 +202,31 @@ def inspect_model(model: PreTrainedModel) -> ModelTraits:
 
 def declared_context(config: object) -> int | None:
     """The context a model's config declares (``max_position_embeddings`` or its older names), of its text
-    decoder for a multimodal config; None when it declares none."""
+    decoder for a multimodal config; None when it declares none.
+
+    YaRN extends it: ``original_max_position_embeddings`` (else ``max_position_embeddings``) times its
+    ``factor``, as vLLM derives ``max_model_len`` (Qwen2.5 / Qwen3 with the YaRN block their model cards add:
+    32768 -> 131072; capped at 32768 those long prompts were refused). YaRN's rotation does not depend on a
+    request's length, so reuse stays exact; other scalings are left as declared (a per-layer-type dict such
+    as Gemma 3's already counts its linear factor in ``max_position_embeddings``; LongRoPE is capped below)."""
     get_text_config = getattr(config, "get_text_config", None)
     if callable(get_text_config):
         config = get_text_config(decoder=True)
-    return next(
+    context = next(
         (getattr(config, f) for f in _CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None
     )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if context is None or not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
+        return context
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or context
+    if (
+        isinstance(factor, (int, float))
+        and not isinstance(factor, bool)
+        and factor > 1
+        and isinstance(original, int)
+    ):
+        return max(context, int(original * factor))
+    return context
 
 
 def _longrope_original_length(config: object) -> int | None:
