@@ -25,9 +25,10 @@ from kvb_kernels.backend import interpreter_enabled
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). NOT measured on a GPU yet: the GPU tables are the usual
 # starting points of Triton's matmul tutorial for sm80/sm90 (a small-M tile for decode, where tokens are few
 # and the GEMM is bound by reading the weight), to be tuned when a GPU run exists. BLOCK_K 32/64 divides the
-# common AWQ group sizes (32, 64, 128), which lets a K step load one zero/scale row instead of one per k-row.
+# common AWQ group sizes (32, 64, 128), which lets a K step load one zero/scale row instead of one per k-row;
+# the first entry of each table (the one used without autotuning) takes BLOCK_K = 32, which divides them all.
 _PREFILL = ((64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 64, 4, 3), (128, 64, 32, 4, 4))
-_DECODE = ((16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (16, 256, 32, 4, 3), (32, 128, 64, 4, 3))
+_DECODE = ((16, 128, 32, 4, 3), (16, 64, 128, 4, 3), (16, 256, 32, 4, 3), (32, 128, 64, 4, 3))
 # One small tile under the interpreter (it is slow; tuning there would only multiply the run time). 16 is
 # tl.dot's smallest M/N/K; BLOCK_N = 32 spans four packed words, so several words per row are unpacked.
 _INTERPRET = ((16, 32, 32, 1, 1),)
@@ -102,7 +103,9 @@ def awq_gemm_kernel(
     for k0 in range(0, in_features, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < in_features
-        x = tl.load(x_rows + ks[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_rows + ks.to(tl.int64)[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
         w_ok = k_ok[:, None] & n_ok[None, :]
         words = tl.load(q_cols + ks.to(tl.int64)[:, None] * stride_qk, mask=w_ok, other=0)
         # The arithmetic shift of a negative word (top nibble >= 8) sign-extends; the mask drops those bits.
