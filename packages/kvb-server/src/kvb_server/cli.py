@@ -25,6 +25,7 @@ from kvb_cache.options import (
     from_namespace,
     positive_int,
 )
+from kvb_server import shutdown_log
 from kvb_server._version import __version__
 from kvb_server.composer import EngineComposer, find_composer
 from kvb_server.config import ServerConfig, add_server_arguments, server_config
@@ -425,6 +426,7 @@ def serve(
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", server.host
         )
+    shutdown_log.install()
     uvicorn.run(
         server.app,
         host=server.host,
