@@ -198,7 +198,11 @@ def plot(results: dict, path: Path) -> bool:
     """Draw TTFT and tokens/s by concurrency; False (nothing written) when no server phase ran."""
     if not any(results["summary"].values()):
         return False
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+        print(f"matplotlib is not installed: {path} not drawn")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
