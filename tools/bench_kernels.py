@@ -211,7 +211,13 @@ def bench_fused(dtype: torch.dtype, kv_len: int) -> list[dict]:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except (
+        ImportError
+    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -247,7 +247,13 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], measure: list[str], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except (
+        ImportError
+    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

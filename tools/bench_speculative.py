@@ -207,7 +207,13 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except (
+        ImportError
+    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -315,7 +315,13 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 
 def plot(summary: dict[str, dict[str, dict]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except (
+        ImportError
+    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

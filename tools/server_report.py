@@ -200,7 +200,9 @@ def plot(results: dict, path: Path) -> bool:
         return False
     try:
         import matplotlib
-    except ImportError:  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
+    except (
+        ImportError
+    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
         print(f"matplotlib is not installed: {path} not drawn")
         return False
 
