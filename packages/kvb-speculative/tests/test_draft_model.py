@@ -90,6 +90,20 @@ def test_a_draft_model_with_a_shorter_context_stops_proposing_at_its_end(target,
     assert out.stats.plain_steps > 0  # past position 28 the target decoded alone
 
 
+def test_a_yarn_draft_drafts_past_its_declared_window(target, prompt):
+    """A draft with a YaRN block (factor 4 over 16 positions) serves 64 positions, as the engine serves its
+    target; it stopped proposing at 16."""
+    from kvb_speculative.draft_model import _context_length
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    draft = tiny_llama(5, max_position_embeddings=16, rope_scaling=yarn)
+    assert _context_length(draft) == 64
+    assert _context_length(tiny_llama(5, max_position_embeddings=16)) == 16
+    drafter = DraftModelDrafter(target, draft)
+    assert prompt.shape[1] > 16
+    assert drafter.start(prompt[0]).propose(prompt[0], 4, greedy()).tokens.shape[0] == 4
+
+
 def _nan_head(seed: int):
     """A tiny Llama whose logits are all NaN (what an overflowing float16 model produces)."""
     model = tiny_llama(seed)

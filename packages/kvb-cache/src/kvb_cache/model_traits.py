@@ -204,8 +204,8 @@ def declared_context(config: object) -> int | None:
     """The context a model's config declares (``max_position_embeddings`` or its older names), of its text
     decoder for a multimodal config; None when it declares none.
 
-    YaRN extends it: ``original_max_position_embeddings`` (else ``max_position_embeddings``) times its
-    ``factor``, as vLLM derives ``max_model_len`` (Qwen2.5 / Qwen3 with the YaRN block their model cards add:
+    YaRN extends it to ``original_max_position_embeddings`` (else ``max_position_embeddings``) times its
+    ``factor``, vLLM's derivation of ``max_model_len``, when that is larger (Qwen2.5 / Qwen3 with the YaRN block their model cards add:
     32768 -> 131072; capped at 32768 those long prompts were refused). YaRN's rotation does not depend on a
     request's length, so reuse stays exact; other scalings are left as declared (a per-layer-type dict such
     as Gemma 3's already counts its linear factor in ``max_position_embeddings``; LongRoPE is capped below)."""

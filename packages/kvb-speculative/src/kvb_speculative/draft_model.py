@@ -56,9 +56,25 @@ class DraftModelDrafter:
 
 
 def _context_length(model: PreTrainedModel) -> int | None:
-    """The draft model's trained context (``max_position_embeddings``; GPT-2 maps ``n_positions`` to it)."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
+    """The draft model's context: ``max_position_embeddings`` (GPT-2 maps ``n_positions`` to it), extended by
+    a YaRN ``rope_scaling`` block to ``original_max_position_embeddings x factor`` as the engine extends its
+    target's (``kvb_cache.model_traits.declared_context``, not imported: this distribution stands alone); a
+    draft with the same YaRN block as its target stopped drafting at the declared window."""
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn":
+        factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or limit
+        if (
+            isinstance(factor, (int, float))
+            and not isinstance(factor, bool)
+            and factor > 1
+            and isinstance(original, int)
+        ):
+            return max(limit, int(original * factor))
+    return limit
 
 
 class DraftModelSession:
