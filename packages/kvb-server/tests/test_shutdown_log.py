@@ -21,9 +21,14 @@ def test_a_cancelled_handler_is_one_warning_line_and_other_errors_pass() -> None
     cut = _record(asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
     assert shutdown_log.ShutdownCutFilter().filter(cut)
     assert (cut.levelno, cut.getMessage(), cut.exc_info) == (logging.WARNING, shutdown_log.CUT_MESSAGE, None)
-    crash = _record(RuntimeError("boom"))
-    assert shutdown_log.ShutdownCutFilter().filter(crash)
-    assert crash.levelno == logging.ERROR and crash.exc_info is not None
+    for other in (
+        RuntimeError("boom"),
+        asyncio.CancelledError(),
+        asyncio.CancelledError("a bug's own cancel"),
+    ):
+        record = _record(other)
+        assert shutdown_log.ShutdownCutFilter().filter(record)
+        assert record.levelno == logging.ERROR and record.exc_info is not None, other
 
 
 def test_the_filter_survives_uvicorns_logging_setup() -> None:

@@ -12,17 +12,23 @@ import logging
 
 #: uvicorn's logger for protocol errors (its HTTP implementations log "Exception in ASGI application" there).
 UVICORN_ERROR_LOGGER = "uvicorn.error"
+#: The message uvicorn cancels its handlers with when the graceful-shutdown timeout passes; a CancelledError
+#: without it (a bug cancelling something else) keeps its traceback.
+UVICORN_SHUTDOWN_CANCEL = "timeout graceful shutdown exceeded"
 CUT_MESSAGE = "a request still running when --shutdown-timeout passed was cut (its handler cancelled)"
 
 
 class ShutdownCutFilter(logging.Filter):
-    """Turns uvicorn's record of a handler cancelled at shutdown into :data:`CUT_MESSAGE` at WARNING; every
-    other record passes unchanged."""
+    """Turns uvicorn's record of a handler it cancelled at shutdown (the CancelledError carrying its
+    :data:`UVICORN_SHUTDOWN_CANCEL` message) into :data:`CUT_MESSAGE` at WARNING; every other record passes
+    unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith(
-            "Exception in ASGI application"
+        if (
+            isinstance(exc, asyncio.CancelledError)
+            and UVICORN_SHUTDOWN_CANCEL in str(exc)
+            and str(record.msg).startswith("Exception in ASGI application")
         ):
             record.msg, record.args = CUT_MESSAGE, ()
             record.exc_info, record.exc_text = None, None
