@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,6 @@ from kvb_cache.stitch_config import StitchConfig
 if TYPE_CHECKING:
     from kvb_cache.tiers.config import TierConfig
 
-logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 #: Default byte budget of the in-memory chunk store.
@@ -75,8 +73,8 @@ class EngineConfig:
         block_size: tokens per KV block of the paged pool (the unit of prefix sharing between requests).
         num_blocks: blocks in the pool; None derives it from ``max_cache_bytes`` (the pool *is* the RAM
             cache: running requests' KV and cached prefixes share it).
-        max_num_seqs: most requests decoded together in one step (lowered to ``max_num_batched_tokens``
-            when above it, with a warning: each running request decodes one token a step).
+        max_num_seqs: most requests decoded together in one step (as asked; the engine runs at most
+            :attr:`running_seqs`, since each running request decodes one token a step).
         max_num_batched_tokens: most tokens (prefill + decode) one step feeds the model; long prompts are
             prefilled in slices of at most this size, interleaved with the running requests' decode.
         prefill_chunk_size: default per-request prefill slice (a request's own value overrides it); None:
@@ -113,6 +111,14 @@ class EngineConfig:
     enforce_eager: bool = False
     scheduling_policy: str = "fcfs"
 
+    @property
+    def running_seqs(self) -> int:
+        """Most requests running at once: ``max_num_seqs``, but no more than ``max_num_batched_tokens`` (every
+        running request decodes a token per step: admitted beyond the budget, the last ones held KV blocks and
+        got no token until the first finished; vLLM refuses the combination). The scheduler, CUDA-graph
+        capture, memory profiling and step limits all read this; the build warns once when it is lower."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.chunk_size is None:
             # Frozen: resolved once here, so every reader sees the int (and dataclasses.replace keeps it).
@@ -130,18 +136,6 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if self.max_num_seqs > self.max_num_batched_tokens:
-            # Every running request decodes a token per step: admitted beyond the budget, the last ones held
-            # KV blocks and got no token until the first finished. vLLM refuses the combination; lowered
-            # here, once, so the scheduler, CUDA-graph capture and memory profiling all read the same number.
-            logger.warning(
-                "max_num_seqs=%d is above max_num_batched_tokens=%d, the tokens a step may feed: at most %d "
-                "requests run at once",
-                self.max_num_seqs,
-                self.max_num_batched_tokens,
-                self.max_num_batched_tokens,
-            )
-            object.__setattr__(self, "max_num_seqs", self.max_num_batched_tokens)
         if self.prefill_chunk_size is not None and (
             isinstance(self.prefill_chunk_size, bool)
             or not isinstance(self.prefill_chunk_size, int)

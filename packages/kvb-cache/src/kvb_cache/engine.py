@@ -310,13 +310,13 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
     def step_limits(self) -> StepLimits:
         """What bounds the memory one engine step adds beside the pool (a memory planner's input:
         kvb-planner's ``PagedLoop`` takes its fields)."""
-        rows = self.config.max_num_seqs
+        rows = self.config.running_seqs
         if self.core.drafter is not None:  # a speculating request keeps a logits row per draft, and one more
             rows = min(self.config.max_num_batched_tokens, rows * (1 + self.core.drafter.gamma))
         return step_limits(
             self.model,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.running_seqs,
             sampled_rows=rows,
             context=self.context_length or self.config.max_num_batched_tokens,
             logits_to_keep=self.traits.logits_to_keep,

@@ -275,7 +275,7 @@ def apply_utilization(
         utilization,
         block_bytes=block_bytes,
         step_tokens=step,
-        sample_rows=config.max_num_seqs,
+        sample_rows=config.running_seqs,
         loop_attention=loop_attention_bytes(
             model, shapes, step_tokens=step, context=context, kv_cache_dtype=config.kv_cache_dtype
         ),
@@ -284,10 +284,10 @@ def apply_utilization(
         else decode_graph_bytes(
             model,
             shapes,
-            rows=config.max_num_seqs,
+            rows=config.running_seqs,
             context=context,
             kv_cache_dtype=config.kv_cache_dtype,
-            step_peak=profile_step_peak(model, config.max_num_seqs, config.max_num_seqs),
+            step_peak=profile_step_peak(model, config.running_seqs, config.running_seqs),
         ),
     )
     return replace(config, num_blocks=blocks)

@@ -59,11 +59,20 @@ def packed_budget(traits: ModelTraits, config: EngineConfig) -> int:
     return config.max_num_batched_tokens
 
 
-def running_seats(max_num_seqs: int, budget: int) -> int:
-    """Most requests running at once: ``max_num_seqs`` (which :class:`EngineConfig` already holds to
-    ``max_num_batched_tokens``), and no more than ``budget`` when a model's position limit lowered the step
-    below that (every running request decodes one token a step)."""
-    return min(max_num_seqs, budget)
+def running_seats(config: EngineConfig, budget: int) -> int:
+    """Most requests running at once: :attr:`EngineConfig.running_seqs`, and no more than ``budget`` when a
+    model's position limit lowered the step below it (every running request decodes one token a step);
+    warns once, here, when that is below the ``max_num_seqs`` asked for."""
+    seats = min(config.running_seqs, budget)
+    if seats < config.max_num_seqs:
+        logger.warning(
+            "max_num_seqs=%d is above the %d tokens a step may feed (max_num_batched_tokens): at most %d "
+            "requests run at once",
+            config.max_num_seqs,
+            budget,
+            seats,
+        )
+    return seats
 
 
 def graph_capture(device: torch.device) -> Capture | None:
@@ -138,7 +147,7 @@ def build_loop(
     budget = packed_budget(traits, config)
     scheduler = Scheduler(
         kv,
-        max_num_seqs=running_seats(config.max_num_seqs, budget),
+        max_num_seqs=running_seats(config, budget),
         max_num_batched_tokens=budget,
         priority=config.scheduling_policy == "priority",
     )
@@ -150,7 +159,7 @@ def build_loop(
             model,
             storage,
             kernel=kernel,
-            max_rows=config.max_num_seqs,
+            max_rows=config.running_seqs,
             max_width=min(pool_tokens, config.max_model_len or pool_tokens),
             capture=capture,
         )
