@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
 
 from kvb_cache.forward import prefill
 from kvboost import KVBoost
@@ -207,16 +208,9 @@ def reuse_markdown(table) -> str:
 
 
 def plot(table, path: Path) -> None:
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     turns = [r["turn"] for r in table]
     fig, ax = plt.subplots(figsize=(6.4, 4))

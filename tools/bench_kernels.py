@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvb_kernels import (
@@ -211,16 +212,9 @@ def bench_fused(dtype: torch.dtype, kv_len: int) -> list[dict]:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for head_dim in sorted({r["head_dim"] for r in results["prefill"]}):

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
+
 from kvb_cache.cache_kwarg import cache_kwargs
 from kvb_planner import tensor_peak
 
@@ -247,16 +249,9 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], measure: list[str], path: Path) -> None:
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for chunk in sorted({r["prefill_chunk_size"] for r in rows}, key=lambda c: c or 0):

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvb_cache.embedded import embedded_model_path
@@ -207,16 +208,9 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = result["rows"]
     methods = list(rows[0]["methods"])

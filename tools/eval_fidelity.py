@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
 
 from kvb_cache import EngineConfig, KVBoost, StitchConfig
 from kvb_cache.fidelity import compare_distributions, reference_continuation_logits, teacher_forced_logits
@@ -315,16 +316,9 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 
 def plot(summary: dict[str, dict[str, dict]], path: Path) -> None:
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for src, per in summary.items():

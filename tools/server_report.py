@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plotting import pyplot  # tools/ is on sys.path when a script here runs
+
 SERVERS = ("kvboost", "transformers")
 # The issue's targets (kvboost / transformers): concurrency >= 2 uses the 4- and 8-session targets.
 MULTI_TTFT_MAX, MULTI_TOKENS_MIN = 0.5, 1.25
@@ -198,16 +200,9 @@ def plot(results: dict, path: Path) -> bool:
     """Draw TTFT and tokens/s by concurrency; False (nothing written) when no server phase ran."""
     if not any(results["summary"].values()):
         return False
-    try:
-        import matplotlib
-    except (
-        ImportError
-    ):  # the table and the JSON are the results; the plot is optional (pip install matplotlib)
-        print(f"matplotlib is not installed: {path} not drawn")
+    plt = pyplot(path)
+    if plt is None:
         return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (ax_ttft, ax_tok) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, color in zip(SERVERS, ("tab:blue", "tab:orange")):
