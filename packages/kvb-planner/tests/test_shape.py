@@ -116,6 +116,28 @@ def test_from_config_reads_the_context_length():
     )
 
 
+def test_yarn_extends_the_context_length_as_the_engine_does():
+    dims = dict(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=100
+    )
+    # Qwen2.5 / Qwen3 model cards add this block: the engine serves 131072 tokens, so a plan must too.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    config = LlamaConfig(**dims, max_position_embeddings=32768, rope_scaling=yarn)
+    assert ModelShape.from_config(config).context_length == 131_072
+    # Without original_max_position_embeddings the declared length is the base; a factor <= 1 changes nothing.
+    plain = SimpleNamespace(**dims, max_position_embeddings=4096, rope_scaling={"type": "yarn", "factor": 2})
+    assert ModelShape.from_config(plain).context_length == 8192
+    shrink = SimpleNamespace(
+        **dims, max_position_embeddings=4096, rope_scaling={"type": "yarn", "factor": 0.5}
+    )
+    assert ModelShape.from_config(shrink).context_length == 4096
+    # Other scalings keep the declared length (linear already counts in max_position_embeddings).
+    linear = LlamaConfig(
+        **dims, max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0}
+    )
+    assert ModelShape.from_config(linear).context_length == 4096
+
+
 def test_from_model_keeps_the_context_length_and_it_can_be_overridden(tiny_llama):
     shape = ModelShape.from_model(tiny_llama)
     assert shape.context_length == tiny_llama.config.max_position_embeddings

@@ -117,13 +117,35 @@ def _layer_heads(text: Any, layers: int, kv_heads: int, head_dim: int) -> list[t
 
 def _context_length(text: Any, config: Any) -> int | None:
     """The first positive int among :data:`CONTEXT_LENGTH_FIELDS`, read from the decoder's config ``text``
-    (:func:`_text_config`) and else from ``config`` itself; None when no field holds one."""
+    (:func:`_text_config`) and else from ``config`` itself, extended by YaRN (:func:`_yarn_context`); None
+    when no field holds one."""
     for source in (text, config):
         for name in CONTEXT_LENGTH_FIELDS:
             value = getattr(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                return value
+                return _yarn_context(text, value)
     return None
+
+
+def _yarn_context(text: Any, declared: int) -> int:
+    """``declared`` extended as kvb-cache's ``model_traits.declared_context`` and vLLM's ``max_model_len``
+    extend it: a YaRN block (Qwen2.5 / Qwen3 model cards add one) makes the context
+    ``original_max_position_embeddings`` (else ``declared``) times its ``factor`` when that is larger.
+    Without it a standalone plan refused a 64k-token prompt that the engine serves (32768 -> 131072); the
+    rule is restated here because kvb-planner does not depend on kvb-cache."""
+    rope = _attr(text, "rope_parameters") or _attr(text, "rope_scaling")
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
+        return declared
+    factor = rope.get("factor")
+    original = rope.get("original_max_position_embeddings") or declared
+    if (
+        isinstance(factor, (int, float))
+        and not isinstance(factor, bool)
+        and factor > 1
+        and isinstance(original, int)
+    ):
+        return max(declared, int(original * factor))
+    return declared
 
 
 #: ModelShape sizes that must be >= 1 (``dtype_bytes`` and ``weight_bytes`` are checked on their own).
@@ -252,7 +274,7 @@ class ModelShape:
         ``weight_bytes`` is computed from the Llama layout (embeddings, q/k/v/o, gated MLP, two norms per
         layer, untied ``lm_head`` when ``tie_word_embeddings`` is false); biases are ignored. Use
         :meth:`from_model` for an exact count. ``context_length`` is the config's ``max_position_embeddings``
-        (see :class:`ModelShape`), None when the config has none.
+        extended by YaRN as the engine extends it (see :class:`ModelShape`), None when the config has none.
 
         Args:
             config: A transformers ``PretrainedConfig`` (any object with the same attributes).
