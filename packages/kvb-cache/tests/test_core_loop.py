@@ -565,6 +565,31 @@ def test_nan_logits_end_the_row_with_a_typed_error(sampled, llama, tokenizer):
         assert tokens[2] == int(torch.argmax(logits[2]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_nan_check_holds_wherever_the_nan_sits(dtype, llama, tokenizer):
+    """The greedy fast path reads a row's NaN from its ``torch.max`` value alone, which holds only because
+    max propagates NaN past every number, +inf included: first, last or middle column, any dtype; its index
+    is argmax's (the first maximal one, ties included)."""
+    from kvb_cache import NonFiniteLogitsError
+    from kvb_cache.core.sampler import sample
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    reqs = [
+        new_request(engine, f"r{i}", tokenizer(words(5, seed=i))["input_ids"], SamplingParams(), 0.0)
+        for i in range(5)
+    ]
+    logits = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits[0, 0] = float("nan")
+    logits[1, 127] = float("nan")
+    logits[2, 60] = float("inf")
+    logits[2, 61] = float("nan")  # a NaN right after the row's +inf
+    logits[3, 5] = float("inf")  # +inf alone is a token, not a NaN
+    logits[4, 9] = logits[4, 90] = logits[4].max() + 1  # a tie: the first index, as argmax
+    tokens = sample(logits, reqs)
+    assert [isinstance(t, NonFiniteLogitsError) for t in tokens] == [True, True, True, False, False]
+    assert tokens[3] == 5 and tokens[4] == 9 == int(torch.argmax(logits[4]))
+
+
 def _vllm_order(logits: torch.Tensor, temperature: float, min_p: float, top_k: int, top_p: float):
     """An independent reference of vLLM's sampler order: temperature, min-p, top-k, top-p (``[V]``)."""
     scores = logits / temperature
