@@ -166,6 +166,9 @@ def test_logit_bias_id_outside_vocab(engine):
         "yaml",
         42,
         {"type": "json_schema", "json_schema": {"name": "x"}},
+        # An unhashable `required` entry: a TypeError while closing the object, a 500 through the server.
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [["a"]]},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [{"a": 1}]},
     ],
 )
 def test_bad_response_formats_name_the_param(engine, fmt):

@@ -95,7 +95,10 @@ def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
             members_closable = key == "prefixItems" or (key != "allOf" and not has_properties)
             out[key] = [_strict(v, closable=members_closable, composed=composed) for v in schema[key]]
     required = schema.get("required")
-    listed = not isinstance(required, list) or (has_properties and all(r in properties for r in required))
+    # A non-string entry (a client's [["a"]]) is unhashable: `in` raised TypeError, a 500; llguidance refuses it.
+    listed = not isinstance(required, list) or (
+        has_properties and all(isinstance(r, str) and r in properties for r in required)
+    )
     if closable and has_properties and not combined and listed and not any(k in schema for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
