@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -513,6 +514,18 @@ def test_tool_parameters_must_be_an_object_schema(url: str, schema: dict) -> Non
         post(url, "/v1/chat/completions", body), 400, param="tools[0].function.parameters"
     )
     assert "type 'object'" in err["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_tool_parameters_holding_a_non_finite_number_are_a_400(url: str, literal: str) -> None:
+    # Python's JSON parser reads these literals; re-serialising the schema raised ValueError, a 500.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minimum": 0}}}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    raw = json.dumps(body).replace('"minimum": 0', f'"minimum": {literal}').encode()
+    err = assert_openai_error(
+        post(url, "/v1/chat/completions", raw), 400, param="tools[0].function.parameters"
+    )
+    assert "not a valid JSON schema" in err["message"]
 
 
 def test_an_assistant_turn_with_tool_calls_may_leave_content_out(url: str) -> None:

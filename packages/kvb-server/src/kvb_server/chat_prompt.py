@@ -68,8 +68,12 @@ def check_tool_schemas(tools: ToolPlan | None) -> None:
     Compiled as the call grammar embeds them (``llguidance_schema``: zod's always-true spellings
     rewritten), so a schema is refused only for what the grammar could not enforce."""
     for i, tool in enumerate(tools.tools if tools is not None else ()):
-        schema = ResponseFormat(kind="json_schema", source=json.dumps(tool.parameters, allow_nan=False))
-        constraints.check(schema, f"tools[{i}].function.parameters")
+        param = f"tools[{i}].function.parameters"
+        try:
+            source = json.dumps(tool.parameters, allow_nan=False)
+        except ValueError as e:  # NaN / Infinity, which the body's JSON parser accepts: was a 500
+            raise InvalidParameterError(f"{param} is not a valid JSON schema ({e})", param=param) from None
+        constraints.check(ResponseFormat(kind="json_schema", source=source), param)
 
 
 def reply_format(
