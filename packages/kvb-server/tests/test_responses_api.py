@@ -477,6 +477,14 @@ def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits() -> None:
         alone = {**body, "input": "x" * 200, "truncation": "auto"}
         still = httpx.post(f"{url}/v1/responses", json=alone)
         assert still.status_code == 400 and still.json()["error"]["code"] == "context_length_exceeded"
+        # The newest item fits, the budget beside it does not: the 400 names the budget, not the input
+        # (the first, untruncated try's error said to shorten the messages).
+        budget = httpx.post(
+            f"{url}/v1/responses", json={**body, "truncation": "auto", "max_output_tokens": 140}
+        )
+        assert budget.status_code == 400 and budget.json()["error"]["param"] == "max_output_tokens", (
+            budget.text
+        )
         count = {"model": MODEL, "input": history, "truncation": "auto"}
         counted = httpx.post(f"{url}/v1/responses/input_tokens", json=count)
         assert (counted.status_code, counted.json()["error"]["param"]) == (400, "truncation")

@@ -432,8 +432,8 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             raise ContextLengthError(
                 f"prompt ({prompt_tokens} tokens)"
                 + (f" + max_new_tokens ({max_new_tokens})" if max_new_tokens else "")
-                + " needs more KV blocks than "
-                f"the pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} = {pool} tokens); raise "
+                + " is more tokens than "
+                f"the KV pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} = {pool} tokens); raise "
                 "num_blocks or max_cache_bytes, or shorten the prompt"
                 + (" / lower max_new_tokens" if max_new_tokens else ""),
                 prompt_tokens=prompt_tokens,

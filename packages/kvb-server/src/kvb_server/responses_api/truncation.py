@@ -3,7 +3,8 @@ its oldest items until the prompt and ``max_output_tokens`` fit, instead of a 40
 
 Only what the model reads is cut: the stored response keeps every input item. System and developer
 messages (``instructions`` among them) are never dropped; a tool result whose call was dropped goes with it
-(it could answer nothing). When even the last item does not fit, the 400 stands.
+(it could answer nothing). When even the last item does not fit, the 400 of that last try stands (it names
+``max_output_tokens`` when the budget, not the item, is what does not fit).
 """
 
 from __future__ import annotations
@@ -53,4 +54,7 @@ def fitting_plan(
         except InvalidParameterError as exc:
             if exc.code != CONTEXT_LENGTH_EXCEEDED:
                 raise
+            # The shortest try's error names what is still in the way: with only the newest item left that
+            # may be max_output_tokens, where the first error said to shorten the input.
+            failure = exc
     raise failure
