@@ -243,6 +243,10 @@ def test_bad_echo_requests_are_400s(tiny_url: str, tiny_engine: KVBoost) -> None
     body = {"model": MODEL, "prompt": [3, 10**6], "max_tokens": 0, "echo": True, "logprobs": 1}
     resp = httpx.post(url, json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    # Past what the tokenizer takes (u32): decoding the echo raised OverflowError, a 500; generated or scored.
+    for huge, budget in ((2**32, 0), (10**30, 2), (2**64, 2)):
+        resp = httpx.post(url, json={**body, "prompt": [3, huge], "max_tokens": budget}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
     too_long = [5] * (tiny_engine.context_length + 1)
     resp = httpx.post(url, json={**body, "prompt": too_long}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text

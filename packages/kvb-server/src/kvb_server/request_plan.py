@@ -206,6 +206,19 @@ def _check_queue_room(prompts: int, n: int, config: ServerConfig, *, prompt_para
         )
 
 
+def _echo_text(engine: ServingEngine, ids: list[int]) -> str:
+    """The echo of a token-id prompt. Decoded before the engine checks the ids against its vocabulary (at
+    admission), so an id the tokenizer cannot take (>= 2**32: OverflowError) is refused here: it was a 500."""
+    try:
+        return engine.tokenizer.decode(ids)
+    except (OverflowError, ValueError, TypeError, IndexError) as exc:
+        raise InvalidParameterError(
+            f"prompt holds a token id the tokenizer cannot decode ({exc}); token ids must be in "
+            f"[0, {len(engine.tokenizer)})",
+            param="prompt",
+        ) from None
+
+
 def completion_plan(
     req: CompletionRequest, engine: ServingEngine, config: ServerConfig, *, key_salt: str | None = None
 ) -> GenerationPlan:
@@ -241,9 +254,9 @@ def completion_plan(
     if req.echo:
         # A text prompt is echoed as sent; token ids as the tokenizer decodes them (special tokens kept).
         texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
-        echo = tuple(texts) if texts is not None else tuple(engine.tokenizer.decode(p) for p in prompts)  # type: ignore[arg-type]
+        echo = tuple(texts) if texts is not None else tuple(_echo_text(engine, p) for p in prompts)  # type: ignore[arg-type]
         if truncated is not prompts:  # echoed as the model saw it
-            echo = tuple(engine.tokenizer.decode(p) for p in truncated)
+            echo = tuple(_echo_text(engine, p) for p in truncated)
     prompts = truncated
     n = choice_count(req, config)
     if generate:  # a prompt that is only scored (echo, max_tokens 0) queues no generation
