@@ -45,6 +45,23 @@ def test_chat_template_kwargs_only_set_template_variables(engine, kwargs):
     assert info.value.param == "chat_template_kwargs"
 
 
+def test_every_argument_of_the_installed_apply_chat_template_is_refused(engine):
+    """Read from the signature, not only a hand-written list: transformers 5.2x's ``sanitize_control_tokens``
+    slipped through (a request switched how control tokens in its text were encoded), ``self`` was a
+    TypeError worded as a template failure."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    names = [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    assert "self" in names and "tokenize" in names
+    for name in names:
+        with pytest.raises(InvalidRequestError, match=name) as info:
+            engine.chat_prompt(MESSAGES, chat_template_kwargs={name: True})
+        assert info.value.param == "chat_template_kwargs"
+
+
 def test_continue_final_message_leaves_the_last_message_open(engine):
     messages = [*MESSAGES, {"role": "assistant", "content": words(4, seed=2)}]
     closed = engine.chat_prompt(messages, add_generation_prompt=False)

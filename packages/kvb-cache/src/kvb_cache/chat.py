@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,9 +11,19 @@ from transformers import PreTrainedTokenizerBase
 from kvb_cache.chat_content import content_format, fit_content, template_source
 from kvb_cache.errors import InvalidRequestError, PromptTypeError
 
+
+def _apply_chat_template_arguments() -> frozenset[str]:
+    """The named parameters of the installed transformers' ``apply_chat_template`` (``self`` included)."""
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 #: ``apply_chat_template`` arguments that are not template variables: passing them through
-#: ``chat_template_kwargs`` would change what the call returns or bypass the checks here.
-RESERVED_TEMPLATE_KWARGS = frozenset(
+#: ``chat_template_kwargs`` would change what the call returns or bypass the checks here. Read from the
+#: installed signature too: transformers 5.2x added ``sanitize_control_tokens``, which a hand-written list
+#: missed, so a request could switch how control tokens in user text are encoded (and ``self`` was a
+#: TypeError 400 naming the messages).
+RESERVED_TEMPLATE_KWARGS = _apply_chat_template_arguments() | frozenset(
     {
         "conversation",
         "messages",
