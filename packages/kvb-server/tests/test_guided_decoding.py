@@ -83,6 +83,37 @@ def test_guided_choice_returns_one_of_the_choices(client: openai.OpenAI, seed: i
     assert again.choices[0].text == resp.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_thousands_of_choices_and_regex_characters_are_followed(client: openai.OpenAI, stream: bool) -> None:
+    """Each choice was one Earley item, and llguidance caps a row at 2000: 2000+ choices passed the up-front
+    check, then failed at the first decoding step (a 400 after admission, an error event inside a 200
+    stream). Choices holding regex and Lark syntax stay literal."""
+    odd = ["a.b", "a|b", "(x)", "x/y", "^$", "[z]", "back\\slash", "caf\u00e9 \U0001f389", "*"]
+    choices = odd + [f"option {i:05d}" for i in range(3000)]
+    for seed in (1, 2):
+        made = client.completions.create(
+            model=MODEL,
+            prompt="answer:",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=30,
+            stream=stream,
+            extra_body={"guided_choice": choices},
+        )
+        text = "".join(c.choices[0].text for c in made) if stream else made.choices[0].text
+        assert text in choices, text
+    for choice in odd:  # a choice alone is always that choice, whatever it holds
+        made = client.completions.create(
+            model=MODEL,
+            prompt="answer:",
+            temperature=1.0,
+            seed=3,
+            max_tokens=30,
+            extra_body={"guided_choice": [choice]},
+        )
+        assert made.choices[0].text == choice
+
+
 def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
     text = (
         client.completions.create(

@@ -12,7 +12,6 @@ llguidance cannot handle is a 400 naming the parameter instead of an error after
 from __future__ import annotations
 
 import functools
-import json
 import re
 from typing import Any
 
@@ -136,8 +135,19 @@ _STRUCTURED_KEYS = {
 
 
 def _choice_grammar(choices: list[str]) -> str:
-    # Lark string literals take JSON's escapes, so any choice text (quotes, backslashes, newlines) is literal.
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
+    """One regex lexeme ``/(?:c1|c2|...)/``, every character that is not a letter or digit written as
+    ``\\x{hex}`` (so no choice text can be read as regex or Lark syntax).
+
+    Not ``start: "c1" | "c2" | ...``: each literal is its own Earley item, and llguidance's parser caps a row
+    at 2000 items, so 2000 or more choices compiled (the up-front check passed) and then failed at the first
+    decoding step, a 400 after admission or an error event inside a 200 stream. As one lexeme the lexer's
+    automaton holds them: 20,000 choices compile in ~0.15 s, 100,000 in ~0.9 s, masks 3-7 ms a token on
+    SmolLM2's vocabulary (CPU)."""
+    return "start: /(?:" + "|".join(_regex_literal(c) for c in choices) + ")/"
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(ch if ch.isalnum() else f"\\x{{{ord(ch):x}}}" for ch in text)
 
 
 def _guided_raw(field: str, value: Any, param: str) -> dict[str, Any]:
