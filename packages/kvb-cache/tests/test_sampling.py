@@ -278,12 +278,30 @@ def test_logprobs_leave_out_the_tokens_of_a_cut_stop_string(engine, path):
         ("temperature", float("nan")),
         ("logprobs", -1),
         ("presence_penalty", 3.0),
+        ("temperature", 10**400),  # an int past float's range
     ],
 )
 def test_invalid_sampling_values_name_the_parameter(engine, field, value):
     with pytest.raises(InvalidRequestError) as info:
         engine.generate(PROMPT, **{field: value})
     assert info.value.param == field and field in str(info.value)
+
+
+def test_int_values_of_float_fields_are_taken_as_floats(engine):
+    """transformers' warpers demand floats: temperature=2 and repetition_penalty=2 were a bare ValueError ("has
+    to be a strictly positive float") from inside the request's processor."""
+    ints = dict(
+        temperature=2, repetition_penalty=2, top_p=1, min_p=0, presence_penalty=1, frequency_penalty=-1
+    )
+    as_ints = engine.generate(PROMPT, max_new_tokens=4, seed=5, **ints)
+    as_floats = engine.generate(PROMPT, max_new_tokens=4, seed=5, **{k: float(v) for k, v in ints.items()})
+    assert as_ints.output_ids == as_floats.output_ids and len(as_ints.output_ids) == 4
+    params = SamplingParams(temperature=2, repetition_penalty=3, top_p=1)
+    assert (type(params.temperature), type(params.repetition_penalty), type(params.top_p)) == (
+        float,
+        float,
+        float,
+    )
 
 
 @pytest.mark.parametrize("key", ["²", "４２", "-1", "1.0"])

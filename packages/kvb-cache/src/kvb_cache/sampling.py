@@ -211,16 +211,22 @@ _FLOAT_FIELDS = (
 
 def _plain_numbers(params: SamplingParams) -> None:
     """NumPy (and other non-bool ``numbers``) scalars as Python ints and floats: what numpy / torch code hands
-    around (``np.float32(0.7)`` was refused as "must be a finite number" while the prompt took numpy ints).
-    Anything else is left for the checks to refuse."""
+    around (``np.float32(0.7)`` was refused as "must be a finite number" while the prompt took numpy ints);
+    the float fields as floats, Python ints included. Anything else is left for the checks to refuse."""
     for name in _INT_FIELDS:
         value = getattr(params, name)
         if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
             object.__setattr__(params, name, operator.index(value))
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
-        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
-            object.__setattr__(params, name, float(value))
+        # Python ints too: transformers' warpers demand a float (temperature=2 and repetition_penalty=2 were a
+        # bare ValueError, "has to be a strictly positive float"). An int past float's range is left as inf,
+        # for the finiteness check to refuse.
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+            try:
+                object.__setattr__(params, name, float(value))
+            except OverflowError:
+                object.__setattr__(params, name, math.inf)
     if isinstance(params.stop_token_ids, (list, tuple)):
         object.__setattr__(
             params,
