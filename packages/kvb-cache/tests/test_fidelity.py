@@ -63,3 +63,22 @@ def test_new_tokens_below_one_is_a_typed_error(llama, tokenizer, new_tokens):
     with pytest.raises(InvalidRequestError, match="new_tokens") as info:
         engine.verify_correctness([[5, 6, 7]], new_tokens=new_tokens)
     assert info.value.param == "new_tokens"
+
+
+def test_a_request_past_the_context_is_refused_before_the_reference_runs(llama, tokenizer, monkeypatch):
+    """The no-cache reference generates on the bare model, which nothing bounds: new_tokens=10**9 ran until
+    killed, and a single string was read as one prompt per character."""
+    import kvb_cache.fidelity as fidelity
+    from kvb_cache import ContextLengthError
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    ran = []
+    monkeypatch.setattr(fidelity, "_no_cache", lambda *a: ran.append(a))
+    with pytest.raises(ContextLengthError):
+        engine.verify_correctness([[5, 6, 7]], new_tokens=10**9)
+    with pytest.raises(ContextLengthError):
+        engine.verify_correctness([[5] * (engine.context_length + 1)], new_tokens=1)
+    assert not ran
+    with pytest.raises(InvalidRequestError, match=r"\[prompt\]") as info:
+        engine.verify_correctness("Hello")
+    assert info.value.param == "prompts" and not ran

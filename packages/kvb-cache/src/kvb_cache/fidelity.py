@@ -193,15 +193,24 @@ def verify_correctness(
 
     Raises:
         InvalidRequestError: ``new_tokens`` is not a positive int (0 raised transformers' own ValueError
-            from inside the no-cache reference ``generate``).
+            from inside the no-cache reference ``generate``), or ``prompts`` is a single string.
+        ContextLengthError: a prompt and ``new_tokens`` do not fit the engine's context or pool, raised before
+            the no-cache reference runs.
     """
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise InvalidRequestError(
             f"new_tokens must be an int >= 1 (e.g. 16), got {new_tokens!r}", param="new_tokens"
         )
+    if isinstance(prompts, (str, bytes)):  # iterated, "Hello" was five one-character prompts
+        raise InvalidRequestError(
+            "prompts must be a list of prompts; wrap a single one: [prompt]", param="prompts"
+        )
     rows = []
     for prompt in prompts if prompts is not None else default_prompts():
         ids = engine._tokenize(prompt)
+        # Before the reference: it generates on the bare model, which nothing bounds (new_tokens=10**9 ran
+        # until killed; 2000 ran past the model's positions for 14 s before the engine refused it).
+        engine._check_context(len(ids), new_tokens)
         ref_logits, ref_tokens = _no_cache(engine.model, ids, new_tokens)
         cached = engine.next_token_logits(ids)
         out = engine.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
