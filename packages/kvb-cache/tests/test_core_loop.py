@@ -639,6 +639,25 @@ def test_min_p_comes_before_top_p_as_in_vllm(llama, tokenizer):
     assert differs  # the cases tell the two orders apart
 
 
+def test_batched_top_k_keeps_each_rows_k_largest(llama, tokenizer):
+    """The k-th value comes from one topk over the largest k in the batch (not a sort of the vocabulary):
+    rows with k off, 1, small, the whole vocabulary and past it, and tied logits, each keep what a per-row
+    sort keeps."""
+    engine = KVBoost(llama, tokenizer)
+    ks = [0, 1, 7, 300, 10**6, 3]
+    logits = torch.randn(len(ks), 300, generator=torch.Generator().manual_seed(4))
+    logits[5, :10] = 5.0  # ten tied maxima: k=3 keeps all ten, as sorting would
+    reqs = [
+        new_request(engine, f"r{i}", list(range(5, 15)), SamplingParams(temperature=1.0, top_k=k), 0.0)
+        for i, k in enumerate(ks)
+    ]
+    kept = torch.isfinite(process_logits(logits.clone(), reqs))
+    for row, k in enumerate(ks):
+        kth = logits[row].sort(descending=True).values[min(k, 300) - 1] if k else -float("inf")
+        assert torch.equal(kept[row], logits[row] >= kth), row
+    assert int(kept[5].sum()) == 10
+
+
 def test_vllm_off_values_for_seed_and_top_k():
     assert SamplingParams(seed=-1).seed is None  # vLLM: -1 is no seed (clients send it for "random")
     assert SamplingParams(top_k=-1).top_k == 0
