@@ -185,6 +185,48 @@ def test_a_stream_closed_before_its_first_event_aborts_its_request(llama, tokeni
     assert len(after.output_ids) == 3
 
 
+def test_aborting_a_followed_request_ends_its_loop_at_once(llama, tokenizer):
+    """engine.abort on a request a stream / generate call follows (another thread, a server's cancel): the
+    follower found no final output only once every other request had finished, stepping them all first,
+    then raised a bare RuntimeError."""
+    import threading
+
+    from kvb_cache import RequestAbortedError
+
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    other = engine.add_request(words(12, seed=5), SamplingParams(max_new_tokens=200, ignore_eos=True))
+    stream = engine.stream(words(30), max_new_tokens=40, ignore_eos=True)
+    next(stream)
+    steps = engine.paged_stats().steps
+    assert engine.abort(stream.request_id)
+    with pytest.raises(RequestAbortedError, match=stream.request_id):
+        next(stream)
+    assert engine.paged_stats().steps == steps and engine.core.knows(other)  # nothing else was stepped
+    assert list(stream) == [] and not engine.abort(stream.request_id)
+
+    seen: dict[str, BaseException] = {}
+    started = threading.Event()
+
+    mine = engine.stream(words(9, seed=2), max_new_tokens=400, ignore_eos=True)
+
+    def follow() -> None:
+        try:
+            for _ in mine:
+                started.set()
+        except BaseException as exc:  # recorded for the assertion
+            seen["error"] = exc
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    assert started.wait(30)
+    assert engine.abort(mine.request_id)
+    thread.join(30)
+    assert isinstance(seen.get("error"), RequestAbortedError) and not thread.is_alive()
+    assert engine.abort(other) and not engine.has_unfinished()
+    with pytest.raises(PromptTypeError, match="one id per call"):
+        engine.abort([mine.request_id])
+
+
 def test_a_closed_stream_is_exhausted_and_a_finished_one_closes_quietly(llama, tokenizer):
     engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
     stream = engine.stream(words(30), max_new_tokens=6, ignore_eos=True)

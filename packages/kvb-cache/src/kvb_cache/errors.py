@@ -94,6 +94,15 @@ class RequestInterruptedError(KVBoostError, RuntimeError):
         )
 
 
+class RequestAbortedError(KVBoostError, RuntimeError):
+    """The request a :meth:`~kvb_cache.KVBoost.generate` / :meth:`~kvb_cache.KVBoost.stream` call follows was
+    dropped by :meth:`~kvb_cache.KVBoost.abort` (another thread, a server's cancel) before it finished."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} was aborted (engine.abort) before it finished")
+        self.request_id = request_id
+
+
 @contextlib.contextmanager
 def naming_item(index: int, name: str = "prompts") -> Iterator[None]:
     """Prefix the message of a :class:`KVBoostError` raised inside with ``name[index]: ``, so an error about

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from kvb_cache.core.outputs import PagedStats, RequestId, RequestOutput
 from kvb_cache.core.request import Request
 from kvb_cache.core.speculation import StepSpeculation, verifiable_in_step
 from kvb_cache.core.tier_loads import in_flight, wait_all
-from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError, RequestAbortedError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
 from kvb_cache.prepared import Prompt
@@ -269,8 +270,28 @@ class LoopAPI:
 
     @serialized
     def abort(self, request_id: RequestId | str) -> bool:
-        """Drop a request now (its blocks are released); False when it is unknown or already finished."""
-        return self.core.abort(RequestId(request_id))
+        """Drop a request now (its blocks are released); False when it is unknown or already finished.
+
+        A :meth:`generate` / :meth:`stream` call following the request (another thread's) ends at once with
+        :class:`RequestAbortedError`. Before, it found no final output only once every other request had
+        finished (it stepped them all first), then raised a bare ``RuntimeError``.
+
+        Raises:
+            PromptTypeError: ``request_id`` is not a string (one id per call).
+        """
+        if not isinstance(request_id, str):  # a list of ids raised "unhashable type" from inside the core
+            raise PromptTypeError(
+                f"request_id must be a str, got {type(request_id).__name__}; abort one id per call",
+                param="request_id",
+            )
+        rid = RequestId(request_id)
+        aborted = self.core.abort(rid)
+        if aborted and rid in self._followed:
+            error = RequestAbortedError(rid)
+            self._mailbox.setdefault(rid, deque()).append(
+                RequestOutput(request_id=rid, delta_text="", error=error)
+            )
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
