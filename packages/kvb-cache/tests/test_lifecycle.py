@@ -44,6 +44,21 @@ def test_close_is_idempotent_and_the_engine_serves_from_ram_afterwards(llama, to
     assert eng.flush() is True and disk.stats().stores == stored
 
 
+@pytest.mark.parametrize("bad", ["5", -1, float("nan"), True, [1]])
+def test_a_bad_timeout_is_refused_before_close_switches_anything(llama, tokenizer, tmp_path, bad):
+    """close(timeout_s="5") failed after marking the engine closed, detaching its tiers and dropping the exit
+    hook: queued writes were never drained and the tiers never closed (a second close() returned True)."""
+    eng = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path))
+    run(eng)
+    for call in (eng.flush, eng.close):
+        with pytest.raises(InvalidRequestError) as info:
+            call(timeout_s=bad)
+        assert info.value.param == "timeout_s"
+    assert eng.kv.tiers is not None  # still open: the real close drains and closes them
+    assert eng.close(timeout_s=float("inf")) is True and eng.kv.tiers is None
+    assert eng.tiers.lower[0].tier.stats().stores >= 4
+
+
 def test_every_engine_class_closes_as_a_context_manager(llama, tokenizer, tmp_path):
     tiers = TierConfig(disk_cache_dir=tmp_path)
     with CPUPagedEngine.from_pretrained(

@@ -304,6 +304,20 @@ def test_int_values_of_float_fields_are_taken_as_floats(engine):
     )
 
 
+def test_ignore_eos_must_be_a_bool_and_huge_int_biases_are_clamped():
+    """ignore_eos="false" (truthy) silently generated past end-of-sequence; an int bias past float's range
+    raised OverflowError."""
+    for value in ("false", "no", 1, None):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(ignore_eos=value)
+        assert info.value.param == "ignore_eos"
+    assert SamplingParams(logit_bias={1: 10**400, 2: -(10**400), 3: 7}).logit_bias == {
+        1: 100.0,
+        2: -100.0,
+        3: 7.0,
+    }
+
+
 @pytest.mark.parametrize("key", ["²", "４２", "-1", "1.0"])
 def test_logit_bias_keys_are_ascii_decimal_token_ids(key):
     """``"²"`` passed str.isdigit() and then failed int() with a bare ValueError; ``"４２"`` was read as 42."""

@@ -105,6 +105,7 @@ class EngineLifecycle:
 
     def flush(self, *, timeout_s: float | None = None) -> bool:
         """Wait until queued tier writes reached disk/Redis; False when ``timeout_s`` passed first."""
+        timeout_s = _timeout(timeout_s)
         drained = True
         if self.tiers is not None:
             drained = self.tiers.flush(timeout_s)
@@ -120,6 +121,9 @@ class EngineLifecycle:
         when the queue was drained, which is not "all stored": what a tier refused or skipped while paused is
         in its ``errors`` / ``dropped`` counters.
         """
+        # Checked before anything is switched: a bad value failed after the engine was marked closed, its
+        # tiers detached and the exit hook removed, so queued writes were never drained nor the tiers closed.
+        timeout_s = _timeout(timeout_s)
         # The switch under the engine's lock (a step of another thread reads kv.tiers); the drain outside it.
         with self._engine_lock:
             if self._closed:
@@ -189,3 +193,20 @@ class EngineLifecycle:
                 records += self.store.clear_tiers()
         self.store.clear()
         return {"blocks_dropped": blocks, "chunks_dropped": chunks, "lower_tier_records_dropped": records}
+
+
+def _timeout(timeout_s: object) -> float | None:
+    """``timeout_s`` of :meth:`EngineLifecycle.flush` / ``close``: None or a number >= 0 (an infinite one is
+    None: threading's waits overflow on it)."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s != timeout_s:
+        raise InvalidRequestError(
+            f"timeout_s must be a number of seconds >= 0 or None (no limit), got {timeout_s!r}",
+            param="timeout_s",
+        )
+    if timeout_s < 0:
+        raise InvalidRequestError(
+            f"timeout_s must be >= 0 (None: no limit), got {timeout_s!r}", param="timeout_s"
+        )
+    return None if timeout_s == float("inf") or timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

@@ -140,7 +140,7 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list or tuple of token ids >= 0")
-        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+        for flag in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):  # "false" is truthy
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -326,6 +326,10 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
             token = operator.index(token)  # a numpy int
         if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
             value = float(value)  # a numpy float
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_LOGIT_BIAS:
+            value = (
+                MAX_LOGIT_BIAS if value > 0 else -MAX_LOGIT_BIAS
+            )  # clamped below anyway; float(10**400) overflowed
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
