@@ -321,3 +321,25 @@ def test_strict_schema_keeps_composed_objects_open():
     assert all(m["additionalProperties"] is False for m in alternatives["anyOf"])
     single = strict_schema({"$defs": {"A": {"properties": {"a": two}}}, "allOf": [{"$ref": "#/$defs/A"}]})
     assert single["$defs"]["A"]["additionalProperties"] is False  # one member: nothing else adds keys
+
+
+def test_text_with_an_unpaired_surrogate_is_a_request_error(engine):
+    """What json.loads gives for an emoji a client split in two: the Rust tokenizer raised a bare TypeError
+    (prompt, bad_words), hashing the grammar a UnicodeEncodeError, and the chat template's error named
+    neither the character nor the fix."""
+    import json
+
+    text = json.loads('"hi \\ud800 there"')
+    calls = {
+        "prompt": lambda: engine.generate(text, max_new_tokens=2),
+        "bad_words": lambda: engine.generate("hi", bad_words=[text], max_new_tokens=2),
+        "response_format": lambda: engine.generate("hi", response_format={"type": "regex", "pattern": text}),
+        "messages": lambda: engine.chat_prompt(
+            [{"role": "user", "content": [{"type": "text", "text": text}]}]
+        ),
+    }
+    for param, call in calls.items():
+        with pytest.raises(InvalidRequestError, match="unpaired surrogate") as info:
+            call()
+        assert info.value.param == param
+    assert not engine.has_unfinished()

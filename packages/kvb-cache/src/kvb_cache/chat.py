@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from kvb_cache.chat_content import content_format, fit_content, template_source
-from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.errors import InvalidRequestError, PromptTypeError, check_utf8
 
 
 def _apply_chat_template_arguments() -> frozenset[str]:
@@ -87,6 +87,12 @@ def check_messages(messages: object) -> None:
                 f"messages[{i}]['role'] must be a string such as 'user', got {message['role']!r}",
                 param="messages",
             )
+        content = message.get("content")
+        parts = content if isinstance(content, (list, tuple)) else [content]
+        for part in parts:  # a text or a text part's; an unpaired surrogate failed inside the tokenizer
+            text = part.get("text") if isinstance(part, Mapping) else part
+            if isinstance(text, str):
+                check_utf8(text, "messages")
 
 
 def render_chat(

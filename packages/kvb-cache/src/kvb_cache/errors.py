@@ -103,6 +103,20 @@ class RequestAbortedError(KVBoostError, RuntimeError):
         self.request_id = request_id
 
 
+def check_utf8(text: str, param: str) -> None:
+    """Raise :class:`InvalidRequestError` naming ``param`` when ``text`` is not valid UTF-8: an unpaired
+    surrogate, what ``json.loads('"\\ud800"')`` gives for an emoji a client split. The Rust tokenizer raised
+    a bare TypeError on it ("TextEncodeInput must be Union[...]"), hashing a UnicodeEncodeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} holds an unpaired surrogate {text[exc.start]!r} at index {exc.start}, which is not valid "
+            "UTF-8; fix the client's encoding (or replace it: text.encode('utf-8', 'replace').decode())",
+            param=param,
+        ) from None
+
+
 @contextlib.contextmanager
 def naming_item(index: int, name: str = "prompts") -> Iterator[None]:
     """Prefix the message of a :class:`KVBoostError` raised inside with ``name[index]: ``, so an error about

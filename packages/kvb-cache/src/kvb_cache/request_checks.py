@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError
+from kvb_cache.errors import ContextLengthError, InvalidRequestError, PromptTypeError, check_utf8
 from kvb_cache.prepared import Prompt
 
 
@@ -25,6 +25,7 @@ def tokenize_prompt(
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty; pass at least one character", param="prompt")
+        check_utf8(prompt, "prompt")
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         vocab = model.get_input_embeddings().num_embeddings
         past = [t for t in ids if t >= vocab]

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import InvalidRequestError, check_utf8
 
 
 class _Encoder(Protocol):
@@ -40,6 +40,7 @@ def bad_words_ids(tokenizer: _Encoder, words: Sequence[str]) -> tuple[tuple[int,
                 f"bad_words must be non-empty strings that are not only whitespace, got {word!r}",
                 param="bad_words",
             )
+        check_utf8(word, "bad_words")
         bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         found.append(bare)

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import InvalidRequestError, check_utf8
 
 GrammarKind = Literal["json_schema", "regex", "grammar"]
 
@@ -46,6 +46,7 @@ class ResponseFormat:
             raise _bad(f"kind must be json_schema, regex or grammar, got {self.kind!r}")
         if not isinstance(self.source, str) or not self.source:
             raise _bad("needs a non-empty source")
+        check_utf8(self.source, "response_format")
 
     @property
     def key(self) -> str:
