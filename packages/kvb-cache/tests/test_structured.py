@@ -343,3 +343,26 @@ def test_text_with_an_unpaired_surrogate_is_a_request_error(engine):
             call()
         assert info.value.param == param
     assert not engine.has_unfinished()
+
+
+def test_arrays_where_scalars_go_are_typed_errors(engine):
+    """== and truthiness ran before the type checks: "truth value of an array is ambiguous" (numpy) or
+    "Boolean value of Tensor" (torch); a meta tensor prompt raised NotImplementedError."""
+    import numpy as np
+
+    from kvb_cache import PromptTypeError
+
+    cases = {
+        "top_k": lambda: engine.generate("hi", top_k=np.array([40, 50])),
+        "response_format": lambda: engine.generate("hi", response_format=np.array([1, 2])),
+        "prompt": lambda: engine.generate(torch.tensor([5, 6, 7], device="meta")),
+    }
+    for param, call in cases.items():
+        with pytest.raises((InvalidRequestError, PromptTypeError)) as info:
+            call()
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError, match="JSON-serializable"):
+        engine.generate("hi", response_format={"type": np.array([1, 2])})
+    # A bare schema whose type is a list stays a schema.
+    out = engine.generate("hi", response_format={"type": ["integer", "null"]}, max_new_tokens=8)
+    assert out.output_ids and out.finish_reason in ("stop", "length")

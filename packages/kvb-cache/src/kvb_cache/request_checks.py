@@ -81,6 +81,10 @@ def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
     """``prompt`` (a list or tuple of ints, numpy ints included, or a 1-D / ``[1, S]`` integer tensor or
     array) as a list of Python ints, or a :class:`PromptTypeError` naming ``param`` and what is wrong."""
     if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):  # a torch tensor or a numpy array
+        if getattr(prompt, "is_meta", False):  # .tolist() raised NotImplementedError
+            raise PromptTypeError(
+                f"{param} is a meta-device tensor, which holds no data; pass real token ids", param=param
+            )
         shape = tuple(prompt.shape)
         if len(shape) == 2 and shape[0] == 1:
             prompt = prompt[0]

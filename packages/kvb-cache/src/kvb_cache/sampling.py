@@ -111,7 +111,7 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         # The batched sampler holds every row's k in one int64 tensor: a wider k failed the step of every
         # request decoding beside this one (any k past the vocabulary keeps every token anyway).
-        if self.top_k == -1 and not isinstance(self.top_k, bool):
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)  # vLLM's "off"
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
             raise bad("top_k", "must be an int in [0, 2**63) (0 or -1 disables it)")

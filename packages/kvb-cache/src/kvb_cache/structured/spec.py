@@ -58,7 +58,8 @@ class ResponseFormat:
         """Normalize any accepted ``response_format`` (None and ``{"type": "text"}`` mean unconstrained)."""
         if value is None or isinstance(value, ResponseFormat):
             return value
-        if value == "json":
+        # Type checks before ==: a numpy array compared elementwise ("truth value ... is ambiguous").
+        if isinstance(value, str) and value == "json":
             return cls(kind="json_schema", source=ANY_JSON_OBJECT)
         if isinstance(value, str):
             raise _bad(f"got the string {value!r}")
@@ -67,6 +68,8 @@ class ResponseFormat:
         if not isinstance(value, dict):
             raise _bad(f"got {type(value).__name__}")
         kind = value.get("type")
+        if not isinstance(kind, str):  # a bare schema ({"anyOf": ...}, "type": ["string", "null"]); never ==
+            return cls._schema(value)
         if kind == "text":
             return None
         if kind == "json_object":
