@@ -90,3 +90,20 @@ def test_messages_of_the_wrong_type_are_a_prompt_type_error(engine, messages):
     with pytest.raises(PromptTypeError, match="messages") as info:
         engine.chat_prompt(messages)
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"add_generation_prompt": "false"}, "add_generation_prompt"),
+        ({"add_generation_prompt": False, "continue_final_message": "no"}, "continue_final_message"),
+        ({"tools": "abc"}, "tools"),
+        ({"tools": [5]}, "tools"),
+    ],
+)
+def test_chat_options_of_the_wrong_type_are_refused(engine, options, param):
+    """add_generation_prompt="false" is truthy: the generation prompt was rendered anyway; "no" as
+    continue_final_message was read as the text to continue."""
+    with pytest.raises(InvalidRequestError) as info:
+        engine.chat_prompt(MESSAGES, **options)
+    assert info.value.param == param

@@ -111,6 +111,19 @@ def render_chat(
         )
     extra = check_template_kwargs(chat_template_kwargs)
     check_messages(messages)
+    for name, flag in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(flag, bool):  # "false" is truthy: the generation prompt was added anyway
+            raise InvalidRequestError(f"{name} must be a bool, got {flag!r}", param=name)
+    if tools is not None and (
+        not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
+    ):
+        raise InvalidRequestError(
+            f"tools must be a list of tool dicts (OpenAI's function schema), got {type(tools).__name__}",
+            param="tools",
+        )
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError(
             "continue_final_message continues the last message, so add_generation_prompt must be false",
