@@ -107,3 +107,12 @@ def test_chat_options_of_the_wrong_type_are_refused(engine, options, param):
     with pytest.raises(InvalidRequestError) as info:
         engine.chat_prompt(MESSAGES, **options)
     assert info.value.param == param
+
+
+def test_messages_or_an_encoding_passed_as_a_prompt_name_the_fix(engine):
+    from kvb_cache import PromptTypeError
+
+    with pytest.raises(PromptTypeError, match=r"engine\.chat_prompt\(messages\)"):
+        engine.generate(MESSAGES, max_new_tokens=2)
+    with pytest.raises(PromptTypeError, match=r"\['input_ids'\]"):
+        engine.generate(engine.tokenizer("hi"), max_new_tokens=2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -99,7 +99,8 @@ def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
     if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
         raise PromptTypeError(
             f"{param} must be {text}token ids (a list, or a 1-D / [1, S] tensor or array), "
-            f"got {type(prompt).__name__}",
+            f"got {type(prompt).__name__}"
+            + ("; pass its ['input_ids']" if isinstance(prompt, Mapping) and "input_ids" in prompt else ""),
             param=param,
         )
     ids: list[int] = []
@@ -110,8 +111,13 @@ def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
                 raise TypeError
             ids.append(operator.index(t))
         except TypeError:
+            hint = (
+                "; chat messages are rendered by engine.chat_prompt(messages), whose ids are a prompt"
+                if isinstance(t, Mapping) and "role" in t
+                else ""
+            )
             raise PromptTypeError(
-                f"{param} must be {text}a list of int token ids; {param}[{i}] is {type(t).__name__} {t!r}",
+                f"{param} must be {text}a list of int token ids; {param}[{i}] is {type(t).__name__} {t!r}{hint}",
                 param=param,
             ) from None
     return ids
