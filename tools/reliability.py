@@ -11,7 +11,7 @@ free port and stopped by its PID. Parts (``--parts``, default all):
 - ``load``: ``--clients`` concurrent clients for ``--seconds`` (after a warm-up of the same load), 10%
   leaving mid-stream; RSS after warm-up vs after the run, the block pool after the run.
 - ``faults``: Redis outage, corrupted disk and Redis records, kill -9 during disk writes, disk full.
-- ``races``: ``/v1/warm`` while completions run (a bug schemathesis found with 2 workers; not in the default).
+- ``races``: ``/v1/warm`` while completions run (a bug schemathesis found with 2 workers).
 
 Every part uses the embedded SmolLM2-135M on CPU with small ``max_tokens``. Writes ``docs/reliability.json``
 (merged with what is there, part by part) and prints it; docs/reliability.md holds the tables.

@@ -96,17 +96,35 @@ def test_messages_of_the_wrong_type_are_a_prompt_type_error(engine, messages):
     ("options", "param"),
     [
         ({"add_generation_prompt": "false"}, "add_generation_prompt"),
-        ({"add_generation_prompt": False, "continue_final_message": "no"}, "continue_final_message"),
+        ({"add_generation_prompt": False, "continue_final_message": 1}, "continue_final_message"),
         ({"tools": "abc"}, "tools"),
         ({"tools": [5]}, "tools"),
     ],
 )
 def test_chat_options_of_the_wrong_type_are_refused(engine, options, param):
-    """add_generation_prompt="false" is truthy: the generation prompt was rendered anyway; "no" as
-    continue_final_message was read as the text to continue."""
+    """add_generation_prompt="false" is truthy: the generation prompt was rendered anyway. transformers'
+    own types stay accepted: continue_final_message may name the final message's field to continue, and a
+    tool may be a function (read as a JSON schema)."""
     with pytest.raises(InvalidRequestError) as info:
         engine.chat_prompt(MESSAGES, **options)
     assert info.value.param == param
+    if options.get("tools") == [5]:
+        assert "tools[0]" in str(info.value)
+
+
+def test_transformers_own_option_types_still_render(engine):
+    def weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city's name
+        """
+        return city
+
+    assert engine.chat_prompt(MESSAGES, tools=[weather])
+    started = [*MESSAGES, {"role": "assistant", "content": "so"}]
+    named = engine.chat_prompt(started, add_generation_prompt=False, continue_final_message="content")
+    assert named == engine.chat_prompt(started, add_generation_prompt=False, continue_final_message=True)
 
 
 def test_messages_or_an_encoding_passed_as_a_prompt_name_the_fix(engine):

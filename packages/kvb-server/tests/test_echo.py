@@ -247,6 +247,11 @@ def test_bad_echo_requests_are_400s(tiny_url: str, tiny_engine: KVBoost) -> None
     for huge, budget in ((2**32, 0), (10**30, 2), (2**64, 2)):
         resp = httpx.post(url, json={**body, "prompt": [3, huge], "max_tokens": budget}, timeout=30)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    # In the part truncate_prompt_tokens cuts, it is never read: served with echo as without.
+    cut = {**body, "prompt": [2**32, 3, 4], "max_tokens": 1, "truncate_prompt_tokens": 2}
+    for echo in (True, False):
+        resp = httpx.post(url, json={**cut, "echo": echo}, timeout=30)
+        assert resp.status_code == 200, resp.text
     too_long = [5] * (tiny_engine.context_length + 1)
     resp = httpx.post(url, json={**body, "prompt": too_long}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text

@@ -25,6 +25,8 @@ def _apply_chat_template_arguments() -> frozenset[str]:
 #: TypeError 400 naming the messages).
 RESERVED_TEMPLATE_KWARGS = _apply_chat_template_arguments() | frozenset(
     {
+        "self",
+        "sanitize_control_tokens",  # transformers 5.2x's; listed so older versions refuse it too
         "conversation",
         "messages",
         "tools",
@@ -111,19 +113,32 @@ def render_chat(
         )
     extra = check_template_kwargs(chat_template_kwargs)
     check_messages(messages)
-    for name, flag in (
-        ("add_generation_prompt", add_generation_prompt),
-        ("continue_final_message", continue_final_message),
-    ):
-        if not isinstance(flag, bool):  # "false" is truthy: the generation prompt was added anyway
-            raise InvalidRequestError(f"{name} must be a bool, got {flag!r}", param=name)
-    if tools is not None and (
-        not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
-    ):
+    if not isinstance(
+        add_generation_prompt, bool
+    ):  # "false" is truthy: the generation prompt was added anyway
         raise InvalidRequestError(
-            f"tools must be a list of tool dicts (OpenAI's function schema), got {type(tools).__name__}",
-            param="tools",
+            f"add_generation_prompt must be a bool, got {add_generation_prompt!r}",
+            param="add_generation_prompt",
         )
+    # transformers also takes a string here: the field of the final message to continue ("reasoning_content").
+    if not isinstance(continue_final_message, (bool, str)):
+        raise InvalidRequestError(
+            "continue_final_message must be a bool (or the name of the final message's field to continue), "
+            f"got {continue_final_message!r}",
+            param="continue_final_message",
+        )
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)):
+            raise InvalidRequestError(
+                f"tools must be a list of tool dicts (OpenAI's function schema) or functions, got {type(tools).__name__}",
+                param="tools",
+            )
+        for i, tool in enumerate(tools):  # a function is read as a JSON schema by transformers
+            if not (isinstance(tool, Mapping) or callable(tool)):
+                raise InvalidRequestError(
+                    f"tools[{i}] must be a tool dict (OpenAI's function schema) or a function, got {type(tool).__name__}",
+                    param="tools",
+                )
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError(
             "continue_final_message continues the last message, so add_generation_prompt must be false",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -200,7 +201,7 @@ def _timeout(timeout_s: object) -> float | None:
     None: threading's waits overflow on it)."""
     if timeout_s is None:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s != timeout_s:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or timeout_s != timeout_s:
         raise InvalidRequestError(
             f"timeout_s must be a number of seconds >= 0 or None (no limit), got {timeout_s!r}",
             param="timeout_s",

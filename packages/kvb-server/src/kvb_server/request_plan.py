@@ -213,8 +213,8 @@ def _echo_text(engine: ServingEngine, ids: list[int]) -> str:
         return engine.tokenizer.decode(ids)
     except (OverflowError, ValueError, TypeError, IndexError) as exc:
         raise InvalidParameterError(
-            f"prompt holds a token id the tokenizer cannot decode ({exc}); token ids must be in "
-            f"[0, {len(engine.tokenizer)})",
+            f"prompt holds a token id the tokenizer cannot decode ({exc}); token ids index the model's "
+            "vocabulary",
             param="prompt",
         ) from None
 
@@ -254,9 +254,12 @@ def completion_plan(
     if req.echo:
         # A text prompt is echoed as sent; token ids as the tokenizer decodes them (special tokens kept).
         texts = [raw] if isinstance(raw, str) else raw if isinstance(raw[0], str) else None
-        echo = tuple(texts) if texts is not None else tuple(_echo_text(engine, p) for p in prompts)  # type: ignore[arg-type]
-        if truncated is not prompts:  # echoed as the model saw it
+        # Echoed as the model saw it: a truncated prompt's kept tokens only (an id in the cut part, decoded,
+        # made the same request a 400 with echo and a 200 without).
+        if truncated is not prompts or texts is None:
             echo = tuple(_echo_text(engine, p) for p in truncated)
+        else:
+            echo = tuple(texts)  # type: ignore[arg-type]
     prompts = truncated
     n = choice_count(req, config)
     if generate:  # a prompt that is only scored (echo, max_tokens 0) queues no generation
