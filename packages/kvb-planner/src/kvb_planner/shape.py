@@ -132,7 +132,8 @@ def _yarn_context(text: Any, declared: int) -> int:
     extend it: a YaRN block (Qwen2.5 / Qwen3 model cards add one) makes the context
     ``original_max_position_embeddings`` (else ``declared``) times its ``factor`` when that is larger.
     Without it a standalone plan refused a 64k-token prompt that the engine serves (32768 -> 131072); the
-    rule is restated here because kvb-planner does not depend on kvb-cache."""
+    rule is restated here because kvb-planner does not depend on kvb-cache. Only YaRN: the engine's caps
+    below the declared context (LongRoPE's original length, chunked-attention models) are not applied."""
     rope = _attr(text, "rope_parameters") or _attr(text, "rope_scaling")
     if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
         return declared
