@@ -431,3 +431,15 @@ def test_generate_called_as_transformers_model_generate_names_the_fix(llama, tok
         engine.generate(max_new_tokens=2)
     ids = inputs["input_ids"][0].tolist()
     assert engine.generate(ids, max_new_tokens=2).output_ids
+    # The other entry points alike (each was Python's TypeError naming the missing argument).
+    with pytest.raises(PromptTypeError, match=r"KVBoost\.stream takes the prompt"):
+        engine.stream(**inputs, max_new_tokens=2)
+    with pytest.raises(PromptTypeError, match=r"KVBoost\.warm takes the prompt"):
+        engine.warm(**inputs)
+    with pytest.raises(PromptTypeError, match=r"generate_batch\(\[row for row in"):
+        engine.generate_batch(**inputs, max_new_tokens=2)
+    with pytest.raises(PromptTypeError, match="prompt must be"):
+        engine.stream(max_new_tokens=2)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: bogus"):
+        engine.warm("hello", bogus=1)
+    assert not engine.has_unfinished()

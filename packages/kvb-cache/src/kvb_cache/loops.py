@@ -44,13 +44,15 @@ class EngineLoops:
     _engine_lock: threading.RLock  # serialized.py
     tokenizer: Any
 
-    def stream(self, prompt: Prompt, **sampling: Any) -> RequestStream:
+    def stream(self, prompt: Prompt | None = None, **sampling: Any) -> RequestStream:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
 
         Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
         the iterator early (``close()``, leaving a ``with`` block, or dropping it), even before its first
         event, aborts the request (its computed KV stays cached).
         """
+        if prompt is None and "input_ids" in sampling:
+            raise _input_ids_given("stream")
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
         cache_salt = sampling.pop("cache_salt", None)
@@ -187,7 +189,7 @@ class EngineLoops:
         string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
         """
         if prompt is None and "input_ids" in unknown:
-            raise _input_ids_given()
+            raise _input_ids_given("generate")
         params = self._sampling_params(
             dict(
                 max_new_tokens=max_new_tokens,
@@ -227,7 +229,7 @@ class EngineLoops:
 
     def generate_batch(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Prompt] | None = None,
         *,
         sampling: Sequence[dict[str, Any]] | None = None,
         prefill_chunk_size: int | None = None,
@@ -242,6 +244,8 @@ class EngineLoops:
         :meth:`generate` returns for it alone (greedy: the same tokens, up to near-ties of the logits).
         Every prompt is validated before any is queued.
         """
+        if prompts is None and "input_ids" in common:
+            raise _input_ids_given("generate_batch")
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
         # NOTE: a single dict (an easy slip for "the same options for all") raised KeyError: 0 when indexed.
@@ -304,10 +308,16 @@ class EngineLoops:
                 self._unfollow(rid, finished=rid in results)
         return [results[rid] for rid in rids]
 
-    def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
+    def warm(
+        self, text: Prompt | None = None, *, cache_salt: str | None = None, **unknown: Any
+    ) -> WarmResult:
         """Compute and cache the KV of ``text`` (no generation), so later prompts starting with it hit
         (those with the same ``cache_salt``). Runs the engine loop until it is done (other requests in the
         loop advance too); a server queues :meth:`add_warm_request` instead, stepping it with the rest."""
+        if unknown:
+            if text is None and "input_ids" in unknown:
+                raise _input_ids_given("warm")
+            raise TypeError(f"warm() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
         t0 = time.perf_counter()
         ids = self._tokenize(text)
         with self._engine_lock:
@@ -426,11 +436,19 @@ class RequestStream(Iterator[StreamEvent]):
         self.close()
 
 
-def _input_ids_given() -> PromptTypeError:
+def _input_ids_given(method: str) -> PromptTypeError:
     """``generate(**tokenizer(text, return_tensors="pt"))``, as transformers' ``model.generate`` takes it
-    (Python's own TypeError named the missing argument, not the fix)."""
+    (Python's own TypeError named the missing argument, not the fix); ``stream`` / ``warm`` /
+    ``generate_batch`` alike."""
+    if method == "generate_batch":
+        return PromptTypeError(
+            "KVBoost.generate_batch takes its prompts as its first argument (a list of texts or of token-id "
+            "sequences), not input_ids= / attention_mask=: generate_batch([row for row in "
+            "inputs['input_ids'].tolist()]) for an unpadded batch, or the texts themselves",
+            param="prompts",
+        )
     return PromptTypeError(
-        "KVBoost.generate takes the prompt as its first argument (text, or one sequence of token ids), not "
-        "input_ids= / attention_mask=: generate(inputs['input_ids'][0].tolist(), ...), or the text itself; "
-        "several prompts go to generate_batch"
+        f"KVBoost.{method} takes the prompt as its first argument (text, or one sequence of token ids), not "
+        f"input_ids= / attention_mask=: {method}(inputs['input_ids'][0].tolist(), ...), or the text itself"
+        + ("; several prompts go to generate_batch" if method != "warm" else "")
     )
