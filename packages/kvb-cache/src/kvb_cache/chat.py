@@ -113,9 +113,8 @@ def render_chat(
         )
     extra = check_template_kwargs(chat_template_kwargs)
     check_messages(messages)
-    if not isinstance(
-        add_generation_prompt, bool
-    ):  # "false" is truthy: the generation prompt was added anyway
+    # "false" is truthy: the generation prompt was added anyway.
+    if not isinstance(add_generation_prompt, bool):
         raise InvalidRequestError(
             f"add_generation_prompt must be a bool, got {add_generation_prompt!r}",
             param="add_generation_prompt",

@@ -210,4 +210,4 @@ def _timeout(timeout_s: object) -> float | None:
         raise InvalidRequestError(
             f"timeout_s must be >= 0 (None: no limit), got {timeout_s!r}", param="timeout_s"
         )
-    return None if timeout_s == float("inf") or timeout_s > threading.TIMEOUT_MAX else float(timeout_s)
+    return None if timeout_s > threading.TIMEOUT_MAX else float(timeout_s)

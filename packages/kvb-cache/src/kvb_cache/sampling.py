@@ -326,10 +326,9 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
             token = operator.index(token)  # a numpy int
         if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
             value = float(value)  # a numpy float
+        # An int past the bound is clamped below anyway; float(10**400) overflowed first.
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_LOGIT_BIAS:
-            value = (
-                MAX_LOGIT_BIAS if value > 0 else -MAX_LOGIT_BIAS
-            )  # clamped below anyway; float(10**400) overflowed
+            value = MAX_LOGIT_BIAS if value > 0 else -MAX_LOGIT_BIAS
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
