@@ -103,6 +103,43 @@ def test_repositioned_keys_equal_keys_computed_there(name, old, new):
         assert (stored[0][0] - expected[0][0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_many_pieces_at_once_equal_each_moved_alone(name):
+    """``reposition_many`` (one rotation per layer over every piece of a stitch) gives each piece's keys bit
+    for bit as ``reposition`` does, values untouched, NoPE layers and unmoved pieces passed through."""
+    model = _model(name)
+    mover = KeyRepositioner.for_model(model, absolute_positions=False)
+    gen = torch.Generator().manual_seed(2)
+    # (length, stored at, moved to): pieces of several lengths moved both ways, one not moved at all.
+    moves = [(16, 0, 40), (8, 70, 5), (24, 3, 3), (5, 9, 200), (11, 100, 64)]
+    items = [
+        (_kv_at(model, torch.randint(0, VOCAB, (n,), generator=gen).tolist(), old), old, new)
+        for n, old, new in moves
+    ]
+    together = mover.reposition_many(items)
+    assert len(together) == len(items)
+    for (kv, old, new), got in zip(items, together):
+        alone = mover.reposition(kv, old, new)
+        assert len(got) == len(alone)
+        for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(got, alone)):
+            assert torch.equal(k, k_ref), f"{name} piece at {old}->{new} layer {layer} keys"
+            assert v is kv[layer][1], "values are passed through, not copied"
+            assert k.dtype == kv[layer][0].dtype
+    # Not vacuous: the moved pieces' keys really changed.
+    assert not torch.equal(together[0][0][0], items[0][0][0][0])
+
+
+def test_many_pieces_in_another_dtype_are_moved_one_by_one():
+    model = _model("llama-default")
+    mover = KeyRepositioner.for_model(model, absolute_positions=False)
+    a = _kv_at(model, [1, 2, 3, 4], 0)
+    b = tuple((k.double(), v.double()) for k, v in _kv_at(model, [5, 6, 7], 10))
+    got = mover.reposition_many([(a, 0, 20), (b, 10, 2)])
+    assert got[1][0][0].dtype == torch.float64
+    assert torch.equal(got[0][0][0], mover.reposition(a, 0, 20)[0][0])
+    assert torch.equal(got[1][0][0], mover.reposition(b, 10, 2)[0][0])
+
+
 def test_gpt2_is_declined_with_reason():
     mover = KeyRepositioner.for_model(make_model("gpt2"), absolute_positions=True)
     assert not mover.support.supported

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -202,6 +203,81 @@ class KeyRepositioner:
         return cos / scaling, sin / scaling
 
     @torch.no_grad()
+    def reposition_many(self, items: Sequence[tuple[Any, int, int]]) -> list[tuple]:
+        """:meth:`reposition` of several pieces, ``(layers_kv, old_start, new_start)`` each, with one rotation
+        per layer over all of their keys (concatenated along the tokens, each token with its own position
+        difference) instead of one per piece and layer.
+
+        The rotation is elementwise, so every key equals :meth:`reposition`'s bit for bit; a stitch of 20
+        chunks on a 30-layer model made 600 calls of about ten small ops each (14% of a bf16 prefill's CPU
+        time on SmolLM2-135M, and as many kernel launches on a GPU). Pieces on other devices or in other
+        dtypes than the first moving one are moved one by one.
+
+        Returns:
+            Per item, per layer ``(keys, values)``; the rotated keys are views of one tensor per layer.
+        """
+        if not self.support.supported:
+            raise ValueError(f"cannot re-position keys: {self.support.reason}")
+        moving = [i for i, (_, old, new) in enumerate(items) if old != new]
+        if len(moving) > 1:
+            first = items[moving[0]][0][0][0]
+            alike = all(
+                (k := items[i][0][0][0]).device == first.device and k.dtype == first.dtype for i in moving
+            )
+            if not alike:
+                moving = []
+        if len(moving) <= 1:
+            return [self.reposition(*item) for item in items]
+        lengths = [items[i][0][0][0].shape[2] for i in moving]
+        delta = torch.cat(
+            [
+                torch.full((1, n), items[i][2] - items[i][1], dtype=torch.long, device=first.device)
+                for i, n in zip(moving, lengths)
+            ],
+            dim=1,
+        )
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        per_layer: list[tuple[torch.Tensor, ...] | None] = []
+        for layer in range(len(items[moving[0]][0])):
+            if layer in self._nope:
+                per_layer.append(None)
+                continue
+            keys = torch.cat([items[i][0][layer][0] for i in moving], dim=2)
+            per_layer.append(self._rotate(keys, delta, layer, tables).split(lengths, dim=2))
+        out: list[tuple] = [tuple((k, v) for k, v in kv) for kv, _, _ in items]
+        for slot, i in enumerate(moving):
+            out[i] = tuple(
+                (kv[0] if rotated is None else rotated[slot], kv[1])
+                for kv, rotated in zip(items[i][0], per_layer)
+            )
+        return out
+
+    def _rotate(
+        self,
+        keys: torch.Tensor,
+        delta: torch.Tensor,
+        layer: int,
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``keys`` ``[1, kv_heads, T, head_dim]`` rotated by ``delta`` ``[1, T]`` positions (fp32, returned
+        in the keys' dtype); ``tables`` caches cos/sin per layer type for this ``delta``."""
+        kind = self._layer_types[layer] if layer < len(self._layer_types) else None
+        k32 = keys if keys.dtype == torch.float64 else keys.float()
+        if kind not in tables:
+            tables[kind] = self._cos_sin(delta, kind, k32.dtype)
+        cos, sin = tables[kind]
+        # Partial rotary (Phi, StableLM, GPT-NeoX, GLM): the first ``factor * head_dim`` channels rotate,
+        # the rest pass through. Some modules split before calling ``apply_rotary_pos_emb`` (Phi,
+        # StableLM), others inside it; splitting here serves both. (Not ``cos.shape[-1]``: gpt-oss's
+        # tables are half the rotated width.)
+        rot = int(k32.shape[-1] * self._partial.get(kind, 1.0))
+        # The model's own rotation and layout (queries unused, k passed twice).
+        _, rotated = self._apply(k32[..., :rot], k32[..., :rot], cos, sin)
+        if rot < k32.shape[-1]:
+            rotated = torch.cat([rotated, k32[..., rot:]], dim=-1)
+        return rotated.to(keys.dtype)
+
+    @torch.no_grad()
     def reposition(self, layers_kv, old_start: int, new_start: int):
         """Keys moved from positions ``[old_start, old_start + T)`` to ``[new_start, new_start + T)``.
 
@@ -225,19 +301,5 @@ class KeyRepositioner:
             if layer in self._nope:
                 out.append((keys, values))
                 continue
-            kind = self._layer_types[layer] if layer < len(self._layer_types) else None
-            k32 = keys if keys.dtype == torch.float64 else keys.float()
-            if kind not in tables:
-                tables[kind] = self._cos_sin(delta, kind, k32.dtype)
-            cos, sin = tables[kind]
-            # Partial rotary (Phi, StableLM, GPT-NeoX, GLM): the first ``factor * head_dim`` channels rotate,
-            # the rest pass through. Some modules split before calling ``apply_rotary_pos_emb`` (Phi,
-            # StableLM), others inside it; splitting here serves both. (Not ``cos.shape[-1]``: gpt-oss's
-            # tables are half the rotated width.)
-            rot = int(k32.shape[-1] * self._partial.get(kind, 1.0))
-            # The model's own rotation and layout (queries unused, k passed twice).
-            _, rotated = self._apply(k32[..., :rot], k32[..., :rot], cos, sin)
-            if rot < k32.shape[-1]:
-                rotated = torch.cat([rotated, k32[..., rot:]], dim=-1)
-            out.append((rotated.to(keys.dtype), values))
+            out.append((self._rotate(keys, delta, layer, tables), values))
         return tuple(out)

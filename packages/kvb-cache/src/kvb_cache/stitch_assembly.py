@@ -51,7 +51,6 @@ def assemble_layers(
     of the run's tokens; each stitched position gets the mean of every copy that holds it (the run's own
     piece included), re-positioned the same way. A position no other copy holds keeps its piece's KV
     exactly (nothing is divided). An empty prefix gives ``cache`` empty full layers, to receive the tensors."""
-    moved = [mover.reposition(dense_kv(piece.entry), piece.entry.start, piece.start) for piece in pieces]
     # (first, last) prompt positions each other copy adds to, clipped to its run.
     extra: list[tuple[int, int, StitchedPiece]] = []
     for (run_start, run_end), chains in zip(runs, copies):
@@ -64,9 +63,11 @@ def assemble_layers(
         count = torch.ones(end - prefix)
         for lo, hi, _ in extra:
             count[lo - prefix : hi - prefix] += 1
-    extra_kv = [
-        mover.reposition(dense_kv(piece.entry), piece.entry.start, piece.start) for _, _, piece in extra
-    ]
+    # Every piece and copy in one call: one rotation per layer, not one per piece and layer.
+    rotated = mover.reposition_many(
+        [(dense_kv(p.entry), p.entry.start, p.start) for p in (*pieces, *(e[2] for e in extra))]
+    )
+    moved, extra_kv = rotated[: len(pieces)], rotated[len(pieces) :]
     first = moved[0]
     layers = []
     for layer, (k0, v0) in enumerate(first):
