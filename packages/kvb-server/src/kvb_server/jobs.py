@@ -66,7 +66,8 @@ class Inbox:
             self._queue.put_nowait(update)
 
     async def get(self, timeout: float) -> JobUpdate:
-        """Next update; raises ``TimeoutError`` after ``timeout`` seconds."""
+        """Next update; raises ``asyncio.TimeoutError`` after ``timeout`` seconds (the builtin ``TimeoutError``
+        from Python 3.11 on, a class of its own on 3.10)."""
         return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
 
     def abandon(self, on_unread: Callable[[JobUpdate], None]) -> None:

@@ -157,7 +157,7 @@ class GenerationService:
                 raise RequestTimeoutError(self._config.request_timeout_s)
             try:
                 return await inbox.get(min(remaining, DISCONNECT_POLL_S))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 if is_disconnected is not None and await is_disconnected():
                     raise ClientDisconnected() from None
 

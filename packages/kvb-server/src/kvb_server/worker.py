@@ -175,7 +175,7 @@ class EngineWorker:
         self.submit([job], bounded=bounded)
         try:
             return await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             job.cancelled.set()
             raise RequestTimeoutError(timeout_s) from None
         except asyncio.CancelledError:  # the caller gave up (its client went away): skip it if not started
