@@ -53,6 +53,15 @@ async def depth(client: httpx.AsyncClient) -> int:
     return (await client.get("/health")).json()["queue_depth"]
 
 
+async def polled(fetch, ok, timeout: float = 10.0) -> None:
+    """Await ``fetch()`` until ``ok`` holds for its result; fail after ``timeout`` seconds (an unbounded poll
+    hung a whole test run when the server misbehaved: Python 3.10's asyncio timeouts, before they were caught)."""
+    deadline = time.monotonic() + timeout
+    while not ok(await fetch()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
 async def until(predicate, timeout: float = 10.0) -> None:
     await asyncio.to_thread(wait_until, predicate, timeout)
 
@@ -70,8 +79,9 @@ def test_streamed_and_non_streamed_requests_share_steps() -> None:
                     asyncio.create_task(c.post("/v1/completions", json=completion("hj", 4))),
                     asyncio.create_task(c.post("/v1/completions", json=completion("hk", 4, stream=True))),
                 ]
-                while await depth(c) < 3:  # the stalled one (waiting in the engine) and the two new ones
-                    await asyncio.sleep(0.01)
+                await polled(
+                    lambda: depth(c), lambda d: d >= 3
+                )  # the stalled one (waiting in the engine) and the two new ones
                 fake.hold.set()
                 return list(await asyncio.gather(first, *others))
 
@@ -94,8 +104,7 @@ def test_a_new_request_joins_running_ones_at_the_next_step() -> None:
                 long = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 120)))
                 await until(fake.stalled.is_set)
                 short = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 2)))
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 1)
                 fake.hold.set()
                 short_done = await short
                 return await long, short_done
@@ -142,8 +151,7 @@ def test_non_stream_disconnect_aborts_within_one_step() -> None:
                 await until(fake.stalled.is_set)
                 request.cancel()  # the client goes away
                 closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
-                while metric((await c.get("/metrics")).text, closed) != 1:
-                    await asyncio.sleep(0.02)
+                await polled(lambda: c.get("/metrics"), lambda r: metric(r.text, closed) == 1)
 
         asyncio.run(scenario())
         assert fake.aborted == []
@@ -176,8 +184,7 @@ def test_an_add_request_error_fails_only_that_request() -> None:
                 unlucky = asyncio.create_task(
                     c.post("/v1/completions", json=completion("hj", 5, n=3, seed=11))
                 )
-                while await depth(c) < 3:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 3)
                 fake.pause_before_step = (
                     3  # stall again once the choices are in, until their handler answered
                 )
@@ -208,8 +215,7 @@ async def second_joins_the_stalled_first(
         one = asyncio.create_task(c.post("/v1/completions", json=first))
         await until(fake.stalled.is_set)
         two = asyncio.create_task(c.post("/v1/completions", json=second))
-        while await depth(c) < 1:
-            await asyncio.sleep(0.01)
+        await polled(lambda: depth(c), lambda d: d >= 1)
         fake.hold.set()
         return await one, await two
 
@@ -267,13 +273,11 @@ def test_a_failing_row_fails_its_request_alone() -> None:
                 plain_bad = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 6)))
                 await until(fake.stalled.is_set)
                 bystander = asyncio.create_task(c.post("/v1/completions", json=completion("hj", 6)))
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 1)
                 streamed_bad = asyncio.create_task(
                     c.post("/v1/completions", json=completion("hk", 6, stream=True))
                 )
-                while await depth(c) < 2:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 2)
                 fake.hold.set()
                 return [await plain_bad, await bystander, await streamed_bad]
 
@@ -300,8 +304,7 @@ def test_warm_runs_between_steps_while_requests_are_running() -> None:
                 running = asyncio.create_task(c.post("/v1/completions", json=completion("hi", 6)))
                 await until(fake.stalled.is_set)
                 warm = asyncio.create_task(c.post("/v1/warm", json={"text": "shared prefix"}))
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 1)
                 fake.hold.set()
                 return await warm, await running
 
@@ -405,8 +408,7 @@ def test_metrics_count_running_and_waiting_requests_mid_flight() -> None:
                     asyncio.create_task(c.post("/v1/completions", json=completion(p, 3))) for p in "ab"
                 ]
                 await until(fake.stalled.is_set)  # step 1 ran one request; the other waits (max_num_seqs=1)
-                while await depth(c) < 1:
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 1)
                 text = (await c.get("/metrics")).text
                 assert metric(text, "kvboost:num_requests_running") == 1
                 assert metric(text, "kvboost:num_requests_waiting") == 1
@@ -561,16 +563,14 @@ def test_aborting_the_last_requests_in_flight_refreshes_the_queue_counts() -> No
                 requests = [asyncio.create_task(post(json=completion("a", 100)))]
                 await until(fake.stalled.is_set)  # "a" runs; its second step is held
                 requests += [asyncio.create_task(post(json=completion(p, 100))) for p in "bc"]
-                while await depth(c) < 2:  # "b" and "c" are queued: the queue is full
-                    await asyncio.sleep(0.01)
+                await polled(lambda: depth(c), lambda d: d >= 2)  # "b" and "c" are queued: the queue is full
                 fake.pause_before_step = 3
                 fake.hold.set()  # step 2 ends, "b" and "c" enter the engine (waiting), step 3 is held
                 await until(lambda: len(fake.step_log) == 2 and fake.stalled.is_set())
                 for request in requests:
                     request.cancel()  # every client goes away
                 closed = 'kvboost_requests_total{route="/v1/completions",status="499"}'
-                while metric((await c.get("/metrics")).text, closed) != 3:
-                    await asyncio.sleep(0.02)
+                await polled(lambda: c.get("/metrics"), lambda r: metric(r.text, closed) == 3)
                 fake.hold.set()  # step 3 ends ("b" and "c" still waiting); then all three are aborted
                 await until(lambda: len(fake.aborted) == 3)
                 await until(lambda: httpx.get(url + "/health").json()["queue_depth"] == 0)
