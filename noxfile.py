@@ -221,7 +221,10 @@ _OLDEST_PYTHON_BOUND = ("kvb-server",)
 
 @nox.session(name="oldest-python", python=_oldest_python() or False)
 def oldest_python(session: nox.Session) -> None:
-    """kvb-server's tests on Python 3.10 (CI and development run 3.11); skipped where no 3.10 is found."""
+    """kvb-server's tests on Python 3.10 (CI and development run 3.11); skipped where no 3.10 is found.
+
+    NOTE: the registry's CPU build of torch 2.13.0 is for CPython 3.11 only, so here ``TORCH`` resolves to
+    PyPI's CUDA build (about 4.6 GB with its nvidia wheels; a 4.9 GB venv). It runs on CPU all the same."""
     if _oldest_python() is None:
         session.skip("no Python 3.10 interpreter on this machine (python3.10 on PATH or under ~/.pyenv)")
     packages = _packages()
