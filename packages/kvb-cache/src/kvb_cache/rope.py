@@ -219,15 +219,11 @@ class KeyRepositioner:
         if not self.support.supported:
             raise ValueError(f"cannot re-position keys: {self.support.reason}")
         moving = [i for i, (_, old, new) in enumerate(items) if old != new]
-        if len(moving) > 1:
-            first = items[moving[0]][0][0][0]
-            alike = all(
-                (k := items[i][0][0][0]).device == first.device and k.dtype == first.dtype for i in moving
-            )
-            if not alike:
-                moving = []
-        if len(moving) <= 1:
-            return [self.reposition(*item) for item in items]
+        if not moving:
+            return [tuple((k, v) for k, v in kv) for kv, _, _ in items]
+        first = items[moving[0]][0][0][0]
+        if any((k := items[i][0][0][0]).device != first.device or k.dtype != first.dtype for i in moving):
+            return [self.reposition_many([item])[0] for item in items]
         lengths = [items[i][0][0][0].shape[2] for i in moving]
         delta = torch.cat(
             [
@@ -288,18 +284,4 @@ class KeyRepositioner:
             The same structure with rotated keys (new tensors, in the keys' dtype) and the values unchanged.
             Rotation runs in fp32 whatever the storage dtype.
         """
-        if not self.support.supported:
-            raise ValueError(f"cannot re-position keys: {self.support.reason}")
-        if old_start == new_start:
-            return tuple((k, v) for k, v in layers_kv)
-        tokens = layers_kv[0][0].shape[2]
-        device = layers_kv[0][0].device
-        delta = torch.full((1, tokens), new_start - old_start, dtype=torch.long, device=device)
-        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-        out = []
-        for layer, (keys, values) in enumerate(layers_kv):
-            if layer in self._nope:
-                out.append((keys, values))
-                continue
-            out.append((self._rotate(keys, delta, layer, tables), values))
-        return tuple(out)
+        return self.reposition_many([(layers_kv, old_start, new_start)])[0]
