@@ -366,3 +366,40 @@ def test_arrays_where_scalars_go_are_typed_errors(engine):
     # A bare schema whose type is a list stays a schema.
     out = engine.generate("hi", response_format={"type": ["integer", "null"]}, max_new_tokens=8)
     assert out.output_ids and out.finish_reason in ("stop", "length")
+
+
+def test_structural_tag_segments_the_model_opens_match_their_schema(engine):
+    """vLLM's structural tag (test_structural_tag.py): a random model pushed towards the trigger
+    (logit_bias) opens segments; the grammar completes each one valid."""
+    digit = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x"],
+    }
+    fmt = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<digit>", "schema": digit, "end": "</f>"}],
+        "triggers": ["<"],  # one token: every "<" the model writes opens a segment
+    }
+    (trigger_token,) = engine.tokenizer.encode("<", add_special_tokens=False)
+    segments = 0
+    for seed in range(4):
+        result = engine.generate(
+            "go",
+            response_format=fmt,
+            logit_bias={trigger_token: 8.0},
+            temperature=1.0,
+            seed=seed,
+            max_new_tokens=48,
+        )
+        text, pos = result.output_text, 0
+        while (i := text.find("<", pos)) >= 0:  # every "<" outside a segment opens one
+            close = text.find("</f>", i)
+            if close < 0:  # only the last segment may be cut, by max_new_tokens
+                assert result.finish_reason == "length", text
+                assert text[i:].startswith("<digit>") or "<digit>".startswith(text[i:]), text
+                break
+            assert text[i:].startswith("<digit>"), text
+            jsonschema.validate(json.loads(text[i + len("<digit>") : close]), digit)
+            segments, pos = segments + 1, close + len("</f>")
+    assert segments >= 2  # the bias makes the model open segments; the grammar completes them

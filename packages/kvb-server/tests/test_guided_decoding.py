@@ -138,6 +138,38 @@ def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
     )
 
 
+#: vLLM's structural tag: free text, and after "<" a segment "<n>" + JSON matching SCHEMA + "</n>".
+TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<n>", "schema": SCHEMA, "end": "</n>"}],
+    "triggers": ["<"],
+}
+
+
+def test_structural_tag_as_response_format_and_as_vllm_structured_outputs(client: openai.OpenAI) -> None:
+    from conftest import build_tokenizer
+
+    (lt,) = build_tokenizer().encode("<")  # pushed up, so the random model opens segments
+    segments = 0
+    for seed in range(3):
+        extra = {"temperature": 1.0, "seed": seed, "logit_bias": {str(lt): 6}}
+        text = _chat(client, response_format=TAG, **extra)
+        # vLLM's spelling: structured_outputs.structural_tag, a JSON string (an object is taken too).
+        assert _chat(client, structured_outputs={"structural_tag": json.dumps(TAG)}, **extra) == text
+        assert _chat(client, structured_outputs={"structural_tag": TAG}, **extra) == text
+        pos = 0
+        while (i := text.find("<", pos)) >= 0:  # every "<" outside a segment opens one
+            close = text.find("</n>", i)
+            if close < 0:  # only the last one may be cut by max_tokens
+                assert text[i:].startswith("<n>") or "<n>".startswith(text[i:]), text
+                break
+            assert text[i:].startswith("<n>"), text
+            value = json.loads(text[i + 3 : close])
+            assert value["unit"] in ("celsius", "fahrenheit") and 0 <= value["n"] <= 9, text
+            segments, pos = segments + 1, close + 4
+    assert segments >= 1, "the biased model never opened a segment: nothing was checked"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -155,6 +187,13 @@ def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
             "structured_outputs.disable_fallback",
         ),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+        (
+            {"structured_outputs": {"structural_tag": {**TAG, "type": "json"}}},
+            "structured_outputs.structural_tag.type",
+        ),
+        ({"response_format": {**TAG, "triggers": ["["]}}, "response_format"),
+        ({"response_format": {**TAG, "format": {}}}, "response_format.format"),
     ],
 )
 def test_bad_guided_requests_are_400s_naming_the_field(url: str, extra: dict, param: str) -> None:

@@ -21,7 +21,7 @@ from kvb_server.errors import InvalidParameterError, UnsupportedFeatureError
 from kvb_server.limits import loads_inner
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+_TYPES = ("text", "json_object", "json_schema", "regex", "grammar", "structural_tag")
 #: The fields each ``response_format`` type takes (the others are refused, never ignored).
 _TYPE_FIELDS = {
     "text": {"type"},
@@ -29,6 +29,7 @@ _TYPE_FIELDS = {
     "json_schema": {"type", "json_schema"},
     "regex": {"type", "pattern"},
     "grammar": {"type", "grammar"},
+    "structural_tag": {"type", "structures", "triggers"},  # vLLM's (xgrammar's first form)
 }
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -51,7 +52,8 @@ def json_schema_of(raw: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def response_format(raw: dict[str, Any] | None, *, param: str = "response_format") -> ResponseFormat | None:
-    """Validate OpenAI's ``response_format`` (plus kvboost's ``regex`` and ``grammar`` types).
+    """Validate OpenAI's ``response_format`` (plus kvboost's ``regex`` and ``grammar`` types and vLLM's
+    ``structural_tag``).
 
     ``json_schema`` with ``strict: false`` is still enforced (OpenAI only tries then; an enforced schema is a
     subset of what it allows). A missing ``schema`` means any JSON object, as on OpenAI.
@@ -131,6 +133,7 @@ _STRUCTURED_KEYS = {
     "regex": "guided_regex",
     "choice": "guided_choice",
     "grammar": "guided_grammar",
+    "structural_tag": "structural_tag",
 }
 
 
@@ -150,17 +153,27 @@ def _regex_literal(text: str) -> str:
     return "".join(ch if ch.isalnum() else f"\\x{{{ord(ch):x}}}" for ch in text)
 
 
+def _object(value: Any, param: str, what: str) -> dict[str, Any]:
+    """A guided field's object, given as is or as its JSON text (how vLLM's clients send both)."""
+    if isinstance(value, str):
+        try:
+            value = loads_inner(value)
+        except ValueError:
+            raise _bad(f"Invalid value for '{param}': not {what} (invalid JSON).", param) from None
+    if not isinstance(value, dict):
+        raise _bad(f"Invalid value for '{param}': expected {what} object.", param)
+    return value
+
+
 def _guided_raw(field: str, value: Any, param: str) -> dict[str, Any]:
     """One vLLM guided-decoding value as the ``response_format`` dict that asks for the same thing."""
     if field == "guided_json":
-        if isinstance(value, str):
-            try:
-                value = loads_inner(value)
-            except ValueError:
-                raise _bad(f"Invalid value for '{param}': not a JSON schema (invalid JSON).", param) from None
-        if not isinstance(value, dict):
-            raise _bad(f"Invalid value for '{param}': expected a JSON schema object.", param)
-        return {"type": "json_schema", "json_schema": {"schema": value}}
+        return {"type": "json_schema", "json_schema": {"schema": _object(value, param, "a JSON schema")}}
+    if field == "structural_tag":  # vLLM's StructuredOutputsParams holds it as JSON text
+        value = _object(value, param, "a structural tag")
+        if value.get("type", "structural_tag") != "structural_tag":
+            raise _bad(f"Invalid value for '{param}.type': expected 'structural_tag'.", f"{param}.type")
+        return {**value, "type": "structural_tag"}
     if field == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise _bad(f"Invalid value for '{param}': expected a non-empty list of non-empty strings.", param)

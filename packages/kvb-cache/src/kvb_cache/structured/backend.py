@@ -12,10 +12,12 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
 from kvb_cache.errors import InvalidRequestError, KVBoostError
+from kvb_cache.structured import structural_tag
 from kvb_cache.structured.big_stack import on_big_stack
 from kvb_cache.structured.nesting import MAX_GRAMMAR_NESTING, grammar_nesting, schema_nesting
 from kvb_cache.structured.schema_compat import (
@@ -218,8 +220,19 @@ class GrammarCache:
     @staticmethod
     def _compile(fmt: ResponseFormat, tok: _Tokenizer) -> Any:
         matcher_cls = import_llguidance().LLMatcher
+        token_ids = None
+        if fmt.kind == "structural_tag":
+            token_ids = added_token_ids(tok.source, structural_tag.tag_texts(fmt.source))
+            eos = getattr(tok.source, "eos_token_id", None)
+            for text, token in token_ids.items():
+                if token == eos:  # the grammar library reads it as the end of the output, never as a tag
+                    raise InvalidRequestError(
+                        f"response_format structural_tag: {text!r} is the tokenizer's end-of-sequence token, "
+                        "which ends the output rather than a segment; use another tag",
+                        param="response_format",
+                    )
         # Compiled on a large stack (big_stack.py): a deeply nested grammar overflowed a request thread's.
-        matcher = on_big_stack(lambda: matcher_cls(tok.ll, grammar_of(fmt), log_level=0))
+        matcher = on_big_stack(lambda: matcher_cls(tok.ll, grammar_of(fmt, token_ids), log_level=0))
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()
             raise InvalidRequestError(
@@ -229,8 +242,9 @@ class GrammarCache:
         return matcher
 
 
-def grammar_of(fmt: ResponseFormat) -> Any:
-    """llguidance's grammar object for ``fmt`` (a JSON schema prepared first: :func:`llguidance_schema`).
+def grammar_of(fmt: ResponseFormat, token_ids: Mapping[str, int] | None = None) -> Any:
+    """llguidance's grammar object for ``fmt`` (a JSON schema prepared first: :func:`llguidance_schema`);
+    ``token_ids``: a structural tag's texts that the tokenizer holds as one added token (written by id).
 
     Raises:
         InvalidRequestError: the schema, regex or grammar does not parse (``param="response_format"``).
@@ -247,6 +261,10 @@ def grammar_of(fmt: ResponseFormat) -> Any:
             return matcher_cls.grammar_from_json_schema(llguidance_schema(schema), defaults=JSON_OPTIONS)
         if fmt.kind == "regex":
             return matcher_cls.grammar_from_regex(fmt.source)
+        if fmt.kind == "structural_tag":
+            return matcher_cls.grammar_from_lark(
+                structural_tag.lark(fmt.source, llguidance_schema, token_ids)
+            )
         # Lark or GBNF, told apart here, not by llguidance's "grammar" kind: it reads a grammar as Lark only
         # when a line starts with "start:" (so "?start:" / "!start:" Lark was converted as GBNF and refused,
         # and GBNF's "start ::=" was taken for Lark), with a regex quadratic on blank lines.
@@ -275,14 +293,31 @@ def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
     """Refuse a schema or grammar nested deeper than llguidance's native stack takes (:mod:`.nesting`)."""
     if fmt.kind == "regex":
         return  # the regex parser bounds its own nesting (an error, not a crash)
-    depth = schema_nesting(schema) if fmt.kind == "json_schema" else grammar_nesting(fmt.source)
+    if fmt.kind == "json_schema":
+        depth = schema_nesting(schema)
+    elif fmt.kind == "structural_tag":
+        depth = max(schema_nesting(s) for s in structural_tag.schemas(fmt.source))
+    else:
+        depth = grammar_nesting(fmt.source)
     if depth > MAX_GRAMMAR_NESTING:
-        what = "subschemas (counting $ref targets)" if fmt.kind == "json_schema" else "rule references"
+        what = "rule references" if fmt.kind == "grammar" else "subschemas (counting $ref targets)"
         raise InvalidRequestError(
             f"response_format {fmt.kind} nests {what} more than {MAX_GRAMMAR_NESTING} deep; flatten it "
             "(the grammar library compiles nesting recursively and would run out of stack)",
             param="response_format",
         )
+
+
+def added_token_ids(tokenizer: Any, texts: Iterable[str]) -> dict[str, int]:
+    """``texts`` that ``tokenizer`` holds as one added token -> its id (an ordinary vocabulary entry is
+    matched as text; llguidance reads added tokens as special ones, which no text literal matches)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out = {}
+    for text in texts:
+        token = tokenizer.convert_tokens_to_ids(text) if added else None
+        if isinstance(token, int) and token in added and token != getattr(tokenizer, "unk_token_id", None):
+            out[text] = token
+    return out
 
 
 def check_grammar(fmt: ResponseFormat) -> None:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvb_cache.errors import InvalidRequestError, check_utf8
+from kvb_cache.structured import structural_tag
 
-GrammarKind = Literal["json_schema", "regex", "grammar"]
+GrammarKind = Literal["json_schema", "regex", "grammar", "structural_tag"]
 
 #: ``"json"`` / ``{"type": "json_object"}``: any JSON object.
 ANY_JSON_OBJECT = '{"type":"object"}'
@@ -21,7 +22,8 @@ ANY_JSON_OBJECT = '{"type":"object"}'
 _ACCEPTED = (
     "a JSON schema dict, a pydantic model class, 'json', {'type': 'json_object'}, "
     "{'type': 'json_schema', 'json_schema': {'schema': ...}}, {'type': 'regex', 'pattern': ...} or "
-    "{'type': 'grammar', 'grammar': <Lark or GBNF text>}"
+    "{'type': 'grammar', 'grammar': <Lark or GBNF text>} or vLLM's {'type': 'structural_tag', 'structures': [...], "
+    "'triggers': [...]}"
 )
 
 
@@ -35,15 +37,16 @@ class ResponseFormat:
 
     ``json_schema`` sources are the schema serialized compactly (equal schemas share one compiled grammar;
     key order matters, since properties are generated in declared order); ``regex`` is a pattern matched against the whole output; ``grammar`` is Lark (or GBNF, with
-    ``::=`` rules) text.
+    ``::=`` rules) text; ``structural_tag`` is the checked tag set as compact JSON
+    (:mod:`kvb_cache.structured.structural_tag`).
     """
 
     kind: GrammarKind
     source: str
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_schema", "regex", "grammar"):
-            raise _bad(f"kind must be json_schema, regex or grammar, got {self.kind!r}")
+        if self.kind not in ("json_schema", "regex", "grammar", "structural_tag"):
+            raise _bad(f"kind must be json_schema, regex, grammar or structural_tag, got {self.kind!r}")
         if not isinstance(self.source, str) or not self.source:
             raise _bad("needs a non-empty source")
         check_utf8(self.source, "response_format")
@@ -90,6 +93,8 @@ class ResponseFormat:
             if not isinstance(grammar, str) or not grammar.strip():
                 raise _bad("of type grammar needs a non-empty 'grammar' string (Lark or GBNF)")
             return cls(kind="grammar", source=grammar)
+        if kind == "structural_tag":
+            return cls(kind="structural_tag", source=structural_tag.canonical(value))
         return cls._schema(value)
 
     @classmethod

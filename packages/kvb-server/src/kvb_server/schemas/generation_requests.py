@@ -94,7 +94,8 @@ class SamplingFields(BaseModel):
     ] = None
     # vLLM's guided decoding (another way to ask for what response_format asks; at most one of them):
     # a JSON schema (object or JSON text), a regex, one of several strings, a Lark/GBNF grammar; or
-    # structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (vLLM >= 0.10).
+    # structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}
+    # (vLLM >= 0.10).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -118,7 +119,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     #: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name",
     #: "schema", "strict"}}``; kvboost also takes ``{"type": "regex", "pattern"}`` and ``{"type": "grammar",
-    #: "grammar": <Lark or GBNF>}`` (see docs/structured.md). Checked by kvb_server.request_plan.
+    #: "grammar": <Lark or GBNF>}`` and vLLM's ``{"type": "structural_tag", "structures", "triggers"}`` (see
+    #: docs/structured.md). Checked by kvb_server.request_plan.
     response_format: dict[str, Any] | None = None
 
 
