@@ -185,3 +185,32 @@ def test_every_output_is_schema_valid(engine, sampling):
         except (ValueError, jsonschema.ValidationError) as e:
             failures.append(f"{name} ({result.finish_reason}): {result.output_text[:120]!r}: {str(e)[:80]}")
     assert not failures, "\n".join(failures)
+
+
+#: Few-shot calls, one of them wrong (an unknown key): the model copies it unless the tag's schema holds it.
+CALL_SHOTS = (
+    'Q: weather in Rome?\nA: <function=get_weather>{"city": "Rome"}</function>\n'
+    'Q: weather in Oslo?\nA: <function=get_weather>{"town": "Oslo", "unit": "C"}</function>\n'
+    "Q: capital of Spain?\nA: Madrid.\n"
+)
+
+
+def test_structural_tag_holds_the_calls_and_leaves_other_text_alone(engine):
+    city = obj(city=STR)
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<function=get_weather>", "schema": city, "end": "</function>"}],
+        "triggers": ["<function="],
+    }
+    calls = 0
+    for question in ("weather in Lima?", "weather in Paris?", "capital of Italy?", "weather in Cairo?"):
+        prompt = CALL_SHOTS + f"Q: {question}\nA:"
+        free = engine.generate(prompt, max_new_tokens=40, stop=["\nQ:"]).output_text
+        held = engine.generate(prompt, response_format=tag, max_new_tokens=40, stop=["\nQ:"]).output_text
+        if "<function=" not in held:  # no trigger: the grammar never narrowed a token
+            assert held == free
+            continue
+        body = held.split("<function=get_weather>", 1)[1]
+        jsonschema.validate(json.loads(body[: body.index("</function>")]), city)
+        calls += 1
+    assert calls >= 1, "the model made no call: nothing was checked"
