@@ -403,3 +403,15 @@ def test_structural_tag_segments_the_model_opens_match_their_schema(engine):
             jsonschema.validate(json.loads(text[i + len("<digit>") : close]), digit)
             segments, pos = segments + 1, close + len("</f>")
     assert segments >= 2  # the bias makes the model open segments; the grammar completes them
+
+
+def test_a_gbnf_rule_named_start_is_an_ordinary_rule(engine):
+    """GBNF reserves only ``root``; llguidance's converter renames ``root`` to Lark's ``start`` and refused a
+    grammar that had its own ``start`` rule ("Rule 'start' already exists")."""
+    gbnf = 'root ::= start "!" # start: a rule\nstart ::= "start" | "hi" | [xy]\n'
+    assert engine.generate("g", response_format={"type": "grammar", "grammar": gbnf}).output_text in (
+        "start!",
+        "hi!",
+        "x!",
+        "y!",
+    )

@@ -275,7 +275,7 @@ def grammar_of(fmt: ResponseFormat, token_ids: Mapping[str, int] | None = None) 
         except ImportError:  # a llguidance without its converter module: its own detection, as before
             return llguidance.grammar_from("grammar", fmt.source)
         try:
-            lark = gbnf_to_lark(fmt.source)
+            lark = gbnf_to_lark(_free_start(fmt.source))
         except Exception as e:  # the converter's own parse errors, whatever their type
             raise ValueError(f"not a valid Lark or GBNF grammar: {e}") from None
         return matcher_cls.grammar_from_lark(lark)
@@ -287,6 +287,22 @@ def grammar_of(fmt: ResponseFormat, token_ids: Mapping[str, int] | None = None) 
 #: A Lark grammar: a start rule, whatever its modifier (``start:``, ``?start:``, ``!start:``; not GBNF's
 #: ``start ::=``), or llguidance's ``%llguidance`` header. ``[ \t]``, not ``\s``: linear on blank lines.
 _LARK_START = re.compile(r"^[ \t]*(?:%llguidance\b|[?!]?start[ \t]*:(?!:=))", re.MULTILINE)
+
+
+#: What in GBNF is not a rule name: string literals, character classes, comments; else a name (GBNF names
+#: hold letters, digits and ``-``).
+_GBNF_PARTS = re.compile(r'"(?:[^"\\\n]|\\.)*"|\[(?:[^\]\\\n]|\\.)*\]|#[^\n]*|(?<![\w-])start(?![\w-])')
+
+
+def _free_start(gbnf: str) -> str:
+    """``gbnf`` with a rule named ``start`` renamed: llguidance's converter names ``root`` ``start`` (Lark's
+    entry rule) and refused a grammar that already had one ("Rule 'start' already exists"), which GBNF
+    allows (only ``root`` is special there)."""
+    if not re.search(r"^[ \t]*start[ \t]*::=", gbnf, re.MULTILINE):
+        return gbnf
+    taken = set(re.findall(r"[\w-]+", gbnf))
+    name = next(f"start-{i}" for i in range(len(taken) + 1) if f"start-{i}" not in taken)
+    return _GBNF_PARTS.sub(lambda m: name if m.group(0) == "start" else m.group(0), gbnf)
 
 
 def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
