@@ -132,7 +132,11 @@ def test_guided_regex_and_grammar(client: openai.OpenAI) -> None:
     assert text == "ok" or (text.startswith("fail ") and text[5:].isdigit() and len(text) <= 7), text
     assert _chat(client, structured_outputs={"json_object": True}).startswith("{")
     # vLLM's options that change nothing here (compact JSON, no fallback backend): a 400 before.
-    options = {"disable_any_whitespace": False, "disable_fallback": True}
+    options = {
+        "disable_any_whitespace": False,
+        "disable_fallback": True,
+        "disable_additional_properties": False,
+    }
     assert _chat(client, structured_outputs={"json": SCHEMA, **options}) == _chat(
         client, structured_outputs={"json": SCHEMA}
     )
@@ -187,6 +191,10 @@ def test_structural_tag_as_response_format_and_as_vllm_structured_outputs(client
             "structured_outputs.disable_fallback",
         ),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        (
+            {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}},
+            "structured_outputs.whitespace_pattern",
+        ),
         ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
         (
             {"structured_outputs": {"structural_tag": {**TAG, "type": "json"}}},

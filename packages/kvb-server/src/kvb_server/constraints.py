@@ -122,9 +122,12 @@ def response_format(raw: dict[str, Any] | None, *, param: str = "response_format
 
 #: vLLM's ``structured_outputs`` options that change nothing here, either way: JSON is always written
 #: without optional whitespace (``disable_any_whitespace: false`` only allows it, so compact JSON is one of
-#: the outputs it allows) and there is no fallback backend (``disable_fallback``). Refused, they failed
-#: requests that vLLM clients send with their defaults.
-_NO_OP_STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace", "disable_fallback"})
+#: the outputs it allows), there is no fallback backend (``disable_fallback``), and objects that say nothing
+#: about extra keys are always closed (``disable_additional_properties: true``, what its ``false`` allows a
+#: subset of). Refused, they failed requests that vLLM clients send with their defaults.
+_NO_OP_STRUCTURED_OPTIONS = frozenset(
+    {"disable_any_whitespace", "disable_fallback", "disable_additional_properties"}
+)
 
 #: vLLM's guided-decoding fields, and the ``structured_outputs`` keys that mean the same.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -207,6 +210,12 @@ def requested_format(req: Any) -> tuple[dict[str, Any] | None, ResponseFormat | 
                         f"Invalid type for 'structured_outputs.{key}': expected a boolean.",
                         f"structured_outputs.{key}",
                     )
+            elif key == "whitespace_pattern" and value is not None:
+                raise _bad(
+                    "structured_outputs.whitespace_pattern is not supported: JSON is always written compact (no "
+                    "whitespace between its tokens); leave it out.",
+                    "structured_outputs.whitespace_pattern",
+                )
             elif key not in ("json_object", *_STRUCTURED_KEYS) and value is not None:
                 raise _bad(f"Unrecognized field in 'structured_outputs': {key}.", f"structured_outputs.{key}")
     if req.response_format is not None and req.response_format.get("type") != "text":

@@ -30,7 +30,7 @@ VLLM_EXTRAS: dict[str, str] = {
     "length_penalty": "beam search is not supported; sample several choices with 'n'",
     "request_id": "the server assigns response ids",
     "guided_decoding_backend": "the server picks the grammar library",
-    "guided_whitespace_pattern": "the server picks the grammar library",
+    "guided_whitespace_pattern": "JSON is always written compact (no whitespace between its tokens); leave it out",
     "echo": "echo is a /v1/completions option (chat: continue_final_message continues the last message)",
     "best_of": "best_of is a /v1/completions option; sample several choices with 'n'",
 }
