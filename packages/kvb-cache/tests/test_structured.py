@@ -311,6 +311,42 @@ def test_strict_schema_keeps_composed_objects_open():
             "$defs": {"A": {"properties": {"a": two}}, "B": {"properties": {"b": two}}},
             "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
         },
+        # Alternatives inside an allOf member add to the parent's keys too (dependabot's update entry,
+        # OpenAPI 3.0's Parameter; found on real schemas, 2026-12-01): they were closed.
+        "anyOf in an allOf member": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "a": two, "b": two},
+            "required": ["name"],
+            "allOf": [
+                {
+                    "anyOf": [
+                        {"properties": {"a": two}, "required": ["a"]},
+                        {"properties": {"b": two}, "required": ["b"]},
+                    ]
+                }
+            ],
+        },
+        "anyOf in a referenced allOf member": {
+            "$defs": {
+                "Loc": {
+                    "anyOf": [
+                        {
+                            "properties": {"in": {"const": "path"}, "required": {"const": True}},
+                            "required": ["in", "required"],
+                        },
+                        {"properties": {"in": {"const": "query"}}, "required": ["in"]},
+                    ]
+                }
+            },
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "in": {"type": "string"},
+                "required": {"type": "boolean"},
+            },
+            "required": ["name", "in"],
+            "allOf": [{"$ref": "#/$defs/Loc"}, {"required": ["name"]}],
+        },
     }
     for name, schema in cases.items():
         text = json.dumps(strict_schema(schema))

@@ -94,7 +94,8 @@ def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
             )
     for key in SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
-            members_closable = key == "prefixItems" or (key != "allOf" and not has_properties)
+            # Alternatives of an object that is itself open (an allOf member) add to the same object's keys.
+            members_closable = key == "prefixItems" or (key != "allOf" and not has_properties and closable)
             out[key] = [_strict(v, closable=members_closable, composed=composed) for v in schema[key]]
     required = schema.get("required")
     # A non-string entry (a client's [["a"]]) is unhashable: `in` raised TypeError, a 500; llguidance refuses it.
