@@ -27,6 +27,7 @@ from kvb_cache.core.tier_loads import in_flight, wait_all
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError, RequestAbortedError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
+from kvb_cache.prediction import prediction_counts
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
 from kvb_cache.results import GenerationResult, HitKind, StreamEvent
@@ -125,6 +126,17 @@ class LoopAPI:
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
+        if (
+            params.prediction_ids
+            and bits is None
+            and not constrained
+            and params.logprobs is None
+            and verifiable_in_step(req)
+        ):
+            # Predicted outputs: the request drafts its prediction in the batched step (kvb_cache.prediction),
+            # with or without the engine's drafter; verified as any draft, so the output does not change.
+            speculative = False
+            req.spec = StepSpeculation.predicted(params.prediction_ids, ids, params.max_new_tokens)
         in_step = speculative and bits is None and self.core.drafter is not None and verifiable_in_step(req)
         if in_step:
             # Greedy without processing (verified by argmax) or unseeded and history-free sampled (speculative
@@ -344,6 +356,7 @@ class LoopAPI:
             else None,
             stop_reason=req.emitter.stop_reason,
             grammar_error=req.grammar.error if req.grammar is not None else None,
+            **prediction_counts(req.spec.counts if req.spec is not None else None),
         )
         if req.counted:  # an idle prompt (core/idle.py) or a warm is the engine's work, not a request
             self.counters.record_chunks(chunks, partial_tokens=req.partial_tokens)

@@ -78,6 +78,10 @@ class GenerationResult:
     #: library's limits): the output then does not complete the grammar, although ``finish_reason`` is
     #: ``"stop"``. None otherwise.
     grammar_error: str | None = None
+    #: Predicted outputs (``prediction_ids``): drafted prediction tokens the verification kept / rejected
+    #: (OpenAI's ``completion_tokens_details``); 0 without a prediction, or where it was not used.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def kv_reuse_ratio(self) -> float:

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError, UnknownOptionError
+from kvb_cache.prediction import check_prediction
 from kvb_cache.structured.spec import ResponseFormat
 from kvb_cache.token_bans import TokenBans, check_allowed, check_choosable, check_sequences
 
@@ -62,6 +63,11 @@ class SamplingParams:
     (vLLM) keeps only those tokens; ``bad_words_ids`` (transformers' name, vLLM's ``bad_words`` as token ids:
     :func:`kvb_cache.token_bans.bad_words_ids`) bans each sequence's last token wherever the output ends with
     its other tokens (:mod:`kvb_cache.token_bans`). Both act before penalties and filters, as in vLLM.
+
+    ``prediction_ids`` (OpenAI's predicted outputs, as token ids) are tokens the output is expected to
+    repeat: they are drafted and verified (:mod:`kvb_cache.prediction`), so the output is what it is without
+    them, sooner where they match (greedy, or unseeded sampling without penalties; not with a grammar,
+    ``logprobs`` or ``kv_cache_bits``, where they are ignored).
     """
 
     max_new_tokens: int = 256
@@ -84,6 +90,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    prediction_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
@@ -161,6 +168,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", check_allowed(self.allowed_token_ids))
         object.__setattr__(self, "bad_words_ids", check_sequences(self.bad_words_ids))
+        object.__setattr__(self, "prediction_ids", check_prediction(self.prediction_ids))
 
     @classmethod
     def build(
@@ -349,6 +357,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
         ("stop_token_ids", params.stop_token_ids),
         ("allowed_token_ids", params.allowed_token_ids or ()),
         ("bad_words_ids", [t for seq in params.bad_words_ids for t in seq]),
+        ("prediction_ids", params.prediction_ids or ()),
     ):
         if ids and max(ids) >= vocab_size:
             raise InvalidRequestError(

@@ -140,7 +140,7 @@ def _reject_chat(req: ChatCompletionRequest) -> None:
             )
     if req.modalities is not None and req.modalities != ["text"]:
         raise UnsupportedFeatureError("modalities: only ['text'] is supported.", param="modalities")
-    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+    for name in ("audio", "reasoning_effort", "web_search_options"):
         if getattr(req, name) is not None:
             raise UnsupportedFeatureError(f"{name} is not supported by this server; remove it.", param=name)
     if req.top_logprobs is not None and not req.logprobs:

@@ -44,12 +44,18 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
         # Choices of one prompt may start in the same step (no hit yet) or after one another (later ones hit).
         cached += max(r.cached_tokens for r in choices)
     completion = sum(r.completion_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if plan.sampling.prediction_ids:  # predicted outputs: OpenAI's accounting of the prediction's tokens
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in results),
+            "rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in results),
+        }
+    return out
 
 
 def _completion_logprobs(

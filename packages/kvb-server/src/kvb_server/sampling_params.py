@@ -152,10 +152,19 @@ def sampling_params(
             logit_bias=constraints.logit_bias(req.logit_bias),
             allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids else None,
             bad_words_ids=banned,
+            prediction_ids=_prediction_ids(req, tokenizer),
         )
     except InvalidRequestError as exc:  # the schema checks ranges first; this is the engine's last word
         param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
         raise InvalidParameterError(str(exc), param=param) from None
+
+
+def _prediction_ids(req: SamplingFields, tokenizer: Any) -> tuple[int, ...] | None:
+    """A chat request's ``prediction`` as token ids (encoded as the reply's text would be: no special tokens)."""
+    prediction = getattr(req, "prediction", None)
+    if prediction is None or not prediction.text or tokenizer is None:
+        return None
+    return tuple(tokenizer.encode(prediction.text, add_special_tokens=False))
 
 
 def continuous_usage(req: SamplingFields) -> bool:

@@ -288,7 +288,7 @@ class EngineCore:
         for req in self.preparing.advance():
             self.scheduler.add(req)
         self.idle.schedule(self.scheduler, busy=self.has_unfinished())
-        drafting = [] if self.drafter is None else propose(self.drafter, self.scheduler.running)
+        drafting = propose(self.scheduler.running)
         plan = self.scheduler.schedule(reserved=self.preparing.window_spent)
         for admission in plan.admitted:
             req = admission.request
@@ -343,8 +343,8 @@ class EngineCore:
                     output = self._emit(req, token, logits[row], logprobs.get(row))
                 except Exception as exc:  # ends this request only; the rest of the batch goes on
                     output = self._fail(req, exc)
-                if req.spec is not None and self.drafter is not None:
-                    self.drafter.record_round(0, 0)  # nothing drafted for it: a plain step
+                if req.spec is not None:
+                    req.spec.record(self.drafter, 0, 0)  # nothing drafted for it: a plain step
                 if output is None:
                     continue
                 if req.internal:
@@ -370,6 +370,10 @@ class EngineCore:
         kept, best, nan = verdict(req, logits, draft)
         assert req.spec is not None
         req.spec.session.rollback(kept)
+        if req.spec.counts is not None:
+            # A prediction's counts are the request's result, which its last token builds inside the loop below:
+            # counted first, as verified (a stop inside the kept run still counts the drafts after it).
+            req.spec.counts.record(len(draft), kept)
         outputs: list[RequestOutput] = []
         committed = 0
         try:
@@ -391,7 +395,8 @@ class EngineCore:
                     break
         finally:  # what was emitted reaches its stream even when an exception escapes part-way
             into.extend(merge_outputs(outputs))
-        if self.drafter is not None:  # what was committed: a stop part-way leaves later drafts uncounted
+        if req.spec.counts is None and self.drafter is not None:
+            # What was committed: a stop part-way leaves later drafts uncounted.
             self.drafter.record_round(len(draft), max(0, min(kept, committed - 1)))
         if req.status is not RequestStatus.FINISHED:
             self.kv.trim(req)

@@ -20,6 +20,7 @@ import torch
 
 from kvb_cache.core.outputs import RequestOutput
 from kvb_cache.core.sampler import process_logits
+from kvb_cache.prediction import PREDICTION_DRAFT_TOKENS, PredictionCounts, PredictionSession
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -38,14 +39,44 @@ class StepSpeculation:
 
     session: StepDraftSession
     history: torch.Tensor  # [prompt_len + max_new_tokens] int64; the first ``filled`` are committed
+    #: Most tokens drafted per step.
+    gamma: int
     filled: int = 0
+    #: A prediction's own counts (:mod:`kvb_cache.prediction`); None: the engine's drafter counts the rounds.
+    counts: PredictionCounts | None = None
+
+    @staticmethod
+    def _history(prompt: list[int], max_new_tokens: int) -> torch.Tensor:
+        history = torch.empty(len(prompt) + max_new_tokens, dtype=torch.long)
+        history[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        return history
 
     @classmethod
     def start(cls, drafter: StepDrafter, prompt: list[int], max_new_tokens: int) -> StepSpeculation:
-        ids = torch.tensor(prompt, dtype=torch.long)
-        history = torch.empty(len(prompt) + max_new_tokens, dtype=torch.long)
-        history[: len(prompt)] = ids
-        return cls(session=drafter.draft_session(ids), history=history, filled=len(prompt))
+        history = cls._history(prompt, max_new_tokens)
+        session = drafter.draft_session(history[: len(prompt)].clone())
+        return cls(session=session, history=history, gamma=drafter.gamma, filled=len(prompt))
+
+    @classmethod
+    def predicted(
+        cls, prediction: tuple[int, ...], prompt: list[int], max_new_tokens: int
+    ) -> StepSpeculation:
+        """Drafts from the request's own prediction (OpenAI's predicted outputs), whatever drafter the engine
+        has (none included)."""
+        return cls(
+            session=PredictionSession(prediction, len(prompt)),
+            history=cls._history(prompt, max_new_tokens),
+            gamma=PREDICTION_DRAFT_TOKENS,
+            filled=len(prompt),
+            counts=PredictionCounts(),
+        )
+
+    def record(self, drafter: StepDrafter | None, drafted: int, accepted: int) -> None:
+        """Count one verification (0 drafted: a plain step) where this speculation's counts go."""
+        if self.counts is not None:
+            self.counts.record(drafted, accepted)
+        elif drafter is not None:
+            drafter.record_round(drafted, accepted)
 
     def committed(self, tokens: list[int]) -> torch.Tensor:
         """``[len(tokens)]``: the committed tokens (a view of the buffer, brought up to date)."""
@@ -80,16 +111,17 @@ def verifiable_in_step(req: Request) -> bool:
     )
 
 
-def propose(drafter: StepDrafter, running: Iterable[Request]) -> list[Request]:
-    """Set ``draft`` on every running request that speculates and is decoding (at most ``gamma`` tokens, and
-    short of its ``max_new_tokens``: the request was admitted for that many positions only); returns those
-    that drafted any. A drafter's failure costs its request the drafts (it decodes on without), nothing else."""
+def propose(running: Iterable[Request]) -> list[Request]:
+    """Set ``draft`` on every running request that speculates and is decoding (at most its ``gamma`` tokens,
+    and short of its ``max_new_tokens``: the request was admitted for that many positions only); returns
+    those that drafted any. A drafter's failure costs its request the drafts (it decodes on without), nothing
+    else."""
     drafting = []
     for req in running:
         spec = req.spec
         if spec is None or req.remaining != 1:
             continue
-        room = min(drafter.gamma, req.params.max_new_tokens - req.num_output - 1)
+        room = min(spec.gamma, req.params.max_new_tokens - req.num_output - 1)
         if room < 1:
             continue
         try:

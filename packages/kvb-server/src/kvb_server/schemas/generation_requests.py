@@ -51,6 +51,27 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
+class PredictionText(BaseModel):
+    model_config = STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted outputs: text the reply is expected to repeat (its tokens are drafted and verified:
+    the reply does not change, it comes sooner where they match; kvb_cache.prediction)."""
+
+    model_config = STRICT
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class SamplingFields(BaseModel):
     """Parameters both generation endpoints share."""
 
@@ -241,6 +262,6 @@ class ChatCompletionRequest(SamplingFields):
         ),
     ] = None
     audio: Annotated[dict[str, Any] | None, only(NULL, "audio")] = None
-    prediction: Annotated[dict[str, Any] | None, only(NULL, "predicted outputs")] = None
+    prediction: Prediction | None = None
     reasoning_effort: Annotated[str | None, only(NULL, "reasoning_effort")] = None
     web_search_options: Annotated[dict[str, Any] | None, only(NULL, "web search")] = None

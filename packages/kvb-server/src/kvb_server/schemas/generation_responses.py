@@ -27,6 +27,8 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    #: With a ``prediction``: its drafted tokens the verification kept / rejected.
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class PromptTruncation(BaseModel):
