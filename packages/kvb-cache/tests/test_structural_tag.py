@@ -70,7 +70,7 @@ def test_free_text_and_segments_that_match_their_schemas_are_accepted(tokenizer)
         assert not accepted(fmt, tokenizer, text), text
 
 
-def test_structures_group_by_their_longest_trigger(tokenizer):
+def test_structures_group_by_their_trigger(tokenizer):
     fmt = ResponseFormat.parse(
         {
             "type": "structural_tag",
@@ -158,3 +158,21 @@ def test_a_deeply_nested_segment_schema_is_refused_before_compiling():
 
     with pytest.raises(InvalidRequestError, match="nests"):
         check_grammar(fmt)
+
+
+def test_triggers_that_are_prefixes_of_each_other_reach_every_structure(tokenizer):
+    """Free text ends at the first trigger completed: structures are filed under the shortest trigger their
+    begin starts with (under the longest, ``<func=a>`` was refused at its first token)."""
+    fmt = ResponseFormat.parse(
+        {
+            "type": "structural_tag",
+            "structures": [
+                {"begin": "<fx>", "schema": DIGIT, "end": "</f>"},
+                {"begin": "<func=a>", "schema": CITY, "end": "</func>"},
+            ],
+            "triggers": ["<func", "<f"],
+        }
+    )
+    assert accepted(fmt, tokenizer, 'x <func=a>{"city":"Oslo"}</func> y <fx>{"x":2}</f> z')
+    assert not accepted(fmt, tokenizer, 'x <func=b>{"city":"Oslo"}</func>')
+    assert not accepted(fmt, tokenizer, 'x <fx>{"city":"Oslo"}</f>')

@@ -326,6 +326,12 @@ def test_strict_schema_keeps_composed_objects_open():
                 }
             ],
         },
+        "a referenced alternative in an allOf member": {
+            "$defs": {"B": {"properties": {"b": two}, "required": ["b"]}},
+            "type": "object",
+            "properties": {"a": two, "b": two},
+            "allOf": [{"required": ["a"]}, {"anyOf": [{"$ref": "#/$defs/B"}, {"required": ["a"]}]}],
+        },
         "anyOf in a referenced allOf member": {
             "$defs": {
                 "Loc": {

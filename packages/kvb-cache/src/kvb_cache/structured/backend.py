@@ -108,7 +108,8 @@ def _strict(schema: Any, *, closable: bool, composed: frozenset[str]) -> Any:
 
 
 def _composed_refs(schema: Any) -> frozenset[str]:
-    """``$ref`` targets that are members of an ``allOf`` of several members, anywhere in ``schema``."""
+    """``$ref`` targets that are members of an ``allOf`` of several members, or alternatives (``anyOf`` /
+    ``oneOf``) of such a member, anywhere in ``schema``."""
     found: set[str] = set()
     stack = [schema]
     while stack:
@@ -118,9 +119,17 @@ def _composed_refs(schema: Any) -> frozenset[str]:
         elif isinstance(node, dict):
             members = node.get("allOf")
             if isinstance(members, list) and len(members) > 1:
-                found.update(
-                    m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)
-                )
+                # A member, or an alternative (anyOf / oneOf, at any depth) of a member, that is a $ref.
+                pending = list(members)
+                while pending:
+                    m = pending.pop()
+                    if not isinstance(m, dict):
+                        continue
+                    if isinstance(m.get("$ref"), str):
+                        found.add(m["$ref"])
+                    for key in ("anyOf", "oneOf"):
+                        if isinstance(m.get(key), list):
+                            pending.extend(m[key])
             stack.extend(v for k, v in node.items() if k not in DATA_KEYWORDS)
     return frozenset(found)
 

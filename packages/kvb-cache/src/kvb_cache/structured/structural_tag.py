@@ -81,8 +81,10 @@ def canonical(value: Mapping[str, Any]) -> str:
 
 
 def trigger_of(begin: str, triggers: Iterable[str]) -> str | None:
-    """The longest trigger ``begin`` starts with (None: none)."""
-    return max((t for t in triggers if begin.startswith(t)), key=len, default=None)
+    """The shortest trigger ``begin`` starts with (None: none): free text ends at the first trigger completed,
+    so with triggers ``<f`` and ``<func`` a segment starting ``<func=`` has begun at ``<f`` (filed under the
+    longer one, it could never be reached)."""
+    return min((t for t in triggers if begin.startswith(t)), key=len, default=None)
 
 
 def schemas(source: str) -> list[Any]:
