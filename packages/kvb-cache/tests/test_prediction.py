@@ -159,3 +159,52 @@ def test_a_rejected_proposal_shortens_the_next_and_a_kept_one_doubles_it():
     assert len(propose([100, 7, 101, 102, 103, 104, 105, 106, 107])) == 4
     s.rollback(1)  # part kept: the next proposal is what was kept
     assert len(propose([100, 7, 101, 102, 103, 104, 105, 106, 107, 108, 109])) == 1
+
+
+def test_counts_hold_only_what_the_reply_holds_when_a_stop_ends_it_inside_a_kept_run(tokenizer):
+    model = make_model("llama")
+    prompt = tokenizer(words(18, 9))["input_ids"]
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    want = engine.generate(prompt, max_new_tokens=NEW, ignore_eos=True).output_ids
+    stop = want[4]  # the fifth token: inside the first verification's kept run of 8
+    result = engine.generate(prompt, max_new_tokens=NEW, stop_token_ids=[stop], prediction_ids=want)
+    cut = want.index(stop) + 1
+    assert result.output_ids == want[:cut]
+    # Every token after the prefill's first came from the prediction: exactly those, not the 8 verified.
+    assert result.accepted_prediction_tokens == cut - 1 and result.rejected_prediction_tokens == 0
+
+
+def test_a_long_prediction_is_cut_and_a_failing_one_keeps_its_counts(tokenizer, monkeypatch):
+    from kvb_cache.core import speculation
+    from kvb_cache.prediction import prediction_limit
+
+    model = make_model("llama")
+    prompt = tokenizer(words(18, 10))["input_ids"]
+    engine = KVBoost(model, tokenizer, config=EngineConfig(chunk_size=16))
+    want = engine.generate(prompt, max_new_tokens=NEW, ignore_eos=True).output_ids
+    seen = []
+    start = speculation.StepSpeculation.predicted
+
+    def predicted(prediction, prompt_ids, max_new_tokens):
+        seen.append(len(prediction))
+        return start(prediction, prompt_ids, max_new_tokens)
+
+    monkeypatch.setattr(speculation.StepSpeculation, "predicted", staticmethod(predicted))
+    long = want + [1] * 100_000
+    assert (
+        engine.generate(prompt, max_new_tokens=NEW, ignore_eos=True, prediction_ids=long).output_ids == want
+    )
+    assert seen == [prediction_limit(NEW)]
+    # A drafting failure after a kept round: no more drafts, the counts so far still reported.
+    calls = {"n": 0}
+    propose = PredictionSession.propose
+
+    def flaky(self, history, max_tokens, processor):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("drafting broke")
+        return propose(self, history, max_tokens, processor)
+
+    monkeypatch.setattr(PredictionSession, "propose", flaky)
+    result = engine.generate(prompt, max_new_tokens=NEW, ignore_eos=True, prediction_ids=want)
+    assert result.output_ids == want and result.accepted_prediction_tokens == 2 * PREDICTION_DRAFT_TOKENS

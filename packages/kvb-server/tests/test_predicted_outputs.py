@@ -48,6 +48,11 @@ def test_a_prediction_leaves_the_reply_alone_and_is_counted(client: openai.OpenA
         assert right.choices[0].message.content == text
         details = right.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    for empty in ("", []):  # sent, but nothing to draft: reported as 0 / 0
+        details = _chat(
+            client, prediction={"type": "content", "content": empty}
+        ).usage.completion_tokens_details
+        assert details.accepted_prediction_tokens == details.rejected_prediction_tokens == 0
     wrong = _chat(client, prediction={"type": "content", "content": "zebra " * 20})
     assert wrong.choices[0].message.content == text
     assert wrong.usage.completion_tokens_details.accepted_prediction_tokens == 0

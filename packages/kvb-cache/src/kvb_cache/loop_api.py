@@ -27,7 +27,7 @@ from kvb_cache.core.tier_loads import in_flight, wait_all
 from kvb_cache.errors import ConfigError, InvalidRequestError, PromptTypeError, RequestAbortedError
 from kvb_cache.live_quant import check_kv_cache_bits
 from kvb_cache.loop_request import new_request
-from kvb_cache.prediction import prediction_counts
+from kvb_cache.prediction import prediction_counts, prediction_limit
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size, live_bits
 from kvb_cache.results import GenerationResult, HitKind, StreamEvent
@@ -136,7 +136,9 @@ class LoopAPI:
             # Predicted outputs: the request drafts its prediction in the batched step (kvb_cache.prediction),
             # with or without the engine's drafter; verified as any draft, so the output does not change.
             speculative = False
-            req.spec = StepSpeculation.predicted(params.prediction_ids, ids, params.max_new_tokens)
+            req.spec = StepSpeculation.predicted(
+                params.prediction_ids[: prediction_limit(params.max_new_tokens)], ids, params.max_new_tokens
+            )
         in_step = speculative and bits is None and self.core.drafter is not None and verifiable_in_step(req)
         if in_step:
             # Greedy without processing (verified by argmax) or unseeded and history-free sampled (speculative

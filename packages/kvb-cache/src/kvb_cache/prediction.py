@@ -35,6 +35,14 @@ PREDICTION_DRAFT_TOKENS = 8
 _RESYNC_NGRAMS = (4, 3, 2)
 
 
+def prediction_limit(max_new_tokens: int) -> int:
+    """Prediction tokens kept for a request that generates at most ``max_new_tokens``: the reply repeats at
+    most that many, with room for deletions it skips. Bounds the resynchronisation index, built on the
+    engine's thread the first time the reply leaves the prediction (a 300k-token prediction stalled every
+    request's step for 1.3 s there)."""
+    return 2 * max_new_tokens + 1024
+
+
 def check_prediction(value: object) -> tuple[int, ...] | None:
     """``prediction_ids`` as a tuple of token ids >= 0 (None or empty: no prediction).
 

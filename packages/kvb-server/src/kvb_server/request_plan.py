@@ -83,6 +83,8 @@ class GenerationPlan:
     chat_logprobs: bool
     tokens_as_ids: bool = False
     format_field: str = "response_format"
+    #: The request sent a ``prediction`` (its usage then reports the prediction's accepted / rejected tokens).
+    predicted: bool = False
     cache_salt: str | None = None
     tools: ToolPlan | None = None
     echo: tuple[str, ...] | None = None
@@ -338,6 +340,7 @@ def chat_plan(
         continuous_usage=continuous_usage(req),
         chat_logprobs=True,
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        predicted=req.prediction is not None,
         cache_salt=cache_salt,
         tools=tools if tools is not None and tools.parses_calls else None,
         service_tier="default" if req.service_tier is not None else None,

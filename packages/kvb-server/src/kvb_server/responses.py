@@ -50,7 +50,9 @@ def usage(plan: GenerationPlan, results: Sequence[GenerationResult]) -> dict[str
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-    if plan.sampling.prediction_ids:  # predicted outputs: OpenAI's accounting of the prediction's tokens
+    if (
+        plan.predicted
+    ):  # predicted outputs: OpenAI's accounting of the prediction's tokens (an empty one: 0 / 0)
         out["completion_tokens_details"] = {
             "accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in results),
             "rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in results),

@@ -370,10 +370,9 @@ class EngineCore:
         kept, best, nan = verdict(req, logits, draft)
         assert req.spec is not None
         req.spec.session.rollback(kept)
-        if req.spec.counts is not None:
-            # A prediction's counts are the request's result, which its last token builds inside the loop below:
-            # counted first, as verified (a stop inside the kept run still counts the drafts after it).
-            req.spec.counts.record(len(draft), kept)
+        counts = req.spec.counts  # a prediction's (OpenAI's usage): what the reply holds
+        if counts is not None:
+            counts.rejected += len(draft) - kept
         outputs: list[RequestOutput] = []
         committed = 0
         try:
@@ -383,6 +382,10 @@ class EngineCore:
                 if j:  # the previous token was an accepted draft: its KV (computed this step) is valid
                     req.num_computed += 1
                     self.kv.commit(req)
+                if counts is not None and j < kept:
+                    # Before _emit: the request's last token builds its result. A stop inside the kept run
+                    # leaves the drafts after it uncounted (they are not in the reply).
+                    counts.accepted += 1
                 try:
                     output = self._emit(req, token, logits[j])
                 except Exception as exc:
@@ -395,7 +398,7 @@ class EngineCore:
                     break
         finally:  # what was emitted reaches its stream even when an exception escapes part-way
             into.extend(merge_outputs(outputs))
-        if req.spec.counts is None and self.drafter is not None:
+        if counts is None and self.drafter is not None:
             # What was committed: a stop part-way leaves later drafts uncounted.
             self.drafter.record_round(len(draft), max(0, min(kept, committed - 1)))
         if req.status is not RequestStatus.FINISHED:

@@ -131,7 +131,11 @@ def propose(running: Iterable[Request]) -> list[Request]:
             req.draft_probs = probs[: len(req.draft)] if probs is not None and not req.params.greedy else None
         except Exception as exc:
             logger.warning("request %s: drafting failed (%r); decoding without drafts", req.request_id, exc)
-            req.spec, req.draft, req.draft_probs = None, [], None
+            req.draft, req.draft_probs = [], None
+            if spec.counts is not None:  # a prediction: no more drafts, its counts kept for the usage
+                spec.gamma = 0
+            else:
+                req.spec = None
         if req.draft:
             drafting.append(req)
     return drafting
