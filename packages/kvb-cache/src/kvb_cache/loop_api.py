@@ -126,20 +126,17 @@ class LoopAPI:
         # speculation and exact prefix reuse only, never a stitched prompt.
         speculative = self.drafter is not None and params.logprobs is None and not constrained
         req = new_request(self, rid, ids, params, t0, prefill_chunk_size=prefill_chunk_size, root=root)
-        if (
-            params.prediction_ids
-            and bits is None
-            and not constrained
-            and params.logprobs is None
-            and verifiable_in_step(req)
-        ):
-            # Predicted outputs: the request drafts its prediction in the batched step (kvb_cache.prediction),
-            # with or without the engine's drafter; verified as any draft, so the output does not change.
+        # Drafts verified in the batched step: a request with neither a private quantized cache, a grammar nor
+        # logprobs whose next token the step can verify (greedy by argmax, unseeded history-free sampling).
+        steppable = bits is None and not constrained and params.logprobs is None and verifiable_in_step(req)
+        if steppable and params.prediction_ids:
+            # Predicted outputs: the request drafts its prediction (kvb_cache.prediction), with or without the
+            # engine's drafter; verified as any draft, so the output does not change.
             speculative = False
             req.spec = StepSpeculation.predicted(
                 params.prediction_ids[: prediction_limit(params.max_new_tokens)], ids, params.max_new_tokens
             )
-        in_step = speculative and bits is None and self.core.drafter is not None and verifiable_in_step(req)
+        in_step = speculative and steppable and self.core.drafter is not None
         if in_step:
             # Greedy without processing (verified by argmax) or unseeded and history-free sampled (speculative
             # sampling): its drafts are verified inside the batched step beside every other request (vLLM
