@@ -70,10 +70,6 @@ class PredictionCounts:
     accepted: int = 0
     rejected: int = 0
 
-    def record(self, drafted: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.rejected += drafted - accepted
-
 
 def prediction_counts(counts: PredictionCounts | None) -> dict[str, int]:
     """A result's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens`` (0 without a prediction)."""

@@ -343,8 +343,8 @@ class EngineCore:
                     output = self._emit(req, token, logits[row], logprobs.get(row))
                 except Exception as exc:  # ends this request only; the rest of the batch goes on
                     output = self._fail(req, exc)
-                if req.spec is not None:
-                    req.spec.record(self.drafter, 0, 0)  # nothing drafted for it: a plain step
+                if req.spec is not None and req.spec.counts is None and self.drafter is not None:
+                    self.drafter.record_round(0, 0)  # nothing drafted for it: a plain step
                 if output is None:
                     continue
                 if req.internal:

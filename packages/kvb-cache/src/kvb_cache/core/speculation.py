@@ -71,13 +71,6 @@ class StepSpeculation:
             counts=PredictionCounts(),
         )
 
-    def record(self, drafter: StepDrafter | None, drafted: int, accepted: int) -> None:
-        """Count one verification (0 drafted: a plain step) where this speculation's counts go."""
-        if self.counts is not None:
-            self.counts.record(drafted, accepted)
-        elif drafter is not None:
-            drafter.record_round(drafted, accepted)
-
     def committed(self, tokens: list[int]) -> torch.Tensor:
         """``[len(tokens)]``: the committed tokens (a view of the buffer, brought up to date)."""
         n = len(tokens)
