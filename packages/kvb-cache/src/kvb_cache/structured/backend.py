@@ -22,6 +22,7 @@ from kvb_cache.structured.big_stack import on_big_stack
 from kvb_cache.structured.nesting import MAX_GRAMMAR_NESTING, grammar_nesting, schema_nesting
 from kvb_cache.structured.schema_compat import (
     DATA_KEYWORDS,
+    JSON_OPTIONS,
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_VALUES,
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TokenizerKey = NewType("TokenizerKey", str)
-
-#: Compact JSON (no optional whitespace): small models otherwise loop on spaces and newlines.
-JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def llguidance_schema(schema: Any) -> Any:

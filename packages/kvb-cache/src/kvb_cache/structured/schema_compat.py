@@ -33,6 +33,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+#: llguidance's JSON options for every schema compiled here (``response_format``, a structural tag's
+#: segments, the server's tool arguments): compact JSON, no optional whitespace, since small models otherwise
+#: loop on spaces and newlines.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
 #: The ``format`` values llguidance 1.x enforces (others are "Unknown format" errors).
 LLGUIDANCE_FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}

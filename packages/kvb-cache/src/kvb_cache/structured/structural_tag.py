@@ -26,12 +26,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvb_cache.errors import InvalidRequestError
+from kvb_cache.structured.schema_compat import JSON_OPTIONS
 
 #: Fields of the request and of each structure (others are refused, never ignored).
 _FIELDS = frozenset({"type", "structures", "triggers"})
 _STRUCTURE_FIELDS = frozenset({"begin", "schema", "end"})
-#: Compact JSON inside a segment, as for every other schema here: small models loop on whitespace.
-_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _bad(why: str) -> InvalidRequestError:
@@ -127,7 +126,7 @@ def lark(source: str, prepare_schema: Any, token_ids: Mapping[str, int] | None =
             if trigger_of(s["begin"], triggers) != trigger:
                 continue
             prepared = {} if s["schema"] is True else prepare_schema(s["schema"])  # true: any JSON value
-            schema = {"x-guidance": _JSON_OPTIONS, **prepared}
+            schema = {"x-guidance": JSON_OPTIONS, **prepared}
             body = " ".join(
                 part
                 for part in (text(s["begin"][len(trigger) :]), f"%json {json.dumps(schema)}", text(s["end"]))

@@ -21,12 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvb_cache.structured.backend import llguidance_schema
-from kvb_cache.structured.schema_compat import DATA_KEYWORDS, SCHEMA_MAPS
+from kvb_cache.structured.schema_compat import DATA_KEYWORDS, JSON_OPTIONS, SCHEMA_MAPS
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.tool_calls.spec import ToolPlan
-
-#: Compact JSON (no optional whitespace), as for ``response_format``: small models loop on whitespace.
-_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _literal(text: str) -> str:
@@ -83,7 +80,7 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
         for i, tool in enumerate(plan.callable)
     ]
     schema: dict[str, Any] = {"anyOf": options} if many else options[0]
-    return {"x-guidance": _JSON_OPTIONS, **schema}
+    return {"x-guidance": JSON_OPTIONS, **schema}
 
 
 def _piece(text: str, tags: Mapping[str, int]) -> str:
@@ -122,7 +119,7 @@ def _thinking(thinking: ReasoningPlan, tags: Mapping[str, int]) -> tuple[str, st
     start, end = thinking.syntax.start.strip(), thinking.syntax.end.strip()
     # The blank after the block: a few ASCII whitespace characters (Qwen3 and R1 write "\n\n"), bounded
     # because a small model offered unbounded space loops on it (a random one on Unicode spaces) until
-    # max_tokens, as it does in JSON (``_JSON_OPTIONS``).
+    # max_tokens, as it does in JSON (``JSON_OPTIONS``).
     space = "[ \\t\\r\\n]{0,8}"
     if end not in tags:
         opening = "" if thinking.opened or start in tags else _regex(start)
@@ -144,7 +141,7 @@ def json_after_thinking(
     """The grammar of a JSON reply (a ``json_schema`` response format's ``schema_source``) that a reasoning
     model may think before (must, when the prompt opened the block): as vLLM starts the structured-output
     grammar once the thinking ends. ``tag_tokens``: the tags held as one token (tag text -> id)."""
-    schema = {"x-guidance": _JSON_OPTIONS, **llguidance_schema(json.loads(schema_source))}
+    schema = {"x-guidance": JSON_OPTIONS, **llguidance_schema(json.loads(schema_source))}
     return _grammar(f"%json {json.dumps(schema)}", "", thinking, tag_tokens or {})
 
 
@@ -216,7 +213,7 @@ def _tool_rules(
         return "calls", "\n".join(lines) + "\n"
     if text_schema is not None:
         text_rule = (
-            f"text: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **llguidance_schema(text_schema)})}"
+            f"text: %json {json.dumps({'x-guidance': JSON_OPTIONS, **llguidance_schema(text_schema)})}"
         )
         return "text | calls", "\n".join([*lines, text_rule]) + "\n"
     starts = "|".join(_regex(t) for t in (*syntax.triggers, *not_first))
@@ -240,7 +237,7 @@ def _tagged_call_rules(plan: ToolPlan, tags: Mapping[str, int]) -> list[str]:
         + ")",
     ]
     for i, tool in enumerate(plan.callable):
-        schema = {"x-guidance": _JSON_OPTIONS, **llguidance_schema(tool.parameters)}
+        schema = {"x-guidance": JSON_OPTIONS, **llguidance_schema(tool.parameters)}
         lines.append(f"args{i}: %json {json.dumps(schema)}")
     return lines
 
