@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from kvb_cache.structured.backend import added_tokens
 from kvb_server.engine import ServingEngine
 from kvb_server.reasoning import ReasoningPlan
 from kvb_server.tool_calls import ToolPlan, ToolSyntax
@@ -31,20 +32,8 @@ def _added(tokenizer: Any, tags: tuple[str, ...]) -> dict[str, tuple[int, bool]]
     except TypeError:  # not weakly referenceable: not cached
         cached = {}
     if tags not in cached:
-        cached[tags] = _lookup(tokenizer, tags)
+        cached[tags] = added_tokens(tokenizer, tags)
     return cached[tags]
-
-
-def _lookup(tokenizer: Any, tags: tuple[str, ...]) -> dict[str, tuple[int, bool]]:
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    if not added:  # no added tokens (or not a Hugging Face tokenizer): every tag is text
-        return {}
-    out = {}
-    for tag in tags:
-        token = tokenizer.convert_tokens_to_ids(tag) if tag else None
-        if isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None) and token in added:
-            out[tag] = (token, bool(getattr(added[token], "special", False)))
-    return out
 
 
 def tag_tokens(engine: ServingEngine, *tags: str) -> dict[str, int]:

@@ -332,16 +332,24 @@ def _check_nesting(fmt: ResponseFormat, schema: Any) -> None:
         )
 
 
-def added_token_ids(tokenizer: Any, texts: Iterable[str]) -> dict[str, int]:
-    """``texts`` that ``tokenizer`` holds as one added token -> its id (an ordinary vocabulary entry is
-    matched as text; llguidance reads added tokens as special ones, which no text literal matches)."""
+def added_tokens(tokenizer: Any, texts: Iterable[str]) -> dict[str, tuple[int, bool]]:
+    """``texts`` that ``tokenizer`` holds as one added token -> (its id, whether it is special). An ordinary
+    vocabulary entry is not listed (it is matched as text); llguidance reads added tokens as special ones,
+    which no text literal matches. Empty texts are skipped."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if not added:  # no added tokens (or not a Hugging Face tokenizer): every text is text
+        return {}
     out = {}
     for text in texts:
-        token = tokenizer.convert_tokens_to_ids(text) if added else None
+        token = tokenizer.convert_tokens_to_ids(text) if text else None
         if isinstance(token, int) and token in added and token != getattr(tokenizer, "unk_token_id", None):
-            out[text] = token
+            out[text] = (token, bool(getattr(added[token], "special", False)))
     return out
+
+
+def added_token_ids(tokenizer: Any, texts: Iterable[str]) -> dict[str, int]:
+    """``texts`` that ``tokenizer`` holds as one added token -> its id (:func:`added_tokens`)."""
+    return {text: token for text, (token, _) in added_tokens(tokenizer, texts).items()}
 
 
 def check_grammar(fmt: ResponseFormat) -> None:
