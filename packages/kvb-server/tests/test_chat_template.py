@@ -128,3 +128,38 @@ def test_without_the_flag_the_model_folders_template_stays(model_dir: Path) -> N
         assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == CHAT_TEMPLATE
         tokens = httpx.post(f"{url}/tokenize", json={"messages": HI}).json()["tokens"]
         assert tokens == render_chat(build_tokenizer(), HI)
+
+
+#: Phi-3-mini's shape: system messages are dropped, and the generation prompt follows a user turn only.
+DROPS_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}user: {{ m['content'] }}\n"
+    "{% if add_generation_prompt and loop.last %}assistant:{% endif %}"
+    "{% elif m['role'] == 'assistant' %}assistant: {{ m['content'] }}\n{% endif %}{% endfor %}"
+)
+
+
+# With OOM planning (on by default where kvb-planner is installed) the planner saw the empty prompt first: a 500.
+@pytest.mark.parametrize("planning", [["--no-oom-planning"], []], ids=["no-planning", "planning"])
+def test_a_conversation_the_template_renders_to_nothing_is_a_400_naming_messages(
+    model_dir: Path, tmp_path: Path, planning: list[str]
+) -> None:
+    path = tmp_path / "drops_system.jinja"
+    path.write_text(DROPS_SYSTEM)
+    flags = ["--model", str(model_dir), "--max-cache-bytes", "4MiB", "--chat-template", str(path), *planning]
+    server = build_server(build_parser().parse_args(flags))
+    only_system = [{"role": "system", "content": "Be brief."}]
+    with serve(server.app) as url:
+        for route, body in [
+            ("/v1/chat/completions", {"messages": only_system, "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": only_system, "max_tokens": 2, "stream": True}),
+            ("/v1/responses", {"model": str(model_dir), "input": only_system, "max_output_tokens": 2}),
+        ]:
+            resp = httpx.post(f"{url}{route}", json=body)
+            assert resp.status_code == 400, (route, resp.text)
+            error = resp.json()["error"]
+            assert "rendered these messages to an empty prompt" in error["message"], route
+            assert error["param"] in ("messages", "input"), route
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code
+            == 200
+        )

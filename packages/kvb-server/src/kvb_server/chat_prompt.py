@@ -134,10 +134,17 @@ def render_chat(
     if definitions:
         options["tools"] = definitions
     try:
-        return engine.chat_prompt(messages, **options)
+        ids = engine.chat_prompt(messages, **options)
     except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)
         raise InvalidParameterError(
             f"The chat template refused these messages: {exc}", param="messages"
         ) from None
     except InvalidRequestError as exc:  # the engine's checks of those options
         raise InvalidParameterError(str(exc), param=exc.param or "messages") from None
+    if not ids:  # e.g. Phi-3-mini's template drops system messages: a system-only chat renders nothing
+        raise InvalidParameterError(
+            "The chat template rendered these messages to an empty prompt (0 tokens): it leaves out every "
+            "message sent (some templates drop system messages); send a user message.",
+            param="messages",
+        )
+    return ids
