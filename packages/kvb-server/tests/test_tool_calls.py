@@ -11,7 +11,7 @@ import pytest
 from conftest import build_tokenizer
 
 from kvb_server.errors import InvalidParameterError
-from kvb_server.responses import assistant_message
+from kvb_server.responses import assistant_message, cut_short
 from kvb_server.schemas.generation_requests import ChatMessage
 from kvb_server.tool_calls import (
     ToolCallStream,
@@ -193,13 +193,12 @@ def test_auto_stream_holds_a_possible_call_start_then_sends_text() -> None:
     assert held.finish() == [{"content": " <tool_"}]  # the reply ended: it was text
 
 
-@pytest.mark.parametrize("choice", ["required", "auto"])
-def test_stream_cut_before_a_call_name_ends_with_the_text_the_non_streamed_reply_returns(choice: str) -> None:
-    """A stop string (or, under "auto", max_tokens) cut the reply inside ``<tool_call>``: the non-streamed
+def test_stream_cut_before_a_call_name_ends_with_the_text_the_non_streamed_reply_returns() -> None:
+    """Under "auto" a stop string or max_tokens cut the reply inside ``<tool_call>``: the non-streamed
     message is that text, so the stream must send it as content before its finish chunk, not drop it."""
-    plan = tool_plan([WEATHER], choice, None, hermes(native=False))
+    plan = tool_plan([WEATHER], "auto", None, hermes(native=False))
     for cut in ("<tool_call>", "<tool_call>\n{", '<tool_call>\n{"name":"get_wea'):
-        for truncated in (False, True) if choice == "auto" else (False,):
+        for truncated in (False, True):
             stream = ToolCallStream(plan)
             deltas = stream.deltas(cut[:4], final=False) + stream.deltas(
                 cut[4:], final=True, truncated=truncated
@@ -239,8 +238,35 @@ def test_a_forced_call_cut_before_its_name_is_that_call_or_nothing(tools, choice
     assert all(not d.get("content") for d in deltas)
     streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
     assert streamed == ([{"name": name, "arguments": ""}] if name else [])
-    # A stop string cut it instead (not max_tokens): the text, as before.
-    assert assistant_message(plan, cut, "stop")[0]["content"] == cut
+    # A stop string cut it instead: the same reading (under a forced choice nothing but calls can be written),
+    # finish "stop" (it was a text before, while the stream sent the call: an audit, 2026-12-01).
+    message, finish = assistant_message(plan, cut, "stop")
+    assert finish == "stop" and message["content"] is None
+    assert [c["function"] for c in message.get("tool_calls", [])] == (
+        [{"name": name, "arguments": ""}] if name else []
+    )
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_a_stop_string_cut_is_the_partial_call_streamed_or_not(choice, finish: str) -> None:
+    """``stop: ["city"]`` fired inside a forced call's arguments: the non-streamed reply was the call markup as
+    ``content`` while the stream had sent the call (an audit, 2026-12-01). Both are now the partial call, and
+    the finish reason says what cut it."""
+    plan = tool_plan([WEATHER], choice, None, hermes(native=False))
+    cut = '<tool_call>\n{"name":"get_weather","arguments":{"'
+    message, reason = assistant_message(plan, cut, finish)
+    assert reason == finish and message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "get_weather", "arguments": '{"'}]
+    stream = ToolCallStream(plan)
+    truncated = cut_short(plan, finish)
+    deltas = stream.deltas(cut[:20], final=False) + stream.deltas(cut[20:], final=True, truncated=truncated)
+    assert all(not d.get("content") for d in deltas)
+    streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert streamed[0]["name"] == "get_weather" and "".join(f.get("arguments", "") for f in streamed) == '{"'
+    # A whole forced call that ended the reply (its grammar done) still finishes as before.
+    whole = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    assert assistant_message(plan, whole, "stop")[1] == ("tool_calls" if choice == "required" else "stop")
 
 
 def test_stream_cut_inside_a_calls_arguments_keeps_the_partial_call() -> None:

@@ -115,11 +115,19 @@ def _logprobs(
     )
 
 
+def cut_short(tools: ToolPlan, finish_reason: str) -> bool:
+    """Whether a reply under ``tools`` may have ended inside a call: ``max_tokens`` cut it, or, under a
+    forced ``tool_choice`` (whose grammar admits nothing but calls, so the model cannot end it early), a
+    stop string or stop token did. Such a cut call stays a (partial) call, streamed or not."""
+    return finish_reason == "length" or (tools.mode == "calls" and finish_reason == "stop")
+
+
 def assistant_message(
     tools: ToolPlan | None, text: str, finish_reason: str, reasoning: ReasoningPlan | None = None
 ) -> tuple[dict[str, Any], str]:
     """A chat choice's ``message`` and ``finish_reason``: a reply made of tool calls becomes ``tool_calls``
-    (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off).
+    (``content`` null, finish ``"tool_calls"``, or ``"length"`` when max_tokens cut a later call off; a call
+    that a stop string cut under a forced ``tool_choice`` stays that partial call, finish ``"stop"``).
 
     A call forced by a named ``tool_choice`` finishes ``"stop"``, as OpenAI's and vLLM's do: ``"tool_calls"``
     says the model chose to call tools (``auto`` / ``required``), and clients branch on it that way.
@@ -135,7 +143,7 @@ def assistant_message(
     reply = split_reply(
         message["content"] or "",
         tools.syntax,
-        truncated=finish_reason == "length",
+        truncated=cut_short(tools, finish_reason),
         forced=tools.mode == "calls",
         names=tuple(tool.name for tool in tools.callable),
     )
@@ -154,6 +162,8 @@ def assistant_message(
     ]
     if finish_reason == "length":
         return message, "length"
+    if finish_reason == "stop" and not all(call.complete for call in reply.calls):
+        return message, "stop"  # a stop string cut the forced call: "stop", as with any stop string
     return message, "stop" if tools.named else "tool_calls"
 
 

@@ -22,7 +22,14 @@ from kvb_server.jobs import GenerationJob, Inbox, JobUpdate
 from kvb_server.reasoning import FIELDS as REASONING_FIELDS
 from kvb_server.reasoning import ReasoningStream
 from kvb_server.request_plan import GenerationPlan
-from kvb_server.responses import ResponseIds, assistant_message, chunk, running_usage, usage_chunk
+from kvb_server.responses import (
+    ResponseIds,
+    assistant_message,
+    chunk,
+    cut_short,
+    running_usage,
+    usage_chunk,
+)
 from kvb_server.token_bytes import TextOffsets
 from kvb_server.tool_calls import ToolCallStream
 from kvb_server.truncation import Truncation
@@ -175,7 +182,8 @@ class OpenStream:
                         text,
                         final=event.result is not None,
                         force=bool(logprobs),
-                        truncated=event.result is not None and event.result.finish_reason == "length",
+                        truncated=event.result is not None
+                        and cut_short(plan.tools, event.result.finish_reason),
                     )
                     for k, delta in enumerate(deltas):
                         yield chunk(
