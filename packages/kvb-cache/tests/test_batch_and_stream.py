@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -313,6 +314,51 @@ def test_a_library_call_between_a_drivers_steps_keeps_the_drivers_outputs(llama,
     assert len(finals) == 1
     assert finals[0].result.output_ids == alone
     assert engine.take_unfollowed_outputs() == []
+
+
+def test_a_drivers_step_leaves_a_library_loops_outputs_to_it(llama, tokenizer):
+    """The other direction (an audit, 2026-12-01): a driver's own step() beside an open stream took the stream's
+    next token (the stream ended a token short, silently), beside another thread's generate() made it raise a
+    bare RuntimeError; and a driver whose request a generate() finished never got its result from the
+    README's ``while has_unfinished(): step()`` loop."""
+    engine = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16))
+    p, q = words(20, seed=1), words(20, seed=2)
+    want = engine.generate(p, max_new_tokens=10, ignore_eos=True).output_ids
+    want_q = engine.generate(q, max_new_tokens=6, ignore_eos=True).output_ids
+
+    stream = engine.stream(p, max_new_tokens=10, ignore_eos=True)
+    events = [next(stream)]
+    assert engine.step() == []  # the stream's token is filed for the stream, not returned here
+    events += list(stream)
+    assert [t for e in events for t in e.token_ids] == want == events[-1].result.output_ids
+
+    rid = engine.add_request(q, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.generate(p, max_new_tokens=10, ignore_eos=True).output_ids == want  # finishes ours too
+    driven = []
+    while engine.has_unfinished():
+        driven += engine.step()
+    assert {o.request_id for o in driven} == {rid}
+    assert next(o for o in driven if o.finished).result.output_ids == want_q
+
+    results: dict[str, object] = {}
+
+    def library() -> None:
+        results["generate"] = engine.generate(p, max_new_tokens=10, ignore_eos=True).output_ids
+
+    def driver() -> None:
+        mine = engine.add_request(q, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        seen = []
+        while engine.has_unfinished():
+            seen += engine.step()
+        results["driver"] = {o.request_id for o in seen} == {mine}
+
+    threads = [threading.Thread(target=driver), threading.Thread(target=library)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {"generate": want, "driver": True}
+    assert engine.take_unfollowed_outputs() == [] and engine.paged_stats().blocks_used == 0
 
 
 def test_engine_wide_prefill_chunk_size_slices_every_prompt(llama, tokenizer):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +69,12 @@ class LoopAPI:
     _built_for: tuple[torch.dtype, torch.device]  # the model's dtype and device when the pool was built
     _built_attention: str | None  # the model's attention implementation once the engine routed it (kvb_paged)
     _ids: itertools.count[int]
+    _followed: set[RequestId]  # EngineLoops'
+    _unfollowed: list[RequestOutput]  # EngineLoops'
+    _file: Callable[
+        [list[RequestOutput]], None
+    ]  # EngineLoops': followed outputs to their loops, the rest kept
+    take_unfollowed_outputs: Callable[[], list[RequestOutput]]  # EngineLoops'
 
     @serialized
     def add_request(
@@ -272,10 +278,22 @@ class LoopAPI:
         """Run one iteration: new prefills (sliced to the token budget) and one token for every running
         request. Returns at most one :class:`RequestOutput` per request that produced text or finished.
 
+        Outputs of requests that a library call follows (:meth:`generate`, :meth:`stream`,
+        :meth:`generate_batch`, :meth:`warm`, in this thread or another) go to that call, not here; outputs
+        those calls' own steps produced for the caller's requests (:meth:`add_request`) come first. Before,
+        a driver's ``step`` beside an open stream took the stream's tokens (it ended short, silently) and a
+        ``generate`` in another thread raised a bare ``RuntimeError``.
+
         Raises:
             ConfigError: the model was moved to another dtype or device since the engine was built (the
                 pool holds KV of the old one); nothing runs until it is moved back.
         """
+        self._file(self._step_engine())
+        return self.take_unfollowed_outputs()
+
+    @serialized
+    def _step_engine(self) -> list[RequestOutput]:
+        """One engine step; every request's outputs (the library loops file them, :meth:`step` too)."""
         self._check_model_unmoved()
         return self.core.step()
 
@@ -297,6 +315,8 @@ class LoopAPI:
             )
         rid = RequestId(request_id)
         aborted = self.core.abort(rid)
+        # What a library loop's steps produced for it and no step returned yet is dropped with it.
+        self._unfollowed[:] = [out for out in self._unfollowed if out.request_id != rid]
         if aborted and rid in self._followed:
             error = RequestAbortedError(rid)
             self._mailbox.setdefault(rid, deque()).append(
@@ -305,7 +325,10 @@ class LoopAPI:
         return aborted
 
     def has_unfinished(self) -> bool:
-        return self.core.has_unfinished()
+        """Whether :meth:`step` has more to return: a request is unfinished, or a library call's steps
+        produced outputs for the caller's requests that no ``step`` returned yet (a request a ``generate``
+        finished: the driver's ``while has_unfinished(): step()`` loop still gets its result)."""
+        return self.core.has_unfinished() or bool(self._unfollowed)
 
     @serialized
     def paged_stats(self) -> PagedStats:

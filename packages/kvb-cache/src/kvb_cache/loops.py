@@ -3,8 +3,10 @@
 Each is a thin loop over :meth:`~kvb_cache.engine.KVBoost.add_request` and ``step``. Several may interleave
 (open streams share steps): outputs of other requests wait in per-request mailboxes until their loop reads
 them. Outputs of requests no library loop follows (a server's, added with ``add_request`` and driven by its
-own ``step`` calls) are kept aside for :meth:`EngineLoops.take_unfollowed_outputs`, so a library call made
-between a driver's steps (the server's ``/v1/warm``) never swallows them.
+own ``step`` calls) are kept aside for the driver's next ``step`` (or :meth:`EngineLoops.take_unfollowed_outputs`),
+so a library call made between a driver's steps (the server's ``/v1/warm``) never swallows them; and a
+driver's ``step`` files the outputs of requests a library loop follows in that loop's mailbox, so a driver
+stepping beside ``generate`` / ``stream`` (another thread's, or a stream left open) never swallows theirs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class EngineLoops:
     _unfollowed: list[RequestOutput]
     _fresh_id: Callable[[str], RequestId]  # LoopAPI's: an id no unfinished request holds
     _check_model_unmoved: Callable[[], None]  # LoopAPI's
+    _step_engine: Callable[[], list[RequestOutput]]  # LoopAPI's: one engine step, every output
     _engine_lock: threading.RLock  # serialized.py
     tokenizer: Any
 
@@ -131,19 +134,24 @@ class EngineLoops:
                 box = self._mailbox.setdefault(rid, deque())
                 if box:
                     return box.popleft()
-                if not self.has_unfinished():
+                if not self.core.has_unfinished():
                     raise RuntimeError(f"request {rid} ended without a final output")
-                outs = deque(self.step())
-                try:
-                    while outs:
-                        out = outs[0]
-                        if out.request_id in self._followed:
-                            self._mailbox.setdefault(out.request_id, deque()).append(out)
-                        else:
-                            self._unfollowed.append(out)
-                        outs.popleft()
-                finally:  # an interrupt while filing: the rest reach their loops with the next step
-                    self.core.carry(outs)
+                self._file(self._step_engine())
+
+    def _file(self, outputs: list[RequestOutput]) -> None:
+        """File one step's outputs: a followed request's in its loop's mailbox, any other (a driver's) in
+        ``_unfollowed``, which the driver's own :meth:`step` (or :meth:`take_unfollowed_outputs`) returns."""
+        outs = deque(outputs)
+        try:
+            while outs:
+                out = outs[0]
+                if out.request_id in self._followed:
+                    self._mailbox.setdefault(out.request_id, deque()).append(out)
+                else:
+                    self._unfollowed.append(out)
+                outs.popleft()
+        finally:  # an interrupt while filing: the rest reach their loops with the next step
+            self.core.carry(outs)
 
     def generate(
         self,
