@@ -321,6 +321,48 @@ def test_bad_config_values():
         KVBoost.from_pretrained("/nonexistent", dtype="float8")
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"store_partial_tail": "false"}, "store_partial_tail must be True or False"),  # truthy: stayed on
+        ({"store_partial_tail": None}, "store_partial_tail must be True or False"),  # falsy: turned it off
+        ({"store_outputs": "no"}, "store_outputs must be True or False"),
+        ({"max_cache_bytes": True}, "max_cache_bytes"),  # was a 1-byte pool and a 32-token context
+        ({"boundary_window": True}, "boundary_window"),
+    ],
+)
+def test_flags_and_sizes_of_the_wrong_type_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**options)
+
+
+def test_what_the_constructor_is_given_is_checked_naming_the_fix(llama, tokenizer, tmp_path):
+    """Each was a bare AttributeError / TypeError from inside the engine (tokenizer=None only after a forward
+    had run): an audit, 2026-12-01."""
+    from kvb_cache import EngineArgs
+
+    with pytest.raises(ConfigError, match="from_pretrained"):
+        KVBoost("smollm2", tokenizer)
+    with pytest.raises(ConfigError, match="from_pretrained"):
+        KVBoost(tmp_path, tokenizer)
+    with pytest.raises(ConfigError, match=r"torch\.nn\.Module"):
+        KVBoost(object(), tokenizer)
+    with pytest.raises(ConfigError, match="tokenizer object"):
+        KVBoost(llama, str(tmp_path))
+    with pytest.raises(ConfigError, match="tokenizer"):
+        KVBoost(llama, None)
+    with pytest.raises(ConfigError, match=r"args\.engine_config\(\)"):
+        KVBoost(llama, tokenizer, config=EngineArgs(chunk_size=16))
+    with pytest.raises(ConfigError, match=r"EngineConfig\(\*\*options\)"):
+        KVBoost(llama, tokenizer, config={"chunk_size": 16})
+    with pytest.raises(UnsupportedModelError, match="AutoModelForCausalLM"):
+        KVBoost(llama.model, tokenizer)  # the base model: hidden states, no logits
+    with torch.device("meta"):
+        skeleton = type(llama)(llama.config)
+    with pytest.raises(ModelLoadError, match="meta device"):
+        KVBoost(skeleton, tokenizer)
+
+
 def test_encoder_decoder_is_declined(tokenizer):
     import transformers as T
 

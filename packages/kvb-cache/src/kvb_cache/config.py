@@ -36,6 +36,8 @@ DEFAULT_KV_GROUP_SIZE = 32
 
 #: vLLM's ``--scheduling-policy`` values (:attr:`EngineConfig.scheduling_policy`).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+#: EngineConfig fields that are True or False only.
+_FLAGS = ("store_outputs", "store_partial_tail", "enforce_eager")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,8 +128,9 @@ class EngineConfig:
             object.__setattr__(self, "chunk_size", size)
         check_backend(self.attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for flag in _FLAGS:  # "false" is truthy and None falsy: both were taken silently
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
@@ -162,14 +165,19 @@ class EngineConfig:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ConfigError(f"chunk_size must be a positive int (e.g. 128), got {self.chunk_size!r}")
         if (
-            not isinstance(self.boundary_window, int)
+            isinstance(self.boundary_window, bool)
+            or not isinstance(self.boundary_window, int)
             or not 0 <= self.boundary_window < self.chunk_size // 2 + 1
         ):
             raise ConfigError(
                 f"boundary_window must be an int in [0, chunk_size // 2] = [0, {self.chunk_size // 2}], "
                 f"got {self.boundary_window!r}"
             )
-        if not isinstance(self.max_cache_bytes, int) or self.max_cache_bytes < 0:
+        if (
+            isinstance(self.max_cache_bytes, bool)
+            or not isinstance(self.max_cache_bytes, int)
+            or self.max_cache_bytes < 0
+        ):
             raise ConfigError(
                 f"max_cache_bytes must be a non-negative int of bytes, got {self.max_cache_bytes!r}"
             )

@@ -22,6 +22,7 @@ from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.decoding import SpeculativeDecoder, StepDrafter
 from kvb_cache.detokenize import token_text as piece_text
 from kvb_cache.engine_args import EngineArgs, seed_torch
+from kvb_cache.engine_inputs import check_engine_inputs
 from kvb_cache.errors import ConfigError, ContextLengthError
 from kvb_cache.fingerprint import model_fingerprint
 from kvb_cache.gpu_budget import apply_utilization, check_cuda_device
@@ -89,6 +90,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         drafter: SpeculativeDecoder | None = None,
         model_name: str | None = None,
     ) -> None:
+        check_engine_inputs(model, tokenizer, config)
         self._engine_lock = new_engine_lock()  # serialized.py: engine calls from several threads
         self.model = model.eval()
         self._built_for = (model.dtype, model.device)  # checked by add_request (LoopAPI._check_model_unmoved)
