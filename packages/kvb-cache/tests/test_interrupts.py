@@ -230,3 +230,26 @@ def test_a_request_whose_token_was_part_way_through_emission_ends_with_a_typed_e
     assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0
     want = _engine(llama, tokenizer).generate(PROMPT_B, max_new_tokens=12, ignore_eos=True).output_ids
     assert engine.generate(PROMPT_B, max_new_tokens=12, ignore_eos=True).output_ids == want
+
+
+def test_iterating_a_stream_again_after_an_interrupt_escaped_it_raises(llama, tokenizer, monkeypatch):
+    """The interrupt aborts the stream's own request; reading the stream again (a notebook cell run twice)
+    ended at once, as if the reply were whole (an audit, 2026-12-01). Now it says the reply is cut short."""
+    engine = _engine(llama, tokenizer)
+    want = engine.generate(PROMPT_A, max_new_tokens=10, ignore_eos=True).output_ids
+    stream = engine.stream(PROMPT_A, max_new_tokens=10, ignore_eos=True)
+    _interrupt_emit(monkeypatch, victim=lambda req: req.request_id == stream.request_id, nth=3)
+    got: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for event in stream:
+            got.extend(event.token_ids)
+    assert 0 < len(got) < len(want)
+    with pytest.raises(RequestInterruptedError, match="incomplete"):
+        next(stream)
+    with pytest.raises(RequestInterruptedError):
+        list(stream)
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and engine.paged_stats().blocks_used == 0
+    assert engine.generate(PROMPT_A, max_new_tokens=10, ignore_eos=True).output_ids == want
+    finished = engine.stream(PROMPT_B, max_new_tokens=4, ignore_eos=True)
+    assert list(finished)[-1].result is not None and list(finished) == []  # a whole stream just ends

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.errors import InvalidRequestError, PromptTypeError, naming_item
+from kvb_cache.errors import InvalidRequestError, PromptTypeError, RequestInterruptedError, naming_item
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
@@ -417,12 +417,29 @@ class RequestStream(Iterator[StreamEvent]):
         self._loops: EngineLoops | None = loops
         self._events = loops._follow(request_id)
         self._started = False
+        self._finished = False  # its last event (with the result) was returned
+        self._broken: BaseException | None = None  # what escaped it before that (the request is aborted)
 
     def __next__(self) -> StreamEvent:
+        if self._broken is not None:
+            # Iterating again after an interrupt (a notebook cell run twice) ended at once, as if the reply
+            # were whole: an audit, 2026-12-01.
+            raise RequestInterruptedError(
+                f"request {self.request_id} was aborted when {type(self._broken).__name__} escaped its stream "
+                "before the last token; the reply is incomplete: send it again"
+            )
         if self._loops is None:
             raise StopIteration
         self._started = True
-        return next(self._events)
+        try:
+            event = next(self._events)
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            self._broken = exc
+            raise
+        self._finished = event.result is not None
+        return event
 
     def close(self) -> None:
         """Stop following the request; an unfinished one is aborted."""
