@@ -536,3 +536,12 @@ def test_max_model_len_above_the_declared_context_is_refused_before_the_weights_
         KVBoost.from_pretrained(str(tmp_path), max_model_len=1024)
     monkeypatch.undo()
     assert KVBoost.from_pretrained(str(tmp_path), max_model_len=512).context_length == 512
+
+
+def test_vllm_call_shapes_are_refused_naming_the_equivalent(engine):
+    from kvb_cache import SamplingParams, UnknownOptionError
+
+    with pytest.raises(UnknownOptionError, match="add_request"):
+        engine.generate("w1 w2", sampling_params=SamplingParams(max_new_tokens=2))
+    with pytest.raises(PromptTypeError, match="generate_batch"):
+        engine.generate(["w1 w2", "w3"], max_new_tokens=2)

@@ -62,7 +62,17 @@ def test_serve_flags_match_the_option_classes():
 
 
 def test_everything_from_pretrained_takes_is_importable_from_kvboost():
-    for name in ("StitchConfig", "EngineArgs", "TierConfig", "SpeculativeDecoder", "CacheBusyError"):
+    # The errors from_pretrained raises for bad speculative / streaming options too (they are not KVBoostErrors:
+    # kvb-speculative and kvb-streaming do not depend on kvb-cache), so `from kvboost import ...` catches them.
+    for name in (
+        "StitchConfig",
+        "EngineArgs",
+        "TierConfig",
+        "SpeculativeDecoder",
+        "CacheBusyError",
+        "SpeculativeConfigError",
+        "StreamingConfigError",
+    ):
         assert hasattr(kvboost, name) and name in kvboost.__all__
     assert "`--awq-streaming`" in options_table(ALL_ARGS)
 

@@ -111,11 +111,13 @@ def token_id_list(prompt: object, param: str = "prompt") -> list[int]:
                 raise TypeError
             ids.append(operator.index(t))
         except TypeError:
-            hint = (
-                "; chat messages are rendered by engine.chat_prompt(messages), whose ids are a prompt"
-                if isinstance(t, Mapping) and "role" in t
-                else ""
-            )
+            if isinstance(t, Mapping) and "role" in t:
+                hint = "; chat messages are rendered by engine.chat_prompt(messages), whose ids are a prompt"
+            elif isinstance(t, str) and param == "prompt":  # vLLM's LLM.generate takes a list of prompts
+                hint = "; for several prompts use engine.generate_batch(prompts, ...)"
+            else:
+                hint = ""
+
             raise PromptTypeError(
                 f"{param} must be {text}a list of int token ids; {param}[{i}] is {type(t).__name__} {t!r}{hint}",
                 param=param,

@@ -32,6 +32,8 @@ from kvb_cache import (
     UnsupportedModelError,
     WarmResult,
 )
+from kvb_speculative import SpeculativeConfigError
+from kvb_streaming import StreamingConfigError
 from kvboost._version import __version__
 from kvboost.args import SpeculativeArgs, StreamingArgs
 from kvboost.compose import KVBoost
@@ -61,10 +63,12 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SpeculativeArgs",
+    "SpeculativeConfigError",
     "SpeculativeDecoder",
     "StitchConfig",
     "StreamEvent",
     "StreamingArgs",
+    "StreamingConfigError",
     "TierConfig",
     "TokenLogprob",
     "UnknownOptionError",
