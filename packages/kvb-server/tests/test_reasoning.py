@@ -373,3 +373,25 @@ def test_responses_logprobs_with_a_reasoning_parser_are_refused_by_name() -> Non
             json={"model": MODEL, "input": "2+2?", "include": ["reasoning.encrypted_content"]},
         )
         assert plain.status_code == 200 and plain.json()["output"][0]["encrypted_content"] is None
+
+
+def test_a_generation_prompt_that_closed_the_block_leaves_nothing_to_split() -> None:
+    """Qwen3 with ``enable_thinking: false`` renders ``<think>\\n\\n</think>\\n\\n`` as the generation prompt:
+    the reply is the answer, so the tools' grammar holds it from its first token (it admitted a new thinking
+    block, and a forced tool_choice ended with thinking and no call: an audit, 2026-12-01)."""
+    fake, app = _app(CALL)
+    fake.generation_prompt = "<assistant><think>\n\n</think>\n\n"
+    fake.context_length = 4000  # the tools' system prompt
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "Paris?"}]
+        choice = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required"
+        ).choices[0]
+        assert choice.message.tool_calls[0].function.arguments == '{"city":"Paris"}'
+        assert "reasoning" not in (choice.message.model_extra or {})
+        grammar = fake.added[-1].params.response_format.source
+        assert "THINK" not in grammar
+        fake.reply = "Four."
+        message = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message
+        assert message.content == "Four." and "reasoning" not in (message.model_extra or {})

@@ -73,6 +73,13 @@ def opens_block(prompt_text_tail: str, syntax: ReasoningSyntax) -> bool:
     return prompt_text_tail.rstrip().endswith(syntax.start)
 
 
+def closes_block(prompt_text_tail: str, syntax: ReasoningSyntax) -> bool:
+    """Whether a rendered prompt (its last characters) ends with an empty thinking block already closed:
+    Qwen3's ``enable_thinking: false`` writes ``<think>\n\n</think>\n\n`` as the generation prompt, so the
+    reply is the answer from its first token."""
+    return prompt_text_tail.rstrip().endswith(syntax.end)
+
+
 class ReasoningStream:
     """Splits a reply into reasoning and content as its text arrives in pieces.
 

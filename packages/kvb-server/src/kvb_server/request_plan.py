@@ -24,7 +24,7 @@ from kvb_server.chat_prompt import (
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.errors import InvalidParameterError, ModelNotFoundError, UnsupportedFeatureError
-from kvb_server.reasoning import ReasoningPlan, opens_block, parser_syntax
+from kvb_server.reasoning import ReasoningPlan, closes_block, opens_block, parser_syntax
 from kvb_server.sampling_params import (
     choice_count,
     choice_params,
@@ -435,6 +435,11 @@ def _reasoning_plan(
     if fmt is not None and fmt.kind != "json_schema" and not calls:
         return None
     syntax = parser_syntax(config.reasoning_parser)
-    # The last few tokens hold the generation prompt's end: "<think>\n" when the template opens the block.
-    opened = opens_block(engine.tokenizer.decode(prompt[-16:]), syntax)
-    return ReasoningPlan(syntax, opened, include=req.include_reasoning)
+    # The last few tokens hold the generation prompt's end: "<think>\n" when the template opens the block,
+    # "</think>\n\n" when it closed an empty one (thinking off): then there is nothing to split, and the
+    # tools' / JSON grammar holds the reply from its first token (it admitted a new block before, and a
+    # forced tool_choice could end with thinking and no call: an audit, 2026-12-01).
+    tail = engine.tokenizer.decode(prompt[-16:])
+    if closes_block(tail, syntax):
+        return None
+    return ReasoningPlan(syntax, opens_block(tail, syntax), include=req.include_reasoning)
