@@ -163,3 +163,32 @@ def test_a_conversation_the_template_renders_to_nothing_is_a_400_naming_messages
             httpx.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code
             == 200
         )
+
+
+def test_tool_results_then_a_user_message_on_a_template_that_wants_alternation(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A template without a tool syntax gets tool results as a user turn; on one that refuses two user turns
+    in a row (Gemma's "roles must alternate"), a user message after them was a 400 about roles the client
+    never sent (an audit, 2026-12-01): the results now open that user message's turn."""
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    server = build_server(build_parser().parse_args(_flags(model_dir, "--chat-template", str(path))))
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    with serve(server.app) as url:
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": tools})
+        assert tokenized.status_code == 200, tokenized.text
+        text = build_tokenizer().decode(tokenized.json()["tokens"])
+        assert "user: <tool_response>\nsunny\n</tool_response>\n\nAnd tomorrow?\nassistant:" in text
+        # The results at the end of the conversation are still a user turn of their own.
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages[:3], "tools": tools})
+        assert tokenized.status_code == 200, tokenized.text

@@ -230,7 +230,10 @@ def test_tools_are_rendered_as_the_chat_route_renders_them(tiny_url: str, tiny_e
     req = ChatCompletionRequest.model_validate({"model": "tiny-llama", "messages": messages, "tools": tools})
     syntax = detect(tiny_engine.tokenizer)
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
-    assert render_chat(tiny_engine, chat_messages(req, syntax, plan), plan, req) == with_tools["tokens"]
+    assert (
+        render_chat(tiny_engine, chat_messages(req, syntax, tiny_engine, plan), plan, req)
+        == with_tools["tokens"]
+    )
     assert_openai_error(
         httpx.post(tiny_url + "/tokenize", json={"prompt": "x", "tools": tools}), 400, param="tools"
     )

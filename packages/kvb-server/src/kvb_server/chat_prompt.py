@@ -24,11 +24,14 @@ from kvb_server.tool_calls.grammar import json_after_thinking
 
 
 def chat_messages(
-    req: ChatCompletionRequest, syntax: ToolSyntax, tools: ToolPlan | None = None, *, system_role: bool = True
+    req: ChatCompletionRequest, syntax: ToolSyntax, engine: ServingEngine, tools: ToolPlan | None = None
 ) -> list[dict[str, Any]]:
-    """Messages as the tokenizer's chat template expects them (tool calls and results included; see
-    :func:`kvb_server.tool_calls.template_messages`; ``system_role``: :func:`accepts_system`)."""
-    return template_messages(req.messages, syntax, tools, system_role=system_role)
+    """Messages as ``engine``'s chat template expects them (tool calls and results included; see
+    :func:`kvb_server.tool_calls.template_messages`), with what the template refuses probed once:
+    :func:`accepts_system`, :func:`repeats_user`."""
+    return template_messages(
+        req.messages, syntax, tools, system_role=accepts_system(engine), user_after_user=repeats_user(engine)
+    )
 
 
 #: Chat template source -> whether it renders a system message (probed once per template).
@@ -52,6 +55,26 @@ def accepts_system(engine: ServingEngine) -> bool:
             _renders(tokenizer, [_USER]) and not _renders(tokenizer, [_SYSTEM, _USER])
         )
     return _SYSTEM_ROLE[source]
+
+
+#: Chat template source -> whether it renders two user messages in a row (probed once per template).
+_USER_AFTER_USER: dict[str, bool] = {}
+
+
+def repeats_user(engine: ServingEngine) -> bool:
+    """Whether the model's chat template renders a user message right after another (Gemma's and Mistral's
+    raise "roles must alternate"). Tool results of a template without a tool syntax become a user turn, so
+    on such a template a user message after them was refused for a turn the server wrote. Probed once per
+    template, as :func:`accepts_system`."""
+    tokenizer = engine.tokenizer
+    source = template_source(tokenizer)
+    if not source or not hasattr(tokenizer, "apply_chat_template"):
+        return True
+    if source not in _USER_AFTER_USER:
+        _USER_AFTER_USER[source] = not (
+            _renders(tokenizer, [_USER]) and not _renders(tokenizer, [_USER, _USER])
+        )
+    return _USER_AFTER_USER[source]
 
 
 def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:

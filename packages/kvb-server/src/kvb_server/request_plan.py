@@ -15,7 +15,6 @@ from kvb_cache.sampling import SamplingParams
 from kvb_cache.structured import ResponseFormat
 from kvb_server import constraints
 from kvb_server.chat_prompt import (
-    accepts_system,
     chat_messages,
     check_tool_schemas,
     render_chat,
@@ -406,7 +405,7 @@ def _chat_prompt(
     syntax = detect(engine.tokenizer)
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)
-    messages = chat_messages(req, syntax, tools, system_role=accepts_system(engine))
+    messages = chat_messages(req, syntax, engine, tools)
     return syntax, tools, render_chat(engine, messages, tools, req)
 
 

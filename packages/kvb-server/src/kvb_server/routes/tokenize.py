@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from kvb_server.chat_prompt import accepts_system, chat_messages
+from kvb_server.chat_prompt import chat_messages
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.engine_errors import engine_error
@@ -115,7 +115,7 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
         # Parsed and rendered as the chat route does (tool_choice auto): definitions through the template
         # for a native syntax, in the system message otherwise.
         tools = tool_plan(req.tools, None, None, syntax)
-        messages = chat_messages(req, syntax, tools, system_role=accepts_system(engine))  # type: ignore[arg-type]
+        messages = chat_messages(req, syntax, engine, tools)  # type: ignore[arg-type]
         # Keywords only when they differ from the protocol's defaults (an engine may not take them all).
         options: dict[str, Any] = {}
         if tools is not None and syntax.native:

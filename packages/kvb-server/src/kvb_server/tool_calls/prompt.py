@@ -122,21 +122,31 @@ def template_id(call_id: str, syntax: ToolSyntax) -> str:
 
 
 def template_messages(
-    messages: list[Any], syntax: ToolSyntax, plan: ToolPlan | None, *, system_role: bool = True
+    messages: list[Any],
+    syntax: ToolSyntax,
+    plan: ToolPlan | None,
+    *,
+    system_role: bool = True,
+    user_after_user: bool = True,
 ) -> list[dict[str, Any]]:
     """``messages`` (the request's :class:`~kvb_server.schemas.generation_requests.ChatMessage` list) for
     the chat template. ``system_role``: the template renders a system message; when it does not (Gemma's,
     Mistral v0.1's raise), the tools' prompt of a template without tools goes before the first user
-    message's text instead of into a system message of its own."""
+    message's text instead of into a system message of its own. ``user_after_user``: the template renders
+    two user turns in a row; when it does not (Gemma's "roles must alternate"), tool results written as a
+    user turn go before the text of a user message that follows them, in that message's turn."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for templates that print it
     pending_results: list[str] = []
 
+    def results_text() -> str:
+        body = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in pending_results)
+        pending_results.clear()
+        return body
+
     def flush_results() -> None:
         if pending_results:
-            body = "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in pending_results)
-            out.append({"role": "user", "content": body})
-            pending_results.clear()
+            out.append({"role": "user", "content": results_text()})
 
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -174,6 +184,8 @@ def template_messages(
             else:
                 pending_results.append(content)
             continue
+        if msg.role == "user" and pending_results and not user_after_user:
+            content = f"{results_text()}\n\n{content}" if content else results_text()
         flush_results()
         if msg.role == "assistant" and msg.tool_calls:
             calls = _tool_calls(msg.tool_calls, where)
