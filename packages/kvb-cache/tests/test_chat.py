@@ -45,6 +45,23 @@ def test_chat_template_kwargs_only_set_template_variables(engine, kwargs):
     assert info.value.param == "chat_template_kwargs"
 
 
+def test_a_template_broken_by_its_variables_names_chat_template_kwargs_not_the_messages(engine):
+    """A template variable that breaks rendering (shadowing a name the template calls, as vLLM's and
+    transformers' templates let a request do) was blamed on ``messages`` (an audit, 2026-12-01)."""
+    engine.tokenizer.chat_template = "{% set ns = namespace(n=0) %}" + THINKING
+    assert engine.chat_prompt(MESSAGES)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.chat_prompt(MESSAGES, chat_template_kwargs={"namespace": None})
+    assert info.value.param == "chat_template_kwargs"
+    two_users = THINKING.replace(
+        "{% for m in messages %}", "{% for m in messages %}{{ raise_exception('no') if loop.index > 1 }}"
+    )
+    engine.tokenizer.chat_template = two_users
+    with pytest.raises(InvalidRequestError) as info:  # the messages themselves are refused: still messages
+        engine.chat_prompt(MESSAGES * 2, chat_template_kwargs={"enable_thinking": False})
+    assert info.value.param == "messages"
+
+
 def test_every_argument_of_the_installed_apply_chat_template_is_refused(engine):
     """Read from the signature, not only a hand-written list: transformers 5.2x's ``sanitize_control_tokens``
     slipped through (a request switched how control tokens in its text were encoded), ``self`` was a

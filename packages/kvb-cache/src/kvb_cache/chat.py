@@ -164,9 +164,39 @@ def render_chat(
             exc
         ).__module__.startswith("jinja2"):
             raise
+        if extra and _renders_without_extra(
+            tokenizer, messages, add_generation_prompt, continue_final_message, tools
+        ):
+            # The messages render alone: the template variables broke it ({"namespace": None}, say).
+            raise InvalidRequestError(
+                f"the chat template failed with these chat_template_kwargs: {exc}",
+                param="chat_template_kwargs",
+            ) from None
         raise InvalidRequestError(
             f"the chat template refused these messages: {exc}", param="messages"
         ) from None
     if isinstance(ids, Mapping) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _renders_without_extra(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool | str,
+    tools: Any,
+) -> bool:
+    """Whether ``messages`` render with no ``chat_template_kwargs`` (asked only once rendering with them
+    failed, to say which of the two the template refused)."""
+    try:
+        tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            tools=tools or None,
+        )
+    except Exception:  # whatever it raised: the messages themselves are refused too
+        return False
+    return True
