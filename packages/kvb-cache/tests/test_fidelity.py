@@ -82,3 +82,8 @@ def test_a_request_past_the_context_is_refused_before_the_reference_runs(llama, 
     with pytest.raises(InvalidRequestError, match=r"\[prompt\]") as info:
         engine.verify_correctness("Hello")
     assert info.value.param == "prompts" and not ran
+    # No prompt passed: "shorten the prompt" named nothing the caller could change (an audit, 2026-12-01).
+    small = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_model_len=256))
+    with pytest.raises(ContextLengthError, match="built-in verification prompts need .* pass your own"):
+        small.verify_correctness()
+    assert not ran

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvb_cache.cache_kwarg import cache_kwargs
-from kvb_cache.errors import InvalidRequestError
+from kvb_cache.errors import ContextLengthError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost
@@ -210,7 +210,19 @@ def verify_correctness(
         ids = engine._tokenize(prompt)
         # Before the reference: it generates on the bare model, which nothing bounds (new_tokens=10**9 ran
         # until killed; 2000 ran past the model's positions for 14 s before the engine refused it).
-        engine._check_context(len(ids), new_tokens)
+        try:
+            engine._check_context(len(ids), new_tokens)
+        except ContextLengthError as exc:
+            if prompts is not None:
+                raise
+            # The caller passed no prompt, so "shorten the prompt" named nothing they could change.
+            raise ContextLengthError(
+                f"the built-in verification prompts need {len(ids) + new_tokens} tokens of context, this "
+                f"engine has {exc.context_length}: pass your own, engine.verify_correctness([prompt, ...])",
+                prompt_tokens=exc.prompt_tokens,
+                max_new_tokens=exc.max_new_tokens,
+                context_length=exc.context_length,
+            ) from None
         ref_logits, ref_tokens = _no_cache(engine.model, ids, new_tokens)
         cached = engine.next_token_logits(ids)
         out = engine.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
