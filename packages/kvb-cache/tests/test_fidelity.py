@@ -84,6 +84,6 @@ def test_a_request_past_the_context_is_refused_before_the_reference_runs(llama, 
     assert info.value.param == "prompts" and not ran
     # No prompt passed: "shorten the prompt" named nothing the caller could change (an audit, 2026-12-01).
     small = KVBoost(llama, tokenizer, config=EngineConfig(chunk_size=16, max_model_len=256))
-    with pytest.raises(ContextLengthError, match="built-in verification prompts need .* pass your own"):
+    with pytest.raises(ContextLengthError, match=r"built-in verification prompts need .* pass your own"):
         small.verify_correctness()
     assert not ran

@@ -71,9 +71,8 @@ class LoopAPI:
     _ids: itertools.count[int]
     _followed: set[RequestId]  # EngineLoops'
     _unfollowed: list[RequestOutput]  # EngineLoops'
-    _file: Callable[
-        [list[RequestOutput]], None
-    ]  # EngineLoops': followed outputs to their loops, the rest kept
+    # EngineLoops': a step's outputs filed, followed ones to their loops and the rest kept for step().
+    _file: Callable[[list[RequestOutput]], None]
     take_unfollowed_outputs: Callable[[], list[RequestOutput]]  # EngineLoops'
 
     @serialized

@@ -417,7 +417,6 @@ class RequestStream(Iterator[StreamEvent]):
         self._loops: EngineLoops | None = loops
         self._events = loops._follow(request_id)
         self._started = False
-        self._finished = False  # its last event (with the result) was returned
         self._broken: BaseException | None = None  # what escaped it before that (the request is aborted)
 
     def __next__(self) -> StreamEvent:
@@ -438,7 +437,6 @@ class RequestStream(Iterator[StreamEvent]):
         except BaseException as exc:
             self._broken = exc
             raise
-        self._finished = event.result is not None
         return event
 
     def close(self) -> None:
