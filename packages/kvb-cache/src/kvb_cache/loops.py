@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.core.outputs import RequestId, RequestOutput
-from kvb_cache.errors import InvalidRequestError, PromptTypeError, RequestInterruptedError, naming_item
+from kvb_cache.errors import (
+    InvalidRequestError,
+    KVBoostError,
+    PromptTypeError,
+    RequestInterruptedError,
+    naming_item,
+)
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
@@ -432,9 +438,9 @@ class RequestStream(Iterator[StreamEvent]):
         self._started = True
         try:
             event = next(self._events)
-        except StopIteration:
+        except (StopIteration, KVBoostError):  # its end, or its own outcome (aborted, non-finite logits...)
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # an interrupt (or a callback's error) cut it: it was aborted
             self._broken = exc
             raise
         return event
