@@ -223,7 +223,10 @@ def test_aborting_a_followed_request_ends_its_loop_at_once(llama, tokenizer):
     assert engine.abort(mine.request_id)
     thread.join(30)
     assert isinstance(seen.get("error"), RequestAbortedError) and not thread.is_alive()
-    assert engine.abort(other) and not engine.has_unfinished()
+    # The follower's steps ran ``other`` too; on a fast machine it may have finished (its output parked
+    # for a driver's step), so abort may answer False, but either way nothing is left unfinished.
+    engine.abort(other)
+    assert not engine.has_unfinished()
     with pytest.raises(PromptTypeError, match="one id per call"):
         engine.abort([mine.request_id])
 
