@@ -119,3 +119,27 @@ def test_a_content_the_template_cannot_render_is_a_typed_error(engine_with) -> N
     with pytest.raises(InvalidRequestError, match="chat template") as err:
         engine.chat_prompt([{"role": "user", "content": {"text": "a dict"}}])
     assert err.value.param == "messages"
+
+
+def test_the_caller_can_choose_the_content_format(engine_with) -> None:
+    """``content_format`` overrides what the template's source reads as (vLLM's
+    ``--chat-template-content-format``): BOTH reads either shape, so each choice renders the same text;
+    on LOOP, ``string`` starves the loop (it walks the string's characters, none has a ``type``)."""
+    text = words(5, seed=4)
+    messages = [{"role": "user", "content": text}]
+    both = engine_with(BOTH)
+    auto = both.chat_prompt(messages)
+    assert both.chat_prompt(messages, content_format="string") == auto
+    assert both.chat_prompt(messages, content_format="openai") == auto
+    loop = engine_with(LOOP)
+    assert text in loop.tokenizer.decode(loop.chat_prompt(messages))
+    assert text not in loop.tokenizer.decode(loop.chat_prompt(messages, content_format="string"))
+    string = engine_with(STRING)
+    as_parts = string.chat_prompt(messages, content_format="openai")  # prints the list, not the text
+    assert as_parts != string.chat_prompt(messages) and text not in string.tokenizer.decode(as_parts)
+
+
+def test_an_unknown_content_format_is_a_typed_error(engine_with) -> None:
+    with pytest.raises(InvalidRequestError, match="auto, string, openai") as err:
+        engine_with(STRING).chat_prompt([{"role": "user", "content": "a"}], content_format="parts")
+    assert err.value.param == "content_format"

@@ -192,3 +192,42 @@ def test_tool_results_then_a_user_message_on_a_template_that_wants_alternation(
         # The results at the end of the conversation are still a user turn of their own.
         tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages[:3], "tools": tools})
         assert tokenized.status_code == 200, tokenized.text
+
+
+#: Reads the system message as a string (``|trim``), loops over the others' parts: auto detection sees the
+#: loop and sends parts everywhere, so the system message printed as a Python list (an audit, 2026-12-01).
+MIXED_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}system: {{ m['content'] | trim }}\n"
+    "{% else %}{{ m['role'] }}:{% if m['content'] is string %} {{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %} {{ p['text'] }}{% endfor %}{% endif %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("content_format", "system_line"),
+    [
+        (None, "system: [{'type': 'text', 'text': 'Be brief.'}]"),  # auto: parts, as vLLM's auto sends
+        ("string", "system: Be brief."),
+        ("openai", "system: [{'type': 'text', 'text': 'Be brief.'}]"),
+    ],
+)
+def test_the_content_format_flag_decides_what_the_template_receives(
+    model_dir: Path, tmp_path: Path, content_format: str | None, system_line: str
+) -> None:
+    path = tmp_path / "mixed.jinja"
+    path.write_text(MIXED_TEMPLATE)
+    extra = [] if content_format is None else ["--chat-template-content-format", content_format]
+    server = build_server(build_parser().parse_args(_flags(model_dir, "--chat-template", str(path), *extra)))
+    messages = [{"role": "system", "content": "Be brief."}, *HI]
+    with serve(server.app) as url:
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+        text = build_tokenizer().decode(tokens)
+        assert text == f"{system_line}\nuser: Where is Paris?\nassistant:"
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_an_unknown_content_format_is_a_usage_error(model_dir: Path, capsys) -> None:
+    message = _exit_message(_flags(model_dir, "--chat-template-content-format", "parts"), capsys)
+    assert "--chat-template-content-format" in message and "parts" in message

@@ -420,7 +420,6 @@ def test_vllm_flags_are_refused_with_what_to_use_instead(flags: list[str], messa
         ["--response-role", "assistant"],
         ["--load-format", "safetensors"],
         ["--tokenizer-mode", "auto"],
-        ["--chat-template-content-format", "auto"],
         ["--structured-outputs-config", '{"backend": "xgrammar"}'],
         ["--max-seq-len-to-capture", "8192"],
         ["--compilation-config", "0"],

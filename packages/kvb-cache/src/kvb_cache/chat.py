@@ -8,7 +8,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvb_cache.chat_content import content_format, fit_content, template_source
+from kvb_cache.chat_content import check_content_format, fit_content, template_source
+from kvb_cache.chat_content import content_format as detect_content_format
 from kvb_cache.errors import InvalidRequestError, PromptTypeError, check_utf8
 
 
@@ -105,8 +106,10 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
     """Token ids of ``messages`` rendered by ``tokenizer``'s chat template (see ``KVBoost.chat_prompt``)."""
+    check_content_format(content_format)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this tokenizer has no chat template; send a plain prompt", param="messages"
@@ -144,7 +147,10 @@ def render_chat(
             param="continue_final_message",
         )
     # Each content in the shape the template reads (a string, or a list of text parts): chat_content.py.
-    messages = fit_content(messages, content_format(template_source(tokenizer, tools=bool(tools))))
+    # ("auto": read from the template's source; "string" / "openai": as the caller says, vLLM's flag).
+    if content_format == "auto":
+        content_format = detect_content_format(template_source(tokenizer, tools=bool(tools)))
+    messages = fit_content(messages, content_format)  # type: ignore[arg-type]
     try:
         ids = tokenizer.apply_chat_template(
             messages,

@@ -349,6 +349,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> list[int]:
         """Token ids of ``messages`` rendered by the tokenizer's chat template.
 
@@ -356,7 +357,10 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
         template, for templates that render tools themselves (Qwen2.5, Llama 3.x, Mistral).
         ``continue_final_message``: leave the last (assistant) message open so generation continues it
         (instead of a generation prompt). ``chat_template_kwargs``: extra template variables, e.g. Qwen3's
-        ``{"enable_thinking": False}`` (vLLM's request field).
+        ``{"enable_thinking": False}`` (vLLM's request field). ``content_format``: a message's content
+        reaches the template as one string (``"string"``) or a list of text parts (``"openai"``); ``"auto"``
+        reads which from the template's source (vLLM's ``--chat-template-content-format``;
+        :mod:`kvb_cache.chat_content`).
         """
         return render_chat(
             self.tokenizer,
@@ -365,6 +369,7 @@ class KVBoost(LoopAPI, EngineLoops, LogitQueries, CacheTransfers, EngineLifecycl
             tools=tools,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            content_format=content_format,
         )
 
     @serialized

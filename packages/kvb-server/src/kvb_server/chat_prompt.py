@@ -141,10 +141,15 @@ def reply_format(
 
 
 def render_chat(
-    engine: ServingEngine, messages: list[dict[str, Any]], tools: ToolPlan | None, req: ChatCompletionRequest
+    engine: ServingEngine,
+    messages: list[dict[str, Any]],
+    tools: ToolPlan | None,
+    req: ChatCompletionRequest,
+    content_format: str = "auto",
 ) -> list[int]:
     """The prompt's token ids: ``messages`` through the model's chat template, with the tools' definitions
-    (native tool syntaxes) and the request's template options; a 400 when the template refuses them."""
+    (native tool syntaxes), the request's template options and ``--chat-template-content-format``; a 400
+    when the template refuses them."""
     definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
     options: dict[str, Any] = {}  # vLLM's template options, passed only when sent (the protocol's defaults)
     if req.add_generation_prompt is not None:
@@ -156,6 +161,8 @@ def render_chat(
         options["chat_template_kwargs"] = req.chat_template_kwargs
     if definitions:
         options["tools"] = definitions
+    if content_format != "auto":
+        options["content_format"] = content_format
     try:
         ids = engine.chat_prompt(messages, **options)
     except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvb_cache.chat_content import CONTENT_FORMATS
 from kvb_cache.options import add_option_arguments, option, option_fields, parse_bytes, positive_int
 from kvb_server.chat_template import load_chat_template
 from kvb_server.flag_types import logprobs_cap
@@ -167,6 +168,15 @@ class ServerConfig:
     override_generation_config: Override = field(default_factory=dict)
     sampling_defaults: SamplingDefaults = NO_DEFAULTS
     chat_template: str | None = None
+    chat_template_content_format: str = option(
+        "auto",
+        group="model",
+        choices=CONTENT_FORMATS,
+        metavar="auto|string|openai",
+        help="how a message's content reaches the chat template (vLLM's flag): auto reads it from the "
+        "template's source, string sends one string (text parts joined by newlines), openai a list of text "
+        "parts; set it when auto misreads a template",
+    )
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     fastapi_docs: bool = True
     max_logprobs: int = option(

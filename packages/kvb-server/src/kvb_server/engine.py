@@ -65,14 +65,16 @@ class ServingEngine(Protocol):
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> list[int]:
         """Token ids of a chat conversation through the tokenizer's chat template (generation prompt added
         unless ``add_generation_prompt`` is False; ``/tokenize`` answers 400 for engines without the keyword).
 
         ``tools`` (OpenAI function definitions) are passed to templates that render tools themselves; the
         server sends them only for such templates (see :func:`kvb_server.tool_calls.detect`).
-        ``continue_final_message`` and ``chat_template_kwargs`` are vLLM's request options; the server passes
-        each keyword only when a request sets it (raise ``InvalidRequestError`` for a bad one).
+        ``continue_final_message`` and ``chat_template_kwargs`` are vLLM's request options, ``content_format``
+        its ``--chat-template-content-format`` (``"auto"``, ``"string"``, ``"openai"``); the server passes
+        each keyword only when a request (or the flag) sets it (raise ``InvalidRequestError`` for a bad one).
         """
         ...
 

@@ -307,7 +307,7 @@ def chat_plan(
     cache_salt = request_salt(key_salt, req.cache_salt)
     _reject_chat(req)
     check_logprobs(req.top_logprobs if req.logprobs else None, config, param="top_logprobs")
-    syntax, tools, prompt = _chat_prompt(req, engine)
+    syntax, tools, prompt = _chat_prompt(req, engine, config)
     prompts = truncate_prompts((prompt,), req.truncate_prompt_tokens, engine)
     requested = constraints.requested_format(req)  # compile-checks the grammar: once per request
     thinking = _reasoning_plan(config, engine, prompts[0], req, tools, requested[1])
@@ -399,14 +399,14 @@ def truncate_prompts(
 
 
 def _chat_prompt(
-    req: ChatCompletionRequest, engine: ServingEngine
+    req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig
 ) -> tuple[ToolSyntax, ToolPlan | None, list[int]]:
     """The tool syntax, the tool plan and the prompt ids of a chat request (its tools rendered)."""
     syntax = detect(engine.tokenizer)
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, syntax)
     check_tool_schemas(tools)
     messages = chat_messages(req, syntax, engine, tools)
-    return syntax, tools, render_chat(engine, messages, tools, req)
+    return syntax, tools, render_chat(engine, messages, tools, req, config.chat_template_content_format)
 
 
 def chat_prompt_tokens(req: ChatCompletionRequest, engine: ServingEngine, config: ServerConfig) -> list[int]:
@@ -414,7 +414,7 @@ def chat_prompt_tokens(req: ChatCompletionRequest, engine: ServingEngine, config
     budget against the context, the queue's room): what ``POST /v1/responses/input_tokens`` counts."""
     served_model(req.model, config)
     _reject_chat(req)
-    return _chat_prompt(req, engine)[2]
+    return _chat_prompt(req, engine, config)[2]
 
 
 def _reasoning_plan(

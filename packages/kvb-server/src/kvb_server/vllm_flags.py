@@ -120,11 +120,6 @@ SATISFIED_VLLM_FLAGS: dict[str, tuple[str, tuple[str, ...] | None]] = {
         ("auto", "safetensors"),
     ),
     "--tokenizer-mode": ("the tokenizer is the model folder's, loaded by transformers", ("auto", "hf")),
-    "--chat-template-content-format": (
-        "a message's content reaches the chat template as one string or as a list of text parts, whichever "
-        "the template reads (detected from its source, as vLLM's auto)",
-        ("auto", "string"),
-    ),
     "--max-seq-len-to-capture": (
         "decode steps replay CUDA graphs captured per batch size and context-width bucket, at any context "
         "length (--enforce-eager turns them off)",

@@ -72,7 +72,7 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
         """Token ids of a ``prompt`` or of chat ``messages``, with their count and the context length."""
         req = await parse_request(request, TokenizeRequest, config)
         served_model(req.model, config)
-        tokens = await off_loop(request, _encode, engine, req)
+        tokens = await off_loop(request, _encode, engine, req, config.chat_template_content_format)
         body: dict[str, Any] = {
             "count": len(tokens),
             "max_model_len": engine.context_length,
@@ -105,7 +105,7 @@ def tokenize_router(*, engine: ServingEngine, config: ServerConfig) -> APIRouter
     return router
 
 
-def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
+def _encode(engine: ServingEngine, req: TokenizeRequest, content_format: str = "auto") -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidParameterError("Give exactly one of 'prompt' (a string) and 'messages' (a chat).")
     if req.tools is not None and req.messages is None:
@@ -126,6 +126,8 @@ def _encode(engine: ServingEngine, req: TokenizeRequest) -> list[int]:
             options["continue_final_message"] = True
         if req.chat_template_kwargs:
             options["chat_template_kwargs"] = req.chat_template_kwargs
+        if content_format != "auto":
+            options["content_format"] = content_format
         try:
             return _call(lambda: engine.chat_prompt(messages, **options))
         except EngineError as exc:
