@@ -127,6 +127,38 @@ def test_leftover_temp_files_are_removed_on_start(tmp_path):
     assert [p.exists() for p in leftovers] == [False, False]
 
 
+def test_a_folder_that_cannot_drop_a_stale_temp_file_still_serves_its_records(tmp_path, monkeypatch):
+    """A read-only (or another user's) folder holding a crashed writer's stale temp file, or a record name
+    that is a symlink loop: the start-up scan raised, and every lookup, store and stats call with it (an
+    audit, 2026-12-01). Now the file is left alone and the records are served."""
+    import errno
+    from pathlib import Path
+
+    entries = chain(2)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    data = [record(e) for e in entries]
+    for e, d in zip(entries, data):
+        assert disk.put(e.key, d)
+    disk.close()
+    stale = disk._path(entries[0].key).with_name("x.kvb.123.456.tmp")
+    stale.write_bytes(b"half a record")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    loop = disk._path(entries[0].key).with_name("ab" * 16 + ".kvb")
+    loop.symlink_to(loop.name)
+    real_unlink = Path.unlink
+
+    def denied(self, missing_ok=False):
+        if self.name.endswith(".tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", denied)
+    again = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    assert again.stats().entries == 2 and stale.exists()
+    assert [again.get(e.key) for e in entries] == data
+
+
 def test_tiered_store_writes_behind_and_promotes_a_chain_after_restart(tmp_path):
     entries = chain(5)
     store = tiered(tmp_path)

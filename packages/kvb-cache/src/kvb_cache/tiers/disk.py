@@ -312,13 +312,15 @@ class DiskTier(RecordTier):
             for tmp in (found for pattern in stale for found in self.directory.glob(pattern)):
                 # A writer died between write and rename. Only stale ones: in a folder shared by several
                 # processes a fresh temp file is another process's write in flight (it renames it next).
-                with contextlib.suppress(FileNotFoundError):
+                # Any OSError is left alone: a read-only folder (or another user's) cannot drop it, and the
+                # records beside it must still be served (it made every lookup and store raise before).
+                with contextlib.suppress(OSError):
                     if now - tmp.stat().st_mtime > _STALE_TMP_S:
                         tmp.unlink(missing_ok=True)
             for path in self.directory.glob(f"*/*{SUFFIX}"):
                 try:
                     st = path.stat()
-                except FileNotFoundError:
+                except OSError:  # gone since the glob, or unreadable (a symlink loop): not a record
                     continue
                 found.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
         found.sort()
