@@ -209,3 +209,23 @@ def test_forged_quantized_record_cannot_broadcast_into_a_larger_tensor(codec, mu
     shapes = [LayerShape(kv_heads=2, key_dim=16, value_dim=16, dtype=torch.float32)] * 3
     with pytest.raises(RecordError, match="do not fit"):
         checked_kv(entry, shapes)
+
+
+def test_dense_tensors_in_another_dtype_than_the_record_names_are_rejected():
+    """A well-checksummed record labelled fp32 holding fp16 KV (another program writing a shared folder or
+    Redis) was upcast and served as an exact hit, 3e-3 off no-cache (an audit, 2026-12-01)."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    data = encode_record(make_entry(), fmt())
+    blob = data[len(MAGIC) + 32 :]
+    meta = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    assert "float32" in meta["dtype"]
+    halved = {n: t if n.startswith("__") else t.half() for n, t in st_load(blob).items()}
+    forged = st_save(halved, metadata=meta)
+    with pytest.raises(RecordError, match="dtype"):
+        decode_record(MAGIC + hashlib.sha256(forged).digest() + forged, fmt())
+    assert decode_record(data, fmt()).kv[0][0].dtype == torch.float32  # the honest record still reads

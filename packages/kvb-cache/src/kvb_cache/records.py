@@ -23,6 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvb_cache.codecs import DenseCodec, EncodedKV, KVCodec
+from kvb_cache.codecs.base import layer_names
 from kvb_cache.errors import KVBoostError
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
 from kvb_cache.store import ChunkEntry, LayerKV
@@ -151,6 +152,16 @@ def _entry_from(meta: dict[str, str], tensors: dict[str, torch.Tensor], fmt: Rec
     )
     kv: tuple = ()
     if isinstance(fmt.codec, DenseCodec):
+        # Dense KV is stored in the dtype the metadata names: fp16 tensors under an fp32 label (another
+        # program writing the shared folder) were upcast and served as an exact hit, 3e-3 off no-cache.
+        _check(
+            all(
+                n in tensors and tensors[n].dtype == encoded.dtype
+                for i in range(num_layers)
+                for n in layer_names(i)
+            ),
+            "KV tensors are not in the record's dtype",
+        )
         kv = tuple(tuple(encoded.layer(i)) for i in range(num_layers))
         _check(
             all(k.shape[2] == num_tokens and v.shape[2] == num_tokens for k, v in kv), "KV length != tokens"
