@@ -15,6 +15,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from kvb_cache.errors import InvalidRequestError
+
 ContentFormat = Literal["string", "openai"]
 #: What a caller may ask for (vLLM's ``--chat-template-content-format``): ``auto`` reads the template.
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -24,8 +26,6 @@ def check_content_format(value: object, param: str = "content_format") -> None:
     """Raise :class:`~kvb_cache.errors.InvalidRequestError` unless ``value`` is one of
     :data:`CONTENT_FORMATS`."""
     if value not in CONTENT_FORMATS:
-        from kvb_cache.errors import InvalidRequestError
-
         raise InvalidRequestError(
             f"{param} must be one of {', '.join(CONTENT_FORMATS)}, got {value!r}", param=param
         )
