@@ -211,9 +211,11 @@ def test_corrupted_record_is_dropped_counted_and_treated_as_a_miss(tmp_path):
 @pytest.mark.parametrize("kind", ["fifo", "oversized", "folder"])
 def test_what_no_record_write_leaves_is_refused_unread(tmp_path, kind):
     """A named pipe at a record's path blocked the read (and the request) forever; a file larger than the
-    tier's budget was read whole and hashed first. Both are refused without reading, counted as corrupt,
-    removed, and the chunk is a miss (recomputed)."""
+    tier's budget was read whole and hashed first; a folder could not be removed, so it was refused on every
+    lookup and blocked the record's write. All are refused without reading, counted as corrupt, removed,
+    and the chunk is a miss (recomputed) that the next store heals."""
     disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=4096)
+    disk.stats()  # indexed before: the thing appears later, as another process's file would
     entry = chain(1)[0]
     path = disk._path(entry.key)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,15 +226,67 @@ def test_what_no_record_write_leaves_is_refused_unread(tmp_path, kind):
             f.truncate(1 << 30)  # sparse: no disk space used
     else:
         path.mkdir()
+        (path / "inner").write_bytes(b"x")
     t0 = time.monotonic()
     assert disk.get(entry.key) is None
     assert time.monotonic() - t0 < 5
     stats = disk.stats()
     assert (stats.corrupt, stats.misses, stats.hits) == (1, 1, 0)
-    if kind != "folder":  # unlink does not remove a folder: it stays a miss each time, refused unread
-        assert not os.path.lexists(path)
-        data = record(entry)
-        assert disk.put(entry.key, data) and disk.get(entry.key) == data
+    assert not os.path.lexists(path)
+    data = record(entry)
+    assert disk.put(entry.key, data) and disk.get(entry.key) == data
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_what_no_record_write_leaves_is_not_indexed_at_start(tmp_path, kind):
+    """A folder or a pipe named like a record was indexed by the start-up scan (as 4096 bytes for a folder):
+    ``contains`` answered True, so the write-behind skipped the block and it was never stored."""
+    entry = chain(1)[0]
+    path = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)._path(entry.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    assert disk.stats().entries == 0
+    store = TieredStore(
+        ChunkStore(1 << 20),
+        root=ROOT,
+        codec=DenseCodec(),
+        lower=[LowerTier(tier=disk, format=RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))],
+        writer=BackgroundWriter(16),
+    )
+    assert store.put(entry, root=ROOT)
+    store.flush()
+    back = decode_record(disk.get(entry.key), RecordFormat(fingerprint=FINGERPRINT, codec=DenseCodec()))
+    assert back.token_ids == entry.token_ids
+
+
+def test_the_budget_holds_over_records_already_in_the_folder_at_start(tmp_path):
+    """A folder over the budget at start (a smaller ``disk_cache_bytes`` than the last run's, or several
+    processes' records) stayed over it for as long as the process only read from it: only a store, or a
+    record new to the index, evicted. The scan now evicts the least recently used down to the budget."""
+    entries = chain(5)
+    size = len(record(entries[0]))
+    big = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=5 * size)
+    for i, e in enumerate(entries):
+        big.put(e.key, record(e))
+        os.utime(big._path(e.key), (1000 + i, 1000 + i))  # deterministic mtimes: entries[0] oldest
+    big.close()
+    small = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=2 * size)
+    assert small.get(entries[4].key) is not None  # a hit-only workload
+    s = small.stats()
+    assert (s.entries, s.bytes, s.evictions) == (2, 2 * size, 3)
+    assert [small._path(e.key).exists() for e in entries] == [False, False, False, True, True]
+
+
+def test_a_record_larger_than_the_budget_is_counted_and_said_once(tmp_path, caplog):
+    """A budget below one record turned the tier off in silence (stores=0, errors=0, no warning)."""
+    entries = chain(3)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=len(record(entries[0])) - 1)
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.disk"):
+        assert not any(disk.put(e.key, record(e)) for e in entries)
+    assert disk.stats().dropped == 3 and disk.stats().stores == 0
+    said = [r for r in caplog.records if "larger than disk_cache_bytes" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_deletes_in_a_read_only_folder_are_counted_not_raised(tmp_path, monkeypatch, caplog):

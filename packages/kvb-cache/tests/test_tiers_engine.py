@@ -359,3 +359,81 @@ def test_a_prefix_hit_in_ram_keeps_its_disk_records_from_being_evicted_first(
     assert first.tiers.stats()[0].evictions > 0
     fresh = engine(llama, tokenizer, tiers=tiers)
     assert fresh.generate(prompts[-1], max_new_tokens=1).cached_tokens == 80  # before: 0
+
+
+def _record_bytes(llama, tokenizer, tmp_path) -> int:
+    """The size of one block's record of the tiny Llama (all blocks of a dense codec have this size)."""
+    probe = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "probe"))
+    probe.generate(PROMPTS[0], max_new_tokens=1)
+    probe.flush()
+    (disk,) = probe.tiers.stats()
+    probe.close()
+    return disk.bytes // disk.entries
+
+
+def test_a_disk_budget_below_one_record_is_a_config_error(llama, tokenizer, tmp_path):
+    """Such a budget stored nothing, in silence (stores=0, errors=0), and the process refused the records
+    other processes had written into the shared folder as larger than its budget, deleting them."""
+    from kvb_cache.errors import ConfigError
+
+    size = _record_bytes(llama, tokenizer, tmp_path)
+    with pytest.raises(ConfigError, match=f"cannot hold one KV record of this model \\({size} bytes"):
+        engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "d", disk_cache_bytes=size - 1))
+    fits = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "d", disk_cache_bytes=size))
+    fits.generate(PROMPTS[1], max_new_tokens=1)
+    fits.close()
+    assert fits.tiers.stats()[0].entries == 1
+
+
+def test_a_block_a_tier_failed_to_take_is_written_again_on_a_ram_hit(llama, tokenizer, tmp_path, monkeypatch):
+    """A block whose write was skipped (the disk paused while full, a full write queue, Redis down) was never
+    written later: RAM hits only bumped records the tier held, so a restart reused nothing of the prompt."""
+    import time
+
+    from kvb_cache.core import block_tiers
+
+    monkeypatch.setattr(block_tiers, "TOUCH_INTERVAL_S", 0.0)  # a failed block is due again at once
+    tiers = TierConfig(disk_cache_dir=tmp_path)
+    first = engine(llama, tokenizer, tiers=tiers)
+    disk = first.tiers.lower[0].tier
+    encoded = []
+    encode = block_tiers.encode_record
+    monkeypatch.setattr(block_tiers, "encode_record", lambda *a: encoded.append(1) or encode(*a))
+    disk._full_until = time.monotonic() + 3600  # stores paused, as after the file system filled up
+    expected = first.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    first.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)  # a RAM hit while still paused
+    first.flush()
+    assert (disk.stats().stores, disk.stats().dropped) == (0, 4)
+    assert not encoded  # a paused tier costs no encoding, and its misses wait for it to take writes
+    disk._full_until = 0.0  # the disk has room again
+    assert first.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True).cached_tokens >= 64  # a RAM hit
+    first.close()
+    assert disk.stats().stores == 4
+    fresh = engine(llama, tokenizer, tiers=tiers)
+    got = fresh.generate(PROMPTS[2], max_new_tokens=4, ignore_eos=True)
+    assert got.cached_tokens == 64 and got.output_ids == expected.output_ids  # before: 0
+
+
+def test_a_finished_request_leaves_its_chain_to_be_evicted_from_its_end(llama, tokenizer, tmp_path):
+    """Blocks are written head first, so a chain's head was its oldest record and the first evicted: the
+    blocks after it stayed on disk, unreachable (a lookup stops at the first missing block), and a restart
+    reused nothing of a prompt whose last three quarters were on disk. What is left of a chain now is a
+    prefix of it: every record on disk can be reached."""
+    size = _record_bytes(llama, tokenizer, tmp_path)
+    prompts = [list(range(s, s + 66)) for s in (1, 70, 140, 210)]  # 4 full blocks each, nothing shared
+    tiers = TierConfig(disk_cache_dir=tmp_path / "disk", disk_cache_bytes=6 * size)
+    e = engine(llama, tokenizer, tiers=tiers)
+    for prompt in prompts:
+        e.generate(prompt, max_new_tokens=1)
+    e.close()
+    disk = e.tiers.lower[0].tier
+    present = []
+    for prompt in prompts:
+        key, held = e.root, []
+        for i in range(4):
+            key = prefix_hash(key, prompt[16 * i : 16 * (i + 1)])
+            held.append(disk._path(key).exists())
+        present.append(held)
+    assert sum(map(sum, present)) == 6 and any(0 < sum(held) < 4 for held in present)
+    for held in present:  # before: [[F, F, T, T], [F, F, F, F], [T, T, T, T], ...] (the heads went first)
+        assert held == sorted(held, reverse=True), present

@@ -10,17 +10,22 @@ A record failing validation is dropped from its tier, counted and treated as a m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from kvb_cache.config import EngineConfig
 from kvb_cache.core.kv_storage import LayerShape
-from kvb_cache.hashing import ChunkHash
+from kvb_cache.errors import ConfigError
+from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
 from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
+from kvb_cache.tiers.disk import DiskTier
 from kvb_cache.tiers.tiered import LowerTier, close_tiers, drop_unread, gather_records
 from kvb_cache.tiers.writer import BackgroundWriter
 
@@ -33,6 +38,41 @@ _TOUCHED_KEYS = 65536
 #: Threads that run the engine loop's tier lookups (:meth:`BlockTiers.fetch_async`): a lookup stalled on
 #: one request's records (a Redis timeout) does not hold up the next request's disk probe.
 LOAD_THREADS = 4
+
+
+def check_disk_budget(
+    lower: Sequence[LowerTier], shapes: Sequence[LayerShape], block_size: int, *, fingerprint: str
+) -> None:
+    """ConfigError when a disk tier's budget cannot hold one block's record (its exact size, measured by
+    encoding a block of zeros in the tier's format). Such a tier stored nothing, in silence, and refused
+    the records other processes had written into the shared folder as larger than its budget."""
+    for level in lower:
+        if not isinstance(level.tier, DiskTier):
+            continue
+        kv = tuple(
+            (
+                torch.zeros(1, s.kv_heads, block_size, s.key_dim, dtype=s.dtype),
+                torch.zeros(1, s.kv_heads, block_size, s.value_dim, dtype=s.dtype),
+            )
+            for s in shapes
+        )
+        root = root_hash(fingerprint)
+        ids = (0,) * block_size
+        entry = ChunkEntry(
+            key=prefix_hash(root, ids),
+            parent=root,
+            content=content_hash(root, ids),
+            token_ids=ids,
+            kv=kv,
+            start=0,
+        )
+        size = len(encode_record(entry, level.format))
+        if size > level.tier.max_bytes:
+            raise ConfigError(
+                f"disk_cache_bytes={level.tier.max_bytes} cannot hold one KV record of this model ({size} "
+                f"bytes for a block of {block_size} tokens); raise disk_cache_bytes (--disk-cache-bytes) well "
+                "above it (the default is 16 GiB), or leave the disk tier off"
+            )
 
 
 class BlockTiers:
@@ -60,6 +100,10 @@ class BlockTiers:
         self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
         self._touched: OrderedDict[ChunkHash, float] = OrderedDict()  # key -> when it was last bumped
         self._loader: ThreadPoolExecutor | None = None  # made on the first fetch_async
+        #: Blocks some tier failed to take (a full write queue, a paused or unreachable tier) -> when: a RAM
+        #: hit on one writes it again (:meth:`unwritten`). Shared by the engine and writer threads.
+        self._unwritten: OrderedDict[ChunkHash, float] = OrderedDict()
+        self._unwritten_lock = threading.Lock()
         #: Bumped when the tiers are cleared or closed: a lookup begun before (on a loader thread, it may end
         #: after) neither writes what it read into the faster tiers nor has its records promoted.
         self.generation = 0
@@ -78,8 +122,15 @@ class BlockTiers:
         tiers = config.tiers
         if tiers is None or not tiers.enabled:
             return None
+        lower = lower_tiers(config, fingerprint=fingerprint)
+        if shapes is not None:
+            try:
+                check_disk_budget(lower, shapes, config.block_size, fingerprint=fingerprint)
+            except ConfigError:
+                close_tiers(lower)
+                raise
         return cls(
-            lower_tiers(config, fingerprint=fingerprint),
+            lower,
             BackgroundWriter(tiers.max_pending_writes),
             shapes=shapes,
             block_size=config.block_size,
@@ -145,19 +196,55 @@ class BlockTiers:
         if tiers and not self.writer.submit(lambda: self._store(entry, tiers)):
             for lower in tiers:
                 lower.tier.count("dropped")
+            self._mark(entry.key, stored=False)
 
-    def touch(self, keys: Sequence[ChunkHash]) -> None:
+    def unwritten(self, keys: Sequence[ChunkHash]) -> list[int]:
+        """Indexes of ``keys`` (blocks just hit in RAM) some tier failed to take at least
+        :data:`TOUCH_INTERVAL_S` ago; the caller writes them behind again (a failure marks them again).
+
+        Before, a block whose write was dropped (the queue full under a burst, the disk paused while full,
+        Redis down for a moment) was never written later: a RAM hit only bumped records the tiers held. The
+        prompt's head then stayed missing below, and every later block of the chain, written fine, was
+        unreachable to other processes and after a restart (a lookup stops at the first missing block).
+        """
+        if not self._unwritten or any(lower.tier.paused() for lower in self.lower):
+            return []  # a tier still paused would skip the write again: the KV copy would be wasted
+        now = time.monotonic()
+        due = []
+        with self._unwritten_lock:
+            for i, key in enumerate(keys):
+                failed = self._unwritten.get(key)
+                if failed is not None and now - failed >= TOUCH_INTERVAL_S:
+                    del self._unwritten[key]
+                    due.append(i)
+        return due
+
+    def _mark(self, key: ChunkHash, *, stored: bool) -> None:
+        with self._unwritten_lock:
+            if stored:
+                self._unwritten.pop(key, None)
+                return
+            self._unwritten[key] = time.monotonic()
+            self._unwritten.move_to_end(key)
+            while len(self._unwritten) > _TOUCHED_KEYS:
+                self._unwritten.popitem(last=False)
+
+    def touch(self, keys: Sequence[ChunkHash], *, force: bool = False) -> None:
         """Queue a recency bump of ``keys`` (a prefix's blocks, in chain order, just hit in RAM) in every
-        tier, each key at most once per :data:`TOUCH_INTERVAL_S`. Without it a RAM hit never reached the
-        tiers, so the most reused prefix (a shared system prompt) kept its first write's age and was the
-        first record evicted, and every record after it in a chain became unreachable (a lookup stops at
-        the first missing block). The bump goes from the chain's end to its start, so a chain's first block
-        is its most recent and eviction takes chains from their ends (as vLLM's free queue does)."""
+        tier, each key at most once per :data:`TOUCH_INTERVAL_S` (``force``: every key, now). Without it a
+        RAM hit never reached the tiers, so the most reused prefix (a shared system prompt) kept its first
+        write's age and was the first record evicted, and every record after it in a chain became
+        unreachable (a lookup stops at the first missing block). The bump goes from the chain's end to its
+        start, so a chain's first block is its most recent and eviction takes chains from their ends (as
+        vLLM's free queue does). A finished request bumps its whole chain (``force``): its blocks were
+        written head first, so the head was the oldest record of the chain and evicted first."""
         if not self.lower or not keys or self.writer.pending * 2 >= self.writer.capacity:
             return  # a hint: never take the queue slots that record writes need (they would be dropped)
         now = time.monotonic()
         recent = self._touched
-        due = [k for k in reversed(keys) if now - recent.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S]
+        due = [
+            k for k in reversed(keys) if force or now - recent.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S
+        ]
         lower = self.lower
         if not due or not self.writer.submit(lambda: [tier.tier.touch(due) for tier in lower]):
             return
@@ -178,6 +265,8 @@ class BlockTiers:
         is neither written back nor promoted."""
         self.generation += 1
         self.flush()
+        with self._unwritten_lock:
+            self._unwritten.clear()
         return sum(lower.tier.clear() or 0 for lower in self.lower)
 
     def close(self, timeout_s: float | None = None) -> bool:
@@ -232,19 +321,36 @@ class BlockTiers:
         written is counted as the tier's ``errors`` and logged once per tier and kind of failure: failing
         quietly on every block, the tier stayed empty while its stats read ``stores=0 errors=0``.
         """
+        stored = True
         for lower in tiers:
             try:
-                if not lower.tier.contains(entry.key):
-                    lower.tier.put(entry.key, encode_record(entry, lower.format))
+                if lower.tier.contains(entry.key):
+                    continue
+                if lower.tier.paused():  # skipped without encoding (a big model's record is megabytes)
+                    lower.tier.count("dropped")
+                    stored = False
+                    continue
+                record = encode_record(entry, lower.format)
+            except Exception as exc:  # KV the codec refuses: writing it again would fail the same way
+                self._store_failed(lower, exc)
+                continue
+            try:
+                if not lower.tier.put(entry.key, record):
+                    stored = False  # paused, unreachable or full: written again on a RAM hit
             except Exception as exc:
-                lower.tier.count("errors")
-                kind = (lower.tier.name, type(exc).__name__)
-                if kind not in self._warned:
-                    self._warned.add(kind)
-                    logger.warning(
-                        "%s tier: a record could not be stored (%s: %s); counted in its errors, "
-                        "further failures of this kind are not logged",
-                        lower.tier.name,
-                        type(exc).__name__,
-                        exc,
-                    )
+                stored = False
+                self._store_failed(lower, exc)
+        self._mark(entry.key, stored=stored)
+
+    def _store_failed(self, lower: LowerTier, exc: Exception) -> None:
+        lower.tier.count("errors")
+        kind = (lower.tier.name, type(exc).__name__)
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(
+                "%s tier: a record could not be stored (%s: %s); counted in its errors, "
+                "further failures of this kind are not logged",
+                lower.tier.name,
+                type(exc).__name__,
+                exc,
+            )

@@ -157,6 +157,12 @@ class KVCacheManager:
         full = len(req.blocks)
         if self.tiers is not None and full:
             self.tiers.touch(hashes[:full])  # RAM hits keep their tier records recent (queued, rate-limited)
+            for i in self.tiers.unwritten(hashes[:full]):  # blocks a tier failed to take: written again
+                parent = hashes[i - 1] if i else self.root_of(req)
+                tokens = tuple(req.tokens[i * bs : (i + 1) * bs])
+                self.tiers.write_behind(
+                    self._entry(req.blocks[i].id, parent, hashes[i], tokens, start=i * bs)
+                )
         promoted = (
             self._promote(req, hashes[full:], loaded) if self.tiers is not None and full < len(hashes) else 0
         )
@@ -339,6 +345,10 @@ class KVCacheManager:
                 # serves them: one more copy would only push other cached prefixes out of the pool.
                 if self.pool.longest_child(parent, tokens)[1] < len(tokens):
                     self.pool.register_partial(block, parent=parent, token_ids=tokens)
+        if self.tiers is not None and req.registered:
+            # The chain was written head first, so its head was its oldest record and evicted first,
+            # leaving the rest unreachable; bumped now from its end, the head is the most recent.
+            self.tiers.touch(req.block_hashes[: req.registered], force=True)
         self.pool.release(reversed(req.blocks))
         req.blocks = []
         req.registered = 0

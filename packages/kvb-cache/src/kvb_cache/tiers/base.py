@@ -130,5 +130,10 @@ class RecordTier(ABC):
         """Mark ``keys``' records as just used (their blocks were hit in RAM, which never reads this tier),
         the last one most recently; records this tier does not hold are skipped. Never raises."""
 
+    def paused(self) -> bool:
+        """Whether stores are being skipped for now (a full disk, an unreachable Redis): the engine then
+        neither encodes records for this tier nor queues blocks it missed for writing again."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections or persist counters."""

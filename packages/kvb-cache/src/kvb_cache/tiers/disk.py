@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import stat
 import threading
 import time
@@ -77,6 +78,7 @@ class DiskTier(RecordTier):
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
         self._full_logged = False  # the file system filled below the budget (said once)
+        self._too_big_logged = False  # a record larger than the whole budget was offered (said once)
         self._probe()
 
     # ------------------------------------------------------------------ RecordTier
@@ -158,6 +160,18 @@ class DiskTier(RecordTier):
             if name in index:
                 return True
         if len(record) > self.max_bytes:
+            # NOTE: counted and said once: a budget below one record turned the tier off in silence
+            # (stores=0, errors=0). The engine refuses such a budget when it is built (ConfigError).
+            self.counters.add("dropped")
+            if not self._too_big_logged:
+                self._too_big_logged = True
+                logger.warning(
+                    "disk tier at %s: a record of %d bytes is larger than disk_cache_bytes (%d); such "
+                    "records are not stored: raise disk_cache_bytes",
+                    self.directory,
+                    len(record),
+                    self.max_bytes,
+                )
             return False
         if time.monotonic() < self._full_until:
             self.counters.add("dropped")  # the disk is full: skipped without touching it
@@ -175,6 +189,8 @@ class DiskTier(RecordTier):
             # a traceback per block from the writer thread.
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+            if retry and path.is_dir() and not path.is_symlink() and self._remove_folder(path):
+                return self._put(key, record, retry=False)  # a folder in the record's place (see _unlink)
             if retry and exc.errno in _NO_SPACE and self._make_room(_ROOM_RECORDS * len(record)):
                 # The disk filled up before the tier reached its budget (other files share it): the
                 # oldest records make way, as the budget would have had them do; the cache froze before.
@@ -202,6 +218,9 @@ class DiskTier(RecordTier):
         self.counters.add("stores")
         self._maybe_persist_stats()
         return True
+
+    def paused(self) -> bool:
+        return time.monotonic() < self._full_until
 
     def _pause(self, exc: OSError) -> None:
         self._full_until = time.monotonic() + _FULL_PAUSE_S
@@ -231,7 +250,8 @@ class DiskTier(RecordTier):
         with self._lock:
             if key.hex() in self._loaded():
                 return True
-        return self._path(key).exists()
+        # is_file: a folder or a pipe at the path is no record (exists() said stored: never written)
+        return self._path(key).is_file()
 
     def delete(self, key: ChunkHash) -> None:
         self._unlink(self._path(key))
@@ -249,12 +269,25 @@ class DiskTier(RecordTier):
         except FileNotFoundError:
             return False
         except OSError as exc:
+            if path.is_dir() and not path.is_symlink():
+                # A folder named like a record (no write of ours leaves one): unlink cannot remove it, so
+                # it was refused on every lookup and blocked the record's write (os.replace onto a folder).
+                return self._remove_folder(path)
             self.counters.add("errors")
             if exc.errno in _FULL_ERRNOS:
                 if time.monotonic() >= self._full_until:
                     self._pause(exc)
             else:
                 logger.warning("disk tier could not remove %s (%s)", path, exc)
+            return False
+
+    def _remove_folder(self, path: Path) -> bool:
+        try:
+            shutil.rmtree(path)
+            return True
+        except OSError as exc:
+            self.counters.add("errors")
+            logger.warning("disk tier could not remove the folder %s (%s)", path, exc)
             return False
 
     def clear(self) -> int:
@@ -294,12 +327,16 @@ class DiskTier(RecordTier):
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
     def _loaded(self) -> OrderedDict[str, int]:
-        """The index, built on first use from the files on disk (oldest mtime first)."""
+        """The index, built on first use from the files on disk (oldest mtime first), trimmed to the
+        budget: a folder left over budget (a smaller ``disk_cache_bytes`` than the last run's, or several
+        processes' records) stayed so for as long as the process only read from it, since only a store or
+        a record new to the index evicted."""
         with self._lock:
             if self._index is None:
                 self._index = self._scan()
                 self._bytes = sum(self._index.values())
                 self._base = self._read_stats()
+                self._evict_over_budget()
             return self._index
 
     def _scan(self) -> OrderedDict[str, int]:
@@ -321,6 +358,8 @@ class DiskTier(RecordTier):
                 try:
                     st = path.stat()
                 except OSError:  # gone since the glob, or unreadable (a symlink loop): not a record
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a folder or a pipe: refused (and removed) when looked up
                     continue
                 found.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
         found.sort()

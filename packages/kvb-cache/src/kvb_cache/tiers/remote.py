@@ -293,6 +293,9 @@ class RedisTier(RecordTier):
     def _name(self, key: ChunkHash) -> str:
         return self.prefix + key.hex()
 
+    def paused(self) -> bool:
+        return self._is_down()
+
     def _is_down(self) -> bool:
         return time.monotonic() < self._down_until
 
