@@ -355,3 +355,30 @@ def test_a_full_redis_refusing_writes_still_serves_reads(redis_server, caplog):
     warnings = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage()]
     assert len(warnings) == 1 and "refused a write" in warnings[0], warnings
     assert tier.put(entries[1].key, b"y") and tier.get(entries[1].key) == b"y"
+
+
+def test_blocks_written_while_redis_was_down_reach_it_on_a_ram_hit(
+    redis_server, llama, tokenizer, monkeypatch
+):
+    """The records of a prompt computed while Redis was down were never sent once it came back (RAM hits
+    only TOUCHed records Redis held): other processes and restarts reused nothing of that prompt."""
+    from kvb_cache.core import block_tiers
+
+    monkeypatch.setattr(block_tiers, "TOUCH_INTERVAL_S", 0.0)  # a missed block is due again at once
+    config = EngineConfig(chunk_size=16, tiers=TierConfig(remote_url=redis_server.url, remote_timeout_s=0.3))
+    engine = KVBoost(llama, tokenizer, config=config)
+    tier = engine.tiers.lower[0].tier
+    prompt = list(range(20, 70))  # three full blocks of 16
+    redis_server.stop()
+    expected = engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    engine.flush()
+    assert tier.stats().stores == 0
+    redis_server.start()
+    tier._down_until = 0.0  # skip the outage's retry wait
+    assert engine.generate(prompt, max_new_tokens=4, ignore_eos=True).cached_tokens >= 48  # a RAM hit
+    engine.close()
+    assert tier.stats().stores == 3
+    other = KVBoost(llama, tokenizer, config=config)  # another process: nothing in its RAM
+    got = other.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    other.close()
+    assert got.cached_tokens == 48 and got.output_ids == expected.output_ids  # before: 0
