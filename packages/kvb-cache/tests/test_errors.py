@@ -542,6 +542,28 @@ def test_vllm_call_shapes_are_refused_naming_the_equivalent(engine):
     from kvb_cache import SamplingParams, UnknownOptionError
 
     with pytest.raises(UnknownOptionError, match="add_request"):
-        engine.generate("w1 w2", sampling_params=SamplingParams(max_new_tokens=2))
+        engine.generate_batch(["w1 w2"], sampling_params=SamplingParams(max_new_tokens=2))
     with pytest.raises(PromptTypeError, match="generate_batch"):
         engine.generate(["w1 w2", "w3"], max_new_tokens=2)
+
+
+def test_generate_and_stream_take_a_sampling_params_as_vllm_does(engine):
+    """``llm.generate(prompt, SamplingParams(...))`` (vLLM's shape) was Python's TypeError (positionally) or
+    an error naming add_request (by name)."""
+    from kvb_cache import InvalidRequestError, SamplingParams
+
+    params = SamplingParams(max_new_tokens=5, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    keywords = engine.generate(
+        "w1 w2 w3", max_new_tokens=5, temperature=0.8, top_k=20, seed=7, ignore_eos=True
+    )
+    assert engine.generate("w1 w2 w3", params).output_ids == keywords.output_ids
+    assert engine.generate("w1 w2 w3", sampling_params=params, priority=0).output_ids == keywords.output_ids
+    events = list(engine.stream("w1 w2 w3", params))
+    assert events[-1].result.output_ids == keywords.output_ids
+    with pytest.raises(InvalidRequestError, match=r"not both \(got \['max_new_tokens'\]") as err:
+        engine.generate("w1 w2", params, max_new_tokens=3)
+    assert err.value.param == "sampling_params"
+    with pytest.raises(InvalidRequestError, match=r"not both \(got \['temperature'\]"):
+        engine.stream("w1 w2", params, temperature=0.5)
+    with pytest.raises(InvalidRequestError, match="must be a kvb_cache.SamplingParams, got builtins.dict"):
+        engine.generate("w1 w2", {"max_new_tokens": 2})

@@ -11,6 +11,7 @@ stepping beside ``generate`` / ``stream`` (another thread's, or a stream left op
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import deque
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
     from kvb_cache.core.kv_manager import KVCacheManager
 
 
+def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
 class EngineLoops:
     """Mixed into :class:`~kvb_cache.engine.KVBoost`; relies on its loop API and tokenizer."""
 
@@ -53,10 +62,12 @@ class EngineLoops:
     _engine_lock: threading.RLock  # serialized.py
     tokenizer: Any
 
-    def stream(self, prompt: Prompt | None = None, **sampling: Any) -> RequestStream:
+    def stream(
+        self, prompt: Prompt | None = None, sampling_params: SamplingParams | None = None, **sampling: Any
+    ) -> RequestStream:
         """Token-by-token text deltas; the last event carries the :class:`GenerationResult`.
 
-        Accepts the same keyword arguments as :meth:`generate`. Arguments are validated at the call; closing
+        Accepts the same arguments as :meth:`generate`. Arguments are validated at the call; closing
         the iterator early (``close()``, leaving a ``with`` block, or dropping it), even before its first
         event, aborts the request (its computed KV stays cached).
         """
@@ -66,10 +77,11 @@ class EngineLoops:
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
         cache_salt = sampling.pop("cache_salt", None)
         priority = sampling.pop("priority", 0)
+        params = _given_params(sampling_params, sampling) or self._sampling_params(sampling)
         with self._engine_lock:  # followed before another thread's step can produce its first output
             rid = self.add_request(
                 prompt,
-                self._sampling_params(sampling),
+                params,
                 prefill_chunk_size=prefill_chunk_size,
                 kv_cache_bits=kv_cache_bits,
                 cache_salt=cache_salt,
@@ -162,6 +174,7 @@ class EngineLoops:
     def generate(
         self,
         prompt: Prompt | None = None,
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -201,34 +214,41 @@ class EngineLoops:
         ``min_tokens``: no end-of-sequence and no stop string before that many tokens (vLLM's semantics).
         ``stop_token_ids`` end generation like end-of-sequence; ``include_stop_str_in_output`` keeps the stop
         string or token in the text; ``skip_special_tokens=False`` keeps special tokens' text (all vLLM's).
+
+        ``sampling_params``: a :class:`SamplingParams` instead of those keywords, as vLLM's
+        ``llm.generate(prompt, sampling_params)`` takes it (positionally or by name); giving both is an
+        :class:`InvalidRequestError`. ``prefill_chunk_size``, ``kv_cache_bits``, ``cache_salt`` and
+        ``priority`` are not sampling options and go with either.
         """
         if prompt is None and "input_ids" in unknown:
             raise _input_ids_given("generate")
-        params = self._sampling_params(
-            dict(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                stop=stop,
-                seed=seed,
-                logprobs=logprobs,
-                ignore_eos=ignore_eos,
-                min_tokens=min_tokens,
-                stop_token_ids=stop_token_ids,
-                include_stop_str_in_output=include_stop_str_in_output,
-                skip_special_tokens=skip_special_tokens,
-                response_format=response_format,
-                logit_bias=logit_bias,
-                # NOTE: a misspelt option raises the InvalidRequestError naming the valid ones, as stream()
-                # and generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
-                **unknown,
-            )
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            stop=stop,
+            seed=seed,
+            logprobs=logprobs,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=include_stop_str_in_output,
+            skip_special_tokens=skip_special_tokens,
+            response_format=response_format,
+            logit_bias=logit_bias,
+            # NOTE: a misspelt option raises the InvalidRequestError naming the valid ones, as stream()
+            # and generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
+            **unknown,
         )
+        changed = {
+            k: v for k, v in options.items() if k not in _GENERATE_DEFAULTS or _GENERATE_DEFAULTS[k] != v
+        }
+        params = _given_params(sampling_params, changed) or self._sampling_params(options)
         with self._engine_lock:
             rid = self.add_request(
                 prompt,
@@ -465,6 +485,28 @@ class RequestStream(Iterator[StreamEvent]):
         self.close()
 
 
+def _given_params(params: SamplingParams | None, options: dict[str, Any]) -> SamplingParams | None:
+    """``params`` when a call passed a :class:`SamplingParams` (checked), None when it passed keywords.
+
+    ``options``: the sampling keywords the call set besides it (any of them is an error: which one should win
+    would be a guess)."""
+    if params is None:
+        return None
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling_params must be a kvb_cache.SamplingParams, got {type(params).__module__}."
+            f"{type(params).__name__}; or pass its options as keywords (max_new_tokens=..., temperature=...)",
+            param="sampling_params",
+        )
+    if options:
+        raise InvalidRequestError(
+            f"pass sampling options either in sampling_params or as keywords, not both (got {sorted(options)} "
+            "beside sampling_params): dataclasses.replace(sampling_params, ...) makes a changed copy",
+            param="sampling_params",
+        )
+    return params
+
+
 def _input_ids_given(method: str) -> PromptTypeError:
     """``generate(**tokenizer(text, return_tensors="pt"))``, as transformers' ``model.generate`` takes it
     (Python's own TypeError named the missing argument, not the fix); ``stream`` / ``warm`` /
@@ -481,3 +523,7 @@ def _input_ids_given(method: str) -> PromptTypeError:
         f"input_ids= / attention_mask=: {method}(inputs['input_ids'][0].tolist(), ...), or the text itself"
         + ("; several prompts go to generate_batch" if method != "warm" else "")
     )
+
+
+#: generate()'s keyword defaults: a keyword at its default beside a SamplingParams is no conflict.
+_GENERATE_DEFAULTS = _keyword_defaults(EngineLoops.generate)

@@ -294,8 +294,9 @@ FOREIGN_OPTIONS = {
     "guided_decoding": "use response_format",
     "structured_outputs": "use response_format",
     "streamer": "use engine.stream(prompt, ...), which yields text deltas",
-    "sampling_params": "pass its fields as keywords (engine.generate(prompt, max_new_tokens=..., temperature=...)), "
-    "or the SamplingParams itself to engine.add_request(prompt, params) and drive engine.step()",
+    "sampling_params": "a SamplingParams goes to engine.generate(prompt, params), engine.stream(prompt, params) "
+    "or engine.add_request(prompt, params); generate_batch takes options shared by every prompt as keywords and "
+    "per-prompt ones as sampling=[{...}, ...]",
     "n": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': s + i} for i in "
     "range(n)]) for several (one seed for all gives n identical completions)",
     "num_return_sequences": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': "
