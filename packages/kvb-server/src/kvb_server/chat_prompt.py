@@ -140,6 +140,33 @@ def reply_format(
     return tool_format
 
 
+def template_options(
+    tools: ToolPlan | None,
+    *,
+    add_generation_prompt: bool | None,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    content_format: str,
+) -> dict[str, Any]:
+    """``engine.chat_prompt``'s keywords for a request (the chat route and ``/tokenize`` alike): vLLM's
+    template options, each passed only when it differs from the protocol's default (an engine may not take
+    them all), and the tools' definitions for a native tool syntax. ``add_generation_prompt`` None: not sent.
+    """
+    options: dict[str, Any] = {}
+    if add_generation_prompt is not None:
+        options["add_generation_prompt"] = add_generation_prompt
+    if continue_final_message:
+        options["continue_final_message"] = True
+        options.setdefault("add_generation_prompt", False)  # vLLM's rule: continuing implies no new turn
+    if chat_template_kwargs:
+        options["chat_template_kwargs"] = chat_template_kwargs
+    if tools is not None and tools.syntax.native and tools.tools:
+        options["tools"] = [t.definition() for t in tools.tools]
+    if content_format != "auto":
+        options["content_format"] = content_format
+    return options
+
+
 def render_chat(
     engine: ServingEngine,
     messages: list[dict[str, Any]],
@@ -150,19 +177,13 @@ def render_chat(
     """The prompt's token ids: ``messages`` through the model's chat template, with the tools' definitions
     (native tool syntaxes), the request's template options and ``--chat-template-content-format``; a 400
     when the template refuses them."""
-    definitions = [t.definition() for t in tools.tools] if tools is not None and tools.syntax.native else None
-    options: dict[str, Any] = {}  # vLLM's template options, passed only when sent (the protocol's defaults)
-    if req.add_generation_prompt is not None:
-        options["add_generation_prompt"] = req.add_generation_prompt
-    if req.continue_final_message:
-        options["continue_final_message"] = True
-        options.setdefault("add_generation_prompt", False)  # vLLM's rule: continuing implies no new turn
-    if req.chat_template_kwargs:
-        options["chat_template_kwargs"] = req.chat_template_kwargs
-    if definitions:
-        options["tools"] = definitions
-    if content_format != "auto":
-        options["content_format"] = content_format
+    options = template_options(
+        tools,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
+        content_format=content_format,
+    )
     try:
         ids = engine.chat_prompt(messages, **options)
     except jinja2.TemplateError as exc:  # the template refused the conversation (its raise_exception)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from kvb_server.chat_prompt import chat_messages
+from kvb_server.chat_prompt import chat_messages, template_options
 from kvb_server.config import ServerConfig
 from kvb_server.engine import ServingEngine, encode_text
 from kvb_server.engine_errors import engine_error
@@ -116,18 +116,14 @@ def _encode(engine: ServingEngine, req: TokenizeRequest, content_format: str = "
         # for a native syntax, in the system message otherwise.
         tools = tool_plan(req.tools, None, None, syntax)
         messages = chat_messages(req, syntax, engine, tools)  # type: ignore[arg-type]
-        # Keywords only when they differ from the protocol's defaults (an engine may not take them all).
-        options: dict[str, Any] = {}
-        if tools is not None and syntax.native:
-            options["tools"] = [t.definition() for t in tools.tools]
-        if not req.add_generation_prompt or req.continue_final_message:
-            options["add_generation_prompt"] = False
-        if req.continue_final_message:
-            options["continue_final_message"] = True
-        if req.chat_template_kwargs:
-            options["chat_template_kwargs"] = req.chat_template_kwargs
-        if content_format != "auto":
-            options["content_format"] = content_format
+        options = template_options(
+            tools,
+            # True is the default here (a plain bool, not sent when left): continuing the last message wins
+            add_generation_prompt=None if req.add_generation_prompt else False,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+            content_format=content_format,
+        )
         try:
             return _call(lambda: engine.chat_prompt(messages, **options))
         except EngineError as exc:
