@@ -11,18 +11,17 @@ stepping beside ``generate`` / ``stream`` (another thread's, or a stream left op
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvb_cache.call_args import given_params, input_ids_given, keyword_defaults
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.errors import (
     InvalidRequestError,
     KVBoostError,
-    PromptTypeError,
     RequestInterruptedError,
     naming_item,
 )
@@ -38,14 +37,6 @@ from kvb_cache.token_bans import bad_words_ids, check_sequences
 if TYPE_CHECKING:
     from kvb_cache.core.engine_core import EngineCore
     from kvb_cache.core.kv_manager import KVCacheManager
-
-
-def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
-    return {
-        name: p.default
-        for name, p in inspect.signature(fn).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
 
 
 class EngineLoops:
@@ -72,12 +63,12 @@ class EngineLoops:
         event, aborts the request (its computed KV stays cached).
         """
         if prompt is None and "input_ids" in sampling:
-            raise _input_ids_given("stream")
+            raise input_ids_given("stream")
         prefill_chunk_size = sampling.pop("prefill_chunk_size", None)
         kv_cache_bits = sampling.pop("kv_cache_bits", None)
         cache_salt = sampling.pop("cache_salt", None)
         priority = sampling.pop("priority", 0)
-        params = _given_params(sampling_params, sampling) or self._sampling_params(sampling)
+        params = given_params(sampling_params, sampling) or self._sampling_params(sampling)
         with self._engine_lock:  # followed before another thread's step can produce its first output
             rid = self.add_request(
                 prompt,
@@ -221,7 +212,7 @@ class EngineLoops:
         ``priority`` are not sampling options and go with either.
         """
         if prompt is None and "input_ids" in unknown:
-            raise _input_ids_given("generate")
+            raise input_ids_given("generate")
         options = dict(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -248,7 +239,7 @@ class EngineLoops:
         changed = {
             k: v for k, v in options.items() if k not in _GENERATE_DEFAULTS or _GENERATE_DEFAULTS[k] != v
         }
-        params = _given_params(sampling_params, changed) or self._sampling_params(options)
+        params = given_params(sampling_params, changed) or self._sampling_params(options)
         with self._engine_lock:
             rid = self.add_request(
                 prompt,
@@ -279,7 +270,7 @@ class EngineLoops:
         Every prompt is validated before any is queued.
         """
         if prompts is None and "input_ids" in common:
-            raise _input_ids_given("generate_batch")
+            raise input_ids_given("generate_batch")
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list", param="prompts")
         # NOTE: a single dict (an easy slip for "the same options for all") raised KeyError: 0 when indexed.
@@ -350,7 +341,7 @@ class EngineLoops:
         loop advance too); a server queues :meth:`add_warm_request` instead, stepping it with the rest."""
         if unknown:
             if text is None and "input_ids" in unknown:
-                raise _input_ids_given("warm")
+                raise input_ids_given("warm")
             raise TypeError(f"warm() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
         t0 = time.perf_counter()
         ids = self._tokenize(text)
@@ -485,45 +476,5 @@ class RequestStream(Iterator[StreamEvent]):
         self.close()
 
 
-def _given_params(params: SamplingParams | None, options: dict[str, Any]) -> SamplingParams | None:
-    """``params`` when a call passed a :class:`SamplingParams` (checked), None when it passed keywords.
-
-    ``options``: the sampling keywords the call set besides it (any of them is an error: which one should win
-    would be a guess)."""
-    if params is None:
-        return None
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError(
-            f"sampling_params must be a kvb_cache.SamplingParams, got {type(params).__module__}."
-            f"{type(params).__name__}; or pass its options as keywords (max_new_tokens=..., temperature=...)",
-            param="sampling_params",
-        )
-    if options:
-        raise InvalidRequestError(
-            f"pass sampling options either in sampling_params or as keywords, not both (got {sorted(options)} "
-            "beside sampling_params): dataclasses.replace(sampling_params, ...) makes a changed copy",
-            param="sampling_params",
-        )
-    return params
-
-
-def _input_ids_given(method: str) -> PromptTypeError:
-    """``generate(**tokenizer(text, return_tensors="pt"))``, as transformers' ``model.generate`` takes it
-    (Python's own TypeError named the missing argument, not the fix); ``stream`` / ``warm`` /
-    ``generate_batch`` alike."""
-    if method == "generate_batch":
-        return PromptTypeError(
-            "KVBoost.generate_batch takes its prompts as its first argument (a list of texts or of token-id "
-            "sequences), not input_ids= / attention_mask=: generate_batch([row for row in "
-            "inputs['input_ids'].tolist()]) for an unpadded batch, or the texts themselves",
-            param="prompts",
-        )
-    return PromptTypeError(
-        f"KVBoost.{method} takes the prompt as its first argument (text, or one sequence of token ids), not "
-        f"input_ids= / attention_mask=: {method}(inputs['input_ids'][0].tolist(), ...), or the text itself"
-        + ("; several prompts go to generate_batch" if method != "warm" else "")
-    )
-
-
 #: generate()'s keyword defaults: a keyword at its default beside a SamplingParams is no conflict.
-_GENERATE_DEFAULTS = _keyword_defaults(EngineLoops.generate)
+_GENERATE_DEFAULTS = keyword_defaults(EngineLoops.generate)
