@@ -21,6 +21,7 @@ import torch
 from kvb_cache import KVBoost
 from kvb_cache.codecs import DenseCodec
 from kvb_cache.config import EngineConfig
+from kvb_cache.hashing import prefix_hash
 from kvb_cache.records import RecordFormat
 from kvb_cache.store import ChunkStore
 from kvb_cache.tiers import BackgroundWriter, LowerTier, RedisTier, TierConfig, TieredStore
@@ -382,3 +383,33 @@ def test_blocks_written_while_redis_was_down_reach_it_on_a_ram_hit(
     got = other.generate(prompt, max_new_tokens=4, ignore_eos=True)
     other.close()
     assert got.cached_tokens == 48 and got.output_ids == expected.output_ids  # before: 0
+
+
+def test_a_value_far_larger_than_a_record_is_read_only_up_to_the_bound(redis_server, llama, tokenizer):
+    """A value of any size under a record's name was read whole into memory by every lookup (MGET) before
+    it failed validation. The engine now bounds what it reads of each value by its records' size: the
+    value is cut there, fails validation like any damaged record (corrupt, deleted) and is recomputed."""
+    config = EngineConfig(chunk_size=16, tiers=TierConfig(remote_url=redis_server.url))
+    prompt = list(range(20, 70))  # three full blocks of 16
+    writer = KVBoost(llama, tokenizer, config=config)
+    expected = writer.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    writer.close()
+    engine = KVBoost(llama, tokenizer, config=config)
+    tier = engine.tiers.lower[0].tier
+    cap = tier.max_record_bytes
+    client = redis_server.client()
+    first = prefix_hash(engine.root, prompt[:16])
+    second = tier._name(prefix_hash(first, prompt[16:32]))
+    record = client.get(second)
+    assert cap is not None and len(record) < cap  # a real record fits, with room
+    client.set(second, record + b"\0" * (16 << 20))  # 16 MiB more than a record
+    got = tier.get_many([first, prefix_hash(first, prompt[16:32])])
+    assert len(got[0]) == len(record) and len(got[1]) == cap + 1  # read up to the bound, no further
+    result = engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    engine.flush()
+    assert result.cached_tokens == 16 and result.output_ids == expected.output_ids  # used up to the bad one
+    assert tier.stats().corrupt == 1
+    assert len(client.get(second)) == len(record)  # dropped, then written afresh by the recompute
+    client.delete(second)
+    client.hset(second, "someone", "else")  # another type under the name: a miss, as MGET had it
+    assert tier.get_many([prefix_hash(first, prompt[16:32])]) == [None]

@@ -26,6 +26,7 @@ from kvb_cache.records import RecordError, checked_kv, decode_record, encode_rec
 from kvb_cache.store import ChunkEntry, LayerKV
 from kvb_cache.tiers.base import TierStats
 from kvb_cache.tiers.disk import DiskTier
+from kvb_cache.tiers.remote import RedisTier
 from kvb_cache.tiers.tiered import LowerTier, close_tiers, drop_unread, gather_records
 from kvb_cache.tiers.writer import BackgroundWriter
 
@@ -40,36 +41,42 @@ _TOUCHED_KEYS = 65536
 LOAD_THREADS = 4
 
 
-def check_disk_budget(
+def size_records(
     lower: Sequence[LowerTier], shapes: Sequence[LayerShape], block_size: int, *, fingerprint: str
 ) -> None:
-    """ConfigError when a disk tier's budget cannot hold one block's record (its exact size, measured by
-    encoding a block of zeros in the tier's format). Such a tier stored nothing, in silence, and refused
-    the records other processes had written into the shared folder as larger than its budget."""
+    """Bound each tier by the exact size of one block's record in its format (a block of zeros, encoded).
+
+    A disk budget that cannot hold one record is a ConfigError: such a tier stored nothing, in silence, and
+    refused the records other processes had written into the shared folder as larger than its budget. A
+    Redis tier reads at most twice that (plus 64 KiB) of each value (:attr:`RedisTier.max_record_bytes`).
+    """
+    kv = tuple(
+        (
+            torch.zeros(1, s.kv_heads, block_size, s.key_dim, dtype=s.dtype),
+            torch.zeros(1, s.kv_heads, block_size, s.value_dim, dtype=s.dtype),
+        )
+        for s in shapes
+    )
+    root = root_hash(fingerprint)
+    ids = (0,) * block_size
+    entry = ChunkEntry(
+        key=prefix_hash(root, ids),
+        parent=root,
+        content=content_hash(root, ids),
+        token_ids=ids,
+        kv=kv,
+        start=0,
+    )
     for level in lower:
-        if not isinstance(level.tier, DiskTier):
+        tier = level.tier
+        if not isinstance(tier, (DiskTier, RedisTier)):
             continue
-        kv = tuple(
-            (
-                torch.zeros(1, s.kv_heads, block_size, s.key_dim, dtype=s.dtype),
-                torch.zeros(1, s.kv_heads, block_size, s.value_dim, dtype=s.dtype),
-            )
-            for s in shapes
-        )
-        root = root_hash(fingerprint)
-        ids = (0,) * block_size
-        entry = ChunkEntry(
-            key=prefix_hash(root, ids),
-            parent=root,
-            content=content_hash(root, ids),
-            token_ids=ids,
-            kv=kv,
-            start=0,
-        )
         size = len(encode_record(entry, level.format))
-        if size > level.tier.max_bytes:
+        if isinstance(tier, RedisTier):
+            tier.max_record_bytes = 2 * size + (64 << 10)
+        elif size > tier.max_bytes:
             raise ConfigError(
-                f"disk_cache_bytes={level.tier.max_bytes} cannot hold one KV record of this model ({size} "
+                f"disk_cache_bytes={tier.max_bytes} cannot hold one KV record of this model ({size} "
                 f"bytes for a block of {block_size} tokens); raise disk_cache_bytes (--disk-cache-bytes) well "
                 "above it (the default is 16 GiB), or leave the disk tier off"
             )
@@ -125,7 +132,7 @@ class BlockTiers:
         lower = lower_tiers(config, fingerprint=fingerprint)
         if shapes is not None:
             try:
-                check_disk_budget(lower, shapes, config.block_size, fingerprint=fingerprint)
+                size_records(lower, shapes, config.block_size, fingerprint=fingerprint)
             except ConfigError:
                 close_tiers(lower)
                 raise
