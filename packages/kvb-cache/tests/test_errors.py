@@ -565,5 +565,9 @@ def test_generate_and_stream_take_a_sampling_params_as_vllm_does(engine):
     assert err.value.param == "sampling_params"
     with pytest.raises(InvalidRequestError, match=r"not both \(got \['temperature'\]"):
         engine.stream("w1 w2", params, temperature=0.5)
+    import numpy as np
+
+    with pytest.raises(InvalidRequestError, match=r"not both \(got \['top_k'\]"):  # compared without ==
+        engine.generate("w1 w2", params, top_k=np.array([40, 50]))
     with pytest.raises(InvalidRequestError, match=r"must be a kvb_cache\.SamplingParams, got builtins\.dict"):
         engine.generate("w1 w2", {"max_new_tokens": 2})

@@ -21,6 +21,23 @@ def keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
     }
 
 
+def changed_options(options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` not at their ``defaults`` (a name without a default counts as changed).
+
+    Compared without trusting ``==``: an array or tensor passed where a number goes (refused later, with its
+    name) made ``==`` raise NumPy's "truth value of an array is ambiguous"."""
+
+    def same(value: Any, default: Any) -> bool:
+        if value is default:
+            return True
+        try:
+            return type(value) is type(default) and bool(value == default)
+        except Exception:
+            return False
+
+    return {k: v for k, v in options.items() if k not in defaults or not same(v, defaults[k])}
+
+
 def given_params(params: SamplingParams | None, options: dict[str, Any]) -> SamplingParams | None:
     """``params`` when a call passed a :class:`SamplingParams` (checked), None when it passed keywords.
 

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvb_cache.call_args import given_params, input_ids_given, keyword_defaults
+from kvb_cache.call_args import changed_options, given_params, input_ids_given, keyword_defaults
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.errors import (
     InvalidRequestError,
@@ -236,10 +236,10 @@ class EngineLoops:
             # and generate_batch() do, not Python's TypeError (OpenAI's max_tokens is the usual slip).
             **unknown,
         )
-        changed = {
-            k: v for k, v in options.items() if k not in _GENERATE_DEFAULTS or _GENERATE_DEFAULTS[k] != v
-        }
-        params = given_params(sampling_params, changed) or self._sampling_params(options)
+        if sampling_params is not None:
+            params = given_params(sampling_params, changed_options(options, _GENERATE_DEFAULTS))
+        else:
+            params = self._sampling_params(options)
         with self._engine_lock:
             rid = self.add_request(
                 prompt,
