@@ -216,7 +216,8 @@ def test_what_no_record_write_leaves_is_refused_unread(tmp_path, kind):
     and the chunk is a miss (recomputed) that the next store heals."""
     disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=4096)
     disk.stats()  # indexed before: the thing appears later, as another process's file would
-    entry = chain(1)[0]
+    entry, other = chain(2)
+    assert disk.put(other.key, record(other))  # its budget holds a record: a file past it is no record
     path = disk._path(entry.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "fifo":
@@ -235,6 +236,19 @@ def test_what_no_record_write_leaves_is_refused_unread(tmp_path, kind):
     assert not os.path.lexists(path)
     data = record(entry)
     assert disk.put(entry.key, data) and disk.get(entry.key) == data
+
+
+def test_a_folder_reached_through_a_symlinked_sub_folder_is_left_alone(tmp_path):
+    """Removing a folder at a record's path must not reach outside the tier's own folder (a review found the
+    ``<hh>`` sub-folder could be a symlink to anywhere)."""
+    disk = DiskTier(tmp_path / "cache", namespace=FINGERPRINT, max_bytes=1 << 20)
+    entry = chain(1)[0]
+    path = disk._path(entry.key)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / path.name).mkdir(parents=True)
+    path.parent.symlink_to(elsewhere, target_is_directory=True)
+    assert disk.get(entry.key) is None
+    assert (elsewhere / path.name).is_dir()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder"])
@@ -276,6 +290,24 @@ def test_the_budget_holds_over_records_already_in_the_folder_at_start(tmp_path):
     s = small.stats()
     assert (s.entries, s.bytes, s.evictions) == (2, 2 * size, 3)
     assert [small._path(e.key).exists() for e in entries] == [False, False, False, True, True]
+
+
+def test_a_budget_below_one_record_leaves_the_records_in_a_shared_folder_alone(tmp_path, caplog):
+    """A DiskTier used alone with a budget below one record (the engine refuses one; a tier does not know a
+    record's size) deleted every record in the folder: evicted at its first use, or refused as "larger than
+    the budget" and removed at each lookup, other processes' valid records included."""
+    entries = chain(3)
+    size = len(record(entries[0]))
+    writer = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in entries:
+        writer.put(e.key, record(e))
+    small = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=size - 1)
+    with caplog.at_level("WARNING", logger="kvb_cache.tiers.disk"):
+        assert small.stats().entries == 3 and small.stats().evictions == 0
+    assert any("smaller than every record in the folder" in r.getMessage() for r in caplog.records)
+    assert small.get(entries[0].key) is None  # refused unread: a miss, not corrupt
+    assert (small.stats().corrupt, small.stats().misses) == (0, 1)
+    assert all(writer.get(e.key) is not None for e in entries)
 
 
 def test_a_record_larger_than_the_budget_is_counted_and_said_once(tmp_path, caplog):
@@ -436,6 +468,23 @@ def test_a_process_reading_a_shared_folder_keeps_its_budget_and_counts_only_its_
     assert reader.stats().bytes <= 3 * size
     assert writer.stats().evictions == 2 and reader.stats().evictions == 0
     assert len(list((tmp_path / FINGERPRINT[:32]).rglob("*.kvb"))) == 3
+
+
+def test_processes_sharing_a_folder_keep_it_within_one_budget(tmp_path):
+    """Each process evicted only the records it knew (its own), so a folder shared by several processes
+    held the sum of their budgets (two servers of 8 MiB each kept 15.6 MiB). A process now reads the folder
+    again after storing an eighth of its budget and evicts over everything in it, oldest first."""
+    entries = chain(12)
+    size = len(record(entries[0]))
+    a = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=4 * size)
+    b = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=4 * size)
+    a.stats(), b.stats()  # both indexed the empty folder at start
+    for i, e in enumerate(entries):
+        (a if i < 6 else b).put(e.key, record(e))
+        os.utime((a if i < 6 else b)._path(e.key), (1000 + i, 1000 + i))  # deterministic mtimes
+    on_disk = {p.name for p in (tmp_path / FINGERPRINT[:32]).rglob("*.kvb")}
+    assert on_disk == {e.key.hex() + ".kvb" for e in entries[8:]}  # the newest four; before: eight files
+    assert b.stats().bytes == 4 * size
 
 
 def test_a_disk_full_before_the_budget_evicts_the_oldest_records_to_store(tmp_path, monkeypatch):

@@ -374,12 +374,17 @@ def _record_bytes(llama, tokenizer, tmp_path) -> int:
 def test_a_disk_budget_below_one_record_is_a_config_error(llama, tokenizer, tmp_path):
     """Such a budget stored nothing, in silence (stores=0, errors=0), and the process refused the records
     other processes had written into the shared folder as larger than its budget, deleting them."""
+    import re
+
     from kvb_cache.errors import ConfigError
 
     size = _record_bytes(llama, tokenizer, tmp_path)
-    with pytest.raises(ConfigError, match=f"cannot hold one KV record of this model \\({size} bytes"):
+    with pytest.raises(ConfigError, match=r"cannot hold one KV record of this model \(\d+ bytes") as err:
         engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "d", disk_cache_bytes=size - 1))
-    fits = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "d", disk_cache_bytes=size))
+    needed = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+    # a block deep in a long context writes its position in more digits: the estimate is that record's size
+    assert size <= needed <= size + 64
+    fits = engine(llama, tokenizer, tiers=TierConfig(disk_cache_dir=tmp_path / "d", disk_cache_bytes=needed))
     fits.generate(PROMPTS[1], max_new_tokens=1)
     fits.close()
     assert fits.tiers.stats()[0].entries == 1

@@ -10,11 +10,13 @@ A record failing validation is dropped from its tier, counted and treated as a m
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +26,7 @@ from kvb_cache.errors import ConfigError
 from kvb_cache.hashing import ChunkHash, content_hash, prefix_hash, root_hash
 from kvb_cache.records import RecordError, checked_kv, decode_record, encode_record
 from kvb_cache.store import ChunkEntry, LayerKV
-from kvb_cache.tiers.base import TierStats
+from kvb_cache.tiers.base import RecordTier, TierStats
 from kvb_cache.tiers.disk import DiskTier
 from kvb_cache.tiers.remote import RedisTier
 from kvb_cache.tiers.tiered import LowerTier, close_tiers, drop_unread, gather_records
@@ -36,6 +38,10 @@ logger = logging.getLogger(__name__)
 TOUCH_INTERVAL_S = 1.0
 #: Keys whose last bump is remembered (the oldest are forgotten; a forgotten key is bumped again).
 _TOUCHED_KEYS = 65536
+#: A block a tier failed to take is written again after TOUCH_INTERVAL_S, then 4x longer after each failed
+#: retry, at most _RETRY_GROWTH ** _RETRY_STEPS (1024) times longer.
+_RETRY_GROWTH = 4
+_RETRY_STEPS = 5
 #: Threads that run the engine loop's tier lookups (:meth:`BlockTiers.fetch_async`): a lookup stalled on
 #: one request's records (a Redis timeout) does not hold up the next request's disk probe.
 LOAD_THREADS = 4
@@ -59,13 +65,15 @@ def size_records(
     )
     root = root_hash(fingerprint)
     ids = (0,) * block_size
+    # start: a block deep in a long context (the record writes its position in digits: a block at 0 measured
+    # 8 bytes less, and a budget within those bytes passed the check and then took no later block)
     entry = ChunkEntry(
         key=prefix_hash(root, ids),
         parent=root,
         content=content_hash(root, ids),
         token_ids=ids,
         kv=kv,
-        start=0,
+        start=10**12,
     )
     for level in lower:
         tier = level.tier
@@ -80,6 +88,16 @@ def size_records(
                 f"bytes for a block of {block_size} tokens); raise disk_cache_bytes (--disk-cache-bytes) well "
                 "above it (the default is 16 GiB), or leave the disk tier off"
             )
+
+
+@dataclass(slots=True)
+class _Missed:
+    """A block some tiers failed to take: which, when it is next due to be written (monotonic seconds),
+    how many retries failed."""
+
+    tiers: frozenset[RecordTier]
+    due: float
+    tries: int
 
 
 class BlockTiers:
@@ -107,9 +125,9 @@ class BlockTiers:
         self._warned: set[tuple[str, str]] = set()  # (tier, exception type) already logged
         self._touched: OrderedDict[ChunkHash, float] = OrderedDict()  # key -> when it was last bumped
         self._loader: ThreadPoolExecutor | None = None  # made on the first fetch_async
-        #: Blocks some tier failed to take (a full write queue, a paused or unreachable tier) -> when: a RAM
-        #: hit on one writes it again (:meth:`unwritten`). Shared by the engine and writer threads.
-        self._unwritten: OrderedDict[ChunkHash, float] = OrderedDict()
+        #: Blocks some tier failed to take (a full write queue, a paused, refusing or unreachable tier): a
+        #: RAM hit on one writes it again (:meth:`unwritten`). Shared by the engine and writer threads.
+        self._unwritten: OrderedDict[ChunkHash, _Missed] = OrderedDict()
         self._unwritten_lock = threading.Lock()
         #: Bumped when the tiers are cleared or closed: a lookup begun before (on a loader thread, it may end
         #: after) neither writes what it read into the faster tiers nor has its records promoted.
@@ -203,35 +221,45 @@ class BlockTiers:
         if tiers and not self.writer.submit(lambda: self._store(entry, tiers)):
             for lower in tiers:
                 lower.tier.count("dropped")
-            self._mark(entry.key, stored=False)
+            self._mark(entry.key, {lower.tier for lower in tiers})
 
     def unwritten(self, keys: Sequence[ChunkHash]) -> list[int]:
-        """Indexes of ``keys`` (blocks just hit in RAM) some tier failed to take at least
-        :data:`TOUCH_INTERVAL_S` ago; the caller writes them behind again (a failure marks them again).
+        """Indexes of ``keys`` (blocks just hit in RAM) that some tier failed to take and that are due to be
+        written again; the caller writes them behind (its copy of the KV: a failure marks them again).
 
         Before, a block whose write was dropped (the queue full under a burst, the disk paused while full,
         Redis down for a moment) was never written later: a RAM hit only bumped records the tiers held. The
         prompt's head then stayed missing below, and every later block of the chain, written fine, was
         unreachable to other processes and after a restart (a lookup stops at the first missing block).
+
+        A block is due :data:`TOUCH_INTERVAL_S` after its first failure, then 4x longer after each failed
+        retry (up to ~17 minutes: a Redis refusing writes under ``noeviction`` never pauses, and each retry
+        copies and encodes the block again); not while every tier lacking it is paused (it would be skipped
+        again), nor while the write queue is half full (the retry would take a slot new blocks need).
         """
-        if not self._unwritten or any(lower.tier.paused() for lower in self.lower):
-            return []  # a tier still paused would skip the write again: the KV copy would be wasted
+        if not self._unwritten or self.writer.pending * 2 >= self.writer.capacity:
+            return []
         now = time.monotonic()
         due = []
         with self._unwritten_lock:
             for i, key in enumerate(keys):
-                failed = self._unwritten.get(key)
-                if failed is not None and now - failed >= TOUCH_INTERVAL_S:
-                    del self._unwritten[key]
-                    due.append(i)
+                missed = self._unwritten.get(key)
+                if missed is None or now < missed.due or all(tier.paused() for tier in missed.tiers):
+                    continue
+                missed.due = math.inf  # in flight: its store marks it again (tries kept) or drops it
+                due.append(i)
         return due
 
-    def _mark(self, key: ChunkHash, *, stored: bool) -> None:
+    def _mark(self, key: ChunkHash, missing: set[RecordTier]) -> None:
+        """Record which tiers lack ``key`` after a store (none: forget it)."""
         with self._unwritten_lock:
-            if stored:
+            if not missing:
                 self._unwritten.pop(key, None)
                 return
-            self._unwritten[key] = time.monotonic()
+            before = self._unwritten.get(key)
+            tries = before.tries + 1 if before is not None else 0
+            delay = TOUCH_INTERVAL_S * _RETRY_GROWTH ** min(tries, _RETRY_STEPS)
+            self._unwritten[key] = _Missed(frozenset(missing), time.monotonic() + delay, tries)
             self._unwritten.move_to_end(key)
             while len(self._unwritten) > _TOUCHED_KEYS:
                 self._unwritten.popitem(last=False)
@@ -328,14 +356,14 @@ class BlockTiers:
         written is counted as the tier's ``errors`` and logged once per tier and kind of failure: failing
         quietly on every block, the tier stayed empty while its stats read ``stores=0 errors=0``.
         """
-        stored = True
+        missing: set[RecordTier] = set()
         for lower in tiers:
             try:
                 if lower.tier.contains(entry.key):
                     continue
                 if lower.tier.paused():  # skipped without encoding (a big model's record is megabytes)
                     lower.tier.count("dropped")
-                    stored = False
+                    missing.add(lower.tier)
                     continue
                 record = encode_record(entry, lower.format)
             except Exception as exc:  # KV the codec refuses: writing it again would fail the same way
@@ -343,11 +371,11 @@ class BlockTiers:
                 continue
             try:
                 if not lower.tier.put(entry.key, record):
-                    stored = False  # paused, unreachable or full: written again on a RAM hit
+                    missing.add(lower.tier)  # paused, unreachable or full: written again on a RAM hit
             except Exception as exc:
-                stored = False
+                missing.add(lower.tier)
                 self._store_failed(lower, exc)
-        self._mark(entry.key, stored=stored)
+        self._mark(entry.key, missing)
 
     def _store_failed(self, lower: LowerTier, exc: Exception) -> None:
         lower.tier.count("errors")

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -31,12 +32,22 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
 #: Errors eviction can help with (no space, quota), and how many records' worth a failed store frees first.
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOM_RECORDS = 2
+# After storing 1/_RESCAN_SHARE of its budget, a process reads the folder again: it learns the records other
+# processes wrote since, so its eviction keeps the whole folder, not only its own records, within the budget.
+_RESCAN_SHARE = 8
 # A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
 _STALE_TMP_S = 600.0
 
 
 class _NotARecord(Exception):
-    """A path holding something no record write could have left (see :meth:`DiskTier._read`)."""
+    """A path holding something no record write could have left (see :meth:`DiskTier._read`).
+
+    ``remove``: whether it is removed (a file merely larger than this tier's budget may be another process's
+    valid record, when this budget is below one record)."""
+
+    def __init__(self, why: str, *, remove: bool = True) -> None:
+        super().__init__(why)
+        self.remove = remove
 
 
 class DiskTier(RecordTier):
@@ -48,7 +59,9 @@ class DiskTier(RecordTier):
     the same least-recently-used order.
 
     Several processes may share a folder: a key this process has not indexed is still looked up on disk.
-    Each process enforces the budget over the files it knows, so a shared folder may briefly exceed it.
+    Each process enforces the budget over the files it knows, and reads the folder again after storing an
+    eighth of its budget (learning what the others wrote), so a shared folder exceeds the budget by at most
+    what the processes stored since their last reads.
 
     A folder that cannot take records (a full or read-only file system, a quota, no write permission:
     ``ENOSPC``, ``EDQUOT``, ``EROFS``, ``EACCES``, ``EPERM``) pauses stores for 30 s (counted as ``errors``
@@ -74,6 +87,8 @@ class DiskTier(RecordTier):
         self._lock = threading.RLock()
         self._index: OrderedDict[str, int] | None = None
         self._bytes = 0
+        self._stored_since_scan = 0  # bytes this process stored since it last read the folder
+        self._stored = False  # this process stored a record (its budget holds one)
         self._base: dict[str, int] = {}
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
@@ -89,10 +104,11 @@ class DiskTier(RecordTier):
             data = self._read(path)
         except _NotARecord as exc:
             # Not a file this tier wrote: refused unread, counted and removed like a corrupt record.
-            logger.warning("disk tier: %s at %s; removed, treated as a miss", exc, path)
-            self.counters.add("corrupt")
+            if exc.remove:
+                logger.warning("disk tier: %s at %s; removed, treated as a miss", exc, path)
+                self.counters.add("corrupt")
+                self.delete(key)
             self.counters.add("misses")
-            self.delete(key)
             return None
         except FileNotFoundError:
             with self._lock:
@@ -143,7 +159,12 @@ class DiskTier(RecordTier):
             if not stat.S_ISREG(st.st_mode):
                 raise _NotARecord("not a regular file")
             if st.st_size > self.max_bytes:
-                raise _NotARecord(f"{st.st_size} bytes, more than the tier's budget of {self.max_bytes}")
+                # Junk only once this tier has stored a record (its budget holds this model's records);
+                # before, a budget below one record deleted every valid record other processes looked up.
+                raise _NotARecord(
+                    f"{st.st_size} bytes, more than the tier's budget of {self.max_bytes}",
+                    remove=self._stored,
+                )
             # +1: a file growing under us is read whole, then fails its check.
             with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read(st.st_size + 1)
@@ -214,6 +235,10 @@ class DiskTier(RecordTier):
         with self._lock:
             index[name] = len(record)
             self._bytes += len(record)
+            self._stored_since_scan += len(record)
+            self._stored = True
+            if self._stored_since_scan * _RESCAN_SHARE >= self.max_bytes:
+                self._rescan()
             self._evict_over_budget()
         self.counters.add("stores")
         self._maybe_persist_stats()
@@ -283,6 +308,11 @@ class DiskTier(RecordTier):
 
     def _remove_folder(self, path: Path) -> bool:
         try:
+            if path.resolve().parent.parent != self.directory.resolve():
+                # NOTE: the folder is reached through a symlinked <hh> sub-folder: it lies outside the tier's
+                # own folder, which is all the tier may delete.
+                logger.warning("disk tier: %s lies outside %s; left alone", path, self.directory)
+                return False
             shutil.rmtree(path)
             return True
         except OSError as exc:
@@ -336,11 +366,58 @@ class DiskTier(RecordTier):
                 self._index = self._scan()
                 self._bytes = sum(self._index.values())
                 self._base = self._read_stats()
-                self._evict_over_budget()
+                smallest = min(self._index.values(), default=0)
+                if smallest > self.max_bytes:
+                    # NOTE: a budget below every record in the folder (below one record of the model: the
+                    # engine refuses it, a DiskTier used alone does not know a record's size) would delete
+                    # them all, other processes' records too, and could store none.
+                    logger.warning(
+                        "disk tier at %s: disk_cache_bytes (%d) is smaller than every record in the folder "
+                        "(the smallest holds %d bytes): none is evicted, and none can be stored; raise "
+                        "disk_cache_bytes",
+                        self.directory,
+                        self.max_bytes,
+                        smallest,
+                    )
+                else:
+                    self._evict_over_budget()
             return self._index
 
+    def _rescan(self) -> None:
+        """Replace the index with the folder's records (in place: callers hold the index object), in mtime
+        order, which is this process's recency order too (it bumps the mtime of every record it serves).
+
+        Before, a process only knew the records it wrote or read: with several servers on one folder, each
+        evicted its own records only, and the folder held the sum of their budgets (measured: two servers of
+        8 MiB each kept 15.6 MiB)."""
+        index = self._index
+        assert index is not None
+        # NOTE: mtimes are coarse (the kernel stamps files with a clock of a few milliseconds), so records
+        # this process stored or bumped within one tick tie; sorting by mtime alone shuffled them, and the
+        # chain a finished request had bumped from its end lost its head first again. Records already known
+        # keep this process's exact order (their times made non-decreasing in it); new ones go by mtime.
+        ranked = []
+        floor = -math.inf
+        files = {name: (mtime, size) for mtime, name, size in self._scan_files()}
+        for position, name in enumerate(index):
+            if name in files:
+                mtime, size = files[name]
+                floor = max(floor, mtime)
+                ranked.append((floor, 1, position, name, size))
+        ranked.extend((mtime, 0, 0, name, size) for name, (mtime, size) in files.items() if name not in index)
+        ranked.sort()
+        index.clear()
+        index.update((name, size) for *_, name, size in ranked)
+        self._bytes = sum(index.values())
+        self._stored_since_scan = 0
+
     def _scan(self) -> OrderedDict[str, int]:
-        found = []
+        """The folder's records, name -> size, oldest mtime first."""
+        return OrderedDict((name, size) for _, name, size in sorted(self._scan_files()))
+
+    def _scan_files(self) -> list[tuple[float, str, int]]:
+        """``(mtime, name, size)`` of each record file (stale temp files removed on the way)."""
+        found: list[tuple[float, str, int]] = []
         if self.directory.exists():
             now = time.time()
             # Records' temp files, and the counters' and the write probe's (a process killed while
@@ -362,8 +439,7 @@ class DiskTier(RecordTier):
                 if not stat.S_ISREG(st.st_mode):  # a folder or a pipe: refused (and removed) when looked up
                     continue
                 found.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
-        found.sort()
-        return OrderedDict((name, size) for _, name, size in found)
+        return found
 
     def _forget(self, name: str) -> None:
         size = self._index.pop(name, None) if self._index is not None else None
