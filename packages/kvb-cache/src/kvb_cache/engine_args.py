@@ -202,8 +202,8 @@ class EngineArgs:
         group="cache",
         parse=parse_bytes,
         cli_default="16GiB",
-        help="byte budget of this model's records in the disk tier, kept by each process (only with "
-        "--disk-cache-dir; docs/tiers.md)",
+        help="byte budget of this model's sub-folder in the disk tier, shared by every process writing it: give "
+        "each the folder's budget (only with --disk-cache-dir; docs/tiers.md)",
     )
     remote_url: str | None = option(
         None,

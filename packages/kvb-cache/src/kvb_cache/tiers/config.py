@@ -25,9 +25,10 @@ class TierConfig:
         disk_cache_dir: folder for the disk tier (one sub-folder per model fingerprint; ``~`` is expanded);
             None disables it.
         disk_cache_bytes: byte budget of this engine's sub-folder (its model fingerprint's records, headers
-            included), kept by each process over the records it knows: several models, or several
-            processes writing one folder, can together hold more (an old model's sub-folder stays until removed;
-            ``kvboost cache status`` lists them).
+            included), the records of every process writing it included (give each the folder's budget:
+            each rereads the folder after storing an eighth of it, so a shared folder overshoots by at most
+            what they stored since). Each model has its own sub-folder and budget (an old model's stays until
+            removed; ``kvboost cache status`` lists them). Below one block record of the model: ConfigError.
         remote_url: ``redis://host:port/db`` of a shared Redis (``pip install 'kvb-cache[redis]'``).
         remote_codec: store Redis records in another codec than RAM, e.g. ``"absmax8"`` (the int8 wire codec,
             records 0.28x the bytes of fp32 KV, 0.57x of fp16). Lossy: it becomes part of the model fingerprint,
