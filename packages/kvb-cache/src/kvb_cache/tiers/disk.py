@@ -194,7 +194,7 @@ class DiskTier(RecordTier):
                     self.max_bytes,
                 )
             return False
-        if time.monotonic() < self._full_until:
+        if self.paused():
             self.counters.add("dropped")  # the disk is full: skipped without touching it
             return False
         path = self._path(key)
@@ -300,7 +300,7 @@ class DiskTier(RecordTier):
                 return self._remove_folder(path)
             self.counters.add("errors")
             if exc.errno in _FULL_ERRNOS:
-                if time.monotonic() >= self._full_until:
+                if not self.paused():
                     self._pause(exc)
             else:
                 logger.warning("disk tier could not remove %s (%s)", path, exc)
@@ -384,8 +384,8 @@ class DiskTier(RecordTier):
             return self._index
 
     def _rescan(self) -> None:
-        """Replace the index with the folder's records (in place: callers hold the index object), in mtime
-        order, which is this process's recency order too (it bumps the mtime of every record it serves).
+        """Replace the index with the folder's records (in place: callers hold the index object): records
+        this process knew keep its order, the others go by mtime (see the note below).
 
         Before, a process only knew the records it wrote or read: with several servers on one folder, each
         evicted its own records only, and the folder held the sum of their budgets (measured: two servers of
