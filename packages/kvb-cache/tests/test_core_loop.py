@@ -11,7 +11,7 @@ from conftest import ARCHITECTURES, make_model, words
 from kvb_cache import EngineConfig, KVBoost, SamplingParams
 from kvb_cache.core.sampler import process_logits
 from kvb_cache.loop_request import new_request
-from kvb_cache.sampling import RequestProcessor
+from kvb_cache.request_processor import RequestProcessor
 
 
 def _reference(model, ids):

@@ -9,7 +9,7 @@ import torch
 from conftest import reply_text, words
 
 from kvb_cache import EngineConfig, InvalidRequestError, KVBoost, NonFiniteLogitsError, SamplingParams
-from kvb_cache.sampling import RequestProcessor
+from kvb_cache.request_processor import RequestProcessor
 
 
 @pytest.fixture()

@@ -20,8 +20,8 @@ from kvb_cache.errors import (
     UnknownOptionError,
     UnsupportedModelError,
 )
-from kvb_cache.loops import RequestStream
 from kvb_cache.paged_engine import CPUPagedEngine
+from kvb_cache.request_stream import RequestStream
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.stitch_config import RecomputeStrategy, StitchConfig

@@ -16,8 +16,9 @@ import torch
 from kvb_cache.decoding import start_decode
 from kvb_cache.emitter import Emitter, token_logprob
 from kvb_cache.forward import decode_step, prefill
+from kvb_cache.request_processor import RequestProcessor
 from kvb_cache.results import ChunkHit, GenerationResult, HitKind, StreamEvent, TokenLogprob
-from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost

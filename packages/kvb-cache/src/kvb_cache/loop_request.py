@@ -8,7 +8,8 @@ from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.request import Request
 from kvb_cache.emitter import Emitter
 from kvb_cache.hashing import ChunkHash
-from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.request_processor import RequestProcessor
+from kvb_cache.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvb_cache.engine import KVBoost

@@ -11,24 +11,24 @@ stepping beside ``generate`` / ``stream`` (another thread's, or a stream left op
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvb_cache.call_args import changed_options, given_params, input_ids_given, keyword_defaults
 from kvb_cache.core.outputs import RequestId, RequestOutput
 from kvb_cache.errors import (
     InvalidRequestError,
-    KVBoostError,
-    RequestInterruptedError,
     naming_item,
 )
 from kvb_cache.loop_request import new_request
 from kvb_cache.pool_io import probe_request
 from kvb_cache.prepared import Prompt
 from kvb_cache.request_checks import check_prefill_chunk_size
+from kvb_cache.request_stream import RequestStream
 from kvb_cache.results import GenerationResult, StreamEvent, WarmResult
 from kvb_cache.sampling import SamplingParams
 from kvb_cache.serialized import serialized
@@ -79,7 +79,7 @@ class EngineLoops:
                 priority=priority,
             )
             self._followed.add(rid)
-        return RequestStream(self, rid)
+        return RequestStream(rid, self._follow(rid), functools.partial(self._unfollow, rid, finished=False))
 
     def _sampling_params(self, fields: dict[str, Any]) -> SamplingParams:
         """:meth:`SamplingParams.build` of a library call's keywords; vLLM's ``bad_words`` (strings) become
@@ -106,7 +106,7 @@ class EngineLoops:
         self._unfollowed.clear()
         return taken
 
-    def _follow(self, rid: RequestId) -> Iterator[StreamEvent]:
+    def _follow(self, rid: RequestId) -> Generator[StreamEvent, None, None]:
         done = False
         try:
             while not done:
@@ -418,62 +418,6 @@ class EngineLoops:
         if not self.kv.caching:
             return 0
         return self.kv.cached_prefix_len(probe_request(ids, root=self._salted_root(cache_salt)), len(ids))
-
-
-class RequestStream(Iterator[StreamEvent]):
-    """What :meth:`EngineLoops.stream` returns: the request's :class:`StreamEvent` s, in order.
-
-    ``close()`` (also at the end of a ``with`` block, or when the stream is dropped) aborts the request
-    unless it finished. A plain generator cannot do that before its first ``next()``: Python never runs
-    the ``finally`` of a generator that has not started, so a stream opened and closed unread kept its
-    request running, decoded by the next loop and holding pool blocks (``reset_cache`` refused meanwhile).
-    """
-
-    def __init__(self, loops: EngineLoops, request_id: RequestId) -> None:
-        self.request_id = request_id
-        self._loops: EngineLoops | None = loops
-        self._events = loops._follow(request_id)
-        self._started = False
-        self._broken: BaseException | None = None  # what escaped it before that (the request is aborted)
-
-    def __next__(self) -> StreamEvent:
-        if self._broken is not None:
-            # Iterating again after an interrupt (a notebook cell run twice) ended at once, as if the reply
-            # were whole: an audit, 2026-12-01.
-            raise RequestInterruptedError(
-                f"request {self.request_id} was aborted when {type(self._broken).__name__} escaped its stream "
-                "before the last token; the reply is incomplete: send it again"
-            )
-        if self._loops is None:
-            raise StopIteration
-        self._started = True
-        try:
-            event = next(self._events)
-        except (StopIteration, KVBoostError):  # its end, or its own outcome (aborted, non-finite logits...)
-            raise
-        except BaseException as exc:  # an interrupt (or a callback's error) cut it: it was aborted
-            self._broken = exc
-            raise
-        return event
-
-    def close(self) -> None:
-        """Stop following the request; an unfinished one is aborted."""
-        loops, self._loops = self._loops, None
-        if loops is None:
-            return
-        if self._started:
-            self._events.close()  # runs _follow's finally (which knows whether the request finished)
-        else:
-            loops._unfollow(self.request_id, finished=False)
-
-    def __enter__(self) -> RequestStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 #: generate()'s keyword defaults: a keyword at its default beside a SamplingParams is no conflict.

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and the token processor that applies them."""
+"""Per-request sampling parameters (:class:`SamplingParams`), validated when built."""
 
 from __future__ import annotations
 
@@ -7,25 +7,15 @@ import functools
 import math
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from transformers import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-
-from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, PromptTypeError, UnknownOptionError
+from kvb_cache.errors import InvalidRequestError, PromptTypeError
+from kvb_cache.foreign_options import refuse_unknown
 from kvb_cache.prediction import check_prediction
 from kvb_cache.structured.spec import ResponseFormat
-from kvb_cache.token_bans import TokenBans, check_allowed, check_choosable, check_sequences
+from kvb_cache.token_bans import check_allowed, check_sequences
 
 #: Temperatures below this decode greedily (vLLM's sampling epsilon, the same value).
 GREEDY_TEMPERATURE = 1e-5
@@ -195,7 +185,7 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}",
                 param="stop_token_ids",
             )
-        _refuse_unknown(fields)
+        refuse_unknown(fields, _FIELD_NAMES)
         return cls(stop=stops, stop_token_ids=tuple(stop_token_ids or ()), **fields)
 
     @property
@@ -205,7 +195,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_tokens", "seed", "logprobs")
 _FLOAT_FIELDS = (
     "temperature",
@@ -246,77 +236,18 @@ def _plain_numbers(params: SamplingParams) -> None:
         )
 
 
-def _refuse_unknown(fields: Iterable[str]) -> None:
-    """Refuse option names :class:`SamplingParams` does not have, naming the equivalent of a transformers /
-    vLLM / OpenAI name. (The dataclass's own ``TypeError``, "unexpected keyword argument", named neither the
-    valid options nor the equivalent.)"""
-    unknown = sorted(set(fields) - _FIELDS)
-    if unknown:
-        hints = [f"{name}: {FOREIGN_OPTIONS[name]}" for name in unknown if name in FOREIGN_OPTIONS]
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        raise UnknownOptionError(
-            f"unknown sampling option(s) {', '.join(unknown)}{hint}; valid: "
-            f"{', '.join(f.name for f in dataclasses.fields(SamplingParams))}",
-            param=unknown[0],
-        )
-
-
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
     """``SamplingParams(**options)`` refuses unknown names as :meth:`SamplingParams.build` does."""
 
     @functools.wraps(init)
     def __init__(self: SamplingParams, *args: Any, **fields: Any) -> None:
-        _refuse_unknown(fields)
+        refuse_unknown(fields, _FIELD_NAMES)
         init(self, *args, **fields)
 
     return __init__
 
 
 SamplingParams.__init__ = _checked_init(SamplingParams.__init__)  # type: ignore[method-assign]
-
-_HF_BATCH_CALL = (
-    "pass the prompt itself (a string or token ids) as the first argument: engine.generate(**tokenizer(...)) "
-    "sends input_ids / attention_mask"
-)
-_HF_OUTPUTS = "the result carries output_ids and, with logprobs=k, each token's logprob and k alternatives"
-
-#: What a transformers ``generate`` / vLLM ``SamplingParams`` / OpenAI name is here: unknown options are
-#: refused (never silently ignored), with this said.
-FOREIGN_OPTIONS = {
-    "max_tokens": "the length limit is max_new_tokens",
-    "max_length": "the length limit is max_new_tokens (new tokens, not prompt + new)",
-    "min_new_tokens": "use min_tokens",
-    "do_sample": "sampling is on when temperature > 0 (0, the default, is greedy)",
-    "stop_strings": "use stop",
-    "eos_token_id": "use stop_token_ids (the model's eos ids always stop unless ignore_eos)",
-    "bad_words": "pass token ids as bad_words_ids (kvb_cache.token_bans.bad_words_ids(tokenizer, words))",
-    "prompt_logprobs": "use engine.prompt_logprobs(prompt)",
-    "guided_decoding": "use response_format",
-    "structured_outputs": "use response_format",
-    "streamer": "use engine.stream(prompt, ...), which yields text deltas",
-    "sampling_params": "a SamplingParams goes to engine.generate(prompt, params), engine.stream(prompt, params) "
-    "or engine.add_request(prompt, params); generate_batch takes options shared by every prompt as keywords and "
-    "per-prompt ones as sampling=[{...}, ...]",
-    "n": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': s + i} for i in "
-    "range(n)]) for several (one seed for all gives n identical completions)",
-    "num_return_sequences": "one completion per call: engine.generate_batch([prompt] * n, sampling=[{'seed': "
-    "s + i} for i in range(n)]) for several (one seed for all gives n identical completions)",
-    "logits_processor": "custom logits processors are not supported: use logit_bias or response_format",
-    "stopping_criteria": "custom stopping criteria are not supported: use stop / stop_token_ids",
-    "generator": "use seed (an int) for a reproducible sample",
-    "input_ids": _HF_BATCH_CALL,
-    "attention_mask": "pass each prompt unpadded (ids[attention_mask.bool()] for a row of a padded batch)",
-    "generation_config": "pass its fields as options (max_new_tokens, temperature, top_p, top_k, ...)",
-    "pad_token_id": "not needed: prompts are not padded",
-    "num_beams": "beam search is not supported (greedy, temperature=0, or sampling)",
-    "no_repeat_ngram_size": "not supported: use repetition_penalty, presence_penalty or frequency_penalty",
-    "typical_p": "not supported: use top_p, top_k or min_p",
-    "output_scores": _HF_OUTPUTS,
-    "output_logits": _HF_OUTPUTS + " (engine.next_token_logits(prompt) gives raw logits)",
-    "return_dict_in_generate": _HF_OUTPUTS,
-    "use_cache": "the engine always uses its KV cache",
-    "past_key_values": "the engine finds cached KV itself (engine.lookup_cache(ids) hands it to model.generate)",
-}
 
 
 def _check_logit_bias(bias: object) -> dict[int, float] | None:
@@ -366,144 +297,3 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
             raise InvalidRequestError(
                 f"{param} token id {max(ids)} is outside the vocabulary (size {vocab_size})", param=param
             )
-
-
-class RequestProcessor:
-    """Applies a request's :class:`SamplingParams` to raw logits (satisfies ``decoding.TokenProcessor``).
-
-    Repetition penalty, temperature, top-k and top-p are transformers' own logits processors; only the
-    OpenAI presence/frequency penalties, which transformers lacks, are done here.
-    """
-
-    def __init__(
-        self,
-        params: SamplingParams,
-        *,
-        prompt_len: int,
-        device: torch.device,
-        eos: frozenset[int] = frozenset(),
-    ) -> None:
-        """``eos``: the token ids that end this request (empty with ``ignore_eos``), held back by ``min_tokens``."""
-        self.params = params
-        self.prompt_len = prompt_len
-        # Kept apart from the others so that a greedy request is an identity again once min_tokens is met.
-        self._min_tokens = (
-            MinNewTokensLengthLogitsProcessor(prompt_len, params.min_tokens, sorted(eos), device=device)
-            if params.min_tokens and eos
-            else None
-        )
-        # NOTE: apart from the warpers, and applied before the presence/frequency penalties: that is the
-        # batched sampler's order (core/sampler.py, vLLM's too). Inside the list it ran after them, so a
-        # solo request (speculative decoding) with both kinds of penalty decoded other tokens than plain.
-        self._repetition = (
-            RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
-            if params.repetition_penalty != 1.0
-            else None
-        )
-        processors = LogitsProcessorList()
-        if not params.greedy:
-            if params.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(params.temperature))
-            # vLLM's order (the batched sampler's): min-p before top-k / top-p, not after as transformers.
-            if params.min_p > 0.0:
-                processors.append(MinPLogitsWarper(params.min_p))
-            if params.top_k:
-                processors.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                processors.append(TopPLogitsWarper(params.top_p))
-        self._processors = processors
-        self._penalized = bool(params.presence_penalty or params.frequency_penalty)
-        self.bias_ids: torch.Tensor | None = None
-        self.bias_values: torch.Tensor | None = None
-        if params.logit_bias:
-            self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
-            self.bias_values = torch.tensor(
-                list(params.logit_bias.values()), dtype=torch.float32, device=device
-            )
-        self.bans: TokenBans | None = (
-            TokenBans(params.allowed_token_ids, params.bad_words_ids, device)
-            if params.allowed_token_ids is not None or params.bad_words_ids
-            else None
-        )
-        self._generator: torch.Generator | None = None
-        if params.seed is not None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(params.seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.params.greedy
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self._generator
-
-    @property
-    def history_free(self) -> bool:
-        """True when the processed distribution does not depend on the tokens generated so far (no
-        repetition / presence / frequency penalty, no banned words, no ``min_tokens`` hold): every drafted
-        position is processed alike (speculation inside the batched step)."""
-        return (
-            self._repetition is None
-            and not self._penalized
-            and self.bans is None
-            and self._min_tokens is None
-        )
-
-    @property
-    def is_identity(self) -> bool:
-        """True when processing cannot change the argmax (greedy without penalties): skip it."""
-        return (
-            self.greedy
-            and self._repetition is None
-            and not self._processors
-            and not self._penalized
-            and self.bias_ids is None
-            and self.bans is None
-        )
-
-    def holds_eos(self, history: torch.Tensor) -> bool:
-        """True while ``min_tokens`` bans end-of-sequence (``history`` ``[S]``: prompt and output so far)."""
-        return self._min_tokens is not None and history.shape[-1] - self.prompt_len < self.params.min_tokens
-
-    def process(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """``history`` ``[S]`` int64, ``logits`` ``[V]`` -> processed ``[V]`` float32."""
-        scores = logits.float().unsqueeze(0)
-        if self.bias_ids is not None:
-            scores = scores.index_add(1, self.bias_ids, self.bias_values.unsqueeze(0))
-        if self.bans is not None:
-            self.bans.apply_(scores[0], history.tolist(), self.prompt_len)
-        if self._repetition is not None:
-            scores = self._repetition(history.unsqueeze(0), scores)
-        if self._penalized:
-            generated = history[self.prompt_len :]
-            if generated.numel():
-                counts = torch.bincount(generated, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores)
-                scores = (
-                    scores
-                    - self.params.frequency_penalty * counts
-                    - self.params.presence_penalty * (counts > 0)
-                )
-        if self._min_tokens is not None:
-            scores = self._min_tokens(history.unsqueeze(0), scores)
-        if self.bans is not None:
-            check_choosable(scores[0], self.params, holds_eos=self.holds_eos(history), constrained=False)
-        if self._processors:
-            scores = self._processors(history.unsqueeze(0), scores)
-        return scores[0]
-
-    def choose(self, history: torch.Tensor, logits: torch.Tensor) -> int:
-        """Pick the next token from raw ``logits`` ``[V]``.
-
-        Raises:
-            NonFiniteLogitsError: ``logits`` hold NaN (argmax would return a NaN's index as a token).
-        """
-        if bool(torch.isnan(logits).any()):
-            raise NonFiniteLogitsError()
-        if self.is_identity and not self.holds_eos(history):
-            return int(torch.argmax(logits))
-        scores = self.process(history, logits)
-        if self.greedy:
-            return int(torch.argmax(scores))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator))

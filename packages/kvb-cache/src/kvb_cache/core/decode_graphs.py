@@ -35,7 +35,8 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, no_mask, paged_call
+from kvb_cache.core.paged_attention import no_mask, paged_call
+from kvb_cache.core.paged_batch import DecodeGroup, PagedBatch
 from kvb_cache.core.pool_kernel import PoolKernel
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ from kvb_cache.core.outputs import RequestId
 from kvb_cache.core.penalties import PenaltyHistory
 from kvb_cache.emitter import Emitter
 from kvb_cache.hashing import ChunkHash
+from kvb_cache.request_processor import RequestProcessor
 from kvb_cache.results import TokenLogprob
-from kvb_cache.sampling import RequestProcessor, SamplingParams
+from kvb_cache.sampling import SamplingParams
 from kvb_cache.structured.state import GrammarState
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ from transformers import PreTrainedModel
 
 from kvb_cache.core.decode_graphs import DecodeGraphs
 from kvb_cache.core.kv_storage import KVStorage
-from kvb_cache.core.paged_attention import DecodeGroup, PagedBatch, PrefillSeq, no_mask, paged_call
+from kvb_cache.core.paged_attention import no_mask, paged_call
+from kvb_cache.core.paged_batch import DecodeGroup, PagedBatch, PrefillSeq
 from kvb_cache.core.pool_kernel import PoolKernel, block_table
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
@@ -18,11 +17,10 @@ from pathlib import Path
 
 from kvb_cache.hashing import ChunkHash
 from kvb_cache.tiers.base import Counters, RecordTier, TierStats
+from kvb_cache.tiers.disk_folder import SUFFIX, read_counters, record_path, scan_records, write_counters
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".kvb"
-STATS_FILE = "stats.json"
 # Counters are persisted (for ``kvboost cache status``) at most this often, from whichever thread writes.
 _STATS_INTERVAL_S = 5.0
 # A full, over-quota or read-only file system, or a folder this process may not write: stores are skipped
@@ -35,8 +33,6 @@ _ROOM_RECORDS = 2
 # After storing 1/_RESCAN_SHARE of its budget, a process reads the folder again: it learns the records other
 # processes wrote since, so its eviction keeps the whole folder, not only its own records, within the budget.
 _RESCAN_SHARE = 8
-# A temp file older than this is a dead writer's leftover (a live write renames its file within seconds).
-_STALE_TMP_S = 600.0
 
 
 class _NotARecord(Exception):
@@ -354,7 +350,7 @@ class DiskTier(RecordTier):
         return self._file(key.hex())
 
     def _file(self, name: str) -> Path:
-        return self.directory / name[:2] / f"{name}{SUFFIX}"
+        return record_path(self.directory, name)
 
     def _loaded(self) -> OrderedDict[str, int]:
         """The index, built on first use from the files on disk (oldest mtime first), trimmed to the
@@ -365,7 +361,7 @@ class DiskTier(RecordTier):
             if self._index is None:
                 self._index = self._scan()
                 self._bytes = sum(self._index.values())
-                self._base = self._read_stats()
+                self._base = read_counters(self.directory)
                 smallest = min(self._index.values(), default=0)
                 if smallest > self.max_bytes:
                     # NOTE: a budget below every record in the folder (below one record of the model: the
@@ -398,7 +394,7 @@ class DiskTier(RecordTier):
         # keep this process's exact order (their times made non-decreasing in it); new ones go by mtime.
         ranked = []
         floor = -math.inf
-        files = {name: (mtime, size) for mtime, name, size in self._scan_files()}
+        files = {name: (mtime, size) for mtime, name, size in scan_records(self.directory)}
         for position, name in enumerate(index):
             if name in files:
                 mtime, size = files[name]
@@ -413,33 +409,7 @@ class DiskTier(RecordTier):
 
     def _scan(self) -> OrderedDict[str, int]:
         """The folder's records, name -> size, oldest mtime first."""
-        return OrderedDict((name, size) for _, name, size in sorted(self._scan_files()))
-
-    def _scan_files(self) -> list[tuple[float, str, int]]:
-        """``(mtime, name, size)`` of each record file (stale temp files removed on the way)."""
-        found: list[tuple[float, str, int]] = []
-        if self.directory.exists():
-            now = time.time()
-            # Records' temp files, and the counters' and the write probe's (a process killed while
-            # writing them, or a full disk, left them behind).
-            stale = (f"*/*{SUFFIX}.*.tmp", f"{STATS_FILE}.*.tmp", ".probe.*.tmp")
-            for tmp in (found for pattern in stale for found in self.directory.glob(pattern)):
-                # A writer died between write and rename. Only stale ones: in a folder shared by several
-                # processes a fresh temp file is another process's write in flight (it renames it next).
-                # Any OSError is left alone: a read-only folder (or another user's) cannot drop it, and the
-                # records beside it must still be served (it made every lookup and store raise before).
-                with contextlib.suppress(OSError):
-                    if now - tmp.stat().st_mtime > _STALE_TMP_S:
-                        tmp.unlink(missing_ok=True)
-            for path in self.directory.glob(f"*/*{SUFFIX}"):
-                try:
-                    st = path.stat()
-                except OSError:  # gone since the glob, or unreadable (a symlink loop): not a record
-                    continue
-                if not stat.S_ISREG(st.st_mode):  # a folder or a pipe: refused (and removed) when looked up
-                    continue
-                found.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
-        return found
+        return OrderedDict((name, size) for _, name, size in sorted(scan_records(self.directory)))
 
     def _forget(self, name: str) -> None:
         size = self._index.pop(name, None) if self._index is not None else None
@@ -468,22 +438,6 @@ class DiskTier(RecordTier):
         self.counters.add("evictions")
         return size
 
-    def _read_stats(self) -> dict[str, int]:
-        try:
-            raw = json.loads((self.directory / STATS_FILE).read_text())
-        except (OSError, ValueError):
-            return {}
-        # NOTE: valid JSON that is not an object (a truncated rewrite, another program's file) is ignored
-        # like unreadable JSON: the counters are a report, and raw.items() on a list crashed the first
-        # request that touched the tier.
-        if not isinstance(raw, dict):
-            return {}
-        return {
-            k: int(v)
-            for k, v in raw.items()
-            if k in Counters.FIELDS and isinstance(v, int) and not isinstance(v, bool)
-        }
-
     def _maybe_persist_stats(self) -> None:
         if time.monotonic() - self._last_persist >= _STATS_INTERVAL_S:
             self._persist_stats()
@@ -493,13 +447,6 @@ class DiskTier(RecordTier):
         if self._index is None:
             return
         self._last_persist = time.monotonic()
-        totals = {k: self._base.get(k, 0) + v for k, v in self.counters.snapshot().items()}
-        tmp = self.directory / f"{STATS_FILE}.{os.getpid()}.tmp"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(totals))
-            os.replace(tmp, self.directory / STATS_FILE)
-        except OSError as exc:
-            logger.debug("could not persist disk tier counters: %s", exc)
-            with contextlib.suppress(OSError):  # a full disk left it half-written
-                tmp.unlink(missing_ok=True)
+        write_counters(
+            self.directory, {k: self._base.get(k, 0) + v for k, v in self.counters.snapshot().items()}
+        )

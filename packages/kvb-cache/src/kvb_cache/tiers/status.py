@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvb_cache.tiers.base import TierStats
-from kvb_cache.tiers.disk import STATS_FILE, SUFFIX, DiskTier
+from kvb_cache.tiers.disk import DiskTier
+from kvb_cache.tiers.disk_folder import SUFFIX, read_counters
 from kvb_cache.tiers.remote import RedisTier, redact_url
 
 
@@ -30,13 +30,6 @@ class RedisReachability:
     error: str | None = None
 
 
-def _count(counters: object, name: str) -> int:
-    """Counter ``name`` of a persisted counters object; 0 when absent or not an int (the file is a report,
-    possibly truncated or written by another program: it must not stop ``status``)."""
-    value = counters.get(name, 0) if isinstance(counters, dict) else 0
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def disk_status(directory: str | Path) -> list[NamespaceStatus]:
     """Every namespace folder under a disk cache directory (files and bytes counted from disk).
 
@@ -49,12 +42,9 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
         sizes = _sizes(folder.glob(f"*/*{SUFFIX}"))
-        try:
-            counters = json.loads((folder / STATS_FILE).read_text())
-        except (OSError, ValueError):
-            counters = {}
+        counters = read_counters(folder)
         counts = {
-            k: _count(counters, k) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
+            k: counters.get(k, 0) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
         }
         stats = TierStats(name=DiskTier.name, entries=len(sizes), bytes=sum(sizes), **counts)
         out.append(NamespaceStatus(tier="disk", namespace=folder.name, stats=stats))
