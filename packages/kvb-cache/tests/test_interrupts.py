@@ -17,7 +17,7 @@ from conftest import words
 
 from kvb_cache import EngineConfig, KVBoost, RequestInterruptedError
 from kvb_cache.cache_kwarg import cache_kwargs
-from kvb_cache.core.engine_core import EngineCore
+from kvb_cache.core.emission import TokenEmission
 from kvb_cache.core.outputs import RequestId
 
 PROMPT_A, PROMPT_B = words(40, seed=3), words(40, seed=4)
@@ -29,7 +29,7 @@ def _engine(llama, tokenizer) -> KVBoost:
 
 def _interrupt_emit(monkeypatch, *, victim, nth: int) -> None:
     """Raise KeyboardInterrupt once, at the ``nth`` emission for which ``victim(request)`` holds."""
-    original = EngineCore._emit
+    original = TokenEmission.emit
     seen = {"n": 0}
 
     def emit(self, req, token, logits, logprob=None):
@@ -39,7 +39,7 @@ def _interrupt_emit(monkeypatch, *, victim, nth: int) -> None:
                 raise KeyboardInterrupt("Ctrl-C inside a step")
         return original(self, req, token, logits, logprob)
 
-    monkeypatch.setattr(EngineCore, "_emit", emit)
+    monkeypatch.setattr(TokenEmission, "emit", emit)
 
 
 def _read_rest(engine, stream, got: list[int], text: list[str]):
@@ -196,7 +196,7 @@ def test_a_request_whose_token_was_part_way_through_emission_ends_with_a_typed_e
     stream = engine.stream(PROMPT_A, max_new_tokens=8, ignore_eos=True)
     next(stream)
     victim = engine.core.scheduler.find(RequestId(stream.request_id))
-    original = EngineCore._emit
+    original = TokenEmission.emit
     armed = {"on": True}
 
     def interrupt(*args, **kwargs):
@@ -219,7 +219,7 @@ def test_a_request_whose_token_was_part_way_through_emission_ends_with_a_typed_e
                 monkeypatch.setattr(self, "before_free", interrupt)
         return original(self, req, token, logits, logprob)
 
-    monkeypatch.setattr(EngineCore, "_emit", emit)
+    monkeypatch.setattr(TokenEmission, "emit", emit)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPT_B, max_new_tokens=12, ignore_eos=True)
     monkeypatch.undo()

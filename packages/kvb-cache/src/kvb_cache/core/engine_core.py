@@ -30,12 +30,12 @@ step that has a request of theirs to run.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from kvb_cache.core.deferred import Deferred, PlanRoom
+from kvb_cache.core.emission import TokenEmission
 from kvb_cache.core.idle import IdleKey, IdleSlot
 from kvb_cache.core.kv_manager import KVCacheManager
 from kvb_cache.core.outputs import RequestId, RequestOutput
@@ -48,9 +48,9 @@ from kvb_cache.core.solo import SoloRequests, SoloStart
 from kvb_cache.core.speculation import merge_outputs, propose, verdict
 from kvb_cache.core.tier_loads import IDLE_WAIT_S, TierLoad, wait_first
 from kvb_cache.decoding import StepDrafter
-from kvb_cache.emitter import TokenTexts, token_logprob, token_logprobs
+from kvb_cache.emitter import TokenTexts
 from kvb_cache.errors import InvalidRequestError, NonFiniteLogitsError, RequestInterruptedError
-from kvb_cache.results import GenerationResult, StreamEvent, TokenLogprob
+from kvb_cache.results import GenerationResult, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,11 @@ class EngineCore:
         self.scheduler = scheduler
         self.kv = kv
         self.runner = runner
-        self.texts = texts
-        self.build_result = build_result
-        #: Reads a finished request's private KV before its blocks go back to the pool (None: nothing).
-        self.before_free = before_free
-        #: Called once a loop request's prompt is computed (its first token sampled), its blocks committed.
-        self.after_prefill = after_prefill
+        #: Each sampled token into its request's output (reads a finished request's private KV through
+        #: ``before_free`` before its blocks go back to the pool; ``after_prefill`` once a prompt is computed).
+        self.emission = TokenEmission(
+            scheduler, texts, build_result=build_result, before_free=before_free, after_prefill=after_prefill
+        )
         #: Plans and queues a deferred request once its sources' prompts are computed (see :meth:`defer`).
         self.plan_deferred = plan_deferred
         self.deferred = Deferred()
@@ -103,8 +102,6 @@ class EngineCore:
         #: Outputs a step produced before an exception escaped it part-way: the next step returns them first
         #: (dropped, a stream missed a token, or a finished request's result never arrived).
         self._carried: list[RequestOutput] = []
-        #: Requests whose token was being emitted when an exception escaped the step (see _end_torn).
-        self._torn: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -249,11 +246,11 @@ class EngineCore:
         return outputs
 
     def _end_torn(self) -> None:
-        """End the requests whose token was part-way through :meth:`_emit` when an exception escaped the
+        """End the requests whose token was part-way through :meth:`TokenEmission.emit` when an exception escaped the
         step: appended but maybe not detokenized, or finished but not freed (a later step would have
         decoded past ``max_new_tokens``), so their stream cannot go on whole. They end with
         :class:`RequestInterruptedError` (the next step delivers it) instead of a torn text."""
-        torn, self._torn = self._torn, []
+        torn, self.emission.torn = self.emission.torn, []
         for req in torn:
             output = self._fail(req, RequestInterruptedError())
             if not req.internal:
@@ -335,12 +332,12 @@ class EngineCore:
             for s, first in verifying:
                 self._verify(s.request, drafted_logits[first : first + 1 + s.drafted], outputs)
             tokens = sample(logits, sampling)
-            logprobs = self._logprobs(logits, sampling, tokens)
+            logprobs = self.emission.logprobs(logits, sampling, tokens)
             for row, (req, token) in enumerate(zip(sampling, tokens)):
                 try:
                     if isinstance(token, Exception):
                         raise token
-                    output = self._emit(req, token, logits[row], logprobs.get(row))
+                    output = self.emission.emit(req, token, logits[row], logprobs.get(row))
                 except Exception as exc:  # ends this request only; the rest of the batch goes on
                     output = self._fail(req, exc)
                 if req.spec is not None and req.spec.counts is None and self.drafter is not None:
@@ -383,11 +380,11 @@ class EngineCore:
                     req.num_computed += 1
                     self.kv.commit(req)
                 if counts is not None and j < kept:
-                    # Before _emit: the request's last token builds its result. A stop inside the kept run
+                    # Before emit(): the request's last token builds its result. A stop inside the kept run
                     # leaves the drafts after it uncounted (they are not in the reply).
                     counts.accepted += 1
                 try:
-                    output = self._emit(req, token, logits[j])
+                    output = self.emission.emit(req, token, logits[j])
                 except Exception as exc:
                     outputs.append(self._fail(req, exc))
                     break
@@ -404,76 +401,6 @@ class EngineCore:
         if req.status is not RequestStatus.FINISHED:
             self.kv.trim(req)
 
-    def _logprobs(
-        self, logits: torch.Tensor, requests: list[Request], tokens: list[int | Exception]
-    ) -> dict[int, TokenLogprob]:
-        """The sampled tokens' logprobs for the rows that asked for them, by row (``logits`` ``[R, V]``)."""
-        rows = [
-            i
-            for i, (r, t) in enumerate(zip(requests, tokens))
-            if r.params.logprobs is not None and not isinstance(t, Exception)
-        ]
-        if not rows:
-            return {}
-        try:
-            found = token_logprobs(
-                self.texts,
-                logits[rows],
-                [tokens[i] for i in rows],
-                [requests[i].params.logprobs for i in rows],
-            )
-        except Exception:  # each row then redoes its own in _emit, where a failure ends that request only
-            return {}
-        return dict(zip(rows, found))
-
-    def _emit(
-        self, req: Request, token: int, logits, logprob: TokenLogprob | None = None
-    ) -> RequestOutput | None:
-        params = req.params
-        if params.logprobs is not None:
-            if logprob is None:
-                logprob = token_logprob(self.texts, logits, token, params.logprobs)
-            req.logprobs.append(logprob)
-        if req.capture_logits:
-            req.last_logits = logits
-        req.tokens.append(token)
-        try:
-            produced = len(req.tokens) - req.prompt_len
-            if produced == 1:
-                req.ttft_ms = (time.perf_counter() - req.arrival) * 1e3
-                if self.after_prefill is not None:
-                    self.after_prefill(req)
-            delta = req.emitter.push(token, produced)
-            if req.grammar is not None and req.grammar.finished and not req.emitter.finish:
-                delta += req.emitter.end("stop")  # the response_format is complete
-            result = None
-            if req.emitter.finish:
-                if self.before_free is not None:
-                    self.before_free(req)
-                self.scheduler.remove(req)
-                result = self.build_result(req)
-            elif not delta and params.logprobs is None:
-                return None
-            logprobs: tuple[TokenLogprob, ...] = ()
-            if params.logprobs is not None:
-                covered = req.emitter.covered()
-                logprobs = tuple(req.logprobs[req.logprobs_sent : covered])
-                req.logprobs_sent = max(req.logprobs_sent, covered)
-            token_ids = tuple(req.tokens[req.prompt_len + req.streamed :])
-            req.streamed += len(token_ids)
-            return RequestOutput(
-                request_id=req.request_id,
-                delta_text=delta,
-                token_ids=token_ids,
-                logprobs=logprobs,
-                result=result,
-            )
-        except Exception:
-            raise  # the request's own failure: the caller ends it (_fail)
-        except BaseException:
-            self._torn.append(req)  # cut part-way by an interrupt: step() ends it
-            raise
-
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """End ``req`` because its token could not be chosen or emitted: its blocks are freed, nothing of it
         is stored, and its last output carries ``error``."""
@@ -485,7 +412,7 @@ class EngineCore:
             logger.error(
                 "request %s failed in the sampler/emitter: %r", req.request_id, error, exc_info=error
             )
-        if req.status is not RequestStatus.FINISHED:  # _emit may have finished it before failing
+        if req.status is not RequestStatus.FINISHED:  # emit() may have finished it before failing
             self.scheduler.remove(req)
         if req.internal:
             self.idle.failed()
