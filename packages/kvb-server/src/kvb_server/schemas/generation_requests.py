@@ -2,7 +2,7 @@
 
 Types are strict and unknown fields are refused, so a misspelt parameter is never silently ignored.
 Parameters OpenAI defines but this server does not implement are declared so that
-:mod:`kvb_server.request_plan` can refuse them by name. The routes read and validate bodies themselves
+:mod:`kvb_server.request_checks` can refuse them by name. The routes read and validate bodies themselves
 (through :mod:`kvb_server.limits` first), so these models document them in the OpenAPI document (see
 :mod:`kvb_server.openapi`) rather than being FastAPI body parameters.
 """
@@ -129,7 +129,7 @@ class SamplingFields(BaseModel):
     #: vLLM's: only these token ids may be generated (a label set, a Yes/No judge).
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     #: vLLM's: each prompt token's logprob, its rank and this many most likely alternatives (the first token:
-    #: null); -1: every token (within --max-logprobs); not with stream (vLLM's rule). kvb_server.request_plan.
+    #: null); -1: every token (within --max-logprobs); not with stream (vLLM's rule). kvb_server.request_checks.
     prompt_logprobs: Annotated[int, Field(ge=-1), WHOLE] | None = None
     #: vLLM's: each logprobs entry names its token as ``"token_id:<id>"`` instead of its text (a client that
     #: needs the exact ids, such as an RL trainer; its ``bytes`` are that label's).
@@ -159,7 +159,7 @@ class CompletionRequest(SamplingFields):
     #: vLLM's: a text prompt is encoded with the tokenizer's special tokens (its BOS), as the engine does;
     #: false encodes the text alone (a prompt that already holds them, e.g. a rendered chat template).
     add_special_tokens: bool = True
-    #: At most the server's ``--max-logprobs`` (20 by default, as vLLM; OpenAI takes 5): kvb_server.request_plan.
+    #: At most the server's ``--max-logprobs`` (20 by default, as vLLM; OpenAI takes 5): kvb_server.request_checks.
     logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
     #: Repeat the prompt before each choice's text; with ``logprobs`` the prompt tokens are scored too
     #: (the first has ``null``: nothing precedes it).
@@ -217,7 +217,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    #: At most the server's ``--max-logprobs`` (20 by default): kvb_server.request_plan.
+    #: At most the server's ``--max-logprobs`` (20 by default): kvb_server.request_checks.
     top_logprobs: Annotated[int, Field(ge=0), WHOLE] | None = None
     metadata: Metadata | None = None
     store: bool | None = None
