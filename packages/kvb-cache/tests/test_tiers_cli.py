@@ -42,6 +42,18 @@ def test_status_reports_disk_entries_bytes_and_hit_rate(tmp_path, capsys):
     )
 
 
+def test_status_reports_every_persisted_counter(tmp_path, capsys):
+    # `dropped` (stores the tier skipped: too large for the budget here) was persisted but read back as 0.
+    entries = chain(2)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=len(record(entries[0])) // 2)
+    assert disk.put(entries[0].key, record(entries[0])) is False
+    disk.close()
+    args = parse(["cache", "status", "--disk-cache-dir", str(tmp_path), "--json"])
+    assert args.func(args) == 0
+    stats = json.loads(capsys.readouterr().out)["disk"]["namespaces"][FINGERPRINT[:32]]
+    assert (stats["dropped"], stats["stores"], stats["entries"]) == (1, 0, 0)
+
+
 def test_status_skips_a_record_evicted_while_it_lists_the_folder(tmp_path, monkeypatch, capsys):
     """Another process sharing the folder may evict a record between the listing and its stat: status died
     with FileNotFoundError (1 call in 6 with two servers under load)."""

@@ -344,6 +344,79 @@ def test_deletes_in_a_read_only_folder_are_counted_not_raised(tmp_path, monkeypa
     assert len([r for r in caplog.records if "cannot store records" in r.message]) == 1
 
 
+def test_a_read_only_folder_over_budget_is_served_without_a_delete_per_lookup(tmp_path, monkeypatch):
+    """A folder another process filled past this process's budget, read-only here: the start-up trim's delete
+    failed, the record left the index but not the disk, and every lookup of it re-indexed it and tried a
+    delete again (one error each). Now the refused record stays indexed until the pause ends."""
+    import errno
+    from pathlib import Path
+
+    from kvb_cache.tiers import disk as disk_module
+
+    entries = chain(3)
+    writer = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    for e in entries:
+        assert writer.put(e.key, record(e))
+    size = len(record(entries[0]))
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=2 * size)
+    for _ in range(5):
+        for e in entries:
+            assert disk.get(e.key) is not None
+    stats = disk.stats()
+    assert (stats.errors, stats.evictions, stats.entries, stats.bytes) == (1, 0, 3, 3 * size)
+    assert disk.paused()
+
+    # Writable again once the pause is over: the next store trims the folder to the budget.
+    monkeypatch.setattr(Path, "unlink", unlink)
+    now = time.monotonic()
+    monkeypatch.setattr(disk_module.time, "monotonic", lambda: now + 60.0)
+    new = chain(1, tag=9)[0]
+    assert disk.put(new.key, record(new))
+    stats = disk.stats()
+    assert (stats.entries, stats.bytes, stats.evictions) == (2, 2 * size, 2)
+    assert disk.contains(new.key) and disk.contains(entries[2].key) and not disk.contains(entries[0].key)
+
+
+def test_a_corrupt_record_in_a_read_only_folder_is_read_once(tmp_path, monkeypatch):
+    """A record refused as corrupt whose delete the folder refuses: every lookup read it again, was refused
+    again and retried the delete (an error each). Now a miss, unread, until a store replaces it."""
+    import errno
+    from pathlib import Path
+
+    from kvb_cache.tiers import disk as disk_module
+
+    [entry] = chain(1)
+    disk = DiskTier(tmp_path, namespace=FINGERPRINT, max_bytes=1 << 20)
+    assert disk.put(entry.key, b"not a record")
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    for _ in range(5):  # what a tiered store does: read, refuse, delete
+        if disk.get(entry.key) is not None:
+            disk.delete(entry.key)
+    stats = disk.stats()
+    assert (stats.hits, stats.misses, stats.errors) == (1, 4, 1)
+    assert not disk.contains(entry.key)  # to be rewritten
+    assert disk.put(entry.key, record(entry)) is False  # paused: dropped
+
+    # Writable again once the pause is over: the recomputed record replaces it and is served.
+    monkeypatch.setattr(Path, "unlink", unlink)
+    now = time.monotonic()
+    monkeypatch.setattr(disk_module.time, "monotonic", lambda: now + 60.0)
+    data = record(entry)
+    assert disk.put(entry.key, data)
+    assert disk.get(entry.key) == data and disk.contains(entry.key)
+
+
 def test_a_chain_of_corrupt_records_heals_in_one_recompute(tmp_path):
     # The fetch stopped at the first bad record and the recompute's write-behind skipped keys the tier held:
     # the bad records further down were never replaced (each request healed one, reuse grew a chunk a time).

@@ -88,6 +88,9 @@ class DiskTier(RecordTier):
         self._base: dict[str, int] = {}
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
+        self._pause_errno: int | None = None  # why stores are paused (see _undeletable)
+        #: Records refused (corrupt) whose delete the folder refused too: misses, unread, until rewritten.
+        self._refused: set[str] = set()
         self._full_logged = False  # the file system filled below the budget (said once)
         self._too_big_logged = False  # a record larger than the whole budget was offered (said once)
         self._probe()
@@ -95,6 +98,9 @@ class DiskTier(RecordTier):
     # ------------------------------------------------------------------ RecordTier
     def get(self, key: ChunkHash) -> bytes | None:
         index = self._loaded()
+        if key.hex() in self._refused:
+            self.counters.add("misses")
+            return None
         path = self._path(key)
         try:
             data = self._read(path)
@@ -229,6 +235,7 @@ class DiskTier(RecordTier):
                 logger.warning("disk tier write failed (%s); record not stored", exc)
             return False
         with self._lock:
+            self._refused.discard(name)
             index[name] = len(record)
             self._bytes += len(record)
             self._stored_since_scan += len(record)
@@ -245,6 +252,7 @@ class DiskTier(RecordTier):
 
     def _pause(self, exc: OSError) -> None:
         self._full_until = time.monotonic() + _FULL_PAUSE_S
+        self._pause_errno = exc.errno
         logger.warning(
             "disk tier at %s cannot store records (%s: full, read-only or not writable by this process); "
             "reads go on, stores skipped for %.0f s",
@@ -269,15 +277,22 @@ class DiskTier(RecordTier):
 
     def contains(self, key: ChunkHash) -> bool:
         with self._lock:
+            if key.hex() in self._refused:
+                return False  # a refused record that could not be deleted: to be rewritten
             if key.hex() in self._loaded():
                 return True
         # is_file: a folder or a pipe at the path is no record (exists() said stored: never written)
         return self._path(key).is_file()
 
     def delete(self, key: ChunkHash) -> None:
-        self._unlink(self._path(key))
+        path = self._path(key)
+        removed = self._unlink(path)
         with self._lock:
             self._forget(key.hex())
+            if not removed and self._undeletable() and path.exists():
+                # NOTE: a corrupt record in a read-only folder was read, refused and its delete retried (an
+                # error counted) by every lookup; it is a miss now, unread, until a store replaces it.
+                self._refused.add(key.hex())
 
     def _unlink(self, path: Path) -> bool:
         """Remove one record file; whether it was there and removed. Never raises: in a read-only folder
@@ -326,7 +341,9 @@ class DiskTier(RecordTier):
             }
             removed = 0
             for name in names:
-                removed += self._unlink(self._file(name))
+                if self._unlink(self._file(name)):
+                    removed += 1
+                    self._refused.discard(name)
                 self._forget(name)
         return removed
 
@@ -420,20 +437,34 @@ class DiskTier(RecordTier):
         """Evict the least recently used records until ``nbytes`` are freed; whether any was removed."""
         freed = 0
         with self._lock:
-            while freed < nbytes and self._index:
+            while freed < nbytes and self._index and not self._undeletable():
                 freed += self._evict_oldest()
         return freed > 0
 
     def _evict_over_budget(self) -> None:
-        while self._bytes > self.max_bytes and self._index:
+        while self._bytes > self.max_bytes and self._index and not self._undeletable():
             self._evict_oldest()
+
+    def _undeletable(self) -> bool:
+        """Stores are paused because the folder cannot be written (read-only, not ours), not because it is
+        full: deletes fail too, so eviction waits for the pause to end."""
+        return self.paused() and self._pause_errno not in _NO_SPACE
 
     def _evict_oldest(self) -> int:
         """Drop the least recently used record from the index and the folder; the bytes it removed (0 for a
-        file another process had already removed: not counted as an eviction)."""
+        file another process had already removed: not counted as an eviction).
+
+        A record the folder refuses to delete (read-only: the tier pauses) stays indexed, still the oldest:
+        dropped from the index, it stayed on disk, the next lookup found it again, and each such lookup retried
+        the delete (an error counted per lookup, a shared read-only folder over budget never settling)."""
         name, size = self._index.popitem(last=False)
         self._bytes -= size
-        if not self._unlink(self._file(name)):
+        path = self._file(name)
+        if not self._unlink(path):
+            if self._undeletable() and path.exists():
+                self._index[name] = size
+                self._index.move_to_end(name, last=False)
+                self._bytes += size
             return 0
         self.counters.add("evictions")
         return size

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvb_cache.tiers.base import TierStats
+from kvb_cache.tiers.base import Counters, TierStats
 from kvb_cache.tiers.disk import DiskTier
 from kvb_cache.tiers.disk_folder import SUFFIX, read_counters
 from kvb_cache.tiers.remote import RedisTier, redact_url
@@ -42,10 +42,9 @@ def disk_status(directory: str | Path) -> list[NamespaceStatus]:
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
         sizes = _sizes(folder.glob(f"*/*{SUFFIX}"))
+        # Every persisted counter (``dropped`` was left out: 0 in ``--json`` for a tier that skipped stores).
         counters = read_counters(folder)
-        counts = {
-            k: counters.get(k, 0) for k in ("hits", "misses", "errors", "corrupt", "stores", "evictions")
-        }
+        counts = {k: counters.get(k, 0) for k in Counters.FIELDS}
         stats = TierStats(name=DiskTier.name, entries=len(sizes), bytes=sum(sizes), **counts)
         out.append(NamespaceStatus(tier="disk", namespace=folder.name, stats=stats))
     return out
