@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Iterator
 from urllib.parse import urlparse
@@ -41,13 +42,31 @@ def post_raw(url: str, path: str, content: bytes | Iterator[bytes]) -> httpx.Res
         ('[[1], {"a": [2]}]', 3),
         ('{"a": "[[[[{{{{"}', 1),  # brackets in strings do not count
         ('{"a": "q\\"[[[["}', 1),  # nor after an escaped quote
-        ('"unterminated [[[', 3),  # an unterminated string's brackets count: an upper bound
+        ('"unterminated [[[', 0),  # the parser fails at the string, never entering its brackets
+        ('[[{"a": "\\"\\"[[[', 3),  # an unterminated string of escaped quotes
+        ('[["a\\', 2),  # a lone backslash last
         ("[" * 100_000, 100_000),
         ("[]]][[[[", 2),  # the parser stops after "[]" ("Extra data"): 2 is an upper bound
     ],
 )
 def test_json_depth(text: str, depth: int) -> None:
     assert json_depth(text) == depth
+
+
+def test_a_string_match_from_any_quote_never_fails() -> None:
+    """What keeps the nesting check linear: a match attempt that failed (an unterminated string) was retried
+    from every quote after it, each scanning to the end (60 KB of escaped quotes: 21 s on the event loop)."""
+    from kvb_server.limits import _STRING
+
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice('"\\[a') for _ in range(rng.randint(1, 40)))
+        for i, ch in enumerate(text):
+            if ch == '"':
+                assert _STRING.match(text, i) is not None, (text, i)
+    body = b"[" * 70 + b'"' + b'\\"' * 30_000  # the audit's body: refused as too deep, not parsed
+    with pytest.raises(InvalidParameterError, match="deeper than"):
+        decode_json(body, max_depth=64)
 
 
 def test_decode_json_refuses_before_parsing() -> None:

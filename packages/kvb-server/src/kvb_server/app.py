@@ -272,7 +272,8 @@ def create_app(engine: ServingEngine, config: ServerConfig, *, gate: RequestGate
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
-        logger.exception("unhandled error on %s (x-request-id %s)", request.scope["path"], rid)
+        # %r: the path is URL-decoded, so a %0a in it would have started a forged log line.
+        logger.exception("unhandled error on %r (x-request-id %s)", request.scope["path"], rid)
         return JSONResponse(
             ServerError(f"Internal server error: {type(exc).__name__}").body(),
             status_code=500,

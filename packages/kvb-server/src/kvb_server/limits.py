@@ -27,9 +27,13 @@ DEFAULT_MAX_JSON_DEPTH = 64
 MAX_JSON_DEPTH_LIMIT = 512
 
 # A JSON string, unrolled so the regex engine never backtracks: quote, runs of plain characters and
-# escapes, quote. An unterminated string does not match, so its brackets are counted (the check stays an
-# upper bound of what the parser would descend into before it fails).
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# escapes, then the closing quote, or the end of the text (an unterminated string, with a lone backslash
+# last at most). NOTE: every match attempt from a quote must succeed. A string left unterminated failed to
+# match, and the search retried from each quote inside it (escaped ones too), each retry scanning to the
+# end: 60 KB of one quote and escaped quotes after it ("\"\"\"...) took 21 s on the event loop, quadratic
+# (a 4 MiB body: about a day). Ignoring the brackets of an unterminated string keeps the count an upper
+# bound of what the parser descends into: it fails at that string, never entering brackets inside it.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*\\?(?:"|\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 # Opening brackets count 2 and closing ones 0, so after k brackets the running sum minus k is the depth.
 _BRACKET_WEIGHTS = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
