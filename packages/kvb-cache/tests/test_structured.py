@@ -232,6 +232,27 @@ def test_grammar_cache_is_an_lru(smol_tokenizer):
     assert cache.misses == 5
 
 
+def test_a_grammar_that_fails_while_decoding_leaves_the_cache(smol_tokenizer):
+    """The lexer state a grammar builds past llguidance's limits is shared with the cached grammar (about
+    150 MB for this pattern): 256 distinct such patterns pinned tens of GB. A failed grammar is dropped."""
+    cache = GrammarCache()
+    vocab = len(smol_tokenizer)
+    row = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    kept = cache.state(ResponseFormat.parse({"type": "regex", "pattern": "a+"}), smol_tokenizer, vocab)
+    failing = ResponseFormat.parse({"type": "regex", "pattern": "0((a{100}){100}){100}"})
+    state = cache.state(failing, smol_tokenizer, vocab)
+    assert len(cache) == 2
+    for token in smol_tokenizer.encode("0") + smol_tokenizer.encode("a") * 5:
+        state.fill_bitmask(row)
+        state.advance(token)
+        if state.failed:
+            break
+    assert state.failed and "too many expressions" in state.error
+    assert len(cache) == 1 and not kept.failed  # the other grammar stays
+    cache.state(failing, smol_tokenizer, vocab)  # compiled again for the next request
+    assert cache.misses == 3
+
+
 def test_missing_extra_names_it(monkeypatch, smol_tokenizer):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(StructuredOutputsUnavailable, match=r"kvb-cache\[structured\]"):

@@ -6,6 +6,7 @@ llguidance and not xgrammar: docs/structured.md (measured on this project's toke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -161,6 +162,11 @@ class GrammarCache:
     Keyed by (:attr:`ResponseFormat.key`, tokenizer key): the tokenizer key hashes the serialized fast
     tokenizer and the logits width, so engines may share one cache. A grammar that fails to compile raises
     :class:`InvalidRequestError` naming ``response_format`` (llguidance's message says which feature).
+
+    A grammar whose matcher fails while decoding (past llguidance's limits: ``((a{100}){100}){100}``) is
+    dropped from the cache: the lexer state it built up is shared with the cached grammar (about 150 MB for
+    that pattern), so 256 distinct 25-byte patterns could pin tens of GB. Dropped, it is freed with its
+    request (measured: six such patterns grew the process by 150 MB each kept, by nothing dropped).
     """
 
     def __init__(self, *, max_entries: int = 256) -> None:
@@ -193,7 +199,14 @@ class GrammarCache:
                 self._entries[key] = template
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
-        return GrammarState(template.deep_copy(), vocab_size=vocab_size)
+        return GrammarState(
+            template.deep_copy(), vocab_size=vocab_size, on_error=functools.partial(self._drop, key)
+        )
+
+    def _drop(self, key: tuple[str, TokenizerKey]) -> None:
+        """Forget the compiled grammar ``key`` (its matcher failed while decoding: see the class docs)."""
+        with self._lock:
+            self._entries.pop(key, None)
 
     def _tokenizer(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> _Tokenizer:
         ident = (id(tokenizer), vocab_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,10 +20,13 @@ class GrammarState:
     (:attr:`GenerationResult.grammar_error <kvb_cache.results.GenerationResult.grammar_error>`).
     """
 
-    __slots__ = ("_matcher", "error", "vocab_size")
+    __slots__ = ("_matcher", "_on_error", "error", "vocab_size")
 
-    def __init__(self, matcher: Any, *, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, *, vocab_size: int, on_error: Callable[[], None] | None = None) -> None:
+        """``on_error``: called once when the matcher fails (the grammar cache drops the compiled grammar
+        this matcher was copied from: see :class:`~kvb_cache.structured.backend.GrammarCache`)."""
         self._matcher = matcher
+        self._on_error = on_error
         self.vocab_size = vocab_size
         #: Why the matcher failed, or None. llguidance refuses a token the mask allowed when the grammar
         #: outgrows its limits while decoding (``a{1000000}``: "too many expressions constructed"; 20000
@@ -48,6 +52,9 @@ class GrammarState:
 
     def _record_error(self) -> None:
         self.error = self._matcher.get_error().split("\n", 1)[0][:500] or "the grammar matcher failed"
+        on_error, self._on_error = self._on_error, None
+        if on_error is not None:
+            on_error()
 
     @property
     def finished(self) -> bool:
