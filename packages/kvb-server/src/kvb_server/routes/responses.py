@@ -9,9 +9,10 @@ Responses stream events, :mod:`kvb_server.responses_api.events`). Stored respons
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -54,6 +55,19 @@ from kvb_server.service import ClientDisconnected, GenerationService
 from kvb_server.streaming import EventStreamResponse
 from kvb_server.tenancy import ApiKeys, Caller
 from kvb_server.truncation import Truncation
+
+T = TypeVar("T")
+
+
+async def _off_loop(
+    request: Request, previous_response_id: str | None, fn: Callable[..., T], *args: object, **kwargs: object
+) -> T:
+    """:func:`~kvb_server.request_body.off_loop` by the conversation's size, not only the body's: a
+    follow-up's body is small while the stored conversation it continues may be long (an audit, 2026-12-02:
+    a 157-byte follow-up rendered 1,500 stored messages on the event loop, ``/health`` blocked meanwhile)."""
+    if previous_response_id is not None:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return await off_loop(request, fn, *args, **kwargs)
 
 
 def refuse_retrieve_options(query: Mapping[str, str]) -> None:
@@ -193,8 +207,9 @@ def responses_router(
             req = req.model_copy(update={"model": default_model(req.previous_response_id, caller)})
         try:
             t, items = translate(req, caller)
-            plan = await off_loop(
+            plan = await _off_loop(
                 request,
+                req.previous_response_id,
                 fitting_plan,
                 t.request,
                 lambda chat: chat_plan(chat, engine, config, key_salt=caller.key_salt),
@@ -238,7 +253,9 @@ def responses_router(
             )
         try:
             t, _ = translate(body.as_request(default_model(body.previous_response_id, caller)), caller)
-            tokens = await off_loop(request, chat_prompt_tokens, t.request, engine, config)
+            tokens = await _off_loop(
+                request, body.previous_response_id, chat_prompt_tokens, t.request, engine, config
+            )
         except ServerError as exc:
             raise responses_error(exc) from None
         return {"object": "response.input_tokens", "input_tokens": len(tokens)}
