@@ -7,12 +7,15 @@ prompts first, tool-call deltas for tool-calling replies, usage when asked).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvb_cache.results import GenerationResult
 from kvb_server.echo import Echo
@@ -36,6 +39,11 @@ from kvb_server.truncation import Truncation
 
 if TYPE_CHECKING:
     from kvb_server.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+#: A send may take this long past the request's deadline (its last event, the 504, still goes out).
+_SEND_GRACE_S = 5.0
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -69,6 +77,11 @@ class OpenStream:
         self._echoes = echoes
         # Set once chunks() runs: from then on its own ``finally`` cancels the jobs and counts the rest.
         self._iterated = False
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` past which the request is stopped (``--request-timeout`` from its arrival)."""
+        return self._deadline
 
     def release_unread(self) -> None:
         """Cancel the jobs of a stream whose :meth:`chunks` never ran and count their results when they
@@ -249,16 +262,46 @@ class OpenStream:
             self._service.record_unread(self._inbox, results, update, intervals)
 
 
+class StalledReaderError(Exception):
+    """The client stopped reading a stream: a send could not complete before the request's deadline.
+
+    Not an ``OSError``: Starlette turns those into ``ClientDisconnect``, which the app's handlers answer."""
+
+
 class EventStreamResponse(StreamingResponse):
     """``text/event-stream`` response over ``body`` (events of ``stream``) that releases ``stream`` however
-    the response ends, including before Starlette iterated ``body`` (:meth:`OpenStream.release_unread`)."""
+    the response ends, including before Starlette iterated ``body`` (:meth:`OpenStream.release_unread`).
+
+    Each send must complete before the request's deadline (``--request-timeout`` from its arrival). NOTE: a
+    client that stops reading without closing its connection blocks the send once the socket's buffers are
+    full; before, nothing bounded that wait, so the handler, the updates queued for it (the whole reply:
+    ~190 MB for n=16 x 256 tokens with 20 logprobs, an audit, 2026-12-02) and the connection were held for
+    as long as the client kept it open. Now the response ends at the deadline, its jobs cancelled (the
+    engine already stops a request at its deadline), and the server closes the connection.
+    """
 
     def __init__(self, body: AsyncIterator[bytes], stream: OpenStream, headers: dict[str, str]) -> None:
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = self._stream.deadline
+
+        async def send_by_deadline(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), max(deadline - time.monotonic(), 0.0) + _SEND_GRACE_S)
+            except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+                raise StalledReaderError() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_by_deadline)
+        except StalledReaderError:
+            logger.warning(
+                "stream closed: the client stopped reading it and the request's deadline passed "
+                "(--request-timeout)"
+            )
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:  # its finally cancels the jobs and counts what they produced
+                await aclose()
         finally:
             self._stream.release_unread()

@@ -1,0 +1,71 @@
+"""A stream whose client stops reading ends at the request's deadline (:class:`EventStreamResponse`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvb_server import streaming
+from kvb_server.streaming import EventStreamResponse
+
+
+class _Stream:
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.released = 0
+
+    def release_unread(self) -> None:
+        self.released += 1
+
+
+def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch) -> None:
+    # A client that stops reading blocks the send once the socket's buffers fill; nothing bounded that wait,
+    # so the handler and every update queued for it were held for as long as the connection stayed open.
+    monkeypatch.setattr(streaming, "_SEND_GRACE_S", 0.05)
+    cancelled = []
+
+    async def body():
+        try:
+            for i in range(10**6):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            cancelled.append(True)  # where the real stream cancels its jobs
+
+    sent = []
+
+    async def send(message) -> None:
+        sent.append(message["type"])
+        if len(sent) > 3:  # the socket is full from the fourth message on: this send never completes
+            await asyncio.Event().wait()
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def run() -> float:
+        stream = _Stream(time.monotonic() + 0.2)
+        response = EventStreamResponse(body(), stream, {})
+        started = time.monotonic()
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send), 10)
+        assert stream.released == 1
+        return time.monotonic() - started
+
+    assert asyncio.run(run()) < 10
+    assert cancelled == [True] and len(sent) == 4
+
+
+def test_a_reader_that_keeps_up_gets_the_whole_stream() -> None:
+    async def body():
+        for i in range(100):
+            yield f"data: {i}\n\n".encode()
+
+    sent = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    stream = _Stream(time.monotonic() + 60)
+    asyncio.run(EventStreamResponse(body(), stream, {})({"type": "http"}, receive, send))
+    assert len(sent) == 102 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
