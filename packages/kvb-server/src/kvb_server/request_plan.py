@@ -103,6 +103,12 @@ class GenerationPlan:
     priority: int = 0
     prompt_logprobs: int | None = None
 
+    @property
+    def scored(self) -> bool:
+        """The response carries logprobs (of the output, or of an echoed or scored prompt): its body may run
+        to tens of MB, built and serialized off the event loop."""
+        return self.sampling.logprobs is not None or self.prompt_logprobs is not None
+
     def prompt_sampling(self, prompt: int, choice: int) -> SamplingParams:
         """The sampling of choice ``choice`` of prompt ``prompt``: its own seed and its prompt's budget."""
         params = choice_params(self.sampling, choice)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -329,7 +330,12 @@ class GenerationService:
             for job in jobs:  # the worker aborts whatever is still queued or running (no-op once finished)
                 job.cancelled.set()
             self.record_unread(inbox, results)
-        body = final_response(plan, ResponseIds.new(plan), results, echoes, self.token_bytes, scores)  # type: ignore[arg-type]
+        build = functools.partial(
+            final_response, plan, ResponseIds.new(plan), results, echoes, self.token_bytes, scores
+        )
+        # NOTE: logprobs make bodies of tens of MB (64 echoed prompts of 2,000 tokens with 20 alternatives:
+        # 80 MB), built on the event loop they held /health for seconds (an audit, 2026-12-02).
+        body = await asyncio.to_thread(build) if plan.scored else build()  # type: ignore[arg-type]
         if truncation is not None:
             body["prompt_truncation"] = truncation.to_dict()
         return body

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -70,6 +71,8 @@ def openai_router(
             body = await service.complete(plan, request.is_disconnected)
             truncation = body.get("prompt_truncation")
             headers = Truncation.header_for(truncation["dropped_tokens"]) if truncation else None
+            if plan.scored:  # serialized off the event loop: logprobs make bodies of tens of MB
+                return await asyncio.to_thread(JSONResponse, body, headers=headers)
             return JSONResponse(body, headers=headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
