@@ -28,18 +28,20 @@ def truncations(messages: list[ChatMessage]) -> list[int]:
     """
     cuts = [0]
     n = len(messages)
+    droppable = [i for i, m in enumerate(messages) if m.role not in KEPT_ROLES]
+    last = droppable[-1] if droppable else -1
     start = 0
-    while True:
-        first = next((i for i in range(start, n) if messages[i].role not in KEPT_ROLES), None)
-        if first is None:
-            return cuts
+    for first in droppable:  # one pass: linear in the conversation
+        if first < start:
+            continue  # a tool result dropped with its call
         end = first + 1
         while end < n and messages[end].role == "tool":
             end += 1
-        if not any(m.role not in KEPT_ROLES for m in messages[end:]):
+        if end > last:  # nothing droppable would be left
             return cuts
         cuts.append(end)
         start = end
+    return cuts
 
 
 def truncated(messages: list[ChatMessage], cut: int) -> list[ChatMessage]:
