@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from kvb_server import streaming
 from kvb_server.streaming import EventStreamResponse
 
@@ -18,7 +20,10 @@ class _Stream:
         self.released += 1
 
 
-def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "spec", ["2.3", "2.4"]
+)  # uvicorn's (a task group watching for disconnects), and without
+def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch, spec: str) -> None:
     # A client that stops reading blocks the send once the socket's buffers fill; nothing bounded that wait,
     # so the handler and every update queued for it were held for as long as the connection stayed open.
     monkeypatch.setattr(streaming, "_SEND_GRACE_S", 0.05)
@@ -45,7 +50,7 @@ def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch) -> None
         stream = _Stream(time.monotonic() + 0.2)
         response = EventStreamResponse(body(), stream, {})
         started = time.monotonic()
-        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send), 10)
+        await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": spec}}, receive, send), 10)
         assert stream.released == 1
         return time.monotonic() - started
 
