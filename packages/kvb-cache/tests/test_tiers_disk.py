@@ -408,6 +408,15 @@ def test_a_corrupt_record_in_a_read_only_folder_is_read_once(tmp_path, monkeypat
     assert not disk.contains(entry.key)  # to be rewritten
     assert disk.put(entry.key, record(entry)) is False  # paused: dropped
 
+    # The folder's owner replaces the file with a valid record: read again (it stayed a miss for good).
+    path = disk._path(entry.key)
+    fixed = record(entry)
+    path.write_bytes(fixed)
+    os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
+    assert disk.contains(entry.key) and disk.get(entry.key) == fixed
+    disk.delete(entry.key)  # refused again (what a tiered store does with a record it rejects)
+    assert disk.get(entry.key) is None
+
     # Writable again once the pause is over: the recomputed record replaces it and is served.
     monkeypatch.setattr(Path, "unlink", unlink)
     now = time.monotonic()

@@ -89,8 +89,9 @@ class DiskTier(RecordTier):
         self._last_persist = 0.0
         self._full_until = 0.0  # monotonic time before which stores are skipped (disk full)
         self._pause_errno: int | None = None  # why stores are paused (see _undeletable)
-        #: Records refused (corrupt) whose delete the folder refused too: misses, unread, until rewritten.
-        self._refused: set[str] = set()
+        #: Records refused (corrupt) whose delete the folder refused too, by name, with the file's
+        #: (mtime_ns, size) then: misses, unread, until the file changes (rewritten here or elsewhere).
+        self._refused: dict[str, tuple[int, int]] = {}
         self._full_logged = False  # the file system filled below the budget (said once)
         self._too_big_logged = False  # a record larger than the whole budget was offered (said once)
         self._probe()
@@ -98,10 +99,10 @@ class DiskTier(RecordTier):
     # ------------------------------------------------------------------ RecordTier
     def get(self, key: ChunkHash) -> bytes | None:
         index = self._loaded()
-        if key.hex() in self._refused:
+        path = self._path(key)
+        if self._still_refused(key.hex(), path):
             self.counters.add("misses")
             return None
-        path = self._path(key)
         try:
             data = self._read(path)
         except _NotARecord as exc:
@@ -235,7 +236,7 @@ class DiskTier(RecordTier):
                 logger.warning("disk tier write failed (%s); record not stored", exc)
             return False
         with self._lock:
-            self._refused.discard(name)
+            self._refused.pop(name, None)
             index[name] = len(record)
             self._bytes += len(record)
             self._stored_since_scan += len(record)
@@ -276,9 +277,9 @@ class DiskTier(RecordTier):
                 probe.unlink(missing_ok=True)
 
     def contains(self, key: ChunkHash) -> bool:
+        if self._still_refused(key.hex(), self._path(key)):
+            return False  # a refused record that could not be deleted: to be rewritten
         with self._lock:
-            if key.hex() in self._refused:
-                return False  # a refused record that could not be deleted: to be rewritten
             if key.hex() in self._loaded():
                 return True
         # is_file: a folder or a pipe at the path is no record (exists() said stored: never written)
@@ -289,10 +290,23 @@ class DiskTier(RecordTier):
         removed = self._unlink(path)
         with self._lock:
             self._forget(key.hex())
-            if not removed and self._undeletable() and path.exists():
+            if not removed and self._undeletable():
                 # NOTE: a corrupt record in a read-only folder was read, refused and its delete retried (an
-                # error counted) by every lookup; it is a miss now, unread, until a store replaces it.
-                self._refused.add(key.hex())
+                # error counted) by every lookup; it is a miss now, unread, until its file changes.
+                signature = _signature(path)
+                if signature is not None:
+                    self._refused[key.hex()] = signature
+
+    def _still_refused(self, name: str, path: Path) -> bool:
+        """``name`` was refused and its file has not changed since (another process may have replaced it
+        with a valid record: then it is read again)."""
+        refused = self._refused.get(name)
+        if refused is None:
+            return False
+        if _signature(path) == refused:
+            return True
+        self._refused.pop(name, None)
+        return False
 
     def _unlink(self, path: Path) -> bool:
         """Remove one record file; whether it was there and removed. Never raises: in a read-only folder
@@ -343,7 +357,7 @@ class DiskTier(RecordTier):
             for name in names:
                 if self._unlink(self._file(name)):
                     removed += 1
-                    self._refused.discard(name)
+                    self._refused.pop(name, None)
                 self._forget(name)
         return removed
 
@@ -481,3 +495,12 @@ class DiskTier(RecordTier):
         write_counters(
             self.directory, {k: self._base.get(k, 0) + v for k, v in self.counters.snapshot().items()}
         )
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    """``(mtime_ns, size)`` of the file at ``path``; None when there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
