@@ -200,13 +200,15 @@ class GrammarCache:
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
         return GrammarState(
-            template.deep_copy(), vocab_size=vocab_size, on_error=functools.partial(self._drop, key)
+            template.deep_copy(), vocab_size=vocab_size, on_error=functools.partial(self._drop, key, template)
         )
 
-    def _drop(self, key: tuple[str, TokenizerKey]) -> None:
-        """Forget the compiled grammar ``key`` (its matcher failed while decoding: see the class docs)."""
+    def _drop(self, key: tuple[str, TokenizerKey], template: Any) -> None:
+        """Forget ``template``, the compiled grammar ``key`` (its matcher failed while decoding: see the class
+        docs); not a fresh compile of the same grammar that replaced it meanwhile."""
         with self._lock:
-            self._entries.pop(key, None)
+            if self._entries.get(key) is template:
+                del self._entries[key]
 
     def _tokenizer(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> _Tokenizer:
         ident = (id(tokenizer), vocab_size)
