@@ -20,13 +20,15 @@ class _Stream:
         self.released += 1
 
 
-@pytest.mark.parametrize(
-    "spec", ["2.3", "2.4"]
-)  # uvicorn's (a task group watching for disconnects), and without
-def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch, spec: str) -> None:
+# uvicorn's path (ASGI 2.3: a task group watching for disconnects) and 2.4's; asyncio.timeout and 3.10's wait_for
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+@pytest.mark.parametrize("timer", ["timeout", "wait_for"])
+def test_a_send_blocked_past_the_deadline_ends_the_response(monkeypatch, spec: str, timer: str) -> None:
     # A client that stops reading blocks the send once the socket's buffers fill; nothing bounded that wait,
     # so the handler and every update queued for it were held for as long as the connection stayed open.
     monkeypatch.setattr(streaming, "_SEND_GRACE_S", 0.05)
+    if timer == "wait_for":
+        monkeypatch.setattr(streaming, "_timeout", None)
     cancelled = []
 
     async def body():
