@@ -281,7 +281,9 @@ class EventStreamResponse(StreamingResponse):
     full; before, nothing bounded that wait, so the handler, the updates queued for it (the whole reply:
     ~190 MB for n=16 x 256 tokens with 20 logprobs, an audit, 2026-12-02) and the connection were held for
     as long as the client kept it open. Now the response ends at the deadline, its jobs cancelled (the
-    engine already stops a request at its deadline), and the server closes the connection.
+    engine already stops a request at its deadline) and its updates freed; uvicorn then closes the
+    connection once its write buffer drains, so a client that never reads keeps only the socket and the
+    bytes already in its buffers until it goes away.
     """
 
     def __init__(self, body: AsyncIterator[bytes], stream: OpenStream, headers: dict[str, str]) -> None:
