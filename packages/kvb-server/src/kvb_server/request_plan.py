@@ -106,7 +106,7 @@ class GenerationPlan:
     @property
     def scored(self) -> bool:
         """The response carries logprobs (of the output, or of an echoed or scored prompt): its body may run
-        to tens of MB, built and serialized off the event loop."""
+        to tens of MB, built off the event loop (:meth:`GenerationService.complete`)."""
         return self.sampling.logprobs is not None or self.prompt_logprobs is not None
 
     def prompt_sampling(self, prompt: int, choice: int) -> SamplingParams:
